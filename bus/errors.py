@@ -1,0 +1,86 @@
+"""Errors that travel: each carries the HTTP-like code of the error contract and says if a retry helps.
+
+A handler raises one of these; the service edge (`bus.service`) turns it into the contract's error
+reply, and `raise_for_reply` turns such a reply back into the same class on the caller's side. So
+no code anywhere recognises an error by matching its text.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class FauxmadError(Exception):
+    """Base of every error that can cross the bus."""
+
+    code: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code}, {self.message!r})"
+
+
+class BadRequest(FauxmadError):
+    code = 400
+
+
+class NotFound(FauxmadError):
+    code = 404
+
+
+class Conflict(FauxmadError):
+    """The machine is in a state (or under a lease) that forbids the request."""
+
+    code = 409
+
+
+class StaleVersion(FauxmadError):
+    code = 412
+
+
+class NoCapacity(FauxmadError):
+    """The order was not filled: nothing was reserved. Another region or a smaller guest may fit."""
+
+    code = 503
+    retryable = True
+
+
+class DeadlineExceeded(FauxmadError):
+    code = 504
+    retryable = True
+
+
+class InternalError(FauxmadError):
+    code = 500
+
+
+class Unreachable(FauxmadError):
+    """Nobody answered on the bus (no responders or timeout at the transport level)."""
+
+    code = 503
+    retryable = True
+
+
+_BY_CODE: dict[int, type[FauxmadError]] = {
+    400: BadRequest,
+    404: NotFound,
+    409: Conflict,
+    412: StaleVersion,
+    503: NoCapacity,
+    504: DeadlineExceeded,
+    500: InternalError,
+}
+
+
+def error_for_code(code: int, message: str) -> FauxmadError:
+    """The error class a reply's code stands for; unknown codes keep their number."""
+    cls = _BY_CODE.get(code)
+    if cls is not None:
+        return cls(message)
+    err = InternalError(message)
+    err.code = code  # type: ignore[misc]
+    return err

@@ -1,0 +1,371 @@
+"""The message types of the bus contract, as msgspec Structs.
+
+Requests are strict (`forbid_unknown_fields`): a misspelt field is a 400 naming it rather than a
+silently ignored option. Replies are lenient, so a newer worker or broker can add fields without
+breaking older callers. Field names follow the Fly Machines API where one exists. Every addition to
+the contract in DESIGN.md is listed in the README.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+import msgspec
+
+MACHINE_ID = re.compile(r"^[0-9a-f]{14}$")
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
+
+Token = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+MachineId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{14}$")]
+Name = Annotated[str, msgspec.Meta(pattern=NAME)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=86400)]
+
+State = Literal[
+    "created", "starting", "started", "stopping", "stopped", "destroying", "destroyed", "failed", "replacing"
+]
+STATES: tuple[str, ...] = (
+    "created", "starting", "started", "stopping", "stopped", "destroying", "destroyed", "failed", "replacing",
+)
+
+
+class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of everything a caller sends: unknown fields are an error."""
+
+
+class Reply(msgspec.Struct, kw_only=True):
+    """Base of everything a service answers: unknown fields are ignored (forward compatible).
+
+    Every field is written, defaults included, so callers in any language see the whole record;
+    fields that exist only on some answers (`events` on get) are `UNSET` and then left out.
+    """
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def seconds(value: float | str) -> float:
+    """A duration as seconds: a number, or a string such as `500ms`, `10s`, `2m` (Fly's style)."""
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"negative duration {value}")
+        return float(value)
+    match = _DURATION.match(value.strip())
+    if not match:
+        raise ValueError(f"invalid duration {value!r}: use seconds or a string like '10s' or '500ms'")
+    return float(match.group(1)) * _UNIT[match.group(2)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Machine configuration (contract)
+
+
+class Guest(Request):
+    cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
+    cpu_kind: Literal["shared", "performance"] = "shared"
+
+
+class RestartPolicy(Request):
+    policy: Literal["no", "always", "on-failure"] = "on-failure"
+    max_retries: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
+
+
+class Check(Request):
+    type: Literal["tcp", "http", "cmd"]
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    path: str = "/"
+    command: list[str] | None = None
+    interval: float | str = 10.0
+    timeout: float | str = 2.0
+    grace_period: float | str = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("interval", "timeout", "grace_period"):
+            try:
+                seconds(getattr(self, field))
+            except ValueError as exc:
+                raise ValueError(f"check {field}: {exc}") from None
+        if self.type == "cmd" and not self.command:
+            raise ValueError("a cmd check needs a non-empty `command`")
+        if seconds(self.interval) < 0.05:
+            raise ValueError("check interval must be at least 50ms")
+
+
+class Mount(Request):
+    volume: str
+    path: str
+
+
+class MachineConfig(Request):
+    image: str | None = None
+    cmd: list[str] = []
+    env: dict[str, str] = {}
+    guest: Guest = msgspec.field(default_factory=Guest)
+    restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
+    checks: dict[str, Check] = {}
+    metadata: dict[str, str] = {}
+    standbys: list[MachineId] = []
+    auto_destroy: bool = False
+    mounts: list[Mount] = []
+
+    def __post_init__(self) -> None:
+        for key in self.env:
+            if not key or "=" in key or "\0" in key:
+                raise ValueError(f"invalid env var name {key!r}")
+        if any("\0" in part for part in self.cmd):
+            raise ValueError("cmd must not contain NUL bytes")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Machines (contract)
+
+
+class ExitInfo(Reply):
+    """How a machine's process last ended."""
+
+    exit_code: int | None = None
+    signal: int | None = None
+    oom_killed: bool = False
+    requested_stop: bool = False
+    lost: bool = False
+    at: float = 0.0
+
+
+class CheckStatus(Reply):
+    name: str
+    status: Literal["passing", "warning", "critical"] = "warning"
+    output: str = ""
+    updated_at: float = 0.0
+
+
+class MachineEvent(Reply):
+    """One state transition (or exit, or check change) of one machine, as published on the events subject."""
+
+    type: Literal["transition", "exit", "check", "restart", "update", "lease"] = "transition"
+    status: str = ""
+    from_state: str | None = None
+    source: Literal["user", "worker"] = "worker"
+    reason: str | None = None
+    exit: ExitInfo | None = None
+    timestamp: float = 0.0
+    seq: int = 0
+    machine_id: str = ""
+    app: str = ""
+    region: str = ""
+    worker_id: str = ""
+
+
+class Machine(Reply):
+    id: str
+    name: str
+    app: str
+    region: str
+    worker_id: str
+    state: State
+    config: MachineConfig
+    instance_id: str
+    created_at: str
+    updated_at: str
+    events: list[MachineEvent] | msgspec.UnsetType = msgspec.UNSET
+    # additions to the Fly field set (documented in the README)
+    port: int | None = None
+    checks: dict[str, CheckStatus] = {}
+    exit: ExitInfo | None = None
+    restarts: int = 0
+    version: int = 0
+    lease: Lease | None = None
+
+
+class Lease(Reply):
+    nonce: str
+    holder: str = ""
+    expires_at: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Offers (contract)
+
+
+class Resources(Reply):
+    cpus: int = 0
+    memory_mb: int = 0
+
+
+class OfferGuest(Request):
+    cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
+    cpu_kind: Literal["shared", "performance"] = "shared"
+
+
+class OfferRequest(Request):
+    app: Token
+    region: Token
+    guest: OfferGuest = msgspec.field(default_factory=OfferGuest)
+    image: str | None = None
+    request_id: str | None = None
+
+
+class Offer(Reply, tag="offer", tag_field="type"):
+    worker_id: str
+    region: str
+    capacity: Resources
+    free: Resources
+    image_cached: bool = False
+    machines: int = 0
+    load: float = 0.0
+    app_machines: int = 0
+
+
+class Decline(Reply, tag="decline", tag_field="type"):
+    worker_id: str
+    reason: str
+    region: str = ""
+    free: Resources | None = None
+
+
+OfferReply = Offer | Decline
+
+
+# ---------------------------------------------------------------------------------------------------
+# Workers (contract)
+
+
+class WorkerInfo(Reply):
+    worker_id: str
+    region: str
+    capacity: Resources
+    used: Resources
+    machines: int = 0
+    cordoned: bool = False
+    images: list[str] = []
+    load: float = 0.0
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    states: dict[str, int] = {}
+    limits: str = ""
+    pid: int = 0
+    log_seq: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker machine verbs (contract)
+
+
+class ReserveRequest(Request):
+    app: Token
+    region: Token
+    config: MachineConfig
+    name: Name | None = None
+    idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    id: MachineId | None = None
+    skip_launch: bool = True
+
+
+class IdRequest(Request):
+    id: MachineId
+    lease_nonce: str | None = None
+
+
+class StartRequest(IdRequest):
+    pass
+
+
+class StopRequest(IdRequest):
+    signal: str = "SIGTERM"
+    timeout: Seconds = 10.0
+
+
+class DestroyRequest(IdRequest):
+    force: bool = False
+
+
+class GetRequest(Request):
+    id: MachineId
+    events: bool = True
+
+
+class WaitRequest(Request):
+    id: MachineId
+    state: State = "started"
+    timeout: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 60.0
+
+
+class SignalRequest(Request):
+    id: MachineId
+    signal: str
+    lease_nonce: str | None = None
+
+
+class LeaseRequest(Request):
+    id: MachineId
+    ttl: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
+    holder: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    nonce: str | None = None
+
+
+class ReleaseRequest(Request):
+    id: MachineId
+    nonce: str
+
+
+class ListRequest(Request):
+    app: Token | None = None
+    state: State | None = None
+    include_destroyed: bool = False
+
+
+class UpdateRequest(Request):
+    id: MachineId
+    config: MachineConfig
+    lease_nonce: str | None = None
+    restart: bool = True
+
+
+class CordonRequest(Request):
+    reason: str = ""
+
+
+class MachineIndexEntry(Reply):
+    """A value of KV `fauxmad_machines`: where a machine lives, for routing by id."""
+
+    id: str
+    worker_id: str
+    region: str
+    app: str
+    state: str
+    name: str = ""
+    version: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Logs (contract)
+
+
+class LogLine(Reply):
+    machine_id: str
+    app: str
+    stream: Literal["stdout", "stderr"]
+    line: str
+    timestamp: float
+    region: str = ""
+    worker_id: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors (contract)
+
+
+class ErrorDetail(Reply):
+    code: int
+    message: str
+
+
+class ErrorBody(Reply):
+    error: ErrorDetail
+
+
+class Ack(Reply):
+    ok: bool = True
+    message: str = ""

@@ -1,0 +1,161 @@
+"""The one edge where a service's exceptions become the contract's error replies, and back.
+
+Server side, `reply_error` writes the `Nats-Service-Error-Code` / `Nats-Service-Error` headers and the
+`{"error": {"code", "message"}}` body; `Responder` runs a handler for each request in its own task (so
+a slow verb never holds up the subscription) and guarantees every request is answered exactly once,
+with a 500 for anything unexpected. Client side, `call` sends a request and turns an error reply or a
+transport failure into the matching `FauxmadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from bus.codec import decode, decoder, encode
+from bus.errors import FauxmadError, InternalError, Unreachable, error_for_code
+from bus.messages import ErrorBody, ErrorDetail
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+ERROR_HEADER = "Nats-Service-Error"
+
+def error_payload(code: int, message: str) -> tuple[bytes, dict[str, str]]:
+    body = encode(ErrorBody(error=ErrorDetail(code=code, message=message)))
+    # header values must stay on one line
+    headers = {ERROR_CODE_HEADER: str(code), ERROR_HEADER: message.replace("\r", " ").replace("\n", " ")}
+    return body, headers
+
+
+ReplyFn = Callable[[bytes, dict[str, str] | None], Awaitable[None]]
+Handler = Callable[[str, bytes], Awaitable[Any]]
+
+
+class Responder:
+    """Answers requests on behalf of handlers: every request answered once, errors per the contract.
+
+    A handler takes `(subject, data)` and returns a msgspec Struct, a list of them, or raw bytes;
+    it raises `FauxmadError` for a contract error. NATS objects stop here: handlers never see a
+    `Msg`. Slow handlers run in a task of their own (`for_subscription`, `for_micro`); handlers that
+    never wait can answer inline (`inline=True`), which saves a task switch on hot paths.
+    """
+
+    def __init__(self, nc: Client, name: str) -> None:
+        self._nc = nc
+        self._name = name
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.requests = 0
+        self.errors = 0
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def for_subscription(self, handler: Handler, *, inline: bool = False) -> Callable[[Msg], Awaitable[None]]:
+        nc = self._nc
+
+        async def on_message(msg: Msg) -> None:
+            reply_to = msg.reply
+
+            async def reply(data: bytes, headers: dict[str, str] | None) -> None:
+                if reply_to:
+                    await nc.publish(reply_to, data, headers=headers)
+
+            answer = self._answer(handler, msg.subject, msg.data, reply)
+            if inline:
+                await answer
+            else:
+                self._spawn(answer)
+
+        return on_message
+
+    def for_micro(self, handler: Handler) -> Callable[[Any], Awaitable[None]]:
+        """Adapt a handler to a `nats.micro` endpoint (whose requests carry the same fields)."""
+
+        async def on_request(request: Any) -> None:
+            async def reply(data: bytes, headers: dict[str, str] | None) -> None:
+                with contextlib.suppress(ValueError):  # no reply subject: a plain publish
+                    await request.respond(data, headers=headers)
+
+            self._spawn(self._answer(handler, request.subject, request.data, reply))
+
+        return on_request
+
+    async def _answer(self, handler: Handler, subject: str, data: bytes, reply: ReplyFn) -> None:
+        self.requests += 1
+        try:
+            result = await handler(subject, data)
+            payload = result if isinstance(result, bytes) else encode(result)
+            await reply(payload, None)
+            return
+        except FauxmadError as err:
+            failure = err
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the edge: anything unexpected is a 500, never a crash
+            log.exception("%s: unexpected error on %s", self._name, subject)
+            failure = InternalError(f"internal error: {exc!r}")
+        self.errors += 1
+        body, headers = error_payload(failure.code, failure.message)
+        try:
+            await reply(body, headers)
+        except Exception:
+            log.exception("%s: could not send error reply", self._name)
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
+
+    def cancel_all(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def raise_for_reply(msg: Msg) -> None:
+    """Raise the `FauxmadError` an error reply stands for; return quietly for a success."""
+    headers = msg.headers or {}
+    code = headers.get(ERROR_CODE_HEADER)
+    if code is None:
+        return
+    message = headers.get(ERROR_HEADER, "")
+    try:
+        detail = decoder(ErrorBody).decode(msg.data).error
+        raise error_for_code(detail.code, detail.message)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    try:
+        number = int(code)
+    except ValueError:
+        number = 500
+    raise error_for_code(number, message or f"error {code}")
+
+
+async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) -> Msg:
+    """Send a request; raise `FauxmadError` for an error reply, `Unreachable` if nobody answers."""
+    data = payload if isinstance(payload, bytes) else encode(payload)
+    try:
+        msg = await nc.request(subject, data, timeout=timeout)
+    except NoRespondersError:
+        raise Unreachable(f"nobody answers on {subject}") from None
+    except NatsTimeout:
+        raise Unreachable(f"no answer on {subject} within {timeout:g}s") from None
+    raise_for_reply(msg)
+    return msg
+
+
+async def call(nc: Client, subject: str, payload: Any, reply_type: type[T], timeout: float = 5.0) -> T:
+    msg = await request(nc, subject, payload, timeout=timeout)
+    return decode(reply_type, msg.data)

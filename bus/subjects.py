@@ -1,0 +1,102 @@
+"""Every NATS subject, bucket and stream name fauxmad uses, built in one place.
+
+The subjects are a public contract (`fauxmad.v1...`): other services speak them. Keeping every
+name here means a version bump or a rename is one edit, and no module string-builds a subject of
+its own. Tokens that come from users (app names, regions, ids) are checked, because a `.`, `*` or
+`>` inside one would silently address a different subject.
+"""
+
+from __future__ import annotations
+
+import re
+
+from bus.errors import BadRequest
+
+PREFIX = "fauxmad.v1"
+
+WORKERS_BUCKET = "fauxmad_workers"
+MACHINES_BUCKET = "fauxmad_machines"
+APPS_BUCKET = "fauxmad_apps"
+IMAGES_STORE = "fauxmad_images"
+EVENTS_STREAM = "FAUXMAD_EVENTS"
+
+BROKER_QUEUE = "brokers"
+BROKER_SERVICE = "fauxmad-broker"
+WORKER_SERVICE = "fauxmad-worker"
+
+WORKER_VERBS = ("reserve", "start", "stop", "destroy", "get", "list", "wait", "signal", "lease", "release")
+API_VERBS = ("create", "list", "get", "start", "stop", "destroy", "wait", "update")
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_token(kind: str, value: str) -> str:
+    """Return `value` if it can stand as one subject token, else raise a 400 naming `kind`."""
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise BadRequest(f"invalid {kind} {value!r}: use 1-64 letters, digits, '-' or '_'")
+    return value
+
+
+def offers(region: str) -> str:
+    return f"{PREFIX}.offers.{check_token('region', region)}"
+
+
+def worker_prefix(worker_id: str) -> str:
+    return f"{PREFIX}.worker.{check_token('worker id', worker_id)}"
+
+
+def worker_machines(worker_id: str, verb: str) -> str:
+    return f"{worker_prefix(worker_id)}.machines.{verb}"
+
+
+def worker_machines_wildcard(worker_id: str) -> str:
+    return f"{worker_prefix(worker_id)}.machines.*"
+
+
+def worker_info(worker_id: str) -> str:
+    return f"{worker_prefix(worker_id)}.info"
+
+
+def worker_cordon(worker_id: str, cordon: bool) -> str:
+    return f"{worker_prefix(worker_id)}.{'cordon' if cordon else 'uncordon'}"
+
+
+def api_machines(app: str, verb: str) -> str:
+    return f"{PREFIX}.api.apps.{check_token('app', app)}.machines.{verb}"
+
+
+API_MACHINES_WILDCARD = f"{PREFIX}.api.apps.*.machines.*"
+API_REGIONS_LIST = f"{PREFIX}.api.regions.list"
+API_WORKERS_LIST = f"{PREFIX}.api.workers.list"
+API_PLACEMENTS_SIMULATE = f"{PREFIX}.api.placements.simulate"
+
+
+def events(region: str, worker_id: str, app: str, machine_id: str) -> str:
+    return f"{PREFIX}.events.{region}.{worker_id}.{app}.{machine_id}"
+
+
+EVENTS_ALL = f"{PREFIX}.events.>"
+
+
+def events_filter(region: str = "*", worker_id: str = "*", app: str = "*", machine_id: str = "*") -> str:
+    return f"{PREFIX}.events.{region}.{worker_id}.{app}.{machine_id}"
+
+
+def logs(app: str, machine_id: str) -> str:
+    return f"{PREFIX}.logs.{app}.{machine_id}"
+
+
+def worker_key(region: str, worker_id: str) -> str:
+    """Key of a worker's heartbeat in the `fauxmad_workers` bucket."""
+    return f"{region}.{worker_id}"
+
+
+def parse_verb(subject: str) -> str:
+    """The last token of a request subject: the verb the caller asked for."""
+    return subject.rsplit(".", 1)[-1]
+
+
+def parse_api_app(subject: str) -> str:
+    """The `<app>` token of `fauxmad.v1.api.apps.<app>.machines.<verb>`."""
+    parts = subject.split(".")
+    return parts[4] if len(parts) == 7 else ""

@@ -1,0 +1,77 @@
+"""The typer application and `main`, the edge where every error becomes one line and an exit code."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+try:  # typer >= 0.29 vendors click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older typer depends on click itself
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[no-redef]
+
+from bus.errors import FauxmadError
+from orchestrator.cli.runtime import CliError
+
+app = typer.Typer(
+    name="fauxmad",
+    help="An orchestrator without Kubernetes and without consensus: workers own their machines, "
+    "placement is a quick auction over NATS.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def root(
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="log what happens (to stderr)"),
+) -> None:
+    """fauxmad: run `fauxmad demo` to see a fleet place and run machines in three regions."""
+    from orchestrator.cli.runtime import setup_logging
+
+    setup_logging(verbose)
+
+
+def _register() -> None:
+    from orchestrator.cli import worker_cmd
+
+    app.command("worker")(worker_cmd.worker)
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns (and exits with) the exit code. Never shows a traceback for user errors."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        result = app(args=args, prog_name="fauxmad", standalone_mode=False)
+        code = result if isinstance(result, int) else 0
+    except NoArgsIsHelpError as exc:
+        typer.echo(exc.ctx.get_help() if exc.ctx else "")
+        code = 0
+    except UsageError as exc:
+        path = exc.ctx.command_path if exc.ctx else "fauxmad"
+        typer.echo(f"fauxmad: {exc.format_message()} (see '{path} --help')", err=True)
+        code = 2
+    except ClickException as exc:
+        typer.echo(f"fauxmad: {exc.format_message()}", err=True)
+        code = exc.exit_code
+    except typer.Exit as exc:
+        code = exc.exit_code
+    except typer.Abort:
+        typer.echo("fauxmad: aborted", err=True)
+        code = 130
+    except CliError as exc:
+        typer.echo(f"fauxmad: {exc}", err=True)
+        code = exc.code
+    except FauxmadError as exc:
+        typer.echo(f"fauxmad: {exc.message}", err=True)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    if argv is None:
+        sys.exit(code)
+    return code

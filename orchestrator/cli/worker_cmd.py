@@ -1,0 +1,82 @@
+"""`fauxmad worker`: run the worker agent on this host (the CLI's one permitted edge into `workers`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+from pathlib import Path
+
+import typer
+
+from bus.embedded import EmbeddedNats
+from orchestrator.cli.runtime import NATS_HELP, fail, nats_url, run
+
+
+def default_worker_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64].strip("-")
+    return host or "worker"
+
+
+def host_memory_mb() -> int:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return 1024
+
+
+def default_data_dir(worker_id: str) -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "fauxmad" / "workers" / worker_id
+
+
+def worker(
+    nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False),
+    region: str = typer.Option("local", "--region", "-r", help="the region this worker serves"),
+    worker_id: str | None = typer.Option(None, "--worker-id", help="unique id [default: the host name]"),
+    cpus: int | None = typer.Option(None, "--cpus", min=1, help="cpus to offer [default: the host's]"),
+    memory_mb: int | None = typer.Option(None, "--memory-mb", min=1, help="memory to offer [default: the host's]"),
+    data_dir: Path | None = typer.Option(
+        None, "--data-dir", help="LMDB and machine files [default: ~/.local/share/fauxmad/workers/ID]"
+    ),
+    heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.1, help="seconds between heartbeats"),
+    restart_backoff: float = typer.Option(0.5, "--restart-backoff", min=0.0, help="first restart delay, seconds"),
+    no_fsync: bool = typer.Option(False, "--no-fsync", help="skip fsync on commit (benchmarks only: unsafe)"),
+) -> None:
+    """Run a worker agent: the source of truth for the machines on this host.
+
+    It answers auctions on fauxmad.v1.offers.REGION, serves fauxmad.v1.worker.ID.machines.VERB, and
+    beats its heart into KV fauxmad_workers. Stopping it (or kill -9) leaves its machines running;
+    a restart re-adopts them.
+    """
+    from workers.agent import WorkerConfig, run_worker  # imported here: other commands start faster
+    from workers.supervision import Backoff
+
+    wid = worker_id or default_worker_id()
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", wid):
+        fail(f"invalid --worker-id {wid!r}: use 1-64 letters, digits, '-' or '_'")
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", region):
+        fail(f"invalid --region {region!r}: use 1-64 letters, digits, '-' or '_'")
+    url = nats_url(nats, required=False)
+    server = None
+    if url is None:
+        server = EmbeddedNats().start()
+        url = server.url
+        typer.echo(f"no --nats given: started an embedded nats-server at {url}", err=True)
+    config = WorkerConfig(
+        nats_url=url, region=region, worker_id=wid, cpus=cpus or os.cpu_count() or 1,
+        memory_mb=memory_mb or host_memory_mb(), data_dir=str(data_dir or default_data_dir(wid)),
+        heartbeat_interval=heartbeat, backoff=Backoff(base=restart_backoff), fsync=not no_fsync,
+    )
+    try:
+        run(run_worker(config))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        pass
+    finally:
+        if server is not None:
+            server.stop()

@@ -1,0 +1,147 @@
+"""Shared test plumbing: real nats-server, real worker processes, and a way to run async code."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import uvloop
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def arun(coro: Coroutine[Any, Any, T]) -> T:
+    return uvloop.run(coro)
+
+
+def kill_machines_of(worker_id: str) -> int:
+    """Kill every process whose environment names this worker (machines and their shims)."""
+    needle = f"FAUXMAD_WORKER_ID={worker_id}".encode()
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in env:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+class WorkerProcess:
+    """A real `fauxmad worker` process."""
+
+    def __init__(self, nats_url: str, region: str, worker_id: str, data_dir: Path, *, cpus: int = 4,
+                 memory_mb: int = 4096, extra: list[str] | None = None) -> None:
+        self.nats_url = nats_url
+        self.region = region
+        self.worker_id = worker_id
+        self.data_dir = data_dir
+        self.cpus = cpus
+        self.memory_mb = memory_mb
+        self.extra = extra or []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir / "worker.log"
+
+    def start(self, timeout: float = 15.0) -> WorkerProcess:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            sys.executable, "-m", "orchestrator.cli", "worker", "--nats", self.nats_url, "--region", self.region,
+            "--worker-id", self.worker_id, "--cpus", str(self.cpus), "--memory-mb", str(self.memory_mb),
+            "--data-dir", str(self.data_dir), "--restart-backoff", "0.1", *self.extra,
+        ]
+        env = dict(os.environ, FAUXMAD_LOG="1", PYTHONPATH=str(ROOT))
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, cwd=str(ROOT))
+        log.close()
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+
+        async def ping() -> bool:
+            nc = await nats.connect(self.nats_url)
+            try:
+                msg = await nc.request(f"fauxmad.v1.worker.{self.worker_id}.info", b"", timeout=0.5)
+                info = msgspec.json.decode(msg.data)
+                return bool(info.get("pid") == (self.proc.pid if self.proc else None))
+            except Exception:
+                return False
+            finally:
+                await nc.close()
+
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+            if arun(ping()):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"worker not ready in {timeout}s: {self.log_path.read_text()[-3000:]}")
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def cleanup(self) -> None:
+        self.kill9()
+        kill_machines_of(self.worker_id)
+
+
+class RawClient:
+    """Speaks the worker contract as another service would: raw JSON over NATS, no project code."""
+
+    def __init__(self, nc: Any, worker_id: str) -> None:
+        self.nc = nc
+        self.worker_id = worker_id
+
+    async def send(self, verb: str, payload: Any, timeout: float = 10.0) -> tuple[int, Any]:
+        data = payload if isinstance(payload, bytes) else msgspec.json.encode(payload)
+        msg = await self.nc.request(f"fauxmad.v1.worker.{self.worker_id}.machines.{verb}", data, timeout=timeout)
+        code = int((msg.headers or {}).get("Nats-Service-Error-Code", 200))
+        return code, msgspec.json.decode(msg.data)
+
+    async def ok(self, verb: str, payload: Any, timeout: float = 10.0) -> Any:
+        code, body = await self.send(verb, payload, timeout)
+        assert code == 200, f"{verb} {payload} -> {code} {body}"
+        return body
+
+    async def wait_state(self, machine_id: str, state: str, timeout: float = 10.0) -> Any:
+        return await self.ok("wait", {"id": machine_id, "state": state, "timeout": timeout}, timeout=timeout + 2)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

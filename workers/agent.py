@@ -1,0 +1,382 @@
+"""The worker agent process: wires the machine manager to the bus, and beats its heart.
+
+Subscriptions: `fauxmad.v1.offers.<region>` (plain, not a queue group: every worker of the region
+answers the auction, inline, from numbers it already has), and a NATS micro service
+`fauxmad-worker` whose endpoints are this worker's machine verbs, `info`, `cordon` and `uncordon`
+(so `$SRV.PING/INFO/STATS` discovery lists workers too). Every request is answered by the
+`Responder` edge; NATS types stop there.
+
+After each commit an outbox task publishes the transition on the events subject and keeps the KV
+routing index `fauxmad_machines` current, in commit order, without holding up the reply. A
+heartbeat puts `WorkerInfo` into KV `fauxmad_workers` every second; the bucket's TTL makes a dead
+worker's key expire. Stopping the agent never stops its machines: they are re-adopted on restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.micro import add_service
+from nats.micro.service import EndpointConfig, ServiceConfig
+
+from bus import subjects
+from bus.codec import decode, encode
+from bus.connection import connect
+from bus.errors import BadRequest
+from bus.jetstream import FleetConfig, ensure_fleet_resources
+from bus.messages import (
+    CordonRequest,
+    DestroyRequest,
+    GetRequest,
+    LeaseRequest,
+    ListRequest,
+    LogLine,
+    MachineIndexEntry,
+    OfferRequest,
+    ReleaseRequest,
+    ReserveRequest,
+    Resources,
+    SignalRequest,
+    StartRequest,
+    StopRequest,
+    WaitRequest,
+    WorkerInfo,
+)
+from bus.service import Responder
+from workers.limits import auto_detect
+from workers.logs import LogFollower
+from workers.machines import MachineManager, ManagerConfig
+from workers.offers import Backpressure, Snapshot, answer_offer
+from workers.process_driver import ProcessDriver
+from workers.records import ImageRecord, LogRecord, MachineRecord, WorkerState
+from workers.store import GroupCommitter, Store
+from workers.supervision import Backoff
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    nats_url: str
+    region: str
+    worker_id: str
+    cpus: int
+    memory_mb: int
+    data_dir: str
+    heartbeat_interval: float = 1.0
+    backoff: Backoff = Backoff()
+    backpressure: Backpressure = Backpressure()
+    log_keep_last: int = 100_000
+    destroyed_retention: float = 24 * 3600.0
+    compact_every: float = 60.0
+    fsync: bool = True
+
+
+class WorkerAgent:
+    def __init__(self, config: WorkerConfig) -> None:
+        subjects.check_token("region", config.region)
+        subjects.check_token("worker id", config.worker_id)
+        self.config = config
+        self.started_at = time.time()
+        self.nc: Client | None = None
+        self.store: Store | None = None
+        self.committer: GroupCommitter | None = None
+        self.manager: MachineManager | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._outbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._service: Any = None
+        self._subs: list[Any] = []
+        self._images: frozenset[str] = frozenset()
+        self._load = 0.0
+        self._kv: Any = None
+        self.resumed: dict[str, int] = {}
+        self._stopped = asyncio.Event()
+        self.limits_mode = ""
+
+    # ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        data = Path(cfg.data_dir)
+        data.mkdir(parents=True, exist_ok=True)
+        self.nc = await connect(cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", agent=True)
+        js = self.nc.jetstream()
+        self._kv = await ensure_fleet_resources(js, FleetConfig(heartbeat_interval=cfg.heartbeat_interval))
+        self.store = Store(data / "lmdb", sync=cfg.fsync)
+        self.committer = GroupCommitter(self.store)
+        limits = auto_detect(cfg.worker_id)
+        self.limits_mode = limits.describe()
+        driver = ProcessDriver(limits)
+        self.manager = MachineManager(
+            ManagerConfig(
+                worker_id=cfg.worker_id, region=cfg.region, cpus=cfg.cpus, memory_mb=cfg.memory_mb,
+                data_dir=str(data), backoff=cfg.backoff,
+            ),
+            self.store, self.committer, driver, on_commit=self._on_commit,
+        )
+        self._images = frozenset(self.store.images())
+        self.follower = LogFollower(self._publish_log, region=cfg.region, worker_id=cfg.worker_id)
+        self.resumed = await self.manager.resume()
+        for stored in self.store.machines():
+            if stored.machine.state == "started":
+                self.follower.follow(
+                    stored.machine.id, stored.machine.app, self.manager.workdir(stored.machine.id), from_offset_now=True
+                )
+        await self._subscribe()
+        await self._heartbeat_once()
+        self._tasks += [
+            asyncio.create_task(self._heartbeat_loop()),
+            asyncio.create_task(self._outbox_loop()),
+            asyncio.create_task(self.follower.run()),
+            asyncio.create_task(self._compact_loop()),
+        ]
+        for stored in self.store.machines():
+            self._queue_index(stored.machine)
+        log.info("worker %s in %s up: resumed %s, limits %s", cfg.worker_id, cfg.region, self.resumed, self.limits_mode)
+
+    async def _subscribe(self) -> None:
+        assert self.nc is not None
+        cfg = self.config
+        self.responder = Responder(self.nc, f"worker {cfg.worker_id}")
+        self._subs.append(
+            await self.nc.subscribe(
+                subjects.offers(cfg.region), cb=self.responder.for_subscription(self._on_offer, inline=True)
+            )
+        )
+        self._service = await add_service(
+            self.nc,
+            ServiceConfig(
+                name=subjects.WORKER_SERVICE, version=VERSION,
+                description="fauxmad worker agent: the source of truth for the machines on one host",
+                metadata={"worker_id": cfg.worker_id, "region": cfg.region},
+            ),
+        )
+        endpoints = {
+            "machines": (subjects.worker_machines_wildcard(cfg.worker_id), self._on_machines),
+            "info": (subjects.worker_info(cfg.worker_id), self._on_info),
+            "cordon": (subjects.worker_cordon(cfg.worker_id, True), self._on_cordon),
+            "uncordon": (subjects.worker_cordon(cfg.worker_id, False), self._on_cordon),
+        }
+        for name, (subject, handler) in endpoints.items():
+            await self._service.add_endpoint(
+                EndpointConfig(name=name, subject=subject, handler=self.responder.for_micro(handler))
+            )
+        await self.nc.flush()
+
+    # ------------------------------------------------------------------------------------------
+    # handlers: (subject, data) -> Struct
+
+    def snapshot(self) -> Snapshot:
+        assert self.store is not None and self.manager is not None
+        usage = self.store.usage()
+        worker = self.store.worker()
+        return Snapshot(
+            worker_id=self.config.worker_id, region=self.config.region,
+            capacity=Resources(cpus=self.config.cpus, memory_mb=self.config.memory_mb),
+            used=usage.resources(), machines=usage.machines, cordoned=worker.cordoned, images=self._images,
+            load=self._load, inflight=self.manager.inflight,
+        )
+
+    async def _on_offer(self, subject: str, data: bytes) -> Any:
+        request = decode(OfferRequest, data)
+        return answer_offer(request, self.snapshot(), self.config.backpressure)
+
+    async def _on_machines(self, subject: str, data: bytes) -> Any:
+        manager = self.manager
+        assert manager is not None
+        verb = subjects.parse_verb(subject)
+        match verb:
+            case "reserve":
+                return await manager.reserve(decode(ReserveRequest, data))
+            case "start":
+                start = decode(StartRequest, data)
+                known = manager.require(start.id).machine
+                # follow from the current end of the logs before the process exists: no line is missed
+                self.follower.follow(known.id, known.app, manager.workdir(known.id), from_offset_now=True)
+                return await manager.start(start)
+            case "stop":
+                return await manager.stop(decode(StopRequest, data))
+            case "destroy":
+                machine = await manager.destroy(decode(DestroyRequest, data))
+                self.follower.unfollow(machine.id)
+                return machine
+            case "get":
+                return manager.get(decode(GetRequest, data))
+            case "list":
+                return manager.list(decode(ListRequest, data, empty_ok=True))
+            case "wait":
+                return await manager.wait(decode(WaitRequest, data))
+            case "signal":
+                return await manager.signal(decode(SignalRequest, data))
+            case "lease":
+                return await manager.lease(decode(LeaseRequest, data))
+            case "release":
+                return await manager.release(decode(ReleaseRequest, data))
+        raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.WORKER_VERBS)}")
+
+    async def _on_info(self, subject: str, data: bytes) -> Any:
+        return self.info()
+
+    async def _on_cordon(self, subject: str, data: bytes) -> Any:
+        assert self.committer is not None
+        request = decode(CordonRequest, data, empty_ok=True)
+        cordon = subjects.parse_verb(subject) == "cordon"
+
+        def op(tx: Any) -> None:
+            current = tx.worker()
+            if current.cordoned != cordon or current.reason != request.reason:
+                tx.put_worker(WorkerState(cordoned=cordon, reason=request.reason), "cordon" if cordon else "uncordon")
+
+        await self.committer.submit(op)
+        info = self.info()
+        await self._put_heartbeat(info)
+        return info
+
+    def info(self) -> WorkerInfo:
+        assert self.store is not None
+        snap = self.snapshot()
+        states: dict[str, int] = {}
+        for stored in self.store.machines():
+            states[stored.machine.state] = states.get(stored.machine.state, 0) + 1
+        return WorkerInfo(
+            worker_id=snap.worker_id, region=snap.region, capacity=snap.capacity, used=snap.used,
+            machines=snap.machines, cordoned=snap.cordoned, images=sorted(snap.images), load=snap.load,
+            started_at=self.started_at, heartbeat_at=time.time(), states=states, limits=self.limits_mode,
+            pid=os.getpid(), log_seq=self.store.last_seq,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # after commit: events, routing index, images
+
+    def _on_commit(self, records: list[LogRecord]) -> None:
+        for record in records:
+            if isinstance(record, MachineRecord):
+                machine = record.stored.machine
+                events = record.stored.events
+                if events and events[-1].seq == record.seq:
+                    event = events[-1]
+                    subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
+                    self._outbox.put_nowait(("publish", (subject, encode(event))))
+                self._queue_index(machine)
+                if machine.state in ("stopped", "failed", "destroyed"):
+                    self.follower.unfollow(machine.id)
+            elif isinstance(record, ImageRecord):
+                self._images = self._images | {record.image}
+
+    def _queue_index(self, machine: Any) -> None:
+        entry = MachineIndexEntry(
+            id=machine.id, worker_id=machine.worker_id, region=machine.region, app=machine.app,
+            state=machine.state, name=machine.name, version=machine.version,
+        )
+        self._outbox.put_nowait(("index", entry))
+
+    async def _outbox_loop(self) -> None:
+        assert self.nc is not None
+        while True:
+            kind, item = await self._outbox.get()
+            try:
+                if kind == "publish":
+                    subject, payload = item
+                    await self.nc.publish(subject, payload)
+                else:
+                    await self._put_index(item)
+            except Exception:
+                log.warning("outbox: could not send %s", kind, exc_info=True)
+
+    async def _put_index(self, entry: MachineIndexEntry) -> None:
+        kv = self._kv.machines
+        if entry.state == "destroyed":
+            with contextlib.suppress(Exception):
+                await kv.delete(entry.id)
+            return
+        await kv.put(entry.id, encode(entry))
+
+    async def _publish_log(self, line: LogLine) -> None:
+        assert self.nc is not None
+        await self.nc.publish(subjects.logs(line.app, line.machine_id), encode(line))
+
+    # ------------------------------------------------------------------------------------------
+    # heartbeat and housekeeping
+
+    async def _put_heartbeat(self, info: WorkerInfo) -> None:
+        await self._kv.workers.put(subjects.worker_key(self.config.region, self.config.worker_id), encode(info))
+
+    async def _heartbeat_once(self) -> None:
+        try:
+            self._load = os.getloadavg()[0] / max(1, os.cpu_count() or 1)
+        except OSError:
+            self._load = 0.0
+        await self._put_heartbeat(self.info())
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)
+            try:
+                await self._heartbeat_once()
+            except Exception:
+                log.warning("heartbeat failed", exc_info=True)
+
+    async def _compact_loop(self) -> None:
+        assert self.store is not None
+        while True:
+            await asyncio.sleep(self.config.compact_every)
+            store = self.store
+            try:
+                deleted = await asyncio.to_thread(
+                    store.compact, keep_last=self.config.log_keep_last,
+                    destroyed_retention=self.config.destroyed_retention,
+                )
+                if deleted:
+                    log.info("compacted %d log records", deleted)
+            except Exception:
+                log.warning("compaction failed", exc_info=True)
+
+    # ------------------------------------------------------------------------------------------
+    async def run_forever(self) -> None:
+        await self._stopped.wait()
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self.manager is not None:
+            await self.manager.close()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+        if self.committer is not None:
+            self.committer.close()
+        if self.store is not None:
+            self.store.close()
+
+
+async def run_worker(config: WorkerConfig) -> None:
+    """Run a worker until SIGTERM/SIGINT; its machines keep running after it stops."""
+    import signal
+
+    agent = WorkerAgent(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, agent.request_stop)
+    await agent.start()
+    try:
+        await agent.run_forever()
+    finally:
+        await agent.close()

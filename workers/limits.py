@@ -1,0 +1,402 @@
+"""Per-machine memory and CPU limits: cgroup v2, cgroup v1, or rlimits, detected once at start-up.
+
+Why it exists: a machine over its memory must be killed *and reported as such*, and machines on one
+host must share CPU in proportion to what they reserved. The kernel does both with cgroups; where
+the worker cannot create cgroups (no controller, no permission) it falls back to RLIMIT_AS, which
+bounds memory but cannot tell an OOM kill from an ordinary failure.
+
+Key decisions:
+
+- `auto_detect` tries each mode for real (create a probe cgroup, write a limit, remove it) instead
+  of trusting what is mounted: hybrid hosts mount an empty unified hierarchy next to v1 controllers,
+  and containers often mount cgroupfs read-only.
+- Layout `<root>/fauxmad/<base_name>/<machine_id>`, so several workers on one host never collide and
+  an operator can see at a glance what belongs to fauxmad.
+- Memory: the limit is `memory_mb`, swap is not allowed (v1 `memsw` = the limit, v2 `swap.max` = 0),
+  so an oversized machine is OOM-killed rather than swapping the host to death. v2 also sets
+  `memory.oom.group`, so an OOM kills the whole machine and not a random process inside it.
+- CPU: a proportional weight (v1 `cpu.shares` = 1024 per cpu, v2 `cpu.weight` = 100 per cpu), not a
+  hard quota: idle capacity stays usable, contended capacity is shared by reservation.
+- OOM detection reads the kernel's `oom_kill` counter for the machine's cgroup; only when a kernel has
+  no such counter does a hit on the memory limit plus SIGKILL count as an OOM kill.
+- The shim (not this module) moves the workload into the cgroups, before exec, so no workload code
+  ever runs outside its limits. `cleanup` kills stragglers left in a cgroup (daemons the workload
+  spawned) so the directory can be removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal as signals
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Literal, Protocol
+
+Mode = Literal["cgroup2", "cgroup1", "rlimit"]
+
+MIB = 1024 * 1024
+PROBE = "_probe"
+V1_SHARES_PER_CPU = 1024
+V1_SHARES_MAX = 262144
+V2_WEIGHT_PER_CPU = 100
+V2_WEIGHT_MAX = 10000
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+class Limits(Protocol):
+    """What the driver needs: set up a machine's limits, read whether it was OOM-killed, clean up."""
+
+    mode: Mode
+
+    def describe(self) -> str: ...
+
+    def prepare(self, machine_id: str, memory_mb: int, cpus: int) -> list[str]:
+        """Create the machine's cgroups with its limits; return the directories to join."""
+        ...
+
+    def oom_killed(self, cgroups: Sequence[str], signal: int | None) -> bool:
+        """Whether the kernel OOM-killed something in these cgroups; `signal` is how the task ended."""
+        ...
+
+    def cleanup(self, cgroups: Sequence[str]) -> None:
+        """Kill what is left in the cgroups and remove them; busy or missing ones are ignored.
+        May block for up to a second (call it from a thread in async code)."""
+        ...
+
+    def rlimit_as(self, memory_mb: int) -> int | None:
+        """The RLIMIT_AS to give the workload, or None when cgroups do the job."""
+        ...
+
+    def close(self) -> None:
+        """Remove this worker's (empty) base directories, when the worker shuts down for good. The
+        shared `fauxmad` level stays: another worker may be creating its base under it right now."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------------
+# small file helpers
+
+
+def _write(path: Path, value: str) -> None:
+    path.write_text(value)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_keyed(path: Path, key: str) -> int | None:
+    """A `key value` line from files such as memory.oom_control and memory.events."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            with contextlib.suppress(ValueError):
+                return int(value)
+    return None
+
+
+def _kill_members(cgroup: Path) -> None:
+    """SIGKILL every process still in the cgroup (v2 has cgroup.kill; v1 must walk cgroup.procs)."""
+    kill_file = cgroup / "cgroup.kill"
+    if kill_file.exists():
+        with contextlib.suppress(OSError):
+            _write(kill_file, "1")
+        return
+    try:
+        pids = (cgroup / "cgroup.procs").read_text().split()
+    except OSError:
+        return
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid), signals.SIGKILL)
+
+
+def _remove(cgroup: Path, patience: float = 1.0) -> None:
+    """rmdir, retried for a moment: it fails with EBUSY until a just-killed process has fully exited
+    (freeing a large address space takes milliseconds). Still busy after that: left for later."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            cgroup.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.005)
+
+
+def _mounts(mountinfo: str) -> Iterator[tuple[str, str, set[str]]]:
+    """(mount point, fs type, super options) for each mount, from /proc/self/mountinfo."""
+    try:
+        lines = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        rest = tail.split()
+        if len(parts) < 5 or len(rest) < 3:
+            continue
+        yield parts[4].replace("\\040", " "), rest[0], set(rest[2].split(","))
+
+
+def _checked(machine_id: str) -> str:
+    """A machine id becomes a directory name: it must not be able to point anywhere else."""
+    if not machine_id or "/" in machine_id or machine_id in (".", ".."):
+        raise ValueError(f"machine id {machine_id!r} cannot name a cgroup")
+    return machine_id
+
+
+def _weight(cpus: int, per_cpu: int, low: int, high: int) -> int:
+    return max(low, min(high, per_cpu * max(1, cpus)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# cgroup v2
+
+
+class Cgroup2Limits:
+    """Unified hierarchy: one directory per machine with memory (and cpu when delegated)."""
+
+    mode: Mode = "cgroup2"
+
+    def __init__(self, root: str, base_name: str) -> None:
+        self.root = Path(root)
+        self.base = self.root / "fauxmad" / base_name
+        self.cpu = False
+
+    def __repr__(self) -> str:
+        return f"Cgroup2Limits(base={str(self.base)!r}, cpu={self.cpu})"
+
+    def describe(self) -> str:
+        return self.mode
+
+    def setup(self) -> None:
+        """Create the base directories and delegate the controllers down to the machines' level."""
+        available = set((self.root / "cgroup.controllers").read_text().split())
+        if "memory" not in available:
+            raise OSError("memory controller not available in the unified hierarchy")
+        self.cpu = "cpu" in available
+        wanted = "+memory +cpu" if self.cpu else "+memory"
+        self.base.mkdir(parents=True, exist_ok=True)
+        for level in (self.root, self.root / "fauxmad", self.base):
+            enabled = set((level / "cgroup.subtree_control").read_text().split())
+            if "memory" not in enabled or (self.cpu and "cpu" not in enabled):
+                _write(level / "cgroup.subtree_control", wanted)
+
+    def machine_dirs(self, machine_id: str) -> list[str]:
+        return [str(self.base / machine_id)]
+
+    def prepare(self, machine_id: str, memory_mb: int, cpus: int) -> list[str]:
+        cgroup = self.base / _checked(machine_id)
+        cgroup.mkdir(exist_ok=True)
+        _write(cgroup / "memory.max", str(memory_mb * MIB))
+        for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
+            if (cgroup / name).exists():
+                _write(cgroup / name, value)
+        if self.cpu:
+            weight = _weight(cpus, V2_WEIGHT_PER_CPU, 1, V2_WEIGHT_MAX)
+            _write(cgroup / "cpu.weight", str(weight))
+        return [str(cgroup)]
+
+    def oom_killed(self, cgroups: Sequence[str], signal: int | None) -> bool:
+        for cgroup in map(Path, cgroups):
+            kills = _read_keyed(cgroup / "memory.events", "oom_kill")
+            if kills is not None:
+                return kills > 0
+            events = _read_keyed(cgroup / "memory.events", "max")
+            if events and signal == signals.SIGKILL:
+                return True
+        return False
+
+    def cleanup(self, cgroups: Sequence[str]) -> None:
+        for cgroup in map(Path, cgroups):
+            _kill_members(cgroup)
+            _remove(cgroup)
+
+    def rlimit_as(self, memory_mb: int) -> int | None:
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.base.rmdir()
+
+
+# ---------------------------------------------------------------------------------------------------
+# cgroup v1
+
+
+class Cgroup1Limits:
+    """Legacy hierarchies: a directory per machine under the memory mount, and under the cpu one."""
+
+    mode: Mode = "cgroup1"
+
+    def __init__(self, memory_root: str, cpu_root: str | None, base_name: str) -> None:
+        self.memory_base = Path(memory_root) / "fauxmad" / base_name
+        self.cpu_base = Path(cpu_root) / "fauxmad" / base_name if cpu_root else None
+
+    def __repr__(self) -> str:
+        return f"Cgroup1Limits(memory={str(self.memory_base)!r}, cpu={str(self.cpu_base)!r})"
+
+    def describe(self) -> str:
+        return self.mode
+
+    def setup(self) -> None:
+        self.memory_base.mkdir(parents=True, exist_ok=True)
+        if self.cpu_base is not None:
+            try:
+                self.cpu_base.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                self.cpu_base = None  # memory limits without CPU weights beat no limits at all
+
+    def machine_dirs(self, machine_id: str) -> list[str]:
+        bases = (self.memory_base, self.cpu_base)
+        return [str(base / machine_id) for base in bases if base is not None]
+
+    def prepare(self, machine_id: str, memory_mb: int, cpus: int) -> list[str]:
+        memory = self.memory_base / _checked(machine_id)
+        memory.mkdir(exist_ok=True)
+        self._set_memory(memory, memory_mb * MIB)
+        if self.cpu_base is None:
+            return [str(memory)]
+        cpu = self.cpu_base / machine_id
+        cpu.mkdir(exist_ok=True)
+        _write(cpu / "cpu.shares", str(_weight(cpus, V1_SHARES_PER_CPU, 2, V1_SHARES_MAX)))
+        return [str(memory), str(cpu)]
+
+    @staticmethod
+    def _set_memory(cgroup: Path, limit: int) -> None:
+        """memory.limit <= memory.memsw.limit must hold at every step, so the order depends on
+        whether a re-used cgroup's limit goes up or down: try lowering order first, then raising."""
+        files = [cgroup / "memory.limit_in_bytes"]
+        memsw = cgroup / "memory.memsw.limit_in_bytes"
+        if memsw.exists():
+            files.append(memsw)
+        try:
+            for path in files:
+                _write(path, str(limit))
+        except OSError:
+            for path in reversed(files):
+                _write(path, str(limit))
+
+    def oom_killed(self, cgroups: Sequence[str], signal: int | None) -> bool:
+        for cgroup in map(Path, cgroups):
+            if not (cgroup / "memory.oom_control").exists():
+                continue  # the cpu hierarchy's directory
+            kills = _read_keyed(cgroup / "memory.oom_control", "oom_kill")
+            if kills is not None:
+                return kills > 0
+            failures = _read_int(cgroup / "memory.failcnt")
+            return bool(failures) and signal == signals.SIGKILL
+        return False
+
+    def cleanup(self, cgroups: Sequence[str]) -> None:
+        for cgroup in map(Path, cgroups):
+            _kill_members(cgroup)
+            _remove(cgroup)
+
+    def rlimit_as(self, memory_mb: int) -> int | None:
+        return None
+
+    def close(self) -> None:
+        for base in (self.memory_base, self.cpu_base):
+            if base is not None:
+                with contextlib.suppress(OSError):
+                    base.rmdir()
+
+
+# ---------------------------------------------------------------------------------------------------
+# rlimit fallback
+
+
+class RlimitLimits:
+    """No cgroups: bound the workload's address space. No CPU weights, no OOM reporting (a workload
+    hitting RLIMIT_AS sees allocation failures and usually exits with an error of its own)."""
+
+    mode: Mode = "rlimit"
+
+    def __repr__(self) -> str:
+        return "RlimitLimits()"
+
+    def describe(self) -> str:
+        return self.mode
+
+    def prepare(self, machine_id: str, memory_mb: int, cpus: int) -> list[str]:
+        return []
+
+    def oom_killed(self, cgroups: Sequence[str], signal: int | None) -> bool:
+        return False
+
+    def cleanup(self, cgroups: Sequence[str]) -> None:
+        return None
+
+    def rlimit_as(self, memory_mb: int) -> int | None:
+        return memory_mb * MIB if memory_mb > 0 else None
+
+    def close(self) -> None:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# detection
+
+
+def _cgroup2_candidate(base_name: str, mountinfo: str) -> Cgroup2Limits | None:
+    for mount_point, fs_type, _ in _mounts(mountinfo):
+        if fs_type == "cgroup2":
+            controllers = Path(mount_point) / "cgroup.controllers"
+            with contextlib.suppress(OSError):
+                if "memory" in controllers.read_text().split():
+                    return Cgroup2Limits(mount_point, base_name)
+    return None
+
+
+def _cgroup1_candidate(base_name: str, mountinfo: str) -> Cgroup1Limits | None:
+    memory_root: str | None = None
+    cpu_root: str | None = None
+    for mount_point, fs_type, options in _mounts(mountinfo):
+        if fs_type != "cgroup":
+            continue
+        if "memory" in options and memory_root is None:
+            memory_root = mount_point
+        if "cpu" in options and cpu_root is None:
+            cpu_root = mount_point
+    if memory_root is None:
+        return None
+    return Cgroup1Limits(memory_root, cpu_root, base_name)
+
+
+def _works(limits: Cgroup2Limits | Cgroup1Limits) -> bool:
+    """Set up the base directories and create, limit and remove a probe machine."""
+    try:
+        limits.setup()
+        limits.cleanup(limits.prepare(PROBE, 64, 1))
+    except OSError:
+        limits.cleanup(limits.machine_dirs(PROBE))
+        limits.close()
+        return False
+    return True
+
+
+def auto_detect(base_name: str, mountinfo: str = MOUNTINFO) -> Limits:
+    """The best mode this host allows, tried for real: cgroup v2, then v1, then rlimits.
+
+    `base_name` names this worker's subtree (one per worker on a host); `mountinfo` is where mounts
+    are read from (tests point it elsewhere to exercise the fallbacks).
+    """
+    candidates = (_cgroup2_candidate(base_name, mountinfo), _cgroup1_candidate(base_name, mountinfo))
+    for candidate in candidates:
+        if candidate is not None and _works(candidate):
+            return candidate
+    return RlimitLimits()

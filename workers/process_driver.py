@@ -1,0 +1,365 @@
+"""The process driver: each machine is an OS process tree under its own shim, limited by cgroups.
+
+Why it exists: it is the first `Driver` (see workers/driver.py). Machines must outlive the worker, so
+the worker never is a workload's parent: it starts `workers/shim.py` in a new session, the shim forks
+the workload and records its end in `<workdir>/exit.json`. Whoever holds the `TaskHandle` — this
+worker or its successor after a crash — can watch the shim and read that file.
+
+Key decisions:
+
+- Watching uses a pidfd (`os.pidfd_open` + `loop.add_reader`): it works for processes that are not
+  our children (re-adopted after a restart), costs no thread and no polling, and is immune to pid
+  reuse once opened — `start_ticks` is compared right after opening it. Our own shims are reaped
+  with `waitid(P_PIDFD, ...)`, which can never reap an unrelated process that reused the pid.
+- `exit.json` is the single source of truth for how the workload ended. When the shim itself died
+  without writing it, the driver writes one (with the shim's own wait status if it never started
+  the workload, else `lost`), so every later reader gets the same answer.
+- Signals go to the workload's process group (its pgid is its pid, read from `child.pid`), never to
+  the shim's: SIGKILL cannot be ignored and would take the shim, and the exit status, with it.
+  Right after `start` the shim may not have forked yet; `signal` then waits (a few ms, bounded) for
+  `child.pid` rather than losing the signal.
+- A signal is only sent while `exit.json` does not exist: until then the shim holds the workload's
+  pid (as a zombie at worst), so it cannot have been reused by an unrelated process.
+- `start` returns as soon as the shim exists (a few ms): it does not wait for the workload's exec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal as signals
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import msgspec
+
+from workers.driver import ExitStatus, TaskHandle, TaskSpec, TaskState
+from workers.limits import Limits
+
+SHIM = str(Path(__file__).with_name("shim.py"))
+CHILD_PID = "child.pid"
+DESTROY_TIMEOUT = 10.0
+# How long `signal` waits for a just-started shim to write child.pid (it normally takes ~20 ms).
+STARTUP_PATIENCE = 5.0
+STARTUP_POLL = 0.005
+# Only when the kernel has no pidfd_open (Linux < 5.3): how often to look whether the shim ended.
+FALLBACK_POLL = 0.1
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+class _ExitRecord(msgspec.Struct, kw_only=True):
+    """The exit.json document, written by the shim (or by the driver when the shim died)."""
+
+    exit_code: int | None = None
+    signal: int | None = None
+    finished_at: float = 0.0
+    lost: bool = False
+
+
+_decode_record = msgspec.json.Decoder(_ExitRecord).decode
+_encode_record = msgspec.json.Encoder().encode
+
+
+# (exit_code, signal) of a process we reaped ourselves.
+WaitStatus = tuple[int | None, int | None]
+
+
+class _ProcStat(NamedTuple):
+    state: str
+    session: int
+    start_ticks: int
+
+
+def _proc_stat(pid: int) -> _ProcStat | None:
+    """State, session and start time of a process from /proc/<pid>/stat, None if there is none.
+
+    The comm field (2) may contain spaces and parentheses, so fields are counted after the last ')'.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2 :].split()
+    # fields[0] is field 3 (state); session is field 6, starttime field 22.
+    return _ProcStat(fields[0].decode(), int(fields[3]), int(fields[19]))
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _read_record(handle: TaskHandle) -> _ExitRecord | None:
+    try:
+        return _decode_record(handle.status_path.read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+def _write_record(handle: TaskHandle, record: _ExitRecord) -> None:
+    """Atomically, like the shim does, so readers never see half a file."""
+    tmp = handle.status_path.with_name("exit.json.tmp.driver")
+    with open(tmp, "wb") as f:
+        f.write(_encode_record(record))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, handle.status_path)
+
+
+def _decode_wait(result: os.waitid_result) -> WaitStatus:
+    if result.si_code == os.CLD_EXITED:
+        return result.si_status, None
+    return None, result.si_status
+
+
+def _shim_argv(exe: str, cmd: list[str], workdir: str, cgroups: list[str], rlimit: int | None) -> list[str]:
+    """`exe -I -S shim.py ...`: isolated mode, no site: the shim must not depend on the environment."""
+    argv = [exe, "-I", "-S", SHIM, "--workdir", workdir]
+    for cgroup in cgroups:
+        argv += ["--cgroup", cgroup]
+    if rlimit is not None:
+        argv += ["--rlimit-as", str(rlimit)]
+    return [*argv, "--", *cmd]
+
+
+class ProcessDriver:
+    """Runs each machine as a process tree under a shim; see the module docstring."""
+
+    name = "process"
+
+    def __init__(self, limits: Limits, python: str = sys.executable) -> None:
+        self.limits = limits
+        self.python = python
+        # Shims this driver spawned, so the Popen objects never reap a pid that was reused.
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
+        # One watch per task, shared by concurrent `wait` calls; dropped once it has finished.
+        self._watches: dict[tuple[int, int], asyncio.Task[ExitStatus]] = {}
+
+    def __repr__(self) -> str:
+        return f"ProcessDriver(limits={self.limits.describe()}, running={len(self._children)})"
+
+    # -- start ---------------------------------------------------------------------------------------
+
+    async def start(self, spec: TaskSpec) -> TaskHandle:
+        if not spec.cmd:
+            raise ValueError(f"machine {spec.machine_id}: empty command")
+        workdir = Path(spec.workdir).absolute()
+        workdir.mkdir(parents=True, exist_ok=True)
+        for stale in ("exit.json", CHILD_PID, "exit.json.tmp", f"{CHILD_PID}.tmp"):
+            (workdir / stale).unlink(missing_ok=True)
+        cgroups = self.limits.prepare(spec.machine_id, spec.memory_mb, spec.cpus)
+        rlimit = self.limits.rlimit_as(spec.memory_mb)
+        argv = _shim_argv(self.python, spec.cmd, str(workdir), cgroups, rlimit)
+        try:
+            proc = self._spawn(argv, spec.env, workdir)
+        except BaseException:
+            self.limits.cleanup(cgroups)
+            raise
+        stat = _proc_stat(proc.pid)
+        # Our own child cannot vanish before we reap it, so its stat is there (as a zombie at worst).
+        ticks = stat.start_ticks if stat else 0
+        self._children[proc.pid] = proc
+        return TaskHandle(
+            pid=proc.pid, start_ticks=ticks, workdir=str(workdir), cgroups=cgroups, started_at=time.time()
+        )
+
+    @staticmethod
+    def _spawn(argv: list[str], env: dict[str, str], workdir: Path) -> subprocess.Popen[bytes]:
+        with open(workdir / "stdout.log", "ab") as out, open(workdir / "stderr.log", "ab") as err:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=env,
+                cwd=workdir,
+                start_new_session=True,
+                close_fds=True,
+            )
+
+    # -- wait ----------------------------------------------------------------------------------------
+
+    async def wait(self, handle: TaskHandle) -> ExitStatus:
+        key = (handle.pid, handle.start_ticks)
+        task = self._watches.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._watch(handle))
+            self._watches[key] = task
+
+            def forget(done: asyncio.Task[ExitStatus]) -> None:
+                if self._watches.get(key) is done:
+                    del self._watches[key]
+
+            task.add_done_callback(forget)
+        # shield: a cancelled waiter must not cancel the watch the other waiters share.
+        return await asyncio.shield(task)
+
+    async def _watch(self, handle: TaskHandle) -> ExitStatus:
+        shim_status = await self._shim_ended(handle)
+        return self._exit_status(handle, shim_status)
+
+    async def _shim_ended(self, handle: TaskHandle) -> WaitStatus | None:
+        """Resolve when the shim has ended; its wait status if we reaped it, else None."""
+        try:
+            pidfd = os.pidfd_open(handle.pid)
+        except ProcessLookupError:
+            return None
+        except OSError:  # no pidfd support in this kernel
+            await self._poll_until_ended(handle)
+            return None
+        try:
+            if not self._same_process(handle):
+                return None  # the pid was reused: the shim ended long ago
+            await self._readable(pidfd)
+            return self._reap(handle.pid, pidfd)
+        finally:
+            os.close(pidfd)
+
+    @staticmethod
+    async def _readable(fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def on_ready() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_reader(fd, on_ready)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
+
+    async def _poll_until_ended(self, handle: TaskHandle) -> None:
+        while self._alive(handle):
+            await asyncio.sleep(FALLBACK_POLL)
+
+    def _reap(self, pid: int, pidfd: int) -> WaitStatus | None:
+        try:
+            result = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:
+            return None  # not our child: whoever adopted it reaps it
+        proc = self._children.pop(pid, None)
+        if result is None:
+            return None
+        exit_code, sig = _decode_wait(result)
+        if proc is not None:
+            proc.returncode = exit_code if exit_code is not None else -(sig or 0)
+        return exit_code, sig
+
+    def _exit_status(self, handle: TaskHandle, shim_status: WaitStatus | None) -> ExitStatus:
+        record = _read_record(handle)
+        if record is None:
+            record = self._record_for_dead_shim(handle, shim_status)
+            with contextlib.suppress(OSError):
+                _write_record(handle, record)
+        return self._to_status(handle, record)
+
+    def _to_status(self, handle: TaskHandle, record: _ExitRecord) -> ExitStatus:
+        if record.lost:
+            return ExitStatus(lost=True, finished_at=record.finished_at)
+        oom = self.limits.oom_killed(handle.cgroups, record.signal)
+        return ExitStatus(
+            exit_code=record.exit_code, signal=record.signal, oom_killed=oom, finished_at=record.finished_at
+        )
+
+    @staticmethod
+    def _record_for_dead_shim(handle: TaskHandle, shim_status: WaitStatus | None) -> _ExitRecord:
+        """The shim ended without writing exit.json (killed, or failed before starting anything)."""
+        now = time.time()
+        workload = _read_pid(Path(handle.workdir) / CHILD_PID)
+        if workload is None and shim_status is not None:
+            # The workload never started: the shim's own end is the task's end.
+            return _ExitRecord(exit_code=shim_status[0], signal=shim_status[1], finished_at=now)
+        if workload is not None:
+            # The shim died under a running workload that nobody can watch any more. Kill it, so that
+            # what we report (it ended) is true; the session check guards against a reused pid.
+            stat = _proc_stat(workload)
+            if stat is not None and stat.session == handle.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(workload, signals.SIGKILL)
+        return _ExitRecord(lost=True, finished_at=now)
+
+    # -- stop, signal, destroy ---------------------------------------------------------------------
+
+    async def stop(self, handle: TaskHandle, timeout: float, signal: int) -> ExitStatus:
+        if not self._alive(handle):
+            return await self.wait(handle)
+        await self.signal(handle, signal)
+        try:
+            return await asyncio.wait_for(self.wait(handle), timeout)
+        except TimeoutError:
+            await self.signal(handle, signals.SIGKILL)
+            return await self.wait(handle)
+
+    async def signal(self, handle: TaskHandle, signal: int) -> None:
+        workload = await self._workload_pid(handle)
+        if workload is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(workload, signal)
+
+    async def _workload_pid(self, handle: TaskHandle) -> int | None:
+        """The workload's pid (= its process group) while it may be signalled, else None."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STARTUP_PATIENCE
+        while not handle.status_path.exists():
+            workload = _read_pid(Path(handle.workdir) / CHILD_PID)
+            if workload is not None:
+                return workload
+            if not self._alive(handle) or loop.time() >= deadline:
+                return None
+            await asyncio.sleep(STARTUP_POLL)  # the shim is starting: child.pid is milliseconds away
+        return None
+
+    async def destroy(self, handle: TaskHandle, force: bool) -> None:
+        if force:
+            await self.signal(handle, signals.SIGKILL)
+            await self.wait(handle)
+        else:
+            await self.stop(handle, DESTROY_TIMEOUT, signals.SIGTERM)
+        await asyncio.to_thread(self.limits.cleanup, handle.cgroups)
+
+    # -- inspect, recover ----------------------------------------------------------------------------
+
+    def inspect(self, handle: TaskHandle) -> TaskState:
+        running = self._alive(handle)
+        workload = _read_pid(Path(handle.workdir) / CHILD_PID)
+        if running:
+            rss = self._rss(workload) if workload is not None else None
+            return TaskState(running=True, pid=handle.pid, child_pid=workload, rss_bytes=rss)
+        # Ended but not yet waited for: a missing exit.json reads as lost here (`wait` may know better
+        # if the shim was our child and never started the workload).
+        record = _read_record(handle) or _ExitRecord(lost=True)
+        exit_status = self._to_status(handle, record)
+        return TaskState(running=False, pid=handle.pid, child_pid=workload, exit=exit_status)
+
+    @staticmethod
+    def _rss(pid: int) -> int | None:
+        try:
+            with open(f"/proc/{pid}/statm", "rb") as f:
+                return int(f.read().split()[1]) * PAGE_SIZE
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def recover(self, handle: TaskHandle) -> bool:
+        return self._alive(handle)
+
+    # -- helpers -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _same_process(handle: TaskHandle) -> bool:
+        stat = _proc_stat(handle.pid)
+        return stat is not None and stat.start_ticks == handle.start_ticks
+
+    @staticmethod
+    def _alive(handle: TaskHandle) -> bool:
+        """The handle's shim is running: same pid, same start time, and not a zombie."""
+        stat = _proc_stat(handle.pid)
+        return stat is not None and stat.start_ticks == handle.start_ticks and stat.state not in ("Z", "X")
