@@ -35,6 +35,7 @@ class FleetKV(msgspec.Struct, frozen=True):
     workers: Any
     machines: Any
     apps: Any
+    idempotency: Any
 
 
 async def _kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
@@ -70,6 +71,13 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
             description="desired state: app specs and releases",
         ),
     )
+    idempotency = await _kv(
+        js,
+        KeyValueConfig(
+            bucket=subjects.IDEMPOTENCY_BUCKET, ttl=24 * 3600.0, history=1, storage=storage,
+            description="create idempotency keys: claimed by one broker, answered with one machine",
+        ),
+    )
     with contextlib.suppress(BadRequestError):
         await js.add_stream(
             StreamConfig(
@@ -81,4 +89,4 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
                 description="every machine state transition, from every worker",
             )
         )
-    return FleetKV(workers=workers, machines=machines, apps=apps)
+    return FleetKV(workers=workers, machines=machines, apps=apps, idempotency=idempotency)

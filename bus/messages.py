@@ -9,7 +9,7 @@ the contract in DESIGN.md is listed in the README.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -176,6 +176,7 @@ class Machine(Reply):
     restarts: int = 0
     version: int = 0
     lease: Lease | None = None
+    explain: Any | msgspec.UnsetType = msgspec.UNSET
 
 
 class Lease(Reply):
@@ -317,10 +318,53 @@ class ListRequest(Request):
 
 
 class UpdateRequest(Request):
+    """Replace a machine's config (a new `instance_id`); a running machine is restarted with it."""
+
     id: MachineId
     config: MachineConfig
     lease_nonce: str | None = None
-    restart: bool = True
+    timeout: Seconds = 10.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Broker API (contract)
+
+
+class CreateRequest(Request):
+    region: Token
+    config: MachineConfig
+    name: Name | None = None
+    skip_launch: bool = False
+    idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    explain: bool = False
+    strategy: Literal["scatter", "p2c", "hedged"] | None = None
+
+
+class SimulateRequest(Request):
+    """A dry-run placement: which worker would win, and why. Nothing is reserved."""
+
+    app: Token
+    region: Token
+    guest: OfferGuest = msgspec.field(default_factory=OfferGuest)
+    image: str | None = None
+    strategy: Literal["scatter", "p2c", "hedged"] | None = None
+
+
+class WorkersListRequest(Request):
+    region: Token | None = None
+
+
+class RegionSummary(Reply):
+    region: str
+    workers: int
+    cordoned: int
+    capacity: Resources
+    used: Resources
+    machines: int
+
+
+class InfoRequest(Request):
+    """`info` takes no fields: an empty payload or `{}`."""
 
 
 class CordonRequest(Request):

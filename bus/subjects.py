@@ -17,6 +17,7 @@ PREFIX = "fauxmad.v1"
 WORKERS_BUCKET = "fauxmad_workers"
 MACHINES_BUCKET = "fauxmad_machines"
 APPS_BUCKET = "fauxmad_apps"
+IDEMPOTENCY_BUCKET = "fauxmad_idempotency"
 IMAGES_STORE = "fauxmad_images"
 EVENTS_STREAM = "FAUXMAD_EVENTS"
 
@@ -24,7 +25,9 @@ BROKER_QUEUE = "brokers"
 BROKER_SERVICE = "fauxmad-broker"
 WORKER_SERVICE = "fauxmad-worker"
 
-WORKER_VERBS = ("reserve", "start", "stop", "destroy", "get", "list", "wait", "signal", "lease", "release")
+WORKER_VERBS = (
+    "reserve", "start", "stop", "destroy", "get", "list", "wait", "signal", "lease", "release", "update",
+)
 API_VERBS = ("create", "list", "get", "start", "stop", "destroy", "wait", "update")
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -51,6 +54,11 @@ def worker_machines(worker_id: str, verb: str) -> str:
 
 def worker_machines_wildcard(worker_id: str) -> str:
     return f"{worker_prefix(worker_id)}.machines.*"
+
+
+def worker_offer(worker_id: str) -> str:
+    """One worker's own offer subject (an addition to the contract): lets p2c ask just two workers."""
+    return f"{worker_prefix(worker_id)}.offer"
 
 
 def worker_info(worker_id: str) -> str:

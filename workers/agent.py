@@ -36,6 +36,7 @@ from bus.messages import (
     CordonRequest,
     DestroyRequest,
     GetRequest,
+    InfoRequest,
     LeaseRequest,
     ListRequest,
     LogLine,
@@ -47,6 +48,7 @@ from bus.messages import (
     SignalRequest,
     StartRequest,
     StopRequest,
+    UpdateRequest,
     WaitRequest,
     WorkerInfo,
 )
@@ -79,6 +81,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     destroyed_retention: float = 24 * 3600.0
     compact_every: float = 60.0
     fsync: bool = True
+    map_size: int = 8 * 1024 * 1024 * 1024
 
 
 class WorkerAgent:
@@ -101,6 +104,7 @@ class WorkerAgent:
         self.resumed: dict[str, int] = {}
         self._stopped = asyncio.Event()
         self.limits_mode = ""
+        self._beat_pending = False
 
     # ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -110,7 +114,7 @@ class WorkerAgent:
         self.nc = await connect(cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", agent=True)
         js = self.nc.jetstream()
         self._kv = await ensure_fleet_resources(js, FleetConfig(heartbeat_interval=cfg.heartbeat_interval))
-        self.store = Store(data / "lmdb", sync=cfg.fsync)
+        self.store = Store(data / "lmdb", sync=cfg.fsync, map_size=cfg.map_size)
         self.committer = GroupCommitter(self.store)
         limits = auto_detect(cfg.worker_id)
         self.limits_mode = limits.describe()
@@ -161,6 +165,7 @@ class WorkerAgent:
         )
         endpoints = {
             "machines": (subjects.worker_machines_wildcard(cfg.worker_id), self._on_machines),
+            "offer": (subjects.worker_offer(cfg.worker_id), self._on_offer),
             "info": (subjects.worker_info(cfg.worker_id), self._on_info),
             "cordon": (subjects.worker_cordon(cfg.worker_id, True), self._on_cordon),
             "uncordon": (subjects.worker_cordon(cfg.worker_id, False), self._on_cordon),
@@ -220,9 +225,12 @@ class WorkerAgent:
                 return await manager.lease(decode(LeaseRequest, data))
             case "release":
                 return await manager.release(decode(ReleaseRequest, data))
+            case "update":
+                return await manager.update(decode(UpdateRequest, data))
         raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.WORKER_VERBS)}")
 
     async def _on_info(self, subject: str, data: bytes) -> Any:
+        decode(InfoRequest, data, empty_ok=True)
         return self.info()
 
     async def _on_cordon(self, subject: str, data: bytes) -> Any:
@@ -266,10 +274,27 @@ class WorkerAgent:
                     subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
                     self._outbox.put_nowait(("publish", (subject, encode(event))))
                 self._queue_index(machine)
+                if record.op in ("reserve", "destroyed", "update"):
+                    self._beat_soon()
                 if machine.state in ("stopped", "failed", "destroyed"):
                     self.follower.unfollow(machine.id)
             elif isinstance(record, ImageRecord):
                 self._images = self._images | {record.image}
+
+    def _beat_soon(self) -> None:
+        """Usage changed: tell the registry now rather than at the next tick (coalesced)."""
+        if self._beat_pending or self.nc is None:
+            return
+        self._beat_pending = True
+
+        async def beat() -> None:
+            await asyncio.sleep(0.05)
+            self._beat_pending = False
+            with contextlib.suppress(Exception):
+                await self._heartbeat_once()
+
+        self._tasks.append(asyncio.create_task(beat()))
+        self._tasks = [t for t in self._tasks if not t.done()]
 
     def _queue_index(self, machine: Any) -> None:
         entry = MachineIndexEntry(
@@ -367,16 +392,26 @@ class WorkerAgent:
             self.store.close()
 
 
-async def run_worker(config: WorkerConfig) -> None:
-    """Run a worker until SIGTERM/SIGINT; its machines keep running after it stops."""
+async def run_workers(configs: list[WorkerConfig]) -> None:
+    """Run one or more workers in this process until SIGTERM/SIGINT; their machines keep running after.
+
+    Several logical workers per process is for benchmarks of large regions: each still has its own
+    connection, LMDB environment and writer thread, running the same code as a worker of its own.
+    """
     import signal
 
-    agent = WorkerAgent(config)
+    agents = [WorkerAgent(config) for config in configs]
+    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, agent.request_stop)
-    await agent.start()
+        loop.add_signal_handler(sig, stop.set)
     try:
-        await agent.run_forever()
+        for agent in agents:
+            await agent.start()
+        await stop.wait()
     finally:
-        await agent.close()
+        await asyncio.gather(*[agent.close() for agent in agents], return_exceptions=True)
+
+
+async def run_worker(config: WorkerConfig) -> None:
+    await run_workers([config])

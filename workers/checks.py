@@ -13,7 +13,7 @@ Key decisions:
 - No new dependency: http is a minimal HTTP/1.1 GET over asyncio streams, which is all a health
   check needs (status line only; 2xx and 3xx pass, redirects are not followed).
 - A cmd check runs in its own session and its whole process group is killed on timeout, so a hung
-  check cannot leave processes behind.
+  check cannot leave processes behind; only the tail of its output is kept while reading.
 - Outputs are capped at 512 characters (the tail, for commands): they travel in events on the bus.
 """
 
@@ -29,6 +29,7 @@ from typing import Any, Literal
 import msgspec
 
 MAX_OUTPUT = 512
+READ_CHUNK = 65536
 Status = Literal["passing", "critical"]
 
 
@@ -144,13 +145,17 @@ async def _cmd(command: list[str], env: dict[str, str], cwd: str, timeout: float
         )
     except Exception as exc:  # not found, not executable, bad cwd: all a critical result
         return _critical(f"cannot run {command[0]!r}: {_describe(exc)}")
+    assert proc.stdout is not None
+    finished = False
     try:
         async with asyncio.timeout(timeout):
-            output, _ = await proc.communicate()
+            output = await _read_tail(proc.stdout)
+            await proc.wait()
+            finished = True
     except TimeoutError:
         return _critical(f"timeout after {timeout:g}s")
     finally:
-        if proc.returncode is None:  # timed out or cancelled: take the whole check down
+        if not finished:  # timed out or cancelled: take the whole check down, stragglers included
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
@@ -158,6 +163,15 @@ async def _cmd(command: list[str], env: dict[str, str], cwd: str, timeout: float
     if proc.returncode == 0:
         return _passing(text)
     return _critical(_with_tail(f"exit code {proc.returncode}", text))
+
+
+async def _read_tail(stream: asyncio.StreamReader) -> bytes:
+    """Read to EOF keeping only the end: a chatty check must not grow the worker's memory."""
+    kept = bytearray()
+    while chunk := await stream.read(READ_CHUNK):
+        kept += chunk
+        del kept[: -MAX_OUTPUT * 4]
+    return bytes(kept)
 
 
 def _with_tail(prefix: str, text: str) -> str:

@@ -12,7 +12,7 @@ from bus.errors import Conflict
 LEGAL: dict[str, frozenset[str]] = {
     "created": frozenset({"starting", "destroying", "replacing"}),
     # starting -> destroying: a forced destroy during a restart's back-off (no process runs then)
-    "starting": frozenset({"started", "stopping", "failed", "destroying"}),
+    "starting": frozenset({"started", "stopping", "failed", "destroying", "replacing"}),
     # started -> starting is the supervisor restarting a machine whose process exited
     "started": frozenset({"stopping", "stopped", "failed", "starting", "destroying", "replacing"}),
     "stopping": frozenset({"stopped", "failed", "destroying"}),

@@ -9,7 +9,9 @@ Key decisions:
 
 - `auto_detect` tries each mode for real (create a probe cgroup, write a limit, remove it) instead
   of trusting what is mounted: hybrid hosts mount an empty unified hierarchy next to v1 controllers,
-  and containers often mount cgroupfs read-only.
+  and containers often mount cgroupfs read-only. It leaves nothing behind; the worker's base
+  directory appears with its first machine. Control files are opened without O_CREAT, so a plain
+  directory can never pass for a cgroup.
 - Layout `<root>/fauxmad/<base_name>/<machine_id>`, so several workers on one host never collide and
   an operator can see at a glance what belongs to fauxmad.
 - Memory: the limit is `memory_mb`, swap is not allowed (v1 `memsw` = the limit, v2 `swap.max` = 0),
@@ -80,7 +82,18 @@ class Limits(Protocol):
 
 
 def _write(path: Path, value: str) -> None:
-    path.write_text(value)
+    """Write a control file that must already exist: never create one (a plain directory mistaken
+    for a cgroup would otherwise silently "accept" every limit)."""
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _require_cgroup(directory: Path) -> None:
+    if not (directory / "cgroup.procs").is_file():
+        raise OSError(f"{directory} is not a cgroup directory")
 
 
 def _read_int(path: Path) -> int | None:
@@ -151,11 +164,11 @@ def _mounts(mountinfo: str) -> Iterator[tuple[str, str, set[str]]]:
         yield parts[4].replace("\\040", " "), rest[0], set(rest[2].split(","))
 
 
-def _checked(machine_id: str) -> str:
-    """A machine id becomes a directory name: it must not be able to point anywhere else."""
-    if not machine_id or "/" in machine_id or machine_id in (".", ".."):
-        raise ValueError(f"machine id {machine_id!r} cannot name a cgroup")
-    return machine_id
+def _checked(name: str) -> str:
+    """Machine ids and base names become directory names: they must not point anywhere else."""
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"{name!r} cannot name a cgroup")
+    return name
 
 
 def _weight(cpus: int, per_cpu: int, low: int, high: int) -> int:
@@ -173,7 +186,7 @@ class Cgroup2Limits:
 
     def __init__(self, root: str, base_name: str) -> None:
         self.root = Path(root)
-        self.base = self.root / "fauxmad" / base_name
+        self.base = self.root / "fauxmad" / _checked(base_name)
         self.cpu = False
 
     def __repr__(self) -> str:
@@ -184,6 +197,7 @@ class Cgroup2Limits:
 
     def setup(self) -> None:
         """Create the base directories and delegate the controllers down to the machines' level."""
+        _require_cgroup(self.root)
         available = set((self.root / "cgroup.controllers").read_text().split())
         if "memory" not in available:
             raise OSError("memory controller not available in the unified hierarchy")
@@ -199,6 +213,8 @@ class Cgroup2Limits:
         return [str(self.base / machine_id)]
 
     def prepare(self, machine_id: str, memory_mb: int, cpus: int) -> list[str]:
+        if not self.base.is_dir():
+            self.setup()
         cgroup = self.base / _checked(machine_id)
         cgroup.mkdir(exist_ok=True)
         _write(cgroup / "memory.max", str(memory_mb * MIB))
@@ -243,7 +259,7 @@ class Cgroup1Limits:
     mode: Mode = "cgroup1"
 
     def __init__(self, memory_root: str, cpu_root: str | None, base_name: str) -> None:
-        self.memory_base = Path(memory_root) / "fauxmad" / base_name
+        self.memory_base = Path(memory_root) / "fauxmad" / _checked(base_name)
         self.cpu_base = Path(cpu_root) / "fauxmad" / base_name if cpu_root else None
 
     def __repr__(self) -> str:
@@ -253,9 +269,11 @@ class Cgroup1Limits:
         return self.mode
 
     def setup(self) -> None:
+        _require_cgroup(self.memory_base.parent.parent)
         self.memory_base.mkdir(parents=True, exist_ok=True)
         if self.cpu_base is not None:
             try:
+                _require_cgroup(self.cpu_base.parent.parent)
                 self.cpu_base.mkdir(parents=True, exist_ok=True)
             except OSError:
                 self.cpu_base = None  # memory limits without CPU weights beat no limits at all
@@ -265,6 +283,8 @@ class Cgroup1Limits:
         return [str(base / machine_id) for base in bases if base is not None]
 
     def prepare(self, machine_id: str, memory_mb: int, cpus: int) -> list[str]:
+        if not self.memory_base.is_dir() or (self.cpu_base is not None and not self.cpu_base.is_dir()):
+            self.setup()
         memory = self.memory_base / _checked(machine_id)
         memory.mkdir(exist_ok=True)
         self._set_memory(memory, memory_mb * MIB)
@@ -378,15 +398,17 @@ def _cgroup1_candidate(base_name: str, mountinfo: str) -> Cgroup1Limits | None:
 
 
 def _works(limits: Cgroup2Limits | Cgroup1Limits) -> bool:
-    """Set up the base directories and create, limit and remove a probe machine."""
+    """Set up the base directories, create, limit and remove a probe machine, remove the base again
+    (the first `prepare` recreates it): detecting leaves nothing behind."""
     try:
         limits.setup()
         limits.cleanup(limits.prepare(PROBE, 64, 1))
+        return True
     except OSError:
         limits.cleanup(limits.machine_dirs(PROBE))
-        limits.close()
         return False
-    return True
+    finally:
+        limits.close()
 
 
 def auto_detect(base_name: str, mountinfo: str = MOUNTINFO) -> Limits:

@@ -45,6 +45,7 @@ from bus.messages import (
     SignalRequest,
     StartRequest,
     StopRequest,
+    UpdateRequest,
     WaitRequest,
     seconds,
 )
@@ -640,6 +641,63 @@ class MachineManager:
             self._locks.pop(machine_id, None)
 
     # ------------------------------------------------------------------------------------------
+    # update: a new config (and instance id); a running machine is replaced in place
+
+    async def update(self, request: UpdateRequest) -> Machine:
+        if not request.config.cmd:
+            raise BadRequest("config.cmd is required: the process driver needs a command to run")
+        async with self._locks[request.id]:
+            def op(tx: Tx) -> tuple[StoredMachine, bool]:
+                stored = tx.require(request.id)
+                self._check_lease(stored, request.lease_nonce, tx.now)
+                state = stored.machine.state
+                if state in ("destroying", "destroyed", "stopping", "replacing"):
+                    raise Conflict(f"machine {request.id} is {state}; it cannot be updated now")
+                old, new = stored.machine.config.guest, request.config.guest
+                usage = tx.usage()
+                if usage.cpus - old.cpus + new.cpus > self.config.cpus or (
+                    usage.memory_mb - old.memory_mb + new.memory_mb > self.config.memory_mb
+                ):
+                    raise NoCapacity(f"worker {self.config.worker_id} has no room for the new guest size")
+                running = state in ("started", "starting")
+                if running:
+                    self._event(stored, "replacing", source="user", reason="update requested")
+                else:
+                    self._apply_config(stored, request, tx.now)
+                return tx.put_machine(stored, "update" if not running else "replacing"), running
+
+            stored, running = await self._commit(op)
+            timer = self._restart_timers.pop(request.id, None)
+            if timer is not None:
+                timer.cancel()
+            if not running:
+                return self.view(stored)
+            handle = stored.handle
+            if handle is not None:
+                self._stop_checks_for(request.id)
+                await self.driver.stop(handle, request.timeout, signals.SIGTERM)
+
+            def restart(tx: Tx) -> StoredMachine:
+                current = tx.require(request.id)
+                self._apply_config(current, request, tx.now)
+                current.handle = None
+                current.restart_attempts = 0
+                current.desired = "started"
+                self._event(current, "starting", reason="starting the updated config")
+                return tx.put_machine(current, "update")
+
+            stored = await self._commit(restart)
+            stored = await self._launch(stored)
+            return self.view(stored)
+
+    def _apply_config(self, stored: StoredMachine, request: UpdateRequest, now: float) -> None:
+        stored.machine.config = request.config
+        stored.machine.instance_id = new_instance_id(now)
+        stored.machine.checks = {}
+        self._event(stored, "update", source="user", reason=f"config updated (instance {stored.machine.instance_id})",
+                    kind="update")
+
+    # ------------------------------------------------------------------------------------------
     # restart of the worker: finish what was in flight, re-adopt what runs
 
     async def resume(self) -> dict[str, int]:
@@ -665,6 +723,19 @@ class MachineManager:
             async with self._locks[machine_id]:
                 await self._finish_destroy(stored)
             return "destroyed"
+        if state == "replacing":  # an update was cut short: restart on the config it still has
+            async with self._locks[machine_id]:
+                if handle is not None and alive:
+                    await self.driver.stop(handle, self.config.stop_timeout, signals.SIGTERM)
+
+                def restart(tx: Tx) -> StoredMachine:
+                    current = tx.require(machine_id)
+                    current.handle = None
+                    self._event(current, "starting", reason="worker restarted during an update")
+                    return tx.put_machine(current, "resume")
+
+                await self._launch(await self._commit(restart))
+            return "relaunched"
         if handle is None:
             if state == "starting":
                 async with self._locks[machine_id]:

@@ -189,7 +189,7 @@ class ProcessDriver:
     async def wait(self, handle: TaskHandle) -> ExitStatus:
         key = (handle.pid, handle.start_ticks)
         task = self._watches.get(key)
-        if task is None:
+        if task is None or task.get_loop() is not asyncio.get_running_loop():
             task = asyncio.ensure_future(self._watch(handle))
             self._watches[key] = task
 
@@ -246,11 +246,11 @@ class ProcessDriver:
             result = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
         except ChildProcessError:
             return None  # not our child: whoever adopted it reaps it
-        proc = self._children.pop(pid, None)
         if result is None:
-            return None
+            return None  # not waitable yet (cannot happen once the pidfd is readable; be safe)
         exit_code, sig = _decode_wait(result)
-        if proc is not None:
+        proc = self._children.pop(pid, None)
+        if proc is not None:  # tell Popen, or it would try to reap this pid again one day
             proc.returncode = exit_code if exit_code is not None else -(sig or 0)
         return exit_code, sig
 

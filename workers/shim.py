@@ -182,12 +182,21 @@ def main(argv: list[str]) -> int:
         os.setpgid(pid, pid)
     except OSError:
         pass  # the child already exec'd (EACCES) or set it itself: either way it has its group
-    workdir = args.workdir
-    write_atomic(os.path.join(workdir, "child.pid"), str(pid).encode(), durable=False)
+    status = 0
+    try:
+        write_atomic(os.path.join(args.workdir, "child.pid"), str(pid).encode(), durable=False)
+    except OSError as exc:  # keep supervising: the exit status matters more than signalling
+        os.write(2, f"fauxmad shim: cannot write child.pid: {exc}\n".encode())
+        status = 1
     exit_code, sig = wait_child(pid)
-    write_atomic(os.path.join(workdir, "exit.json"), exit_record(exit_code, sig, time.time()), durable=True)
+    try:
+        record = exit_record(exit_code, sig, time.time())
+        write_atomic(os.path.join(args.workdir, "exit.json"), record, durable=True)
+    except OSError as exc:  # the driver will report the task as lost
+        os.write(2, f"fauxmad shim: cannot write exit.json: {exc}\n".encode())
+        status = 1
     reap(pid)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -35,9 +36,15 @@ def root(
 
 
 def _register() -> None:
-    from orchestrator.cli import worker_cmd
+    from orchestrator.cli import broker_cmd, fleet_cmd, machine_cmd, worker_cmd
 
+    app.command("demo")(fleet_cmd.demo)
+    app.command("dev")(fleet_cmd.dev)
+    app.add_typer(machine_cmd.machine_app, name="machine")
+    app.command("workers")(fleet_cmd.workers)
+    app.command("regions")(fleet_cmd.regions)
     app.command("worker")(worker_cmd.worker)
+    app.command("broker")(broker_cmd.broker)
 
 
 _register()
@@ -72,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     except KeyboardInterrupt:
         code = 130
+    except Exception as exc:  # the edge: a bug is still one line, with the way to see more
+        if os.environ.get("FAUXMAD_DEBUG"):
+            raise
+        typer.echo(f"fauxmad: unexpected error: {exc!r} (set FAUXMAD_DEBUG=1 for the traceback)", err=True)
+        code = 70
     if argv is None:
         sys.exit(code)
     return code

@@ -47,6 +47,8 @@ def worker(
     heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.1, help="seconds between heartbeats"),
     restart_backoff: float = typer.Option(0.5, "--restart-backoff", min=0.0, help="first restart delay, seconds"),
     no_fsync: bool = typer.Option(False, "--no-fsync", help="skip fsync on commit (benchmarks only: unsafe)"),
+    count: int = typer.Option(1, "--count", min=1, max=2000, hidden=True,
+                              help="run COUNT logical workers ID-0000.. in this process (benchmarks)"),
 ) -> None:
     """Run a worker agent: the source of truth for the machines on this host.
 
@@ -54,7 +56,7 @@ def worker(
     beats its heart into KV fauxmad_workers. Stopping it (or kill -9) leaves its machines running;
     a restart re-adopts them.
     """
-    from workers.agent import WorkerConfig, run_worker  # imported here: other commands start faster
+    from workers.agent import WorkerConfig, run_workers  # imported here: other commands start faster
     from workers.supervision import Backoff
 
     wid = worker_id or default_worker_id()
@@ -68,13 +70,19 @@ def worker(
         server = EmbeddedNats().start()
         url = server.url
         typer.echo(f"no --nats given: started an embedded nats-server at {url}", err=True)
-    config = WorkerConfig(
-        nats_url=url, region=region, worker_id=wid, cpus=cpus or os.cpu_count() or 1,
-        memory_mb=memory_mb or host_memory_mb(), data_dir=str(data_dir or default_data_dir(wid)),
-        heartbeat_interval=heartbeat, backoff=Backoff(base=restart_backoff), fsync=not no_fsync,
-    )
+    root = data_dir or default_data_dir(wid)
+    ids = [wid] if count == 1 else [f"{wid}-{i:04d}" for i in range(count)]
+    configs = [
+        WorkerConfig(
+            nats_url=url, region=region, worker_id=one, cpus=cpus or os.cpu_count() or 1,
+            memory_mb=memory_mb or host_memory_mb(), data_dir=str(root if count == 1 else root / one),
+            heartbeat_interval=heartbeat, backoff=Backoff(base=restart_backoff), fsync=not no_fsync,
+            map_size=(8 << 30) if count == 1 else (64 << 20),
+        )
+        for one in ids
+    ]
     try:
-        run(run_worker(config))
+        run(run_workers(configs))
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
     finally:

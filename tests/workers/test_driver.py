@@ -210,6 +210,19 @@ def test_concurrent_waits_all_resolve(driver: ProcessDriver, tasks: Tasks, tmp_p
     assert len({s.finished_at for s in statuses}) == 1
 
 
+def test_driver_works_under_uvloop(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
+    uvloop = pytest.importorskip("uvloop")
+
+    async def go() -> tuple[ExitStatus, ExitStatus]:
+        quick = tasks.add(await driver.start(make_spec(tmp_path / "a", ["sh", "-c", "exit 9"])))
+        slow = tasks.add(await driver.start(make_spec(tmp_path / "b", ["sleep", "30"])))
+        return await asyncio.wait_for(driver.wait(quick), 10), await driver.stop(slow, 5, signal.SIGTERM)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        quick, slow = runner.run(go())
+    assert quick.exit_code == 9 and slow.signal == signal.SIGTERM
+
+
 def test_inspect_running_and_ended(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sh", "-c", "touch ready; exec sleep 30"]))
     wait_until(lambda: (Path(handle.workdir) / "ready").exists())
@@ -486,22 +499,27 @@ def test_auto_detect_falls_back_to_rlimits_without_cgroups(tmp_path: Path) -> No
     assert auto_detect("fallback", mountinfo=str(tmp_path / "empty")).describe() == "rlimit"
 
 
+def test_auto_detect_leaves_nothing_behind() -> None:
+    detected = auto_detect(f"{BASE}-detect")
+    bases = [getattr(detected, name, None) for name in ("base", "memory_base", "cpu_base")]
+    assert all(not base.exists() for base in bases if isinstance(base, Path))
+
+
 def test_cgroup2_files_on_a_plain_directory(tmp_path: Path) -> None:
     """This host has no v2 memory controller, so the v2 code is exercised on a plain directory: it
     checks which values are written and how memory.events is read, not the kernel's behaviour."""
     root = tmp_path / "unified"
-    root.mkdir()
-    (root / "cgroup.controllers").write_text("cpu memory pids\n")
-    (root / "cgroup.subtree_control").write_text("")
     limits = Cgroup2Limits(str(root), "w1")
-    limits.base.mkdir(parents=True)
-    for level in (root / "fauxmad", limits.base):
+    machine = limits.base / "m1"
+    machine.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory pids\n")
+    for level in (root, root / "fauxmad", limits.base):
+        (level / "cgroup.procs").write_text("")
         (level / "cgroup.subtree_control").write_text("")
+    for name in ("memory.max", "memory.swap.max", "cpu.weight"):  # the kernel would create these
+        (machine / name).write_text("max")
     limits.setup()
     assert (root / "cgroup.subtree_control").read_text() == "+memory +cpu"
-    machine = limits.base / "m1"
-    machine.mkdir()
-    (machine / "memory.swap.max").write_text("max")
     [cgroup] = limits.prepare("m1", 32, 3)
     assert cgroup == str(machine)
     assert (machine / "memory.max").read_text() == str(32 * 1024 * 1024)

@@ -1,0 +1,85 @@
+"""Which worker owns a machine: a local replica of KV `fauxmad_machines`, kept current by a watch.
+
+Workers write the index after each transition; a broker that routes `get`, `stop` and friends
+reads its replica (no network hop), falling back to a direct KV read for a machine created a moment
+ago on another broker. Machines never move between workers, so an answer never goes stale except
+by destruction, which the watch delivers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from bus.codec import decoder
+from bus.errors import NotFound
+from bus.messages import MachineIndexEntry
+
+log = logging.getLogger(__name__)
+
+
+class MachineIndex:
+    def __init__(self) -> None:
+        self._entries: dict[str, MachineIndexEntry] = {}
+        self._kv: Any = None
+        self._watcher: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            self._entries.pop(key, None)
+            return
+        try:
+            self._entries[key] = decoder(MachineIndexEntry).decode(value)
+        except Exception:
+            log.warning("index: ignoring malformed entry %s", key)
+
+    def remember(self, entry: MachineIndexEntry) -> None:
+        self._entries[entry.id] = entry
+
+    def by_app(self, app: str) -> list[MachineIndexEntry]:
+        return [entry for entry in self._entries.values() if entry.app == app]
+
+    def apps(self) -> set[str]:
+        return {entry.app for entry in self._entries.values()}
+
+    async def locate(self, machine_id: str, app: str | None = None) -> MachineIndexEntry:
+        entry = self._entries.get(machine_id)
+        if entry is None and self._kv is not None:
+            for _ in range(5):  # created a moment ago through another broker: the index may lag
+                try:
+                    found = await self._kv.get(machine_id)
+                    entry = decoder(MachineIndexEntry).decode(found.value)
+                    self._entries[machine_id] = entry
+                    break
+                except Exception:
+                    await asyncio.sleep(0.02)
+        if entry is None or (app is not None and entry.app != app):
+            raise NotFound(f"machine {machine_id} not found" + (f" in app {app}" if app else ""))
+        return entry
+
+    async def start(self, kv: Any, timeout: float = 5.0) -> None:
+        self._kv = kv
+        self._watcher = await kv.watchall()
+        self._task = asyncio.create_task(self._follow())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout)
+
+    async def _follow(self) -> None:
+        async for entry in self._watcher:
+            if entry is None:
+                self._ready.set()
+                continue
+            self.apply(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

@@ -1,0 +1,241 @@
+"""The broker process: the machines API on `fauxmad.v1.api...`, served as NATS micro service `fauxmad-broker`.
+
+Stateless: everything it knows is a replica (worker registry, machine index) or lives in KV
+(idempotency claims), so any number run at once in queue group `brokers` and any one can die.
+Per-machine verbs are validated here (a 400 never travels further) and forwarded to the owning
+worker, whose answer, success or error, goes back to the caller unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.micro import add_service
+from nats.micro.service import EndpointConfig, ServiceConfig
+
+from bus import subjects
+from bus.codec import decode
+from bus.connection import connect
+from bus.errors import BadRequest, FauxmadError
+from bus.jetstream import FleetConfig, ensure_fleet_resources
+from bus.messages import (
+    CreateRequest,
+    DestroyRequest,
+    GetRequest,
+    IdRequest,
+    ListRequest,
+    Machine,
+    MachineIndexEntry,
+    RegionSummary,
+    Resources,
+    SignalRequest,
+    SimulateRequest,
+    StartRequest,
+    StopRequest,
+    UpdateRequest,
+    WaitRequest,
+    WorkerInfo,
+    WorkersListRequest,
+)
+from bus.scatter import Scatterer
+from bus.service import Responder, call, request
+from orchestrator.broker.auction import Auction, AuctionConfig
+from orchestrator.broker.idempotency import Idempotency
+from orchestrator.broker.routing import MachineIndex
+from orchestrator.registry import Registry
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+# per-machine verbs: how to validate the payload, and how long the worker may take
+FORWARDED: dict[str, type[Any]] = {
+    "get": GetRequest,
+    "start": StartRequest,
+    "stop": StopRequest,
+    "destroy": DestroyRequest,
+    "wait": WaitRequest,
+    "update": UpdateRequest,
+    "signal": SignalRequest,
+}
+
+
+class BrokerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    nats_url: str
+    auction: AuctionConfig = msgspec.field(default_factory=AuctionConfig)
+    name: str = ""
+
+
+class Broker:
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.id = config.name or f"broker-{secrets.token_hex(4)}"
+        self.nc: Client | None = None
+        self.registry = Registry()
+        self.index = MachineIndex()
+        self._service: Any = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        self.nc = await connect(self.config.nats_url, f"fauxmad-{self.id}", agent=True)
+        kv = await ensure_fleet_resources(self.nc.jetstream(), FleetConfig())
+        await self.registry.start(kv.workers)
+        await self.index.start(kv.machines)
+        self.scatterer = Scatterer(self.nc)
+        await self.scatterer.start()
+        self.auction = Auction(self.nc, self.scatterer, self.registry, self.config.auction)
+        self.idempotency = Idempotency(kv.idempotency, self.id)
+        self.responder = Responder(self.nc, self.id)
+        self._service = await add_service(
+            self.nc,
+            ServiceConfig(
+                name=subjects.BROKER_SERVICE, version=VERSION, queue_group=subjects.BROKER_QUEUE,
+                description="fauxmad broker: region auctions that fill or fail at once",
+                metadata={"broker_id": self.id, "strategy": self.config.auction.strategy,
+                          "deadline_ms": f"{self.config.auction.deadline * 1000:g}"},
+            ),
+        )
+        for name, subject, handler in (
+            ("machines", subjects.API_MACHINES_WILDCARD, self._on_machines),
+            ("regions", subjects.API_REGIONS_LIST, self._on_regions),
+            ("workers", subjects.API_WORKERS_LIST, self._on_workers),
+            ("simulate", subjects.API_PLACEMENTS_SIMULATE, self._on_simulate),
+        ):
+            await self._service.add_endpoint(
+                EndpointConfig(name=name, subject=subject, handler=self.responder.for_micro(handler))
+            )
+        await self.nc.flush()
+
+    # ------------------------------------------------------------------------------------------
+    async def _on_machines(self, subject: str, data: bytes) -> Any:
+        app = subjects.check_token("app", subjects.parse_api_app(subject))
+        verb = subjects.parse_verb(subject)
+        if verb == "create":
+            return await self.create(app, decode(CreateRequest, data))
+        if verb == "list":
+            return await self.list(app, decode(ListRequest, data, empty_ok=True))
+        kind = FORWARDED.get(verb)
+        if kind is None:
+            raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.API_VERBS)}")
+        parsed: IdRequest = decode(kind, data)
+        entry = await self.index.locate(parsed.id, app)
+        timeout = getattr(parsed, "timeout", 10.0) + 5.0
+        assert self.nc is not None
+        reply = await request(self.nc, subjects.worker_machines(entry.worker_id, verb), data, timeout=timeout)
+        return reply.data
+
+    async def create(self, app: str, req: CreateRequest) -> Machine:
+        if not req.config.cmd:
+            raise BadRequest("config.cmd is required: the process driver needs a command to run")
+        key = req.idempotency_key
+        if key:
+            claim = await self.idempotency.claim(app, key)
+            if claim is not None and claim.machine_id and claim.worker_id:
+                return await self._get_from(claim.worker_id, claim.machine_id)
+        try:
+            machine, outcome = await self.auction.place(app, req)
+        except BaseException:
+            if key:
+                await self.idempotency.release(app, key)
+            raise
+        if key:
+            await self.idempotency.done(app, key, machine.id, machine.worker_id)
+        self.index.remember(MachineIndexEntry(id=machine.id, worker_id=machine.worker_id, region=machine.region,
+                                              app=app, state=machine.state, name=machine.name))
+        if not req.skip_launch:
+            assert self.nc is not None
+            machine = await call(self.nc, subjects.worker_machines(machine.worker_id, "start"),
+                                 StartRequest(id=machine.id), Machine, timeout=30)
+        if req.explain:
+            machine.explain = outcome.explain()
+        return machine
+
+    async def _get_from(self, worker_id: str, machine_id: str) -> Machine:
+        assert self.nc is not None
+        return await call(self.nc, subjects.worker_machines(worker_id, "get"),
+                          GetRequest(id=machine_id, events=False), Machine, timeout=5)
+
+    async def list(self, app: str, req: ListRequest) -> list[Machine]:
+        if req.app is not None and req.app != app:
+            raise BadRequest(f"list for app {app} cannot filter on app {req.app}")
+        assert self.nc is not None
+        workers = {entry.worker_id for entry in self.index.by_app(app)}
+        query = msgspec.structs.replace(req, app=app)
+
+        async def from_worker(worker_id: str) -> list[Machine]:
+            try:
+                return await call(self.nc, subjects.worker_machines(worker_id, "list"), query,  # type: ignore[arg-type]
+                                  list[Machine], timeout=3)
+            except FauxmadError as exc:
+                log.warning("list: worker %s did not answer: %s", worker_id, exc.message)
+                return []
+
+        results = await asyncio.gather(*[from_worker(w) for w in sorted(workers)])
+        machines = [m for group in results for m in group]
+        machines.sort(key=lambda m: (m.region, m.created_at, m.id))
+        return machines
+
+    async def _on_regions(self, subject: str, data: bytes) -> Any:
+        summaries: dict[str, RegionSummary] = {}
+        for info in self.registry.workers():
+            s = summaries.setdefault(info.region, RegionSummary(
+                region=info.region, workers=0, cordoned=0, capacity=Resources(), used=Resources(), machines=0))
+            s.workers += 1
+            s.cordoned += int(info.cordoned)
+            s.capacity.cpus += info.capacity.cpus
+            s.capacity.memory_mb += info.capacity.memory_mb
+            s.used.cpus += info.used.cpus
+            s.used.memory_mb += info.used.memory_mb
+            s.machines += info.machines
+        return [summaries[r] for r in sorted(summaries)]
+
+    async def _on_workers(self, subject: str, data: bytes) -> list[WorkerInfo]:
+        req = decode(WorkersListRequest, data, empty_ok=True)
+        return self.registry.workers(req.region)
+
+    async def _on_simulate(self, subject: str, data: bytes) -> Any:
+        req = decode(SimulateRequest, data)
+        outcome = await self.auction.rank(req.app, req.region, req.guest, req.image,
+                                          req.strategy or self.config.auction.strategy)
+        if outcome.ranking.candidates:
+            outcome.winner = outcome.ranking.candidates[0].worker_id
+        return outcome.explain()
+
+    # ------------------------------------------------------------------------------------------
+    async def run_forever(self) -> None:
+        await self._stopped.wait()
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def close(self) -> None:
+        if self._service is not None:
+            with contextlib.suppress(Exception):
+                await self._service.stop()
+        if hasattr(self, "responder"):
+            await self.responder.drain(2.0)
+        await self.registry.close()
+        await self.index.close()
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+
+
+async def run_broker(config: BrokerConfig) -> None:
+    import signal
+
+    broker = Broker(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, broker.request_stop)
+    await broker.start()
+    try:
+        await broker.run_forever()
+    finally:
+        await broker.close()

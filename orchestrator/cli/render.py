@@ -1,0 +1,97 @@
+"""Rendering for people (rich tables) and for programs (`--json`): one place for both."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import msgspec
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from bus.messages import Machine, RegionSummary, WorkerInfo
+
+console = Console()
+
+
+def print_json(value: Any) -> None:
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")
+
+
+def bar(used: int, total: int, width: int = 10) -> str:
+    if total <= 0:
+        return " " * width
+    filled = round(width * min(1.0, used / total))
+    return "█" * filled + "░" * (width - filled)
+
+
+def pct(used: int, total: int) -> str:
+    return f"{(100 * used / total) if total else 0:3.0f}%"
+
+
+STATE_STYLE = {"started": "green", "failed": "red", "stopped": "yellow", "destroyed": "dim"}
+
+
+def machines_table(machines: list[Machine], title: str | None = None) -> Table:
+    wide = console.width >= 120
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    columns = ["id", "region", "worker", "state", "port", "checks"] + (["name", "cmd"] if wide else [])
+    for col in columns:
+        table.add_column(col, overflow="fold" if col == "cmd" else "ellipsis", no_wrap=col != "cmd")
+    for m in machines:
+        checks = ",".join(f"{n}:{c.status}" for n, c in sorted(m.checks.items())) or "-"
+        style = STATE_STYLE.get(m.state, "")
+        row = [m.id, m.region, m.worker_id, f"[{style}]{m.state}[/]" if style else m.state, str(m.port or "-"), checks]
+        if wide:
+            row += [m.name, " ".join(m.config.cmd)[:60]]
+        table.add_row(*row)
+    return table
+
+
+def mem(mb: int) -> str:
+    return f"{mb / 1024:.1f}G" if mb >= 1024 else f"{mb}M"
+
+
+def workers_table(workers: list[WorkerInfo]) -> Table:
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+    for col in ("region", "worker", "cpus", "memory", "mach", "load", "state"):
+        table.add_column(col, no_wrap=True)
+    for w in workers:
+        table.add_row(
+            w.region, w.worker_id,
+            f"{bar(w.used.cpus, w.capacity.cpus, 6)} {w.used.cpus}/{w.capacity.cpus}",
+            f"{bar(w.used.memory_mb, w.capacity.memory_mb, 6)} {mem(w.used.memory_mb)}/{mem(w.capacity.memory_mb)}",
+            str(w.machines), f"{w.load:.2f}", "[yellow]cordoned[/]" if w.cordoned else "[green]ready[/]",
+        )
+    return table
+
+
+def regions_table(regions: list[RegionSummary]) -> Table:
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+    for col in ("region", "workers", "cpus", "memory", "machines"):
+        table.add_column(col, no_wrap=True)
+    for r in regions:
+        workers = f"{r.workers}" + (f" ({r.cordoned} cordoned)" if r.cordoned else "")
+        table.add_row(r.region, workers, f"{bar(r.used.cpus, r.capacity.cpus)} {r.used.cpus}/{r.capacity.cpus}",
+                      f"{bar(r.used.memory_mb, r.capacity.memory_mb)} {pct(r.used.memory_mb, r.capacity.memory_mb)}",
+                      str(r.machines))
+    return table
+
+
+def explain_table(explain: dict[str, Any]) -> Table:
+    table = Table(title=f"auction in {explain['region']} ({explain['strategy']}: {explain['answered']}/"
+                        f"{explain['asked']} workers answered in {explain['gather_ms']:.1f} ms)",
+                  title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    for col in ("#", "worker", "total", "cpu", "mem", "image", "spread", "load"):
+        table.add_column(col, no_wrap=col != "cpu")
+    for w in explain["workers"]:
+        won = w["worker_id"] == explain.get("winner")
+        name = f"[bold green]{w['worker_id']} ✓[/]" if won else w["worker_id"]
+        if w["outcome"] == "candidate":
+            s = w.get("subscores", {})
+            table.add_row(str(w.get("rank")), name, f"{w.get('total', 0):.3f}",
+                          *(f"{s.get(k, 0):+.2f}" for k in ("cpu", "memory", "image", "spread", "load")))
+        else:
+            table.add_row("-", name, "[red]no[/]", w.get("reason", ""), "", "", "", "")
+    return table

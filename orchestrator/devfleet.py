@@ -1,0 +1,209 @@
+"""A whole fleet on one machine: embedded NATS, real worker processes per region, and brokers.
+
+Used by `fauxmad dev`, `fauxmad demo`, `fauxmad bench` and the tests. Workers and brokers are
+separate processes started through the CLI (`python -m orchestrator.cli worker|broker`), exactly
+as on real hosts, so the orchestrator never imports `workers`. Stopping the fleet destroys the
+machines it ran (workers deliberately leave machines running when they stop), then the processes,
+then NATS, and checks that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import nats
+
+from bus import subjects
+from bus.codec import encode
+from bus.embedded import EmbeddedNats
+from bus.errors import Unreachable
+from bus.messages import DestroyRequest, ListRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
+    regions: list[str] = msgspec.field(default_factory=lambda: ["mad", "syd", "gru"])
+    workers_per_region: int = 3
+    cpus: int = 4
+    memory_mb: int = 4096
+    port: int | None = None
+    brokers: int = 1
+    workers_per_process: int = 1
+    deadline_ms: float = 50.0
+    strategy: str = "scatter"
+    heartbeat: float = 1.0
+    data_dir: str | None = None
+    fsync: bool = True
+
+
+class DevFleet:
+    def __init__(self, spec: FleetSpec, *, progress: Callable[[str], None] = lambda line: None) -> None:
+        self.spec = spec
+        self.progress = progress
+        self._own_dir = spec.data_dir is None
+        self.root = Path(spec.data_dir) if spec.data_dir else Path(tempfile.mkdtemp(prefix="fauxmad-dev-"))
+        self.nats: EmbeddedNats | None = None
+        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.worker_ids: list[str] = []
+
+    @property
+    def url(self) -> str:
+        assert self.nats is not None
+        return self.nats.url
+
+    @property
+    def expected_workers(self) -> int:
+        return len(self.spec.regions) * self.spec.workers_per_region
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        log_path = self.root / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdout=log, stderr=log,
+                                    stdin=subprocess.DEVNULL, env=env, cwd=str(self.root))
+        self.processes.append((name, proc))
+
+    def start(self, timeout: float = 60.0) -> DevFleet:
+        spec = self.spec
+        self.nats = EmbeddedNats(port=spec.port, store_dir=self.root / "nats", name="fauxmad-dev").start()
+        self.progress(f"nats-server with JetStream at {self.url}")
+        try:
+            self._start_processes()
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_processes(self) -> None:
+        spec = self.spec
+        for region in spec.regions:
+            per = spec.workers_per_process
+            groups = (spec.workers_per_region + per - 1) // per
+            for group in range(groups):
+                count = min(per, spec.workers_per_region - group * per)
+                base = f"{region}-{group + 1}" if per > 1 else f"{region}-w{group + 1}"
+                ids = [base] if count == 1 else [f"{base}-{i:04d}" for i in range(count)]
+                self.worker_ids += ids
+                args = ["worker", "--nats", self.url, "--region", region, "--worker-id", base,
+                        "--cpus", str(spec.cpus), "--memory-mb", str(spec.memory_mb),
+                        "--data-dir", str(self.root / "workers" / base), "--heartbeat", str(spec.heartbeat)]
+                if count > 1:
+                    args += ["--count", str(count)]
+                if not spec.fsync:
+                    args += ["--no-fsync"]
+                self._spawn(f"worker-{base}", args)
+        for i in range(spec.brokers):
+            self._spawn(f"broker-{i + 1}", ["broker", "--nats", self.url, "--name", f"broker-{i + 1}",
+                                            "--deadline-ms", str(spec.deadline_ms), "--strategy", spec.strategy])
+        self.progress(f"{self.expected_workers} workers in {', '.join(spec.regions)} and {spec.brokers} broker(s)")
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+
+        async def counts() -> tuple[int, int]:
+            nc = await nats.connect(self.url)
+            try:
+                msg = await nc.request(subjects.API_WORKERS_LIST, b"", timeout=1)
+                workers = len(msgspec.json.decode(msg.data)) if not msg.headers else 0
+                pings = 0
+                inbox = nc.new_inbox()
+                sub = await nc.subscribe(inbox)
+                await nc.publish(f"$SRV.PING.{subjects.BROKER_SERVICE}", b"", reply=inbox)
+                with contextlib.suppress(Exception):
+                    while True:
+                        await sub.next_msg(timeout=0.2)
+                        pings += 1
+                return workers, pings
+            except Exception:
+                return 0, 0
+            finally:
+                await nc.close()
+
+        while time.monotonic() < deadline:
+            for name, proc in self.processes:
+                if proc.poll() is not None:
+                    tail = (self.root / "logs" / f"{name}.log").read_text(errors="replace")[-1500:]
+                    raise Unreachable(f"{name} exited with code {proc.returncode}: {tail.strip()}")
+            workers, brokers = asyncio.run(counts())
+            if workers >= self.expected_workers and brokers >= self.spec.brokers:
+                return
+            time.sleep(0.1)
+        raise Unreachable(f"the fleet did not come up within {timeout:g}s (see {self.root / 'logs'})")
+
+    # ------------------------------------------------------------------------------------------
+    def destroy_all_machines(self) -> int:
+        """Destroy every machine on every worker of this fleet (workers leave machines running on exit)."""
+
+        async def run() -> int:
+            nc = await nats.connect(self.url)
+            destroyed = 0
+            try:
+                for worker_id in self.worker_ids:
+                    try:
+                        msg = await nc.request(subjects.worker_machines(worker_id, "list"), encode(ListRequest()),
+                                               timeout=2)
+                        machines = msgspec.json.decode(msg.data) if not msg.headers else []
+                    except Exception:
+                        continue
+                    for m in machines:
+                        with contextlib.suppress(Exception):
+                            await nc.request(subjects.worker_machines(worker_id, "destroy"),
+                                             encode(DestroyRequest(id=m["id"], force=True)), timeout=10)
+                            destroyed += 1
+            finally:
+                await nc.close()
+            return destroyed
+
+        try:
+            return asyncio.run(run())
+        except Exception:
+            return 0
+
+    def _kill_leftover_machines(self) -> None:
+        """Last resort: any machine process still running under this fleet's data dir."""
+        for pid_file in (self.root / "workers").glob("**/machines/*/child.pid"):
+            with contextlib.suppress(Exception):
+                pgid = os.getpgid(int(pid_file.read_text().strip()))
+                os.killpg(pgid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.nats is not None and self.processes:
+            destroyed = self.destroy_all_machines()
+            if destroyed:
+                self.progress(f"destroyed {destroyed} machines")
+        for _, proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
+        for _, proc in self.processes:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.processes.clear()
+        self._kill_leftover_machines()
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+        if self._own_dir:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> DevFleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

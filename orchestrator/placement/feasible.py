@@ -1,0 +1,75 @@
+"""Feasibility: can this offer take the machine at all? (Nomad's `feasible.go`.)
+
+Each filter is a small pure function `(request, offer) -> reason | None`: None means feasible, a
+string is the named reason a worker was ruled out, shown verbatim by `explain`. Filters never score
+and scorers never reject, so "why not this worker" and "why that one" have separate answers.
+
+Offers are information, not promises: a worker already declines when it is full, but the broker
+re-checks the numbers it was sent (a buggy or older worker, a reply that raced a change), because a
+wrong pick costs a failed `reserve` round trip. Workers that decline (cordoned, overloaded, full) send
+a `Decline`, which the stack turns into a rejection with the worker's own reason before any filter
+runs; so cordoning needs no filter here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from bus.messages import Offer, OfferRequest
+
+Filter = Callable[[OfferRequest, Offer], str | None]
+
+NO_ANSWER = "no answer within deadline"
+
+
+def same_region(request: OfferRequest, offer: Offer) -> str | None:
+    """A machine for R is never placed in another region (contract), even if a stray worker answers."""
+    if offer.region != request.region:
+        return f"wrong region: worker is in {offer.region!r}, request is for {request.region!r}"
+    return None
+
+
+def consistent_numbers(request: OfferRequest, offer: Offer) -> str | None:
+    """Numbers the scorers can trust: capacity > 0, 0 <= free <= capacity, a finite load >= 0."""
+    for name, capacity, free in (
+        ("cpus", offer.capacity.cpus, offer.free.cpus),
+        ("memory", offer.capacity.memory_mb, offer.free.memory_mb),
+    ):
+        if capacity <= 0:
+            return f"inconsistent offer: {name} capacity is {capacity}"
+        if not 0 <= free <= capacity:
+            return f"inconsistent offer: {name} free {free} is outside [0, capacity {capacity}]"
+    if not (math.isfinite(offer.load) and offer.load >= 0):
+        return f"inconsistent offer: load is {offer.load}"
+    return None
+
+
+def enough_cpus(request: OfferRequest, offer: Offer) -> str | None:
+    if offer.free.cpus < request.guest.cpus:
+        return f"insufficient cpus: needs {request.guest.cpus}, {offer.free.cpus} free"
+    return None
+
+
+def enough_memory(request: OfferRequest, offer: Offer) -> str | None:
+    if offer.free.memory_mb < request.guest.memory_mb:
+        return f"insufficient memory: needs {request.guest.memory_mb} MB, {offer.free.memory_mb} MB free"
+    return None
+
+
+# Name -> filter, in the order the stack runs them (see `stack.py` for why this order).
+FILTERS: tuple[tuple[str, Filter], ...] = (
+    ("region", same_region),
+    ("consistent", consistent_numbers),
+    ("cpus", enough_cpus),
+    ("memory", enough_memory),
+)
+
+
+def first_failure(request: OfferRequest, offer: Offer) -> tuple[str, str] | None:
+    """The first filter that rules the offer out, as `(filter name, reason)`, or None if feasible."""
+    for name, check in FILTERS:
+        reason = check(request, offer)
+        if reason is not None:
+            return name, reason
+    return None

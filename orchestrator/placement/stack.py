@@ -1,0 +1,129 @@
+"""The placement chain, assembled in one place (Nomad's `stack.go`): replies in, a ranked list out.
+
+`rank` sees one auction: the replies gathered from a region's workers (each an `Offer` or a
+`Decline`) and the set of workers that were asked and were live by the registry. It judges each
+worker exactly once, in this order, and each step says why it comes where it does:
+
+1. Silence. A live worker with no reply is rejected ("no answer within deadline"): there is nothing
+   to filter or score, and the broker must not wait for it (immediate-or-cancel).
+2. Declines. The worker's own word is the authority on itself (cordoned, overloaded, full), so its
+   reason is kept verbatim and nothing else is checked.
+3. Region. The contract's hard rule (never place a machine for R elsewhere) goes before everything
+   that only asks "how well".
+4. Consistency, then fit. The numbers are checked before they are used: the fit checks and the
+   scorers can then trust capacity > 0 and 0 <= free <= capacity.
+5. Scores, only for feasible offers: they are the costly part, and a score of a worker that cannot
+   take the machine would only confuse an explanation.
+
+The registry may lag the bus (a worker's first heartbeat not yet seen), so a reply from a worker
+outside `live_workers` is still judged; its id is listed in `Ranking.unregistered` for `explain`.
+A worker that replied twice is judged on its first reply. For the `p2c` strategy pass the sampled
+workers as `live_workers`, so the workers not asked are not reported as silent.
+
+Ties are broken deterministically: more free memory after placement (headroom for the next big
+guest), then worker id. A broker may pass its own seeded `random.Random` as `tie_break` instead of
+the id, so racing brokers that see identical offers (an empty fleet) do not all herd to one worker.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
+
+import msgspec
+
+from bus.messages import Decline, Offer, OfferRequest, Resources
+from orchestrator.placement.config import PlacementConfig
+from orchestrator.placement.feasible import NO_ANSWER, first_failure
+from orchestrator.placement.score import free_after, subscores
+
+# Totals are rounded so that equal scores reached by different float paths tie, and the tie-break
+# (not 1e-16 of noise) decides; nine digits is far below any meaningful difference in policy.
+TOTAL_DIGITS = 9
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker that can take the machine: its total, each named (weighted) subscore, what is left."""
+
+    worker_id: str
+    total: float
+    subscores: dict[str, float]
+    free_after: Resources
+
+
+class Rejection(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker ruled out: `filter` names the step ("deadline", "declined", "region", "consistent",
+    "cpus", "memory"), `reason` says why in words."""
+
+    worker_id: str
+    reason: str
+    filter: str
+
+
+class Ranking(msgspec.Struct, frozen=True, kw_only=True):
+    """One auction's outcome: candidates best first, rejections by worker id, and the ids of workers
+    that replied without being in the live set (the registry may lag)."""
+
+    candidates: list[Candidate]
+    rejected: list[Rejection]
+    unregistered: list[str] = []
+
+
+def rank(
+    request: OfferRequest,
+    replies: Iterable[Offer | Decline],
+    live_workers: AbstractSet[str],
+    config: PlacementConfig,
+    *,
+    tie_break: random.Random | None = None,
+) -> Ranking:
+    """Judge every worker of the auction once and order the feasible ones, best first."""
+    answers = _first_reply_per_worker(replies)
+    rejected = [Rejection(worker_id=w, reason=NO_ANSWER, filter="deadline") for w in live_workers - answers.keys()]
+    candidates: list[Candidate] = []
+    for worker_id in sorted(answers):  # sorted: a seeded tie-break must not depend on arrival order
+        verdict = judge(request, answers[worker_id], config)
+        if isinstance(verdict, Candidate):
+            candidates.append(verdict)
+        else:
+            rejected.append(verdict)
+    rejected.sort(key=lambda r: r.worker_id)
+    return Ranking(
+        candidates=_best_first(candidates, tie_break),
+        rejected=rejected,
+        unregistered=sorted(answers.keys() - live_workers),
+    )
+
+
+def judge(request: OfferRequest, reply: Offer | Decline, config: PlacementConfig) -> Candidate | Rejection:
+    """One worker's verdict: steps 2 to 5 of the chain described above."""
+    match reply:
+        case Decline(worker_id=worker_id, reason=reason):
+            return Rejection(worker_id=worker_id, reason=reason or "declined", filter="declined")
+        case Offer():
+            failure = first_failure(request, reply)
+            if failure is not None:
+                return Rejection(worker_id=reply.worker_id, reason=failure[1], filter=failure[0])
+            scores = subscores(request, reply, config)
+            return Candidate(
+                worker_id=reply.worker_id,
+                total=round(sum(scores.values()), TOTAL_DIGITS),
+                subscores=scores,
+                free_after=free_after(request, reply),
+            )
+
+
+def _first_reply_per_worker(replies: Iterable[Offer | Decline]) -> dict[str, Offer | Decline]:
+    answers: dict[str, Offer | Decline] = {}
+    for reply in replies:
+        answers.setdefault(reply.worker_id, reply)
+    return answers
+
+
+def _best_first(candidates: list[Candidate], tie_break: random.Random | None) -> list[Candidate]:
+    # `candidates` arrive sorted by worker id, so seeded draws are reproducible.
+    if tie_break is None:
+        return sorted(candidates, key=lambda c: (-c.total, -c.free_after.memory_mb, c.worker_id))
+    draws = {c.worker_id: tie_break.random() for c in candidates}
+    return sorted(candidates, key=lambda c: (-c.total, -c.free_after.memory_mb, draws[c.worker_id]))

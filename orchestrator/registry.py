@@ -1,0 +1,103 @@
+"""The live-worker registry: a local replica of KV `fauxmad_workers`, kept current by a watch.
+
+Brokers need to know, per region, which workers are alive (to know how many offers to wait for,
+and whom p2c may sample) without asking anyone on the hot path. A KV watch delivers every
+heartbeat and every expiry marker; a worker whose last heartbeat is older than the bucket TTL is
+treated as gone even before its marker arrives. Time is injected, so staleness is testable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bus.codec import decoder
+from bus.jetstream import WORKER_TTL
+from bus.messages import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+class Registry:
+    def __init__(self, *, ttl: float = WORKER_TTL, clock: Callable[[], float] = time.time) -> None:
+        self.ttl = ttl
+        self.clock = clock
+        self._workers: dict[str, WorkerInfo] = {}  # key "<region>.<worker_id>"
+        self._by_region: dict[str, dict[str, WorkerInfo]] = {}
+        self._seen_at: dict[str, float] = {}
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._watcher: Any = None
+        self.changed = asyncio.Event()
+
+    # ------------------------------------------------------------------------------------------
+    def apply(self, key: str, value: bytes | None) -> None:
+        """Apply one KV update (`value=None`: the key was deleted or expired)."""
+        if value is None:
+            info = self._workers.pop(key, None)
+            self._seen_at.pop(key, None)
+            if info is not None:
+                self._by_region.get(info.region, {}).pop(info.worker_id, None)
+        else:
+            try:
+                info = decoder(WorkerInfo).decode(value)
+            except Exception:
+                log.warning("registry: ignoring malformed heartbeat under %s", key)
+                return
+            self._workers[key] = info
+            self._seen_at[key] = self.clock()
+            self._by_region.setdefault(info.region, {})[info.worker_id] = info
+        self.changed.set()
+
+    def _alive(self, key: str, info: WorkerInfo) -> bool:
+        seen = self._seen_at.get(key, 0.0)
+        return self.clock() - max(seen, info.heartbeat_at) <= self.ttl
+
+    def workers(self, region: str | None = None) -> list[WorkerInfo]:
+        """Live workers, optionally of one region, ordered by region then id."""
+        out = [
+            info for key, info in self._workers.items()
+            if (region is None or info.region == region) and self._alive(key, info)
+        ]
+        out.sort(key=lambda i: (i.region, i.worker_id))
+        return out
+
+    def live_ids(self, region: str) -> set[str]:
+        return {info.worker_id for info in self.workers(region)}
+
+    def regions(self) -> list[str]:
+        return sorted({info.region for info in self.workers()})
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        for info in self._workers.values():
+            if info.worker_id == worker_id:
+                return info
+        return None
+
+    # ------------------------------------------------------------------------------------------
+    async def start(self, kv: Any, timeout: float = 5.0) -> None:
+        self._watcher = await kv.watchall()
+        self._task = asyncio.create_task(self._follow())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout)
+
+    async def _follow(self) -> None:
+        async for entry in self._watcher:
+            if entry is None:  # the initial values are all in
+                self._ready.set()
+                continue
+            deleted = entry.operation in ("DEL", "PURGE")
+            self.apply(entry.key, None if deleted else entry.value)
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):
+                await self._watcher.stop()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

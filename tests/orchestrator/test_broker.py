@@ -1,0 +1,204 @@
+"""The market: real nats-server, real worker processes, two real brokers, clients racing them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import msgspec
+import nats
+import pytest
+
+from bus.errors import BadRequest, NoCapacity, NotFound
+from bus.messages import CreateRequest, Guest, MachineConfig, SimulateRequest
+from orchestrator.client import FleetClient
+from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.helpers import arun
+
+SLEEP = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=128))
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[DevFleet]:
+    spec = FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=2)
+    with DevFleet(spec) as running:
+        yield running
+
+
+def cleanup(fleet: DevFleet) -> None:
+    fleet.destroy_all_machines()
+
+
+async def connect(fleet: DevFleet) -> FleetClient:
+    return await FleetClient.connect(fleet.url)
+
+
+def test_create_places_in_region_and_explains(fleet: DevFleet) -> None:
+    async def main() -> None:
+        client = await connect(fleet)
+        machine = await client.create("web", CreateRequest(region="syd", config=SLEEP, explain=True))
+        assert machine.state == "started" and machine.region == "syd" and machine.worker_id.startswith("syd-")
+        explain = machine.explain
+        assert isinstance(explain, dict)
+        assert explain["winner"] == machine.worker_id and explain["asked"] == 3 and explain["answered"] == 3
+        assert sorted(w["worker_id"] for w in explain["workers"]) == ["syd-w1", "syd-w2", "syd-w3"]
+        for w in explain["workers"]:
+            assert set(w["subscores"]) == {"cpu", "memory", "image", "spread", "load"}
+        listed = await client.list("web")
+        assert [m.id for m in listed] == [machine.id]
+        got = await client.get("web", machine.id)
+        assert got.events and got.events[0].status == "started"
+        with pytest.raises(NotFound):
+            await client.get("other-app", machine.id)  # a machine is only reachable through its own app
+        stopped = await client.stop("web", machine.id)
+        assert stopped.state == "stopped"
+        assert (await client.destroy("web", machine.id)).state == "destroyed"
+        await client.close()
+
+    arun(main())
+    cleanup(fleet)
+
+
+def test_racing_brokers_and_clients_never_overcommit_and_503_when_full(fleet: DevFleet) -> None:
+    # mad has 3 workers x 4 cpus = 12 slots of 1 cpu; 6 clients race 30 creates through 2 brokers
+    async def main() -> None:
+        clients = [await connect(fleet) for _ in range(6)]
+        for trial in range(3):
+            config = msgspec.structs.replace(SLEEP, cmd=["sleep", "300"])
+            results = await asyncio.gather(
+                *[clients[i % 6].create("race", CreateRequest(region="mad", config=config, skip_launch=True))
+                  for i in range(30)],
+                return_exceptions=True,
+            )
+            placed = [r for r in results if not isinstance(r, BaseException)]
+            refused = [r for r in results if isinstance(r, NoCapacity)]
+            assert len(placed) == 12 and len(refused) == 18, (trial, [r for r in results if isinstance(r, Exception)
+                                                                      and not isinstance(r, NoCapacity)])
+            assert all(m.region == "mad" for m in placed)
+            assert all("no capacity in mad" in str(r) for r in refused)
+            per_worker: dict[str, int] = {}
+            for m in placed:
+                per_worker[m.worker_id] = per_worker.get(m.worker_id, 0) + 1
+            assert per_worker == {"mad-w1": 4, "mad-w2": 4, "mad-w3": 4}
+            infos = await clients[0].workers("mad")
+            for info in infos:
+                assert info.used.cpus <= info.capacity.cpus
+            await asyncio.gather(*[clients[0].destroy("race", m.id) for m in placed])
+        for client in clients:
+            await client.close()
+
+    arun(main())
+    cleanup(fleet)
+
+
+def test_idempotency_across_brokers(fleet: DevFleet) -> None:
+    async def main() -> None:
+        clients = [await connect(fleet) for _ in range(4)]
+        request = CreateRequest(region="syd", config=SLEEP, idempotency_key="deploy-7-web-1")
+        machines = await asyncio.gather(*[clients[i % 4].create("idem", request) for i in range(8)])
+        assert len({m.id for m in machines}) == 1
+        again = await clients[3].create("idem", request)
+        assert again.id == machines[0].id
+        assert len(await clients[0].list("idem")) == 1
+        for client in clients:
+            await client.close()
+
+    arun(main())
+    cleanup(fleet)
+
+
+@pytest.mark.parametrize("strategy", ["p2c", "hedged"])
+def test_strategies_place_correctly_and_leave_no_extra_machine(fleet: DevFleet, strategy: str) -> None:
+    async def main() -> None:
+        client = await connect(fleet)
+        placed = []
+        for _ in range(5):
+            m = await client.create(f"s-{strategy}", CreateRequest(region="mad", config=SLEEP, skip_launch=True,
+                                                                   explain=True, strategy=strategy))
+            placed.append(m)
+            assert m.region == "mad"
+            if strategy == "p2c":
+                assert m.explain["asked"] == 2  # type: ignore[index]
+        await asyncio.sleep(0.5)  # hedged losers are released in the background
+        listed = await client.list(f"s-{strategy}")
+        assert sorted(m.id for m in listed) == sorted(m.id for m in placed)
+        infos = await client.workers("mad")
+        assert sum(i.used.cpus for i in infos) == 5
+        await client.close()
+
+    arun(main())
+    cleanup(fleet)
+
+
+def test_a_dead_worker_delays_a_create_by_at_most_the_deadline(fleet: DevFleet) -> None:
+    async def main() -> None:
+        nc = await nats.connect(fleet.url)
+        kv = await nc.jetstream().key_value("fauxmad_workers")
+        # a worker that died a moment ago: its heartbeat is still in the registry, but it never answers
+        ghost = {"worker_id": "mad-ghost", "region": "mad", "capacity": {"cpus": 64, "memory_mb": 65536},
+                 "used": {"cpus": 0, "memory_mb": 0}, "heartbeat_at": time.time()}
+        await kv.put("mad.mad-ghost", json.dumps(ghost).encode())
+        await asyncio.sleep(0.2)
+        client = await connect(fleet)
+        m = await client.create("ghosts", CreateRequest(region="mad", config=SLEEP, explain=True, skip_launch=True))
+        explain = m.explain
+        assert isinstance(explain, dict)
+        ghost_row = next(w for w in explain["workers"] if w["worker_id"] == "mad-ghost")
+        assert ghost_row["reason"] == "no answer within deadline"
+        assert m.worker_id != "mad-ghost"
+        # the auction waited for the ghost until the 50 ms deadline, and not longer (generous slack)
+        assert 45 <= explain["gather_ms"] <= 50 + 250, explain["gather_ms"]
+        await kv.delete("mad.mad-ghost")
+        await client.close()
+        await nc.close()
+
+    arun(main())
+    cleanup(fleet)
+
+
+def test_bad_requests_and_empty_regions(fleet: DevFleet) -> None:
+    async def main() -> None:
+        client = await connect(fleet)
+        with pytest.raises(NoCapacity, match="no capacity in atlantis"):
+            await client.create("web", CreateRequest(region="atlantis", config=SLEEP))
+        with pytest.raises(NoCapacity, match="no capacity in mad"):
+            await client.create("web", CreateRequest(region="mad", config=msgspec.structs.replace(
+                SLEEP, guest=Guest(cpus=64, memory_mb=128))))
+        for payload in [b"{", b'{"region": "mad"}', b'{"region": "mad", "config": {"cmd": ["x"], "guest": {"cpus": 0}}}',
+                        b'{"region": "mad", "config": {"cmd": ["x"], "guest": {"memory_mb": 0}}}']:
+            msg = await client.nc.request("fauxmad.v1.api.apps.web.machines.create", payload, timeout=5)
+            assert msg.headers and msg.headers["Nats-Service-Error-Code"] == "400", payload
+        msg = await client.nc.request("fauxmad.v1.api.apps.web.machines.teleport", b"{}", timeout=5)
+        assert msg.headers and msg.headers["Nats-Service-Error-Code"] == "400"
+        with pytest.raises(NotFound):
+            await client.get("web", "0123456789abcd")
+        with pytest.raises(BadRequest):
+            await client.create("web", CreateRequest(region="mad", config=MachineConfig(cmd=[])))
+        simulated = await client.simulate(SimulateRequest(app="web", region="mad"))
+        assert simulated["winner"] in {"mad-w1", "mad-w2", "mad-w3"} and len(simulated["workers"]) == 3
+        assert await client.list("web") == []  # the simulation reserved nothing
+        regions = {r.region: r for r in await client.regions()}
+        assert set(regions) >= {"mad", "syd"} and regions["mad"].workers == 3
+        await client.close()
+
+    arun(main())
+
+
+def test_brokers_and_workers_answer_discovery(fleet: DevFleet) -> None:
+    async def main() -> None:
+        nc = await nats.connect(fleet.url)
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish("$SRV.PING", b"", reply=inbox)
+        names: list[str] = []
+        try:
+            while True:
+                names.append(json.loads((await sub.next_msg(timeout=0.5)).data)["name"])
+        except Exception:
+            pass
+        assert names.count("fauxmad-broker") == 2 and names.count("fauxmad-worker") == 6
+        await nc.close()
+
+    arun(main())

@@ -1,0 +1,372 @@
+"""Placement as pure functions: filters and their reasons, curves, scores, ordering, explain, p2c."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bus.messages import Decline, Offer, OfferGuest, OfferRequest, Resources
+from orchestrator.placement import (
+    NO_ANSWER,
+    SCORERS,
+    Curve,
+    PlacementConfig,
+    explain,
+    interpolate,
+    rank,
+    sample_two,
+)
+from orchestrator.placement.feasible import consistent_numbers, enough_cpus, enough_memory, same_region
+
+CONFIG = PlacementConfig()
+
+
+def request(cpus: int = 1, memory_mb: int = 256, image: str | None = None, region: str = "mad") -> OfferRequest:
+    return OfferRequest(app="web", region=region, guest=OfferGuest(cpus=cpus, memory_mb=memory_mb), image=image)
+
+
+def offer(worker_id: str, *, cpus: int = 8, memory_mb: int = 8192, free_cpus: int | None = None,
+          free_mb: int | None = None, region: str = "mad", **extra: Any) -> Offer:
+    return Offer(
+        worker_id=worker_id,
+        region=region,
+        capacity=Resources(cpus=cpus, memory_mb=memory_mb),
+        free=Resources(
+            cpus=cpus if free_cpus is None else free_cpus,
+            memory_mb=memory_mb if free_mb is None else free_mb,
+        ),
+        **extra,
+    )
+
+
+def ids(ranking: Any) -> list[str]:
+    return [c.worker_id for c in ranking.candidates]
+
+
+# --- filters ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("check", "reply", "expected"),
+    [
+        (same_region, offer("w"), None),
+        (same_region, offer("w", region="ams"), "wrong region: worker is in 'ams', request is for 'mad'"),
+        (consistent_numbers, offer("w"), None),
+        (consistent_numbers, offer("w", cpus=0, free_cpus=0), "inconsistent offer: cpus capacity is 0"),
+        (consistent_numbers, offer("w", free_mb=9000), "inconsistent offer: memory free 9000 is outside"),
+        (consistent_numbers, offer("w", free_cpus=-1), "inconsistent offer: cpus free -1 is outside"),
+        (consistent_numbers, offer("w", load=float("nan")), "inconsistent offer: load is nan"),
+        (consistent_numbers, offer("w", load=-1.0), "inconsistent offer: load is -1.0"),
+        (enough_cpus, offer("w", free_cpus=2), None),
+        (enough_cpus, offer("w", free_cpus=1), "insufficient cpus: needs 2, 1 free"),
+        (enough_memory, offer("w", free_mb=512), None),
+        (enough_memory, offer("w", free_mb=511), "insufficient memory: needs 512 MB, 511 MB free"),
+    ],
+)
+def test_each_filter_names_its_reason(check: Any, reply: Offer, expected: str | None) -> None:
+    reason = check(request(cpus=2, memory_mb=512), reply)
+    if expected is None:
+        assert reason is None
+    else:
+        assert reason is not None and reason.startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("reply", "filter_name", "reason"),
+    [
+        (Decline(worker_id="w", reason="cordoned"), "declined", "cordoned"),
+        (Decline(worker_id="w", reason="overloaded: load 9.00 per cpu"), "declined", "overloaded: load 9.00 per cpu"),
+        (Decline(worker_id="w", reason=""), "declined", "declined"),
+        (offer("w", region="ams"), "region", "wrong region"),
+        (offer("w", free_mb=100), "memory", "insufficient memory"),
+        (offer("w", free_cpus=0), "cpus", "insufficient cpus"),
+        (offer("w", free_cpus=0, free_mb=0), "cpus", "insufficient cpus"),  # first failing filter wins
+    ],
+)
+def test_rank_rejects_with_the_filter_and_reason(reply: Offer | Decline, filter_name: str, reason: str) -> None:
+    ranking = rank(request(), [reply], {"w"}, CONFIG)
+    assert ranking.candidates == []
+    [rejection] = ranking.rejected
+    assert (rejection.worker_id, rejection.filter) == ("w", filter_name)
+    assert rejection.reason.startswith(reason)
+
+
+def test_a_full_worker_is_rejected_with_a_reason_naming_the_resource() -> None:
+    replies = [offer("cpu-full", free_cpus=0), offer("mem-full", free_mb=0), offer("roomy")]
+    ranking = rank(request(), replies, {"cpu-full", "mem-full", "roomy"}, CONFIG)
+    assert ids(ranking) == ["roomy"]
+    reasons = {r.worker_id: r.reason for r in ranking.rejected}
+    assert "cpus" in reasons["cpu-full"] and "memory" in reasons["mem-full"]
+
+
+def test_workers_that_did_not_answer_are_rejected_for_the_deadline() -> None:
+    ranking = rank(request(), [offer("a")], {"a", "b", "c"}, CONFIG)
+    assert ids(ranking) == ["a"]
+    assert [(r.worker_id, r.filter, r.reason) for r in ranking.rejected] == [
+        ("b", "deadline", NO_ANSWER),
+        ("c", "deadline", NO_ANSWER),
+    ]
+    assert NO_ANSWER == "no answer within deadline"
+
+
+# --- curves and scores -----------------------------------------------------------------------------
+
+CURVE: Curve = ((0.2, 0.0), (0.6, 1.0), (0.9, 0.4))
+
+
+@pytest.mark.parametrize(
+    ("utilization", "score"),
+    [
+        (0.2, 0.0),  # on a point
+        (0.6, 1.0),
+        (0.9, 0.4),
+        (0.4, 0.5),  # between points
+        (0.75, 0.7),
+        (0.0, 0.0),  # clamped below the first point
+        (1.0, 0.4),  # clamped above the last point
+    ],
+)
+def test_curves_interpolate_linearly_and_clamp(utilization: float, score: float) -> None:
+    assert interpolate(CURVE, utilization) == pytest.approx(score)
+
+
+def test_scores_follow_utilization_after_placement() -> None:
+    # 8 cpus, 4.6 free, guest 1 -> after placement (8 - 5 + 1) / 8 = 0.5; default cpu curve there.
+    ranking = rank(request(cpus=1, memory_mb=1024), [offer("w", free_cpus=5, free_mb=4096)], {"w"}, CONFIG)
+    [candidate] = ranking.candidates
+    assert candidate.subscores["cpu"] == pytest.approx(0.2 + 0.8 * 0.5 / 0.7)
+    assert candidate.subscores["memory"] == pytest.approx(0.2 + 0.8 * (5120 / 8192) / 0.7)
+    assert candidate.free_after == Resources(cpus=4, memory_mb=3072)
+    assert set(candidate.subscores) == {name for name, _ in SCORERS}
+    assert candidate.total == pytest.approx(sum(candidate.subscores.values()))
+
+
+def test_a_cached_image_wins_a_tie() -> None:
+    replies = [offer("a"), offer("b", image_cached=True)]
+    ranking = rank(request(image="registry/web:1"), replies, {"a", "b"}, CONFIG)
+    assert ids(ranking) == ["b", "a"]
+    assert ranking.candidates[0].subscores["image"] == CONFIG.image_bonus
+    # No image asked for: a cached flag means nothing, and the id breaks the tie.
+    assert ids(rank(request(), replies, {"a", "b"}, CONFIG)) == ["a", "b"]
+
+
+def test_spread_prefers_a_worker_without_the_app() -> None:
+    replies = [offer("a", app_machines=2), offer("b")]
+    ranking = rank(request(), replies, {"a", "b"}, CONFIG)
+    assert ids(ranking) == ["b", "a"]
+    assert ranking.candidates[1].subscores["spread"] == pytest.approx(-2 * CONFIG.spread_penalty)
+
+
+def test_load_penalizes_a_busy_host() -> None:
+    ranking = rank(request(), [offer("a", load=3.0), offer("b", load=0.5)], {"a", "b"}, CONFIG)
+    assert ids(ranking) == ["b", "a"]
+
+
+def test_bin_packing_with_headroom_prefers_the_fuller_worker_below_the_peak() -> None:
+    replies = [offer("empty"), offer("half", free_cpus=4, free_mb=4096), offer("full", free_cpus=1, free_mb=256)]
+    ranking = rank(request(cpus=1, memory_mb=256), replies, {"empty", "half", "full"}, CONFIG)
+    assert ids(ranking) == ["half", "full", "empty"]
+
+
+# --- ordering --------------------------------------------------------------------------------------
+
+
+def test_ordering_is_deterministic_whatever_the_arrival_order() -> None:
+    replies: list[Offer | Decline] = [
+        offer(f"w{i}", free_cpus=i % 4 + 1, free_mb=1024 * (i % 3 + 1), app_machines=i % 2) for i in range(12)
+    ]
+    replies.append(Decline(worker_id="cordoned", reason="cordoned"))
+    live = {f"w{i}" for i in range(12)} | {"cordoned", "silent"}
+    expected = rank(request(), replies, live, CONFIG)
+    for seed in range(5):
+        shuffled = replies[:]
+        random.Random(seed).shuffle(shuffled)
+        assert rank(request(), shuffled, live, CONFIG) == expected
+
+
+def test_ties_go_to_more_free_memory_then_worker_id() -> None:
+    # "big" is twice the size with the same utilization after placement (cpu 0.75, memory 0.625):
+    # equal totals, but more memory left over, so it goes first; "a" and "b" are identical.
+    replies = [
+        offer("b", free_cpus=4, free_mb=4096),
+        offer("a", free_cpus=4, free_mb=4096),
+        offer("big", cpus=16, memory_mb=16384, free_cpus=6, free_mb=7168),
+    ]
+    ranking = rank(request(cpus=2, memory_mb=1024), replies, {"a", "b", "big"}, CONFIG)
+    assert len({c.total for c in ranking.candidates}) == 1
+    assert ids(ranking) == ["big", "a", "b"]
+
+
+def test_a_seeded_tie_break_is_reproducible_and_only_breaks_ties() -> None:
+    replies = [offer(f"w{i}") for i in range(20)] + [offer("best", image_cached=True)]
+    live = {r.worker_id for r in replies}
+    req = request(image="img")
+    first = rank(req, replies, live, CONFIG, tie_break=random.Random(7))
+    again = rank(req, list(reversed(replies)), live, CONFIG, tie_break=random.Random(7))
+    assert first == again
+    assert ids(first)[0] == "best"
+    orders = {tuple(ids(rank(req, replies, live, CONFIG, tie_break=random.Random(s)))) for s in range(5)}
+    assert len(orders) > 1
+
+
+def test_a_duplicate_reply_is_judged_once_on_the_first() -> None:
+    ranking = rank(request(), [offer("a"), Decline(worker_id="a", reason="cordoned")], {"a"}, CONFIG)
+    assert ids(ranking) == ["a"] and ranking.rejected == []
+
+
+# --- explain ---------------------------------------------------------------------------------------
+
+
+def test_explain_lists_every_worker_exactly_once() -> None:
+    replies: list[Offer | Decline] = [
+        offer("a"),
+        offer("b", image_cached=True),
+        offer("small", free_mb=64),
+        Decline(worker_id="cordoned", reason="cordoned"),
+        offer("late-registry"),  # answered, not yet in the registry
+    ]
+    live = {"a", "b", "small", "cordoned", "silent"}
+    ranking = rank(request(image="img"), replies, live, CONFIG)
+    report = explain(ranking)
+    names = [w.worker_id for w in report.workers]
+    assert sorted(names) == sorted(live | {"late-registry"})
+    assert len(names) == len(set(names)) == len(ranking.candidates) + len(ranking.rejected)
+    assert report.winner == "b"
+    by_id = {w.worker_id: w for w in report.workers}
+    assert by_id["b"].rank == 1 and by_id["b"].subscores["image"] == CONFIG.image_bonus
+    assert (by_id["small"].filter, by_id["cordoned"].reason, by_id["silent"].reason) == (
+        "memory",
+        "cordoned",
+        NO_ANSWER,
+    )
+    assert by_id["late-registry"].outcome == "candidate" and not by_id["late-registry"].registered
+    assert by_id["late-registry"].note is not None and "registry" in by_id["late-registry"].note
+    assert ranking.unregistered == ["late-registry"]
+
+
+def test_explain_is_json_and_leaves_out_what_does_not_apply() -> None:
+    ranking = rank(request(), [offer("a"), Decline(worker_id="d", reason="cordoned")], {"a", "d"}, CONFIG)
+    decoded = msgspec.json.decode(msgspec.json.encode(explain(ranking)))
+    assert decoded["winner"] == "a"
+    candidate, rejected = decoded["workers"]
+    assert set(candidate) == {"worker_id", "outcome", "rank", "total", "subscores", "free_after"}
+    assert rejected == {"worker_id": "d", "outcome": "rejected", "filter": "declined", "reason": "cordoned"}
+
+
+def test_explain_with_no_candidates_has_no_winner() -> None:
+    report = explain(rank(request(), [], {"a"}, CONFIG))
+    assert report.winner is None and [w.reason for w in report.workers] == [NO_ANSWER]
+
+
+# --- configuration ---------------------------------------------------------------------------------
+
+
+def test_config_from_mapping_accepts_numbers_and_lists() -> None:
+    config = PlacementConfig.from_mapping({"cpu_curve": [[0, 1], [1, 0]], "image_bonus": 1, "load_weight": 0.5})
+    assert config.cpu_curve == ((0.0, 1.0), (1.0, 0.0))
+    assert (config.image_bonus, config.load_weight, config.memory_curve) == (1.0, 0.5, CONFIG.memory_curve)
+    assert PlacementConfig.from_mapping({}) == CONFIG
+
+
+@pytest.mark.parametrize(
+    ("mapping", "key"),
+    [
+        ({"cpu_curve": [[0.5, 1.0], [0.2, 0.0]]}, "cpu_curve"),  # not sorted
+        ({"memory_curve": [[0.2, 1.0], [0.2, 0.0]]}, "memory_curve"),  # not strictly increasing
+        ({"cpu_curve": [[0.0, 1.0]]}, "cpu_curve"),  # one point
+        ({"memory_curve": [[0.0, 1.0], [1.5, 0.0]]}, "memory_curve"),  # utilization > 1
+        ({"cpu_curve": [[-0.1, 1.0], [1.0, 0.0]]}, "cpu_curve"),  # utilization < 0
+        ({"cpu_curve": [[0.0, 1.0, 2.0], [1.0, 0.0]]}, "cpu_curve"),  # not a pair
+        ({"cpu_curve": "steep"}, "cpu_curve"),
+        ({"memory_curve": [[0.0, float("inf")], [1.0, 0.0]]}, "memory_curve"),
+        ({"cpu_weight": -1}, "cpu_weight"),
+        ({"memory_weight": "heavy"}, "memory_weight"),
+        ({"image_bonus": True}, "image_bonus"),
+        ({"spread_penalty": float("nan")}, "spread_penalty"),
+        ({"load_weight": -0.1}, "load_weight"),
+        ({"cpu_curvature": 1}, "cpu_curvature"),  # unknown key
+    ],
+)
+def test_config_errors_are_one_line_naming_the_key(mapping: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=key) as caught:
+        PlacementConfig.from_mapping(mapping)
+    assert "\n" not in str(caught.value)
+
+
+def test_config_built_in_code_is_validated_too() -> None:
+    with pytest.raises(ValueError, match="image_bonus"):
+        PlacementConfig(image_bonus=-1.0)
+
+
+# --- power of two choices --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("live", "expected"),
+    [([], []), (["a"], ["a"]), (["b", "a"], ["a", "b"]), (["a", "a"], ["a"])],
+)
+def test_sample_two_returns_all_when_fewer_than_two(live: list[str], expected: list[str]) -> None:
+    assert sample_two(live, random.Random(1)) == expected
+
+
+def test_sample_two_draws_two_distinct_workers_reproducibly() -> None:
+    live = [f"w{i}" for i in range(50)]
+    for seed in range(20):
+        picked = sample_two(live, random.Random(seed))
+        assert len(picked) == len(set(picked)) == 2 and set(picked) <= set(live)
+        assert sample_two(list(reversed(live)), random.Random(seed)) == picked
+    assert len({tuple(sample_two(live, random.Random(s))) for s in range(20)}) > 1
+
+
+# --- property --------------------------------------------------------------------------------------
+
+
+@st.composite
+def offers(draw: st.DrawFn, worker_id: str) -> Offer | Decline:
+    if draw(st.integers(0, 9)) == 0:
+        return Decline(worker_id=worker_id, reason="cordoned")
+    cpus = draw(st.integers(1, 64))
+    memory_mb = draw(st.integers(1, 65536))
+    return offer(
+        worker_id,
+        cpus=cpus,
+        memory_mb=memory_mb,
+        free_cpus=draw(st.integers(-1, cpus + 1)),
+        free_mb=draw(st.integers(-1, memory_mb + 1)),
+        region=draw(st.sampled_from(["mad", "mad", "mad", "ams"])),
+        image_cached=draw(st.booleans()),
+        load=draw(st.floats(0, 10)),
+        app_machines=draw(st.integers(0, 5)),
+    )
+
+
+@st.composite
+def auctions(draw: st.DrawFn) -> tuple[OfferRequest, list[Offer | Decline], set[str]]:
+    workers = draw(st.lists(st.sampled_from([f"w{i}" for i in range(40)]), unique=True, max_size=30))
+    replies = [draw(offers(w)) for w in workers]
+    live = set(draw(st.lists(st.sampled_from([*workers, "x1", "x2"]), unique=True)))
+    image = draw(st.none() | st.just("i"))
+    req = request(cpus=draw(st.integers(1, 8)), memory_mb=draw(st.integers(1, 8192)), image=image)
+    return req, replies, live
+
+
+@settings(max_examples=200, deadline=None)
+@given(auctions())
+def test_candidates_fit_and_are_sorted_by_total(auction: tuple[OfferRequest, list[Offer | Decline], set[str]]) -> None:
+    req, replies, live = auction
+    ranking = rank(req, replies, live, CONFIG)
+    by_id = {r.worker_id: r for r in replies}
+    for candidate in ranking.candidates:
+        reply = by_id[candidate.worker_id]
+        assert isinstance(reply, Offer) and reply.region == req.region
+        assert reply.free.cpus >= req.guest.cpus and reply.free.memory_mb >= req.guest.memory_mb
+        assert candidate.free_after.cpus >= 0 and candidate.free_after.memory_mb >= 0
+    totals = [c.total for c in ranking.candidates]
+    assert totals == sorted(totals, reverse=True)
+    explained = [w.worker_id for w in explain(ranking).workers]
+    assert sorted(explained) == sorted(live | by_id.keys())

@@ -1,0 +1,119 @@
+"""Local supervision on a real worker: restart policies with counts, OOM reported, health checks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import nats
+import pytest
+
+from tests.helpers import RawClient, WorkerProcess, arun
+from workers.limits import auto_detect
+
+
+def test_on_failure_restarts_up_to_max_retries_then_fails(worker_factory: Callable[..., WorkerProcess]) -> None:
+    worker = worker_factory()
+
+    async def main() -> None:
+        nc = await nats.connect(worker.nats_url)
+        raw = RawClient(nc, worker.worker_id)
+        m = await raw.ok("reserve", {"app": "crash", "region": worker.region, "config": {
+            "cmd": ["sh", "-c", "exit 3"], "restart": {"policy": "on-failure", "max_retries": 2}}})
+        await raw.ok("start", {"id": m["id"]})
+        failed = await raw.wait_state(m["id"], "failed", timeout=15)
+        assert failed["restarts"] == 2 and failed["exit"]["exit_code"] == 3
+        got = await raw.ok("get", {"id": m["id"]})
+        exits = [e for e in got["events"] if e["type"] == "exit"]
+        assert len(exits) == 3  # the first run and two restarts
+        await nc.close()
+
+    arun(main())
+
+
+def test_always_restarts_a_clean_exit_and_no_never_does(worker_factory: Callable[..., WorkerProcess]) -> None:
+    worker = worker_factory()
+
+    async def main() -> None:
+        nc = await nats.connect(worker.nats_url)
+        raw = RawClient(nc, worker.worker_id)
+        always = await raw.ok("reserve", {"app": "r", "region": worker.region, "config": {
+            "cmd": ["sh", "-c", "sleep 0.1"], "restart": {"policy": "always"}}})
+        never = await raw.ok("reserve", {"app": "r", "region": worker.region, "config": {
+            "cmd": ["sh", "-c", "exit 1"], "restart": {"policy": "no"}}})
+        await raw.ok("start", {"id": always["id"]})
+        await raw.ok("start", {"id": never["id"]})
+        assert (await raw.wait_state(never["id"], "failed"))["restarts"] == 0
+        for _ in range(100):
+            got = await raw.ok("get", {"id": always["id"]})
+            if got["restarts"] >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert got["restarts"] >= 2
+        stopped = await raw.ok("stop", {"id": always["id"]})
+        assert stopped["state"] == "stopped"
+        await nc.close()
+
+    arun(main())
+
+
+@pytest.mark.skipif(auto_detect("probe").describe() == "rlimit", reason="no writable cgroup memory controller here")
+def test_out_of_memory_is_reported(worker_factory: Callable[..., WorkerProcess]) -> None:
+    worker = worker_factory()
+
+    async def main() -> None:
+        nc = await nats.connect(worker.nats_url)
+        raw = RawClient(nc, worker.worker_id)
+        hog = "import time; b = bytearray(300 * 1024 * 1024); time.sleep(5)"
+        m = await raw.ok("reserve", {"app": "hog", "region": worker.region, "config": {
+            "cmd": ["python3", "-c", hog], "guest": {"cpus": 1, "memory_mb": 64}, "restart": {"policy": "no"}}})
+        await raw.ok("start", {"id": m["id"]})
+        failed = await raw.wait_state(m["id"], "failed", timeout=20)
+        assert failed["exit"]["oom_killed"] is True
+        got = await raw.ok("get", {"id": m["id"]})
+        assert any("out of memory" in (e.get("reason") or "") for e in got["events"])
+        await nc.close()
+
+    arun(main())
+
+
+def test_health_check_status_follows_the_service(worker_factory: Callable[..., WorkerProcess], tmp_path: Path) -> None:
+    worker = worker_factory()
+    flag = tmp_path / "healthy"
+
+    async def main() -> None:
+        nc = await nats.connect(worker.nats_url)
+        raw = RawClient(nc, worker.worker_id)
+        server = "import http.server, os; http.server.HTTPServer(('127.0.0.1', int(os.environ['PORT'])), http.server.SimpleHTTPRequestHandler).serve_forever()"  # noqa: E501
+        m = await raw.ok("reserve", {"app": "web", "region": worker.region, "config": {
+            "cmd": ["python3", "-c", server],
+            "checks": {
+                "http": {"type": "http", "path": "/", "interval": "200ms", "timeout": "1s"},
+                "flag": {"type": "cmd", "command": ["test", "-f", str(flag)], "interval": "100ms"},
+            }}})
+        await raw.ok("start", {"id": m["id"]})
+
+        async def statuses() -> dict[str, str]:
+            got = await raw.ok("get", {"id": m["id"]})
+            return {name: c["status"] for name, c in got["checks"].items()}
+
+        async def until(expected: dict[str, str]) -> None:
+            for _ in range(100):
+                if await statuses() == expected:
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"checks stayed {await statuses()}, wanted {expected}")
+
+        await until({"http": "passing", "flag": "critical"})
+        flag.write_text("ok")
+        await until({"http": "passing", "flag": "passing"})
+        flag.unlink()
+        await until({"http": "passing", "flag": "critical"})
+        got = await raw.ok("get", {"id": m["id"]})
+        assert sum(e["type"] == "check" for e in got["events"]) >= 4
+        await raw.ok("stop", {"id": m["id"]})
+        assert (await raw.ok("get", {"id": m["id"]}))["checks"] == {}
+        await nc.close()
+
+    arun(main())
