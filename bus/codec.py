@@ -7,7 +7,7 @@ field (`Expected int >= 1 - at $.config.guest.cpus`): callers see exactly what t
 from __future__ import annotations
 
 from functools import cache
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -32,7 +32,8 @@ def decode(kind: type[T], data: bytes, *, empty_ok: bool = False) -> T:
     if not data and empty_ok:
         data = b"{}"
     try:
-        return decoder(kind).decode(data)  # type: ignore[no-any-return]
+        result: T = decoder(cast(Any, kind)).decode(data)
+        return result
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid request: {exc}") from None
     except msgspec.DecodeError as exc:

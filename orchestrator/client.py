@@ -6,6 +6,7 @@ Every method is one request on a documented `fauxmad.v1.api...` subject; errors 
 
 from __future__ import annotations
 
+import builtins
 from typing import Any
 
 import msgspec
@@ -51,9 +52,12 @@ class FleetClient:
     async def run(self, app: str, region: str, config: MachineConfig, **options: Any) -> Machine:
         return await self.create(app, CreateRequest(region=region, config=config, **options))
 
-    async def list(self, app: str, *, state: str | None = None, include_destroyed: bool = False) -> list[Machine]:
+    async def list(
+        self, app: str, *, state: str | None = None, include_destroyed: bool = False
+    ) -> builtins.list[Machine]:
         query = ListRequest(state=state, include_destroyed=include_destroyed)  # type: ignore[arg-type]
-        return await call(self.nc, subjects.api_machines(app, "list"), query, list[Machine], timeout=self.timeout)
+        subject = subjects.api_machines(app, "list")
+        return await call(self.nc, subject, query, builtins.list[Machine], timeout=self.timeout)
 
     async def get(self, app: str, machine_id: str) -> Machine:
         return await call(self.nc, subjects.api_machines(app, "get"), GetRequest(id=machine_id), Machine,
@@ -80,12 +84,12 @@ class FleetClient:
         return await call(self.nc, subjects.api_machines(app, "update"), UpdateRequest(id=machine_id, config=config),
                           Machine, timeout=self.timeout + 30)
 
-    async def workers(self, region: str | None = None) -> list[WorkerInfo]:
+    async def workers(self, region: str | None = None) -> builtins.list[WorkerInfo]:
         return await call(self.nc, subjects.API_WORKERS_LIST, WorkersListRequest(region=region), list[WorkerInfo],
                           timeout=self.timeout)
 
-    async def regions(self) -> list[RegionSummary]:
-        return await call(self.nc, subjects.API_REGIONS_LIST, b"", list[RegionSummary], timeout=self.timeout)
+    async def regions(self) -> builtins.list[RegionSummary]:
+        return await call(self.nc, subjects.API_REGIONS_LIST, b"", builtins.list[RegionSummary], timeout=self.timeout)
 
     async def simulate(self, req: SimulateRequest) -> dict[str, Any]:
         msg = await request(self.nc, subjects.API_PLACEMENTS_SIMULATE, req, timeout=self.timeout)

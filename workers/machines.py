@@ -391,10 +391,11 @@ class MachineManager:
             handle = await self.driver.start(self._task_spec(stored))
         except Exception as exc:
             log.warning("machine %s: could not start: %r", machine_id, exc)
+            reason = f"could not start: {exc}"
 
             def failed(tx: Tx) -> StoredMachine:
                 current = tx.require(machine_id)
-                self._event(current, "failed", reason=f"could not start: {exc}")
+                self._event(current, "failed", reason=reason)
                 return tx.put_machine(current, "start_failed")
 
             result: StoredMachine = await self._commit(failed)
@@ -487,7 +488,8 @@ class MachineManager:
             self._supervised.pop(machine_id, None)
             decision = decision_box["decision"]
             if decision.restart:
-                self._restart_timers[machine_id] = self._spawn(machine_id, self._restart_later(machine_id, decision.delay))
+                timer = self._spawn(machine_id, self._restart_later(machine_id, decision.delay))
+                self._restart_timers[machine_id] = timer
             elif stored.machine.config.auto_destroy:
                 self._spawn(machine_id, self._auto_destroy(machine_id))
 

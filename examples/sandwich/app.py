@@ -23,7 +23,7 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_GET(self) -> None:  # noqa: N802 - the http.server API
+    def do_GET(self) -> None:
         if self.path == "/health":
             self._send(200, {"ok": True})
             return
@@ -33,7 +33,7 @@ class Handler(BaseHTTPRequestHandler):
             "worker": os.environ.get("FAUXMAD_WORKER_ID"), "ratings": averages,
         })
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         query = parse_qs(urlparse(self.path).query)
         try:
             name, stars = query["sandwich"][0], int(query["stars"][0])
@@ -45,7 +45,7 @@ class Handler(BaseHTTPRequestHandler):
         RATINGS.setdefault(name, []).append(stars)
         self._send(200, {"sandwich": name, "ratings": len(RATINGS[name])})
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         print(f"{self.command} {self.path} -> {args[1] if len(args) > 1 else ''}", flush=True)
 
 

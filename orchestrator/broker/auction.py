@@ -90,6 +90,7 @@ class Auction:
         self.registry = registry
         self.config = config
         self.rng = rng or random.Random()
+        self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------------------------------
     async def rank(self, app: str, region: str, guest: OfferGuest, image: str | None, strategy: str) -> Outcome:
@@ -149,7 +150,9 @@ class Auction:
         return await call(self.nc, subjects.worker_machines(worker_id, "reserve"), reserve, Machine,
                           timeout=self.config.reserve_timeout)
 
-    async def _reserve_in_order(self, candidates: list[str], reserve: ReserveRequest, outcome: Outcome) -> Machine | None:
+    async def _reserve_in_order(
+        self, candidates: list[str], reserve: ReserveRequest, outcome: Outcome
+    ) -> Machine | None:
         for worker_id in candidates:
             try:
                 machine = await self._reserve_on(worker_id, reserve)
@@ -192,7 +195,9 @@ class Auction:
 
     def _release_later(self, machine: Machine, outcome: Outcome) -> None:
         outcome.attempts.append(Attempt(worker_id=machine.worker_id, outcome="reserved (hedge lost, released)"))
-        asyncio.create_task(self._destroy_quietly(machine))
+        task = asyncio.create_task(self._destroy_quietly(machine))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _destroy_quietly(self, machine: Machine) -> None:
         with contextlib.suppress(Exception):

@@ -9,6 +9,7 @@ its revision, so exactly one broker takes it over.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
@@ -55,7 +56,7 @@ class Idempotency:
                 entry = await self.kv.get(kv_key)
             except KeyNotFoundError:
                 continue  # released meanwhile: try to claim again
-            claim = decoder(Claim).decode(entry.value)
+            claim: Claim = decoder(Claim).decode(entry.value)
             if claim.state == "done":
                 return claim
             if self.clock() - claim.at > self.stale_after:
@@ -73,7 +74,5 @@ class Idempotency:
         await self.kv.put(claim_key(app, key), encode(value))
 
     async def release(self, app: str, key: str) -> None:
-        try:
+        with contextlib.suppress(Exception):
             await self.kv.delete(claim_key(app, key))
-        except Exception:
-            pass

@@ -9,6 +9,7 @@ worker, whose answer, success or error, goes back to the caller unchanged.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import secrets
@@ -161,17 +162,17 @@ class Broker:
         return await call(self.nc, subjects.worker_machines(worker_id, "get"),
                           GetRequest(id=machine_id, events=False), Machine, timeout=5)
 
-    async def list(self, app: str, req: ListRequest) -> list[Machine]:
+    async def list(self, app: str, req: ListRequest) -> builtins.list[Machine]:
         if req.app is not None and req.app != app:
             raise BadRequest(f"list for app {app} cannot filter on app {req.app}")
         assert self.nc is not None
         workers = {entry.worker_id for entry in self.index.by_app(app)}
         query = msgspec.structs.replace(req, app=app)
 
-        async def from_worker(worker_id: str) -> list[Machine]:
+        async def from_worker(worker_id: str) -> builtins.list[Machine]:
             try:
                 return await call(self.nc, subjects.worker_machines(worker_id, "list"), query,  # type: ignore[arg-type]
-                                  list[Machine], timeout=3)
+                                  builtins.list[Machine], timeout=3)
             except FauxmadError as exc:
                 log.warning("list: worker %s did not answer: %s", worker_id, exc.message)
                 return []
@@ -195,7 +196,7 @@ class Broker:
             s.machines += info.machines
         return [summaries[r] for r in sorted(summaries)]
 
-    async def _on_workers(self, subject: str, data: bytes) -> list[WorkerInfo]:
+    async def _on_workers(self, subject: str, data: bytes) -> builtins.list[WorkerInfo]:
         req = decode(WorkersListRequest, data, empty_ok=True)
         return self.registry.workers(req.region)
 

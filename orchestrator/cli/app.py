@@ -10,7 +10,7 @@ import typer
 try:  # typer >= 0.29 vendors click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # pragma: no cover - older typer depends on click itself
-    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[no-redef]
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[no-redef,import-not-found,unused-ignore]
 
 from bus.errors import FauxmadError
 from orchestrator.cli.runtime import CliError
@@ -36,7 +36,7 @@ def root(
 
 
 def _register() -> None:
-    from orchestrator.cli import broker_cmd, fleet_cmd, machine_cmd, worker_cmd
+    from orchestrator.cli import bench_cmd, broker_cmd, fleet_cmd, machine_cmd, worker_cmd
 
     app.command("demo")(fleet_cmd.demo)
     app.command("dev")(fleet_cmd.dev)
@@ -45,6 +45,7 @@ def _register() -> None:
     app.command("regions")(fleet_cmd.regions)
     app.command("worker")(worker_cmd.worker)
     app.command("broker")(broker_cmd.broker)
+    app.add_typer(bench_cmd.bench_app, name="bench")
 
 
 _register()

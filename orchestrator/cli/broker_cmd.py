@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tomllib
 from pathlib import Path
 
@@ -38,7 +39,5 @@ def broker(
     assert url is not None
     config = BrokerConfig(nats_url=url, name=name, auction=AuctionConfig(
         deadline=deadline_ms / 1000, strategy=strategy, placement=placement_config))
-    try:
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
         run(run_broker(config))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from typing import Any
 
@@ -181,7 +182,5 @@ def logs(machine_id: str = typer.Argument(...), app: str = APP,
         else:
             await asyncio.sleep(1.0)
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         _with_client(nats, follow_logs)
-    except KeyboardInterrupt:
-        pass

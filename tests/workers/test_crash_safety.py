@@ -95,9 +95,10 @@ def test_restart_resumes_a_stop_that_was_in_flight(worker_factory: Callable[...,
                                      "config": {"cmd": ["sh", "-c", "trap '' TERM; sleep 120"]}})
         await raw.ok("start", {"id": m["id"]})
         # a TERM-ignoring process: the stop waits for its timeout, and the worker dies meanwhile
-        asyncio.create_task(raw.send("stop", {"id": m["id"], "timeout": 30}, timeout=40))
+        stopping = asyncio.create_task(raw.send("stop", {"id": m["id"], "timeout": 30}, timeout=40))
         await raw.wait_state(m["id"], "stopping")
         worker.kill9()
+        stopping.cancel()
         await nc.close()
         return str(m["id"])
 

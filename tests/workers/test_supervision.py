@@ -85,7 +85,7 @@ def test_health_check_status_follows_the_service(worker_factory: Callable[..., W
     async def main() -> None:
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
-        server = "import http.server, os; http.server.HTTPServer(('127.0.0.1', int(os.environ['PORT'])), http.server.SimpleHTTPRequestHandler).serve_forever()"  # noqa: E501
+        server = "import http.server, os; http.server.HTTPServer(('127.0.0.1', int(os.environ['PORT'])), http.server.SimpleHTTPRequestHandler).serve_forever()"
         m = await raw.ok("reserve", {"app": "web", "region": worker.region, "config": {
             "cmd": ["python3", "-c", server],
             "checks": {
