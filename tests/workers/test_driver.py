@@ -179,7 +179,10 @@ def test_workload_starts_with_default_signals(driver: ProcessDriver, tasks: Task
     handle, _ = start_and_wait(driver, tasks, make_spec(tmp_path, ["cat", "/proc/self/status"]))
     fields = dict(line.split(":\t", 1) for line in handle.stdout_path.read_text().splitlines())
     assert int(fields["SigBlk"], 16) == 0
-    assert int(fields["SigIgn"], 16) == 0
+    # only signals a process can reset: glibc's reserved real-time signals (32, 33) may arrive ignored
+    # from whoever started the test run (`just` does that), and no program can change them
+    resettable = sum(1 << (int(sig) - 1) for sig in signal.valid_signals() if int(sig) not in (9, 19))
+    assert int(fields["SigIgn"], 16) & resettable == 0
 
 
 def test_workload_has_its_own_process_group_in_the_shims_session(
