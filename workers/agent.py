@@ -105,6 +105,7 @@ class WorkerAgent:
         self._stopped = asyncio.Event()
         self.limits_mode = ""
         self._beat_pending = False
+        self._state_of: dict[str, str] = {}
 
     # ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -127,6 +128,8 @@ class WorkerAgent:
             self.store, self.committer, driver, on_commit=self._on_commit,
         )
         self._images = frozenset(self.store.images())
+        # derived from LMDB at start and kept in step by _on_commit: info() must not scan every machine
+        self._state_of = {stored.machine.id: stored.machine.state for stored in self.store.machines()}
         self.follower = LogFollower(self._publish_log, region=cfg.region, worker_id=cfg.worker_id)
         self.resumed = await self.manager.resume()
         for stored in self.store.machines():
@@ -252,8 +255,8 @@ class WorkerAgent:
         assert self.store is not None
         snap = self.snapshot()
         states: dict[str, int] = {}
-        for stored in self.store.machines():
-            states[stored.machine.state] = states.get(stored.machine.state, 0) + 1
+        for state in self._state_of.values():
+            states[state] = states.get(state, 0) + 1
         return WorkerInfo(
             worker_id=snap.worker_id, region=snap.region, capacity=snap.capacity, used=snap.used,
             machines=snap.machines, cordoned=snap.cordoned, images=sorted(snap.images), load=snap.load,
@@ -268,6 +271,7 @@ class WorkerAgent:
         for record in records:
             if isinstance(record, MachineRecord):
                 machine = record.stored.machine
+                self._state_of[machine.id] = machine.state
                 events = record.stored.events
                 if events and events[-1].seq == record.seq:
                     event = events[-1]
@@ -372,24 +376,32 @@ class WorkerAgent:
         self._stopped.set()
 
     async def close(self) -> None:
+        """Stop serving, promptly: every step is bounded, and machines are left running."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), 2.0)
         if self._service is not None:
-            with contextlib.suppress(Exception):
-                await self._service.stop()
+            await _bounded(self._service.stop(), 2.0)
         for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await _bounded(sub.unsubscribe(), 1.0)
+        if hasattr(self, "responder"):
+            await _bounded(self.responder.drain(), 3.0)  # answer what is in flight
+            self.responder.cancel_all()
         if self.manager is not None:
-            await self.manager.close()
+            await _bounded(self.manager.close(), 2.0)
         if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.drain()
+            await _bounded(self.nc.close(), 2.0)
         if self.committer is not None:
             self.committer.close()
         if self.store is not None:
             self.store.close()
+
+
+async def _bounded(awaitable: Any, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(awaitable, seconds)
+    except (TimeoutError, Exception):
+        log.debug("shutdown step did not finish within %ss", seconds, exc_info=True)
 
 
 async def run_workers(configs: list[WorkerConfig]) -> None:

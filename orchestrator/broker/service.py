@@ -225,7 +225,7 @@ class Broker:
         await self.index.close()
         if self.nc is not None:
             with contextlib.suppress(Exception):
-                await self.nc.drain()
+                await asyncio.wait_for(self.nc.close(), 2.0)
 
 
 async def run_broker(config: BrokerConfig) -> None:

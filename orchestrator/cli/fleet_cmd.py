@@ -150,7 +150,7 @@ def _demo_run(url: str, region_names: list[str]) -> list[Any]:
         checks={"http": Check(type="http", path="/health", interval="500ms", timeout="1s")},
     )
 
-    async def place() -> tuple[list[Any], list[Any]]:
+    async def place() -> list[tuple[Any, float]]:
         client = await FleetClient.connect(url)
         try:
             placed = []
@@ -160,12 +160,19 @@ def _demo_run(url: str, region_names: list[str]) -> list[Any]:
                 placed.append((machine, (time.perf_counter() - started) * 1000))
             for machine, _ in placed:
                 await client.wait("sandwich", machine.id, "started", timeout=10)
-            return placed, await client.workers()
+            return placed
+        finally:
+            await client.close()
+
+    async def fleet_view() -> Any:
+        client = await FleetClient.connect(url)
+        try:
+            return await client.workers(), [await client.get("sandwich", m.id) for m, _ in placed]
         finally:
             await client.close()
 
     console.rule("sandwich ratings, one machine per region")
-    placed, infos = run(place())
+    placed = run(place())
     for machine, ms in placed:
         console.print(f"[bold]{machine.region}[/]: machine {machine.id} on [bold]{machine.worker_id}[/] "
                       f"(placed and started in {ms:.1f} ms)")
@@ -177,8 +184,9 @@ def _demo_run(url: str, region_names: list[str]) -> list[Any]:
         body = _http_get(f"http://127.0.0.1:{machine.port}/")
         console.print(f"{machine.region} :{machine.port} -> {body}")
     console.rule("the fleet")
+    infos, machines = run(fleet_view())  # heartbeats carry usage within a few tens of milliseconds
     console.print(workers_table(infos))
-    console.print(machines_table([m for m, _ in placed], title="machines of app sandwich"))
+    console.print(machines_table(machines, title="machines of app sandwich (health checks from the workers)"))
     return [m for m, _ in placed]
 
 

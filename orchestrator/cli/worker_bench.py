@@ -50,6 +50,15 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _spawn_worker(url: str, data_dir: Path, worker_id: str) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "orchestrator.cli", "worker", "--nats", url, "--region", "bench",
             "--worker-id", worker_id, "--cpus", "1000000", "--memory-mb", "1000000000", "--data-dir", str(data_dir)]
@@ -179,8 +188,7 @@ def _restart(url: str, root: Path, records: int, progress: Callable[[str], None]
         asyncio.run(_wait_ready(url, "restart"))
         ready_ms = (time.perf_counter() - began) * 1000
     finally:
-        proc.terminate()
-        proc.wait()
+        _stop(proc)
     return RestartResult(log_records=records, machines=machines, log_mb=round(log_mb, 1),
                          open_ms=round(open_ms, 2), ready_ms=round(ready_ms, 1))
 
@@ -197,8 +205,7 @@ def run_worker_bench(*, reserves: int, sizes: list[int], progress: Callable[[str
             progress(f"{reserves} sequential reserves over NATS")
             reserve = asyncio.run(_reserve_latency(server.url, "bench-w", reserves))
         finally:
-            proc.terminate()
-            proc.wait()
+            _stop(proc)
         progress("commits per second with fsync")
         serial_rate, concurrent_rate, per_batch = _commit_rates(root)
         restarts = [_restart(server.url, root, n, progress) for n in sizes]

@@ -202,3 +202,28 @@ def test_brokers_and_workers_answer_discovery(fleet: DevFleet) -> None:
         await nc.close()
 
     arun(main())
+
+
+def test_update_replaces_a_running_machine_and_wait_routes(fleet: DevFleet) -> None:
+    async def main() -> None:
+        client = await connect(fleet)
+        machine = await client.create("upd", CreateRequest(region="mad", config=SLEEP))
+        first_instance = machine.instance_id
+        updated = await client.update("upd", machine.id, msgspec.structs.replace(
+            SLEEP, env={"RELEASE": "2"}, guest=Guest(cpus=2, memory_mb=256)))
+        assert updated.state == "started" and updated.instance_id != first_instance
+        assert updated.config.env == {"RELEASE": "2"} and updated.config.guest.cpus == 2
+        got = await client.get("upd", machine.id)
+        statuses = [e.status for e in reversed(got.events or []) if e.type == "transition"]
+        assert statuses[-3:] == ["replacing", "starting", "started"]
+        infos = {i.worker_id: i for i in await client.workers("mad")}
+        await asyncio.sleep(0.3)
+        infos = {i.worker_id: i for i in await client.workers("mad")}
+        assert infos[machine.worker_id].used.cpus == 2  # the reservation follows the new guest size
+        waited = await client.wait("upd", machine.id, "started", timeout=1)
+        assert waited.id == machine.id
+        await client.stop("upd", machine.id)
+        await client.close()
+
+    arun(main())
+    cleanup(fleet)
