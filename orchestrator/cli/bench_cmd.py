@@ -125,6 +125,8 @@ def placement(
     start: bool = typer.Option(False, "--start", help="create and start a process machine (default: reserve only)"),
     warmup: int = typer.Option(100, "--warmup", min=0, help="creates before measuring"),
     brokers: int = typer.Option(1, "--brokers", min=1, max=8),
+    per_process: int = typer.Option(0, "--workers-per-process", min=0, max=5000,
+                                    help="logical workers per worker process [default: 1 up to 16 workers]"),
     nats: str | None = typer.Option(None, "--nats", help=NATS_HELP + "; given: use that fleet", show_default=False),
     output: Path = typer.Option(Path("bench-placement.json"), "--output", "-o", help="where to write the JSON"),
     json_out: bool = typer.Option(False, "--json", help="print the JSON result"),
@@ -139,7 +141,7 @@ def placement(
     fleet = None
     url = nats
     if url is None:
-        per_process = 1 if workers <= 16 else -(-workers // 8)
+        per_process = per_process or (1 if workers <= 16 else -(-workers // 8))
         spec = FleetSpec(regions=names, workers_per_region=workers, cpus=100_000, memory_mb=10_000_000,
                          brokers=brokers, workers_per_process=per_process, strategy=strategy,
                          heartbeat=1.0 if workers <= 100 else 2.0)
