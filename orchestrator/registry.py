@@ -9,29 +9,26 @@ treated as gone even before its marker arrives. Time is injected, so staleness i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from bus.codec import decoder
 from bus.jetstream import WORKER_TTL
 from bus.messages import WorkerInfo
+from orchestrator.replica import KVReplica
 
 log = logging.getLogger(__name__)
 
 
-class Registry:
+class Registry(KVReplica):
     def __init__(self, *, ttl: float = WORKER_TTL, clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
         self.ttl = ttl
         self.clock = clock
         self._workers: dict[str, WorkerInfo] = {}  # key "<region>.<worker_id>"
         self._by_region: dict[str, dict[str, WorkerInfo]] = {}
         self._seen_at: dict[str, float] = {}
-        self._ready = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._watcher: Any = None
         self.changed = asyncio.Event()
 
     # ------------------------------------------------------------------------------------------
@@ -84,27 +81,3 @@ class Registry:
             if info.worker_id == worker_id:
                 return info
         return None
-
-    # ------------------------------------------------------------------------------------------
-    async def start(self, kv: Any, timeout: float = 5.0) -> None:
-        self._watcher = await kv.watchall()
-        self._task = asyncio.create_task(self._follow())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), timeout)
-
-    async def _follow(self) -> None:
-        async for entry in self._watcher:
-            if entry is None:  # the initial values are all in
-                self._ready.set()
-                continue
-            deleted = entry.operation in ("DEL", "PURGE")
-            self.apply(entry.key, None if deleted else entry.value)
-
-    async def close(self) -> None:
-        if self._watcher is not None:
-            with contextlib.suppress(Exception):
-                await self._watcher.stop()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task

@@ -9,24 +9,20 @@ by destruction, which the watch delivers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from typing import Any
 
 from bus.codec import decoder
 from bus.errors import NotFound
 from bus.messages import MachineIndexEntry
+from orchestrator.replica import KVReplica
 
 log = logging.getLogger(__name__)
 
 
-class MachineIndex:
+class MachineIndex(KVReplica):
     def __init__(self) -> None:
+        super().__init__()
         self._entries: dict[str, MachineIndexEntry] = {}
-        self._kv: Any = None
-        self._watcher: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self._ready = asyncio.Event()
 
     def apply(self, key: str, value: bytes | None) -> None:
         if value is None:
@@ -60,26 +56,3 @@ class MachineIndex:
         if entry is None or (app is not None and entry.app != app):
             raise NotFound(f"machine {machine_id} not found" + (f" in app {app}" if app else ""))
         return entry
-
-    async def start(self, kv: Any, timeout: float = 5.0) -> None:
-        self._kv = kv
-        self._watcher = await kv.watchall()
-        self._task = asyncio.create_task(self._follow())
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), timeout)
-
-    async def _follow(self) -> None:
-        async for entry in self._watcher:
-            if entry is None:
-                self._ready.set()
-                continue
-            self.apply(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
-
-    async def close(self) -> None:
-        if self._watcher is not None:
-            with contextlib.suppress(Exception):
-                await self._watcher.stop()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
