@@ -86,9 +86,6 @@ def events(region: str, worker_id: str, app: str, machine_id: str) -> str:
 EVENTS_ALL = f"{PREFIX}.events.>"
 
 
-def events_filter(region: str = "*", worker_id: str = "*", app: str = "*", machine_id: str = "*") -> str:
-    return f"{PREFIX}.events.{region}.{worker_id}.{app}.{machine_id}"
-
 
 def logs(app: str, machine_id: str) -> str:
     return f"{PREFIX}.logs.{app}.{machine_id}"

@@ -9,11 +9,10 @@ from __future__ import annotations
 import builtins
 from typing import Any
 
-import msgspec
 from nats.aio.client import Client
 
 from bus import subjects
-from bus.codec import decode, decoder
+from bus.codec import decode
 from bus.connection import connect
 from bus.messages import (
     CreateRequest,
@@ -96,10 +95,3 @@ class FleetClient:
         result: dict[str, Any] = decode(dict[str, Any], msg.data)  # type: ignore[arg-type]
         return result
 
-
-def to_builtins(value: Any) -> Any:
-    return msgspec.to_builtins(value)
-
-
-def decode_machine(data: bytes) -> Machine:
-    return decoder(Machine).decode(data)  # type: ignore[no-any-return]

@@ -8,7 +8,6 @@ treated as gone even before its marker arrives. Time is injected, so staleness i
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -29,7 +28,6 @@ class Registry(KVReplica):
         self._workers: dict[str, WorkerInfo] = {}  # key "<region>.<worker_id>"
         self._by_region: dict[str, dict[str, WorkerInfo]] = {}
         self._seen_at: dict[str, float] = {}
-        self.changed = asyncio.Event()
 
     # ------------------------------------------------------------------------------------------
     def apply(self, key: str, value: bytes | None) -> None:
@@ -48,7 +46,6 @@ class Registry(KVReplica):
             self._workers[key] = info
             self._seen_at[key] = self.clock()
             self._by_region.setdefault(info.region, {})[info.worker_id] = info
-        self.changed.set()
 
     def _alive(self, key: str, info: WorkerInfo) -> bool:
         seen = self._seen_at.get(key, 0.0)

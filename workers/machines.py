@@ -449,7 +449,7 @@ class MachineManager:
 
     async def _on_exit(self, machine_id: str, handle: TaskHandle, status: ExitStatus) -> None:
         async with self._locks[machine_id]:
-            self._stop_checks_for(machine_id, handle)
+            self._stop_checks_for(machine_id)
             decision_box: dict[str, Any] = {}
 
             def op(tx: Tx) -> StoredMachine | None:
@@ -506,7 +506,12 @@ class MachineManager:
         with contextlib.suppress(Exception):
             await self.destroy(DestroyRequest(id=machine_id, force=True), source="worker")
 
-    def _stop_checks_for(self, machine_id: str, handle: TaskHandle | None = None) -> None:
+    def _cancel_restart(self, machine_id: str) -> None:
+        timer = self._restart_timers.pop(machine_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _stop_checks_for(self, machine_id: str) -> None:
         current = asyncio.current_task()
         for task in list(self._tasks.get(machine_id, ())):
             if task is not current and getattr(task, "fauxmad_check", False):
@@ -570,9 +575,7 @@ class MachineManager:
                 return tx.put_machine(stored, "stop"), stored.machine.state == "stopping"
 
             stored, must_wait = await self._commit(op)
-            timer = self._restart_timers.pop(request.id, None)
-            if timer is not None:
-                timer.cancel()
+            self._cancel_restart(request.id)
             handle = stored.handle
         if must_wait and handle is not None:
             await self.driver.stop(handle, request.timeout, signum)
@@ -605,9 +608,7 @@ class MachineManager:
             stored = await self._commit(op)
             if stored.machine.state == "destroyed":
                 return self.view(stored)
-            timer = self._restart_timers.pop(request.id, None)
-            if timer is not None:
-                timer.cancel()
+            self._cancel_restart(request.id)
             stored = await self._finish_destroy(stored)
         self._forget(request.id)
         return self.view(stored)
@@ -669,9 +670,7 @@ class MachineManager:
                 return tx.put_machine(stored, "update" if not running else "replacing"), running
 
             stored, running = await self._commit(op)
-            timer = self._restart_timers.pop(request.id, None)
-            if timer is not None:
-                timer.cancel()
+            self._cancel_restart(request.id)
             if not running:
                 return self.view(stored)
             handle = stored.handle

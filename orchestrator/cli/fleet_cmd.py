@@ -13,33 +13,18 @@ from typing import Any
 import typer
 
 from orchestrator.cli.render import console, explain_table, machines_table, print_json, regions_table, workers_table
-from orchestrator.cli.runtime import NATS_HELP, fail, nats_url, run
+from orchestrator.cli.runtime import NATS_HELP, fail, run, with_client
 
 NATS = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
 JSON = typer.Option(False, "--json", help="print JSON instead of a table")
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 
 
-def _query(url: str | None, fn: Any) -> Any:
-    from orchestrator.client import FleetClient
-
-    resolved = nats_url(url)
-    assert resolved is not None
-
-    async def main() -> Any:
-        client = await FleetClient.connect(resolved)
-        try:
-            return await fn(client)
-        finally:
-            await client.close()
-
-    return run(main())
-
 
 def workers(region: str | None = typer.Option(None, "--region", "-r", help="only this region"),
             nats: str | None = NATS, json_out: bool = JSON) -> None:
     """The live workers (from their heartbeats) with capacity and utilization."""
-    infos = _query(nats, lambda c: c.workers(region))
+    infos = with_client(nats, lambda c: c.workers(region))
     if json_out:
         print_json(infos)
     elif not infos:
@@ -50,7 +35,7 @@ def workers(region: str | None = typer.Option(None, "--region", "-r", help="only
 
 def regions(nats: str | None = NATS, json_out: bool = JSON) -> None:
     """Regions with their workers, capacity and utilization."""
-    summaries = _query(nats, lambda c: c.regions())
+    summaries = with_client(nats, lambda c: c.regions())
     if json_out:
         print_json(summaries)
     elif not summaries:

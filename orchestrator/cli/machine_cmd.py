@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from orchestrator.cli.render import console, explain_table, machines_table, print_json
-from orchestrator.cli.runtime import NATS_HELP, fail, nats_url, run
+from orchestrator.cli.runtime import NATS_HELP, fail, with_client
 
 machine_app = typer.Typer(help="Run and manage machines (through the brokers).", no_args_is_help=True)
 
@@ -19,23 +19,6 @@ APP = typer.Option(..., "--app", "-a", help="the app the machine belongs to")
 JSON = typer.Option(False, "--json", help="print JSON instead of a table")
 
 
-async def _client(url: str | None) -> Any:
-    from orchestrator.client import FleetClient
-
-    resolved = nats_url(url)
-    assert resolved is not None
-    return await FleetClient.connect(resolved)
-
-
-def _with_client(url: str | None, fn: Any) -> Any:
-    async def main() -> Any:
-        client = await _client(url)
-        try:
-            return await fn(client)
-        finally:
-            await client.close()
-
-    return run(main())
 
 
 def _parse_env(pairs: list[str]) -> dict[str, str]:
@@ -81,7 +64,7 @@ def run_machine(
         request = msgspec.convert(msgspec.to_builtins(request), CreateRequest)  # validate like the broker will
     except (msgspec.ValidationError, ValueError) as exc:
         fail(f"invalid machine: {exc}")
-    machine = _with_client(nats, lambda c: c.create(app, request))
+    machine = with_client(nats, lambda c: c.create(app, request))
     if json_out:
         print_json(machine)
         return
@@ -95,7 +78,7 @@ def list_machines(app: str = APP, state: str | None = typer.Option(None, "--stat
                   all_: bool = typer.Option(False, "--all", help="include destroyed machines"),
                   nats: str | None = NATS, json_out: bool = JSON) -> None:
     """List an app's machines across every region."""
-    machines = _with_client(nats, lambda c: c.list(app, state=state, include_destroyed=all_))
+    machines = with_client(nats, lambda c: c.list(app, state=state, include_destroyed=all_))
     if json_out:
         print_json(machines)
     elif not machines:
@@ -108,7 +91,7 @@ def list_machines(app: str = APP, state: str | None = typer.Option(None, "--stat
 def show(machine_id: str = typer.Argument(..., help="machine id"), app: str = APP, nats: str | None = NATS,
          json_out: bool = JSON) -> None:
     """Show one machine with its recent events."""
-    machine = _with_client(nats, lambda c: c.get(app, machine_id))
+    machine = with_client(nats, lambda c: c.get(app, machine_id))
     if json_out:
         print_json(machine)
         return
@@ -126,7 +109,7 @@ def _verb(verb: str, help_text: str) -> None:
                 return await c.destroy(app, machine_id, force=force)
             return await getattr(c, verb)(app, machine_id)
 
-        machine = _with_client(nats, act)
+        machine = with_client(nats, act)
         if json_out:
             print_json(machine)
         else:
@@ -147,7 +130,7 @@ def wait(machine_id: str = typer.Argument(...), app: str = APP,
          timeout: float = typer.Option(60.0, "--timeout", min=0, help="seconds"),
          nats: str | None = NATS, json_out: bool = JSON) -> None:
     """Wait until a machine reaches a state (exit 1 on timeout)."""
-    machine = _with_client(nats, lambda c: c.wait(app, machine_id, state, timeout))
+    machine = with_client(nats, lambda c: c.wait(app, machine_id, state, timeout))
     if json_out:
         print_json(machine)
     else:
@@ -183,4 +166,4 @@ def logs(machine_id: str = typer.Argument(...), app: str = APP,
             await asyncio.sleep(1.0)
 
     with contextlib.suppress(KeyboardInterrupt):
-        _with_client(nats, follow_logs)
+        with_client(nats, follow_logs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NoReturn, TypeVar
 
 import typer
@@ -32,6 +32,23 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
+
+
+def with_client(url: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
+    """Connect a `FleetClient` to the fleet at `url` (or $FAUXMAD_NATS_URL), run `fn` with it, close it."""
+    from orchestrator.client import FleetClient
+
+    resolved = nats_url(url)
+    assert resolved is not None
+
+    async def main() -> T:
+        client = await FleetClient.connect(resolved)
+        try:
+            return await fn(client)
+        finally:
+            await client.close()
+
+    return run(main())
 
 
 def nats_url(value: str | None, *, required: bool = True) -> str | None:
