@@ -41,8 +41,8 @@ class Reply(msgspec.Struct, kw_only=True):
     """
 
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h|d)$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def seconds(value: float | str) -> float:
@@ -155,6 +155,11 @@ class MachineEvent(Reply):
     app: str = ""
     region: str = ""
     worker_id: str = ""
+    # additions (documented in the README): the config's labels where a config is (re)written
+    # (`reserve`, `update`), so the systemwide view knows a machine's release and role; and the
+    # check that changed, on `check` events
+    metadata: dict[str, str] | None = None
+    check: CheckStatus | None = None
 
 
 class Machine(Reply):
@@ -338,6 +343,8 @@ class CreateRequest(Request):
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     explain: bool = False
     strategy: Literal["scatter", "p2c", "hedged"] | None = None
+    # addition: workers that must not get this machine (a spare away from its primary, a drained host)
+    avoid_workers: list[Token] = []
 
 
 class SimulateRequest(Request):
@@ -381,6 +388,8 @@ class MachineIndexEntry(Reply):
     state: str
     name: str = ""
     version: int = 0
+    # addition: the machine's config.metadata, so a reconciler knows the role of a machine on a lost worker
+    metadata: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------------------------------------------

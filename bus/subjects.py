@@ -28,7 +28,7 @@ WORKER_SERVICE = "fauxmad-worker"
 WORKER_VERBS = (
     "reserve", "start", "stop", "destroy", "get", "list", "wait", "signal", "lease", "release", "update",
 )
-API_VERBS = ("create", "list", "get", "start", "stop", "destroy", "wait", "update")
+API_VERBS = ("create", "list", "get", "start", "stop", "destroy", "wait", "update", "signal", "lease", "release")
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -84,6 +84,13 @@ def events(region: str, worker_id: str, app: str, machine_id: str) -> str:
 
 
 EVENTS_ALL = f"{PREFIX}.events.>"
+
+
+def events_filter(app: str | None = None, machine_id: str | None = None) -> str:
+    """The events of one app, one machine, or both (any region, any worker): a stream filter subject."""
+    app_token = check_token("app", app) if app else "*"
+    machine_token = check_token("machine id", machine_id) if machine_id else "*"
+    return f"{PREFIX}.events.*.*.{app_token}.{machine_token}"
 
 
 

@@ -57,6 +57,7 @@ class DevFleet:
         self.nats: EmbeddedNats | None = None
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.worker_ids: list[str] = []
+        self.commands: dict[str, list[str]] = {}
 
     @property
     def url(self) -> str:
@@ -75,6 +76,19 @@ class DevFleet:
             proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdout=log, stderr=log,
                                     stdin=subprocess.DEVNULL, env=env, cwd=str(self.root))
         self.processes.append((name, proc))
+        self.commands[name] = args
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process of the fleet (`worker-mad-w1`, `broker-1`): chaos on demand."""
+        for known, proc in self.processes:
+            if known == name and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+
+    def respawn(self, name: str) -> None:
+        """Start a killed process again with the same arguments (a worker re-adopts its machines)."""
+        self.processes = [(n, p) for n, p in self.processes if n != name or p.poll() is None]
+        self._spawn(name, self.commands[name])
 
     def start(self, timeout: float = 60.0) -> DevFleet:
         spec = self.spec

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 
@@ -18,6 +19,7 @@ class KVReplica:
         self._watcher: Any = None
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
+        self.on_change: Callable[[str], None] | None = None  # called with the key after each update
 
     def apply(self, key: str, value: bytes | None) -> None:
         """One update; `value=None`: the key was deleted or expired."""
@@ -37,6 +39,8 @@ class KVReplica:
                 self._ready.set()
                 continue
             self.apply(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
+            if self.on_change is not None:
+                self.on_change(entry.key)
 
     async def close(self) -> None:
         if self._watcher is not None:

@@ -272,10 +272,8 @@ class WorkerAgent:
             if isinstance(record, MachineRecord):
                 machine = record.stored.machine
                 self._state_of[machine.id] = machine.state
-                events = record.stored.events
-                if events and events[-1].seq == record.seq:
-                    event = events[-1]
-                    subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
+                subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
+                for event in _events_of(record):
                     self._outbox.put_nowait(("publish", (subject, encode(event))))
                 self._queue_index(machine)
                 if record.op in ("reserve", "destroyed", "update"):
@@ -303,7 +301,7 @@ class WorkerAgent:
     def _queue_index(self, machine: Any) -> None:
         entry = MachineIndexEntry(
             id=machine.id, worker_id=machine.worker_id, region=machine.region, app=machine.app,
-            state=machine.state, name=machine.name, version=machine.version,
+            state=machine.state, name=machine.name, version=machine.version, metadata=dict(machine.config.metadata),
         )
         self._outbox.put_nowait(("index", entry))
 
@@ -395,6 +393,17 @@ class WorkerAgent:
             self.committer.close()
         if self.store is not None:
             self.store.close()
+
+
+def _events_of(record: MachineRecord) -> list[Any]:
+    """The events one record added (an exit and the state it settled in share the record's sequence)."""
+    added = []
+    for event in reversed(record.stored.events):
+        if event.seq != record.seq:
+            break
+        added.append(event)
+    added.reverse()
+    return added
 
 
 async def _bounded(awaitable: Any, seconds: float) -> None:

@@ -39,6 +39,7 @@ from bus.messages import (
     LeaseRequest,
     ListRequest,
     Machine,
+    MachineConfig,
     MachineEvent,
     ReleaseRequest,
     ReserveRequest,
@@ -174,9 +175,13 @@ class MachineManager:
 
     def _event(
         self, stored: StoredMachine, to: str, *, source: str = "worker", reason: str | None = None,
-        exit: ExitInfo | None = None, kind: str = "transition",
+        exit: ExitInfo | None = None, kind: str = "transition", check: CheckStatus | None = None,
     ) -> None:
-        """Move `stored` to state `to` (checked) and append the event that says so."""
+        """Move `stored` to state `to` (checked) and append the event that says so.
+
+        An `update` event carries the new config's metadata (release, role), so the systemwide view
+        learns a machine's labels from the event stream alone.
+        """
         machine = stored.machine
         previous = machine.state
         if kind == "transition":
@@ -191,6 +196,7 @@ class MachineManager:
                 source=source,  # type: ignore[arg-type]
                 reason=reason, exit=exit, timestamp=round(now * 1000, 3),
                 machine_id=machine.id, app=machine.app, region=machine.region, worker_id=machine.worker_id,
+                metadata=dict(machine.config.metadata) if kind == "update" else None, check=check,
             )
         )
 
@@ -332,7 +338,7 @@ class MachineManager:
                 MachineEvent(
                     type="transition", status="created", source="user", reason="reserved",
                     timestamp=round(tx.now * 1000, 3), machine_id=machine_id, app=request.app,
-                    region=request.region, worker_id=self.config.worker_id,
+                    region=request.region, worker_id=self.config.worker_id, metadata=dict(request.config.metadata),
                 )
             )
             return tx.put_machine(stored, "reserve")
@@ -449,7 +455,6 @@ class MachineManager:
 
     async def _on_exit(self, machine_id: str, handle: TaskHandle, status: ExitStatus) -> None:
         async with self._locks[machine_id]:
-            self._stop_checks_for(machine_id)
             decision_box: dict[str, Any] = {}
 
             def op(tx: Tx) -> StoredMachine | None:
@@ -484,7 +489,8 @@ class MachineManager:
 
             stored = await self._commit(op)
             if stored is None:
-                return
+                return  # a stale watcher: the checks running now belong to the next process
+            self._stop_checks_for(machine_id)
             self._supervised.pop(machine_id, None)
             decision = decision_box["decision"]
             if decision.restart:
@@ -543,10 +549,10 @@ class MachineManager:
             stored = tx.get(machine_id)
             if stored is None or stored.handle != handle or stored.machine.state != "started":
                 return
-            stored.machine.checks[name] = CheckStatus(
-                name=name, status=status, output=output, updated_at=tx.now,  # type: ignore[arg-type]
-            )
-            self._event(stored, "check", reason=f"check {name} is {status}: {output}"[:300], kind="check")
+            check = CheckStatus(name=name, status=status, output=output, updated_at=tx.now)  # type: ignore[arg-type]
+            stored.machine.checks[name] = check
+            self._event(stored, "check", reason=f"check {name} is {status}: {output}"[:300], kind="check",
+                        check=msgspec.structs.replace(check, output=output[:300]))
             tx.put_machine(stored, "check")
 
         await self._commit(op)
@@ -663,6 +669,12 @@ class MachineManager:
                 ):
                     raise NoCapacity(f"worker {self.config.worker_id} has no room for the new guest size")
                 running = state in ("started", "starting")
+                if running and only_labels_differ(stored.machine.config, request.config):
+                    # metadata and standbys label a machine; changing them needs no new instance
+                    stored.machine.config = request.config
+                    self._event(stored, "update", source="user", reason="metadata updated in place (no restart)",
+                                kind="update")
+                    return tx.put_machine(stored, "update"), False
                 if running:
                     self._event(stored, "replacing", source="user", reason="update requested")
                 else:
@@ -774,3 +786,9 @@ class MachineManager:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def only_labels_differ(old: MachineConfig, new: MachineConfig) -> bool:
+    """True when two configs differ at most in `metadata` and `standbys`, which a running process never sees."""
+    unlabel = {"metadata": {}, "standbys": []}
+    return msgspec.structs.replace(old, **unlabel) == msgspec.structs.replace(new, **unlabel)

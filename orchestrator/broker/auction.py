@@ -136,7 +136,10 @@ class Auction:
         outcome = await self.rank(app, request.region, guest, request.config.image, strategy)
         reserve = ReserveRequest(app=app, region=request.region, config=request.config, name=request.name,
                                  idempotency_key=request.idempotency_key, id=machine_id)
-        candidates = [c.worker_id for c in outcome.ranking.candidates]
+        avoid = set(request.avoid_workers)
+        candidates = [c.worker_id for c in outcome.ranking.candidates if c.worker_id not in avoid]
+        for worker_id in sorted(avoid & {c.worker_id for c in outcome.ranking.candidates}):
+            outcome.attempts.append(Attempt(worker_id=worker_id, outcome="skipped: avoid_workers"))
         if strategy == "hedged" and len(candidates) >= 2:
             machine = await self._reserve_hedged(candidates, reserve, outcome)
         else:

@@ -30,10 +30,12 @@ from bus.messages import (
     DestroyRequest,
     GetRequest,
     IdRequest,
+    LeaseRequest,
     ListRequest,
     Machine,
     MachineIndexEntry,
     RegionSummary,
+    ReleaseRequest,
     Resources,
     SignalRequest,
     SimulateRequest,
@@ -64,6 +66,8 @@ FORWARDED: dict[str, type[Any]] = {
     "wait": WaitRequest,
     "update": UpdateRequest,
     "signal": SignalRequest,
+    "lease": LeaseRequest,
+    "release": ReleaseRequest,
 }
 
 
@@ -124,7 +128,7 @@ class Broker:
         kind = FORWARDED.get(verb)
         if kind is None:
             raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.API_VERBS)}")
-        parsed: IdRequest = decode(kind, data)
+        parsed: IdRequest | LeaseRequest | ReleaseRequest = decode(kind, data)
         entry = await self.index.locate(parsed.id, app)
         timeout = getattr(parsed, "timeout", 10.0) + 5.0
         assert self.nc is not None

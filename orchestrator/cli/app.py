@@ -36,16 +36,26 @@ def root(
 
 
 def _register() -> None:
-    from orchestrator.cli import bench_cmd, broker_cmd, fleet_cmd, machine_cmd, worker_cmd
+    from orchestrator.cli import bench_cmd, broker_cmd, deploy_cmd, fleet_cmd, machine_cmd, worker_cmd
 
     app.command("demo")(fleet_cmd.demo)
     app.command("dev")(fleet_cmd.dev)
     app.add_typer(machine_cmd.machine_app, name="machine")
     app.command("workers")(fleet_cmd.workers)
     app.command("regions")(fleet_cmd.regions)
-    app.command("worker")(worker_cmd.worker)
+    app.add_typer(worker_cmd.worker_app, name="worker")
+    app.command("deploy")(deploy_cmd.deploy)
+    app.command("rollback")(deploy_cmd.rollback)
+    app.command("releases")(deploy_cmd.releases)
+    app.command("reconcile")(deploy_cmd.reconcile)
+    app.add_typer(deploy_cmd.scale_app, name="scale")
+    app.add_typer(deploy_cmd.apps_app, name="apps")
     app.command("broker")(broker_cmd.broker)
     app.add_typer(bench_cmd.bench_app, name="bench")
+    from orchestrator.cli import status_cmd
+
+    app.command("status")(status_cmd.status)
+    app.command("events")(status_cmd.events)
 
 
 _register()

@@ -35,7 +35,15 @@ def default_data_dir(worker_id: str) -> Path:
     return Path(base) / "fauxmad" / "workers" / worker_id
 
 
+worker_app = typer.Typer(
+    help="Run a worker agent on this host (with no subcommand), or drain and cordon workers.",
+    invoke_without_command=True,
+)
+
+
+@worker_app.callback()
 def worker(
+    ctx: typer.Context,
     nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False),
     region: str = typer.Option("local", "--region", "-r", help="the region this worker serves"),
     worker_id: str | None = typer.Option(None, "--worker-id", help="unique id [default: the host name]"),
@@ -56,6 +64,8 @@ def worker(
     beats its heart into KV fauxmad_workers. Stopping it (or kill -9) leaves its machines running;
     a restart re-adopts them.
     """
+    if ctx.invoked_subcommand is not None:
+        return  # `fauxmad worker drain ...`: the options above belong to running an agent
     from workers.agent import WorkerConfig, run_workers  # imported here: other commands start faster
     from workers.supervision import Backoff
 
@@ -88,3 +98,24 @@ def worker(
     finally:
         if server is not None:
             server.stop()
+
+
+def _register_subcommands() -> None:
+    from orchestrator.cli import deploy_cmd
+
+    worker_app.command("drain")(deploy_cmd.drain)
+
+    @worker_app.command("cordon")
+    def cordon(worker_id: str = typer.Argument(..., help="the worker"),
+               nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)) -> None:
+        """Place no new machines on a worker; what runs there keeps running."""
+        deploy_cmd.cordon(worker_id, uncordon=False, nats=nats)
+
+    @worker_app.command("uncordon")
+    def uncordon(worker_id: str = typer.Argument(..., help="the worker"),
+                 nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)) -> None:
+        """Let a cordoned worker take new machines again."""
+        deploy_cmd.cordon(worker_id, uncordon=True, nats=nats)
+
+
+_register_subcommands()

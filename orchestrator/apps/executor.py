@@ -1,0 +1,158 @@
+"""The executor: applies a `Plan` over the bus, a bounded number of actions at a time, under leases.
+
+Creates go through the brokers (an auction per machine, `avoid_workers` keeping a spare off its
+primary's host). Every other action goes straight to the machine's worker, inside a lease, so two
+reconcilers (a deploy and a `reconcile --watch`) never act on one machine at once: the second gets a
+409 and leaves the machine to the next pass. An action that fails is reported, never retried here:
+the next plan, made from fresh observations, decides again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from nats.aio.client import Client
+
+from bus import subjects
+from bus.errors import Conflict, FauxmadError, NoCapacity
+from bus.messages import (
+    CreateRequest,
+    DestroyRequest,
+    Lease,
+    LeaseRequest,
+    Machine,
+    ReleaseRequest,
+    StartRequest,
+    StopRequest,
+    UpdateRequest,
+)
+from bus.service import call
+from orchestrator.apps.plan import Action, Create, Destroy, Promote, Start, Stop, Update
+from orchestrator.apps.spec import SPARE
+from orchestrator.client import FleetClient
+
+log = logging.getLogger(__name__)
+
+LEASE_TTL = 120.0
+
+
+class Result(msgspec.Struct, kw_only=True):
+    action: Action
+    ok: bool
+    machine_id: str = ""
+    worker_id: str = ""
+    error: str = ""
+    code: int = 0
+
+    @property
+    def no_room(self) -> bool:
+        return self.code == NoCapacity.code
+
+
+def default_holder() -> str:
+    return f"fauxmad-reconciler@{socket.gethostname()}:{os.getpid()}"
+
+
+class Executor:
+    def __init__(self, nc: Client, client: FleetClient, *, concurrency: int = 8, holder: str | None = None,
+                 stop_timeout: float = 10.0) -> None:
+        self.nc = nc
+        self.client = client
+        self.limit = asyncio.Semaphore(concurrency)
+        self.holder = holder or default_holder()
+        self.stop_timeout = stop_timeout
+
+    async def apply(self, app: str, actions: tuple[Action, ...],
+                    on_result: Callable[[Result], None] | None = None) -> list[Result]:
+        async def one(action: Action) -> Result:
+            async with self.limit:
+                result = await self._run(app, action)
+            if on_result is not None:
+                on_result(result)
+            return result
+
+        # creates in one region go one after another, so each auction sees the previous machine and
+        # spreads the app over the region's workers; everything else runs side by side
+        creates: dict[str, list[Create]] = defaultdict(list)
+        for action in actions:
+            if isinstance(action, Create):
+                creates[action.region].append(action)
+
+        async def in_turn(batch: list[Create]) -> list[Result]:
+            out: list[Result] = []
+            landed: set[str] = set()
+            for action in batch:
+                if action.start:
+                    away = tuple(sorted(set(action.prefer_away) | landed))
+                    action = msgspec.structs.replace(action, prefer_away=away)
+                result = await one(action)
+                out.append(result)
+                if result.worker_id and action.start:
+                    landed.add(result.worker_id)
+            return out
+
+        others = asyncio.gather(*[one(a) for a in actions if not isinstance(a, Create)])
+        ordered = asyncio.gather(*[in_turn(batch) for batch in creates.values()])
+        singles, batches = await asyncio.gather(others, ordered)
+        return list(singles) + [r for batch in batches for r in batch]
+
+    async def _run(self, app: str, action: Action) -> Result:
+        try:
+            if isinstance(action, Create):
+                machine = await self._create(app, action)
+                return Result(action=action, ok=True, machine_id=machine.id, worker_id=machine.worker_id)
+            await self._leased(action.worker_id, action.id, lambda nonce: self._verb(action, nonce))
+            return Result(action=action, ok=True, machine_id=action.id)
+        except FauxmadError as exc:
+            quiet = isinstance(exc, Conflict) or getattr(action, "role", "") == SPARE
+            level = logging.INFO if quiet else logging.WARNING
+            log.log(level, "%s failed: %s", type(action).__name__.lower(), exc.message)
+            return Result(action=action, ok=False, machine_id=getattr(action, "id", ""), error=exc.message,
+                          code=exc.code)
+
+    async def _create(self, app: str, action: Create) -> Machine:
+        request = CreateRequest(region=action.region, config=action.config, skip_launch=not action.start,
+                                avoid_workers=sorted(set(action.avoid_workers) | set(action.prefer_away)))
+        try:
+            return await self.client.create(app, request)
+        except NoCapacity:
+            if not action.prefer_away:
+                raise
+        # only the workers it prefers to stay away from have room: better there than nowhere
+        return await self.client.create(app, msgspec.structs.replace(request, avoid_workers=list(action.avoid_workers)))
+
+    async def _verb(self, action: Action, nonce: str) -> None:
+        worker, machine_id = action.worker_id, action.id  # type: ignore[union-attr]
+        if isinstance(action, Start):
+            await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
+        elif isinstance(action, Stop):
+            await self._call(worker, "stop", StopRequest(id=machine_id, lease_nonce=nonce, timeout=self.stop_timeout),
+                             timeout=self.stop_timeout + 10)
+        elif isinstance(action, Destroy):
+            await self._call(worker, "destroy", DestroyRequest(id=machine_id, lease_nonce=nonce, force=True))
+        elif isinstance(action, Update):
+            await self._call(worker, "update", UpdateRequest(id=machine_id, config=action.config, lease_nonce=nonce,
+                                                             timeout=self.stop_timeout), timeout=self.stop_timeout + 30)
+        elif isinstance(action, Promote):
+            await self._call(worker, "update", UpdateRequest(id=machine_id, config=action.config, lease_nonce=nonce))
+            await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
+
+    async def _call(self, worker_id: str, verb: str, request: msgspec.Struct, timeout: float = 30.0) -> Machine:
+        return await call(self.nc, subjects.worker_machines(worker_id, verb), request, Machine, timeout=timeout)
+
+    async def _leased(self, worker_id: str, machine_id: str, work: Callable[[str], Awaitable[None]]) -> None:
+        lease = await call(self.nc, subjects.worker_machines(worker_id, "lease"),
+                           LeaseRequest(id=machine_id, ttl=LEASE_TTL, holder=self.holder), Lease, timeout=5)
+        try:
+            await work(lease.nonce)
+        finally:
+            with contextlib.suppress(Exception):  # a destroyed machine has no lease to release
+                await call(self.nc, subjects.worker_machines(worker_id, "release"),
+                           ReleaseRequest(id=machine_id, nonce=lease.nonce), Machine, timeout=5)

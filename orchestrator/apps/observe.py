@@ -1,0 +1,104 @@
+"""Observed state for the reconcilers: asked of the workers themselves, never of a cache.
+
+The worker is the source of truth, so a reconciler asks each live worker of the app's regions for
+the app's machines (`fauxmad.v1.worker.<id>.machines.list`, in parallel): a machine reserved a
+moment ago is never missed, so a re-planned create is never a duplicate. Liveness comes from a
+replica of KV `fauxmad_workers`; machines on workers whose heartbeat expired come from a replica of
+the routing index KV `fauxmad_machines`, which remembers each machine's worker, state and labels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+from nats.aio.client import Client
+
+from bus import subjects
+from bus.errors import FauxmadError
+from bus.jetstream import FleetKV
+from bus.messages import ListRequest, Machine, MachineConfig
+from bus.service import call
+from orchestrator.apps.plan import Member, Observed
+from orchestrator.broker.routing import MachineIndex
+from orchestrator.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+def health(machine: Machine) -> tuple[bool, str]:
+    """Started with every configured check passing; otherwise why not, in a few words."""
+    if machine.state != "started":
+        note = f"state {machine.state}"
+        if machine.exit is not None and machine.exit.exit_code not in (None, 0):
+            note += f", exit code {machine.exit.exit_code}"
+        return False, note
+    problems = []
+    for name in sorted(machine.config.checks):
+        status = machine.checks.get(name)
+        if status is None or status.status != "passing":
+            what = status.status if status else "not run yet"
+            output = f": {status.output.strip()[:120]}" if status and status.output.strip() else ""
+            problems.append(f"check {name} {what}{output}")
+    return not problems, "; ".join(problems)
+
+
+def member(machine: Machine) -> Member:
+    healthy, note = health(machine)
+    return Member(id=machine.id, region=machine.region, worker_id=machine.worker_id, state=machine.state,
+                  config=machine.config, healthy=healthy, note=note, created_at=machine.created_at)
+
+
+class Observer:
+    def __init__(self, nc: Client, *, on_change: Callable[[str], None] | None = None) -> None:
+        self.nc = nc
+        self.registry = Registry()
+        self.index = MachineIndex()
+        self.registry.on_change = on_change
+        self.index.on_change = on_change
+
+    async def start(self, kv: FleetKV) -> None:
+        await self.registry.start(kv.workers)
+        await self.index.start(kv.machines)
+
+    async def close(self) -> None:
+        await self.registry.close()
+        await self.index.close()
+
+    def live_workers(self, regions: Iterable[str] | None = None) -> list[str]:
+        wanted = set(regions) if regions is not None else None
+        return [w.worker_id for w in self.registry.workers() if wanted is None or w.region in wanted]
+
+    def cordoned(self) -> frozenset[str]:
+        return frozenset(w.worker_id for w in self.registry.workers() if w.cordoned)
+
+    async def machines_on(self, worker_id: str, app: str | None) -> builtins.list[Machine]:
+        return await call(self.nc, subjects.worker_machines(worker_id, "list"), ListRequest(app=app),
+                          builtins.list[Machine], timeout=5)
+
+    async def observe(self, app: str, regions: Iterable[str], *, unhealthy_since: Mapping[str, float] | None = None,
+                      no_room_for_spares: frozenset[str] = frozenset()) -> Observed:
+        known = {e.region for e in self.index.by_app(app)}
+        workers = self.live_workers(set(regions) | known)
+
+        async def ask(worker_id: str) -> builtins.list[Machine]:
+            try:
+                return await self.machines_on(worker_id, app)
+            except FauxmadError as exc:
+                log.warning("observe: worker %s did not answer: %s", worker_id, exc.message)
+                raise
+
+        answers = await asyncio.gather(*[ask(w) for w in workers])
+        machines = [member(m) for group in answers for m in group if m.state != "destroyed"]
+        live = set(self.live_workers())
+        seen = {m.id for m in machines}
+        lost = tuple(
+            Member(id=e.id, region=e.region, worker_id=e.worker_id, state=e.state,
+                   config=MachineConfig(metadata=dict(e.metadata)))
+            for e in self.index.by_app(app)
+            if e.worker_id not in live and e.id not in seen and e.state not in ("destroyed", "destroying")
+        )
+        return Observed(machines=tuple(machines), lost=lost, cordoned=self.cordoned(),
+                        unhealthy_since=dict(unhealthy_since or {}), no_room_for_spares=no_room_for_spares)

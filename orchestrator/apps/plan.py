@@ -1,0 +1,493 @@
+"""The reconciler's brain: `plan(desired, observed, now) -> Plan`, a pure function with no I/O.
+
+It compares one app's desired release with what the workers report and says what to do next:
+create, start, stop, update, promote or destroy machines. It is level-triggered: it looks only at
+the current state (never at what it did before), so a converged app yields an empty plan and a
+plan interrupted halfway is simply planned again. Waiting (for health checks, for the unavailable
+budget) is part of the answer, and so are failures (a release that never got healthy).
+
+Roles live in machine metadata: `fauxmad_role` is `primary` (should run) or `spare` (created, not
+started, on another worker than its primary, `standbys = [primary id]`); `fauxmad_replaces` marks a
+machine that took over from another one (a lost host, a drained worker).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+
+import msgspec
+
+from bus.messages import MachineConfig
+from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
+
+RUNNING = ("started", "starting")
+RESTING = ("created", "stopped", "failed")
+GONE = ("destroying", "destroyed")
+
+
+class Member(msgspec.Struct, frozen=True, kw_only=True):
+    """One machine as the planner sees it (built from a worker's answer or the routing index)."""
+
+    id: str
+    region: str
+    worker_id: str
+    state: str
+    config: MachineConfig
+    healthy: bool = False
+    note: str = ""  # why it is not healthy (check output), for failure messages
+    created_at: str = ""
+
+    @property
+    def role(self) -> str:
+        return self.config.metadata.get(ROLE_KEY, PRIMARY)
+
+    @property
+    def release(self) -> str:
+        return self.config.metadata.get(RELEASE_KEY, "")
+
+    @property
+    def replaces(self) -> str | None:
+        return self.config.metadata.get(REPLACES_KEY)
+
+    @property
+    def standby_of(self) -> str | None:
+        return self.config.standbys[0] if self.config.standbys else None
+
+
+class Observed(msgspec.Struct, frozen=True, kw_only=True):
+    machines: tuple[Member, ...] = ()  # on live workers, not destroyed
+    lost: tuple[Member, ...] = ()  # last known, on workers whose heartbeat expired
+    cordoned: frozenset[str] = frozenset()
+    unhealthy_since: Mapping[str, float] = {}  # machine id -> when first seen unhealthy on the desired release
+    no_room_for_spares: frozenset[str] = frozenset()  # regions where a spare just failed to place
+
+
+class Desired(msgspec.Struct, frozen=True, kw_only=True):
+    app: str
+    release: int
+    spec: AppSpec | None  # None: the app is being destroyed
+
+
+# ---------------------------------------------------------------------------------------------------
+# actions
+
+
+class Create(msgspec.Struct, frozen=True, kw_only=True, tag="create"):
+    region: str
+    config: MachineConfig
+    start: bool
+    avoid_workers: tuple[str, ...] = ()  # never on these
+    prefer_away: tuple[str, ...] = ()  # not on these while another worker has room (spreading primaries)
+    reason: str = ""
+
+    @property
+    def role(self) -> str:
+        return self.config.metadata.get(ROLE_KEY, PRIMARY)
+
+
+class Start(msgspec.Struct, frozen=True, kw_only=True, tag="start"):
+    id: str
+    region: str
+    worker_id: str
+    reason: str = ""
+
+
+class Stop(msgspec.Struct, frozen=True, kw_only=True, tag="stop"):
+    id: str
+    region: str
+    worker_id: str
+    reason: str = ""
+
+
+class Update(msgspec.Struct, frozen=True, kw_only=True, tag="update"):
+    id: str
+    region: str
+    worker_id: str
+    config: MachineConfig
+    restarts: bool  # False when only labels change or the machine is not running
+    reason: str = ""
+
+
+class Promote(msgspec.Struct, frozen=True, kw_only=True, tag="promote"):
+    """Relabel a spare as the primary that replaces a lost one, then start it."""
+
+    id: str
+    region: str
+    worker_id: str
+    config: MachineConfig
+    reason: str = ""
+
+
+class Destroy(msgspec.Struct, frozen=True, kw_only=True, tag="destroy"):
+    id: str
+    region: str
+    worker_id: str
+    reason: str = ""
+
+
+Action = Create | Start | Stop | Update | Promote | Destroy
+
+
+class Failure(msgspec.Struct, frozen=True, kw_only=True):
+    region: str
+    machine_id: str
+    reason: str
+
+
+class RegionStatus(msgspec.Struct, frozen=True, kw_only=True):
+    region: str
+    desired: int
+    ready: int  # primaries on the desired release, running and healthy
+    primaries: int
+    spares: int
+    spares_wanted: int
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
+    actions: tuple[Action, ...] = ()
+    waiting: tuple[str, ...] = ()
+    failures: tuple[Failure, ...] = ()
+    regions: tuple[RegionStatus, ...] = ()
+
+    @property
+    def converged(self) -> bool:
+        """Nothing to do, nothing to wait for, nothing failed."""
+        return not self.actions and not self.waiting and not self.failures
+
+    primary_actions: int = 0  # actions that touch primaries (the rest tend spares)
+    unready: tuple[str, ...] = ()  # primaries on the desired release not healthy yet (their clock runs)
+
+    @property
+    def primaries_done(self) -> bool:
+        """Every primary is in place and healthy; spares may still be on their way (or find no room)."""
+        return not self.waiting and not self.failures and self.primary_actions == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def strip_labels(config: MachineConfig) -> MachineConfig:
+    return msgspec.structs.replace(config, metadata={}, standbys=[])
+
+
+def _created_order(m: Member) -> tuple[str, str]:
+    return (m.created_at, m.id)
+
+
+class _RegionPlanner:
+    def __init__(self, desired: Desired, observed: Observed, now: float, region: str,
+                 members: list[Member], lost: list[Member], canary_phase: bool) -> None:
+        self.desired = desired
+        self.spec = desired.spec
+        self.observed = observed
+        self.now = now
+        self.region = region
+        self.members = [m for m in members if m.state not in GONE]
+        self.lost = lost
+        self.canary_phase = canary_phase
+        self.count = self.spec.regions.get(region, 0) if self.spec else 0
+        self.release = str(desired.release)
+        self.want = strip_labels(self.spec.machine_config(desired.release, PRIMARY)) if self.spec else None
+        self.actions: list[Action] = []
+        self.primary_actions = 0
+        self.unready: list[str] = []
+        self.rolling = False  # primaries still moving to the release: spares follow once they are done
+        self.replaced: set[str] = set()
+        self.waiting: list[str] = []
+        self.failures: list[Failure] = []
+        self.touched: set[str] = set()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def config_for(self, role: str, standby_of: str | None = None, replaces: str | None = None) -> MachineConfig:
+        assert self.spec is not None
+        return self.spec.machine_config(self.desired.release, role, standby_of, replaces)
+
+    def same_config(self, m: Member) -> bool:
+        return self.want is not None and strip_labels(m.config) == self.want
+
+    def current(self, m: Member) -> bool:
+        return self.same_config(m) and m.release == self.release
+
+    def ready(self, m: Member) -> bool:
+        if self.spec is not None and self.spec.deploy.strategy == "immediate":
+            return m.state in RUNNING
+        return m.state == "started" and m.healthy
+
+    def add(self, action: Action, *, spare: bool = False) -> None:
+        machine_id = getattr(action, "id", None)
+        if machine_id is not None:
+            if machine_id in self.touched:
+                return
+            self.touched.add(machine_id)
+        self.actions.append(action)
+        self.primary_actions += 0 if spare else 1
+
+    def labels(self, m: Member, role: str, standby_of: str | None, replaces: str | None) -> MachineConfig:
+        """`m`'s config with new labels, keeping everything the process sees."""
+        metadata = dict(m.config.metadata)
+        metadata[ROLE_KEY] = role
+        metadata.pop(REPLACES_KEY, None)
+        if replaces:
+            metadata[REPLACES_KEY] = replaces
+        return msgspec.structs.replace(m.config, metadata=metadata, standbys=[standby_of] if standby_of else [])
+
+    # -- the steps -------------------------------------------------------------------------------
+    def plan(self) -> RegionStatus:
+        live_primaries = [m for m in self.members if m.role != SPARE]
+        replaced_by = {m.replaces: m for m in live_primaries if m.replaces}
+        self.replaced = {key for key in replaced_by if key}
+        taking_over = self.failover(replaced_by)
+        kept = self.retire_replaced(live_primaries, replaced_by)
+        kept = self.count_primaries(kept, taking_over)
+        self.run_primaries(kept)
+        spares = self.tend_spares(kept)
+        ready = sum(1 for m in kept if self.current(m) and self.ready(m))
+        return RegionStatus(region=self.region, desired=self.count, ready=ready, primaries=len(kept),
+                            spares=spares, spares_wanted=len(kept) * (self.spec.deploy.spares if self.spec else 0))
+
+    def failover(self, replaced_by: dict[str, Member]) -> int:
+        """A primary on a lost worker: start one of its spares, or create a replacement."""
+        if self.spec is None or self.count == 0:
+            return 0
+        spares = [m for m in self.members if m.role == SPARE]
+        before = len(self.actions)
+        for lost in sorted(self.lost, key=lambda m: m.id):
+            if lost.role == SPARE or lost.id in replaced_by or lost.state in GONE:
+                continue
+            candidates = sorted((s for s in spares if s.standby_of == lost.id and s.id not in self.touched),
+                                key=lambda s: (s.state not in RUNNING, s.worker_id in self.observed.cordoned, s.id))
+            if candidates:
+                spare = candidates[0]
+                config = self.labels(spare, PRIMARY, None, lost.id)
+                self.add(Promote(id=spare.id, region=self.region, worker_id=spare.worker_id, config=config,
+                                 reason=f"worker {lost.worker_id} of primary {lost.id} is lost"))
+            else:
+                self.add(Create(region=self.region, config=self.config_for(PRIMARY, replaces=lost.id), start=True,
+                                reason=f"worker {lost.worker_id} of primary {lost.id} is lost and it has no spare"))
+        return len(self.actions) - before
+
+    def retire_replaced(self, live_primaries: list[Member], replaced_by: dict[str, Member]) -> list[Member]:
+        """Machines another one took over from (their host came back, or they are being drained) go away
+        once the successor is healthy: stopped, then kept as its spare or destroyed."""
+        kept = []
+        for m in live_primaries:
+            successor = replaced_by.get(m.id)
+            if successor is None:
+                kept.append(m)
+            elif m.state in RUNNING and not self.ready(successor):
+                self.waiting.append(f"{self.region}: {successor.id} to be healthy before {m.id} stops")
+            elif m.state in RUNNING:
+                self.add(Stop(id=m.id, region=self.region, worker_id=m.worker_id, reason=f"replaced by {successor.id}"))
+            elif m.worker_id in self.observed.cordoned or self.spec is None or self.spec.deploy.spares == 0:
+                self.add(Destroy(id=m.id, region=self.region, worker_id=m.worker_id,
+                                 reason=f"replaced by {successor.id}"))
+            else:  # its host came back: it can serve as the spare of the machine that replaced it
+                self.add(Update(id=m.id, region=self.region, worker_id=m.worker_id, restarts=False,
+                                config=self.labels(m, SPARE, successor.id, None),
+                                reason=f"replaced by {successor.id}: kept as its spare"), spare=True)
+        if self.spec is not None and self.count > 0:  # drain: a replacement elsewhere first, then the old one stops
+            for m in kept:
+                if m.worker_id in self.observed.cordoned:
+                    self.add(Create(region=self.region, config=self.config_for(PRIMARY, replaces=m.id),
+                                    start=True, avoid_workers=(m.worker_id,),
+                                    reason=f"worker {m.worker_id} is cordoned: moving {m.id}"))
+        return kept
+
+    def count_primaries(self, kept: list[Member], taking_over: int) -> list[Member]:
+        """Create what is missing, destroy what is too many (on cordoned workers, outdated, unready first)."""
+        bluegreen = self.spec is not None and self.spec.deploy.strategy == "bluegreen"
+        counted = [m for m in kept if self.same_config(m)] if bluegreen else kept
+        have = len(counted) + taking_over
+        if have < self.count:
+            hosts = tuple(sorted({m.worker_id for m in kept}))
+            for _ in range(self.count - have):
+                self.add(Create(region=self.region, config=self.config_for(PRIMARY), start=True, prefer_away=hosts,
+                                reason=f"{self.region} has {have} of {self.count} machines"))
+        elif have > self.count:
+            newest_first = sorted(counted, key=_created_order, reverse=True)
+            disposable = sorted(newest_first, key=lambda m: (m.worker_id not in self.observed.cordoned,
+                                                             self.current(m), self.ready(m)))
+            extras = disposable[: have - self.count]
+            for m in extras:
+                self.add(Destroy(id=m.id, region=self.region, worker_id=m.worker_id,
+                                 reason=f"{self.region} wants {self.count}, has {have}"))
+            gone = {m.id for m in extras}
+            kept = [m for m in kept if m.id not in gone]
+        return kept
+
+    def run_primaries(self, kept: list[Member]) -> None:
+        """Start resting primaries, relabel, and update outdated ones as the strategy's budget allows."""
+        if self.spec is None:
+            return
+        outdated, in_flight = self.sort_primaries(kept)
+        self.rolling = bool(outdated) or in_flight > 0
+        if in_flight:
+            self.waiting.append(f"{self.region}: {in_flight} machine(s) of v{self.release} not healthy yet")
+        deploy = self.spec.deploy
+        if deploy.strategy == "bluegreen":
+            return  # blue machines go when every region's green ones are healthy (see `plan`)
+        if deploy.strategy == "immediate":
+            budget = len(outdated)
+        else:
+            budget = (1 if self.canary_phase else deploy.unavailable_budget(max(self.count, 1))) - in_flight
+        budget = max(budget, 0)
+        outdated.sort(key=lambda m: (self.ready(m), m.id))  # the broken ones first: they are down anyway
+        for m in outdated[:budget]:
+            self.add(Update(id=m.id, region=self.region, worker_id=m.worker_id, restarts=m.state in RUNNING,
+                            config=self.config_for(PRIMARY, replaces=m.replaces), reason=f"deploy v{self.release}"))
+        if len(outdated) > budget:
+            self.waiting.append(f"{self.region}: {len(outdated) - budget} machine(s) wait their turn")
+
+    def sort_primaries(self, kept: list[Member]) -> tuple[list[Member], int]:
+        """The outdated primaries, and how many current ones are not ready yet (the deploy's in-flight)."""
+        outdated: list[Member] = []
+        in_flight = 0
+        for m in kept:
+            if m.id in self.touched:
+                continue
+            if not self.same_config(m):
+                outdated.append(m)
+                continue
+            if not self.current(m):  # labels only: no restart, no budget
+                self.add(Update(id=m.id, region=self.region, worker_id=m.worker_id, restarts=False,
+                                config=self.labels_for_release(m), reason=f"label release v{self.release}"))
+                continue
+            if m.state in RESTING:
+                self.add(Start(id=m.id, region=self.region, worker_id=m.worker_id, reason=f"a primary is {m.state}"))
+            if not self.ready(m):
+                in_flight += 1
+                self.unready.append(m.id)
+                self.check_deadline(m)
+        return outdated, in_flight
+
+    def labels_for_release(self, m: Member) -> MachineConfig:
+        metadata = dict(m.config.metadata)
+        metadata[RELEASE_KEY] = self.release
+        return msgspec.structs.replace(m.config, metadata=metadata)
+
+    def check_deadline(self, m: Member) -> None:
+        assert self.spec is not None
+        if self.spec.deploy.strategy == "immediate":
+            return
+        since = self.observed.unhealthy_since.get(m.id, self.now)
+        waited = self.now - since
+        if waited > self.spec.deploy.wait_seconds:
+            detail = m.note or f"state {m.state}"
+            self.failures.append(Failure(region=self.region, machine_id=m.id,
+                                         reason=f"not healthy after {waited:.0f}s ({detail})"))
+
+    def tend_spares(self, kept: list[Member]) -> int:
+        """Each primary gets `deploy.spares` stopped copies on other workers; returns how many are in place."""
+        wanted = self.spec.deploy.spares if self.spec else 0
+        bluegreen = self.spec is not None and self.spec.deploy.strategy == "bluegreen"
+        primaries = {m.id: m for m in kept if m.worker_id not in self.observed.cordoned
+                     and (not bluegreen or self.same_config(m))}
+        mine, orphans = self.sort_spares(primaries)
+        total = 0
+        for p in sorted(primaries.values(), key=lambda m: m.id):
+            have = sorted(mine.get(p.id, []), key=lambda s: (not self.current_spare(s, p), _created_order(s)))
+            for extra in have[wanted:]:
+                self.add(Destroy(id=extra.id, region=self.region, worker_id=extra.worker_id,
+                                 reason="too many spares"), spare=True)
+            have = have[:wanted]
+            for s in have if not self.rolling else ():
+                if not self.current_spare(s, p):
+                    self.add(Update(id=s.id, region=self.region, worker_id=s.worker_id, restarts=False,
+                                    config=self.config_for(SPARE, standby_of=p.id),
+                                    reason=f"spare for v{self.release}"), spare=True)
+            total += len(have) + self.fill_spares(p, wanted - len(have), {p.worker_id} | {s.worker_id for s in have},
+                                                  orphans)
+        for orphan in orphans:
+            self.add(Destroy(id=orphan.id, region=self.region, worker_id=orphan.worker_id,
+                             reason="spare of nothing"), spare=True)
+        return total
+
+    def sort_spares(self, primaries: dict[str, Member]) -> tuple[dict[str, list[Member]], list[Member]]:
+        """Spares by the primary they stand by for, and the orphans (whose primary is gone or too close)."""
+        waiting_for_failover = {m.id for m in self.lost} - self.replaced
+        mine: dict[str, list[Member]] = defaultdict(list)
+        orphans: list[Member] = []
+        for s in self.members:
+            if s.role != SPARE or s.id in self.touched or s.standby_of in waiting_for_failover:
+                continue  # spares of a lost primary wait for its failover
+            owner = primaries.get(s.standby_of or "")
+            if s.state in RUNNING:
+                self.add(Stop(id=s.id, region=self.region, worker_id=s.worker_id,
+                              reason="a spare runs while its primary is up"), spare=True)
+            if s.state in RUNNING and (owner is None or owner.worker_id == s.worker_id):
+                continue  # stopped now; found a place next time
+            elif owner is None or s.worker_id == owner.worker_id or s.worker_id in self.observed.cordoned:
+                orphans.append(s)
+            else:
+                mine[owner.id].append(s)
+        return mine, orphans
+
+    def fill_spares(self, p: Member, missing: int, taken: set[str], orphans: list[Member]) -> int:
+        """Give `p` its missing spares: reuse orphans on other workers first, then create new ones."""
+        filled = 0
+        for orphan in list(orphans):
+            if filled >= missing:
+                break
+            if orphan.worker_id not in taken and orphan.worker_id not in self.observed.cordoned:
+                orphans.remove(orphan)
+                self.add(Update(id=orphan.id, region=self.region, worker_id=orphan.worker_id, restarts=False,
+                                config=self.config_for(SPARE, standby_of=p.id), reason=f"now the spare of {p.id}"),
+                         spare=True)
+                taken.add(orphan.worker_id)
+                filled += 1
+        if self.region not in self.observed.no_room_for_spares:
+            for _ in range(missing - filled):
+                self.add(Create(region=self.region, config=self.config_for(SPARE, standby_of=p.id), start=False,
+                                avoid_workers=tuple(sorted(taken)), reason=f"spare for {p.id}"), spare=True)
+        return filled
+
+    def current_spare(self, s: Member, p: Member) -> bool:
+        return self.current(s) and s.standby_of == p.id and s.config.metadata.get(REPLACES_KEY) is None
+
+
+def plan(desired: Desired, observed: Observed, now: float) -> Plan:
+    """What to do next to bring `observed` to `desired`; the same inputs always give the same plan."""
+    members: dict[str, list[Member]] = defaultdict(list)
+    for m in observed.machines:
+        members[m.region].append(m)
+    lost: dict[str, list[Member]] = defaultdict(list)
+    for m in observed.lost:
+        lost[m.region].append(m)
+    spec = desired.spec
+    regions = sorted(set(members) | set(spec.regions if spec else ()))
+    canary_phase = spec is not None and spec.deploy.strategy == "canary" and not _every_region_has_a_canary(
+        desired, members)
+    planners = [_RegionPlanner(desired, observed, now, r, members[r], lost[r], canary_phase) for r in regions]
+    statuses = [p.plan() for p in planners]
+    actions = [a for p in planners for a in p.actions]
+    primary_actions = sum(p.primary_actions for p in planners)
+    waiting = [w for p in planners for w in p.waiting]
+    failures = [f for p in planners for f in p.failures]
+    if spec is not None and spec.deploy.strategy == "bluegreen":
+        blue = [m for p in planners for m in p.members if m.role != SPARE and not p.same_config(m)]
+        if blue and all(s.ready >= s.desired for s in statuses):
+            touched = {getattr(a, "id", None) for a in actions}
+            for m in blue:
+                if m.id not in touched:
+                    actions.append(Destroy(id=m.id, region=m.region, worker_id=m.worker_id,
+                                           reason=f"v{desired.release} is healthy everywhere: blue goes"))
+                    primary_actions += 1
+        elif blue:
+            waiting.append(f"{len(blue)} blue machine(s) run until v{desired.release} is healthy in every region")
+    return Plan(actions=tuple(actions), waiting=tuple(waiting), failures=tuple(failures), regions=tuple(statuses),
+                primary_actions=primary_actions, unready=tuple(i for p in planners for i in p.unready))
+
+
+def _every_region_has_a_canary(desired: Desired, members: Mapping[str, list[Member]]) -> bool:
+    assert desired.spec is not None
+    want = strip_labels(desired.spec.machine_config(desired.release, PRIMARY))
+    for region, count in desired.spec.regions.items():
+        if count == 0:
+            continue
+        primaries = [m for m in members.get(region, []) if m.role != SPARE and m.state not in GONE]
+        outdated = [m for m in primaries if strip_labels(m.config) != want]
+        canaries = [m for m in primaries if strip_labels(m.config) == want and m.state == "started" and m.healthy]
+        if outdated and not canaries:
+            return False
+    return True

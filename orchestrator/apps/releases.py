@@ -1,0 +1,148 @@
+"""Releases: an app's desired state, kept in KV `fauxmad_apps` (the only state the reconcilers have).
+
+Keys, per app:
+- `<app>.releases.<N>`: release N, the spec it deploys and its status (running, complete, failed,
+  rolled_back). Numbers only grow; `kv.create` claims a number, so two deployers never share one.
+- `<app>.current`: which release the fleet should run. A rollback points it at an older release
+  instead of copying that release under a new number, so machines already on it are left alone.
+
+Every write is a whole value; there is nothing to merge. A reconciler reads `current`, then the
+release it names, and converges the machines onto it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import msgspec
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+
+from bus.codec import decoder, encode
+from bus.errors import Conflict, NotFound
+from orchestrator.apps.spec import AppSpec
+
+Status = Literal["running", "complete", "failed", "rolled_back"]
+
+
+class Release(msgspec.Struct, kw_only=True):
+    app: str
+    version: int
+    spec: AppSpec
+    status: Status = "running"
+    description: str = ""
+    reason: str = ""
+    created_at: float = 0.0
+    updated_at: float = 0.0
+
+
+class Head(msgspec.Struct, kw_only=True):
+    """Which release an app should run; `version` 0 with `destroyed`: the app is being torn down."""
+
+    app: str
+    version: int
+    destroyed: bool = False
+    updated_at: float = 0.0
+
+
+def subject_matches(pattern: str, key: str) -> bool:
+    """NATS wildcard matching: `*` is one token, a final `>` one or more."""
+    want, have = pattern.split("."), key.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(have) == len(want)
+
+
+def _release_key(app: str, version: int) -> str:
+    return f"{app}.releases.{version}"
+
+
+def _head_key(app: str) -> str:
+    return f"{app}.current"
+
+
+class Releases:
+    def __init__(self, kv: Any, *, clock: Callable[[], float] = time.time) -> None:
+        self.kv = kv
+        self.clock = clock
+
+    async def _keys(self, pattern: str) -> list[str]:
+        # filtered at this end: nats-py's server-side key filters return nothing with some servers
+        try:
+            keys: list[str] = await self.kv.keys()
+        except NoKeysError:
+            return []
+        return [key for key in keys if subject_matches(pattern, key)]
+
+    async def apps(self) -> list[str]:
+        return sorted(key.rsplit(".", 1)[0] for key in await self._keys("*.current"))
+
+    async def list(self, app: str) -> list[Release]:
+        out = []
+        for key in await self._keys(f"{app}.releases.*"):
+            entry = await self.kv.get(key)
+            out.append(decoder(Release).decode(entry.value))
+        out.sort(key=lambda r: r.version)
+        return out
+
+    async def get(self, app: str, version: int) -> Release:
+        try:
+            entry = await self.kv.get(_release_key(app, version))
+        except KeyNotFoundError:
+            raise NotFound(f"app {app} has no release v{version}") from None
+        release: Release = decoder(Release).decode(entry.value)
+        return release
+
+    async def head(self, app: str) -> Head | None:
+        try:
+            entry = await self.kv.get(_head_key(app))
+        except KeyNotFoundError:
+            return None
+        head: Head = decoder(Head).decode(entry.value)
+        return head
+
+    async def current(self, app: str) -> Release | None:
+        head = await self.head(app)
+        if head is None or head.destroyed or head.version == 0:
+            return None
+        return await self.get(app, head.version)
+
+    async def create(self, spec: AppSpec, description: str) -> Release:
+        """Claim the next release number for `spec` (status running); `current` is not moved yet."""
+        existing = await self._keys(f"{spec.app}.releases.*")
+        version = max((int(k.rsplit(".", 1)[1]) for k in existing), default=0) + 1
+        for _ in range(100):
+            now = self.clock()
+            release = Release(app=spec.app, version=version, spec=spec, description=description,
+                              created_at=now, updated_at=now)
+            try:
+                await self.kv.create(_release_key(spec.app, version), encode(release))
+                return release
+            except KeyWrongLastSequenceError:
+                version += 1  # another deployer took this number
+        raise Conflict(f"could not claim a release number for {spec.app}")
+
+    async def point(self, app: str, version: int, *, destroyed: bool = False) -> None:
+        await self.kv.put(_head_key(app), encode(Head(app=app, version=version, destroyed=destroyed,
+                                                      updated_at=self.clock())))
+
+    async def set_status(self, app: str, version: int, status: Status, reason: str = "") -> Release:
+        release = await self.get(app, version)
+        release.status = status
+        release.reason = reason
+        release.updated_at = self.clock()
+        await self.kv.put(_release_key(app, version), encode(release))
+        return release
+
+    async def previous_good(self, app: str, before: int) -> Release | None:
+        """The newest complete release older than `before`: where an automatic rollback goes."""
+        good = [r for r in await self.list(app) if r.version < before and r.status == "complete"]
+        return good[-1] if good else None
+
+    async def purge(self, app: str) -> None:
+        for key in await self._keys(f"{app}.>"):
+            await self.kv.purge(key)

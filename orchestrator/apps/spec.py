@@ -1,0 +1,152 @@
+"""The app spec, `fauxmad.toml`: desired state as a user writes it, decoded into strict Structs.
+
+tomllib reads the file and msgspec converts it, so an unknown key or a wrong type is refused before
+anything touches the fleet, with one line that names the key (`deploy.max_unavailble: unknown key`).
+The machine config every primary and spare of a release runs is derived here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from bus.messages import Check, Guest, MachineConfig, RestartPolicy, Token, seconds
+
+RELEASE_KEY = "fauxmad_release"
+ROLE_KEY = "fauxmad_role"
+REPLACES_KEY = "fauxmad_replaces"
+PRIMARY = "primary"
+SPARE = "spare"
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=1000)]
+STRATEGIES = ("rolling", "canary", "bluegreen", "immediate")
+
+
+class SpecError(ValueError):
+    """A spec that cannot be used; the message is one line naming the file and the key."""
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    pass
+
+
+class DeploySpec(_Strict, frozen=True):
+    strategy: Literal["rolling", "canary", "bluegreen", "immediate"] = "rolling"
+    # a fraction of a region's count (0 < x < 1, rounded up) or a number of machines (an integer >= 1)
+    max_unavailable: int | float = 0.33
+    spares: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
+    wait_timeout: float | str = "60s"
+
+    def __post_init__(self) -> None:
+        value = self.max_unavailable
+        if isinstance(value, float) and not 0 < value <= 1:
+            raise ValueError("max_unavailable must be a fraction in (0, 1] or a whole number of machines >= 1")
+        if isinstance(value, int) and value < 1:
+            raise ValueError("max_unavailable must be a fraction in (0, 1] or a whole number of machines >= 1")
+        try:
+            seconds(self.wait_timeout)
+        except ValueError as exc:
+            raise ValueError(f"wait_timeout: {exc}") from None
+
+    def unavailable_budget(self, count: int) -> int:
+        """How many of `count` primaries may be down at once (at least one)."""
+        value = self.max_unavailable
+        if isinstance(value, float):
+            return max(1, math.ceil(value * count - 1e-9))
+        return value
+
+    @property
+    def wait_seconds(self) -> float:
+        return seconds(self.wait_timeout)
+
+
+class AppSpec(_Strict, frozen=True):
+    app: Token
+    cmd: Annotated[list[str], msgspec.Meta(min_length=1)]
+    image: str | None = None
+    env: dict[str, str] = {}
+    guest: Guest = msgspec.field(default_factory=Guest)
+    regions: dict[Token, Count] = {}
+    restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
+    checks: dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")], Check] = {}
+    deploy: DeploySpec = msgspec.field(default_factory=DeploySpec)
+
+    def __post_init__(self) -> None:
+        if not self.regions:
+            raise ValueError("[regions] needs at least one `<region> = <count>`")
+
+    def machine_config(self, release: int, role: str, standby_of: str | None = None,
+                       replaces: str | None = None) -> MachineConfig:
+        """The config a machine of this release runs; role and release are labels in its metadata."""
+        metadata = {RELEASE_KEY: str(release), ROLE_KEY: role}
+        if replaces:
+            metadata[REPLACES_KEY] = replaces
+        return MachineConfig(
+            image=self.image, cmd=list(self.cmd), env=dict(self.env), guest=self.guest, restart=self.restart,
+            checks=dict(self.checks), metadata=metadata, standbys=[standby_of] if standby_of else [],
+        )
+
+
+_AT = re.compile(r"^(.*) - at `\$\.?(.*)`$")
+
+
+def _one_line(source: str, exc: msgspec.ValidationError) -> str:
+    text = str(exc)
+    match = _AT.match(text)
+    message, path = (match.group(1), match.group(2)) if match else (text, "")
+    unknown = re.match(r"Object contains unknown field `(.+)`", message)
+    if unknown:
+        key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        return f"{source}: unknown key `{key}`"
+    missing = re.match(r"Object missing required field `(.+)`", message)
+    if missing:
+        key = f"{path}.{missing.group(1)}" if path else missing.group(1)
+        return f"{source}: missing required key `{key}`"
+    message = message[0].lower() + message[1:] if message else message
+    return f"{source}: `{path}`: {message}" if path else f"{source}: {message}"
+
+
+_TABLES: dict[str, object] = {"regions": dict[Token, Count], "checks": dict[str, Check]}
+
+
+def _name_the_key(data: dict[str, object], exc: msgspec.ValidationError) -> msgspec.ValidationError:
+    """msgspec says `regions[...]`; find which entry of the table it means, so the message can name it."""
+    for table, kind in _TABLES.items():
+        entries = data.get(table)
+        if f"$.{table}" not in str(exc) or not isinstance(entries, dict):
+            continue
+        for key, value in entries.items():
+            try:
+                msgspec.convert({key: value}, kind, strict=True)  # type: ignore[call-overload]
+            except msgspec.ValidationError as one:
+                text = str(one).replace("$[...]", f"$.{table}.{key}")
+                if "at `key`" in text:
+                    text = f"invalid name {key!r}: use 1-64 letters, digits, '-' or '_' - at `$.{table}`"
+                return msgspec.ValidationError(text)
+    return exc
+
+
+def parse_spec(text: str, source: str = "fauxmad.toml") -> AppSpec:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{source}: not valid TOML: {exc}") from None
+    try:
+        return msgspec.convert(data, AppSpec, strict=True)
+    except msgspec.ValidationError as exc:
+        raise SpecError(_one_line(source, _name_the_key(data, exc))) from None
+
+
+def load_spec(path: Path) -> AppSpec:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file (pass -c PATH, or run where fauxmad.toml is)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read: {exc}") from None
+    return parse_spec(text, str(path))

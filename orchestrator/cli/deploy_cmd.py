@@ -1,0 +1,358 @@
+"""`fauxmad deploy`, `rollback`, `releases`, `reconcile`, `scale` and `apps`: the client-side reconcilers.
+
+Each command is a thin edge over `orchestrator.apps.reconciler`: parse and check the input (a bad
+spec is one line naming the key, before anything touches the fleet), connect, run the loop with a
+progress display, and turn the outcome into an exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import typer
+from rich import box
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from orchestrator.apps.executor import Result
+from orchestrator.apps.plan import Plan
+from orchestrator.apps.reconciler import DeployOutcome, Reconciler
+from orchestrator.apps.releases import Release
+from orchestrator.apps.spec import AppSpec, SpecError, load_spec
+from orchestrator.cli.render import console, print_json
+from orchestrator.cli.runtime import NATS_HELP, fail, nats_url, run
+
+T = TypeVar("T")
+
+NATS = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
+JSON = typer.Option(False, "--json", help="print JSON instead of a table")
+CONFIG = typer.Option(Path("fauxmad.toml"), "--config", "-c", help="the app spec file")
+APP = typer.Option(..., "--app", "-a", help="the app")
+
+scale_app = typer.Typer(help="Change how many machines an app runs (a new release, no restarts).",
+                        no_args_is_help=True)
+apps_app = typer.Typer(help="The apps that have releases in KV fauxmad_apps.", no_args_is_help=True)
+
+
+def with_reconciler(url: str | None, fn: Callable[[Reconciler], Awaitable[T]]) -> T:
+    resolved = nats_url(url)
+    assert resolved is not None
+
+    async def main() -> T:
+        reconciler = await Reconciler.connect(resolved)
+        try:
+            return await fn(reconciler)
+        finally:
+            await reconciler.close()
+
+    return run(main())
+
+
+def _spec(path: Path) -> AppSpec:
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        fail(str(exc), 2)
+
+
+class DeployDisplay:
+    """A progress bar per region (ready primaries of the release over the desired count) and a line per
+    action; plain lines when the output is not a terminal."""
+
+    def __init__(self, title: str) -> None:
+        self.live = console.is_terminal
+        self.progress = Progress(TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=console,
+                                 disable=not self.live)
+        self.tasks: dict[str, Any] = {}
+        self.title = title
+        self.last: dict[str, tuple[int, int]] = {}
+
+    def __enter__(self) -> DeployDisplay:
+        console.print(self.title)
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def on_plan(self, app: str, plan: Plan) -> None:
+        for status in plan.regions:
+            spares = f"spares {status.spares}/{status.spares_wanted}" if status.spares_wanted else ""
+            if status.region not in self.tasks:
+                self.tasks[status.region] = self.progress.add_task(status.region, total=status.desired or 1, note="")
+            self.progress.update(self.tasks[status.region], completed=status.ready, total=max(status.desired, 1),
+                                 note=spares)
+            if not self.live and self.last.get(status.region) != (status.ready, status.spares):
+                self.last[status.region] = (status.ready, status.spares)
+                console.print(f"{status.region:>10}: {status.ready}/{status.desired} ready {spares}".rstrip())
+
+    def on_result(self, app: str, result: Result) -> None:
+        action = result.action
+        name = type(action).__name__.lower()
+        target = result.machine_id or "new machine"
+        line = f"{action.region:>10}: {name} {target}: {action.reason}"
+        if not result.ok:
+            line += f" [red](failed: {result.error})[/]"
+        self.progress.console.print(line, highlight=False)
+
+
+def _finish(outcome: DeployOutcome) -> None:
+    if outcome.ok:
+        console.print(f"[green]{outcome.message}[/] in {outcome.seconds:.1f}s")
+        return
+    fail(outcome.message)
+
+
+def deploy(config: Path = CONFIG, nats: str | None = NATS) -> None:
+    """Deploy the app in fauxmad.toml to every region it names, per its [deploy] strategy.
+
+    Health checks gate progress; if any region fails, every region goes back to the previous good
+    release and the command exits non-zero saying what failed where.
+    """
+    spec = _spec(config)
+
+    async def go(r: Reconciler) -> DeployOutcome:
+        with DeployDisplay(f"deploying {spec.app} ({spec.deploy.strategy}) to {', '.join(spec.regions)}") as show:
+            r.on_plan, r.on_result = show.on_plan, show.on_result
+            return await r.deploy(spec)
+
+    _finish(with_reconciler(nats, go))
+
+
+def rollback(version: int | None = typer.Argument(None, help="the release to go back to [default: the last "
+                                                               "good one before the current]"),
+             app: str = APP, nats: str | None = NATS) -> None:
+    """Point the app at an earlier release and converge every region onto it."""
+
+    async def go(r: Reconciler) -> DeployOutcome:
+        with DeployDisplay(f"rolling {app} back" + (f" to v{version}" if version else "")) as show:
+            r.on_plan, r.on_result = show.on_plan, show.on_result
+            return await r.rollback(app, version)
+
+    _finish(with_reconciler(nats, go))
+
+
+def _when(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def releases(app: str = APP, nats: str | None = NATS, json_out: bool = JSON) -> None:
+    """An app's releases, newest first, with status and the current one marked."""
+
+    async def go(r: Reconciler) -> tuple[list[Release], int]:
+        head = await r.releases.head(app)
+        return await r.releases.list(app), head.version if head else 0
+
+    found, current = with_reconciler(nats, go)
+    found.reverse()
+    if json_out:
+        print_json({"app": app, "current": current, "releases": found})
+        return
+    if not found:
+        console.print(f"app {app} has no releases (deploy it with `fauxmad deploy -c fauxmad.toml`)")
+        return
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+    for col in ("version", "status", "strategy", "regions", "created", "description"):
+        table.add_column(col, no_wrap=col != "description")
+    for rel in found:
+        mark = " (current)" if rel.version == current else ""
+        regions = ",".join(f"{k}={v}" for k, v in rel.spec.regions.items())
+        status = rel.status + (f": {rel.reason}" if rel.reason else "")
+        table.add_row(f"v{rel.version}{mark}", status, rel.spec.deploy.strategy, regions, _when(rel.created_at),
+                      rel.description)
+    console.print(table)
+
+
+def reconcile(
+    config: Path | None = typer.Option(None, "--config", "-c", help="an app spec: deploy it if it is new"),
+    app: str | None = typer.Option(None, "--app", "-a", help="only this app"),
+    watch: bool = typer.Option(False, "--watch", "-w", help="keep converging as things change (the operator)"),
+    nats: str | None = NATS,
+) -> None:
+    """Bring apps to their current release: once, or continuously with --watch (all apps by default).
+
+    The operator reacts to worker heartbeats expiring (spares start), machines' events and new
+    releases; a timer is only a backstop.
+    """
+    spec = _spec(config) if config is not None else None
+    names = [spec.app] if spec is not None else [app] if app else None
+
+    async def go(r: Reconciler) -> int:
+        if spec is not None:
+            current = await r.releases.current(spec.app)
+            if current is None or current.spec != spec:
+                outcome = await r.deploy(spec, "reconcile: spec changed")
+                console.print(outcome.message, highlight=False)
+        if watch:
+            return await _watch(r, names)
+        failed = 0
+        for name in names or await r.releases.apps():
+            result = await r.reconcile_once(name)
+            console.print(f"{name}: {result.describe()} ({result.passes} passes, {result.seconds:.1f}s)",
+                          highlight=False)
+            failed += not result.ok
+        return 1 if failed else 0
+
+    code = with_reconciler(nats, go)
+    if code:
+        raise typer.Exit(code)
+
+
+async def _watch(r: Reconciler, names: list[str] | None) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def on_result(app: str, result: Result) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        action = result.action
+        outcome = "" if result.ok else f" (failed: {result.error})"
+        target = result.machine_id or "new machine"
+        console.print(f"{stamp} {app} {action.region}: {type(action).__name__.lower()} {target}: "
+                      f"{action.reason}{outcome}", highlight=False)
+
+    r.on_result = on_result
+    console.print(f"watching {', '.join(names) if names else 'all apps'} (Ctrl-C to stop)", highlight=False)
+    await r.watch(names, stop)
+    return 0
+
+
+def _round_robin(count: int, regions: list[str], per_region_max: int | None) -> dict[str, int]:
+    if per_region_max is not None and count > per_region_max * len(regions):
+        fail(f"cannot run {count} machines in {len(regions)} region(s) with at most {per_region_max} per region")
+    out = dict.fromkeys(regions, 0)
+    i = 0
+    for _ in range(count):
+        while per_region_max is not None and out[regions[i % len(regions)]] >= per_region_max:
+            i += 1
+        out[regions[i % len(regions)]] += 1
+        i += 1
+    return out
+
+
+@scale_app.command("count")
+def scale_count(
+    count: int = typer.Argument(..., min=0, max=10000, help="machines in total"),
+    app: str = APP,
+    region: str | None = typer.Option(None, "--region", "-r", help="comma-separated regions [default: the app's]"),
+    max_per_region: int | None = typer.Option(None, "--max-per-region", min=1, help="at most this many per region"),
+    nats: str | None = NATS,
+) -> None:
+    """Run COUNT machines, spread round robin over the regions: a new release with the same config."""
+
+    async def go(r: Reconciler) -> DeployOutcome:
+        current = await r.releases.current(app)
+        if current is None:
+            fail(f"app {app} has no current release: deploy it first")
+        names = [x.strip() for x in region.split(",") if x.strip()] if region else list(current.spec.regions)
+        if not names:
+            fail("--region needs at least one region")
+        counts = _round_robin(count, names, max_per_region)
+        spec = msgspec.structs.replace(current.spec, regions=counts)
+        try:
+            spec = msgspec.convert(msgspec.to_builtins(spec), AppSpec)  # validates the region names
+        except msgspec.ValidationError as exc:
+            fail(f"invalid --region: {exc}")
+        summary = ", ".join(f"{k}={v}" for k, v in counts.items())
+        with DeployDisplay(f"scaling {app} to {summary}") as show:
+            r.on_plan, r.on_result = show.on_plan, show.on_result
+            return await r.deploy(spec, f"scale count {count} ({summary})")
+
+    _finish(with_reconciler(nats, go))
+
+
+@apps_app.command("list")
+def apps_list(nats: str | None = NATS, json_out: bool = JSON) -> None:
+    """Apps with their current release and desired counts."""
+
+    async def go(r: Reconciler) -> list[dict[str, Any]]:
+        out = []
+        for name in await r.releases.apps():
+            head = await r.releases.head(name)
+            rel = await r.releases.current(name)
+            out.append({"app": name, "release": head.version if head else 0,
+                        "status": rel.status if rel else "destroying",
+                        "strategy": rel.spec.deploy.strategy if rel else "",
+                        "regions": dict(rel.spec.regions) if rel else {}})
+        return out
+
+    found = with_reconciler(nats, go)
+    if json_out:
+        print_json(found)
+        return
+    if not found:
+        console.print("no apps (deploy one with `fauxmad deploy -c fauxmad.toml`)")
+        return
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+    for col in ("app", "release", "status", "strategy", "regions"):
+        table.add_column(col, no_wrap=True)
+    for row in found:
+        regions = ",".join(f"{k}={v}" for k, v in row["regions"].items())
+        table.add_row(row["app"], f"v{row['release']}", row["status"], row["strategy"], regions)
+    console.print(table)
+
+
+@apps_app.command("destroy")
+def apps_destroy(
+    app: str = typer.Argument(..., help="the app to destroy, with all its machines and releases"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask"),
+    nats: str | None = NATS,
+) -> None:
+    """Destroy every machine of an app in every region, then forget its releases."""
+    if not yes:
+        if not console.is_terminal:
+            fail(f"destroying {app} removes all its machines: pass --yes to confirm", 2)
+        typer.confirm(f"Destroy app {app} and all its machines?", abort=True)
+
+    async def go(r: Reconciler) -> Any:
+        return await r.destroy_app(app)
+
+    result = with_reconciler(nats, go)
+    if not result.ok:
+        fail(f"destroying {app}: {result.describe()}")
+    console.print(f"app {app} destroyed")
+
+
+def drain(
+    worker_id: str = typer.Argument(..., help="the worker to empty"),
+    timeout: float = typer.Option(300.0, "--timeout", min=1, help="give up after this many seconds"),
+    nats: str | None = NATS,
+) -> None:
+    """Cordon a worker and move its machines to other workers of its region, new ones healthy before
+    old ones stop: maintenance without downtime."""
+
+    async def go(r: Reconciler) -> int:
+        try:
+            return await r.drain(worker_id, timeout=timeout, progress=lambda line: console.print(line, highlight=False))
+        except TimeoutError as exc:
+            fail(f"drain of {worker_id} incomplete: {exc}")
+
+    started = time.perf_counter()
+    moved = with_reconciler(nats, go)
+    console.print(f"{worker_id} is drained: {moved} machine(s) moved in {time.perf_counter() - started:.1f}s "
+                  f"(it stays cordoned; `fauxmad worker uncordon {worker_id}` to use it again)", highlight=False)
+
+
+def cordon(worker_id: str = typer.Argument(..., help="the worker"),
+           uncordon: bool = False, nats: str | None = NATS) -> None:
+    """Stop (or resume) placing new machines on a worker; what runs there keeps running."""
+    from bus import subjects
+    from bus.messages import CordonRequest, WorkerInfo
+    from bus.service import call
+
+    async def go(r: Reconciler) -> WorkerInfo:
+        return await call(r.nc, subjects.worker_cordon(worker_id, not uncordon), CordonRequest(reason="cli"),
+                          WorkerInfo, timeout=5)
+
+    info = with_reconciler(nats, go)
+    console.print(f"{info.worker_id} ({info.region}) is {'cordoned' if info.cordoned else 'taking machines'}",
+                  highlight=False)
