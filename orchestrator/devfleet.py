@@ -85,6 +85,11 @@ class DevFleet:
                 proc.kill()
                 proc.wait(10)
 
+    def kill_host(self, worker_id: str) -> None:
+        """A host dies: its worker and every machine process it ran are SIGKILLed at once."""
+        self.kill(f"worker-{worker_id}")
+        self._kill_machines(self.root / "workers" / worker_id)
+
     def respawn(self, name: str) -> None:
         """Start a killed process again with the same arguments (a worker re-adopts its machines)."""
         self.processes = [(n, p) for n, p in self.processes if n != name or p.poll() is None]
@@ -189,10 +194,17 @@ class DevFleet:
 
     def _kill_leftover_machines(self) -> None:
         """Last resort: any machine process still running under this fleet's data dir."""
-        for pid_file in (self.root / "workers").glob("**/machines/*/child.pid"):
+        self._kill_machines(self.root / "workers")
+
+    @staticmethod
+    def _kill_machines(under: Path) -> None:
+        for pid_file in under.glob("**/machines/*/child.pid"):
             with contextlib.suppress(Exception):
-                pgid = os.getpgid(int(pid_file.read_text().strip()))
-                os.killpg(pgid, signal.SIGKILL)
+                pid = int(pid_file.read_text().strip())
+                shim = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                if shim > 1 and shim != os.getpid():
+                    os.kill(shim, signal.SIGKILL)  # the machine's supervisor, in its own session
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
 
     def stop(self) -> None:
         if self.nats is not None and self.processes:

@@ -790,5 +790,5 @@ class MachineManager:
 
 def only_labels_differ(old: MachineConfig, new: MachineConfig) -> bool:
     """True when two configs differ at most in `metadata` and `standbys`, which a running process never sees."""
-    unlabel = {"metadata": {}, "standbys": []}
+    unlabel: dict[str, Any] = {"metadata": {}, "standbys": []}
     return msgspec.structs.replace(old, **unlabel) == msgspec.structs.replace(new, **unlabel)

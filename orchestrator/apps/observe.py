@@ -87,7 +87,7 @@ class Observer:
             try:
                 return await self.machines_on(worker_id, app)
             except FauxmadError as exc:
-                log.warning("observe: worker %s did not answer: %s", worker_id, exc.message)
+                log.info("observe: worker %s did not answer: %s", worker_id, exc.message)
                 raise
 
         answers = await asyncio.gather(*[ask(w) for w in workers])

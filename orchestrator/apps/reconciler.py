@@ -303,7 +303,7 @@ class Reconciler:
                     result, _ = await self.step(desired)
                     busy = busy or bool(result.actions or result.waiting)
                 except Exception as exc:
-                    log.warning("reconcile %s: %s", app, exc)
+                    log.info("reconcile %s: %s (will look again)", app, exc)
                     busy = True
             waiter = asyncio.create_task(self.wait_for_change(self.poll if busy else self.backstop))
             stopper = asyncio.create_task(stop.wait())

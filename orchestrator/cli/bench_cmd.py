@@ -199,3 +199,13 @@ def worker_bench(
                           f"process start to ready {item.ready_ms:.0f} ms (log {item.log_mb:.0f} MB)")
         console.print(f"worker RSS at rest: {result.rss_mb_at_rest:.1f} MB")
     _write(output, result, json_out)
+
+
+def _register_app_benchmarks() -> None:
+    from orchestrator.cli import bench_apps
+
+    bench_app.command("deploy")(bench_apps.deploy)
+    bench_app.command("failover")(bench_apps.failover)
+
+
+_register_app_benchmarks()
