@@ -1,0 +1,51 @@
+"""The app spec: the README's example and the shipped example parse; the derived machine config is labelled."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from orchestrator.apps.spec import SpecError, load_spec, parse_spec
+from tests.helpers import ROOT
+
+
+def test_the_readme_example_documents_every_field() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```toml\n(.*?)```", readme, re.S)
+    assert block is not None
+    spec = parse_spec(block.group(1), "README.md")
+    assert spec.app == "sandwich" and spec.regions == {"mad": 3, "syd": 2}
+    assert spec.deploy.unavailable_budget(3) == 1 and spec.deploy.unavailable_budget(10) == 4
+    assert spec.checks["http"].port == 8080 and spec.deploy.wait_seconds == 60
+
+
+def test_the_shipped_example_parses_and_labels_its_machines() -> None:
+    spec = load_spec(ROOT / "examples" / "fauxmad.toml")
+    config = spec.machine_config(7, "spare", standby_of="0123456789abcd")
+    assert config.metadata == {"fauxmad_release": "7", "fauxmad_role": "spare"}
+    assert config.standbys == ["0123456789abcd"] and config.cmd == spec.cmd
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('app = "x"\ncmd = []\n[regions]\nmad = 1\n', "`cmd`"),
+        ('app = "x"\ncmd = ["a"]\n', "[regions] needs at least one"),
+        ('app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n[deploy]\nmax_unavailable = 1.5\n', "max_unavailable"),
+        ('app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n[deploy]\nstrategy = "yolo"\n', "`deploy.strategy`"),
+        ('app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n[deploy]\nwait_timeout = "soon"\n', "wait_timeout"),
+        ('app = "a.b"\ncmd = ["a"]\n[regions]\nmad = 1\n', "`app`"),
+        ('app = "x"\ncmd = ["a"]\n[regions]\nmad = -1\n', "`regions.mad`"),
+    ],
+)
+def test_bad_specs_name_the_problem(text: str, needle: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(text)
+    message = str(caught.value)
+    assert needle in message and "\n" not in message
+
+
+def test_a_missing_file_is_a_plain_error() -> None:
+    with pytest.raises(SpecError, match="no such file"):
+        load_spec(ROOT / "nope" / "fauxmad.toml")
