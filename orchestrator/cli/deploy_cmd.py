@@ -327,8 +327,11 @@ def drain(
     timeout: float = typer.Option(300.0, "--timeout", min=1, help="give up after this many seconds"),
     nats: str | None = NATS,
 ) -> None:
-    """Cordon a worker and move its machines to other workers of its region, new ones healthy before
-    old ones stop: maintenance without downtime."""
+    """Cordon a worker and move its machines elsewhere in its region, healthy replacements first.
+
+    Maintenance without downtime: each primary gets a replacement on another worker, and stops only
+    once that one passes its checks; spares are re-created elsewhere.
+    """
 
     async def go(r: Reconciler) -> int:
         try:
