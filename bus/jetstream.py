@@ -3,11 +3,18 @@
 Every process calls `ensure_fleet_resources` at start-up; creation is idempotent, so whichever
 process comes first creates them and the others bind. The workers bucket has a TTL of about three
 heartbeats with limit markers on, so a watcher sees a worker's key deleted when it stops beating.
+
+The events stream keeps events for an age and up to a size that are configuration: a `FleetConfig`
+field, else `$FAUXMAD_EVENTS_MAX_AGE` (`7d`, `12h`, seconds) and `$FAUXMAD_EVENTS_MAX_BYTES`
+(`1GiB`, `512MB`, bytes). Limits given either way are applied to an existing stream too; a process
+that was given none leaves the stream's limits as they are (defaults: 7 days, 1 GiB).
 """
 
 from __future__ import annotations
 
-import contextlib
+import os
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -17,18 +24,68 @@ from nats.js.errors import BadRequestError
 from nats.js.kv import KeyValue
 
 from bus import subjects
+from bus.messages import seconds
 
 HEARTBEAT_INTERVAL = 1.0
 WORKER_TTL = 3 * HEARTBEAT_INTERVAL
 
+EVENTS_MAX_AGE_ENV = "FAUXMAD_EVENTS_MAX_AGE"
+EVENTS_MAX_BYTES_ENV = "FAUXMAD_EVENTS_MAX_BYTES"
+DEFAULT_EVENTS_MAX_AGE = 7 * 24 * 3600.0
+DEFAULT_EVENTS_MAX_BYTES = 1024 * 1024 * 1024
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?$", re.IGNORECASE)
+_SIZE_UNIT = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
 
 class FleetConfig(msgspec.Struct, kw_only=True):
-    """Limits of the shared JetStream resources (configuration, not contract)."""
+    """Limits of the shared JetStream resources (configuration, not contract).
+
+    `events_max_age` (seconds) and `events_max_bytes` left at `None` come from the environment;
+    when neither says anything, an existing stream keeps its limits and a new one gets the defaults.
+    """
 
     heartbeat_interval: float = HEARTBEAT_INTERVAL
-    events_max_age: float = 7 * 24 * 3600.0
-    events_max_bytes: int = 1024 * 1024 * 1024
+    events_max_age: float | None = None
+    events_max_bytes: int | None = None
     storage: str = "file"
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `1073741824`, `512MB`, `1GiB` (decimal and binary units)."""
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise ValueError(f"invalid size {text!r}: use bytes or a size like '512MB' or '1GiB'")
+    size = int(float(match.group(1)) * _SIZE_UNIT[(match.group(2) or "b").lower()])
+    if size <= 0:
+        raise ValueError(f"invalid size {text!r}: must be positive")
+    return size
+
+
+class EventsLimits(msgspec.Struct, frozen=True):
+    max_age: float
+    max_bytes: int
+    explicit: bool  # given by configuration (apply to an existing stream), not just the defaults
+
+
+def events_limits(config: FleetConfig, environ: Mapping[str, str] = os.environ) -> EventsLimits:
+    """The events stream's limits: the config's, else the environment's, else the defaults."""
+    age_text, bytes_text = environ.get(EVENTS_MAX_AGE_ENV, ""), environ.get(EVENTS_MAX_BYTES_ENV, "")
+    try:
+        max_age = config.events_max_age if config.events_max_age is not None else (
+            seconds(age_text) if age_text else None)
+        max_bytes = config.events_max_bytes if config.events_max_bytes is not None else (
+            parse_size(bytes_text) if bytes_text else None)
+    except ValueError as exc:
+        raise ValueError(f"events stream limits: {exc}") from None
+    if max_age is not None and max_age <= 0:
+        raise ValueError(f"events stream limits: max age must be positive, not {max_age:g}")
+    return EventsLimits(
+        max_age=DEFAULT_EVENTS_MAX_AGE if max_age is None else max_age,
+        max_bytes=DEFAULT_EVENTS_MAX_BYTES if max_bytes is None else max_bytes,
+        explicit=max_age is not None or max_bytes is not None,
+    )
 
 
 class FleetKV(msgspec.Struct, frozen=True):
@@ -78,15 +135,22 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
             description="create idempotency keys: claimed by one broker, answered with one machine",
         ),
     )
-    with contextlib.suppress(BadRequestError):
-        await js.add_stream(
-            StreamConfig(
-                name=subjects.EVENTS_STREAM,
-                subjects=[subjects.EVENTS_ALL],
-                max_age=config.events_max_age,
-                max_bytes=config.events_max_bytes,
-                storage=storage,
-                description="every machine state transition, from every worker",
-            )
-        )
+    await _events_stream(js, events_limits(config), storage)
     return FleetKV(workers=workers, machines=machines, apps=apps, idempotency=idempotency)
+
+
+async def _events_stream(js: JetStreamContext, limits: EventsLimits, storage: StorageType) -> None:
+    stream = StreamConfig(
+        name=subjects.EVENTS_STREAM, subjects=[subjects.EVENTS_ALL], max_age=limits.max_age,
+        max_bytes=limits.max_bytes, storage=storage, description="every machine state transition, from every worker",
+    )
+    try:
+        await js.add_stream(stream)
+        return
+    except BadRequestError:
+        if not limits.explicit:
+            return  # exists with other limits, and nobody asked for these: leave it as it is
+    current = (await js.stream_info(subjects.EVENTS_STREAM)).config
+    if current.max_age != limits.max_age or current.max_bytes != limits.max_bytes:
+        current.max_age, current.max_bytes = limits.max_age, limits.max_bytes
+        await js.update_stream(current)

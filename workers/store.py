@@ -124,8 +124,10 @@ class Tx:
         def make(seq: int) -> LogRecord:
             stored.machine.version = seq
             stored.events = stored.events[-EVENTS_KEPT:]
-            if stored.events and stored.events[-1].seq == 0:
-                stored.events[-1].seq = seq
+            for event in reversed(stored.events):  # every event this record adds (an exit, then a state)
+                if event.seq != 0:
+                    break
+                event.seq = seq
             return MachineRecord(seq=seq, at=self.now, op=op, stored=stored)
 
         self._append(make)

@@ -1,0 +1,167 @@
+"""`fauxmad status [--watch]` and `fauxmad events`: the fleet as the systemwide view sees it.
+
+`status` brings the local view (a SQLite cache of the events stream and the heartbeats) up to the
+stream's current end, then answers from it without asking any worker. `events` reads the stream
+itself, filtered on the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import typer
+
+from bus import subjects
+from bus.errors import BadRequest
+from orchestrator.cli.render import console, print_json
+from orchestrator.cli.runtime import JsonOption, NatsOption, fail, nats_url, run
+from orchestrator.cli.view_render import event_line, machines_table, regions_table, workers_table
+from orchestrator.view.history import SINCE_HELP, parse_since
+from orchestrator.view.model import Snapshot
+
+CATCH_UP_TIMEOUT = 10.0
+
+AppOption = typer.Option(None, "--app", "-a", help="only this app's machines (and the workers holding them)")
+ViewOption = typer.Option(
+    None,
+    "--view",
+    help="the view's SQLite file [default: $FAUXMAD_VIEW, else a file per NATS URL under $XDG_CACHE_HOME/fauxmad]",
+    show_default=False,
+)
+
+
+def _token(kind: str, value: str | None) -> None:
+    if value is not None:
+        try:
+            subjects.check_token(kind, value)
+        except BadRequest as exc:
+            fail(exc.message, 2)
+
+
+def note(message: str) -> None:
+    sys.stderr.write(f"fauxmad: {message}\n")
+
+
+def status(
+    app: str | None = AppOption,
+    watch: bool = typer.Option(False, "--watch", "-w", help="a live screen that follows the fleet (q quits)"),
+    all_: bool = typer.Option(False, "--all", help="include destroyed machines"),
+    view: Path | None = ViewOption,
+    rebuild: bool = typer.Option(False, "--rebuild", help="forget the view and rebuild it from the stream"),
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
+) -> int:
+    """Regions, workers and machines, from the systemwide view (no worker is asked)."""
+    from orchestrator.view.paths import default_view_path
+
+    _token("app", app)
+    url = nats_url(nats)
+    assert url is not None
+    path = view or default_view_path(url)
+    if watch:
+        if json_out:
+            fail("--watch draws a screen; --json prints once: use one or the other", 2)
+        from orchestrator.cli.live import watch as live_watch
+
+        return run(live_watch(url, path, app, console))
+    result = run(_collect(url, path, app, all_, rebuild))
+    snap = result.snapshot
+    if result.rebuilt:
+        note(f"view rebuilt from the stream: {result.rebuilt}")
+    if not result.caught_up:
+        note(f"the view did not catch up with the stream within {CATCH_UP_TIMEOUT:g}s: it may be behind")
+    if app is not None and not result.known:
+        note(f"no app {app!r} in the view: nothing has ever run under that name")
+    if json_out:
+        print_json(snap.status_json(str(path)))
+        return 0
+    if snap.regions:
+        console.print(regions_table(snap.regions))
+    elif app is None:
+        console.print("no regions: no worker has reported")
+    if snap.workers:
+        console.print(workers_table(snap.workers, time.time()))
+    console.print(machines_table(snap.machines) if snap.machines else "no machines" + (f" in app {app}" if app else ""))
+    return 0
+
+
+class Collected(msgspec.Struct, frozen=True):
+    snapshot: Snapshot
+    caught_up: bool
+    known: bool  # the app (if one was asked for) has ever had an event
+    rebuilt: str | None
+
+
+async def _collect(url: str, path: Path, app: str | None, include_destroyed: bool, rebuild: bool) -> Collected:
+    from bus.connection import connect
+    from orchestrator.view.follower import ViewFollower
+    from orchestrator.view.store import ViewStore
+
+    nc = await connect(url, "fauxmad-status")
+    store = ViewStore(path)
+    follower = ViewFollower(nc, store)
+    try:
+        if rebuild:
+            store.reset()
+        await follower.start()
+        caught_up = await follower.catch_up(CATCH_UP_TIMEOUT)
+        snap = store.snapshot(time.time(), app=app, include_destroyed=include_destroyed, events=0)
+        known = app is None or store.known_app(app)
+        rebuilt = follower.rebuilt or ("asked for (--rebuild)" if rebuild else None)
+        return Collected(snapshot=snap, caught_up=caught_up, known=known, rebuilt=rebuilt)
+    finally:
+        await follower.close()
+        store.close()
+        await nc.close()
+
+
+def events(
+    app: str | None = typer.Option(None, "--app", "-a", help="only this app's events"),
+    machine: str | None = typer.Option(None, "--machine", "-m", help="only this machine's events"),
+    since: str | None = typer.Option(None, "--since", help=f"start at: {SINCE_HELP}"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing events as they happen (Ctrl-C stops)"),
+    nats: str | None = NatsOption,
+    json_out: bool = typer.Option(False, "--json", help="one JSON object per line"),
+) -> int:
+    """Machine events from the stream FAUXMAD_EVENTS, oldest first."""
+    from bus.connection import connect
+    from bus.messages import MachineEvent
+    from orchestrator.view.history import read_events
+
+    _token("app", app)
+    _token("machine id", machine)
+    start = None
+    if since is not None:
+        try:
+            start = parse_since(since, time.time())
+        except ValueError as exc:
+            fail(str(exc), 2)
+    url = nats_url(nats)
+    assert url is not None
+
+    def emit(stream_seq: int, event: MachineEvent) -> None:
+        if json_out:
+            line = msgspec.json.encode({**msgspec.structs.asdict(event), "stream_seq": stream_seq}).decode()
+        else:
+            line = event_line(stream_seq, event)
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    async def main() -> int:
+        nc = await connect(url, "fauxmad-events")
+        try:
+            return await read_events(nc, emit, app=app, machine_id=machine, since=start, follow=follow)
+        finally:
+            await nc.close()
+
+    count = 0
+    with contextlib.suppress(KeyboardInterrupt):
+        count = run(main())
+    if count == 0 and not follow:
+        scope = " ".join(filter(None, [f"app {app}" if app else "", f"machine {machine}" if machine else ""]))
+        note("no events" + (f" for {scope}" if scope else "") + (f" since {since}" if since else ""))
+    return 0
