@@ -29,7 +29,7 @@ AppOption = typer.Option(None, "--app", "-a", help="only this app's machines (an
 ViewOption = typer.Option(
     None,
     "--view",
-    help="the view's SQLite file [default: $FAUXMAD_VIEW, else a file per NATS URL under $XDG_CACHE_HOME/fauxmad]",
+    help="the view's SQLite file (default: $FAUXMAD_VIEW, else a file per NATS URL under $XDG_CACHE_HOME/fauxmad)",
     show_default=False,
 )
 
