@@ -34,7 +34,7 @@ from bus.messages import (
     UpdateRequest,
 )
 from bus.service import call
-from orchestrator.apps.plan import Action, Create, Destroy, Promote, Start, Stop, Update
+from orchestrator.apps.plan import Action, Create, Destroy, MachineAction, Promote, Start, Stop, Update
 from orchestrator.apps.spec import SPARE
 from orchestrator.client import FleetClient
 
@@ -114,7 +114,8 @@ class Executor:
             quiet = isinstance(exc, Conflict) or getattr(action, "role", "") == SPARE
             level = logging.INFO if quiet else logging.WARNING
             log.log(level, "%s failed: %s", type(action).__name__.lower(), exc.message)
-            return Result(action=action, ok=False, machine_id=getattr(action, "id", ""), error=exc.message,
+            machine_id = action.id if isinstance(action, MachineAction) else ""
+            return Result(action=action, ok=False, machine_id=machine_id, error=exc.message,
                           code=exc.code)
 
     async def _create(self, app: str, action: Create) -> Machine:
@@ -128,8 +129,8 @@ class Executor:
         # only the workers it prefers to stay away from have room: better there than nowhere
         return await self.client.create(app, msgspec.structs.replace(request, avoid_workers=list(action.avoid_workers)))
 
-    async def _verb(self, action: Action, nonce: str) -> None:
-        worker, machine_id = action.worker_id, action.id  # type: ignore[union-attr]
+    async def _verb(self, action: MachineAction, nonce: str) -> None:
+        worker, machine_id = action.worker_id, action.id
         if isinstance(action, Start):
             await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
         elif isinstance(action, Stop):

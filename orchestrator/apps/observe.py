@@ -67,10 +67,6 @@ class Observer:
         await self.registry.close()
         await self.index.close()
 
-    def live_workers(self, regions: Iterable[str] | None = None) -> list[str]:
-        wanted = set(regions) if regions is not None else None
-        return [w.worker_id for w in self.registry.workers() if wanted is None or w.region in wanted]
-
     def cordoned(self) -> frozenset[str]:
         return frozenset(w.worker_id for w in self.registry.workers() if w.cordoned)
 
@@ -80,8 +76,11 @@ class Observer:
 
     async def observe(self, app: str, regions: Iterable[str], *, unhealthy_since: Mapping[str, float] | None = None,
                       no_room_for_spares: frozenset[str] = frozenset()) -> Observed:
-        known = {e.region for e in self.index.by_app(app)}
-        workers = self.live_workers(set(regions) | known)
+        entries = self.index.by_app(app)
+        wanted = set(regions) | {e.region for e in entries}
+        alive = self.registry.workers()
+        live = {w.worker_id for w in alive}
+        workers = [w.worker_id for w in alive if w.region in wanted]
 
         async def ask(worker_id: str) -> builtins.list[Machine]:
             try:
@@ -92,12 +91,11 @@ class Observer:
 
         answers = await asyncio.gather(*[ask(w) for w in workers])
         machines = [member(m) for group in answers for m in group if m.state != "destroyed"]
-        live = set(self.live_workers())
         seen = {m.id for m in machines}
         lost = tuple(
             Member(id=e.id, region=e.region, worker_id=e.worker_id, state=e.state,
                    config=MachineConfig(metadata=dict(e.metadata)))
-            for e in self.index.by_app(app)
+            for e in entries
             if e.worker_id not in live and e.id not in seen and e.state not in ("destroyed", "destroying")
         )
         return Observed(machines=tuple(machines), lost=lost, cordoned=self.cordoned(),

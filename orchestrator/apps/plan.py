@@ -86,44 +86,36 @@ class Create(msgspec.Struct, frozen=True, kw_only=True, tag="create"):
         return self.config.metadata.get(ROLE_KEY, PRIMARY)
 
 
-class Start(msgspec.Struct, frozen=True, kw_only=True, tag="start"):
+class MachineAction(msgspec.Struct, frozen=True, kw_only=True):
+    """An action on one existing machine, sent to the worker that owns it."""
+
     id: str
     region: str
     worker_id: str
     reason: str = ""
 
 
-class Stop(msgspec.Struct, frozen=True, kw_only=True, tag="stop"):
-    id: str
-    region: str
-    worker_id: str
-    reason: str = ""
+class Start(MachineAction, frozen=True, kw_only=True, tag="start"):
+    pass
 
 
-class Update(msgspec.Struct, frozen=True, kw_only=True, tag="update"):
-    id: str
-    region: str
-    worker_id: str
+class Stop(MachineAction, frozen=True, kw_only=True, tag="stop"):
+    pass
+
+
+class Update(MachineAction, frozen=True, kw_only=True, tag="update"):
     config: MachineConfig
     restarts: bool  # False when only labels change or the machine is not running
-    reason: str = ""
 
 
-class Promote(msgspec.Struct, frozen=True, kw_only=True, tag="promote"):
+class Promote(MachineAction, frozen=True, kw_only=True, tag="promote"):
     """Relabel a spare as the primary that replaces a lost one, then start it."""
 
-    id: str
-    region: str
-    worker_id: str
     config: MachineConfig
-    reason: str = ""
 
 
-class Destroy(msgspec.Struct, frozen=True, kw_only=True, tag="destroy"):
-    id: str
-    region: str
-    worker_id: str
-    reason: str = ""
+class Destroy(MachineAction, frozen=True, kw_only=True, tag="destroy"):
+    pass
 
 
 Action = Create | Start | Stop | Update | Promote | Destroy
@@ -215,11 +207,10 @@ class _RegionPlanner:
         return m.state == "started" and m.healthy
 
     def add(self, action: Action, *, spare: bool = False) -> None:
-        machine_id = getattr(action, "id", None)
-        if machine_id is not None:
-            if machine_id in self.touched:
+        if isinstance(action, MachineAction):
+            if action.id in self.touched:
                 return
-            self.touched.add(machine_id)
+            self.touched.add(action.id)
         self.actions.append(action)
         self.primary_actions += 0 if spare else 1
 
@@ -467,7 +458,7 @@ def plan(desired: Desired, observed: Observed, now: float) -> Plan:
     if spec is not None and spec.deploy.strategy == "bluegreen":
         blue = [m for p in planners for m in p.members if m.role != SPARE and not p.same_config(m)]
         if blue and all(s.ready >= s.desired for s in statuses):
-            touched = {getattr(a, "id", None) for a in actions}
+            touched = {a.id for a in actions if isinstance(a, MachineAction)}
             for m in blue:
                 if m.id not in touched:
                     actions.append(Destroy(id=m.id, region=m.region, worker_id=m.worker_id,

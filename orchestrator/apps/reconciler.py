@@ -163,8 +163,9 @@ class Reconciler:
         loop.unhealthy_since = {i: loop.unhealthy_since.get(i, now) for i in result.unready}
         if self.on_plan is not None:
             self.on_plan(app, result)
-        on_result = (lambda r: self.on_result(app, r)) if self.on_result is not None else None  # type: ignore[misc]
-        results = await self.executor.apply(app, result.actions, on_result)
+        hook = self.on_result
+        results = await self.executor.apply(app, result.actions,
+                                            (lambda r: hook(app, r)) if hook is not None else None)
         for r in results:
             if isinstance(r.action, Create) and r.action.role == SPARE and r.no_room:
                 loop.no_room[r.action.region] = now
@@ -182,7 +183,6 @@ class Reconciler:
                 last, results = await self.step(desired)
             except Exception as exc:  # a worker that did not answer: look again
                 log.info("converge: pass failed (%s); trying again", exc)
-                results = []
                 await self.wait_for_change(self.poll)
                 if time.perf_counter() - started > timeout:
                     return self._timed_out(last, passes, started)

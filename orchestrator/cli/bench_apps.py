@@ -162,8 +162,6 @@ def failover(
 async def _one_failover(fleet: DevFleet, operator: Reconciler, round_: int) -> float:
     deadline = time.perf_counter() + 60
     while True:  # a settled app: every primary healthy with its spare
-        desired = await operator.desired("bench")
-        assert desired is not None
         found = await operator.observer.observe("bench", ["mad"])
         ps = [m for m in found.machines if m.role == "primary" and m.state == "started" and m.healthy]
         spares = {m.standby_of: m for m in found.machines if m.role == "spare" and m.state in ("created", "stopped")}

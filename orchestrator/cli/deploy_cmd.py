@@ -27,7 +27,7 @@ from orchestrator.apps.reconciler import DeployOutcome, Reconciler
 from orchestrator.apps.releases import Release
 from orchestrator.apps.spec import AppSpec, SpecError, load_spec
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import NATS_HELP, fail, nats_url, run
+from orchestrator.cli.runtime import NATS_HELP, fail, with_connected
 
 T = TypeVar("T")
 
@@ -42,17 +42,7 @@ apps_app = typer.Typer(help="The apps that have releases in KV fauxmad_apps.", n
 
 
 def with_reconciler(url: str | None, fn: Callable[[Reconciler], Awaitable[T]]) -> T:
-    resolved = nats_url(url)
-    assert resolved is not None
-
-    async def main() -> T:
-        reconciler = await Reconciler.connect(resolved)
-        try:
-            return await fn(reconciler)
-        finally:
-            await reconciler.close()
-
-    return run(main())
+    return with_connected(url, Reconciler.connect, fn)
 
 
 def _spec(path: Path) -> AppSpec:

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import typer
 import uvloop
@@ -34,21 +34,33 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
-def with_client(url: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
-    """Connect a `FleetClient` to the fleet at `url` (or $FAUXMAD_NATS_URL), run `fn` with it, close it."""
-    from orchestrator.client import FleetClient
+class Closable(Protocol):
+    async def close(self) -> None: ...
 
+
+C = TypeVar("C", bound=Closable)
+
+
+def with_connected(url: str | None, open_: Callable[[str], Awaitable[C]], fn: Callable[[C], Awaitable[T]]) -> T:
+    """Open something connected to the fleet at `url` (or $FAUXMAD_NATS_URL), run `fn` with it, close it."""
     resolved = nats_url(url)
     assert resolved is not None
 
     async def main() -> T:
-        client = await FleetClient.connect(resolved)
+        opened = await open_(resolved)
         try:
-            return await fn(client)
+            return await fn(opened)
         finally:
-            await client.close()
+            await opened.close()
 
     return run(main())
+
+
+def with_client(url: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
+    """Run `fn` with a `FleetClient` connected to the fleet at `url`."""
+    from orchestrator.client import FleetClient
+
+    return with_connected(url, FleetClient.connect, fn)
 
 
 def nats_url(value: str | None, *, required: bool = True) -> str | None:
