@@ -3,12 +3,18 @@
 Agents (workers, brokers) reconnect forever with a short wait, so a NATS restart is a blip. A CLI
 call should fail at once with a plain sentence when the server is not there: `connect` raises
 `Unreachable` naming the URL rather than letting nats-py print connection tracebacks.
+
+nats-py reconnects after a dropped socket, but a server `-ERR` (a payload over max_payload, an invalid
+subject) closes the client for good. An agent must never stay alive but deaf, so agents pass
+`on_closed`: it is called when the connection ends without the agent having asked, and the agent exits
+non-zero for its supervisor (systemd, `fauxmad dev`) to restart it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import nats
 from nats.aio.client import Client
@@ -28,10 +34,22 @@ async def _quiet_error(exc: Exception) -> None:
     log.debug("nats: %r", exc)
 
 
-async def connect(url: str, name: str, *, agent: bool = False, timeout: float = 2.0) -> Client:
-    """Connect to `url`. `agent=True`: reconnect forever; otherwise fail fast when unreachable."""
+async def connect(url: str, name: str, *, agent: bool = False, timeout: float = 2.0,
+                  on_closed: Callable[[str], None] | None = None) -> Client:
+    """Connect to `url`. `agent=True`: reconnect forever; otherwise fail fast when unreachable.
+
+    `on_closed(reason)` runs whenever the connection ends for good, including the caller's own `close()`:
+    an agent ignores it while it is shutting down.
+    """
+    client: Client | None = None
+
+    async def closed() -> None:
+        if on_closed is not None:
+            why = client.last_error if client is not None else None
+            on_closed(f"the NATS connection was closed: {why or 'by the server'}")
+
     try:
-        return await nats.connect(
+        client = await nats.connect(
             servers=[url],
             name=name,
             connect_timeout=timeout,
@@ -42,6 +60,8 @@ async def connect(url: str, name: str, *, agent: bool = False, timeout: float = 
             max_outstanding_pings=3,
             error_cb=_quiet_error,
             pending_size=64 * 1024 * 1024,
+            closed_cb=closed,
         )
+        return client
     except Exception as exc:
         raise Unreachable(f"cannot reach NATS at {url}: {exc.__class__.__name__} {exc}".strip()) from None

@@ -118,6 +118,13 @@ class EmbeddedNats:
         if self._own_store:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 
+    def kill(self) -> None:
+        """SIGKILL the server (a crash), keeping its store: `start()` brings it back on the same port."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
     def __enter__(self) -> EmbeddedNats:
         return self.start()
 

@@ -59,10 +59,15 @@ class InternalError(FauxmadError):
 
 
 class Unreachable(FauxmadError):
-    """Nobody answered on the bus (no responders or timeout at the transport level)."""
+    """Nobody answered on the bus: no one listens on the subject, so the request was not delivered."""
 
     code = 503
     retryable = True
+
+
+class Unanswered(Unreachable):
+    """No answer within the timeout. Unlike a refusal, the request may have been carried out: a caller
+    that must not do a thing twice (reserve a machine) has to find out before it tries elsewhere."""
 
 
 _BY_CODE: dict[int, type[FauxmadError]] = {

@@ -267,6 +267,8 @@ class ReserveRequest(Request):
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     id: MachineId | None = None
     skip_launch: bool = True
+    # addition: epoch seconds after which the worker must not commit this reserve (504, nothing reserved)
+    expires_at: float | None = None
 
 
 class IdRequest(Request):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -22,7 +23,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from bus.codec import decode, decoder, encode
-from bus.errors import FauxmadError, InternalError, Unreachable, error_for_code
+from bus.errors import FauxmadError, InternalError, Unanswered, Unreachable, error_for_code
 from bus.messages import ErrorBody, ErrorDetail
 
 log = logging.getLogger(__name__)
@@ -32,10 +33,28 @@ T = TypeVar("T")
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 ERROR_HEADER = "Nats-Service-Error"
 
+# An error message travels twice (header and body) and may echo what the caller sent: bounded, every
+# reply stays far below any server's max_payload, so a hostile request can never get a process's
+# connection closed by the server (which nats-py does not recover from).
+MAX_ERROR_MESSAGE = 512
+_ECHOED = re.compile(r"'([^']{65,})'")
+
+
+def bounded_message(message: str, limit: int = MAX_ERROR_MESSAGE) -> str:
+    """One line, echoed values cut to 64 characters, at most `limit` characters, valid UTF-8."""
+    text = message.replace("\r", " ").replace("\n", " ")
+    text = _ECHOED.sub(lambda m: f"'{m.group(1)[:64]}…' ({len(m.group(1))} characters)", text)
+    if len(text) > limit:
+        text = f"{text[:limit]}… ({len(text) - limit} more characters)"
+    # a lone surrogate (from a decoded escape) cannot be encoded: make it visible instead
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_payload(code: int, message: str) -> tuple[bytes, dict[str, str]]:
-    body = encode(ErrorBody(error=ErrorDetail(code=code, message=message)))
-    # header values must stay on one line
-    headers = {ERROR_CODE_HEADER: str(code), ERROR_HEADER: message.replace("\r", " ").replace("\n", " ")}
+    text = bounded_message(message)
+    body = encode(ErrorBody(error=ErrorDetail(code=code, message=text)))
+    # header values must stay on one line, in ASCII
+    headers = {ERROR_CODE_HEADER: str(code), ERROR_HEADER: text.encode("ascii", "backslashreplace").decode("ascii")}
     return body, headers
 
 
@@ -151,7 +170,7 @@ async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) 
     except NoRespondersError:
         raise Unreachable(f"nobody answers on {subject}") from None
     except NatsTimeout:
-        raise Unreachable(f"no answer on {subject} within {timeout:g}s") from None
+        raise Unanswered(f"no answer on {subject} within {timeout:g}s") from None
     raise_for_reply(msg)
     return msg
 

@@ -8,6 +8,7 @@ treated as gone even before its marker arrives. Time is injected, so staleness i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +29,13 @@ class Registry(KVReplica):
         self._workers: dict[str, WorkerInfo] = {}  # key "<region>.<worker_id>"
         self._by_region: dict[str, dict[str, WorkerInfo]] = {}
         self._seen_at: dict[str, float] = {}
+        self._departed: asyncio.Event | None = None
+
+    async def departure(self) -> None:
+        """Return when the next worker leaves (its key expires or is deleted)."""
+        if self._departed is None:
+            self._departed = asyncio.Event()
+        await self._departed.wait()
 
     # ------------------------------------------------------------------------------------------
     def apply(self, key: str, value: bytes | None) -> None:
@@ -37,6 +45,9 @@ class Registry(KVReplica):
             self._seen_at.pop(key, None)
             if info is not None:
                 self._by_region.get(info.region, {}).pop(info.worker_id, None)
+            departed, self._departed = self._departed, None
+            if departed is not None:
+                departed.set()
         else:
             try:
                 info = decoder(WorkerInfo).decode(value)
@@ -72,6 +83,9 @@ class Registry(KVReplica):
 
     def regions(self) -> list[str]:
         return sorted({info.region for info in self.workers()})
+
+    def is_live(self, worker_id: str) -> bool:
+        return any(info.worker_id == worker_id and self._alive(key, info) for key, info in self._workers.items())
 
     def get(self, worker_id: str) -> WorkerInfo | None:
         for info in self._workers.values():

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from bus.errors import BadRequest, Conflict, DeadlineExceeded, NoCapacity, NotFound
+from bus.ids import new_machine_id
 from bus.messages import (
     CheckStatus,
     DestroyRequest,
@@ -62,10 +63,6 @@ log = logging.getLogger(__name__)
 CommitHook = Callable[[list[LogRecord]], None]
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-
-
-def new_machine_id() -> str:
-    return secrets.token_hex(7)
 
 
 def new_instance_id(now: float) -> str:
@@ -315,8 +312,14 @@ class MachineManager:
                 existing = tx.by_idempotency(request.idempotency_key)
                 if existing is not None:
                     return existing
-            if tx.get(machine_id) is not None:
-                raise Conflict(f"machine {machine_id} exists already")
+            held = tx.get(machine_id)
+            if held is not None:
+                if held.machine.app != request.app or held.idempotency_key != request.idempotency_key:
+                    raise Conflict(f"machine {machine_id} exists already")
+                return held  # the same reservation again (a broker's retry or probe): answer with it
+            if request.expires_at is not None and tx.now > request.expires_at:
+                # the broker has given up on this reserve and may place elsewhere: never commit it late
+                raise DeadlineExceeded(f"reservation of {machine_id} expired before it was committed: nothing reserved")
             if tx.worker().cordoned:
                 raise NoCapacity(f"worker {self.config.worker_id} is cordoned")
             usage = tx.usage()

@@ -5,6 +5,8 @@ the app's machines (`fauxmad.v1.worker.<id>.machines.list`, in parallel): a mach
 moment ago is never missed, so a re-planned create is never a duplicate. Liveness comes from a
 replica of KV `fauxmad_workers`; machines on workers whose heartbeat expired come from a replica of
 the routing index KV `fauxmad_machines`, which remembers each machine's worker, state and labels.
+A worker whose heartbeat expires while a pass waits for its answer is dropped from the pass at once
+(its machines come from the index), and no live worker is waited for longer than `ANSWER_WITHIN`.
 """
 
 from __future__ import annotations
@@ -51,9 +53,17 @@ def member(machine: Machine) -> Member:
                   config=machine.config, healthy=healthy, note=note, created_at=machine.created_at)
 
 
+# How long a pass waits for a live worker's list. A worker that does not answer within it fails the pass
+# (the loop looks again within a poll), so a silent host never holds up failover for long; one whose
+# heartbeat expires meanwhile is not waited for at all.
+ANSWER_WITHIN = 1.0
+
+
 class Observer:
-    def __init__(self, nc: Client, *, on_change: Callable[[str], None] | None = None) -> None:
+    def __init__(self, nc: Client, *, on_change: Callable[[str], None] | None = None,
+                 answer_within: float = ANSWER_WITHIN) -> None:
         self.nc = nc
+        self.answer_within = answer_within
         self.registry = Registry()
         self.index = MachineIndex()
         self.registry.on_change = on_change
@@ -70,9 +80,24 @@ class Observer:
     def cordoned(self) -> frozenset[str]:
         return frozenset(w.worker_id for w in self.registry.workers() if w.cordoned)
 
-    async def machines_on(self, worker_id: str, app: str | None) -> builtins.list[Machine]:
+    async def machines_on(self, worker_id: str, app: str | None, timeout: float = 5.0) -> builtins.list[Machine]:
         return await call(self.nc, subjects.worker_machines(worker_id, "list"), ListRequest(app=app),
-                          builtins.list[Machine], timeout=5)
+                          builtins.list[Machine], timeout=timeout)
+
+    async def _machines_unless_lost(self, worker_id: str, app: str) -> builtins.list[Machine] | None:
+        """A live worker's machines; `None` as soon as its heartbeat expires while we wait for them."""
+        asking = asyncio.ensure_future(self.machines_on(worker_id, app, timeout=self.answer_within))
+        try:
+            while True:
+                departure = asyncio.ensure_future(self.registry.departure())
+                await asyncio.wait({asking, departure}, return_when=asyncio.FIRST_COMPLETED)
+                departure.cancel()
+                if asking.done():
+                    return asking.result()
+                if not self.registry.is_live(worker_id):
+                    return None  # lost while we asked: its machines come from the index, now
+        finally:
+            asking.cancel()
 
     async def observe(self, app: str, regions: Iterable[str], *, unhealthy_since: Mapping[str, float] | None = None,
                       no_room_for_spares: frozenset[str] = frozenset()) -> Observed:
@@ -82,16 +107,18 @@ class Observer:
         live = {w.worker_id for w in alive}
         workers = [w.worker_id for w in alive if w.region in wanted]
 
-        async def ask(worker_id: str) -> builtins.list[Machine]:
+        async def ask(worker_id: str) -> builtins.list[Machine] | None:
             try:
-                return await self.machines_on(worker_id, app)
+                return await self._machines_unless_lost(worker_id, app)
             except FauxmadError as exc:
                 log.info("observe: worker %s did not answer: %s", worker_id, exc.message)
                 raise
 
         answers = await asyncio.gather(*[ask(w) for w in workers])
-        machines = [member(m) for group in answers for m in group if m.state != "destroyed"]
+        machines = [member(m) for group in answers if group is not None for m in group if m.state != "destroyed"]
         seen = {m.id for m in machines}
+        live = {w for w, group in zip(workers, answers, strict=True) if group is not None} | (
+            live - set(workers))
         lost = tuple(
             Member(id=e.id, region=e.region, worker_id=e.worker_id, state=e.state,
                    config=MachineConfig(metadata=dict(e.metadata)))

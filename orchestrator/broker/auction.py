@@ -6,6 +6,13 @@
 2. Rank: the pure filter/score chain in `orchestrator.placement`, every rejection named.
 3. Reserve on the best; a refusal (the offer was information, not a promise) moves on to the next.
    `hedged` reserves on the top two at once, keeps the first to succeed and destroys the other.
+   A timeout is not a refusal: the worker may have reserved. Every reserve names the machine id the
+   broker chose and a time (`expires_at`) after which the worker must not commit it; after a timeout
+   the broker waits until that time has passed and asks again with an already expired reserve (a
+   probe). The worker runs the probe after the original in its one writer, so the answer is final:
+   the machine (it was reserved) or 504 (it was not, and never will be). Only then is the next worker
+   tried; a worker that does not answer the probe either leaves the create's outcome unknown: 504,
+   and the caller's retry with the same idempotency key asks that worker again.
 4. Nothing is queued: if no worker of the region takes it, 503 "no capacity in <region>". A machine
    for a region is never placed in another.
 """
@@ -24,7 +31,8 @@ from nats.aio.client import Client
 
 from bus import subjects
 from bus.codec import decode_any, encode
-from bus.errors import FauxmadError, NoCapacity, Unreachable
+from bus.errors import DeadlineExceeded, FauxmadError, NoCapacity, Unanswered, Unreachable
+from bus.ids import new_machine_id
 from bus.messages import (
     CreateRequest,
     DestroyRequest,
@@ -44,11 +52,26 @@ log = logging.getLogger(__name__)
 STRATEGIES = ("scatter", "p2c", "hedged")
 
 
+# How far apart the clocks of a broker and a worker may be: a broker waits this long past a reserve's
+# `expires_at` before it trusts a probe's "not reserved". NTP keeps hosts within milliseconds.
+CLOCK_SKEW = 0.25
+
+
 class AuctionConfig(msgspec.Struct, frozen=True, kw_only=True):
     deadline: float = 0.050
     strategy: str = "scatter"
     reserve_timeout: float = 2.0
     placement: PlacementConfig = msgspec.field(default_factory=PlacementConfig)
+
+
+class OutcomeUnknown(DeadlineExceeded):
+    """A worker took a reserve and then answered neither it nor the probe: it may hold the machine."""
+
+    def __init__(self, workers: list[str], machine_id: str) -> None:
+        super().__init__(f"worker {', '.join(workers)} did not answer whether it reserved machine {machine_id}: "
+                         "the create's outcome is unknown; retry with the same idempotency key")
+        self.workers = workers
+        self.machine_id = machine_id
 
 
 class Attempt(msgspec.Struct, kw_only=True):
@@ -128,14 +151,23 @@ class Auction:
         return [a for a in answers if a is not None]
 
     # ------------------------------------------------------------------------------------------
-    async def place(self, app: str, request: CreateRequest, machine_id: str | None = None) -> tuple[Machine, Outcome]:
-        """Reserve a machine in `request.region` (state `created`), or raise 503 at once."""
+    def reserve_request(self, app: str, request: CreateRequest, machine_id: str | None = None,
+                        not_after: float | None = None) -> ReserveRequest:
+        return ReserveRequest(app=app, region=request.region, config=request.config, name=request.name,
+                              idempotency_key=request.idempotency_key, id=machine_id or new_machine_id(),
+                              expires_at=not_after)
+
+    async def place(self, app: str, request: CreateRequest, machine_id: str | None = None,
+                    not_after: float | None = None) -> tuple[Machine, Outcome]:
+        """Reserve a machine in `request.region` (state `created`), or raise 503 at once.
+
+        `not_after` (epoch seconds): no reserve of this placement may be committed after it.
+        """
         strategy = request.strategy or self.config.strategy
         guest = OfferGuest(cpus=request.config.guest.cpus, memory_mb=request.config.guest.memory_mb,
                            cpu_kind=request.config.guest.cpu_kind)
         outcome = await self.rank(app, request.region, guest, request.config.image, strategy)
-        reserve = ReserveRequest(app=app, region=request.region, config=request.config, name=request.name,
-                                 idempotency_key=request.idempotency_key, id=machine_id)
+        reserve = self.reserve_request(app, request, machine_id, not_after)
         avoid = set(request.avoid_workers)
         candidates = [c.worker_id for c in outcome.ranking.candidates if c.worker_id not in avoid]
         for worker_id in sorted(avoid & {c.worker_id for c in outcome.ranking.candidates}):
@@ -150,8 +182,51 @@ class Auction:
         return machine, outcome
 
     async def _reserve_on(self, worker_id: str, reserve: ReserveRequest) -> Machine:
-        return await call(self.nc, subjects.worker_machines(worker_id, "reserve"), reserve, Machine,
-                          timeout=self.config.reserve_timeout)
+        """Reserve on one worker; after a timeout, find out for sure whether it reserved (see the top)."""
+        timeout = self.config.reserve_timeout
+        expires_at = time.time() + timeout
+        if reserve.expires_at is not None:
+            expires_at = min(expires_at, reserve.expires_at)
+        attempt = msgspec.structs.replace(reserve, expires_at=expires_at)
+        try:
+            return await call(self.nc, subjects.worker_machines(worker_id, "reserve"), attempt, Machine,
+                              timeout=timeout)
+        except Unanswered:
+            found = await self.probe(worker_id, attempt)
+            if found is None:
+                raise NoCapacity(f"worker {worker_id} did not answer in time (it reserved nothing)") from None
+            return found
+
+    async def probe(self, worker_id: str, reserve: ReserveRequest) -> Machine | None:
+        """The machine if `worker_id` reserved it, `None` if it did not and never will; 504 if it won't say."""
+        assert reserve.id is not None
+        wait = (reserve.expires_at or 0.0) + CLOCK_SKEW - time.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        expired = msgspec.structs.replace(reserve, expires_at=0.0)  # can find the machine, never reserve it
+        try:
+            return await call(self.nc, subjects.worker_machines(worker_id, "reserve"), expired, Machine,
+                              timeout=self.config.reserve_timeout)
+        except DeadlineExceeded:
+            return None
+        except Unanswered:
+            raise OutcomeUnknown([worker_id], reserve.id) from None
+
+    async def find(self, workers: list[str], reserve: ReserveRequest) -> tuple[Machine | None, list[str]]:
+        """Ask each worker (at once) whether it holds the machine of `reserve`, whose reserves have all
+        expired. Returns the machine if one does, and the live workers that would not say."""
+        async def one(worker_id: str) -> Machine | None:
+            return await self.probe(worker_id, reserve)
+
+        answers = await asyncio.gather(*[one(w) for w in workers], return_exceptions=True)
+        found = next((a for a in answers if isinstance(a, Machine)), None)
+        silent = [w for w, a in zip(workers, answers, strict=True) if isinstance(a, OutcomeUnknown)]
+        region_live = self.registry.live_ids(reserve.region)
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, FauxmadError):
+                raise answer
+        # a worker whose heartbeat has expired is gone: it is not waited for (see the README)
+        return found, [w for w in silent if w in region_live]
 
     async def _reserve_in_order(
         self, candidates: list[str], reserve: ReserveRequest, outcome: Outcome
@@ -159,7 +234,9 @@ class Auction:
         for worker_id in candidates:
             try:
                 machine = await self._reserve_on(worker_id, reserve)
-            except (NoCapacity, Unreachable) as exc:
+            except OutcomeUnknown:
+                raise
+            except (NoCapacity, Unreachable, DeadlineExceeded) as exc:  # refusals: nothing was reserved there
                 outcome.attempts.append(Attempt(worker_id=worker_id, outcome=f"refused: {exc.message}"))
                 continue
             outcome.attempts.append(Attempt(worker_id=worker_id, outcome="reserved"))
@@ -169,7 +246,7 @@ class Auction:
     async def _reserve_hedged(self, candidates: list[str], reserve: ReserveRequest, outcome: Outcome) -> Machine | None:
         first, second = candidates[0], candidates[1]
         # distinct ids and no shared idempotency key: the two reservations must not be mistaken for one
-        hedge = msgspec.structs.replace(reserve, idempotency_key=None, id=None)
+        hedge = msgspec.structs.replace(reserve, idempotency_key=None, id=new_machine_id())
         tasks = {asyncio.create_task(self._reserve_on(w, reserve if w == first else hedge)): w for w in (first, second)}
         winner: Machine | None = None
         pending = set(tasks)

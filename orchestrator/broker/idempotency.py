@@ -1,9 +1,19 @@
-"""Create idempotency across brokers: the first broker to claim a key places; the others wait for it.
+"""Create idempotency across brokers: one key, one machine, whatever times out or dies on the way.
 
-A claim is an atomic KV `create` of `<app>.<sha256(key)>` in bucket `fauxmad_idempotency`. The owner
-places the machine and records its id; a failed placement releases the claim so a retry can try
-again. A claim whose owner died (older than `stale_after`) is taken over with a compare-and-set on
-its revision, so exactly one broker takes it over.
+A claim is an atomic KV `create` of `<app>.<sha256(key)>` in bucket `fauxmad_idempotency`. It names
+the machine id the create will use (chosen before the auction), so every reserve made for the key,
+by any broker, addresses the same machine, and a worker that holds it answers with it.
+
+States: `pending` (a broker is placing), `done` (the machine exists: `machine_id` on `worker_id`) and
+`uncertain` (the last owner gave up because a worker did not answer its reserve: `uncertain` lists
+the workers that may hold the machine). A failed placement deletes the claim, so a retry starts over.
+
+Taking over: a pending claim whose owner died (older than `stale_after`), an uncertain one, or a
+pending one of this very broker that no request of it is working on (an attempt that ended in an
+error) is taken with a compare-and-set on its revision, so exactly one broker takes it. The taker
+gets the old claim back (`Ticket.previous`) and must find out where the machine is before placing.
+
+The same key with a different request is a 409: a key names one request, not a slot to refill.
 """
 
 from __future__ import annotations
@@ -19,15 +29,28 @@ import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from bus.codec import decoder, encode
-from bus.errors import Conflict
+from bus.errors import Conflict, Unanswered
 
 
 class Claim(msgspec.Struct, kw_only=True):
-    state: str  # "pending" | "done"
+    state: str  # "pending" | "done" | "uncertain"
     owner: str
     at: float
     machine_id: str | None = None
     worker_id: str | None = None
+    fingerprint: str = ""
+    uncertain: list[str] = []
+
+
+class Ticket(msgspec.Struct, kw_only=True):
+    """What `claim` gives: the claim as it now stands, and the one taken over, if any."""
+
+    claim: Claim
+    previous: Claim | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.claim.state == "done"
 
 
 def claim_key(app: str, key: str) -> str:
@@ -40,39 +63,93 @@ class Idempotency:
         self.owner = owner
         self.stale_after = stale_after
         self.clock = clock
+        self._active: set[str] = set()  # claims a request of this broker is working on right now
 
-    async def claim(self, app: str, key: str, wait: float = 10.0) -> Claim | None:
-        """`None`: this broker owns the key now and must place. A `Claim`: it is done already."""
+    async def claim(self, app: str, key: str, fingerprint: str, machine_id: str, wait: float = 10.0) -> Ticket:
+        """A done claim (nothing to place), or a pending claim this broker now owns."""
         kv_key = claim_key(app, key)
-        mine = encode(Claim(state="pending", owner=self.owner, at=self.clock()))
+        mine = Claim(state="pending", owner=self.owner, at=self.clock(), machine_id=machine_id,
+                     fingerprint=fingerprint)
         deadline = time.perf_counter() + wait
         while True:
-            try:
-                await self.kv.create(kv_key, mine)
-                return None
-            except KeyWrongLastSequenceError:
-                pass
-            try:
-                entry = await self.kv.get(kv_key)
-            except KeyNotFoundError:
+            if await self._write(kv_key, mine, None):
+                self._active.add(kv_key)
+                return Ticket(claim=mine)
+            entry = await self._read(kv_key)
+            if entry is None:
                 continue  # released meanwhile: try to claim again
             claim: Claim = decoder(Claim).decode(entry.value)
+            if claim.fingerprint and claim.fingerprint != fingerprint:
+                raise Conflict(f"idempotency key {key!r} was used for a different request")
             if claim.state == "done":
-                return claim
-            if self.clock() - claim.at > self.stale_after:
-                try:
-                    await self.kv.update(kv_key, mine, last=entry.revision)
-                    return None
-                except KeyWrongLastSequenceError:
-                    continue
+                return Ticket(claim=claim)
+            if self._can_take_over(kv_key, claim):
+                taken = msgspec.structs.replace(claim, state="pending", owner=self.owner, at=self.clock())
+                if await self._write(kv_key, taken, entry.revision):
+                    self._active.add(kv_key)
+                    return Ticket(claim=taken, previous=claim)
+                continue
             if time.perf_counter() > deadline:
                 raise Conflict(f"a create with idempotency key {key!r} is still in progress")
             await asyncio.sleep(0.02)
 
-    async def done(self, app: str, key: str, machine_id: str, worker_id: str) -> None:
-        value = Claim(state="done", owner=self.owner, at=self.clock(), machine_id=machine_id, worker_id=worker_id)
-        await self.kv.put(claim_key(app, key), encode(value))
+    def _can_take_over(self, kv_key: str, claim: Claim) -> bool:
+        if claim.state == "uncertain":
+            return True
+        if claim.owner == self.owner and kv_key not in self._active:
+            return True  # an attempt of ours ended without settling the claim
+        return self.clock() - claim.at > self.stale_after
+
+    async def done(self, app: str, key: str, claim: Claim, worker_id: str) -> None:
+        value = msgspec.structs.replace(claim, state="done", at=self.clock(), worker_id=worker_id, uncertain=[])
+        kv_key = claim_key(app, key)
+        try:
+            await self._put(kv_key, value)
+        finally:
+            self._active.discard(kv_key)
+
+    async def uncertain(self, app: str, key: str, claim: Claim, workers: list[str]) -> None:
+        """Give the claim up, naming the workers that may hold the machine, for the next try to ask."""
+        value = msgspec.structs.replace(claim, state="uncertain", uncertain=sorted(set(workers)))
+        kv_key = claim_key(app, key)
+        try:
+            with contextlib.suppress(Unanswered):
+                await self._put(kv_key, value)
+        finally:
+            self._active.discard(kv_key)
 
     async def release(self, app: str, key: str) -> None:
+        kv_key = claim_key(app, key)
+        self._active.discard(kv_key)
         with contextlib.suppress(Exception):
-            await self.kv.delete(claim_key(app, key))
+            await self.kv.delete(kv_key)
+
+    # ------------------------------------------------------------------------------------------
+    # the KV, with its failures turned into the error contract: a write whose answer was lost
+    # may have happened (Unanswered), and the caller's retry will find out.
+
+    async def _write(self, kv_key: str, claim: Claim, revision: int | None) -> bool:
+        try:
+            if revision is None:
+                await self.kv.create(kv_key, encode(claim))
+            else:
+                await self.kv.update(kv_key, encode(claim), last=revision)
+            return True
+        except KeyWrongLastSequenceError:
+            return False
+        except Exception as exc:
+            raise Unanswered(f"idempotency store unavailable: {exc!r}") from None
+
+    async def _read(self, kv_key: str) -> Any:
+        try:
+            return await self.kv.get(kv_key)
+        except KeyNotFoundError:
+            return None
+        except Exception as exc:
+            raise Unanswered(f"idempotency store unavailable: {exc!r}") from None
+
+    async def _put(self, kv_key: str, claim: Claim) -> None:
+        try:
+            await self.kv.put(kv_key, encode(claim))
+        except Exception as exc:
+            raise Unanswered(f"idempotency store unavailable: {exc!r}") from None

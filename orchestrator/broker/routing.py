@@ -36,6 +36,9 @@ class MachineIndex(KVReplica):
     def remember(self, entry: MachineIndexEntry) -> None:
         self._entries[entry.id] = entry
 
+    def get(self, machine_id: str) -> MachineIndexEntry | None:
+        return self._entries.get(machine_id)
+
     def by_app(self, app: str) -> list[MachineIndexEntry]:
         return [entry for entry in self._entries.values() if entry.app == app]
 

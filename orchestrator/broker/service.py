@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import hashlib
 import logging
 import secrets
 from typing import Any
@@ -21,9 +22,10 @@ from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from bus import subjects
-from bus.codec import decode
+from bus.codec import decode, encode
 from bus.connection import connect
-from bus.errors import BadRequest, FauxmadError
+from bus.errors import BadRequest, FauxmadError, Unreachable
+from bus.ids import new_machine_id
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
     CreateRequest,
@@ -48,8 +50,8 @@ from bus.messages import (
 )
 from bus.scatter import Scatterer
 from bus.service import Responder, call, request
-from orchestrator.broker.auction import Auction, AuctionConfig
-from orchestrator.broker.idempotency import Idempotency
+from orchestrator.broker.auction import Auction, AuctionConfig, Outcome, OutcomeUnknown
+from orchestrator.broker.idempotency import Claim, Idempotency
 from orchestrator.broker.routing import MachineIndex
 from orchestrator.registry import Registry
 
@@ -71,6 +73,12 @@ FORWARDED: dict[str, type[Any]] = {
 }
 
 
+def fingerprint(req: CreateRequest) -> str:
+    """What an idempotency key stands for: the request, less the key and how the answer is shown."""
+    same = msgspec.structs.replace(req, idempotency_key=None, explain=False, strategy=None)
+    return hashlib.sha256(encode(same)).hexdigest()[:32]
+
+
 class BrokerConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str
     auction: AuctionConfig = msgspec.field(default_factory=AuctionConfig)
@@ -86,9 +94,11 @@ class Broker:
         self.index = MachineIndex()
         self._service: Any = None
         self._stopped = asyncio.Event()
+        self._closing = False
+        self.bus_lost: str | None = None  # why the bus connection ended for good, if it did
 
     async def start(self) -> None:
-        self.nc = await connect(self.config.nats_url, f"fauxmad-{self.id}", agent=True)
+        self.nc = await connect(self.config.nats_url, f"fauxmad-{self.id}", agent=True, on_closed=self._on_bus_closed)
         kv = await ensure_fleet_resources(self.nc.jetstream(), FleetConfig())
         await self.registry.start(kv.workers)
         await self.index.start(kv.machines)
@@ -138,28 +148,57 @@ class Broker:
     async def create(self, app: str, req: CreateRequest) -> Machine:
         if not req.config.cmd:
             raise BadRequest("config.cmd is required: the process driver needs a command to run")
-        key = req.idempotency_key
-        if key:
-            claim = await self.idempotency.claim(app, key)
-            if claim is not None and claim.machine_id and claim.worker_id:
-                return await self._get_from(claim.worker_id, claim.machine_id)
-        try:
+        if req.idempotency_key:
+            machine, outcome, new = await self._place_once(app, req, req.idempotency_key)
+            if not new:
+                return machine  # the key's machine, as it is now
+        else:
             machine, outcome = await self.auction.place(app, req)
-        except BaseException:
-            if key:
-                await self.idempotency.release(app, key)
-            raise
-        if key:
-            await self.idempotency.done(app, key, machine.id, machine.worker_id)
         self.index.remember(MachineIndexEntry(id=machine.id, worker_id=machine.worker_id, region=machine.region,
                                               app=app, state=machine.state, name=machine.name))
         if not req.skip_launch:
             assert self.nc is not None
             machine = await call(self.nc, subjects.worker_machines(machine.worker_id, "start"),
                                  StartRequest(id=machine.id), Machine, timeout=30)
-        if req.explain:
+        if req.explain and outcome is not None:
             machine.explain = outcome.explain()
         return machine
+
+    async def _place_once(self, app: str, req: CreateRequest, key: str) -> tuple[Machine, Outcome | None, bool]:
+        """Place under an idempotency claim; the last item says whether this call placed the machine."""
+        ticket = await self.idempotency.claim(app, key, fingerprint(req), new_machine_id())
+        claim = ticket.claim
+        if ticket.done:
+            assert claim.machine_id is not None and claim.worker_id is not None
+            return await self._get_from(claim.worker_id, claim.machine_id), None, False
+        assert claim.machine_id is not None
+        try:
+            found = None
+            if ticket.previous is not None:  # taken over: find out where the machine is before placing
+                found = await self._find(app, req, ticket.previous)
+            placed: tuple[Machine, Outcome | None] = (found, None) if found is not None else await self.auction.place(
+                app, req, claim.machine_id, not_after=claim.at + self.idempotency.stale_after)
+        except OutcomeUnknown as exc:
+            await self.idempotency.uncertain(app, key, claim, exc.workers)
+            raise
+        except BaseException:
+            await self.idempotency.release(app, key)
+            raise
+        await self.idempotency.done(app, key, claim, placed[0].worker_id)
+        return placed[0], placed[1], True
+
+    async def _find(self, app: str, req: CreateRequest, previous: Claim) -> Machine | None:
+        """Which worker holds the machine of a claim taken over: the ones it named, its region's, the index's."""
+        assert previous.machine_id is not None
+        workers = set(previous.uncertain) | self.registry.live_ids(req.region)
+        entry = self.index.get(previous.machine_id)
+        if entry is not None:
+            workers.add(entry.worker_id)
+        reserve = self.auction.reserve_request(app, req, previous.machine_id)
+        found, silent = await self.auction.find(sorted(workers), reserve)
+        if found is None and silent:
+            raise OutcomeUnknown(silent, previous.machine_id)
+        return found
 
     async def _get_from(self, worker_id: str, machine_id: str) -> Machine:
         assert self.nc is not None
@@ -219,7 +258,16 @@ class Broker:
     def request_stop(self) -> None:
         self._stopped.set()
 
+    def _on_bus_closed(self, reason: str) -> None:
+        """The connection is gone for good (not a reconnect): never stay alive but deaf."""
+        if self._closing:
+            return
+        self.bus_lost = reason
+        log.error("broker %s: %s; exiting so that the supervisor restarts it", self.id, reason)
+        self._stopped.set()
+
     async def close(self) -> None:
+        self._closing = True
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
@@ -244,3 +292,5 @@ async def run_broker(config: BrokerConfig) -> None:
         await broker.run_forever()
     finally:
         await broker.close()
+    if broker.bus_lost:
+        raise Unreachable(f"broker stopped: {broker.bus_lost}")

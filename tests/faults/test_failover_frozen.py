@@ -1,0 +1,95 @@
+"""A silent host must not slow failover: the spare starts within a second of the heartbeat expiring.
+
+Before the fix every pass of the operator asked each worker it believed alive with a 5 s timeout, so
+a frozen worker (SIGSTOP: a partition, a host stuck in the kernel) held up the pass that was waiting on
+it, and the spare started about three seconds after the heartbeat key expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import nats
+import pytest
+
+from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.helpers import ROOT, arun
+from tests.orchestrator.test_reconcile import destroy, fauxmad, machines, primaries, spares, wait_for, write_spec
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[DevFleet]:
+    spec = FleetSpec(regions=["syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1)
+    with DevFleet(spec) as running:
+        yield running
+
+
+async def expiry_to_spare_started(fleet: DevFleet, worker_id: str, standby_id: str, pid: int) -> float:
+    """Freeze the worker; return the seconds from its heartbeat key expiring to its spare's `started`."""
+    nc = await nats.connect(fleet.url)
+    try:
+        kv = await nc.jetstream().key_value("fauxmad_workers")
+        watcher = await kv.watch(f"syd.{worker_id}", include_history=False)
+        started_at: list[float] = []
+
+        async def on_event(msg: nats.aio.msg.Msg) -> None:
+            event = msgspec.json.decode(msg.data)
+            if event["status"] == "started" and not started_at:
+                started_at.append(time.perf_counter())
+
+        sub = await nc.subscribe(f"fauxmad.v1.events.syd.*.ha.{standby_id}", cb=on_event)
+        os.kill(pid, signal.SIGSTOP)
+        expired_at = None
+        deadline = time.perf_counter() + 20
+        while expired_at is None and time.perf_counter() < deadline:
+            try:
+                entry = await watcher.updates(timeout=1)
+            except nats.errors.TimeoutError:
+                continue
+            if entry is not None and entry.operation in ("DEL", "PURGE"):
+                expired_at = time.perf_counter()
+        assert expired_at is not None, "the frozen worker's heartbeat never expired"
+        while not started_at and time.perf_counter() < deadline:
+            await asyncio.sleep(0.02)
+        assert started_at, "the spare never started"
+        await sub.unsubscribe()
+        await watcher.stop()
+        return started_at[0] - expired_at
+    finally:
+        await nc.close()
+
+
+def test_a_frozen_host_fails_over_within_a_second_of_its_heartbeat_expiring(fleet: DevFleet, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "fauxmad.toml", "ha", regions="syd = 2", spares=1)
+    assert fauxmad(fleet, "deploy", "-c", str(spec)).returncode == 0
+    wait_for(lambda: len(spares(machines(fleet, "ha"))) == 2, 10, "two spares")
+    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
+    log = tmp_path / "operator.log"
+    with log.open("w") as out:
+        operator = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", "ha"],
+                                    env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT))
+    pid = 0
+    try:
+        time.sleep(1.0)
+        found = machines(fleet, "ha")
+        victim = primaries(found)[0]
+        standby = next(s for s in spares(found) if s.config.standbys == [victim.id])
+        pid = next(p.pid for name, p in fleet.processes if name == f"worker-{victim.worker_id}")
+        late = arun(expiry_to_spare_started(fleet, victim.worker_id, standby.id, pid))
+        print(f"\nheartbeat expired -> spare started: {late:.3f}s")
+        assert late < 1.5, f"the spare started {late:.2f}s after the heartbeat expired (target: under 1 s)"
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+        operator.send_signal(signal.SIGINT)
+        code = operator.wait(20)
+    assert code == 0, log.read_text()
+    destroy(fleet, "ha")

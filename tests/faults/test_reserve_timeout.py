@@ -1,0 +1,155 @@
+"""A timeout is not a refusal: one idempotency key leads to exactly one machine, however a worker freezes.
+
+A region of three real workers and a real broker. The broker waits for every live worker's offer, so
+freezing one worker (SIGSTOP) holds the auction open long enough to freeze the winner too, after it
+offered and before its reserve arrives. Before the fix the broker took the reserve's timeout for a
+refusal and reserved on the next worker; the frozen one then committed its reserve as well, and one
+key had two machines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import nats
+import pytest
+
+from bus.errors import DeadlineExceeded
+from bus.messages import CreateRequest, Guest, MachineConfig
+from orchestrator.client import FleetClient
+from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.helpers import arun
+
+SLEEP = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=64))
+
+
+@pytest.fixture
+def fleet() -> Iterator[DevFleet]:
+    # ties go to the first worker by id, so `a-w1` wins an empty region; the long offer deadline is what
+    # lets the test freeze it between its offer and its reserve
+    spec = FleetSpec(regions=["a"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=1, deadline_ms=1500)
+    with DevFleet(spec) as running:
+        yield running
+
+
+def pid_of(fleet: DevFleet, name: str) -> int:
+    return next(proc.pid for known, proc in fleet.processes if known == name and proc.poll() is None)
+
+
+def freeze(pid: int, after: float, for_: float) -> threading.Thread:
+    def run() -> None:
+        time.sleep(after)
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(for_)
+        os.kill(pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+async def machines_everywhere(fleet: DevFleet, app: str) -> dict[str, list[str]]:
+    """Every worker's own answer (the source of truth), the routing index, and the events stream."""
+    nc = await nats.connect(fleet.url)
+    try:
+        on_workers = []
+        for worker_id in fleet.worker_ids:
+            msg = await nc.request(f"fauxmad.v1.worker.{worker_id}.machines.list",
+                                   msgspec.json.encode({"app": app}), timeout=5)
+            on_workers += [f"{m['worker_id']}/{m['id']}" for m in msgspec.json.decode(msg.data)
+                           if m["state"] != "destroyed"]
+        kv = await nc.jetstream().key_value("fauxmad_machines")
+        indexed = []
+        for key in await kv.keys():
+            entry = msgspec.json.decode((await kv.get(key)).value)
+            if entry["app"] == app:
+                indexed.append(f"{entry['worker_id']}/{entry['id']}")
+        js = nc.jetstream()
+        sub = await js.subscribe(f"fauxmad.v1.events.*.*.{app}.*", ordered_consumer=True)
+        created = []
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except nats.errors.TimeoutError:
+                break
+            event = msgspec.json.decode(msg.data)
+            if event["status"] == "created" and event["reason"] == "reserved":
+                created.append(f"{event['worker_id']}/{event['machine_id']}")
+        await sub.unsubscribe()
+        return {"workers": sorted(on_workers), "index": sorted(indexed), "events": sorted(created)}
+    finally:
+        await nc.close()
+
+
+async def settle(fleet: DevFleet, app: str) -> dict[str, list[str]]:
+    """The three views once the workers' outboxes have caught up (a frozen worker publishes late)."""
+    deadline = time.monotonic() + 10
+    while True:
+        seen = await machines_everywhere(fleet, app)
+        if seen["workers"] == seen["index"] == seen["events"] or time.monotonic() > deadline:
+            return seen
+        await asyncio.sleep(0.2)
+
+
+def test_a_frozen_winner_leaves_one_machine_per_key(fleet: DevFleet) -> None:
+    async def main() -> None:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            winner = pid_of(fleet, "worker-a-w1")
+            holdout = pid_of(fleet, "worker-a-w3")
+            os.kill(holdout, signal.SIGSTOP)  # the auction now waits its whole deadline for a-w3's offer
+            try:
+                freeze(winner, after=0.5, for_=4.0)  # after a-w1 offered, through its reserve's timeout
+                started = time.perf_counter()
+                machine = await client.create("frozen", CreateRequest(
+                    region="a", config=SLEEP, skip_launch=True, idempotency_key="frozen-1", explain=True))
+                took = time.perf_counter() - started
+            finally:
+                os.kill(holdout, signal.SIGCONT)
+            again = await client.create("frozen", CreateRequest(
+                region="a", config=SLEEP, skip_launch=True, idempotency_key="frozen-1"))
+        finally:
+            await client.close()
+        assert again.id == machine.id
+        attempts = machine.explain["attempts"]  # type: ignore[index]
+        assert attempts[0]["worker_id"] == "a-w1", attempts  # the frozen worker did win the auction
+        seen = await settle(fleet, "frozen")
+        assert seen["workers"] == [f"{machine.worker_id}/{machine.id}"], (seen, attempts, took)
+        assert seen["index"] == seen["workers"] and seen["events"] == seen["workers"], seen
+
+    arun(main())
+
+
+def test_a_worker_that_stays_silent_is_an_unknown_outcome_and_the_retry_finds_out(fleet: DevFleet) -> None:
+    async def main() -> None:
+        client = await FleetClient.connect(fleet.url)
+        request = CreateRequest(region="a", config=SLEEP, skip_launch=True, idempotency_key="silent-1")
+        try:
+            winner = pid_of(fleet, "worker-a-w1")
+            holdout = pid_of(fleet, "worker-a-w3")
+            os.kill(holdout, signal.SIGSTOP)
+            try:
+                # frozen through the reserve's timeout and the probe's: the broker cannot know, so it says so
+                freeze(winner, after=0.5, for_=7.0)
+                with pytest.raises(DeadlineExceeded) as raised:
+                    await client.create("silent", request)
+            finally:
+                os.kill(holdout, signal.SIGCONT)
+            assert "outcome is unknown" in raised.value.message
+            await asyncio.sleep(3.0)  # a-w1 is back; the retry asks it before placing anywhere
+            machine = await client.create("silent", request)
+            again = await client.create("silent", request)
+        finally:
+            await client.close()
+        assert again.id == machine.id
+        seen = await settle(fleet, "silent")
+        assert seen["workers"] == [f"{machine.worker_id}/{machine.id}"], seen
+        assert seen["index"] == seen["workers"] and seen["events"] == seen["workers"], seen
+
+    arun(main())
