@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from bus.codec import clip
 from bus.errors import BadRequest
 
 PREFIX = "fauxmad.v1"
@@ -34,9 +35,13 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def check_token(kind: str, value: str) -> str:
-    """Return `value` if it can stand as one subject token, else raise a 400 naming `kind`."""
-    if not isinstance(value, str) or not _TOKEN.match(value):
-        raise BadRequest(f"invalid {kind} {value!r}: use 1-64 letters, digits, '-' or '_'")
+    """Return `value` if it can stand as one subject token, else raise a 400 naming `kind`.
+
+    The one check of user-given names (apps, regions, machine and worker ids), wherever they enter:
+    the CLI's options, the broker's subjects, the worker's config. The message shows the value clipped.
+    """
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
+        raise BadRequest(f"invalid {kind} {clip(repr(value))}: use 1-64 letters, digits, '-' or '_'")
     return value
 
 
@@ -96,6 +101,11 @@ def events_filter(app: str | None = None, machine_id: str | None = None) -> str:
 
 def logs(app: str, machine_id: str) -> str:
     return f"{PREFIX}.logs.{app}.{machine_id}"
+
+
+def kv_put(bucket: str, key: str) -> str:
+    """The subject a put (or, with header `KV-Operation: DEL`, a delete) of `key` in a KV bucket goes to."""
+    return f"$KV.{bucket}.{key}"
 
 
 def worker_key(region: str, worker_id: str) -> str:

@@ -12,7 +12,7 @@ try:  # typer >= 0.29 vendors click
 except ImportError:  # pragma: no cover - older typer depends on click itself
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[no-redef,import-not-found,unused-ignore]
 
-from bus.errors import FauxmadError
+from bus.errors import BadRequest, FauxmadError
 from orchestrator.cli.runtime import CliError
 
 app = typer.Typer(
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         code = exc.code
     except FauxmadError as exc:
         typer.echo(f"fauxmad: {exc.message}", err=True)
-        code = 1
+        code = 2 if isinstance(exc, BadRequest) else 1  # 400: bad input, like a usage error
     except KeyboardInterrupt:
         code = 130
     except Exception as exc:  # the edge: a bug is still one line, with the way to see more

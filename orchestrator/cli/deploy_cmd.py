@@ -27,17 +27,26 @@ from orchestrator.apps.reconciler import DeployOutcome, Reconciler
 from orchestrator.apps.releases import Release
 from orchestrator.apps.spec import AppSpec, SpecError, load_spec
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import NATS_HELP, fail, with_connected
+from orchestrator.cli.runtime import (
+    NATS_HELP,
+    CliError,
+    check_app,
+    check_regions,
+    check_worker_id,
+    checked,
+    fail,
+    split_names,
+    with_connected,
+)
 
 T = TypeVar("T")
 
 NATS = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
 JSON = typer.Option(False, "--json", help="print JSON instead of a table")
 CONFIG = typer.Option(Path("fauxmad.toml"), "--config", "-c", help="the app spec file")
-APP = typer.Option(..., "--app", "-a", help="the app")
+APP = typer.Option(..., "--app", "-a", help="the app", callback=check_app)
 
-scale_app = typer.Typer(help="Change how many machines an app runs (a new release, no restarts).",
-                        no_args_is_help=True)
+scale_app = typer.Typer(help="Change how many machines an app runs (a new release, no restarts).", no_args_is_help=True)
 apps_app = typer.Typer(help="The apps that have releases in KV fauxmad_apps.", no_args_is_help=True)
 
 
@@ -47,9 +56,15 @@ def with_reconciler(url: str | None, fn: Callable[[Reconciler], Awaitable[T]]) -
 
 def _spec(path: Path) -> AppSpec:
     try:
-        return load_spec(path)
+        spec = load_spec(path)
     except SpecError as exc:
         fail(str(exc), 2)
+    for kind, name in [("app", spec.app), *(("region", region) for region in spec.regions)]:
+        try:
+            checked(kind, name)
+        except CliError as exc:
+            fail(f"{path}: {exc}", 2)
+    return spec
 
 
 class DeployDisplay:
@@ -58,9 +73,15 @@ class DeployDisplay:
 
     def __init__(self, title: str) -> None:
         self.live = console.is_terminal
-        self.progress = Progress(TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=console,
-                                 disable=not self.live)
+        self.progress = Progress(
+            TextColumn("{task.description:>10}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[note]}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not self.live,
+        )
         self.tasks: dict[str, Any] = {}
         self.title = title
         self.last: dict[str, tuple[int, int]] = {}
@@ -78,8 +99,9 @@ class DeployDisplay:
             spares = f"spares {status.spares}/{status.spares_wanted}" if status.spares_wanted else ""
             if status.region not in self.tasks:
                 self.tasks[status.region] = self.progress.add_task(status.region, total=status.desired or 1, note="")
-            self.progress.update(self.tasks[status.region], completed=status.ready, total=max(status.desired, 1),
-                                 note=spares)
+            self.progress.update(
+                self.tasks[status.region], completed=status.ready, total=max(status.desired, 1), note=spares
+            )
             if not self.live and self.last.get(status.region) != (status.ready, status.spares):
                 self.last[status.region] = (status.ready, status.spares)
                 console.print(f"{status.region:>10}: {status.ready}/{status.desired} ready {spares}".rstrip())
@@ -117,9 +139,13 @@ def deploy(config: Path = CONFIG, nats: str | None = NATS) -> None:
     _finish(with_reconciler(nats, go))
 
 
-def rollback(version: int | None = typer.Argument(None, help="the release to go back to [default: the last "
-                                                               "good one before the current]"),
-             app: str = APP, nats: str | None = NATS) -> None:
+def rollback(
+    version: int | None = typer.Argument(
+        None, help="the release to go back to [default: the last good one before the current]"
+    ),
+    app: str = APP,
+    nats: str | None = NATS,
+) -> None:
     """Point the app at an earlier release and converge every region onto it."""
 
     async def go(r: Reconciler) -> DeployOutcome:
@@ -156,14 +182,15 @@ def releases(app: str = APP, nats: str | None = NATS, json_out: bool = JSON) -> 
         mark = " (current)" if rel.version == current else ""
         regions = ",".join(f"{k}={v}" for k, v in rel.spec.regions.items())
         status = rel.status + (f": {rel.reason}" if rel.reason else "")
-        table.add_row(f"v{rel.version}{mark}", status, rel.spec.deploy.strategy, regions, _when(rel.created_at),
-                      rel.description)
+        table.add_row(
+            f"v{rel.version}{mark}", status, rel.spec.deploy.strategy, regions, _when(rel.created_at), rel.description
+        )
     console.print(table)
 
 
 def reconcile(
     config: Path | None = typer.Option(None, "--config", "-c", help="an app spec: deploy it if it is new"),
-    app: str | None = typer.Option(None, "--app", "-a", help="only this app"),
+    app: str | None = typer.Option(None, "--app", "-a", help="only this app", callback=check_app),
     watch: bool = typer.Option(False, "--watch", "-w", help="keep converging as things change (the operator)"),
     nats: str | None = NATS,
 ) -> None:
@@ -186,8 +213,9 @@ def reconcile(
         failed = 0
         for name in names or await r.releases.apps():
             result = await r.reconcile_once(name)
-            console.print(f"{name}: {result.describe()} ({result.passes} passes, {result.seconds:.1f}s)",
-                          highlight=False)
+            console.print(
+                f"{name}: {result.describe()} ({result.passes} passes, {result.seconds:.1f}s)", highlight=False
+            )
             failed += not result.ok
         return 1 if failed else 0
 
@@ -207,8 +235,10 @@ async def _watch(r: Reconciler, names: list[str] | None) -> int:
         action = result.action
         outcome = "" if result.ok else f" (failed: {result.error})"
         target = result.machine_id or "new machine"
-        console.print(f"{stamp} {app} {action.region}: {type(action).__name__.lower()} {target}: "
-                      f"{action.reason}{outcome}", highlight=False)
+        console.print(
+            f"{stamp} {app} {action.region}: {type(action).__name__.lower()} {target}: {action.reason}{outcome}",
+            highlight=False,
+        )
 
     r.on_result = on_result
     console.print(f"watching {', '.join(names) if names else 'all apps'} (Ctrl-C to stop)", highlight=False)
@@ -233,7 +263,9 @@ def _round_robin(count: int, regions: list[str], per_region_max: int | None) -> 
 def scale_count(
     count: int = typer.Argument(..., min=0, max=10000, help="machines in total"),
     app: str = APP,
-    region: str | None = typer.Option(None, "--region", "-r", help="comma-separated regions [default: the app's]"),
+    region: str | None = typer.Option(
+        None, "--region", "-r", help="comma-separated regions [default: the app's]", callback=check_regions
+    ),
     max_per_region: int | None = typer.Option(None, "--max-per-region", min=1, help="at most this many per region"),
     nats: str | None = NATS,
 ) -> None:
@@ -243,7 +275,7 @@ def scale_count(
         current = await r.releases.current(app)
         if current is None:
             fail(f"app {app} has no current release: deploy it first")
-        names = [x.strip() for x in region.split(",") if x.strip()] if region else list(current.spec.regions)
+        names = split_names("region", region) if region else list(current.spec.regions)
         if not names:
             fail("--region needs at least one region")
         counts = _round_robin(count, names, max_per_region)
@@ -269,10 +301,15 @@ def apps_list(nats: str | None = NATS, json_out: bool = JSON) -> None:
         for name in await r.releases.apps():
             head = await r.releases.head(name)
             rel = await r.releases.current(name)
-            out.append({"app": name, "release": head.version if head else 0,
-                        "status": rel.status if rel else "destroying",
-                        "strategy": rel.spec.deploy.strategy if rel else "",
-                        "regions": dict(rel.spec.regions) if rel else {}})
+            out.append(
+                {
+                    "app": name,
+                    "release": head.version if head else 0,
+                    "status": rel.status if rel else "destroying",
+                    "strategy": rel.spec.deploy.strategy if rel else "",
+                    "regions": dict(rel.spec.regions) if rel else {},
+                }
+            )
         return out
 
     found = with_reconciler(nats, go)
@@ -293,7 +330,7 @@ def apps_list(nats: str | None = NATS, json_out: bool = JSON) -> None:
 
 @apps_app.command("destroy")
 def apps_destroy(
-    app: str = typer.Argument(..., help="the app to destroy, with all its machines and releases"),
+    app: str = typer.Argument(..., help="the app to destroy, with all its machines and releases", callback=check_app),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask"),
     nats: str | None = NATS,
 ) -> None:
@@ -313,7 +350,7 @@ def apps_destroy(
 
 
 def drain(
-    worker_id: str = typer.Argument(..., help="the worker to empty"),
+    worker_id: str = typer.Argument(..., help="the worker to empty", callback=check_worker_id),
     timeout: float = typer.Option(300.0, "--timeout", min=1, help="give up after this many seconds"),
     nats: str | None = NATS,
 ) -> None:
@@ -331,21 +368,29 @@ def drain(
 
     started = time.perf_counter()
     moved = with_reconciler(nats, go)
-    console.print(f"{worker_id} is drained: {moved} machine(s) moved in {time.perf_counter() - started:.1f}s "
-                  f"(it stays cordoned; `fauxmad worker uncordon {worker_id}` to use it again)", highlight=False)
+    console.print(
+        f"{worker_id} is drained: {moved} machine(s) moved in {time.perf_counter() - started:.1f}s "
+        f"(it stays cordoned; `fauxmad worker uncordon {worker_id}` to use it again)",
+        highlight=False,
+    )
 
 
-def cordon(worker_id: str = typer.Argument(..., help="the worker"),
-           uncordon: bool = False, nats: str | None = NATS) -> None:
+def cordon(
+    worker_id: str = typer.Argument(..., help="the worker", callback=check_worker_id),
+    uncordon: bool = False,
+    nats: str | None = NATS,
+) -> None:
     """Stop (or resume) placing new machines on a worker; what runs there keeps running."""
     from bus import subjects
     from bus.messages import CordonRequest, WorkerInfo
     from bus.service import call
 
     async def go(r: Reconciler) -> WorkerInfo:
-        return await call(r.nc, subjects.worker_cordon(worker_id, not uncordon), CordonRequest(reason="cli"),
-                          WorkerInfo, timeout=5)
+        return await call(
+            r.nc, subjects.worker_cordon(worker_id, not uncordon), CordonRequest(reason="cli"), WorkerInfo, timeout=5
+        )
 
     info = with_reconciler(nats, go)
-    console.print(f"{info.worker_id} ({info.region}) is {'cordoned' if info.cordoned else 'taking machines'}",
-                  highlight=False)
+    console.print(
+        f"{info.worker_id} ({info.region}) is {'cordoned' if info.cordoned else 'taking machines'}", highlight=False
+    )

@@ -13,16 +13,18 @@ from typing import Any
 import typer
 
 from orchestrator.cli.render import console, explain_table, machines_table, print_json, regions_table, workers_table
-from orchestrator.cli.runtime import NATS_HELP, fail, run, with_client
+from orchestrator.cli.runtime import NATS_HELP, check_region, check_regions, fail, run, split_names, with_client
 
 NATS = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
 JSON = typer.Option(False, "--json", help="print JSON instead of a table")
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 
 
-
-def workers(region: str | None = typer.Option(None, "--region", "-r", help="only this region"),
-            nats: str | None = NATS, json_out: bool = JSON) -> None:
+def workers(
+    region: str | None = typer.Option(None, "--region", "-r", help="only this region", callback=check_region),
+    nats: str | None = NATS,
+    json_out: bool = JSON,
+) -> None:
     """The live workers (from their heartbeats) with capacity and utilization."""
     infos = with_client(nats, lambda c: c.workers(region))
     if json_out:
@@ -45,16 +47,11 @@ def regions(nats: str | None = NATS, json_out: bool = JSON) -> None:
 
 
 def _fleet_spec(regions_csv: str, per_region: int, cpus: int, memory_mb: int, port: int | None) -> Any:
-    import re
-
     from orchestrator.devfleet import FleetSpec
 
-    names = [r.strip() for r in regions_csv.split(",") if r.strip()]
+    names = split_names("region", regions_csv)
     if not names:
         fail("--regions needs at least one region, e.g. mad,syd,gru")
-    for name in names:
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name):
-            fail(f"invalid region {name!r}: use letters, digits, '-' or '_'")
     return FleetSpec(regions=names, workers_per_region=per_region, cpus=cpus, memory_mb=memory_mb, port=port)
 
 
@@ -73,7 +70,9 @@ def _wait_for_ctrl_c() -> None:
 
 
 def dev(
-    regions_csv: str = typer.Option("mad,syd,gru", "--regions", help="comma-separated region names"),
+    regions_csv: str = typer.Option(
+        "mad,syd,gru", "--regions", help="comma-separated region names", callback=check_regions
+    ),
     workers_per_region: int = typer.Option(3, "--workers-per-region", min=1, max=50),
     cpus: int = typer.Option(4, "--cpus", min=1, help="cpus per worker"),
     memory_mb: int = typer.Option(4096, "--memory-mb", min=64, help="memory per worker"),
@@ -91,8 +90,10 @@ def dev(
         console.print("try, in another terminal:")
         console.print(f"  export FAUXMAD_NATS_URL={fleet.url}")
         console.print("  fauxmad workers")
-        console.print(f"  fauxmad machine run --app hello --region {spec.regions[0]} --explain -- "
-                      "python3 -m http.server --bind 127.0.0.1 \\$PORT")
+        console.print(
+            f"  fauxmad machine run --app hello --region {spec.regions[0]} --explain -- "
+            "python3 -m http.server --bind 127.0.0.1 \\$PORT"
+        )
         console.print("  fauxmad machine list --app hello\n")
         console.print("[dim]Ctrl-C stops everything[/]")
         _wait_for_ctrl_c()
@@ -104,7 +105,9 @@ def dev(
 
 def demo(
     keep: bool = typer.Option(False, "--keep", help="leave the fleet running until Ctrl-C"),
-    regions_csv: str = typer.Option("mad,syd,gru", "--regions", help="comma-separated region names"),
+    regions_csv: str = typer.Option(
+        "mad,syd,gru", "--regions", help="comma-separated region names", callback=check_regions
+    ),
     workers_per_region: int = typer.Option(3, "--workers-per-region", min=1, max=20),
 ) -> None:
     """Start a dev fleet, run the sandwich-rating app in three regions, show where it landed and why."""
@@ -131,7 +134,9 @@ def _demo_run(url: str, region_names: list[str]) -> list[Any]:
 
     app_file = EXAMPLES / "sandwich" / "app.py"
     config = MachineConfig(
-        cmd=[sys.executable, str(app_file)], guest=Guest(cpus=1, memory_mb=128), image="examples/sandwich:1",
+        cmd=[sys.executable, str(app_file)],
+        guest=Guest(cpus=1, memory_mb=128),
+        image="examples/sandwich:1",
         checks={"http": Check(type="http", path="/health", interval="500ms", timeout="1s")},
     )
 
@@ -159,8 +164,10 @@ def _demo_run(url: str, region_names: list[str]) -> list[Any]:
     console.rule("sandwich ratings, one machine per region")
     placed = run(place())
     for machine, ms in placed:
-        console.print(f"[bold]{machine.region}[/]: machine {machine.id} on [bold]{machine.worker_id}[/] "
-                      f"(placed and started in {ms:.1f} ms)")
+        console.print(
+            f"[bold]{machine.region}[/]: machine {machine.id} on [bold]{machine.worker_id}[/] "
+            f"(placed and started in {ms:.1f} ms)"
+        )
         if machine.explain:
             console.print(explain_table(machine.explain))
     time.sleep(0.5)

@@ -10,15 +10,14 @@ from typing import Any
 import typer
 
 from orchestrator.cli.render import console, explain_table, machines_table, print_json
-from orchestrator.cli.runtime import NATS_HELP, fail, with_client
+from orchestrator.cli.runtime import NATS_HELP, check_app, check_machine_id, check_region, fail, with_client
 
 machine_app = typer.Typer(help="Run and manage machines (through the brokers).", no_args_is_help=True)
 
 NATS = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
-APP = typer.Option(..., "--app", "-a", help="the app the machine belongs to")
+APP = typer.Option(..., "--app", "-a", help="the app the machine belongs to", callback=check_app)
+MACHINE_ID = typer.Argument(..., help="machine id", callback=check_machine_id)
 JSON = typer.Option(False, "--json", help="print JSON instead of a table")
-
-
 
 
 def _parse_env(pairs: list[str]) -> dict[str, str]:
@@ -35,7 +34,9 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
 def run_machine(
     cmd: list[str] = typer.Argument(..., help="the command to run, after --"),
     app: str = APP,
-    region: str = typer.Option(..., "--region", "-r", help="the region to place it in (never another)"),
+    region: str = typer.Option(
+        ..., "--region", "-r", help="the region to place it in (never another)", callback=check_region
+    ),
     cpus: int = typer.Option(1, "--cpus", min=1, help="cpus to reserve"),
     memory_mb: int = typer.Option(256, "--memory-mb", min=1, help="memory to reserve and enforce"),
     restart: str = typer.Option("on-failure", "--restart", help="restart policy: no, always, on-failure"),
@@ -55,12 +56,22 @@ def run_machine(
     from bus.messages import CreateRequest, Guest, MachineConfig, RestartPolicy
 
     try:
-        config = MachineConfig(cmd=cmd, env=_parse_env(env), image=image,
-                               guest=Guest(cpus=cpus, memory_mb=memory_mb),
-                               restart=RestartPolicy(policy=restart))  # type: ignore[arg-type]
-        request = CreateRequest(region=region, config=config, name=name, explain=explain,
-                                strategy=strategy, skip_launch=skip_launch,  # type: ignore[arg-type]
-                                idempotency_key=idempotency_key)
+        config = MachineConfig(
+            cmd=cmd,
+            env=_parse_env(env),
+            image=image,
+            guest=Guest(cpus=cpus, memory_mb=memory_mb),
+            restart=RestartPolicy(policy=restart),  # type: ignore[arg-type]
+        )
+        request = CreateRequest(
+            region=region,
+            config=config,
+            name=name,
+            explain=explain,
+            strategy=strategy,  # type: ignore[arg-type]
+            skip_launch=skip_launch,
+            idempotency_key=idempotency_key,
+        )
         request = msgspec.convert(msgspec.to_builtins(request), CreateRequest)  # validate like the broker will
     except (msgspec.ValidationError, ValueError) as exc:
         fail(f"invalid machine: {exc}")
@@ -74,9 +85,13 @@ def run_machine(
 
 
 @machine_app.command("list")
-def list_machines(app: str = APP, state: str | None = typer.Option(None, "--state", help="only this state"),
-                  all_: bool = typer.Option(False, "--all", help="include destroyed machines"),
-                  nats: str | None = NATS, json_out: bool = JSON) -> None:
+def list_machines(
+    app: str = APP,
+    state: str | None = typer.Option(None, "--state", help="only this state"),
+    all_: bool = typer.Option(False, "--all", help="include destroyed machines"),
+    nats: str | None = NATS,
+    json_out: bool = JSON,
+) -> None:
     """List an app's machines across every region."""
     machines = with_client(nats, lambda c: c.list(app, state=state, include_destroyed=all_))
     if json_out:
@@ -88,8 +103,7 @@ def list_machines(app: str = APP, state: str | None = typer.Option(None, "--stat
 
 
 @machine_app.command("show")
-def show(machine_id: str = typer.Argument(..., help="machine id"), app: str = APP, nats: str | None = NATS,
-         json_out: bool = JSON) -> None:
+def show(machine_id: str = MACHINE_ID, app: str = APP, nats: str | None = NATS, json_out: bool = JSON) -> None:
     """Show one machine with its recent events."""
     machine = with_client(nats, lambda c: c.get(app, machine_id))
     if json_out:
@@ -101,9 +115,13 @@ def show(machine_id: str = typer.Argument(..., help="machine id"), app: str = AP
 
 
 def _verb(verb: str, help_text: str) -> None:
-    def command(machine_id: str = typer.Argument(..., help="machine id"), app: str = APP,
-                force: bool = typer.Option(False, "--force", help="destroy: kill a running machine"),
-                nats: str | None = NATS, json_out: bool = JSON) -> None:
+    def command(
+        machine_id: str = MACHINE_ID,
+        app: str = APP,
+        force: bool = typer.Option(False, "--force", help="destroy: kill a running machine"),
+        nats: str | None = NATS,
+        json_out: bool = JSON,
+    ) -> None:
         async def act(c: Any) -> Any:
             if verb == "destroy":
                 return await c.destroy(app, machine_id, force=force)
@@ -125,10 +143,14 @@ _verb("destroy", "Destroy a machine and release its resources (--force if it is 
 
 
 @machine_app.command("wait")
-def wait(machine_id: str = typer.Argument(...), app: str = APP,
-         state: str = typer.Option("started", "--state", help="the state to wait for"),
-         timeout: float = typer.Option(60.0, "--timeout", min=0, help="seconds"),
-         nats: str | None = NATS, json_out: bool = JSON) -> None:
+def wait(
+    machine_id: str = MACHINE_ID,
+    app: str = APP,
+    state: str = typer.Option("started", "--state", help="the state to wait for"),
+    timeout: float = typer.Option(60.0, "--timeout", min=0, help="seconds"),
+    nats: str | None = NATS,
+    json_out: bool = JSON,
+) -> None:
     """Wait until a machine reaches a state (exit 1 on timeout)."""
     machine = with_client(nats, lambda c: c.wait(app, machine_id, state, timeout))
     if json_out:
@@ -138,9 +160,13 @@ def wait(machine_id: str = typer.Argument(...), app: str = APP,
 
 
 @machine_app.command("logs")
-def logs(machine_id: str = typer.Argument(...), app: str = APP,
-         follow: bool = typer.Option(True, "--follow/--no-follow", help="keep following new lines"),
-         nats: str | None = NATS, json_out: bool = JSON) -> None:
+def logs(
+    machine_id: str = MACHINE_ID,
+    app: str = APP,
+    follow: bool = typer.Option(True, "--follow/--no-follow", help="keep following new lines"),
+    nats: str | None = NATS,
+    json_out: bool = JSON,
+) -> None:
     """Follow a machine's stdout and stderr (published by its worker on fauxmad.v1.logs.APP.ID)."""
     from bus import subjects
     from bus.codec import decoder

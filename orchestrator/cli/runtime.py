@@ -1,4 +1,10 @@
-"""What every command needs: run a coroutine on uvloop, reach NATS, fail with one plain line."""
+"""What every command needs: run a coroutine on uvloop, reach NATS, fail with one plain line.
+
+Names a user types (apps, regions, machine and worker ids) become subject tokens and KV keys, where a
+space, `.`, `*` or `>` would be an exception deep in nats-py or, worse, address something else. So
+every option and argument that takes one is checked here, by its typer callback, with the bus's own
+`check_token`: one rule, one message, exit 2 (bad input), before anything connects.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,8 @@ import typer
 import uvloop
 
 from bus.connection import DEFAULT_URL_ENV
+from bus.errors import BadRequest
+from bus.subjects import check_token
 
 T = TypeVar("T")
 
@@ -28,6 +36,39 @@ class CliError(Exception):
 
 def fail(message: str, code: int = 1) -> NoReturn:
     raise CliError(message, code)
+
+
+def checked(kind: str, value: str) -> str:
+    """`value` if it is a valid name of `kind`, else fail with the bus's message and exit 2."""
+    try:
+        return check_token(kind, value)
+    except BadRequest as exc:
+        fail(exc.message, 2)
+
+
+def split_names(kind: str, csv: str) -> list[str]:
+    """A comma-separated list of names (empty items skipped), each checked."""
+    return [checked(kind, name) for name in (part.strip() for part in csv.split(",")) if name]
+
+
+def _names(kind: str, *, csv: bool = False) -> Callable[[str | None], str | None]:
+    def callback(value: str | None) -> str | None:
+        if value is not None:
+            if csv:
+                split_names(kind, value)
+            else:
+                checked(kind, value)
+        return value
+
+    return callback
+
+
+# typer callbacks for every option and argument that takes a name: `typer.Option(..., callback=check_app)`
+check_app = _names("app")
+check_region = _names("region")
+check_regions = _names("region", csv=True)  # a comma-separated list
+check_machine_id = _names("machine id")
+check_worker_id = _names("worker id")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:

@@ -15,31 +15,23 @@ from pathlib import Path
 import msgspec
 import typer
 
-from bus import subjects
-from bus.errors import BadRequest
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import JsonOption, NatsOption, fail, nats_url, run
+from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, check_machine_id, fail, nats_url, run
 from orchestrator.cli.view_render import event_line, machines_table, regions_table, workers_table
 from orchestrator.view.history import SINCE_HELP, parse_since
 from orchestrator.view.model import Snapshot
 
 CATCH_UP_TIMEOUT = 10.0
 
-AppOption = typer.Option(None, "--app", "-a", help="only this app's machines (and the workers holding them)")
+AppOption = typer.Option(
+    None, "--app", "-a", help="only this app's machines (and the workers holding them)", callback=check_app
+)
 ViewOption = typer.Option(
     None,
     "--view",
     help="the view's SQLite file (default: $FAUXMAD_VIEW, else a file per NATS URL under $XDG_CACHE_HOME/fauxmad)",
     show_default=False,
 )
-
-
-def _token(kind: str, value: str | None) -> None:
-    if value is not None:
-        try:
-            subjects.check_token(kind, value)
-        except BadRequest as exc:
-            fail(exc.message, 2)
 
 
 def note(message: str) -> None:
@@ -58,7 +50,6 @@ def status(
     """Regions, workers and machines, from the systemwide view (no worker is asked)."""
     from orchestrator.view.paths import default_view_path
 
-    _token("app", app)
     url = nats_url(nats)
     assert url is not None
     path = view or default_view_path(url)
@@ -120,8 +111,10 @@ async def _collect(url: str, path: Path, app: str | None, include_destroyed: boo
 
 
 def events(
-    app: str | None = typer.Option(None, "--app", "-a", help="only this app's events"),
-    machine: str | None = typer.Option(None, "--machine", "-m", help="only this machine's events"),
+    app: str | None = typer.Option(None, "--app", "-a", help="only this app's events", callback=check_app),
+    machine: str | None = typer.Option(
+        None, "--machine", "-m", help="only this machine's events", callback=check_machine_id
+    ),
     since: str | None = typer.Option(None, "--since", help=f"start at: {SINCE_HELP}"),
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing events as they happen (Ctrl-C stops)"),
     nats: str | None = NatsOption,
@@ -132,8 +125,6 @@ def events(
     from bus.messages import MachineEvent
     from orchestrator.view.history import read_events
 
-    _token("app", app)
-    _token("machine id", machine)
     start = None
     if since is not None:
         try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from bus.embedded import EmbeddedNats
-from orchestrator.cli.runtime import NATS_HELP, fail, nats_url, run
+from orchestrator.cli.runtime import NATS_HELP, check_region, check_worker_id, nats_url, run
 
 
 def default_worker_id() -> str:
@@ -45,8 +45,10 @@ worker_app = typer.Typer(
 def worker(
     ctx: typer.Context,
     nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False),
-    region: str = typer.Option("local", "--region", "-r", help="the region this worker serves"),
-    worker_id: str | None = typer.Option(None, "--worker-id", help="unique id [default: the host name]"),
+    region: str = typer.Option("local", "--region", "-r", help="the region this worker serves", callback=check_region),
+    worker_id: str | None = typer.Option(
+        None, "--worker-id", help="unique id [default: the host name]", callback=check_worker_id
+    ),
     cpus: int | None = typer.Option(None, "--cpus", min=1, help="cpus to offer [default: the host's]"),
     memory_mb: int | None = typer.Option(None, "--memory-mb", min=1, help="memory to offer [default: the host's]"),
     data_dir: Path | None = typer.Option(
@@ -55,8 +57,14 @@ def worker(
     heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.1, help="seconds between heartbeats"),
     restart_backoff: float = typer.Option(0.5, "--restart-backoff", min=0.0, help="first restart delay, seconds"),
     no_fsync: bool = typer.Option(False, "--no-fsync", help="skip fsync on commit (benchmarks only: unsafe)"),
-    count: int = typer.Option(1, "--count", min=1, max=2000, hidden=True,
-                              help="run COUNT logical workers ID-0000.. in this process (benchmarks)"),
+    count: int = typer.Option(
+        1,
+        "--count",
+        min=1,
+        max=2000,
+        hidden=True,
+        help="run COUNT logical workers ID-0000.. in this process (benchmarks)",
+    ),
 ) -> None:
     """Run a worker agent: the source of truth for the machines on this host.
 
@@ -69,11 +77,7 @@ def worker(
     from workers.agent import WorkerConfig, run_workers  # imported here: other commands start faster
     from workers.supervision import Backoff
 
-    wid = worker_id or default_worker_id()
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", wid):
-        fail(f"invalid --worker-id {wid!r}: use 1-64 letters, digits, '-' or '_'")
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", region):
-        fail(f"invalid --region {region!r}: use 1-64 letters, digits, '-' or '_'")
+    wid = worker_id if worker_id is not None else default_worker_id()
     url = nats_url(nats, required=False)
     server = None
     if url is None:
@@ -84,9 +88,15 @@ def worker(
     ids = [wid] if count == 1 else [f"{wid}-{i:04d}" for i in range(count)]
     configs = [
         WorkerConfig(
-            nats_url=url, region=region, worker_id=one, cpus=cpus or os.cpu_count() or 1,
-            memory_mb=memory_mb or host_memory_mb(), data_dir=str(root if count == 1 else root / one),
-            heartbeat_interval=heartbeat, backoff=Backoff(base=restart_backoff), fsync=not no_fsync,
+            nats_url=url,
+            region=region,
+            worker_id=one,
+            cpus=cpus or os.cpu_count() or 1,
+            memory_mb=memory_mb or host_memory_mb(),
+            data_dir=str(root if count == 1 else root / one),
+            heartbeat_interval=heartbeat,
+            backoff=Backoff(base=restart_backoff),
+            fsync=not no_fsync,
             map_size=(8 << 30) if count == 1 else (64 << 20),
         )
         for one in ids
@@ -106,14 +116,18 @@ def _register_subcommands() -> None:
     worker_app.command("drain")(deploy_cmd.drain)
 
     @worker_app.command("cordon")
-    def cordon(worker_id: str = typer.Argument(..., help="the worker"),
-               nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)) -> None:
+    def cordon(
+        worker_id: str = typer.Argument(..., help="the worker", callback=check_worker_id),
+        nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False),
+    ) -> None:
         """Place no new machines on a worker; what runs there keeps running."""
         deploy_cmd.cordon(worker_id, uncordon=False, nats=nats)
 
     @worker_app.command("uncordon")
-    def uncordon(worker_id: str = typer.Argument(..., help="the worker"),
-                 nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)) -> None:
+    def uncordon(
+        worker_id: str = typer.Argument(..., help="the worker", callback=check_worker_id),
+        nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False),
+    ) -> None:
         """Let a cordoned worker take new machines again."""
         deploy_cmd.cordon(worker_id, uncordon=True, nats=nats)
 
