@@ -6,8 +6,9 @@ answers the auction, inline, from numbers it already has), and a NATS micro serv
 (so `$SRV.PING/INFO/STATS` discovery lists workers too). Every request is answered by the
 `Responder` edge; NATS types stop there.
 
-After each commit an outbox task publishes the transition on the events subject and keeps the KV
-routing index `fauxmad_machines` current, in commit order, without holding up the reply. A
+After each commit the outbox (`workers.outbox`) delivers the transition to stream `FAUXMAD_EVENTS`
+and keeps the KV routing index `fauxmad_machines` current, in commit order, without holding up the
+reply, retrying until NATS takes it; on start it republishes what the stream may have missed. A
 heartbeat puts `WorkerInfo` into KV `fauxmad_workers` every second; the bucket's TTL makes a dead
 worker's key expire. Stopping the agent never stops its machines: they are re-adopted on restart.
 """
@@ -30,7 +31,7 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 from bus import subjects
 from bus.codec import decode, encode
 from bus.connection import connect
-from bus.errors import BadRequest
+from bus.errors import BadRequest, Unreachable
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
     CordonRequest,
@@ -40,7 +41,6 @@ from bus.messages import (
     LeaseRequest,
     ListRequest,
     LogLine,
-    MachineIndexEntry,
     OfferRequest,
     ReleaseRequest,
     ReserveRequest,
@@ -57,6 +57,7 @@ from workers.limits import auto_detect
 from workers.logs import LogFollower
 from workers.machines import MachineManager, ManagerConfig
 from workers.offers import Backpressure, Snapshot, answer_offer
+from workers.outbox import Outbox
 from workers.process_driver import ProcessDriver
 from workers.records import ImageRecord, LogRecord, MachineRecord, WorkerState
 from workers.store import GroupCommitter, Store
@@ -95,7 +96,7 @@ class WorkerAgent:
         self.committer: GroupCommitter | None = None
         self.manager: MachineManager | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self._outbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.outbox: Outbox | None = None
         self._service: Any = None
         self._subs: list[Any] = []
         self._images: frozenset[str] = frozenset()
@@ -103,6 +104,8 @@ class WorkerAgent:
         self._kv: Any = None
         self.resumed: dict[str, int] = {}
         self._stopped = asyncio.Event()
+        self._closing = False
+        self.bus_lost: str | None = None  # why the bus connection ended for good, if it did
         self.limits_mode = ""
         self._beat_pending = False
         self._state_of: dict[str, str] = {}
@@ -112,9 +115,11 @@ class WorkerAgent:
         cfg = self.config
         data = Path(cfg.data_dir)
         data.mkdir(parents=True, exist_ok=True)
-        self.nc = await connect(cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", agent=True)
+        self.nc = await connect(cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", agent=True,
+                                on_closed=self._on_bus_closed)
         js = self.nc.jetstream()
         self._kv = await ensure_fleet_resources(js, FleetConfig(heartbeat_interval=cfg.heartbeat_interval))
+        self.outbox = Outbox(self.nc, worker_id=cfg.worker_id)
         self.store = Store(data / "lmdb", sync=cfg.fsync, map_size=cfg.map_size)
         self.committer = GroupCommitter(self.store)
         limits = auto_detect(cfg.worker_id)
@@ -141,12 +146,12 @@ class WorkerAgent:
         await self._heartbeat_once()
         self._tasks += [
             asyncio.create_task(self._heartbeat_loop()),
-            asyncio.create_task(self._outbox_loop()),
+            asyncio.create_task(self.outbox.run()),
             asyncio.create_task(self.follower.run()),
             asyncio.create_task(self._compact_loop()),
         ]
-        for stored in self.store.machines():
-            self._queue_index(stored.machine)
+        # events queued in memory when the worker last stopped may never have reached the stream
+        self._tasks.append(self.outbox.republish(self.store.machines()))
         log.info("worker %s in %s up: resumed %s, limits %s", cfg.worker_id, cfg.region, self.resumed, self.limits_mode)
 
     async def _subscribe(self) -> None:
@@ -268,14 +273,12 @@ class WorkerAgent:
     # after commit: events, routing index, images
 
     def _on_commit(self, records: list[LogRecord]) -> None:
+        assert self.outbox is not None
         for record in records:
             if isinstance(record, MachineRecord):
                 machine = record.stored.machine
                 self._state_of[machine.id] = machine.state
-                subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
-                for event in _events_of(record):
-                    self._outbox.put_nowait(("publish", (subject, encode(event))))
-                self._queue_index(machine)
+                self.outbox.committed(record)
                 if record.op in ("reserve", "destroyed", "update"):
                     self._beat_soon()
                 if machine.state in ("stopped", "failed", "destroyed"):
@@ -297,34 +300,6 @@ class WorkerAgent:
 
         self._tasks.append(asyncio.create_task(beat()))
         self._tasks = [t for t in self._tasks if not t.done()]
-
-    def _queue_index(self, machine: Any) -> None:
-        entry = MachineIndexEntry(
-            id=machine.id, worker_id=machine.worker_id, region=machine.region, app=machine.app,
-            state=machine.state, name=machine.name, version=machine.version, metadata=dict(machine.config.metadata),
-        )
-        self._outbox.put_nowait(("index", entry))
-
-    async def _outbox_loop(self) -> None:
-        assert self.nc is not None
-        while True:
-            kind, item = await self._outbox.get()
-            try:
-                if kind == "publish":
-                    subject, payload = item
-                    await self.nc.publish(subject, payload)
-                else:
-                    await self._put_index(item)
-            except Exception:
-                log.warning("outbox: could not send %s", kind, exc_info=True)
-
-    async def _put_index(self, entry: MachineIndexEntry) -> None:
-        kv = self._kv.machines
-        if entry.state == "destroyed":
-            with contextlib.suppress(Exception):
-                await kv.delete(entry.id)
-            return
-        await kv.put(entry.id, encode(entry))
 
     async def _publish_log(self, line: LogLine) -> None:
         assert self.nc is not None
@@ -373,8 +348,19 @@ class WorkerAgent:
     def request_stop(self) -> None:
         self._stopped.set()
 
+    def _on_bus_closed(self, reason: str) -> None:
+        """The connection is gone for good (not a reconnect): never stay alive but deaf."""
+        if self._closing:
+            return
+        self.bus_lost = reason
+        log.error("worker %s: %s; exiting so that the supervisor restarts it", self.config.worker_id, reason)
+        self._stopped.set()
+
     async def close(self) -> None:
         """Stop serving, promptly: every step is bounded, and machines are left running."""
+        if self.outbox is not None and self.nc is not None and self.nc.is_connected:
+            await _bounded(self.outbox.flush(), 2.0)  # what the last commits changed
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), 2.0)
@@ -395,17 +381,6 @@ class WorkerAgent:
             self.store.close()
 
 
-def _events_of(record: MachineRecord) -> list[Any]:
-    """The events one record added (an exit and the state it settled in share the record's sequence)."""
-    added = []
-    for event in reversed(record.stored.events):
-        if event.seq != record.seq:
-            break
-        added.append(event)
-    added.reverse()
-    return added
-
-
 async def _bounded(awaitable: Any, seconds: float) -> None:
     try:
         await asyncio.wait_for(awaitable, seconds)
@@ -422,16 +397,25 @@ async def run_workers(configs: list[WorkerConfig]) -> None:
     import signal
 
     agents = [WorkerAgent(config) for config in configs]
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for agent in agents:
+            agent.request_stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stop_all)
     try:
         for agent in agents:
             await agent.start()
-        await stop.wait()
+        # any agent stopping (a signal stops all; a lost bus stops one) ends the process
+        await asyncio.wait([asyncio.create_task(agent.run_forever()) for agent in agents],
+                           return_when=asyncio.FIRST_COMPLETED)
     finally:
         await asyncio.gather(*[agent.close() for agent in agents], return_exceptions=True)
+    lost = [agent.bus_lost for agent in agents if agent.bus_lost]
+    if lost:
+        raise Unreachable(f"worker stopped: {lost[0]}")
 
 
 async def run_worker(config: WorkerConfig) -> None:

@@ -78,7 +78,9 @@ def iso(ts: float) -> str:
 def parse_signal(name: str) -> int:
     text = name.strip().upper()
     if text.isdigit():
-        number = int(text)
+        # ASCII digits only, and few: int() refuses '²' (a digit to isdigit) and over 4,300 digits (a 500),
+        # and reads '٣' as 3 (SIGQUIT, which no caller meant)
+        number = int(text) if text.isascii() and len(text) <= 3 else 0
         if 0 < number < signals.NSIG:
             return number
     else:
@@ -211,6 +213,11 @@ class MachineManager:
         if stored is None:
             raise NotFound(f"machine {machine_id} not found on worker {self.config.worker_id}")
         return stored
+
+    def _lock(self, machine_id: str) -> asyncio.Lock:
+        """The lock of a machine that exists: a made-up id is a 404 here and leaves no lock behind."""
+        self.require(machine_id)
+        return self._locks[machine_id]
 
     def get(self, request: GetRequest) -> Machine:
         return self.view(self.require(request.id), events=request.events)
@@ -352,7 +359,7 @@ class MachineManager:
     # start
 
     async def start(self, request: StartRequest) -> Machine:
-        async with self._locks[request.id]:
+        async with self._lock(request.id):
             def op(tx: Tx) -> tuple[StoredMachine, bool]:
                 stored = tx.require(request.id)
                 self._check_lease(stored, request.lease_nonce, tx.now)
@@ -565,7 +572,7 @@ class MachineManager:
 
     async def stop(self, request: StopRequest) -> Machine:
         signum = parse_signal(request.signal)
-        async with self._locks[request.id]:
+        async with self._lock(request.id):
             def op(tx: Tx) -> tuple[StoredMachine, bool]:
                 stored = tx.require(request.id)
                 self._check_lease(stored, request.lease_nonce, tx.now)
@@ -601,7 +608,7 @@ class MachineManager:
         return self.view(stored)
 
     async def destroy(self, request: DestroyRequest, *, source: str = "user") -> Machine:
-        async with self._locks[request.id]:
+        async with self._lock(request.id):
             def op(tx: Tx) -> StoredMachine:
                 stored = tx.require(request.id)
                 self._check_lease(stored, request.lease_nonce, tx.now)
@@ -658,7 +665,7 @@ class MachineManager:
     async def update(self, request: UpdateRequest) -> Machine:
         if not request.config.cmd:
             raise BadRequest("config.cmd is required: the process driver needs a command to run")
-        async with self._locks[request.id]:
+        async with self._lock(request.id):
             def op(tx: Tx) -> tuple[StoredMachine, bool]:
                 stored = tx.require(request.id)
                 self._check_lease(stored, request.lease_nonce, tx.now)

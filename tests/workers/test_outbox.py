@@ -1,0 +1,322 @@
+"""The worker's outbox across NATS outages and worker restarts: real nats-server, real worker process.
+
+The routing index (KV `fauxmad_machines`) and the history (stream `FAUXMAD_EVENTS`) must converge on
+the worker's log after any outage: nothing dropped, nothing doubled (`Nats-Msg-Id`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+import pytest
+from nats.js.errors import NotFoundError
+
+from bus.embedded import EmbeddedNats, free_port
+from bus.jetstream import ensure_fleet_resources
+from bus.messages import Machine, MachineConfig, MachineEvent
+from tests.helpers import RawClient, WorkerProcess, arun
+from workers.outbox import Outbox, event_msg_id, parse_msg_id, record_events
+from workers.records import MachineRecord, StoredMachine
+
+STREAM = "FAUXMAD_EVENTS"
+EXITS_SOON = ["sh", "-c", "sleep 1.5; exit 3"]  # exits by itself while NATS is down: failed
+ENDS_SOON = ["sh", "-c", "sleep 3; exit 0"]  # ends by itself while NATS is down: stopped
+SLEEPER = ["sleep", "60"]
+
+
+@pytest.fixture
+def crashable_nats(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    """A nats-server with its own store and a fixed port, so `kill()` then `start()` is a crash and a restart."""
+    server = EmbeddedNats(store_dir=tmp_path / "nats", port=free_port(), name="fauxmad-test-outage").start()
+    yield server
+    server.stop()
+
+
+class Converged(msgspec.Struct):
+    machines: dict[str, Any]  # id -> the worker's view (get, with events)
+    index: dict[str, Any]  # id -> KV fauxmad_machines entry
+    stream: list[tuple[str, Any]]  # (Nats-Msg-Id, event) of this worker, in stream order
+
+
+async def stream_events(js: Any, worker_id: str) -> list[tuple[str, Any]]:
+    """Every event of `worker_id` in the stream, oldest first, with its `Nats-Msg-Id`."""
+    found: list[tuple[str, Any]] = []
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(STREAM, seq=seq, subject=f"fauxmad.v1.events.*.{worker_id}.*.*", next=True)
+        except NotFoundError:
+            return found
+        found.append(((msg.headers or {}).get("Nats-Msg-Id", ""), msgspec.json.decode(msg.data)))
+        seq = msg.seq + 1
+
+
+def event_key(event: Any) -> tuple[str, int, str, str]:
+    return event["machine_id"], event["seq"], event["type"], event["status"]
+
+
+async def observe(nc: Any, worker: WorkerProcess, ids: list[str]) -> Converged:
+    raw = RawClient(nc, worker.worker_id)
+    js = nc.jetstream()
+    kv = await js.key_value("fauxmad_machines")
+    machines = {mid: await raw.ok("get", {"id": mid, "events": True}) for mid in ids}
+    index: dict[str, Any] = {}
+    for mid in ids:
+        try:
+            index[mid] = msgspec.json.decode((await kv.get(mid)).value or b"null")
+        except Exception:
+            index[mid] = None
+    return Converged(machines=machines, index=index, stream=await stream_events(js, worker.worker_id))
+
+
+def problems(seen: Converged) -> list[str]:
+    """What keeps the index and the stream from matching the worker's log (empty: converged)."""
+    out = []
+    for mid, machine in seen.machines.items():
+        entry = seen.index[mid]
+        if entry is None or (entry["state"], entry["version"]) != (machine["state"], machine["version"]):
+            out.append(
+                f"index of {mid}: {entry and (entry['state'], entry['version'])} != "
+                f"{(machine['state'], machine['version'])}"
+            )
+        in_stream = {event_key(event) for _, event in seen.stream}
+        missing = [event_key(e) for e in machine["events"] if event_key(e) not in in_stream]
+        if missing:
+            out.append(f"stream lacks {missing}")
+    doubled = [key for key, count in Counter(event_key(e) for _, e in seen.stream).items() if count > 1]
+    if doubled:
+        out.append(f"stream has duplicates {doubled}")
+    return out
+
+
+async def converge(url: str, worker: WorkerProcess, ids: list[str], within: float) -> tuple[Converged, float]:
+    """Poll until the index and the stream match the worker; the observation and the seconds it took."""
+    nc = await nats.connect(url)
+    started = time.monotonic()
+    try:
+        while True:
+            try:
+                seen = await observe(nc, worker, ids)
+                trouble = problems(seen)
+            except Exception as exc:  # the worker (or JetStream) is not back yet
+                trouble = [repr(exc)]
+            if not trouble:
+                return seen, time.monotonic() - started
+            if time.monotonic() - started > within:
+                raise AssertionError(f"not converged within {within}s: {trouble}")
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
+async def place(url: str, worker: WorkerProcess, cmds: list[list[str]]) -> list[str]:
+    """Reserve and start one machine per command (restart policy `no`); their ids."""
+    nc = await nats.connect(url)
+    try:
+        raw = RawClient(nc, worker.worker_id)
+        ids = []
+        for i, cmd in enumerate(cmds):
+            machine = await raw.ok(
+                "reserve",
+                {
+                    "app": "outage",
+                    "region": worker.region,
+                    "name": f"m{i}",
+                    "config": {"cmd": cmd, "restart": {"policy": "no"}},
+                },
+            )
+            await raw.ok("start", {"id": machine["id"]})
+            ids.append(machine["id"])
+        return ids
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("outage", ["killed", "hung then killed"])
+def test_index_and_events_converge_after_a_nats_outage(
+    outage: str, crashable_nats: EmbeddedNats, worker_factory: Callable[..., WorkerProcess]
+) -> None:
+    """Both machines exit while NATS is away, for longer than any request timeout.
+
+    `killed`: the worker sees the connection drop at once. `hung then killed`: the server stops
+    answering first, so for a while the worker writes into a connection that is already dead (what a
+    network partition does), and whatever it wrote there is lost with the server.
+    """
+    server = crashable_nats
+    worker = worker_factory(url=server.url)
+    ids = arun(place(server.url, worker, [EXITS_SOON, ENDS_SOON, SLEEPER]))
+    arun(converge(server.url, worker, ids, within=5))
+
+    if outage == "killed":
+        server.kill()
+        time.sleep(6.5)
+    else:
+        assert server.process is not None
+        server.process.send_signal(signal.SIGSTOP)
+        time.sleep(6.5)
+        server.kill()
+    server.start()
+
+    seen, took = arun(converge(server.url, worker, ids, within=8))
+    print(f"converged {took:.2f}s after nats-server restarted")
+    states = [seen.machines[mid]["state"] for mid in ids]
+    assert states == ["failed", "stopped", "started"]
+    for mid in ids[:2]:  # the transitions made during the outage are in the stream, once each
+        statuses = [e["status"] for _, e in seen.stream if e["machine_id"] == mid and e["type"] == "transition"]
+        assert statuses == ["created", "starting", "started", seen.machines[mid]["state"]]
+        exits = [e for _, e in seen.stream if e["machine_id"] == mid and e["type"] == "exit"]
+        assert len(exits) == 1
+    for msg_id, event in seen.stream:  # every event carries its stable id
+        assert parse_msg_id(msg_id) is not None and msg_id.startswith(f"{worker.worker_id}:{event['machine_id']}:")
+    log = worker.log_path.read_text()
+    assert log.count("NATS is not taking deliveries") == 1, log[-3000:]  # one warning per outage, not per item
+    assert log.count("NATS takes deliveries again") == 1, log[-3000:]
+
+
+def test_a_worker_that_dies_during_the_outage_republishes_on_start(
+    crashable_nats: EmbeddedNats, worker_factory: Callable[..., WorkerProcess]
+) -> None:
+    """What the outbox held in memory dies with the worker: the start-up republish restores the newest."""
+    server = crashable_nats
+    worker = worker_factory(url=server.url)
+    ids = arun(place(server.url, worker, [EXITS_SOON, ENDS_SOON]))
+    arun(converge(server.url, worker, ids, within=5))
+
+    server.kill()
+    time.sleep(4)  # both exit, and the worker records it; then the worker dies with its outbox
+    worker.kill9()
+    server.start()
+    worker.start()
+
+    seen, took = arun(converge(server.url, worker, ids, within=8))
+    print(f"converged {took:.2f}s after the worker restarted")
+    assert [seen.machines[mid]["state"] for mid in ids] == ["failed", "stopped"]
+
+
+def test_worker_restarts_add_no_duplicates_and_restore_a_lost_newest_event(
+    crashable_nats: EmbeddedNats, worker_factory: Callable[..., WorkerProcess]
+) -> None:
+    server = crashable_nats
+    worker = worker_factory(url=server.url)
+    ids = arun(place(server.url, worker, [SLEEPER, SLEEPER]))
+    before, _ = arun(converge(server.url, worker, ids, within=5))
+
+    async def shrink_duplicate_window() -> None:
+        # the republish must not rely on the stream's duplicate window (2 minutes by default): a worker
+        # restarted later than that must not double anything either
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        config = (await js.stream_info(STREAM)).config
+        config.duplicate_window = 0.5
+        await js.update_stream(config)
+        await nc.close()
+
+    arun(shrink_duplicate_window())
+    time.sleep(1)
+    worker.terminate()
+    worker.start()
+    after, _ = arun(converge(server.url, worker, ids, within=5))
+    time.sleep(1.5)  # the republish runs in the background: let it finish
+    after, _ = arun(converge(server.url, worker, ids, within=5))
+    assert [key for key, _ in after.stream] == [key for key, _ in before.stream]  # nothing added
+
+    # an event that never reached the stream (lost with a crashed worker's memory) comes back on start
+    lost_id = ids[0]
+
+    async def forget_newest() -> tuple[str, Any]:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        last = await js.get_last_msg(STREAM, f"fauxmad.v1.events.{worker.region}.{worker.worker_id}.outage.{lost_id}")
+        await js.delete_msg(STREAM, last.seq)
+        await nc.close()
+        return (last.headers or {})["Nats-Msg-Id"], msgspec.json.decode(last.data)
+
+    worker.kill9()
+    msg_id, newest = arun(forget_newest())
+    assert newest["status"] == "started"
+    assert msg_id == event_msg_id(worker.worker_id, lost_id, newest["seq"], 0)
+    worker.start()
+    time.sleep(1.5)
+    restored, _ = arun(converge(server.url, worker, ids, within=5))
+    assert sorted(key for key, _ in restored.stream) == sorted(key for key, _ in before.stream)
+    assert restored.stream[-1][0] == msg_id
+
+
+def test_an_item_nats_keeps_refusing_holds_up_nothing_else(
+    nats_url: str, unique: Callable[[str], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """In-process outbox, real nats-server: index puts to a bucket that does not exist fail forever,
+    while 5,000 events (1,000 machines x 5 records) flow without waiting on the retry backoff; the
+    index backlog holds one entry per machine (the newest), and the trouble is logged once."""
+    worker_id, region = unique("w"), unique("r")
+    machines, records = 1000, 5
+
+    async def main() -> tuple[float, Outbox]:
+        nc = await nats.connect(nats_url)
+        await ensure_fleet_resources(nc.jetstream())
+        outbox = Outbox(nc, worker_id=worker_id, index_bucket=unique("missing"))
+        task = asyncio.create_task(outbox.run())
+        started = time.monotonic()
+        seq = 0
+        for r in range(records):
+            for m in range(machines):
+                seq += 1
+                machine = Machine(
+                    id=f"{m:014x}",
+                    name=f"m{m}",
+                    app="flow",
+                    region=region,
+                    worker_id=worker_id,
+                    state="started" if r % 2 else "stopped",
+                    config=MachineConfig(),
+                    instance_id="i",
+                    created_at="",
+                    updated_at="",
+                    version=seq,
+                )
+                event = MachineEvent(status=machine.state, seq=seq, machine_id=machine.id, worker_id=worker_id)
+                outbox.committed(
+                    MachineRecord(seq=seq, at=0.0, op="op", stored=StoredMachine(machine=machine, events=[event]))
+                )
+        js = nc.jetstream()
+        subject = f"fauxmad.v1.events.{region}.{worker_id}.>"
+        async def stored() -> int:  # `state.messages` counts the whole stream: sum the filtered subjects
+            return sum(((await js.stream_info(STREAM, subjects_filter=subject)).state.subjects or {}).values())
+
+        while await stored() < machines * records:
+            assert time.monotonic() - started < 10, "events held up by the refused index entries"
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - started
+        await asyncio.sleep(0.3)
+        assert await stored() == machines * records
+        task.cancel()
+        await nc.close()
+        return took, outbox
+
+    took, outbox = arun(main())
+    print(f"{machines * records} events delivered in {took:.2f}s beside a refused index")
+    assert outbox.pending == machines  # the index backlog: one (the newest) entry per machine
+    assert outbox.delivered == machines * records
+    warnings = [r for r in caplog.records if "NATS is not taking deliveries" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_record_events_are_the_tail_with_the_record_sequence() -> None:
+    events = [
+        MachineEvent(status="started", seq=4),
+        MachineEvent(type="exit", seq=9),
+        MachineEvent(status="failed", seq=9),
+    ]
+    assert [e.type for e in record_events(events, 9)] == ["exit", "transition"]
+    assert record_events(events, 4) == []  # superseded: not the tail
+    assert record_events([], 1) == []
+    assert parse_msg_id(event_msg_id("w1", "0123456789abcd", 42, 1)) == (42, 1)
+    assert parse_msg_id("nonsense") is None

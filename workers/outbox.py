@@ -1,0 +1,297 @@
+"""The worker's outbox: every committed transition reaches NATS, however long NATS is away.
+
+The worker's LMDB log is the truth; NATS holds two copies derived from it: the routing index (KV
+`fauxmad_machines`, one entry per machine) and the history (stream `FAUXMAD_EVENTS`, every event).
+Commits must never wait for NATS, so they only queue here, and one task delivers in the background.
+It gives up on nothing: an item leaves the outbox only once NATS has acknowledged it, so after an
+outage of any length both copies converge on the log.
+
+- Events are history and cannot be merged: they are published through JetStream in commit order,
+  each with a `Nats-Msg-Id` that is the same on every retry and every restart
+  (`<worker>:<machine>:<log seq>:<n-th event of the record>`), so the stream's duplicate window
+  (2 minutes) drops a copy whose first ack was lost. An outage longer than that window may leave
+  a second copy of the few events in flight when the server died; the view is not misled by it
+  (a machine's row follows the worker's log sequence, not the stream's).
+- Index entries are state: a newer entry for a machine replaces one not yet sent, so the backlog
+  is bounded by the number of machines, and a machine's entry always ends at its newest state.
+- Each round pipelines a batch (all published at once, acks awaited together with one deadline: not
+  one round trip per item, and no task per item, since the outbox shares the worker's event loop
+  with its commits); what failed stays at the front and is retried with a backoff of 0.05 s doubling
+  to 1 s. Index entries are KV puts and deletes on the bucket's subjects (`$KV.<bucket>.<key>`, a
+  delete carries `KV-Operation: DEL`), pipelined the same way.
+- A round that delivered nothing waits before the next; one that delivered some goes on at once,
+  so an item NATS keeps refusing holds up nothing but itself.
+- One warning when deliveries start failing, one info line when they flow again: never one per item.
+- On start, `republish` queues every machine's index entry and its newest events, unless the stream
+  already has them: events queued in memory when the worker died are not lost for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.errors import NotFoundError
+
+from bus import subjects
+from bus.codec import encode
+from bus.messages import Machine, MachineEvent, MachineIndexEntry
+from workers.records import MachineRecord, StoredMachine
+
+log = logging.getLogger(__name__)
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+KV_OPERATION_HEADER = "KV-Operation"
+
+
+def event_msg_id(worker_id: str, machine_id: str, seq: int, n: int) -> str:
+    """The event's id for the stream's deduplication: unique, and the same on every retry and restart."""
+    return f"{worker_id}:{machine_id}:{seq}:{n}"
+
+
+def parse_msg_id(msg_id: str) -> tuple[int, int] | None:
+    """`(log seq, n)` of an id made by `event_msg_id`, or None."""
+    parts = msg_id.rsplit(":", 2)
+    if len(parts) != 3:
+        return None
+    try:
+        return int(parts[1]), int(parts[2])
+    except ValueError:
+        return None
+
+
+def record_events(events: Sequence[MachineEvent], seq: int) -> list[MachineEvent]:
+    """The events that the record `seq` added: the tail of `events` carrying that sequence (an exit
+    and the state it settled in share one record); their order is their `n`."""
+    tail = list(itertools.takewhile(lambda event: event.seq == seq, reversed(events)))
+    tail.reverse()
+    return tail
+
+
+def index_entry(machine: Machine) -> MachineIndexEntry:
+    return MachineIndexEntry(
+        id=machine.id,
+        worker_id=machine.worker_id,
+        region=machine.region,
+        app=machine.app,
+        state=machine.state,
+        name=machine.name,
+        version=machine.version,
+        metadata=dict(machine.config.metadata),
+    )
+
+
+class PendingEvent(NamedTuple):
+    subject: str
+    payload: bytes
+    msg_id: str
+
+
+class _Seq(msgspec.Struct):
+    seq: int = 0
+
+
+class Outbox:
+    """Queue with `committed` (from the commit hook, never blocks) and run `run()` as a task."""
+
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        worker_id: str,
+        index_bucket: str = subjects.MACHINES_BUCKET,
+        batch: int = 256,
+        timeout: float = 3.0,
+        retry_min: float = 0.05,
+        retry_max: float = 1.0,
+    ) -> None:
+        self._nc = nc
+        self._js = nc.jetstream(timeout=timeout)  # its own: the outbox's publishes in flight are its alone
+        self._index_bucket = index_bucket
+        self.worker_id = worker_id
+        self.batch = batch
+        self.timeout = timeout
+        self.retry_min = retry_min
+        self.retry_max = retry_max
+        self._events: deque[PendingEvent] = deque()
+        self._index: dict[str, MachineIndexEntry] = {}  # insertion ordered; the newest entry per machine
+        self._wake = asyncio.Event()
+        self._failing_since: float | None = None
+        self._delivered_while_failing = 0
+        self.delivered = 0  # events and index entries acknowledged, since start
+
+    # queueing ---------------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return len(self._events) + len(self._index)
+
+    def committed(self, record: MachineRecord) -> None:
+        """Queue what a committed record changed: its events, then the machine's index entry."""
+        machine = record.stored.machine
+        self._queue_events(machine, enumerate(record_events(record.stored.events, record.seq)))
+        self.index(machine)
+
+    def index(self, machine: Machine) -> None:
+        self._index[machine.id] = index_entry(machine)
+        self._wake.set()
+
+    def _queue_events(self, machine: Machine, numbered: Iterable[tuple[int, MachineEvent]]) -> None:
+        subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
+        for n, event in numbered:
+            msg_id = event_msg_id(self.worker_id, machine.id, event.seq, n)
+            self._events.append(PendingEvent(subject, encode(event), msg_id))
+        self._wake.set()
+
+    def republish(self, machines: list[StoredMachine], lookups: int = 64) -> asyncio.Task[None]:
+        """At start: every machine's index entry now, and its newest events, where the stream lacks them,
+        from the task returned (the caller keeps and cancels it).
+
+        The index entries are queued before this returns, with no await between reading `machines`
+        and queueing them, so a commit can never be overtaken by an older entry. The stream is asked
+        for each machine's last event before republishing, so a restart long after the duplicate
+        window still adds nothing that is there; when it cannot say, publish and let the window drop it.
+        """
+        for stored in machines:
+            self.index(stored.machine)
+        newest = [
+            (stored.machine, record_events(stored.events, stored.events[-1].seq))
+            for stored in machines
+            if stored.events
+        ]
+
+        async def one(machine: Machine, group: list[MachineEvent]) -> None:
+            have = await self._stream_has(subjects.events(machine.region, machine.worker_id, machine.app, machine.id))
+            self._queue_events(machine, ((n, event) for n, event in enumerate(group) if (event.seq, n) > have))
+
+        async def events() -> None:
+            for start in range(0, len(newest), lookups):
+                await asyncio.gather(*(one(machine, group) for machine, group in newest[start : start + lookups]))
+
+        return asyncio.create_task(events())
+
+    async def _stream_has(self, subject: str) -> tuple[int, float]:
+        """`(log seq, n)` of the last event on `subject` in the stream; `(0, -1)` for none or unknown."""
+        try:
+            msg = await asyncio.wait_for(self._js.get_last_msg(subjects.EVENTS_STREAM, subject), self.timeout)
+        except NotFoundError:
+            return 0, -1
+        except Exception:
+            log.debug("outbox: could not look up %s in the events stream", subject, exc_info=True)
+            return 0, -1
+        parsed = parse_msg_id((msg.headers or {}).get(MSG_ID_HEADER, ""))
+        if parsed is not None:
+            return parsed
+        try:  # published before events carried an id: the whole record counts as there
+            return msgspec.json.decode(msg.data or b"{}", type=_Seq).seq, math.inf
+        except msgspec.DecodeError:
+            return 0, -1
+
+    # delivering -------------------------------------------------------------------------------
+    async def run(self) -> None:
+        delay = self.retry_min
+        while True:
+            if not self.pending:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            delivered, error = (0, "not connected to NATS") if not self._nc.is_connected else await self._round()
+            if error is None:
+                self._recovered()
+            else:
+                self._failing(error)
+            if error is None or delivered:
+                delay = self.retry_min
+                continue
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.retry_max)
+
+    async def _round(self) -> tuple[int, BaseException | str | None]:
+        """Send up to a batch of events and of index entries at once: how many were delivered, and
+        the first failure (None: all were)."""
+        events = list(itertools.islice(self._events, self.batch))
+        index = list(itertools.islice(self._index.values(), self.batch))
+        results = await self._send(
+            [(event.subject, event.payload, {MSG_ID_HEADER: event.msg_id}) for event in events]
+            + [self._index_message(entry) for entry in index]
+        )
+        event_results, index_results = results[: len(events)], results[len(events) :]
+        # events: the sent ones are still the first len(events) of the deque (appends go to the right)
+        failed = [event for event, result in zip(events, event_results, strict=True) if result is not None]
+        for _ in events:
+            self._events.popleft()
+        self._events.extendleft(reversed(failed))
+        for entry, result in zip(index, index_results, strict=True):
+            # delivered, and not replaced by a newer entry meanwhile: done with this machine
+            if result is None and self._index.get(entry.id) is entry:
+                del self._index[entry.id]
+        ok = sum(result is None for result in results)
+        self.delivered += ok
+        if self._failing_since is not None:
+            self._delivered_while_failing += ok
+        return ok, next((result for result in results if result is not None), None)
+
+    def _index_message(self, entry: MachineIndexEntry) -> tuple[str, bytes, dict[str, str] | None]:
+        subject = subjects.kv_put(self._index_bucket, entry.id)
+        if entry.state == "destroyed":
+            return subject, b"", {KV_OPERATION_HEADER: "DEL"}
+        return subject, encode(entry), None
+
+    async def _send(self, messages: list[tuple[str, bytes, dict[str, str] | None]]) -> list[BaseException | None]:
+        """Publish all, then wait for their acks together: per message None (stored) or why not."""
+        futures: list[asyncio.Future[Any]] = []
+        try:
+            for subject, payload, headers in messages:
+                futures.append(await self._js.publish_async(subject, payload, headers=headers))
+        except Exception as exc:  # could not even be queued (connection closed): this round failed
+            for future in futures:
+                future.cancel()
+            return [exc] * len(messages)
+        if futures:
+            await asyncio.wait(futures, timeout=self.timeout)
+        results: list[BaseException | None] = []
+        for future in futures:
+            if not future.done():
+                future.cancel()  # frees its slot; a late ack changes nothing: it is sent again
+                results.append(TimeoutError(f"no ack within {self.timeout:g}s"))
+            elif future.cancelled():
+                results.append(asyncio.CancelledError())
+            else:
+                results.append(future.exception())
+        return results
+
+    def _failing(self, error: BaseException | str) -> None:
+        if self._failing_since is not None:
+            return
+        self._failing_since = time.monotonic()
+        self._delivered_while_failing = 0
+        reason = error if isinstance(error, str) else (f"{type(error).__name__} {error}".strip())
+        log.warning(
+            "outbox: NATS is not taking deliveries (%s); holding %d events and %d index entries until it does",
+            reason,
+            len(self._events),
+            len(self._index),
+        )
+
+    def _recovered(self) -> None:
+        if self._failing_since is None:
+            return
+        log.info(
+            "outbox: NATS takes deliveries again after %.1fs; %d items delivered since, %d pending",
+            time.monotonic() - self._failing_since,
+            self._delivered_while_failing,
+            self.pending,
+        )
+        self._failing_since = None
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far has been delivered (callers bound it)."""
+        while self.pending:
+            await asyncio.sleep(0.02)
