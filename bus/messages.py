@@ -376,6 +376,10 @@ class InfoRequest(Request):
     """`info` takes no fields: an empty payload or `{}`."""
 
 
+class RegionsListRequest(Request):
+    """`regions.list` takes no fields: an empty payload or `{}` (anything else is a 400, not ignored)."""
+
+
 class CordonRequest(Request):
     reason: str = ""
 

@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from bus.codec import decode, decoder, encode
+from bus.codec import clip, decode, decoder, encode
 from bus.errors import FauxmadError, InternalError, Unanswered, Unreachable, error_for_code
 from bus.messages import ErrorBody, ErrorDetail
 
@@ -43,9 +43,8 @@ _ECHOED = re.compile(r"'([^']{65,})'")
 def bounded_message(message: str, limit: int = MAX_ERROR_MESSAGE) -> str:
     """One line, echoed values cut to 64 characters, at most `limit` characters, valid UTF-8."""
     text = message.replace("\r", " ").replace("\n", " ")
-    text = _ECHOED.sub(lambda m: f"'{m.group(1)[:64]}…' ({len(m.group(1))} characters)", text)
-    if len(text) > limit:
-        text = f"{text[:limit]}… ({len(text) - limit} more characters)"
+    text = _ECHOED.sub(lambda m: f"'{clip(m.group(1), 64)}'", text)
+    text = clip(text, limit)
     # a lone surrogate (from a decoded escape) cannot be encoded: make it visible instead
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 

@@ -36,6 +36,7 @@ from bus.messages import (
     ListRequest,
     Machine,
     MachineIndexEntry,
+    RegionsListRequest,
     RegionSummary,
     ReleaseRequest,
     Resources,
@@ -226,6 +227,7 @@ class Broker:
         return machines
 
     async def _on_regions(self, subject: str, data: bytes) -> Any:
+        decode(RegionsListRequest, data, empty_ok=True)
         summaries: dict[str, RegionSummary] = {}
         for info in self.registry.workers():
             s = summaries.setdefault(info.region, RegionSummary(
