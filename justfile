@@ -11,7 +11,7 @@ test *args:
 # ruff and mypy
 lint:
     ruff check .
-    ruff format --check . || true
+    ruff format --check .
     mypy
 
 # start a dev fleet, run the sample app in three regions, show where it landed, stop

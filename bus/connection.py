@@ -34,8 +34,9 @@ async def _quiet_error(exc: Exception) -> None:
     log.debug("nats: %r", exc)
 
 
-async def connect(url: str, name: str, *, agent: bool = False, timeout: float = 2.0,
-                  on_closed: Callable[[str], None] | None = None) -> Client:
+async def connect(
+    url: str, name: str, *, agent: bool = False, timeout: float = 2.0, on_closed: Callable[[str], None] | None = None
+) -> Client:
     """Connect to `url`. `agent=True`: reconnect forever; otherwise fail fast when unreachable.
 
     `on_closed(reason)` runs whenever the connection ends for good, including the caller's own `close()`:

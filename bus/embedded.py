@@ -80,11 +80,24 @@ class EmbeddedNats:
         binary = find_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            binary, "-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.store_dir),
-            "-n", self.name, "-l", str(self.log_file),
+            binary,
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            str(self.store_dir),
+            "-n",
+            self.name,
+            "-l",
+            str(self.log_file),
         ]
         self.process = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
         self._wait_ready(timeout)

@@ -35,8 +35,17 @@ DEFAULT_EVENTS_MAX_AGE = 7 * 24 * 3600.0
 DEFAULT_EVENTS_MAX_BYTES = 1024 * 1024 * 1024
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?$", re.IGNORECASE)
-_SIZE_UNIT = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_UNIT = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 class FleetConfig(msgspec.Struct, kw_only=True):
@@ -73,10 +82,14 @@ def events_limits(config: FleetConfig, environ: Mapping[str, str] = os.environ) 
     """The events stream's limits: the config's, else the environment's, else the defaults."""
     age_text, bytes_text = environ.get(EVENTS_MAX_AGE_ENV, ""), environ.get(EVENTS_MAX_BYTES_ENV, "")
     try:
-        max_age = config.events_max_age if config.events_max_age is not None else (
-            seconds(age_text) if age_text else None)
-        max_bytes = config.events_max_bytes if config.events_max_bytes is not None else (
-            parse_size(bytes_text) if bytes_text else None)
+        max_age = (
+            config.events_max_age if config.events_max_age is not None else (seconds(age_text) if age_text else None)
+        )
+        max_bytes = (
+            config.events_max_bytes
+            if config.events_max_bytes is not None
+            else (parse_size(bytes_text) if bytes_text else None)
+        )
     except ValueError as exc:
         raise ValueError(f"events stream limits: {exc}") from None
     if max_age is not None and max_age <= 0:
@@ -110,28 +123,39 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
     workers = await _kv(
         js,
         KeyValueConfig(
-            bucket=subjects.WORKERS_BUCKET, ttl=ttl, limit_marker_ttl=ttl, history=1, storage=storage,
+            bucket=subjects.WORKERS_BUCKET,
+            ttl=ttl,
+            limit_marker_ttl=ttl,
+            history=1,
+            storage=storage,
             description="worker heartbeats: capacity, usage, images, cordon",
         ),
     )
     machines = await _kv(
         js,
         KeyValueConfig(
-            bucket=subjects.MACHINES_BUCKET, history=1, storage=storage,
+            bucket=subjects.MACHINES_BUCKET,
+            history=1,
+            storage=storage,
             description="routing index: machine id -> worker, region, app, state",
         ),
     )
     apps = await _kv(
         js,
         KeyValueConfig(
-            bucket=subjects.APPS_BUCKET, history=16, storage=storage,
+            bucket=subjects.APPS_BUCKET,
+            history=16,
+            storage=storage,
             description="desired state: app specs and releases",
         ),
     )
     idempotency = await _kv(
         js,
         KeyValueConfig(
-            bucket=subjects.IDEMPOTENCY_BUCKET, ttl=24 * 3600.0, history=1, storage=storage,
+            bucket=subjects.IDEMPOTENCY_BUCKET,
+            ttl=24 * 3600.0,
+            history=1,
+            storage=storage,
             description="create idempotency keys: claimed by one broker, answered with one machine",
         ),
     )
@@ -141,8 +165,12 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
 
 async def _events_stream(js: JetStreamContext, limits: EventsLimits, storage: StorageType) -> None:
     stream = StreamConfig(
-        name=subjects.EVENTS_STREAM, subjects=[subjects.EVENTS_ALL], max_age=limits.max_age,
-        max_bytes=limits.max_bytes, storage=storage, description="every machine state transition, from every worker",
+        name=subjects.EVENTS_STREAM,
+        subjects=[subjects.EVENTS_ALL],
+        max_age=limits.max_age,
+        max_bytes=limits.max_bytes,
+        storage=storage,
+        description="every machine state transition, from every worker",
     )
     try:
         await js.add_stream(stream)

@@ -25,7 +25,15 @@ State = Literal[
     "created", "starting", "started", "stopping", "stopped", "destroying", "destroyed", "failed", "replacing"
 ]
 STATES: tuple[str, ...] = (
-    "created", "starting", "started", "stopping", "stopped", "destroying", "destroyed", "failed", "replacing",
+    "created",
+    "starting",
+    "started",
+    "stopping",
+    "stopped",
+    "destroying",
+    "destroyed",
+    "failed",
+    "replacing",
 )
 
 

@@ -27,7 +27,17 @@ BROKER_SERVICE = "fauxmad-broker"
 WORKER_SERVICE = "fauxmad-worker"
 
 WORKER_VERBS = (
-    "reserve", "start", "stop", "destroy", "get", "list", "wait", "signal", "lease", "release", "update",
+    "reserve",
+    "start",
+    "stop",
+    "destroy",
+    "get",
+    "list",
+    "wait",
+    "signal",
+    "lease",
+    "release",
+    "update",
 )
 API_VERBS = ("create", "list", "get", "start", "stop", "destroy", "wait", "update", "signal", "lease", "release")
 
@@ -96,7 +106,6 @@ def events_filter(app: str | None = None, machine_id: str | None = None) -> str:
     app_token = check_token("app", app) if app else "*"
     machine_token = check_token("machine id", machine_id) if machine_id else "*"
     return f"{PREFIX}.events.*.*.{app_token}.{machine_token}"
-
 
 
 def logs(app: str, machine_id: str) -> str:

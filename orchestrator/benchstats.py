@@ -26,7 +26,10 @@ def percentile(sorted_values: list[float], q: float) -> float:
 def summarize(seconds: list[float]) -> Latency:
     values = sorted(s * 1000 for s in seconds)
     return Latency(
-        count=len(values), p50_ms=round(percentile(values, 50), 3), p90_ms=round(percentile(values, 90), 3),
-        p99_ms=round(percentile(values, 99), 3), max_ms=round(values[-1], 3) if values else 0.0,
+        count=len(values),
+        p50_ms=round(percentile(values, 50), 3),
+        p90_ms=round(percentile(values, 90), 3),
+        p99_ms=round(percentile(values, 99), 3),
+        max_ms=round(values[-1], 3) if values else 0.0,
         mean_ms=round(sum(values) / len(values), 3) if values else 0.0,
     )

@@ -59,33 +59,63 @@ class FleetClient:
         return await call(self.nc, subject, query, builtins.list[Machine], timeout=self.timeout)
 
     async def get(self, app: str, machine_id: str) -> Machine:
-        return await call(self.nc, subjects.api_machines(app, "get"), GetRequest(id=machine_id), Machine,
-                          timeout=self.timeout)
+        return await call(
+            self.nc, subjects.api_machines(app, "get"), GetRequest(id=machine_id), Machine, timeout=self.timeout
+        )
 
     async def start(self, app: str, machine_id: str) -> Machine:
-        return await call(self.nc, subjects.api_machines(app, "start"), StartRequest(id=machine_id), Machine,
-                          timeout=self.timeout + 20)
+        return await call(
+            self.nc,
+            subjects.api_machines(app, "start"),
+            StartRequest(id=machine_id),
+            Machine,
+            timeout=self.timeout + 20,
+        )
 
     async def stop(self, app: str, machine_id: str, *, signal: str = "SIGTERM", timeout: float = 10.0) -> Machine:
-        return await call(self.nc, subjects.api_machines(app, "stop"),
-                          StopRequest(id=machine_id, signal=signal, timeout=timeout), Machine, timeout=timeout + 15)
+        return await call(
+            self.nc,
+            subjects.api_machines(app, "stop"),
+            StopRequest(id=machine_id, signal=signal, timeout=timeout),
+            Machine,
+            timeout=timeout + 15,
+        )
 
     async def destroy(self, app: str, machine_id: str, *, force: bool = False) -> Machine:
-        return await call(self.nc, subjects.api_machines(app, "destroy"), DestroyRequest(id=machine_id, force=force),
-                          Machine, timeout=self.timeout + 15)
+        return await call(
+            self.nc,
+            subjects.api_machines(app, "destroy"),
+            DestroyRequest(id=machine_id, force=force),
+            Machine,
+            timeout=self.timeout + 15,
+        )
 
     async def wait(self, app: str, machine_id: str, state: str, timeout: float = 60.0) -> Machine:
-        return await call(self.nc, subjects.api_machines(app, "wait"),
-                          WaitRequest(id=machine_id, state=state, timeout=timeout),  # type: ignore[arg-type]
-                          Machine, timeout=timeout + 10)
+        return await call(
+            self.nc,
+            subjects.api_machines(app, "wait"),
+            WaitRequest(id=machine_id, state=state, timeout=timeout),  # type: ignore[arg-type]
+            Machine,
+            timeout=timeout + 10,
+        )
 
     async def update(self, app: str, machine_id: str, config: MachineConfig) -> Machine:
-        return await call(self.nc, subjects.api_machines(app, "update"), UpdateRequest(id=machine_id, config=config),
-                          Machine, timeout=self.timeout + 30)
+        return await call(
+            self.nc,
+            subjects.api_machines(app, "update"),
+            UpdateRequest(id=machine_id, config=config),
+            Machine,
+            timeout=self.timeout + 30,
+        )
 
     async def workers(self, region: str | None = None) -> builtins.list[WorkerInfo]:
-        return await call(self.nc, subjects.API_WORKERS_LIST, WorkersListRequest(region=region), list[WorkerInfo],
-                          timeout=self.timeout)
+        return await call(
+            self.nc,
+            subjects.API_WORKERS_LIST,
+            WorkersListRequest(region=region),
+            list[WorkerInfo],
+            timeout=self.timeout,
+        )
 
     async def regions(self) -> builtins.list[RegionSummary]:
         return await call(self.nc, subjects.API_REGIONS_LIST, b"", builtins.list[RegionSummary], timeout=self.timeout)
@@ -94,4 +124,3 @@ class FleetClient:
         msg = await request(self.nc, subjects.API_PLACEMENTS_SIMULATE, req, timeout=self.timeout)
         result: dict[str, Any] = decode(dict[str, Any], msg.data)  # type: ignore[arg-type]
         return result
-

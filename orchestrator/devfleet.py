@@ -73,8 +73,14 @@ class DevFleet:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         with log_path.open("ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdout=log, stderr=log,
-                                    stdin=subprocess.DEVNULL, env=env, cwd=str(self.root))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.cli", *args],
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=str(self.root),
+            )
         self.processes.append((name, proc))
         self.commands[name] = args
 
@@ -117,17 +123,43 @@ class DevFleet:
                 base = f"{region}-{group + 1}" if per > 1 else f"{region}-w{group + 1}"
                 ids = [base] if count == 1 else [f"{base}-{i:04d}" for i in range(count)]
                 self.worker_ids += ids
-                args = ["worker", "--nats", self.url, "--region", region, "--worker-id", base,
-                        "--cpus", str(spec.cpus), "--memory-mb", str(spec.memory_mb),
-                        "--data-dir", str(self.root / "workers" / base), "--heartbeat", str(spec.heartbeat)]
+                args = [
+                    "worker",
+                    "--nats",
+                    self.url,
+                    "--region",
+                    region,
+                    "--worker-id",
+                    base,
+                    "--cpus",
+                    str(spec.cpus),
+                    "--memory-mb",
+                    str(spec.memory_mb),
+                    "--data-dir",
+                    str(self.root / "workers" / base),
+                    "--heartbeat",
+                    str(spec.heartbeat),
+                ]
                 if count > 1:
                     args += ["--count", str(count)]
                 if not spec.fsync:
                     args += ["--no-fsync"]
                 self._spawn(f"worker-{base}", args)
         for i in range(spec.brokers):
-            self._spawn(f"broker-{i + 1}", ["broker", "--nats", self.url, "--name", f"broker-{i + 1}",
-                                            "--deadline-ms", str(spec.deadline_ms), "--strategy", spec.strategy])
+            self._spawn(
+                f"broker-{i + 1}",
+                [
+                    "broker",
+                    "--nats",
+                    self.url,
+                    "--name",
+                    f"broker-{i + 1}",
+                    "--deadline-ms",
+                    str(spec.deadline_ms),
+                    "--strategy",
+                    spec.strategy,
+                ],
+            )
         self.progress(f"{self.expected_workers} workers in {', '.join(spec.regions)} and {spec.brokers} broker(s)")
 
     def _wait_ready(self, timeout: float) -> None:
@@ -173,15 +205,19 @@ class DevFleet:
             try:
                 for worker_id in self.worker_ids:
                     try:
-                        msg = await nc.request(subjects.worker_machines(worker_id, "list"), encode(ListRequest()),
-                                               timeout=2)
+                        msg = await nc.request(
+                            subjects.worker_machines(worker_id, "list"), encode(ListRequest()), timeout=2
+                        )
                         machines = msgspec.json.decode(msg.data) if not msg.headers else []
                     except Exception:
                         continue
                     for m in machines:
                         with contextlib.suppress(Exception):
-                            await nc.request(subjects.worker_machines(worker_id, "destroy"),
-                                             encode(DestroyRequest(id=m["id"], force=True)), timeout=10)
+                            await nc.request(
+                                subjects.worker_machines(worker_id, "destroy"),
+                                encode(DestroyRequest(id=m["id"], force=True)),
+                                timeout=10,
+                            )
                             destroyed += 1
             finally:
                 await nc.close()

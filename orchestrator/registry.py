@@ -65,7 +65,8 @@ class Registry(KVReplica):
     def workers(self, region: str | None = None) -> list[WorkerInfo]:
         """Live workers, optionally of one region, ordered by region then id."""
         out = [
-            info for key, info in self._workers.items()
+            info
+            for key, info in self._workers.items()
             if (region is None or info.region == region) and self._alive(key, info)
         ]
         out.sort(key=lambda i: (i.region, i.worker_id))
@@ -77,7 +78,8 @@ class Registry(KVReplica):
         ttl = self.ttl
         seen = self._seen_at
         return {
-            worker_id for worker_id, info in self._by_region.get(region, {}).items()
+            worker_id
+            for worker_id, info in self._by_region.get(region, {}).items()
             if now - max(seen.get(f"{region}.{worker_id}", 0.0), info.heartbeat_at) <= ttl
         }
 

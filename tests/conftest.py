@@ -43,14 +43,24 @@ def unique() -> Callable[[str], str]:
 
 
 @pytest.fixture
-def worker_factory(tmp_path: Path, nats_url: str, unique: Callable[[str], str]) -> Iterator[Callable[..., WorkerProcess]]:
+def worker_factory(
+    tmp_path: Path, nats_url: str, unique: Callable[[str], str]
+) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
-    def make(region: str | None = None, *, url: str | None = None, worker_id: str | None = None,
-             cpus: int = 4, memory_mb: int = 4096, extra: list[str] | None = None) -> WorkerProcess:
+    def make(
+        region: str | None = None,
+        *,
+        url: str | None = None,
+        worker_id: str | None = None,
+        cpus: int = 4,
+        memory_mb: int = 4096,
+        extra: list[str] | None = None,
+    ) -> WorkerProcess:
         wid = worker_id or unique("w")
-        worker = WorkerProcess(url or nats_url, region or unique("r"), wid, tmp_path / wid, cpus=cpus,
-                               memory_mb=memory_mb, extra=extra)
+        worker = WorkerProcess(
+            url or nats_url, region or unique("r"), wid, tmp_path / wid, cpus=cpus, memory_mb=memory_mb, extra=extra
+        )
         started.append(worker)
         return worker.start()
 

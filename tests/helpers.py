@@ -45,8 +45,17 @@ def kill_machines_of(worker_id: str) -> int:
 class WorkerProcess:
     """A real `fauxmad worker` process."""
 
-    def __init__(self, nats_url: str, region: str, worker_id: str, data_dir: Path, *, cpus: int = 4,
-                 memory_mb: int = 4096, extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        region: str,
+        worker_id: str,
+        data_dir: Path,
+        *,
+        cpus: int = 4,
+        memory_mb: int = 4096,
+        extra: list[str] | None = None,
+    ) -> None:
         self.nats_url = nats_url
         self.region = region
         self.worker_id = worker_id
@@ -60,9 +69,25 @@ class WorkerProcess:
     def start(self, timeout: float = 15.0) -> WorkerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            sys.executable, "-m", "orchestrator.cli", "worker", "--nats", self.nats_url, "--region", self.region,
-            "--worker-id", self.worker_id, "--cpus", str(self.cpus), "--memory-mb", str(self.memory_mb),
-            "--data-dir", str(self.data_dir), "--restart-backoff", "0.1", *self.extra,
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "worker",
+            "--nats",
+            self.nats_url,
+            "--region",
+            self.region,
+            "--worker-id",
+            self.worker_id,
+            "--cpus",
+            str(self.cpus),
+            "--memory-mb",
+            str(self.memory_mb),
+            "--data-dir",
+            str(self.data_dir),
+            "--restart-backoff",
+            "0.1",
+            *self.extra,
         ]
         env = dict(os.environ, FAUXMAD_LOG="1", PYTHONPATH=str(ROOT))
         log = self.log_path.open("ab")

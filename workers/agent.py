@@ -115,8 +115,9 @@ class WorkerAgent:
         cfg = self.config
         data = Path(cfg.data_dir)
         data.mkdir(parents=True, exist_ok=True)
-        self.nc = await connect(cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", agent=True,
-                                on_closed=self._on_bus_closed)
+        self.nc = await connect(
+            cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", agent=True, on_closed=self._on_bus_closed
+        )
         js = self.nc.jetstream()
         self._kv = await ensure_fleet_resources(js, FleetConfig(heartbeat_interval=cfg.heartbeat_interval))
         self.outbox = Outbox(self.nc, worker_id=cfg.worker_id)
@@ -127,10 +128,17 @@ class WorkerAgent:
         driver = ProcessDriver(limits)
         self.manager = MachineManager(
             ManagerConfig(
-                worker_id=cfg.worker_id, region=cfg.region, cpus=cfg.cpus, memory_mb=cfg.memory_mb,
-                data_dir=str(data), backoff=cfg.backoff,
+                worker_id=cfg.worker_id,
+                region=cfg.region,
+                cpus=cfg.cpus,
+                memory_mb=cfg.memory_mb,
+                data_dir=str(data),
+                backoff=cfg.backoff,
             ),
-            self.store, self.committer, driver, on_commit=self._on_commit,
+            self.store,
+            self.committer,
+            driver,
+            on_commit=self._on_commit,
         )
         self._images = frozenset(self.store.images())
         # derived from LMDB at start and kept in step by _on_commit: info() must not scan every machine
@@ -166,7 +174,8 @@ class WorkerAgent:
         self._service = await add_service(
             self.nc,
             ServiceConfig(
-                name=subjects.WORKER_SERVICE, version=VERSION,
+                name=subjects.WORKER_SERVICE,
+                version=VERSION,
                 description="fauxmad worker agent: the source of truth for the machines on one host",
                 metadata={"worker_id": cfg.worker_id, "region": cfg.region},
             ),
@@ -192,10 +201,15 @@ class WorkerAgent:
         usage = self.store.usage()
         worker = self.store.worker()
         return Snapshot(
-            worker_id=self.config.worker_id, region=self.config.region,
+            worker_id=self.config.worker_id,
+            region=self.config.region,
             capacity=Resources(cpus=self.config.cpus, memory_mb=self.config.memory_mb),
-            used=usage.resources(), machines=usage.machines, cordoned=worker.cordoned, images=self._images,
-            load=self._load, inflight=self.manager.inflight,
+            used=usage.resources(),
+            machines=usage.machines,
+            cordoned=worker.cordoned,
+            images=self._images,
+            load=self._load,
+            inflight=self.manager.inflight,
         )
 
     async def _on_offer(self, subject: str, data: bytes) -> Any:
@@ -263,10 +277,20 @@ class WorkerAgent:
         for state in self._state_of.values():
             states[state] = states.get(state, 0) + 1
         return WorkerInfo(
-            worker_id=snap.worker_id, region=snap.region, capacity=snap.capacity, used=snap.used,
-            machines=snap.machines, cordoned=snap.cordoned, images=sorted(snap.images), load=snap.load,
-            started_at=self.started_at, heartbeat_at=time.time(), states=states, limits=self.limits_mode,
-            pid=os.getpid(), log_seq=self.store.last_seq,
+            worker_id=snap.worker_id,
+            region=snap.region,
+            capacity=snap.capacity,
+            used=snap.used,
+            machines=snap.machines,
+            cordoned=snap.cordoned,
+            images=sorted(snap.images),
+            load=snap.load,
+            started_at=self.started_at,
+            heartbeat_at=time.time(),
+            states=states,
+            limits=self.limits_mode,
+            pid=os.getpid(),
+            log_seq=self.store.last_seq,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -333,7 +357,8 @@ class WorkerAgent:
             store = self.store
             try:
                 deleted = await asyncio.to_thread(
-                    store.compact, keep_last=self.config.log_keep_last,
+                    store.compact,
+                    keep_last=self.config.log_keep_last,
                     destroyed_retention=self.config.destroyed_retention,
                 )
                 if deleted:
@@ -409,8 +434,9 @@ async def run_workers(configs: list[WorkerConfig]) -> None:
         for agent in agents:
             await agent.start()
         # any agent stopping (a signal stops all; a lost bus stops one) ends the process
-        await asyncio.wait([asyncio.create_task(agent.run_forever()) for agent in agents],
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            [asyncio.create_task(agent.run_forever()) for agent in agents], return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         await asyncio.gather(*[agent.close() for agent in agents], return_exceptions=True)
     lost = [agent.bus_lost for agent in agents if agent.bus_lost]

@@ -89,9 +89,13 @@ class LogFollower:
             for raw in complete:
                 lines.append(
                     LogLine(
-                        machine_id=followed.machine_id, app=followed.app, stream=stream,  # type: ignore[arg-type]
-                        line=raw[:MAX_LINE].decode("utf-8", "replace"), timestamp=now,
-                        region=self._region, worker_id=self._worker_id,
+                        machine_id=followed.machine_id,
+                        app=followed.app,
+                        stream=stream,  # type: ignore[arg-type]
+                        line=raw[:MAX_LINE].decode("utf-8", "replace"),
+                        timestamp=now,
+                        region=self._region,
+                        worker_id=self._worker_id,
                     )
                 )
         return lines

@@ -173,8 +173,15 @@ class MachineManager:
             self._waiters.pop(machine.id, None)
 
     def _event(
-        self, stored: StoredMachine, to: str, *, source: str = "worker", reason: str | None = None,
-        exit: ExitInfo | None = None, kind: str = "transition", check: CheckStatus | None = None,
+        self,
+        stored: StoredMachine,
+        to: str,
+        *,
+        source: str = "worker",
+        reason: str | None = None,
+        exit: ExitInfo | None = None,
+        kind: str = "transition",
+        check: CheckStatus | None = None,
     ) -> None:
         """Move `stored` to state `to` (checked) and append the event that says so.
 
@@ -191,11 +198,18 @@ class MachineManager:
         stored.events.append(
             MachineEvent(
                 type=kind,  # type: ignore[arg-type]
-                status=machine.state, from_state=previous if kind == "transition" else None,
+                status=machine.state,
+                from_state=previous if kind == "transition" else None,
                 source=source,  # type: ignore[arg-type]
-                reason=reason, exit=exit, timestamp=round(now * 1000, 3),
-                machine_id=machine.id, app=machine.app, region=machine.region, worker_id=machine.worker_id,
-                metadata=dict(machine.config.metadata) if kind == "update" else None, check=check,
+                reason=reason,
+                exit=exit,
+                timestamp=round(now * 1000, 3),
+                machine_id=machine.id,
+                app=machine.app,
+                region=machine.region,
+                worker_id=machine.worker_id,
+                metadata=dict(machine.config.metadata) if kind == "update" else None,
+                check=check,
             )
         )
 
@@ -338,17 +352,32 @@ class MachineManager:
             stamp = iso(tx.now)
             stored = StoredMachine(
                 machine=Machine(
-                    id=machine_id, name=request.name or f"{request.app}-{machine_id[:6]}", app=request.app,
-                    region=request.region, worker_id=self.config.worker_id, state="created", config=request.config,
-                    instance_id=new_instance_id(tx.now), created_at=stamp, updated_at=stamp, port=port,
+                    id=machine_id,
+                    name=request.name or f"{request.app}-{machine_id[:6]}",
+                    app=request.app,
+                    region=request.region,
+                    worker_id=self.config.worker_id,
+                    state="created",
+                    config=request.config,
+                    instance_id=new_instance_id(tx.now),
+                    created_at=stamp,
+                    updated_at=stamp,
+                    port=port,
                 ),
                 idempotency_key=request.idempotency_key,
             )
             stored.events.append(
                 MachineEvent(
-                    type="transition", status="created", source="user", reason="reserved",
-                    timestamp=round(tx.now * 1000, 3), machine_id=machine_id, app=request.app,
-                    region=request.region, worker_id=self.config.worker_id, metadata=dict(request.config.metadata),
+                    type="transition",
+                    status="created",
+                    source="user",
+                    reason="reserved",
+                    timestamp=round(tx.now * 1000, 3),
+                    machine_id=machine_id,
+                    app=request.app,
+                    region=request.region,
+                    worker_id=self.config.worker_id,
+                    metadata=dict(request.config.metadata),
                 )
             )
             return tx.put_machine(stored, "reserve")
@@ -360,6 +389,7 @@ class MachineManager:
 
     async def start(self, request: StartRequest) -> Machine:
         async with self._lock(request.id):
+
             def op(tx: Tx) -> tuple[StoredMachine, bool]:
                 stored = tx.require(request.id)
                 self._check_lease(stored, request.lease_nonce, tx.now)
@@ -392,8 +422,12 @@ class MachineManager:
             }
         )
         return TaskSpec(
-            machine_id=machine.id, cmd=list(machine.config.cmd), env=env, workdir=str(self.workdir(machine.id)),
-            memory_mb=machine.config.guest.memory_mb, cpus=machine.config.guest.cpus,
+            machine_id=machine.id,
+            cmd=list(machine.config.cmd),
+            env=env,
+            workdir=str(self.workdir(machine.id)),
+            memory_mb=machine.config.guest.memory_mb,
+            cpus=machine.config.guest.cpus,
         )
 
     def workdir(self, machine_id: str) -> Path:
@@ -459,8 +493,12 @@ class MachineManager:
 
     def _exit_info(self, status: ExitStatus, requested: bool) -> ExitInfo:
         return ExitInfo(
-            exit_code=status.exit_code, signal=status.signal, oom_killed=status.oom_killed,
-            requested_stop=requested, lost=status.lost, at=status.finished_at or self.clock(),
+            exit_code=status.exit_code,
+            signal=status.signal,
+            oom_killed=status.oom_killed,
+            requested_stop=requested,
+            lost=status.lost,
+            at=status.finished_at or self.clock(),
         )
 
     async def _on_exit(self, machine_id: str, handle: TaskHandle, status: ExitStatus) -> None:
@@ -479,8 +517,11 @@ class MachineManager:
                 stored.machine.exit = info
                 ran_for = max(0.0, info.at - handle.started_at) if handle.started_at else 0.0
                 decision = after_exit(
-                    stored.machine.config.restart, status, attempts=stored.restart_attempts,
-                    ran_for=ran_for, requested_stop=requested or stored.desired != "started",
+                    stored.machine.config.restart,
+                    status,
+                    attempts=stored.restart_attempts,
+                    ran_for=ran_for,
+                    requested_stop=requested or stored.desired != "started",
                     backoff=self.config.backoff,
                 )
                 decision_box["decision"] = decision
@@ -546,8 +587,14 @@ class MachineManager:
                 return
             spec = self._task_spec(stored)
             result = await run_check(
-                check.type, host=self.config.check_host, port=check.port or stored.machine.port, path=check.path,
-                command=check.command, timeout=timeout, env=spec.env, cwd=spec.workdir,
+                check.type,
+                host=self.config.check_host,
+                port=check.port or stored.machine.port,
+                path=check.path,
+                command=check.command,
+                timeout=timeout,
+                env=spec.env,
+                cwd=spec.workdir,
             )
             if result.status != last:
                 last = result.status
@@ -561,8 +608,13 @@ class MachineManager:
                 return
             check = CheckStatus(name=name, status=status, output=output, updated_at=tx.now)  # type: ignore[arg-type]
             stored.machine.checks[name] = check
-            self._event(stored, "check", reason=f"check {name} is {status}: {output}"[:300], kind="check",
-                        check=msgspec.structs.replace(check, output=output[:300]))
+            self._event(
+                stored,
+                "check",
+                reason=f"check {name} is {status}: {output}"[:300],
+                kind="check",
+                check=msgspec.structs.replace(check, output=output[:300]),
+            )
             tx.put_machine(stored, "check")
 
         await self._commit(op)
@@ -573,6 +625,7 @@ class MachineManager:
     async def stop(self, request: StopRequest) -> Machine:
         signum = parse_signal(request.signal)
         async with self._lock(request.id):
+
             def op(tx: Tx) -> tuple[StoredMachine, bool]:
                 stored = tx.require(request.id)
                 self._check_lease(stored, request.lease_nonce, tx.now)
@@ -609,6 +662,7 @@ class MachineManager:
 
     async def destroy(self, request: DestroyRequest, *, source: str = "user") -> Machine:
         async with self._lock(request.id):
+
             def op(tx: Tx) -> StoredMachine:
                 stored = tx.require(request.id)
                 self._check_lease(stored, request.lease_nonce, tx.now)
@@ -666,6 +720,7 @@ class MachineManager:
         if not request.config.cmd:
             raise BadRequest("config.cmd is required: the process driver needs a command to run")
         async with self._lock(request.id):
+
             def op(tx: Tx) -> tuple[StoredMachine, bool]:
                 stored = tx.require(request.id)
                 self._check_lease(stored, request.lease_nonce, tx.now)
@@ -682,8 +737,9 @@ class MachineManager:
                 if running and only_labels_differ(stored.machine.config, request.config):
                     # metadata and standbys label a machine; changing them needs no new instance
                     stored.machine.config = request.config
-                    self._event(stored, "update", source="user", reason="metadata updated in place (no restart)",
-                                kind="update")
+                    self._event(
+                        stored, "update", source="user", reason="metadata updated in place (no restart)", kind="update"
+                    )
                     return tx.put_machine(stored, "update"), False
                 if running:
                     self._event(stored, "replacing", source="user", reason="update requested")
@@ -717,8 +773,13 @@ class MachineManager:
         stored.machine.config = request.config
         stored.machine.instance_id = new_instance_id(now)
         stored.machine.checks = {}
-        self._event(stored, "update", source="user", reason=f"config updated (instance {stored.machine.instance_id})",
-                    kind="update")
+        self._event(
+            stored,
+            "update",
+            source="user",
+            reason=f"config updated (instance {stored.machine.instance_id})",
+            kind="update",
+        )
 
     # ------------------------------------------------------------------------------------------
     # restart of the worker: finish what was in flight, re-adopt what runs

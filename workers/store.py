@@ -186,8 +186,15 @@ class Store:
         self.path.mkdir(parents=True, exist_ok=True)
         self.clock = clock
         self.env = lmdb.open(
-            str(self.path), map_size=map_size, max_dbs=8, sync=sync, metasync=sync,
-            writemap=False, map_async=False, readahead=False, max_readers=256,
+            str(self.path),
+            map_size=map_size,
+            max_dbs=8,
+            sync=sync,
+            metasync=sync,
+            writemap=False,
+            map_async=False,
+            readahead=False,
+            max_readers=256,
         )
         self.db_log = self.env.open_db(DB_LOG)
         self.db_machines = self.env.open_db(DB_MACHINES)
@@ -272,7 +279,9 @@ class Store:
             raw_usage = txn.get(KEY_USAGE, db=self.db_meta)
             raw_worker = txn.get(KEY_WORKER, db=self.db_meta)
         return Tables(
-            machines=machines, idempotency=idem, images=images,
+            machines=machines,
+            idempotency=idem,
+            images=images,
             usage=_usage_decoder.decode(raw_usage) if raw_usage else Usage(),
             worker=_worker_decoder.decode(raw_worker) if raw_worker else WorkerState(),
         )

@@ -72,6 +72,9 @@ def after_exit(
     if limit is not None and attempts >= limit:
         return AfterExit(restart=False, state=settled, reason=f"{reason}; gave up after {attempts} restarts")
     return AfterExit(
-        restart=True, state="starting", attempt=attempts + 1, delay=backoff.delay(attempts),
+        restart=True,
+        state="starting",
+        attempt=attempts + 1,
+        delay=backoff.delay(attempts),
         reason=f"{reason}; restart {attempts + 1} in {backoff.delay(attempts):.2f}s",
     )

@@ -28,10 +28,15 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, {"ok": True})
             return
         averages = {name: round(sum(stars) / len(stars), 2) for name, stars in RATINGS.items()}
-        self._send(200, {
-            "machine": os.environ.get("FAUXMAD_MACHINE_ID"), "region": os.environ.get("FAUXMAD_REGION"),
-            "worker": os.environ.get("FAUXMAD_WORKER_ID"), "ratings": averages,
-        })
+        self._send(
+            200,
+            {
+                "machine": os.environ.get("FAUXMAD_MACHINE_ID"),
+                "region": os.environ.get("FAUXMAD_REGION"),
+                "worker": os.environ.get("FAUXMAD_WORKER_ID"),
+                "ratings": averages,
+            },
+        )
 
     def do_POST(self) -> None:
         query = parse_qs(urlparse(self.path).query)

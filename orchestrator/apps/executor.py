@@ -61,16 +61,24 @@ def default_holder() -> str:
 
 
 class Executor:
-    def __init__(self, nc: Client, client: FleetClient, *, concurrency: int = 8, holder: str | None = None,
-                 stop_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        client: FleetClient,
+        *,
+        concurrency: int = 8,
+        holder: str | None = None,
+        stop_timeout: float = 10.0,
+    ) -> None:
         self.nc = nc
         self.client = client
         self.limit = asyncio.Semaphore(concurrency)
         self.holder = holder or default_holder()
         self.stop_timeout = stop_timeout
 
-    async def apply(self, app: str, actions: tuple[Action, ...],
-                    on_result: Callable[[Result], None] | None = None) -> list[Result]:
+    async def apply(
+        self, app: str, actions: tuple[Action, ...], on_result: Callable[[Result], None] | None = None
+    ) -> list[Result]:
         async def one(action: Action) -> Result:
             async with self.limit:
                 result = await self._run(app, action)
@@ -115,12 +123,15 @@ class Executor:
             level = logging.INFO if quiet else logging.WARNING
             log.log(level, "%s failed: %s", type(action).__name__.lower(), exc.message)
             machine_id = action.id if isinstance(action, MachineAction) else ""
-            return Result(action=action, ok=False, machine_id=machine_id, error=exc.message,
-                          code=exc.code)
+            return Result(action=action, ok=False, machine_id=machine_id, error=exc.message, code=exc.code)
 
     async def _create(self, app: str, action: Create) -> Machine:
-        request = CreateRequest(region=action.region, config=action.config, skip_launch=not action.start,
-                                avoid_workers=sorted(set(action.avoid_workers) | set(action.prefer_away)))
+        request = CreateRequest(
+            region=action.region,
+            config=action.config,
+            skip_launch=not action.start,
+            avoid_workers=sorted(set(action.avoid_workers) | set(action.prefer_away)),
+        )
         try:
             return await self.client.create(app, request)
         except NoCapacity:
@@ -134,13 +145,21 @@ class Executor:
         if isinstance(action, Start):
             await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
         elif isinstance(action, Stop):
-            await self._call(worker, "stop", StopRequest(id=machine_id, lease_nonce=nonce, timeout=self.stop_timeout),
-                             timeout=self.stop_timeout + 10)
+            await self._call(
+                worker,
+                "stop",
+                StopRequest(id=machine_id, lease_nonce=nonce, timeout=self.stop_timeout),
+                timeout=self.stop_timeout + 10,
+            )
         elif isinstance(action, Destroy):
             await self._call(worker, "destroy", DestroyRequest(id=machine_id, lease_nonce=nonce, force=True))
         elif isinstance(action, Update):
-            await self._call(worker, "update", UpdateRequest(id=machine_id, config=action.config, lease_nonce=nonce,
-                                                             timeout=self.stop_timeout), timeout=self.stop_timeout + 30)
+            await self._call(
+                worker,
+                "update",
+                UpdateRequest(id=machine_id, config=action.config, lease_nonce=nonce, timeout=self.stop_timeout),
+                timeout=self.stop_timeout + 30,
+            )
         elif isinstance(action, Promote):
             await self._call(worker, "update", UpdateRequest(id=machine_id, config=action.config, lease_nonce=nonce))
             await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
@@ -149,11 +168,21 @@ class Executor:
         return await call(self.nc, subjects.worker_machines(worker_id, verb), request, Machine, timeout=timeout)
 
     async def _leased(self, worker_id: str, machine_id: str, work: Callable[[str], Awaitable[None]]) -> None:
-        lease = await call(self.nc, subjects.worker_machines(worker_id, "lease"),
-                           LeaseRequest(id=machine_id, ttl=LEASE_TTL, holder=self.holder), Lease, timeout=5)
+        lease = await call(
+            self.nc,
+            subjects.worker_machines(worker_id, "lease"),
+            LeaseRequest(id=machine_id, ttl=LEASE_TTL, holder=self.holder),
+            Lease,
+            timeout=5,
+        )
         try:
             await work(lease.nonce)
         finally:
             with contextlib.suppress(Exception):  # a destroyed machine has no lease to release
-                await call(self.nc, subjects.worker_machines(worker_id, "release"),
-                           ReleaseRequest(id=machine_id, nonce=lease.nonce), Machine, timeout=5)
+                await call(
+                    self.nc,
+                    subjects.worker_machines(worker_id, "release"),
+                    ReleaseRequest(id=machine_id, nonce=lease.nonce),
+                    Machine,
+                    timeout=5,
+                )

@@ -49,8 +49,16 @@ def health(machine: Machine) -> tuple[bool, str]:
 
 def member(machine: Machine) -> Member:
     healthy, note = health(machine)
-    return Member(id=machine.id, region=machine.region, worker_id=machine.worker_id, state=machine.state,
-                  config=machine.config, healthy=healthy, note=note, created_at=machine.created_at)
+    return Member(
+        id=machine.id,
+        region=machine.region,
+        worker_id=machine.worker_id,
+        state=machine.state,
+        config=machine.config,
+        healthy=healthy,
+        note=note,
+        created_at=machine.created_at,
+    )
 
 
 # How long a pass waits for a live worker's list. A worker that does not answer within it fails the pass
@@ -60,8 +68,9 @@ ANSWER_WITHIN = 1.0
 
 
 class Observer:
-    def __init__(self, nc: Client, *, on_change: Callable[[str], None] | None = None,
-                 answer_within: float = ANSWER_WITHIN) -> None:
+    def __init__(
+        self, nc: Client, *, on_change: Callable[[str], None] | None = None, answer_within: float = ANSWER_WITHIN
+    ) -> None:
         self.nc = nc
         self.answer_within = answer_within
         self.registry = Registry()
@@ -81,8 +90,13 @@ class Observer:
         return frozenset(w.worker_id for w in self.registry.workers() if w.cordoned)
 
     async def machines_on(self, worker_id: str, app: str | None, timeout: float = 5.0) -> builtins.list[Machine]:
-        return await call(self.nc, subjects.worker_machines(worker_id, "list"), ListRequest(app=app),
-                          builtins.list[Machine], timeout=timeout)
+        return await call(
+            self.nc,
+            subjects.worker_machines(worker_id, "list"),
+            ListRequest(app=app),
+            builtins.list[Machine],
+            timeout=timeout,
+        )
 
     async def _machines_unless_lost(self, worker_id: str, app: str) -> builtins.list[Machine] | None:
         """A live worker's machines; `None` as soon as its heartbeat expires while we wait for them."""
@@ -99,8 +113,14 @@ class Observer:
         finally:
             asking.cancel()
 
-    async def observe(self, app: str, regions: Iterable[str], *, unhealthy_since: Mapping[str, float] | None = None,
-                      no_room_for_spares: frozenset[str] = frozenset()) -> Observed:
+    async def observe(
+        self,
+        app: str,
+        regions: Iterable[str],
+        *,
+        unhealthy_since: Mapping[str, float] | None = None,
+        no_room_for_spares: frozenset[str] = frozenset(),
+    ) -> Observed:
         entries = self.index.by_app(app)
         wanted = set(regions) | {e.region for e in entries}
         alive = self.registry.workers()
@@ -117,13 +137,22 @@ class Observer:
         answers = await asyncio.gather(*[ask(w) for w in workers])
         machines = [member(m) for group in answers if group is not None for m in group if m.state != "destroyed"]
         seen = {m.id for m in machines}
-        live = {w for w, group in zip(workers, answers, strict=True) if group is not None} | (
-            live - set(workers))
+        live = {w for w, group in zip(workers, answers, strict=True) if group is not None} | (live - set(workers))
         lost = tuple(
-            Member(id=e.id, region=e.region, worker_id=e.worker_id, state=e.state,
-                   config=MachineConfig(metadata=dict(e.metadata)))
+            Member(
+                id=e.id,
+                region=e.region,
+                worker_id=e.worker_id,
+                state=e.state,
+                config=MachineConfig(metadata=dict(e.metadata)),
+            )
             for e in entries
             if e.worker_id not in live and e.id not in seen and e.state not in ("destroyed", "destroying")
         )
-        return Observed(machines=tuple(machines), lost=lost, cordoned=self.cordoned(),
-                        unhealthy_since=dict(unhealthy_since or {}), no_room_for_spares=no_room_for_spares)
+        return Observed(
+            machines=tuple(machines),
+            lost=lost,
+            cordoned=self.cordoned(),
+            unhealthy_since=dict(unhealthy_since or {}),
+            no_room_for_spares=no_room_for_spares,
+        )

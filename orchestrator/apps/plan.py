@@ -168,8 +168,16 @@ def _created_order(m: Member) -> tuple[str, str]:
 
 
 class _RegionPlanner:
-    def __init__(self, desired: Desired, observed: Observed, now: float, region: str,
-                 members: list[Member], lost: list[Member], canary_phase: bool) -> None:
+    def __init__(
+        self,
+        desired: Desired,
+        observed: Observed,
+        now: float,
+        region: str,
+        members: list[Member],
+        lost: list[Member],
+        canary_phase: bool,
+    ) -> None:
         self.desired = desired
         self.spec = desired.spec
         self.observed = observed
@@ -234,8 +242,14 @@ class _RegionPlanner:
         self.run_primaries(kept)
         spares = self.tend_spares(kept)
         ready = sum(1 for m in kept if self.current(m) and self.ready(m))
-        return RegionStatus(region=self.region, desired=self.count, ready=ready, primaries=len(kept),
-                            spares=spares, spares_wanted=len(kept) * (self.spec.deploy.spares if self.spec else 0))
+        return RegionStatus(
+            region=self.region,
+            desired=self.count,
+            ready=ready,
+            primaries=len(kept),
+            spares=spares,
+            spares_wanted=len(kept) * (self.spec.deploy.spares if self.spec else 0),
+        )
 
     def failover(self, replaced_by: dict[str, Member]) -> int:
         """A primary on a lost worker: start one of its spares, or create a replacement."""
@@ -246,16 +260,31 @@ class _RegionPlanner:
         for lost in sorted(self.lost, key=lambda m: m.id):
             if lost.role == SPARE or lost.id in replaced_by or lost.state in GONE:
                 continue
-            candidates = sorted((s for s in spares if s.standby_of == lost.id and s.id not in self.touched),
-                                key=lambda s: (s.state not in RUNNING, s.worker_id in self.observed.cordoned, s.id))
+            candidates = sorted(
+                (s for s in spares if s.standby_of == lost.id and s.id not in self.touched),
+                key=lambda s: (s.state not in RUNNING, s.worker_id in self.observed.cordoned, s.id),
+            )
             if candidates:
                 spare = candidates[0]
                 config = self.labels(spare, PRIMARY, None, lost.id)
-                self.add(Promote(id=spare.id, region=self.region, worker_id=spare.worker_id, config=config,
-                                 reason=f"worker {lost.worker_id} of primary {lost.id} is lost"))
+                self.add(
+                    Promote(
+                        id=spare.id,
+                        region=self.region,
+                        worker_id=spare.worker_id,
+                        config=config,
+                        reason=f"worker {lost.worker_id} of primary {lost.id} is lost",
+                    )
+                )
             else:
-                self.add(Create(region=self.region, config=self.config_for(PRIMARY, replaces=lost.id), start=True,
-                                reason=f"worker {lost.worker_id} of primary {lost.id} is lost and it has no spare"))
+                self.add(
+                    Create(
+                        region=self.region,
+                        config=self.config_for(PRIMARY, replaces=lost.id),
+                        start=True,
+                        reason=f"worker {lost.worker_id} of primary {lost.id} is lost and it has no spare",
+                    )
+                )
         return len(self.actions) - before
 
     def retire_replaced(self, live_primaries: list[Member], replaced_by: dict[str, Member]) -> list[Member]:
@@ -271,18 +300,33 @@ class _RegionPlanner:
             elif m.state in RUNNING:
                 self.add(Stop(id=m.id, region=self.region, worker_id=m.worker_id, reason=f"replaced by {successor.id}"))
             elif m.worker_id in self.observed.cordoned or self.spec is None or self.spec.deploy.spares == 0:
-                self.add(Destroy(id=m.id, region=self.region, worker_id=m.worker_id,
-                                 reason=f"replaced by {successor.id}"))
+                self.add(
+                    Destroy(id=m.id, region=self.region, worker_id=m.worker_id, reason=f"replaced by {successor.id}")
+                )
             else:  # its host came back: it can serve as the spare of the machine that replaced it
-                self.add(Update(id=m.id, region=self.region, worker_id=m.worker_id, restarts=False,
-                                config=self.labels(m, SPARE, successor.id, None),
-                                reason=f"replaced by {successor.id}: kept as its spare"), spare=True)
+                self.add(
+                    Update(
+                        id=m.id,
+                        region=self.region,
+                        worker_id=m.worker_id,
+                        restarts=False,
+                        config=self.labels(m, SPARE, successor.id, None),
+                        reason=f"replaced by {successor.id}: kept as its spare",
+                    ),
+                    spare=True,
+                )
         if self.spec is not None and self.count > 0:  # drain: a replacement elsewhere first, then the old one stops
             for m in kept:
                 if m.worker_id in self.observed.cordoned:
-                    self.add(Create(region=self.region, config=self.config_for(PRIMARY, replaces=m.id),
-                                    start=True, avoid_workers=(m.worker_id,),
-                                    reason=f"worker {m.worker_id} is cordoned: moving {m.id}"))
+                    self.add(
+                        Create(
+                            region=self.region,
+                            config=self.config_for(PRIMARY, replaces=m.id),
+                            start=True,
+                            avoid_workers=(m.worker_id,),
+                            reason=f"worker {m.worker_id} is cordoned: moving {m.id}",
+                        )
+                    )
         return kept
 
     def count_primaries(self, kept: list[Member], taking_over: int) -> list[Member]:
@@ -293,16 +337,30 @@ class _RegionPlanner:
         if have < self.count:
             hosts = tuple(sorted({m.worker_id for m in kept}))
             for _ in range(self.count - have):
-                self.add(Create(region=self.region, config=self.config_for(PRIMARY), start=True, prefer_away=hosts,
-                                reason=f"{self.region} has {have} of {self.count} machines"))
+                self.add(
+                    Create(
+                        region=self.region,
+                        config=self.config_for(PRIMARY),
+                        start=True,
+                        prefer_away=hosts,
+                        reason=f"{self.region} has {have} of {self.count} machines",
+                    )
+                )
         elif have > self.count:
             newest_first = sorted(counted, key=_created_order, reverse=True)
-            disposable = sorted(newest_first, key=lambda m: (m.worker_id not in self.observed.cordoned,
-                                                             self.current(m), self.ready(m)))
+            disposable = sorted(
+                newest_first, key=lambda m: (m.worker_id not in self.observed.cordoned, self.current(m), self.ready(m))
+            )
             extras = disposable[: have - self.count]
             for m in extras:
-                self.add(Destroy(id=m.id, region=self.region, worker_id=m.worker_id,
-                                 reason=f"{self.region} wants {self.count}, has {have}"))
+                self.add(
+                    Destroy(
+                        id=m.id,
+                        region=self.region,
+                        worker_id=m.worker_id,
+                        reason=f"{self.region} wants {self.count}, has {have}",
+                    )
+                )
             gone = {m.id for m in extras}
             kept = [m for m in kept if m.id not in gone]
         return kept
@@ -325,8 +383,16 @@ class _RegionPlanner:
         budget = max(budget, 0)
         outdated.sort(key=lambda m: (self.ready(m), m.id))  # the broken ones first: they are down anyway
         for m in outdated[:budget]:
-            self.add(Update(id=m.id, region=self.region, worker_id=m.worker_id, restarts=m.state in RUNNING,
-                            config=self.config_for(PRIMARY, replaces=m.replaces), reason=f"deploy v{self.release}"))
+            self.add(
+                Update(
+                    id=m.id,
+                    region=self.region,
+                    worker_id=m.worker_id,
+                    restarts=m.state in RUNNING,
+                    config=self.config_for(PRIMARY, replaces=m.replaces),
+                    reason=f"deploy v{self.release}",
+                )
+            )
         if len(outdated) > budget:
             self.waiting.append(f"{self.region}: {len(outdated) - budget} machine(s) wait their turn")
 
@@ -341,8 +407,16 @@ class _RegionPlanner:
                 outdated.append(m)
                 continue
             if not self.current(m):  # labels only: no restart, no budget
-                self.add(Update(id=m.id, region=self.region, worker_id=m.worker_id, restarts=False,
-                                config=self.labels_for_release(m), reason=f"label release v{self.release}"))
+                self.add(
+                    Update(
+                        id=m.id,
+                        region=self.region,
+                        worker_id=m.worker_id,
+                        restarts=False,
+                        config=self.labels_for_release(m),
+                        reason=f"label release v{self.release}",
+                    )
+                )
                 continue
             if m.state in RESTING:
                 self.add(Start(id=m.id, region=self.region, worker_id=m.worker_id, reason=f"a primary is {m.state}"))
@@ -365,33 +439,50 @@ class _RegionPlanner:
         waited = self.now - since
         if waited > self.spec.deploy.wait_seconds:
             detail = m.note or f"state {m.state}"
-            self.failures.append(Failure(region=self.region, machine_id=m.id,
-                                         reason=f"not healthy after {waited:.0f}s ({detail})"))
+            self.failures.append(
+                Failure(region=self.region, machine_id=m.id, reason=f"not healthy after {waited:.0f}s ({detail})")
+            )
 
     def tend_spares(self, kept: list[Member]) -> int:
         """Each primary gets `deploy.spares` stopped copies on other workers; returns how many are in place."""
         wanted = self.spec.deploy.spares if self.spec else 0
         bluegreen = self.spec is not None and self.spec.deploy.strategy == "bluegreen"
-        primaries = {m.id: m for m in kept if m.worker_id not in self.observed.cordoned
-                     and (not bluegreen or self.same_config(m))}
+        primaries = {
+            m.id: m
+            for m in kept
+            if m.worker_id not in self.observed.cordoned and (not bluegreen or self.same_config(m))
+        }
         mine, orphans = self.sort_spares(primaries)
         total = 0
         for p in sorted(primaries.values(), key=lambda m: m.id):
             have = sorted(mine.get(p.id, []), key=lambda s: (not self.current_spare(s, p), _created_order(s)))
             for extra in have[wanted:]:
-                self.add(Destroy(id=extra.id, region=self.region, worker_id=extra.worker_id,
-                                 reason="too many spares"), spare=True)
+                self.add(
+                    Destroy(id=extra.id, region=self.region, worker_id=extra.worker_id, reason="too many spares"),
+                    spare=True,
+                )
             have = have[:wanted]
             for s in have if not self.rolling else ():
                 if not self.current_spare(s, p):
-                    self.add(Update(id=s.id, region=self.region, worker_id=s.worker_id, restarts=False,
-                                    config=self.config_for(SPARE, standby_of=p.id),
-                                    reason=f"spare for v{self.release}"), spare=True)
-            total += len(have) + self.fill_spares(p, wanted - len(have), {p.worker_id} | {s.worker_id for s in have},
-                                                  orphans)
+                    self.add(
+                        Update(
+                            id=s.id,
+                            region=self.region,
+                            worker_id=s.worker_id,
+                            restarts=False,
+                            config=self.config_for(SPARE, standby_of=p.id),
+                            reason=f"spare for v{self.release}",
+                        ),
+                        spare=True,
+                    )
+            total += len(have) + self.fill_spares(
+                p, wanted - len(have), {p.worker_id} | {s.worker_id for s in have}, orphans
+            )
         for orphan in orphans:
-            self.add(Destroy(id=orphan.id, region=self.region, worker_id=orphan.worker_id,
-                             reason="spare of nothing"), spare=True)
+            self.add(
+                Destroy(id=orphan.id, region=self.region, worker_id=orphan.worker_id, reason="spare of nothing"),
+                spare=True,
+            )
         return total
 
     def sort_spares(self, primaries: dict[str, Member]) -> tuple[dict[str, list[Member]], list[Member]]:
@@ -404,8 +495,15 @@ class _RegionPlanner:
                 continue  # spares of a lost primary wait for its failover
             owner = primaries.get(s.standby_of or "")
             if s.state in RUNNING:
-                self.add(Stop(id=s.id, region=self.region, worker_id=s.worker_id,
-                              reason="a spare runs while its primary is up"), spare=True)
+                self.add(
+                    Stop(
+                        id=s.id,
+                        region=self.region,
+                        worker_id=s.worker_id,
+                        reason="a spare runs while its primary is up",
+                    ),
+                    spare=True,
+                )
             if s.state in RUNNING and (owner is None or owner.worker_id == s.worker_id):
                 continue  # stopped now; found a place next time
             elif owner is None or s.worker_id == owner.worker_id or s.worker_id in self.observed.cordoned:
@@ -422,15 +520,31 @@ class _RegionPlanner:
                 break
             if orphan.worker_id not in taken and orphan.worker_id not in self.observed.cordoned:
                 orphans.remove(orphan)
-                self.add(Update(id=orphan.id, region=self.region, worker_id=orphan.worker_id, restarts=False,
-                                config=self.config_for(SPARE, standby_of=p.id), reason=f"now the spare of {p.id}"),
-                         spare=True)
+                self.add(
+                    Update(
+                        id=orphan.id,
+                        region=self.region,
+                        worker_id=orphan.worker_id,
+                        restarts=False,
+                        config=self.config_for(SPARE, standby_of=p.id),
+                        reason=f"now the spare of {p.id}",
+                    ),
+                    spare=True,
+                )
                 taken.add(orphan.worker_id)
                 filled += 1
         if self.region not in self.observed.no_room_for_spares:
             for _ in range(missing - filled):
-                self.add(Create(region=self.region, config=self.config_for(SPARE, standby_of=p.id), start=False,
-                                avoid_workers=tuple(sorted(taken)), reason=f"spare for {p.id}"), spare=True)
+                self.add(
+                    Create(
+                        region=self.region,
+                        config=self.config_for(SPARE, standby_of=p.id),
+                        start=False,
+                        avoid_workers=tuple(sorted(taken)),
+                        reason=f"spare for {p.id}",
+                    ),
+                    spare=True,
+                )
         return filled
 
     def current_spare(self, s: Member, p: Member) -> bool:
@@ -447,8 +561,9 @@ def plan(desired: Desired, observed: Observed, now: float) -> Plan:
         lost[m.region].append(m)
     spec = desired.spec
     regions = sorted(set(members) | set(spec.regions if spec else ()))
-    canary_phase = spec is not None and spec.deploy.strategy == "canary" and not _every_region_has_a_canary(
-        desired, members)
+    canary_phase = (
+        spec is not None and spec.deploy.strategy == "canary" and not _every_region_has_a_canary(desired, members)
+    )
     planners = [_RegionPlanner(desired, observed, now, r, members[r], lost[r], canary_phase) for r in regions]
     statuses = [p.plan() for p in planners]
     actions = [a for p in planners for a in p.actions]
@@ -461,13 +576,25 @@ def plan(desired: Desired, observed: Observed, now: float) -> Plan:
             touched = {a.id for a in actions if isinstance(a, MachineAction)}
             for m in blue:
                 if m.id not in touched:
-                    actions.append(Destroy(id=m.id, region=m.region, worker_id=m.worker_id,
-                                           reason=f"v{desired.release} is healthy everywhere: blue goes"))
+                    actions.append(
+                        Destroy(
+                            id=m.id,
+                            region=m.region,
+                            worker_id=m.worker_id,
+                            reason=f"v{desired.release} is healthy everywhere: blue goes",
+                        )
+                    )
                     primary_actions += 1
         elif blue:
             waiting.append(f"{len(blue)} blue machine(s) run until v{desired.release} is healthy in every region")
-    return Plan(actions=tuple(actions), waiting=tuple(waiting), failures=tuple(failures), regions=tuple(statuses),
-                primary_actions=primary_actions, unready=tuple(i for p in planners for i in p.unready))
+    return Plan(
+        actions=tuple(actions),
+        waiting=tuple(waiting),
+        failures=tuple(failures),
+        regions=tuple(statuses),
+        primary_actions=primary_actions,
+        unready=tuple(i for p in planners for i in p.unready),
+    )
 
 
 def _every_region_has_a_canary(desired: Desired, members: Mapping[str, list[Member]]) -> bool:

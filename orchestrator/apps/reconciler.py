@@ -80,8 +80,15 @@ ResultHook = Callable[[str, Result], None]
 
 
 class Reconciler:
-    def __init__(self, nc: Client, *, concurrency: int = 8, clock: Callable[[], float] = time.time,
-                 poll: float = 0.25, backstop: float = 5.0) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        concurrency: int = 8,
+        clock: Callable[[], float] = time.time,
+        poll: float = 0.25,
+        backstop: float = 5.0,
+    ) -> None:
         self.nc = nc
         self.clock = clock
         self.poll = poll
@@ -157,22 +164,28 @@ class Reconciler:
         loop = self.loops.setdefault(app, AppLoop())
         now = self.clock()
         regions = list(desired.spec.regions) if desired.spec else []
-        observed = await self.observer.observe(app, regions, unhealthy_since=loop.unhealthy_since,
-                                               no_room_for_spares=loop.spares_blocked(now))
+        observed = await self.observer.observe(
+            app, regions, unhealthy_since=loop.unhealthy_since, no_room_for_spares=loop.spares_blocked(now)
+        )
         result = plan(desired, observed, now)
         loop.unhealthy_since = {i: loop.unhealthy_since.get(i, now) for i in result.unready}
         if self.on_plan is not None:
             self.on_plan(app, result)
         hook = self.on_result
-        results = await self.executor.apply(app, result.actions,
-                                            (lambda r: hook(app, r)) if hook is not None else None)
+        results = await self.executor.apply(app, result.actions, (lambda r: hook(app, r)) if hook is not None else None)
         for r in results:
             if isinstance(r.action, Create) and r.action.role == SPARE and r.no_room:
                 loop.no_room[r.action.region] = now
         return result, results
 
-    async def converge(self, desired: Desired, *, timeout: float, until: Literal["primaries", "all"] = "primaries",
-                       stop: asyncio.Event | None = None) -> Converged:
+    async def converge(
+        self,
+        desired: Desired,
+        *,
+        timeout: float,
+        until: Literal["primaries", "all"] = "primaries",
+        stop: asyncio.Event | None = None,
+    ) -> Converged:
         """Step until the primaries are in place (or everything, with `until="all"`), a failure, or `timeout`."""
         started = time.perf_counter()
         passes = 0
@@ -197,29 +210,45 @@ class Reconciler:
             if elapsed > timeout:
                 return self._timed_out(last, passes, started)
             if stop is not None and stop.is_set():
-                return Converged(ok=False, plan=last, passes=passes, seconds=elapsed,
-                                 failures=[Failure(region="*", machine_id="", reason="interrupted")])
+                return Converged(
+                    ok=False,
+                    plan=last,
+                    passes=passes,
+                    seconds=elapsed,
+                    failures=[Failure(region="*", machine_id="", reason="interrupted")],
+                )
             if not last.actions:
                 await self.wait_for_change(self.poll)
 
     @staticmethod
     def _capacity_failures(results: list[Result]) -> list[Failure]:
         """A primary the fleet could not place fails its region at once (fill or fail, never queue)."""
-        return [Failure(region=r.action.region, machine_id="", reason=r.error) for r in results
-                if isinstance(r.action, Create) and r.action.role != SPARE and not r.ok and r.no_room]
+        return [
+            Failure(region=r.action.region, machine_id="", reason=r.error)
+            for r in results
+            if isinstance(r.action, Create) and r.action.role != SPARE and not r.ok and r.no_room
+        ]
 
     @staticmethod
     def _timed_out(last: Plan, passes: int, started: float) -> Converged:
         waiting = "; ".join(last.waiting) or "no progress"
-        return Converged(ok=False, plan=last, passes=passes, seconds=time.perf_counter() - started,
-                         failures=[Failure(region="*", machine_id="", reason=f"timed out waiting: {waiting}")])
+        return Converged(
+            ok=False,
+            plan=last,
+            passes=passes,
+            seconds=time.perf_counter() - started,
+            failures=[Failure(region="*", machine_id="", reason=f"timed out waiting: {waiting}")],
+        )
 
     @staticmethod
     def timeout_for(spec: AppSpec) -> float:
         """How long a deploy may take: enough batches of `wait_timeout` for the biggest region, plus slack."""
         biggest = max(spec.regions.values(), default=1) or 1
-        batches = 1 if spec.deploy.strategy in ("immediate", "bluegreen") else math.ceil(
-            biggest / spec.deploy.unavailable_budget(biggest))
+        batches = (
+            1
+            if spec.deploy.strategy in ("immediate", "bluegreen")
+            else math.ceil(biggest / spec.deploy.unavailable_budget(biggest))
+        )
         return spec.deploy.wait_seconds * (batches + 2) + 30.0
 
     # ------------------------------------------------------------------------------------------
@@ -228,29 +257,41 @@ class Reconciler:
         before = await self.releases.current(spec.app)
         release = await self.releases.create(spec, description)
         await self.releases.point(spec.app, release.version)
-        result = await self.converge(Desired(app=spec.app, release=release.version, spec=spec),
-                                     timeout=self.timeout_for(spec))
+        result = await self.converge(
+            Desired(app=spec.app, release=release.version, spec=spec), timeout=self.timeout_for(spec)
+        )
         if result.ok:
             release = await self.releases.set_status(spec.app, release.version, "complete")
-            return DeployOutcome(release=release, ok=True, message=f"v{release.version} deployed",
-                                 seconds=time.perf_counter() - started)
+            return DeployOutcome(
+                release=release, ok=True, message=f"v{release.version} deployed", seconds=time.perf_counter() - started
+            )
         why = result.describe()
         await self.releases.set_status(spec.app, release.version, "failed", why)
-        target = before if before is not None and before.status == "complete" else \
-            await self.releases.previous_good(spec.app, release.version)
+        target = (
+            before
+            if before is not None and before.status == "complete"
+            else await self.releases.previous_good(spec.app, release.version)
+        )
         if target is None:
-            return DeployOutcome(release=release, ok=False, seconds=time.perf_counter() - started,
-                                 message=f"v{release.version} failed: {why}; no earlier good release to roll back to")
+            return DeployOutcome(
+                release=release,
+                ok=False,
+                seconds=time.perf_counter() - started,
+                message=f"v{release.version} failed: {why}; no earlier good release to roll back to",
+            )
         back = await self.rollback(spec.app, target.version, reason=f"automatic rollback: v{release.version} failed")
         regions = ", ".join(sorted(target.spec.regions))
         if back.ok:
-            message = (f"v{release.version} failed: {why}; rolled back to v{target.version} in every region "
-                       f"({regions})")
+            message = f"v{release.version} failed: {why}; rolled back to v{target.version} in every region ({regions})"
         else:
             message = f"v{release.version} failed: {why}; rollback to v{target.version} failed too: {back.message}"
-        return DeployOutcome(release=await self.releases.get(spec.app, release.version), ok=False, message=message,
-                             rolled_back_to=target.version if back.ok else None,
-                             seconds=time.perf_counter() - started)
+        return DeployOutcome(
+            release=await self.releases.get(spec.app, release.version),
+            ok=False,
+            message=message,
+            rolled_back_to=target.version if back.ok else None,
+            seconds=time.perf_counter() - started,
+        )
 
     async def rollback(self, app: str, version: int | None = None, reason: str = "rollback") -> DeployOutcome:
         """Point `app` at release `version` (default: the last good one before the current) and converge."""
@@ -265,18 +306,24 @@ class Reconciler:
         else:
             target = await self.releases.get(app, version)
         await self.releases.point(app, target.version)
-        result = await self.converge(Desired(app=app, release=target.version, spec=target.spec),
-                                     timeout=self.timeout_for(target.spec))
+        result = await self.converge(
+            Desired(app=app, release=target.version, spec=target.spec), timeout=self.timeout_for(target.spec)
+        )
         if head.version != target.version:
             with contextlib.suppress(NotFound):
                 left = await self.releases.get(app, head.version)
                 if left.status != "failed" or result.ok:
-                    await self.releases.set_status(app, head.version, "rolled_back",
-                                                   f"{reason}: back to v{target.version}")
+                    await self.releases.set_status(
+                        app, head.version, "rolled_back", f"{reason}: back to v{target.version}"
+                    )
         if result.ok:
             target = await self.releases.set_status(app, target.version, "complete")
-        return DeployOutcome(release=target, ok=result.ok, seconds=time.perf_counter() - started,
-                             message=f"v{target.version} is current" if result.ok else result.describe())
+        return DeployOutcome(
+            release=target,
+            ok=result.ok,
+            seconds=time.perf_counter() - started,
+            message=f"v{target.version} is current" if result.ok else result.describe(),
+        )
 
     async def reconcile_once(self, app: str, timeout: float = 120.0) -> Converged:
         """Finish whatever the app's current release still needs (a deploy that was killed, a lost host)."""
@@ -321,11 +368,13 @@ class Reconciler:
             await self.releases.purge(app)
         return result
 
-    async def drain(self, worker_id: str, *, timeout: float = 300.0,
-                    progress: Callable[[str], None] = lambda line: None) -> int:
+    async def drain(
+        self, worker_id: str, *, timeout: float = 300.0, progress: Callable[[str], None] = lambda line: None
+    ) -> int:
         """Cordon `worker_id` and move its machines to other workers of its region; returns how many moved."""
-        info = await call(self.nc, subjects.worker_cordon(worker_id, True), CordonRequest(reason="drain"),
-                          WorkerInfo, timeout=5)
+        info = await call(
+            self.nc, subjects.worker_cordon(worker_id, True), CordonRequest(reason="drain"), WorkerInfo, timeout=5
+        )
         progress(f"cordoned {worker_id} ({info.region}): it takes no new machines")
         deadline = time.perf_counter() + timeout
         while worker_id not in self.observer.cordoned() and time.perf_counter() < deadline:
@@ -351,8 +400,12 @@ class Reconciler:
     async def move_unmanaged(self, machine: Machine, progress: Callable[[str], None]) -> None:
         """A machine no release manages: a copy elsewhere in its region (healthy first), then the old one goes."""
         running = machine.state in ("started", "starting")
-        copy = await self.client.create(machine.app, CreateRequest(
-            region=machine.region, config=machine.config, skip_launch=not running, avoid_workers=[machine.worker_id]))
+        copy = await self.client.create(
+            machine.app,
+            CreateRequest(
+                region=machine.region, config=machine.config, skip_launch=not running, avoid_workers=[machine.worker_id]
+            ),
+        )
         if running:
             deadline = time.perf_counter() + 60
             while time.perf_counter() < deadline:

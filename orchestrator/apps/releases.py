@@ -117,8 +117,9 @@ class Releases:
         version = max((int(k.rsplit(".", 1)[1]) for k in existing), default=0) + 1
         for _ in range(100):
             now = self.clock()
-            release = Release(app=spec.app, version=version, spec=spec, description=description,
-                              created_at=now, updated_at=now)
+            release = Release(
+                app=spec.app, version=version, spec=spec, description=description, created_at=now, updated_at=now
+            )
             try:
                 await self.kv.create(_release_key(spec.app, version), encode(release))
                 return release
@@ -127,8 +128,9 @@ class Releases:
         raise Conflict(f"could not claim a release number for {spec.app}")
 
     async def point(self, app: str, version: int, *, destroyed: bool = False) -> None:
-        await self.kv.put(_head_key(app), encode(Head(app=app, version=version, destroyed=destroyed,
-                                                      updated_at=self.clock())))
+        await self.kv.put(
+            _head_key(app), encode(Head(app=app, version=version, destroyed=destroyed, updated_at=self.clock()))
+        )
 
     async def set_status(self, app: str, version: int, status: Status, reason: str = "") -> Release:
         release = await self.get(app, version)

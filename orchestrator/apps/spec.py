@@ -80,15 +80,22 @@ class AppSpec(_Strict, frozen=True):
         if not self.regions:
             raise ValueError("[regions] needs at least one `<region> = <count>`")
 
-    def machine_config(self, release: int, role: str, standby_of: str | None = None,
-                       replaces: str | None = None) -> MachineConfig:
+    def machine_config(
+        self, release: int, role: str, standby_of: str | None = None, replaces: str | None = None
+    ) -> MachineConfig:
         """The config a machine of this release runs; role and release are labels in its metadata."""
         metadata = {RELEASE_KEY: str(release), ROLE_KEY: role}
         if replaces:
             metadata[REPLACES_KEY] = replaces
         return MachineConfig(
-            image=self.image, cmd=list(self.cmd), env=dict(self.env), guest=self.guest, restart=self.restart,
-            checks=dict(self.checks), metadata=metadata, standbys=[standby_of] if standby_of else [],
+            image=self.image,
+            cmd=list(self.cmd),
+            env=dict(self.env),
+            guest=self.guest,
+            restart=self.restart,
+            checks=dict(self.checks),
+            metadata=metadata,
+            standbys=[standby_of] if standby_of else [],
         )
 
 

@@ -68,8 +68,10 @@ class OutcomeUnknown(DeadlineExceeded):
     """A worker took a reserve and then answered neither it nor the probe: it may hold the machine."""
 
     def __init__(self, workers: list[str], machine_id: str) -> None:
-        super().__init__(f"worker {', '.join(workers)} did not answer whether it reserved machine {machine_id}: "
-                         "the create's outcome is unknown; retry with the same idempotency key")
+        super().__init__(
+            f"worker {', '.join(workers)} did not answer whether it reserved machine {machine_id}: "
+            "the create's outcome is unknown; retry with the same idempotency key"
+        )
         self.workers = workers
         self.machine_id = machine_id
 
@@ -94,9 +96,15 @@ class Outcome(msgspec.Struct, kw_only=True):
     def explain(self) -> dict[str, Any]:
         summary = explain(self.ranking)
         return {
-            "region": self.region, "strategy": self.strategy, "asked": self.asked, "answered": self.answered,
-            "gather_ms": round(self.gather_ms, 3), "winner": self.winner, "ranked_first": summary.winner,
-            "attempts": msgspec.to_builtins(self.attempts), "workers": msgspec.to_builtins(summary.workers),
+            "region": self.region,
+            "strategy": self.strategy,
+            "asked": self.asked,
+            "answered": self.answered,
+            "gather_ms": round(self.gather_ms, 3),
+            "winner": self.winner,
+            "ranked_first": summary.winner,
+            "attempts": msgspec.to_builtins(self.attempts),
+            "workers": msgspec.to_builtins(summary.workers),
         }
 
 
@@ -106,8 +114,15 @@ def _parse_offer(data: bytes) -> OfferReply:
 
 
 class Auction:
-    def __init__(self, nc: Client, scatterer: Scatterer, registry: Registry, config: AuctionConfig,
-                 *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        scatterer: Scatterer,
+        registry: Registry,
+        config: AuctionConfig,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
         self.nc = nc
         self.scatterer = scatterer
         self.registry = registry
@@ -126,15 +141,22 @@ class Auction:
             considered = set(asked)
         else:
             gathered = await self.scatterer.scatter(
-                subjects.offers(region), encode(request), _parse_offer,
-                expected=len(live) or None, deadline=self.config.deadline,
+                subjects.offers(region),
+                encode(request),
+                _parse_offer,
+                expected=len(live) or None,
+                deadline=self.config.deadline,
             )
             replies, considered = gathered.replies, live
             asked = sorted(live)
         ranking = rank(request, replies, considered, self.config.placement)
         return Outcome(
-            region=region, strategy=strategy, asked=len(asked), answered=len(replies),
-            gather_ms=(time.perf_counter() - started) * 1000, ranking=ranking,
+            region=region,
+            strategy=strategy,
+            asked=len(asked),
+            answered=len(replies),
+            gather_ms=(time.perf_counter() - started) * 1000,
+            ranking=ranking,
         )
 
     async def _ask_each(self, worker_ids: list[str], request: OfferRequest) -> list[OfferReply]:
@@ -151,21 +173,32 @@ class Auction:
         return [a for a in answers if a is not None]
 
     # ------------------------------------------------------------------------------------------
-    def reserve_request(self, app: str, request: CreateRequest, machine_id: str | None = None,
-                        not_after: float | None = None) -> ReserveRequest:
-        return ReserveRequest(app=app, region=request.region, config=request.config, name=request.name,
-                              idempotency_key=request.idempotency_key, id=machine_id or new_machine_id(),
-                              expires_at=not_after)
+    def reserve_request(
+        self, app: str, request: CreateRequest, machine_id: str | None = None, not_after: float | None = None
+    ) -> ReserveRequest:
+        return ReserveRequest(
+            app=app,
+            region=request.region,
+            config=request.config,
+            name=request.name,
+            idempotency_key=request.idempotency_key,
+            id=machine_id or new_machine_id(),
+            expires_at=not_after,
+        )
 
-    async def place(self, app: str, request: CreateRequest, machine_id: str | None = None,
-                    not_after: float | None = None) -> tuple[Machine, Outcome]:
+    async def place(
+        self, app: str, request: CreateRequest, machine_id: str | None = None, not_after: float | None = None
+    ) -> tuple[Machine, Outcome]:
         """Reserve a machine in `request.region` (state `created`), or raise 503 at once.
 
         `not_after` (epoch seconds): no reserve of this placement may be committed after it.
         """
         strategy = request.strategy or self.config.strategy
-        guest = OfferGuest(cpus=request.config.guest.cpus, memory_mb=request.config.guest.memory_mb,
-                           cpu_kind=request.config.guest.cpu_kind)
+        guest = OfferGuest(
+            cpus=request.config.guest.cpus,
+            memory_mb=request.config.guest.memory_mb,
+            cpu_kind=request.config.guest.cpu_kind,
+        )
         outcome = await self.rank(app, request.region, guest, request.config.image, strategy)
         reserve = self.reserve_request(app, request, machine_id, not_after)
         avoid = set(request.avoid_workers)
@@ -189,8 +222,9 @@ class Auction:
             expires_at = min(expires_at, reserve.expires_at)
         attempt = msgspec.structs.replace(reserve, expires_at=expires_at)
         try:
-            return await call(self.nc, subjects.worker_machines(worker_id, "reserve"), attempt, Machine,
-                              timeout=timeout)
+            return await call(
+                self.nc, subjects.worker_machines(worker_id, "reserve"), attempt, Machine, timeout=timeout
+            )
         except Unanswered:
             found = await self.probe(worker_id, attempt)
             if found is None:
@@ -205,8 +239,13 @@ class Auction:
             await asyncio.sleep(wait)
         expired = msgspec.structs.replace(reserve, expires_at=0.0)  # can find the machine, never reserve it
         try:
-            return await call(self.nc, subjects.worker_machines(worker_id, "reserve"), expired, Machine,
-                              timeout=self.config.reserve_timeout)
+            return await call(
+                self.nc,
+                subjects.worker_machines(worker_id, "reserve"),
+                expired,
+                Machine,
+                timeout=self.config.reserve_timeout,
+            )
         except DeadlineExceeded:
             return None
         except Unanswered:
@@ -215,6 +254,7 @@ class Auction:
     async def find(self, workers: list[str], reserve: ReserveRequest) -> tuple[Machine | None, list[str]]:
         """Ask each worker (at once) whether it holds the machine of `reserve`, whose reserves have all
         expired. Returns the machine if one does, and the live workers that would not say."""
+
         async def one(worker_id: str) -> Machine | None:
             return await self.probe(worker_id, reserve)
 
@@ -281,8 +321,13 @@ class Auction:
 
     async def _destroy_quietly(self, machine: Machine) -> None:
         with contextlib.suppress(Exception):
-            await call(self.nc, subjects.worker_machines(machine.worker_id, "destroy"),
-                       DestroyRequest(id=machine.id, force=True), Machine, timeout=5)
+            await call(
+                self.nc,
+                subjects.worker_machines(machine.worker_id, "destroy"),
+                DestroyRequest(id=machine.id, force=True),
+                Machine,
+                timeout=5,
+            )
 
     @staticmethod
     def _no_capacity_message(region: str, outcome: Outcome) -> str:

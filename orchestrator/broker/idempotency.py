@@ -68,8 +68,7 @@ class Idempotency:
     async def claim(self, app: str, key: str, fingerprint: str, machine_id: str, wait: float = 10.0) -> Ticket:
         """A done claim (nothing to place), or a pending claim this broker now owns."""
         kv_key = claim_key(app, key)
-        mine = Claim(state="pending", owner=self.owner, at=self.clock(), machine_id=machine_id,
-                     fingerprint=fingerprint)
+        mine = Claim(state="pending", owner=self.owner, at=self.clock(), machine_id=machine_id, fingerprint=fingerprint)
         deadline = time.perf_counter() + wait
         while True:
             if await self._write(kv_key, mine, None):

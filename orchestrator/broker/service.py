@@ -111,10 +111,15 @@ class Broker:
         self._service = await add_service(
             self.nc,
             ServiceConfig(
-                name=subjects.BROKER_SERVICE, version=VERSION, queue_group=subjects.BROKER_QUEUE,
+                name=subjects.BROKER_SERVICE,
+                version=VERSION,
+                queue_group=subjects.BROKER_QUEUE,
                 description="fauxmad broker: region auctions that fill or fail at once",
-                metadata={"broker_id": self.id, "strategy": self.config.auction.strategy,
-                          "deadline_ms": f"{self.config.auction.deadline * 1000:g}"},
+                metadata={
+                    "broker_id": self.id,
+                    "strategy": self.config.auction.strategy,
+                    "deadline_ms": f"{self.config.auction.deadline * 1000:g}",
+                },
             ),
         )
         for name, subject, handler in (
@@ -155,12 +160,25 @@ class Broker:
                 return machine  # the key's machine, as it is now
         else:
             machine, outcome = await self.auction.place(app, req)
-        self.index.remember(MachineIndexEntry(id=machine.id, worker_id=machine.worker_id, region=machine.region,
-                                              app=app, state=machine.state, name=machine.name))
+        self.index.remember(
+            MachineIndexEntry(
+                id=machine.id,
+                worker_id=machine.worker_id,
+                region=machine.region,
+                app=app,
+                state=machine.state,
+                name=machine.name,
+            )
+        )
         if not req.skip_launch:
             assert self.nc is not None
-            machine = await call(self.nc, subjects.worker_machines(machine.worker_id, "start"),
-                                 StartRequest(id=machine.id), Machine, timeout=30)
+            machine = await call(
+                self.nc,
+                subjects.worker_machines(machine.worker_id, "start"),
+                StartRequest(id=machine.id),
+                Machine,
+                timeout=30,
+            )
         if req.explain and outcome is not None:
             machine.explain = outcome.explain()
         return machine
@@ -177,8 +195,13 @@ class Broker:
             found = None
             if ticket.previous is not None:  # taken over: find out where the machine is before placing
                 found = await self._find(app, req, ticket.previous)
-            placed: tuple[Machine, Outcome | None] = (found, None) if found is not None else await self.auction.place(
-                app, req, claim.machine_id, not_after=claim.at + self.idempotency.stale_after)
+            placed: tuple[Machine, Outcome | None] = (
+                (found, None)
+                if found is not None
+                else await self.auction.place(
+                    app, req, claim.machine_id, not_after=claim.at + self.idempotency.stale_after
+                )
+            )
         except OutcomeUnknown as exc:
             await self.idempotency.uncertain(app, key, claim, exc.workers)
             raise
@@ -203,20 +226,31 @@ class Broker:
 
     async def _get_from(self, worker_id: str, machine_id: str) -> Machine:
         assert self.nc is not None
-        return await call(self.nc, subjects.worker_machines(worker_id, "get"),
-                          GetRequest(id=machine_id, events=False), Machine, timeout=5)
+        return await call(
+            self.nc,
+            subjects.worker_machines(worker_id, "get"),
+            GetRequest(id=machine_id, events=False),
+            Machine,
+            timeout=5,
+        )
 
     async def list(self, app: str, req: ListRequest) -> builtins.list[Machine]:
         if req.app is not None and req.app != app:
             raise BadRequest(f"list for app {app} cannot filter on app {req.app}")
-        assert self.nc is not None
+        nc = self.nc
+        assert nc is not None
         workers = {entry.worker_id for entry in self.index.by_app(app)}
         query = msgspec.structs.replace(req, app=app)
 
         async def from_worker(worker_id: str) -> builtins.list[Machine]:
             try:
-                return await call(self.nc, subjects.worker_machines(worker_id, "list"), query,  # type: ignore[arg-type]
-                                  builtins.list[Machine], timeout=3)
+                return await call(
+                    nc,
+                    subjects.worker_machines(worker_id, "list"),
+                    query,
+                    builtins.list[Machine],
+                    timeout=3,
+                )
             except FauxmadError as exc:
                 log.warning("list: worker %s did not answer: %s", worker_id, exc.message)
                 return []
@@ -230,8 +264,12 @@ class Broker:
         decode(RegionsListRequest, data, empty_ok=True)
         summaries: dict[str, RegionSummary] = {}
         for info in self.registry.workers():
-            s = summaries.setdefault(info.region, RegionSummary(
-                region=info.region, workers=0, cordoned=0, capacity=Resources(), used=Resources(), machines=0))
+            s = summaries.setdefault(
+                info.region,
+                RegionSummary(
+                    region=info.region, workers=0, cordoned=0, capacity=Resources(), used=Resources(), machines=0
+                ),
+            )
             s.workers += 1
             s.cordoned += int(info.cordoned)
             s.capacity.cpus += info.capacity.cpus
@@ -247,8 +285,9 @@ class Broker:
 
     async def _on_simulate(self, subject: str, data: bytes) -> Any:
         req = decode(SimulateRequest, data)
-        outcome = await self.auction.rank(req.app, req.region, req.guest, req.image,
-                                          req.strategy or self.config.auction.strategy)
+        outcome = await self.auction.rank(
+            req.app, req.region, req.guest, req.image, req.strategy or self.config.auction.strategy
+        )
         if outcome.ranking.candidates:
             outcome.winner = outcome.ranking.candidates[0].worker_id
         return outcome.explain()

@@ -32,8 +32,16 @@ from orchestrator.devfleet import DevFleet, FleetSpec
 EXAMPLE = Path(__file__).resolve().parent.parent.parent / "examples" / "sandwich" / "app.py"
 
 
-def bench_spec(app: str, regions: list[str], per_region: int, *, version: str, strategy: str = "rolling",
-               max_unavailable: str = "0.33", spares: int = 0) -> AppSpec:
+def bench_spec(
+    app: str,
+    regions: list[str],
+    per_region: int,
+    *,
+    version: str,
+    strategy: str = "rolling",
+    max_unavailable: str = "0.33",
+    spares: int = 0,
+) -> AppSpec:
     counts = "\n".join(f"{r} = {per_region}" for r in regions)
     return parse_spec(f"""
 app = "{app}"
@@ -89,13 +97,15 @@ def deploy(
         fail(f"unknown --strategy {strategy!r}: use rolling, canary, bluegreen or immediate")
     cpus = max(2, -(-machines * (2 if strategy == "bluegreen" else 1) // workers) + 1)
     with _fleet(names, workers, cpus) as fleet:
+
         async def go() -> dict[str, Any]:
             reconciler = await Reconciler.connect(fleet.url)
             try:
                 phases: dict[str, Any] = {}
                 for phase, version, strat in (("create", "v1", "rolling"), ("update", "v2", strategy)):
-                    spec = bench_spec("bench", names, machines, version=version, strategy=strat,
-                                      max_unavailable=max_unavailable)
+                    spec = bench_spec(
+                        "bench", names, machines, version=version, strategy=strat, max_unavailable=max_unavailable
+                    )
                     started = time.perf_counter()
                     outcome = await reconciler.deploy(spec)
                     took = time.perf_counter() - started
@@ -116,13 +126,23 @@ def deploy(
     for phase, row in phases.items():
         table.add_row(phase, f"{row['seconds']:.2f}")
     console.print(table)
-    _write(out, {"regions": names, "machines_per_region": machines, "workers_per_region": workers,
-                 "strategy": strategy, "max_unavailable": max_unavailable, "phases": phases})
+    _write(
+        out,
+        {
+            "regions": names,
+            "machines_per_region": machines,
+            "workers_per_region": workers,
+            "strategy": strategy,
+            "max_unavailable": max_unavailable,
+            "phases": phases,
+        },
+    )
 
 
 async def _spare_started(nc: Any, worker_id: str, machine_id: str) -> bool:
-    found = await call(nc, subjects.worker_machines(worker_id, "list"), ListRequest(app="bench"), list[Machine],
-                       timeout=2)
+    found = await call(
+        nc, subjects.worker_machines(worker_id, "list"), ListRequest(app="bench"), list[Machine], timeout=2
+    )
     return any(m.id == machine_id and m.state == "started" for m in found)
 
 
@@ -134,6 +154,7 @@ def failover(
 ) -> None:
     """Kill a host while `reconcile --watch` runs; time until its primaries' spares are started."""
     with _fleet(["mad"], workers, max(2, machines)) as fleet:
+
         async def go() -> list[float]:
             operator = await Reconciler.connect(fleet.url)
             stop = asyncio.Event()
@@ -153,10 +174,19 @@ def failover(
 
         samples = run(go())
     lat = summarize(samples)
-    console.print(f"host death -> spare started, {rounds} rounds: p50 {lat.p50_ms / 1000:.2f}s, "
-                  f"max {lat.max_ms / 1000:.2f}s (heartbeat 1s, worker TTL 3s)")
-    _write(out, {"rounds": rounds, "seconds": [round(s, 3) for s in samples], "p50_s": lat.p50_ms / 1000,
-                 "max_s": lat.max_ms / 1000})
+    console.print(
+        f"host death -> spare started, {rounds} rounds: p50 {lat.p50_ms / 1000:.2f}s, "
+        f"max {lat.max_ms / 1000:.2f}s (heartbeat 1s, worker TTL 3s)"
+    )
+    _write(
+        out,
+        {
+            "rounds": rounds,
+            "seconds": [round(s, 3) for s in samples],
+            "p50_s": lat.p50_ms / 1000,
+            "max_s": lat.max_ms / 1000,
+        },
+    )
 
 
 async def _one_failover(fleet: DevFleet, operator: Reconciler, round_: int) -> float:

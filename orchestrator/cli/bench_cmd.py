@@ -17,13 +17,15 @@ from orchestrator.benchstats import Latency, summarize
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import NATS_HELP, fail, run
 
-bench_app = typer.Typer(help="Measure placement and worker performance (prints percentiles, writes JSON).",
-                        no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Measure placement and worker performance (prints percentiles, writes JSON).", no_args_is_help=True
+)
 
 
 def _latency_row(table: Table, name: str, lat: Latency, extra: str = "") -> None:
-    table.add_row(name, str(lat.count), f"{lat.p50_ms:.2f}", f"{lat.p90_ms:.2f}", f"{lat.p99_ms:.2f}",
-                  f"{lat.max_ms:.2f}", extra)
+    table.add_row(
+        name, str(lat.count), f"{lat.p50_ms:.2f}", f"{lat.p90_ms:.2f}", f"{lat.p99_ms:.2f}", f"{lat.max_ms:.2f}", extra
+    )
 
 
 def _latency_table(title: str) -> Table:
@@ -76,15 +78,19 @@ class PlacementResult(msgspec.Struct, kw_only=True):
     host: dict[str, Any]
 
 
-async def _placement_run(url: str, regions: list[str], count: int, concurrency: int, strategy: str,
-                         start: bool) -> tuple[list[float], int, int, float]:
+async def _placement_run(
+    url: str, regions: list[str], count: int, concurrency: int, strategy: str, start: bool
+) -> tuple[list[float], int, int, float]:
     from bus.errors import NoCapacity
     from bus.messages import CreateRequest, Guest, MachineConfig, RestartPolicy
     from orchestrator.client import FleetClient
 
     clients = [await FleetClient.connect(url) for _ in range(min(concurrency, 8))]
-    config = MachineConfig(cmd=["sleep", "600"] if start else ["true"], guest=Guest(cpus=1, memory_mb=1),
-                           restart=RestartPolicy(policy="no"))
+    config = MachineConfig(
+        cmd=["sleep", "600"] if start else ["true"],
+        guest=Guest(cpus=1, memory_mb=1),
+        restart=RestartPolicy(policy="no"),
+    )
     samples: list[float] = []
     refused = errors = 0
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -96,8 +102,12 @@ async def _placement_run(url: str, regions: list[str], count: int, concurrency: 
         client = clients[index % len(clients)]
         while not queue.empty():
             i = queue.get_nowait()
-            request = CreateRequest(region=regions[i % len(regions)], config=config, skip_launch=not start,
-                                    strategy=strategy)  # type: ignore[arg-type]
+            request = CreateRequest(
+                region=regions[i % len(regions)],
+                config=config,
+                skip_launch=not start,
+                strategy=strategy,  # type: ignore[arg-type]
+            )
             began = time.perf_counter()
             try:
                 await client.create("bench", request)
@@ -125,8 +135,13 @@ def placement(
     start: bool = typer.Option(False, "--start", help="create and start a process machine (default: reserve only)"),
     warmup: int = typer.Option(100, "--warmup", min=0, help="creates before measuring"),
     brokers: int = typer.Option(1, "--brokers", min=1, max=8),
-    per_process: int = typer.Option(0, "--workers-per-process", min=0, max=5000,
-                                    help="logical workers per worker process [default: 1 up to 16 workers]"),
+    per_process: int = typer.Option(
+        0,
+        "--workers-per-process",
+        min=0,
+        max=5000,
+        help="logical workers per worker process [default: 1 up to 16 workers]",
+    ),
     nats: str | None = typer.Option(None, "--nats", help=NATS_HELP + "; given: use that fleet", show_default=False),
     output: Path = typer.Option(Path("bench-placement.json"), "--output", "-o", help="where to write the JSON"),
     json_out: bool = typer.Option(False, "--json", help="print the JSON result"),
@@ -142,9 +157,16 @@ def placement(
     url = nats
     if url is None:
         per_process = per_process or (1 if workers <= 16 else -(-workers // 8))
-        spec = FleetSpec(regions=names, workers_per_region=workers, cpus=100_000, memory_mb=10_000_000,
-                         brokers=brokers, workers_per_process=per_process, strategy=strategy,
-                         heartbeat=1.0 if workers <= 100 else 2.0)
+        spec = FleetSpec(
+            regions=names,
+            workers_per_region=workers,
+            cpus=100_000,
+            memory_mb=10_000_000,
+            brokers=brokers,
+            workers_per_process=per_process,
+            strategy=strategy,
+            heartbeat=1.0 if workers <= 100 else 2.0,
+        )
         with console.status(f"starting {workers * regions_count} workers and {brokers} broker(s)"):
             fleet = DevFleet(spec).start(timeout=300)
         url = fleet.url
@@ -159,15 +181,28 @@ def placement(
             with console.status("stopping the fleet"):
                 fleet.stop()
     result = PlacementResult(
-        strategy=strategy, workers_per_region=workers, regions=regions_count, concurrency=concurrency, start=start,
-        create=summarize(samples), throughput_per_s=round(len(samples) / wall, 1), refused=refused, errors=errors,
-        bus_rtt=rtt, host={"cpus": os.cpu_count(), "python": platform.python_version()},
+        strategy=strategy,
+        workers_per_region=workers,
+        regions=regions_count,
+        concurrency=concurrency,
+        start=start,
+        create=summarize(samples),
+        throughput_per_s=round(len(samples) / wall, 1),
+        refused=refused,
+        errors=errors,
+        bus_rtt=rtt,
+        host={"cpus": os.cpu_count(), "python": platform.python_version()},
     )
     if not json_out:
-        table = _latency_table(f"placement: {strategy}, {workers} workers x {regions_count} region(s), "
-                               f"concurrency {concurrency}")
-        _latency_row(table, "create+start" if start else "create (reserve)", result.create,
-                     f"{result.throughput_per_s:.0f}/s, {refused} refused, {errors} errors")
+        table = _latency_table(
+            f"placement: {strategy}, {workers} workers x {regions_count} region(s), concurrency {concurrency}"
+        )
+        _latency_row(
+            table,
+            "create+start" if start else "create (reserve)",
+            result.create,
+            f"{result.throughput_per_s:.0f}/s, {refused} refused, {errors} errors",
+        )
         _latency_row(table, "bus round trip", rtt)
         console.print(table)
     _write(output, result, json_out)
@@ -192,11 +227,15 @@ def worker_bench(
         table = _latency_table("worker")
         _latency_row(table, "reserve over NATS", result.reserve)
         console.print(table)
-        console.print(f"commits/s with fsync: {result.commits_per_s_concurrent:.0f} with 64 concurrent reservers "
-                      f"({result.commits_per_batch:.1f} per fsync), {result.commits_per_s_serial:.0f} one at a time")
+        console.print(
+            f"commits/s with fsync: {result.commits_per_s_concurrent:.0f} with 64 concurrent reservers "
+            f"({result.commits_per_batch:.1f} per fsync), {result.commits_per_s_serial:.0f} one at a time"
+        )
         for item in result.restart:
-            console.print(f"restart with {item.log_records} log records: store open+scan {item.open_ms:.1f} ms, "
-                          f"process start to ready {item.ready_ms:.0f} ms (log {item.log_mb:.0f} MB)")
+            console.print(
+                f"restart with {item.log_records} log records: store open+scan {item.open_ms:.1f} ms, "
+                f"process start to ready {item.ready_ms:.0f} ms (log {item.log_mb:.0f} MB)"
+            )
         console.print(f"worker RSS at rest: {result.rss_mb_at_rest:.1f} MB")
     _write(output, result, json_out)
 

@@ -37,7 +37,10 @@ def broker(
             fail(f"--placement {placement}: {exc}")
     url = nats_url(nats)
     assert url is not None
-    config = BrokerConfig(nats_url=url, name=name, auction=AuctionConfig(
-        deadline=deadline_ms / 1000, strategy=strategy, placement=placement_config))
+    config = BrokerConfig(
+        nats_url=url,
+        name=name,
+        auction=AuctionConfig(deadline=deadline_ms / 1000, strategy=strategy, placement=placement_config),
+    )
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
         run(run_broker(config))

@@ -59,10 +59,13 @@ def workers_table(workers: list[WorkerInfo]) -> Table:
         table.add_column(col, no_wrap=True)
     for w in workers:
         table.add_row(
-            w.region, w.worker_id,
+            w.region,
+            w.worker_id,
             f"{bar(w.used.cpus, w.capacity.cpus, 6)} {w.used.cpus}/{w.capacity.cpus}",
             f"{bar(w.used.memory_mb, w.capacity.memory_mb, 6)} {mem(w.used.memory_mb)}/{mem(w.capacity.memory_mb)}",
-            str(w.machines), f"{w.load:.2f}", "[yellow]cordoned[/]" if w.cordoned else "[green]ready[/]",
+            str(w.machines),
+            f"{w.load:.2f}",
+            "[yellow]cordoned[/]" if w.cordoned else "[green]ready[/]",
         )
     return table
 
@@ -73,16 +76,24 @@ def regions_table(regions: list[RegionSummary]) -> Table:
         table.add_column(col, no_wrap=True)
     for r in regions:
         workers = f"{r.workers}" + (f" ({r.cordoned} cordoned)" if r.cordoned else "")
-        table.add_row(r.region, workers, f"{bar(r.used.cpus, r.capacity.cpus)} {r.used.cpus}/{r.capacity.cpus}",
-                      f"{bar(r.used.memory_mb, r.capacity.memory_mb)} {pct(r.used.memory_mb, r.capacity.memory_mb)}",
-                      str(r.machines))
+        table.add_row(
+            r.region,
+            workers,
+            f"{bar(r.used.cpus, r.capacity.cpus)} {r.used.cpus}/{r.capacity.cpus}",
+            f"{bar(r.used.memory_mb, r.capacity.memory_mb)} {pct(r.used.memory_mb, r.capacity.memory_mb)}",
+            str(r.machines),
+        )
     return table
 
 
 def explain_table(explain: dict[str, Any]) -> Table:
-    table = Table(title=f"auction in {explain['region']} ({explain['strategy']}: {explain['answered']}/"
-                        f"{explain['asked']} workers answered in {explain['gather_ms']:.1f} ms)",
-                  title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"auction in {explain['region']} ({explain['strategy']}: {explain['answered']}/"
+        f"{explain['asked']} workers answered in {explain['gather_ms']:.1f} ms)",
+        title_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+    )
     for col in ("#", "worker", "total", "cpu", "mem", "image", "spread", "load"):
         table.add_column(col, no_wrap=col != "cpu")
     for w in explain["workers"]:
@@ -90,8 +101,12 @@ def explain_table(explain: dict[str, Any]) -> Table:
         name = f"[bold green]{w['worker_id']} ✓[/]" if won else w["worker_id"]
         if w["outcome"] == "candidate":
             s = w.get("subscores", {})
-            table.add_row(str(w.get("rank")), name, f"{w.get('total', 0):.3f}",
-                          *(f"{s.get(k, 0):+.2f}" for k in ("cpu", "memory", "image", "spread", "load")))
+            table.add_row(
+                str(w.get("rank")),
+                name,
+                f"{w.get('total', 0):.3f}",
+                *(f"{s.get(k, 0):+.2f}" for k in ("cpu", "memory", "image", "spread", "load")),
+            )
         else:
             table.add_row("-", name, "[red]no[/]", w.get("reason", ""), "", "", "", "")
     return table

@@ -60,8 +60,24 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _spawn_worker(url: str, data_dir: Path, worker_id: str) -> subprocess.Popen[bytes]:
-    args = [sys.executable, "-m", "orchestrator.cli", "worker", "--nats", url, "--region", "bench",
-            "--worker-id", worker_id, "--cpus", "1000000", "--memory-mb", "1000000000", "--data-dir", str(data_dir)]
+    args = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "worker",
+        "--nats",
+        url,
+        "--region",
+        "bench",
+        "--worker-id",
+        worker_id,
+        "--cpus",
+        "1000000",
+        "--memory-mb",
+        "1000000000",
+        "--data-dir",
+        str(data_dir),
+    ]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(ROOT))
 
 
@@ -103,9 +119,20 @@ def _commit_rates(root: Path) -> tuple[float, float, float]:
     committer = GroupCommitter(store)
 
     def machine(i: int) -> StoredMachine:
-        return StoredMachine(machine=Machine(
-            id=f"{i:014x}", name="m", app="bench", region="bench", worker_id="w", state="created",
-            config=MachineConfig(cmd=["true"]), instance_id="i", created_at="t", updated_at="t"))
+        return StoredMachine(
+            machine=Machine(
+                id=f"{i:014x}",
+                name="m",
+                app="bench",
+                region="bench",
+                worker_id="w",
+                state="created",
+                config=MachineConfig(cmd=["true"]),
+                instance_id="i",
+                created_at="t",
+                updated_at="t",
+            )
+        )
 
     def reserve_op(i: int) -> Callable[[Tx], StoredMachine]:
         return lambda tx: tx.put_machine(machine(i), "reserve")
@@ -149,13 +176,24 @@ def build_log(path: Path, records: int, machines: int = 1000) -> float:
     written = 0
     batch = 20_000
     while written < records:
+
         def op(tx, start: int = written) -> None:  # type: ignore[no-untyped-def]
             for n in range(start, min(records, start + batch)):
                 i = n % machines
-                stored = tx.get(f"{i:014x}") or StoredMachine(machine=Machine(
-                    id=f"{i:014x}", name=f"m{i}", app="bench", region="bench", worker_id="restart",
-                    state="created", config=MachineConfig(cmd=["sleep", "1"]), instance_id="i",
-                    created_at="t", updated_at="t"))
+                stored = tx.get(f"{i:014x}") or StoredMachine(
+                    machine=Machine(
+                        id=f"{i:014x}",
+                        name=f"m{i}",
+                        app="bench",
+                        region="bench",
+                        worker_id="restart",
+                        state="created",
+                        config=MachineConfig(cmd=["sleep", "1"]),
+                        instance_id="i",
+                        created_at="t",
+                        updated_at="t",
+                    )
+                )
                 if n >= machines:
                     stored.machine.state = cycle[(n // machines) % 4]  # type: ignore[assignment]
                     if stored.machine.state in ("starting", "started", "stopping"):
@@ -189,8 +227,13 @@ def _restart(url: str, root: Path, records: int, progress: Callable[[str], None]
         ready_ms = (time.perf_counter() - began) * 1000
     finally:
         _stop(proc)
-    return RestartResult(log_records=records, machines=machines, log_mb=round(log_mb, 1),
-                         open_ms=round(open_ms, 2), ready_ms=round(ready_ms, 1))
+    return RestartResult(
+        log_records=records,
+        machines=machines,
+        log_mb=round(log_mb, 1),
+        open_ms=round(open_ms, 2),
+        ready_ms=round(ready_ms, 1),
+    )
 
 
 def run_worker_bench(*, reserves: int, sizes: list[int], progress: Callable[[str], None]) -> WorkerBenchResult:
@@ -213,7 +256,10 @@ def run_worker_bench(*, reserves: int, sizes: list[int], progress: Callable[[str
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
     return WorkerBenchResult(
-        reserve=reserve, commits_per_s_serial=round(serial_rate, 1),
-        commits_per_s_concurrent=round(concurrent_rate, 1), commits_per_batch=round(per_batch, 2),
-        rss_mb_at_rest=round(rss, 1), restart=restarts,
+        reserve=reserve,
+        commits_per_s_serial=round(serial_rate, 1),
+        commits_per_s_concurrent=round(concurrent_rate, 1),
+        commits_per_batch=round(per_batch, 2),
+        rss_mb_at_rest=round(rss, 1),
+        restart=restarts,
     )

@@ -88,6 +88,7 @@ def test_scatter_gathers_until_expected_or_deadline(nats_url: str) -> None:
                 if delay:
                     await asyncio.sleep(delay)
                 await responders.publish(msg.reply, reply)
+
             return cb
 
         await responders.subscribe("t.scatter", cb=responder(b"1"))
@@ -104,7 +105,9 @@ def test_scatter_gathers_until_expected_or_deadline(nats_url: str) -> None:
         assert slow.timed_out and sorted(slow.replies) == [1, 2]
         assert 0.09 <= slow.elapsed < 1.0  # uvloop timers are coarse: about a millisecond
         # concurrent scatters never see each other's replies
-        many = await asyncio.gather(*[scatterer.scatter("t.scatter", b"", parse, expected=3, deadline=2) for _ in range(50)])
+        many = await asyncio.gather(
+            *[scatterer.scatter("t.scatter", b"", parse, expected=3, deadline=2) for _ in range(50)]
+        )
         assert all(sorted(g.replies) == [1, 2] for g in many)
         await scatterer.close()
         await nc.close()

@@ -35,13 +35,18 @@ async def ask(nc: nats.NATS, subject: str, payload: bytes) -> tuple[int, int, st
     return int(headers.get("Nats-Service-Error-Code", 200)), len(msg.data), headers.get("Nats-Service-Error", "")
 
 
-@pytest.mark.parametrize("subject_of, payload", [
-    (lambda w: f"fauxmad.v1.worker.{w}.machines.wait", {"id": "0" * 14, "state": HUGE}),
-    (lambda w: "fauxmad.v1.api.apps.big.machines.list", {"state": HUGE}),
-    (lambda w: "fauxmad.v1.api.apps.big.machines.create", {"region": HUGE, "config": {"cmd": ["true"]}}),
-    (lambda w: f"fauxmad.v1.worker.{w}.machines.reserve", {"app": "big", "region": "b", "name": HUGE,
-                                                          "config": {"cmd": ["true"]}}),
-])
+@pytest.mark.parametrize(
+    "subject_of, payload",
+    [
+        (lambda w: f"fauxmad.v1.worker.{w}.machines.wait", {"id": "0" * 14, "state": HUGE}),
+        (lambda w: "fauxmad.v1.api.apps.big.machines.list", {"state": HUGE}),
+        (lambda w: "fauxmad.v1.api.apps.big.machines.create", {"region": HUGE, "config": {"cmd": ["true"]}}),
+        (
+            lambda w: f"fauxmad.v1.worker.{w}.machines.reserve",
+            {"app": "big", "region": "b", "name": HUGE, "config": {"cmd": ["true"]}},
+        ),
+    ],
+)
 def test_a_huge_bad_value_gets_a_small_400_and_everyone_keeps_answering(fleet: DevFleet, subject_of, payload) -> None:
     worker_id = fleet.worker_ids[0]
 

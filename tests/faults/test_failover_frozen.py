@@ -74,8 +74,13 @@ def test_a_frozen_host_fails_over_within_a_second_of_its_heartbeat_expiring(flee
     env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
     log = tmp_path / "operator.log"
     with log.open("w") as out:
-        operator = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", "ha"],
-                                    env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT))
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", "ha"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=str(ROOT),
+        )
     pid = 0
     try:
         time.sleep(1.0)

@@ -71,9 +71,18 @@ MB_STRING = "x" * 1_000_000  # 1 MB: the payload around it still fits the server
 DEEP = 10_000
 
 KIND_OF_VERB: dict[str, type[Any]] = {
-    "reserve": ReserveRequest, "start": StartRequest, "stop": StopRequest, "destroy": DestroyRequest,
-    "get": GetRequest, "list": ListRequest, "wait": WaitRequest, "signal": SignalRequest, "lease": LeaseRequest,
-    "release": ReleaseRequest, "update": UpdateRequest, "create": CreateRequest,
+    "reserve": ReserveRequest,
+    "start": StartRequest,
+    "stop": StopRequest,
+    "destroy": DestroyRequest,
+    "get": GetRequest,
+    "list": ListRequest,
+    "wait": WaitRequest,
+    "signal": SignalRequest,
+    "lease": LeaseRequest,
+    "release": ReleaseRequest,
+    "update": UpdateRequest,
+    "create": CreateRequest,
 }
 WORKER_KINDS = {verb: KIND_OF_VERB[verb] for verb in subjects.WORKER_VERBS}
 API_KINDS = {verb: KIND_OF_VERB[verb] for verb in subjects.API_VERBS}
@@ -82,11 +91,32 @@ EMPTY_OK = {ListRequest, InfoRequest, CordonRequest, WorkersListRequest, Regions
 # signal names a worker must refuse (400) before it touches a machine: unknown names, numbers out of
 # range, digits that are not ASCII ('²' is a digit to str.isdigit but not to int(); '٣' is 3 to int()),
 # more digits than int() converts
-BAD_SIGNALS = ["SIGFOO", "0", "65", "-1", "²", "\u0663", "9" * 5000, "", " ", "SIG", "SIG_DFL", "SIGRTMAX+1",
-               "\x00", "1e3", "0x9", "+9", "KILL9", "x" * 100_000]
+BAD_SIGNALS = [
+    "SIGFOO",
+    "0",
+    "65",
+    "-1",
+    "²",
+    "\u0663",
+    "9" * 5000,
+    "",
+    " ",
+    "SIG",
+    "SIG_DFL",
+    "SIGRTMAX+1",
+    "\x00",
+    "1e3",
+    "0x9",
+    "+9",
+    "KILL9",
+    "x" * 100_000,
+]
 ODD_APPS = ["%", "ü", "a" * 65, "é", "$", "a+b", "#", "~", "ab%cd", "日本", "x" * 300]
-NEEDS: dict[str, dict[str, Any]] = {"signal": {"signal": "SIGTERM"}, "release": {"nonce": "n"},
-                                   "update": {"config": {"cmd": ["true"]}}}  # required fields besides `id`
+NEEDS: dict[str, dict[str, Any]] = {
+    "signal": {"signal": "SIGTERM"},
+    "release": {"nonce": "n"},
+    "update": {"config": {"cmd": ["true"]}},
+}  # required fields besides `id`
 ODD_VERBS = ["explode", "CREATE", "Get", "ü", "%", "list2", "x" * 70]
 
 
@@ -96,11 +126,15 @@ ODD_VERBS = ["explode", "CREATE", "Get", "ü", "%", "list2", "x" * 70]
 
 def config() -> dict[str, Any]:
     return {
-        "image": "img", "cmd": ["sleep", "1"], "env": {"A": "b"},
+        "image": "img",
+        "cmd": ["sleep", "1"],
+        "env": {"A": "b"},
         "guest": {"cpus": 1, "memory_mb": 256, "cpu_kind": "shared"},
         "restart": {"policy": "no", "max_retries": 1},
         "checks": {"c": {"type": "tcp", "port": 80, "path": "/", "interval": 1.0, "timeout": 1.0, "grace_period": 0.0}},
-        "metadata": {"k": "v"}, "standbys": ["0123456789abcd"], "auto_destroy": False,
+        "metadata": {"k": "v"},
+        "standbys": ["0123456789abcd"],
+        "auto_destroy": False,
         "mounts": [{"volume": "v", "path": "/p"}],
     }
 
@@ -108,8 +142,16 @@ def config() -> dict[str, Any]:
 def template(kind: type[Any], machine_id: str, region: str) -> dict[str, Any]:
     """A valid request of `kind`, every optional field filled in, for the generators to spoil."""
     by_kind: dict[type[Any], dict[str, Any]] = {
-        ReserveRequest: {"app": APP, "region": region, "config": config(), "name": "fz-1", "idempotency_key": "k",
-                         "id": "0123456789abcd", "skip_launch": True, "expires_at": 1.0},
+        ReserveRequest: {
+            "app": APP,
+            "region": region,
+            "config": config(),
+            "name": "fz-1",
+            "idempotency_key": "k",
+            "id": "0123456789abcd",
+            "skip_launch": True,
+            "expires_at": 1.0,
+        },
         StartRequest: {"id": machine_id, "lease_nonce": "n"},
         StopRequest: {"id": machine_id, "signal": "SIGTERM", "timeout": 1.0, "lease_nonce": "n"},
         DestroyRequest: {"id": machine_id, "force": True, "lease_nonce": "n"},
@@ -120,17 +162,34 @@ def template(kind: type[Any], machine_id: str, region: str) -> dict[str, Any]:
         LeaseRequest: {"id": machine_id, "ttl": 30.0, "holder": "h", "nonce": "n"},
         ReleaseRequest: {"id": machine_id, "nonce": "n"},
         UpdateRequest: {"id": machine_id, "config": config(), "lease_nonce": "n", "timeout": 1.0},
-        OfferRequest: {"app": APP, "region": region, "guest": {"cpus": 1, "memory_mb": 256, "cpu_kind": "shared"},
-                       "image": "i", "request_id": "r"},
+        OfferRequest: {
+            "app": APP,
+            "region": region,
+            "guest": {"cpus": 1, "memory_mb": 256, "cpu_kind": "shared"},
+            "image": "i",
+            "request_id": "r",
+        },
         InfoRequest: {},
         CordonRequest: {"reason": "r"},
-        CreateRequest: {"region": region, "config": config(), "name": "n", "skip_launch": True,
-                        "idempotency_key": IDEMPOTENCY_KEY, "explain": True, "strategy": "scatter",
-                        "avoid_workers": ["w"]},
+        CreateRequest: {
+            "region": region,
+            "config": config(),
+            "name": "n",
+            "skip_launch": True,
+            "idempotency_key": IDEMPOTENCY_KEY,
+            "explain": True,
+            "strategy": "scatter",
+            "avoid_workers": ["w"],
+        },
         RegionsListRequest: {},
         WorkersListRequest: {"region": region},
-        SimulateRequest: {"app": APP, "region": region, "guest": {"cpus": 1, "memory_mb": 256, "cpu_kind": "shared"},
-                          "image": "i", "strategy": "p2c"},
+        SimulateRequest: {
+            "app": APP,
+            "region": region,
+            "guest": {"cpus": 1, "memory_mb": 256, "cpu_kind": "shared"},
+            "image": "i",
+            "strategy": "p2c",
+        },
     }
     return by_kind[kind]
 
@@ -180,14 +239,31 @@ def placeholder_at(doc: dict[str, Any], rng: random.Random, marker: str) -> byte
     return msgspec.json.encode({**doc, rng.choice(["x", "config", "id", "zz"]) + "_": marker})
 
 
-WRONG_VALUES: list[Any] = [None, 0, -1, 1.5, True, False, "", "str", [], [1, "a"], {}, {"a": 1}, "SIGTERM",
-                           "0123456789abcd", 2**63, -(2**63) - 1, 1e308]
+WRONG_VALUES: list[Any] = [
+    None,
+    0,
+    -1,
+    1.5,
+    True,
+    False,
+    "",
+    "str",
+    [],
+    [1, "a"],
+    {},
+    {"a": 1},
+    "SIGTERM",
+    "0123456789abcd",
+    2**63,
+    -(2**63) - 1,
+    1e308,
+]
 
 
 def gen_random_bytes(rng: random.Random, doc: dict[str, Any]) -> bytes:
     if rng.random() < 0.5:
         return rng.randbytes(rng.randint(1, 600))
-    alphabet = string.printable + "{}[]\":,\\"
+    alphabet = string.printable + '{}[]":,\\'
     return "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 300))).encode()
 
 
@@ -208,9 +284,28 @@ def gen_wrong_type(rng: random.Random, doc: dict[str, Any]) -> bytes:
 
 
 def gen_top_level(rng: random.Random, doc: dict[str, Any]) -> bytes:
-    return rng.choice([b"[]", b"null", b"true", b"0", b'"{}"', b"[{}]", msgspec.json.encode([doc]),
-                       msgspec.json.encode(msgspec.json.encode(doc).decode()), b"-", b"1e400", b"{}}", b"{,}",
-                       b"\xef\xbb\xbf{}", b" ", b"\x00", b"{'a': 1}", b"{/*c*/}", b'{"a":1,}'])
+    return rng.choice(
+        [
+            b"[]",
+            b"null",
+            b"true",
+            b"0",
+            b'"{}"',
+            b"[{}]",
+            msgspec.json.encode([doc]),
+            msgspec.json.encode(msgspec.json.encode(doc).decode()),
+            b"-",
+            b"1e400",
+            b"{}}",
+            b"{,}",
+            b"\xef\xbb\xbf{}",
+            b" ",
+            b"\x00",
+            b"{'a': 1}",
+            b"{/*c*/}",
+            b'{"a":1,}',
+        ]
+    )
 
 
 def gen_huge_string(rng: random.Random, doc: dict[str, Any]) -> bytes:
@@ -226,8 +321,23 @@ def gen_deep(rng: random.Random, doc: dict[str, Any]) -> bytes:
     return placeholder_at(doc, rng, "@@DEEP@@").replace(b'"@@DEEP@@"', deep)
 
 
-BAD_TEXT = [b"\xff\xfe", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf4\x90\x80\x80", b"abc\xe2\x82", b"\x80", b"\xfe\xff",
-            b"\\ud800", b"\\udc00", b"\\ud800x", b"\\ud800\\u0041", b"\\udbff", b"a\x01b", b"\\x41", b"\\u12"]
+BAD_TEXT = [
+    b"\xff\xfe",
+    b"\xed\xa0\x80",
+    b"\xc0\xaf",
+    b"\xf4\x90\x80\x80",
+    b"abc\xe2\x82",
+    b"\x80",
+    b"\xfe\xff",
+    b"\\ud800",
+    b"\\udc00",
+    b"\\ud800x",
+    b"\\ud800\\u0041",
+    b"\\udbff",
+    b"a\x01b",
+    b"\\x41",
+    b"\\u12",
+]
 
 
 def gen_bad_text(rng: random.Random, doc: dict[str, Any]) -> bytes:
@@ -238,8 +348,22 @@ def gen_bad_text(rng: random.Random, doc: dict[str, Any]) -> bytes:
 
 
 def gen_unknown_field(rng: random.Random, doc: dict[str, Any]) -> bytes:
-    name = rng.choice(["cpuz", "ID", "Id", "app ", "__class__", "config.cmd", "idempotencyKey", "$where", "é",
-                       "\u0000", "\\u0069d", "lease-nonce"])
+    name = rng.choice(
+        [
+            "cpuz",
+            "ID",
+            "Id",
+            "app ",
+            "__class__",
+            "config.cmd",
+            "idempotencyKey",
+            "$where",
+            "é",
+            "\u0000",
+            "\\u0069d",
+            "lease-nonce",
+        ]
+    )
     spots = [p for p in paths(doc) if isinstance(dict_at(doc, p), dict)]
     if spots and rng.random() < 0.4:
         where = rng.choice(spots)
@@ -253,15 +377,40 @@ def dict_at(doc: Any, path: tuple[Any, ...]) -> Any:
     return doc
 
 
-HUGE_NUMBERS = [b"1e400", b"-1e400", b"1E400", b"2e308", str(2**70).encode(), str(-(2**70)).encode(),
-                b"9" * 400, b"-0.0e999999", b"NaN", b"nan", b"-NaN", b"Infinity", b"-Infinity", b"inf", b"0x10",
-                b"1_000", b"01", b".5", b"5.", b"+1", b"-1", b"-0.001", b"-86400", b"-1e-300"]
+HUGE_NUMBERS = [
+    b"1e400",
+    b"-1e400",
+    b"1E400",
+    b"2e308",
+    str(2**70).encode(),
+    str(-(2**70)).encode(),
+    b"9" * 400,
+    b"-0.0e999999",
+    b"NaN",
+    b"nan",
+    b"-NaN",
+    b"Infinity",
+    b"-Infinity",
+    b"inf",
+    b"0x10",
+    b"1_000",
+    b"01",
+    b".5",
+    b"5.",
+    b"+1",
+    b"-1",
+    b"-0.001",
+    b"-86400",
+    b"-1e-300",
+]
 
 
 def gen_number(rng: random.Random, doc: dict[str, Any]) -> bytes:
     """Huge numbers, negative timeouts and ttls, NaN and friends, in place of any value."""
     number = rng.choice(HUGE_NUMBERS)
-    numeric = [p for p in paths(doc) if isinstance(dict_at(doc, p), int | float) and not isinstance(dict_at(doc, p), bool)]
+    numeric = [
+        p for p in paths(doc) if isinstance(dict_at(doc, p), int | float) and not isinstance(dict_at(doc, p), bool)
+    ]
     spots = numeric if numeric and rng.random() < 0.7 else list(paths(doc))
     if not spots:
         return b'{"timeout": ' + number + b"}"
@@ -449,8 +598,12 @@ async def snapshot(nc: Any, workers: list[str]) -> dict[str, Any]:
     for worker in workers:
         listed = await nc.request(subjects.worker_machines(worker, "list"), b'{"include_destroyed": true}', timeout=5)
         info = msgspec.json.decode((await nc.request(subjects.worker_info(worker), b"", timeout=5)).data)
-        state["workers"][worker] = {"machines": msgspec.json.decode(listed.data), "log_seq": info["log_seq"],
-                                    "cordoned": info["cordoned"], "used": info["used"]}
+        state["workers"][worker] = {
+            "machines": msgspec.json.decode(listed.data),
+            "log_seq": info["log_seq"],
+            "cordoned": info["cordoned"],
+            "used": info["used"],
+        }
     state["index"] = await bucket(js, subjects.MACHINES_BUCKET)
     state["idempotency"] = await bucket(js, subjects.IDEMPOTENCY_BUCKET)
     events = await js.stream_info(subjects.EVENTS_STREAM)
@@ -539,8 +692,9 @@ def test_a_barrage_of_bad_payloads_gets_4xx_everywhere_and_changes_nothing(fleet
             sleeper = MachineConfig(cmd=["sleep", "600"])
             started = await client.create(APP, CreateRequest(region=REGIONS[0], config=sleeper))
             reserved = await client.create(APP, CreateRequest(region=REGIONS[1], config=sleeper, skip_launch=True))
-            keyed = await client.create(APP, CreateRequest(region=REGIONS[0], config=sleeper, skip_launch=True,
-                                                           idempotency_key=IDEMPOTENCY_KEY))
+            keyed = await client.create(
+                APP, CreateRequest(region=REGIONS[0], config=sleeper, skip_launch=True, idempotency_key=IDEMPOTENCY_KEY)
+            )
             assert (started.state, reserved.state, keyed.state) == ("started", "created", "created")
             machines = {"started": started.id, "reserved": reserved.id, "keyed": keyed.id}
             worker_of = {m.id: m.worker_id for m in (started, reserved, keyed)}
@@ -559,10 +713,14 @@ def test_a_barrage_of_bad_payloads_gets_4xx_everywhere_and_changes_nothing(fleet
                 worst[o.shot.family] = max(worst[o.shot.family], o.latency)
             slowest = max(outcomes, key=lambda o: o.latency)
             codes = Counter(o.code for o in outcomes)
-            print(f"\nfuzz: {len(outcomes)} requests in {wall:.1f}s ({len(outcomes) / wall:.0f}/s, {IN_FLIGHT} in "
-                  f"flight), replies by code {dict(sorted(codes.items(), key=lambda kv: kv[0] or 0))}")
-            print(f"fuzz: payloads by kind {dict(sorted(Counter(o.what for o in outcomes).items()))}, "
-                  f"{sum(o.size for o in outcomes) / 1e6:.0f} MB sent, {sum(o.size >= 1_000_000 for o in outcomes)} of 1 MB")
+            print(
+                f"\nfuzz: {len(outcomes)} requests in {wall:.1f}s ({len(outcomes) / wall:.0f}/s, {IN_FLIGHT} in "
+                f"flight), replies by code {dict(sorted(codes.items(), key=lambda kv: kv[0] or 0))}"
+            )
+            print(
+                f"fuzz: payloads by kind {dict(sorted(Counter(o.what for o in outcomes).items()))}, "
+                f"{sum(o.size for o in outcomes) / 1e6:.0f} MB sent, {sum(o.size >= 1_000_000 for o in outcomes)} of 1 MB"
+            )
             print(f"fuzz: worst latency {slowest.latency * 1000:.0f} ms on {slowest.shot.subject[:80]}")
             for family, count in sorted(per_family.items()):
                 print(f"  {family:32} {count:5}  worst {worst[family] * 1000:6.0f} ms")
@@ -586,8 +744,10 @@ def test_a_barrage_of_bad_payloads_gets_4xx_everywhere_and_changes_nothing(fleet
             answered: list[str] = []
             for _ in range(len(workers) + fleet.spec.brokers):
                 answered.append(msgspec.json.decode((await pongs.next_msg(timeout=2)).data)["name"])
-            assert Counter(answered) == {subjects.BROKER_SERVICE: fleet.spec.brokers,
-                                         subjects.WORKER_SERVICE: len(workers)}
+            assert Counter(answered) == {
+                subjects.BROKER_SERVICE: fleet.spec.brokers,
+                subjects.WORKER_SERVICE: len(workers),
+            }
             beats = await nc.jetstream().key_value(subjects.WORKERS_BUCKET)
             revisions = {w: (await beats.get(subjects.worker_key(region_of[w], w))).revision for w in workers}
             await asyncio.sleep(1.5)
@@ -608,8 +768,15 @@ def test_a_barrage_of_bad_payloads_gets_4xx_everywhere_and_changes_nothing(fleet
 
 def test_the_generators_spoil_valid_templates_deterministically() -> None:
     """No fleet: every template is valid for its type, every generated payload is not, and a seed is a payload."""
-    for kind in {*KIND_OF_VERB.values(), OfferRequest, InfoRequest, CordonRequest, RegionsListRequest,
-                 WorkersListRequest, SimulateRequest}:
+    for kind in {
+        *KIND_OF_VERB.values(),
+        OfferRequest,
+        InfoRequest,
+        CordonRequest,
+        RegionsListRequest,
+        WorkersListRequest,
+        SimulateRequest,
+    }:
         doc = template(kind, "0123456789abcd", REGIONS[0])
         assert is_valid(kind, msgspec.json.encode(doc)), kind
         for seed in range(40):

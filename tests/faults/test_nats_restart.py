@@ -43,8 +43,9 @@ async def everything_on_the_workers(fleet: DevFleet, app: str) -> list[dict[str,
     try:
         found = []
         for worker_id in fleet.worker_ids:
-            msg = await nc.request(f"fauxmad.v1.worker.{worker_id}.machines.list",
-                                   msgspec.json.encode({"app": app}), timeout=10)
+            msg = await nc.request(
+                f"fauxmad.v1.worker.{worker_id}.machines.list", msgspec.json.encode({"app": app}), timeout=10
+            )
             found += [m for m in msgspec.json.decode(msg.data) if m["state"] != "destroyed"]
         return found
     finally:
@@ -72,8 +73,7 @@ async def index_of(fleet: DevFleet, app: str) -> dict[str, str]:
 async def create_until_acknowledged(nc: nats.NATS, i: int, failures: Counter[str]) -> Machine:
     """One key, retried with the same key until a machine comes back (a timeout says nothing)."""
     key = f"key-{i:04d}"
-    request = CreateRequest(region=("k1", "k2")[i % 2], config=CONFIG, name=key, skip_launch=True,
-                            idempotency_key=key)
+    request = CreateRequest(region=("k1", "k2")[i % 2], config=CONFIG, name=key, skip_launch=True, idempotency_key=key)
     deadline = time.perf_counter() + 90
     while True:
         try:
@@ -124,12 +124,15 @@ def test_a_nats_crash_under_create_load_loses_nothing_and_duplicates_nothing(fle
     found = arun(everything_on_the_workers(fleet, "crash"))
     by_name = Counter(m["name"] for m in found)
     duplicates = {name: n for name, n in by_name.items() if n > 1}
-    lost = [key for key, m in acked.items() if not any(f["id"] == m.id and f["worker_id"] == m.worker_id
-                                                        for f in found)]
+    lost = [
+        key for key, m in acked.items() if not any(f["id"] == m.id and f["worker_id"] == m.worker_id for f in found)
+    ]
     reconnect = timeline["reconnects"]
-    print(f"\n{KEYS} keys, {sum(failures.values())} retried failures {dict(failures)}; "
-          f"acknowledged lost {len(lost)}, duplicates {len(duplicates)}; "
-          f"first create acknowledged at most {reconnect:.2f}s after a restart")
+    print(
+        f"\n{KEYS} keys, {sum(failures.values())} retried failures {dict(failures)}; "
+        f"acknowledged lost {len(lost)}, duplicates {len(duplicates)}; "
+        f"first create acknowledged at most {reconnect:.2f}s after a restart"
+    )
     assert not lost, lost[:5]
     assert not duplicates, duplicates
     assert set(by_name) == set(acked)

@@ -60,10 +60,12 @@ async def machines_everywhere(fleet: DevFleet, app: str) -> dict[str, list[str]]
     try:
         on_workers = []
         for worker_id in fleet.worker_ids:
-            msg = await nc.request(f"fauxmad.v1.worker.{worker_id}.machines.list",
-                                   msgspec.json.encode({"app": app}), timeout=5)
-            on_workers += [f"{m['worker_id']}/{m['id']}" for m in msgspec.json.decode(msg.data)
-                           if m["state"] != "destroyed"]
+            msg = await nc.request(
+                f"fauxmad.v1.worker.{worker_id}.machines.list", msgspec.json.encode({"app": app}), timeout=5
+            )
+            on_workers += [
+                f"{m['worker_id']}/{m['id']}" for m in msgspec.json.decode(msg.data) if m["state"] != "destroyed"
+            ]
         kv = await nc.jetstream().key_value("fauxmad_machines")
         indexed = []
         for key in await kv.keys():
@@ -107,13 +109,16 @@ def test_a_frozen_winner_leaves_one_machine_per_key(fleet: DevFleet) -> None:
             try:
                 freeze(winner, after=0.5, for_=4.0)  # after a-w1 offered, through its reserve's timeout
                 started = time.perf_counter()
-                machine = await client.create("frozen", CreateRequest(
-                    region="a", config=SLEEP, skip_launch=True, idempotency_key="frozen-1", explain=True))
+                machine = await client.create(
+                    "frozen",
+                    CreateRequest(region="a", config=SLEEP, skip_launch=True, idempotency_key="frozen-1", explain=True),
+                )
                 took = time.perf_counter() - started
             finally:
                 os.kill(holdout, signal.SIGCONT)
-            again = await client.create("frozen", CreateRequest(
-                region="a", config=SLEEP, skip_launch=True, idempotency_key="frozen-1"))
+            again = await client.create(
+                "frozen", CreateRequest(region="a", config=SLEEP, skip_launch=True, idempotency_key="frozen-1")
+            )
         finally:
             await client.close()
         assert again.id == machine.id

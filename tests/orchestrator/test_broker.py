@@ -68,14 +68,18 @@ def test_racing_brokers_and_clients_never_overcommit_and_503_when_full(fleet: De
         for trial in range(3):
             config = msgspec.structs.replace(SLEEP, cmd=["sleep", "300"])
             results = await asyncio.gather(
-                *[clients[i % 6].create("race", CreateRequest(region="mad", config=config, skip_launch=True))
-                  for i in range(30)],
+                *[
+                    clients[i % 6].create("race", CreateRequest(region="mad", config=config, skip_launch=True))
+                    for i in range(30)
+                ],
                 return_exceptions=True,
             )
             placed = [r for r in results if not isinstance(r, BaseException)]
             refused = [r for r in results if isinstance(r, NoCapacity)]
-            assert len(placed) == 12 and len(refused) == 18, (trial, [r for r in results if isinstance(r, Exception)
-                                                                      and not isinstance(r, NoCapacity)])
+            assert len(placed) == 12 and len(refused) == 18, (
+                trial,
+                [r for r in results if isinstance(r, Exception) and not isinstance(r, NoCapacity)],
+            )
             assert all(m.region == "mad" for m in placed)
             assert all("no capacity in mad" in str(r) for r in refused)
             per_worker: dict[str, int] = {}
@@ -115,8 +119,10 @@ def test_strategies_place_correctly_and_leave_no_extra_machine(fleet: DevFleet, 
         client = await connect(fleet)
         placed = []
         for _ in range(5):
-            m = await client.create(f"s-{strategy}", CreateRequest(region="mad", config=SLEEP, skip_launch=True,
-                                                                   explain=True, strategy=strategy))
+            m = await client.create(
+                f"s-{strategy}",
+                CreateRequest(region="mad", config=SLEEP, skip_launch=True, explain=True, strategy=strategy),
+            )
             placed.append(m)
             assert m.region == "mad"
             if strategy == "p2c":
@@ -137,8 +143,13 @@ def test_a_dead_worker_delays_a_create_by_at_most_the_deadline(fleet: DevFleet) 
         nc = await nats.connect(fleet.url)
         kv = await nc.jetstream().key_value("fauxmad_workers")
         # a worker that died a moment ago: its heartbeat is still in the registry, but it never answers
-        ghost = {"worker_id": "mad-ghost", "region": "mad", "capacity": {"cpus": 64, "memory_mb": 65536},
-                 "used": {"cpus": 0, "memory_mb": 0}, "heartbeat_at": time.time()}
+        ghost = {
+            "worker_id": "mad-ghost",
+            "region": "mad",
+            "capacity": {"cpus": 64, "memory_mb": 65536},
+            "used": {"cpus": 0, "memory_mb": 0},
+            "heartbeat_at": time.time(),
+        }
         await kv.put("mad.mad-ghost", json.dumps(ghost).encode())
         await asyncio.sleep(0.2)
         client = await connect(fleet)
@@ -164,10 +175,16 @@ def test_bad_requests_and_empty_regions(fleet: DevFleet) -> None:
         with pytest.raises(NoCapacity, match="no capacity in atlantis"):
             await client.create("web", CreateRequest(region="atlantis", config=SLEEP))
         with pytest.raises(NoCapacity, match="no capacity in mad"):
-            await client.create("web", CreateRequest(region="mad", config=msgspec.structs.replace(
-                SLEEP, guest=Guest(cpus=64, memory_mb=128))))
-        for payload in [b"{", b'{"region": "mad"}', b'{"region": "mad", "config": {"cmd": ["x"], "guest": {"cpus": 0}}}',
-                        b'{"region": "mad", "config": {"cmd": ["x"], "guest": {"memory_mb": 0}}}']:
+            await client.create(
+                "web",
+                CreateRequest(region="mad", config=msgspec.structs.replace(SLEEP, guest=Guest(cpus=64, memory_mb=128))),
+            )
+        for payload in [
+            b"{",
+            b'{"region": "mad"}',
+            b'{"region": "mad", "config": {"cmd": ["x"], "guest": {"cpus": 0}}}',
+            b'{"region": "mad", "config": {"cmd": ["x"], "guest": {"memory_mb": 0}}}',
+        ]:
             msg = await client.nc.request("fauxmad.v1.api.apps.web.machines.create", payload, timeout=5)
             assert msg.headers and msg.headers["Nats-Service-Error-Code"] == "400", payload
         msg = await client.nc.request("fauxmad.v1.api.apps.web.machines.teleport", b"{}", timeout=5)
@@ -209,8 +226,9 @@ def test_update_replaces_a_running_machine_and_wait_routes(fleet: DevFleet) -> N
         client = await connect(fleet)
         machine = await client.create("upd", CreateRequest(region="mad", config=SLEEP))
         first_instance = machine.instance_id
-        updated = await client.update("upd", machine.id, msgspec.structs.replace(
-            SLEEP, env={"RELEASE": "2"}, guest=Guest(cpus=2, memory_mb=256)))
+        updated = await client.update(
+            "upd", machine.id, msgspec.structs.replace(SLEEP, env={"RELEASE": "2"}, guest=Guest(cpus=2, memory_mb=256))
+        )
         assert updated.state == "started" and updated.instance_id != first_instance
         assert updated.config.env == {"RELEASE": "2"} and updated.config.guest.cpus == 2
         got = await client.get("upd", machine.id)

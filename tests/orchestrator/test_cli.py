@@ -27,8 +27,14 @@ def fauxmad(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
     full_env.update(env or {})
     full_env["PYTHONPATH"] = str(ROOT)
     full_env["COLUMNS"] = "100"
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=str(ROOT),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +73,24 @@ def test_errors_are_one_plain_line_and_a_nonzero_exit(args: list[str], needle: s
 
 def test_machine_commands_against_a_fleet(fleet: DevFleet) -> None:
     env = {"FAUXMAD_NATS_URL": fleet.url}
-    run = fauxmad("machine", "run", "--app", "clitest", "--region", "sin", "--memory-mb", "64", "--env", "A=1",
-                  "--explain", "--json", "--", "sleep", "60", env=env)
+    run = fauxmad(
+        "machine",
+        "run",
+        "--app",
+        "clitest",
+        "--region",
+        "sin",
+        "--memory-mb",
+        "64",
+        "--env",
+        "A=1",
+        "--explain",
+        "--json",
+        "--",
+        "sleep",
+        "60",
+        env=env,
+    )
     assert run.returncode == 0, run.stderr
     machine = json.loads(run.stdout)
     assert machine["state"] == "started" and machine["region"] == "sin" and machine["config"]["env"] == {"A": "1"}
@@ -97,12 +119,29 @@ def test_machine_logs_follow_output(fleet: DevFleet) -> None:
     import select
 
     env = {"FAUXMAD_NATS_URL": fleet.url}
-    machine = json.loads(fauxmad("machine", "run", "--app", "logs", "--region", "ams", "--json", "--",
-                                 "sh", "-c", "i=0; while true; do i=$((i+1)); echo tick-$i; echo warn-$i >&2; "
-                                 "sleep 0.2; done", env=env).stdout)
-    follow = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "machine", "logs", machine["id"], "--app",
-                               "logs", "--json"], stdout=subprocess.PIPE, text=True, cwd=str(ROOT),
-                              env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+    machine = json.loads(
+        fauxmad(
+            "machine",
+            "run",
+            "--app",
+            "logs",
+            "--region",
+            "ams",
+            "--json",
+            "--",
+            "sh",
+            "-c",
+            "i=0; while true; do i=$((i+1)); echo tick-$i; echo warn-$i >&2; sleep 0.2; done",
+            env=env,
+        ).stdout
+    )
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "machine", "logs", machine["id"], "--app", "logs", "--json"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=str(ROOT),
+        env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+    )
     assert follow.stdout is not None
     seen: list[dict[str, str]] = []
     deadline = time.monotonic() + 20
@@ -138,10 +177,25 @@ def _processes_mentioning(text: str) -> list[int]:
 
 def test_dev_leaves_no_process_after_ctrl_c() -> None:
     port = free_port()
-    dev = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "dev", "--regions", "xa,xb",
-                            "--workers-per-region", "2", "--port", str(port)],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT),
-                           env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"})
+    dev = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "dev",
+            "--regions",
+            "xa,xb",
+            "--workers-per-region",
+            "2",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(ROOT),
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"},
+    )
     assert dev.stdout is not None
     deadline = time.monotonic() + 60
     output = ""
@@ -149,8 +203,19 @@ def test_dev_leaves_no_process_after_ctrl_c() -> None:
         output += dev.stdout.readline()
     assert "fleet up" in output and f"127.0.0.1:{port}" in output
     url = f"nats://127.0.0.1:{port}"
-    run = fauxmad("machine", "run", "--app", "devclean", "--region", "xb", "--json", "--", "sleep", "300",
-                  env={"FAUXMAD_NATS_URL": url})
+    run = fauxmad(
+        "machine",
+        "run",
+        "--app",
+        "devclean",
+        "--region",
+        "xb",
+        "--json",
+        "--",
+        "sleep",
+        "300",
+        env={"FAUXMAD_NATS_URL": url},
+    )
     assert run.returncode == 0, run.stderr
     assert _processes_mentioning("FAUXMAD_APP=devclean")
     assert _processes_mentioning(f"127.0.0.1:{port}")

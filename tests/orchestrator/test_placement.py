@@ -30,8 +30,16 @@ def request(cpus: int = 1, memory_mb: int = 256, image: str | None = None, regio
     return OfferRequest(app="web", region=region, guest=OfferGuest(cpus=cpus, memory_mb=memory_mb), image=image)
 
 
-def offer(worker_id: str, *, cpus: int = 8, memory_mb: int = 8192, free_cpus: int | None = None,
-          free_mb: int | None = None, region: str = "mad", **extra: Any) -> Offer:
+def offer(
+    worker_id: str,
+    *,
+    cpus: int = 8,
+    memory_mb: int = 8192,
+    free_cpus: int | None = None,
+    free_mb: int | None = None,
+    region: str = "mad",
+    **extra: Any,
+) -> Offer:
     return Offer(
         worker_id=worker_id,
         region=region,

@@ -23,8 +23,9 @@ from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY,
 NOW = 1_000_000.0
 
 
-def spec(regions: str = "mad = 2", strategy: str = "rolling", spares: int = 0, max_unavailable: str = "1",
-         env: str = "v1") -> AppSpec:
+def spec(
+    regions: str = "mad = 2", strategy: str = "rolling", spares: int = 0, max_unavailable: str = "1", env: str = "v1"
+) -> AppSpec:
     return parse_spec(f"""
 app = "web"
 cmd = ["serve"]
@@ -41,19 +42,43 @@ wait_timeout = "30s"
 """)
 
 
-def m(id: str, worker: str, *, region: str = "mad", state: str = "started", role: str = PRIMARY, release: int = 1,
-      app_spec: AppSpec | None = None, healthy: bool = True, standby_of: str | None = None,
-      replaces: str | None = None, created: str = "") -> Member:
+def m(
+    id: str,
+    worker: str,
+    *,
+    region: str = "mad",
+    state: str = "started",
+    role: str = PRIMARY,
+    release: int = 1,
+    app_spec: AppSpec | None = None,
+    healthy: bool = True,
+    standby_of: str | None = None,
+    replaces: str | None = None,
+    created: str = "",
+) -> Member:
     config = (app_spec or spec()).machine_config(release, role, standby_of, replaces)
-    return Member(id=id, region=region, worker_id=worker, state=state, config=config, healthy=healthy,
-                  created_at=created or id)
+    return Member(
+        id=id, region=region, worker_id=worker, state=state, config=config, healthy=healthy, created_at=created or id
+    )
 
 
-def run(app_spec: AppSpec | None, machines: list[Member], *, release: int = 1, lost: list[Member] | None = None,
-        cordoned: set[str] | None = None, since: dict[str, float] | None = None, now: float = NOW) -> Plan:
+def run(
+    app_spec: AppSpec | None,
+    machines: list[Member],
+    *,
+    release: int = 1,
+    lost: list[Member] | None = None,
+    cordoned: set[str] | None = None,
+    since: dict[str, float] | None = None,
+    now: float = NOW,
+) -> Plan:
     desired = Desired(app="web", release=release, spec=app_spec)
-    observed = Observed(machines=tuple(machines), lost=tuple(lost or ()), cordoned=frozenset(cordoned or ()),
-                        unhealthy_since=since or {})
+    observed = Observed(
+        machines=tuple(machines),
+        lost=tuple(lost or ()),
+        cordoned=frozenset(cordoned or ()),
+        unhealthy_since=since or {},
+    )
     return plan(desired, observed, now)
 
 
@@ -72,15 +97,22 @@ def test_a_new_app_gets_primaries_and_spares_away_from_them() -> None:
     p = run(s, [m("a", "w1"), m("b", "w2"), m("c", "s1", region="syd")])
     spares = [a for a in p.actions if isinstance(a, Create)]
     assert sorted((a.config.standbys[0], a.avoid_workers, a.start) for a in spares) == [
-        ("a", ("w1",), False), ("b", ("w2",), False), ("c", ("s1",), False)]
+        ("a", ("w1",), False),
+        ("b", ("w2",), False),
+        ("c", ("s1",), False),
+    ]
     assert all(a.config.metadata[ROLE_KEY] == SPARE for a in spares)
     assert p.primaries_done and not p.converged
 
 
 def test_a_converged_app_plans_nothing() -> None:
     s = spec(spares=1)
-    machines = [m("a", "w1"), m("b", "w2"), m("sa", "w2", role=SPARE, standby_of="a", state="created"),
-                m("sb", "w3", role=SPARE, standby_of="b", state="stopped")]
+    machines = [
+        m("a", "w1"),
+        m("b", "w2"),
+        m("sa", "w2", role=SPARE, standby_of="a", state="created"),
+        m("sb", "w3", role=SPARE, standby_of="b", state="stopped"),
+    ]
     p = run(s, machines)
     assert p.actions == () and p.converged
     assert [(r.region, r.desired, r.ready, r.spares, r.spares_wanted) for r in p.regions] == [("mad", 2, 2, 2, 2)]
@@ -125,14 +157,20 @@ def test_immediate_updates_everything_at_once_without_waiting_for_health() -> No
     v2 = spec("mad = 3", strategy="immediate", env="v2")
     p = run(v2, [m(f"m{i}", f"w{i}") for i in range(3)], release=2)
     assert len([a for a in p.actions if isinstance(a, Update)]) == 3
-    p = run(v2, [m(f"m{i}", f"w{i}", app_spec=v2, release=2, healthy=False) for i in range(3)], release=2,
-            since={f"m{i}": NOW - 999 for i in range(3)})
+    p = run(
+        v2,
+        [m(f"m{i}", f"w{i}", app_spec=v2, release=2, healthy=False) for i in range(3)],
+        release=2,
+        since={f"m{i}": NOW - 999 for i in range(3)},
+    )
     assert p.converged  # started is enough; no deadline
 
 
 def test_canary_updates_one_machine_per_region_first() -> None:
-    v1, v2 = spec("mad = 3\nsyd = 3", env="v1"), spec("mad = 3\nsyd = 3", strategy="canary", max_unavailable="3",
-                                                     env="v2")
+    v1, v2 = (
+        spec("mad = 3\nsyd = 3", env="v1"),
+        spec("mad = 3\nsyd = 3", strategy="canary", max_unavailable="3", env="v2"),
+    )
     machines = [m(f"{r}{i}", f"{r}-w{i}", region=r, app_spec=v1) for r in ("mad", "syd") for i in range(3)]
     p = run(v2, machines, release=2)
     assert sorted(a.region for a in p.actions if isinstance(a, Update)) == ["mad", "syd"]

@@ -32,8 +32,18 @@ def fleet() -> Iterator[DevFleet]:
         yield running
 
 
-def write_spec(path: Path, app: str, *, regions: str = "mad = 2\nsyd = 2", version: str = "v1", spares: int = 1,
-               strategy: str = "rolling", cmd: str | None = None, wait: str = "6s", max_unavailable: str = "1") -> Path:
+def write_spec(
+    path: Path,
+    app: str,
+    *,
+    regions: str = "mad = 2\nsyd = 2",
+    version: str = "v1",
+    spares: int = 1,
+    strategy: str = "rolling",
+    cmd: str | None = None,
+    wait: str = "6s",
+    max_unavailable: str = "1",
+) -> Path:
     command = cmd or json.dumps([sys.executable, str(APP_PY)])
     path.write_text(f"""
 app = "{app}"
@@ -60,8 +70,14 @@ wait_timeout = "{wait}"
 
 def fauxmad(fleet: DevFleet, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="120")
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=str(ROOT),
+    )
 
 
 def machines(fleet: DevFleet, app: str) -> list[Machine]:
@@ -136,8 +152,9 @@ def test_two_region_deploy_puts_spares_on_other_workers(fleet: DevFleet, tmp_pat
 def test_a_failing_release_is_rolled_back_in_every_region(fleet: DevFleet, tmp_path: Path) -> None:
     good = write_spec(tmp_path / "good.toml", "fall", spares=0)
     assert fauxmad(fleet, "deploy", "-c", str(good)).returncode == 0
-    bad = write_spec(tmp_path / "bad.toml", "fall", spares=0, version="v2", wait="3s",
-                     cmd='["sleep", "600"]')  # runs, but nothing answers the http check
+    bad = write_spec(
+        tmp_path / "bad.toml", "fall", spares=0, version="v2", wait="3s", cmd='["sleep", "600"]'
+    )  # runs, but nothing answers the http check
     result = fauxmad(fleet, "deploy", "-c", str(bad))
     assert result.returncode != 0
     message = result.stderr.strip().splitlines()[-1]
@@ -164,8 +181,13 @@ def test_rollback_on_demand_and_scale(fleet: DevFleet, tmp_path: Path) -> None:
     assert_converged(found, {"mad": 2, "syd": 1}, "4", "v1")
     assert all(before[m.id] == m.instance_id for m in found if m.id in before)  # relabelled, not restarted
     listed = json.loads(fauxmad(fleet, "apps", "list", "--json").stdout)
-    assert {"app": "back", "release": 4, "status": "complete", "strategy": "rolling",
-            "regions": {"mad": 2, "syd": 1}} in listed
+    assert {
+        "app": "back",
+        "release": 4,
+        "status": "complete",
+        "strategy": "rolling",
+        "regions": {"mad": 2, "syd": 1},
+    } in listed
     destroy(fleet, "back")
 
 
@@ -174,11 +196,19 @@ def test_a_reconciler_killed_mid_deploy_is_finished_by_the_next_run(fleet: DevFl
     assert fauxmad(fleet, "deploy", "-c", str(v1)).returncode == 0
     v2 = write_spec(tmp_path / "v2.toml", "half", regions="mad = 3", spares=0, version="v2")
     env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
-    deploy = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "deploy", "-c", str(v2)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(ROOT))
+    deploy = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "deploy", "-c", str(v2)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=str(ROOT),
+    )
     try:
-        wait_for(lambda: any(m.config.env.get("VERSION") == "v2" for m in machines(fleet, "half")), 30,
-                 "the first machine on v2")
+        wait_for(
+            lambda: any(m.config.env.get("VERSION") == "v2" for m in machines(fleet, "half")),
+            30,
+            "the first machine on v2",
+        )
     finally:
         deploy.send_signal(signal.SIGKILL)
         deploy.wait(10)
@@ -199,8 +229,13 @@ def test_a_dead_host_fails_over_to_spares_and_its_return_stops_the_replaced(flee
     env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
     log = tmp_path / "operator.log"
     with log.open("w") as out:
-        operator = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", "ha"],
-                                    env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ROOT))
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", "ha"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=str(ROOT),
+        )
     try:
         time.sleep(1.0)
         found = machines(fleet, "ha")
@@ -208,15 +243,24 @@ def test_a_dead_host_fails_over_to_spares_and_its_return_stops_the_replaced(flee
         standby = next(s for s in spares(found) if s.config.standbys == [victim.id])
         # the host dies: its worker and its machines' processes at once
         fleet.kill_host(victim.worker_id)
-        took = wait_for(lambda: any(m.id == standby.id and m.state == "started" for m in machines(fleet, "ha")),
-                        15, "the spare to start")
+        took = wait_for(
+            lambda: any(m.id == standby.id and m.state == "started" for m in machines(fleet, "ha")),
+            15,
+            "the spare to start",
+        )
         print(f"\nhost death -> spare started: {took:.2f}s")
         found = machines(fleet, "ha")
         promoted = next(m for m in found if m.id == standby.id)
         assert role(promoted) == "primary" and promoted.config.metadata["fauxmad_replaces"] == victim.id
         assert promoted.region == "syd"
-        wait_for(lambda: all(health(m)[0] for m in primaries(machines(fleet, "ha"))) and len(
-            [m for m in primaries(machines(fleet, "ha")) if m.state == "started"]) == 2, 15, "two healthy primaries")
+        wait_for(
+            lambda: (
+                all(health(m)[0] for m in primaries(machines(fleet, "ha")))
+                and len([m for m in primaries(machines(fleet, "ha")) if m.state == "started"]) == 2
+            ),
+            15,
+            "two healthy primaries",
+        )
         # the host returns: the machine that was replaced does not run next to its successor
         fleet.respawn(f"worker-{victim.worker_id}")
 
@@ -260,7 +304,10 @@ def test_draining_a_worker_moves_its_machines_healthy_first(fleet: DevFleet, tmp
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        ('app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n[deploy]\nmax_unavailble = 1\n', "unknown key `deploy.max_unavailble`"),
+        (
+            'app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n[deploy]\nmax_unavailble = 1\n',
+            "unknown key `deploy.max_unavailble`",
+        ),
         ('app = "x"\ncmd = ["a"]\n[regions]\nmad = "two"\n', "`regions.mad`: expected `int`, got `str`"),
         ('app = "x"\n[regions]\nmad = 1\n', "missing required key `cmd`"),
         ('app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n[checks.web]\ntype = "udp"\n', "`checks.web.type`"),
@@ -271,8 +318,13 @@ def test_a_bad_spec_is_one_line_naming_the_key(tmp_path: Path, text: str, needle
     path = tmp_path / "fauxmad.toml"
     path.write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "FAUXMAD_NATS_URL"}
-    result = subprocess.run([sys.executable, "-m", "orchestrator.cli", "deploy", "-c", str(path)],
-                            capture_output=True, text=True, env=dict(env, PYTHONPATH=str(ROOT)), timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "deploy", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        env=dict(env, PYTHONPATH=str(ROOT)),
+        timeout=30,
+    )
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], result.stderr

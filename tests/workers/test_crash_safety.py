@@ -20,11 +20,18 @@ def test_kill9_keeps_machines_and_every_acknowledged_reservation(worker_factory:
     async def before() -> None:
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
-        long_runner = await raw.ok("reserve", {"app": "k", "region": worker.region,
-                                               "config": {"cmd": ["sleep", "120"], "restart": {"policy": "no"}}})
-        short_runner = await raw.ok("reserve", {"app": "k", "region": worker.region,
-                                                "config": {"cmd": ["sh", "-c", "sleep 1.5; exit 7"],
-                                                           "restart": {"policy": "no"}}})
+        long_runner = await raw.ok(
+            "reserve",
+            {"app": "k", "region": worker.region, "config": {"cmd": ["sleep", "120"], "restart": {"policy": "no"}}},
+        )
+        short_runner = await raw.ok(
+            "reserve",
+            {
+                "app": "k",
+                "region": worker.region,
+                "config": {"cmd": ["sh", "-c", "sleep 1.5; exit 7"], "restart": {"policy": "no"}},
+            },
+        )
         long_runner = await raw.ok("start", {"id": long_runner["id"]})
         short_runner = await raw.ok("start", {"id": short_runner["id"]})
         pids = {}
@@ -43,8 +50,9 @@ def test_kill9_keeps_machines_and_every_acknowledged_reservation(worker_factory:
         async def reserver() -> None:
             while True:
                 try:
-                    code, body = await raw.send("reserve", {"app": "k", "region": worker.region,
-                                                            "config": {"cmd": ["true"]}}, timeout=1)
+                    code, body = await raw.send(
+                        "reserve", {"app": "k", "region": worker.region, "config": {"cmd": ["true"]}}, timeout=1
+                    )
                 except Exception:
                     return
                 if code == 200:
@@ -91,8 +99,9 @@ def test_restart_resumes_a_stop_that_was_in_flight(worker_factory: Callable[...,
     async def before() -> str:
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
-        m = await raw.ok("reserve", {"app": "k", "region": worker.region,
-                                     "config": {"cmd": ["sh", "-c", "trap '' TERM; sleep 120"]}})
+        m = await raw.ok(
+            "reserve", {"app": "k", "region": worker.region, "config": {"cmd": ["sh", "-c", "trap '' TERM; sleep 120"]}}
+        )
         await raw.ok("start", {"id": m["id"]})
         # a TERM-ignoring process: the stop waits for its timeout, and the worker dies meanwhile
         stopping = asyncio.create_task(raw.send("stop", {"id": m["id"], "timeout": 30}, timeout=40))

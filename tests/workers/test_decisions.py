@@ -61,22 +61,36 @@ def test_every_state_in_the_table_is_reachable_from_created() -> None:
         (RestartPolicy(policy="on-failure", max_retries=0), OOM, 0, 1, False, "failed", 0),
     ],
 )
-def test_after_exit(policy: RestartPolicy, status: ExitStatus, attempts: int, ran_for: float, restart: bool,
-                    state: str, delay: float) -> None:
+def test_after_exit(
+    policy: RestartPolicy, status: ExitStatus, attempts: int, ran_for: float, restart: bool, state: str, delay: float
+) -> None:
     decision = after_exit(policy, status, attempts=attempts, ran_for=ran_for, requested_stop=False, backoff=BACKOFF)
     assert (decision.restart, decision.state, decision.delay) == (restart, state, delay)
 
 
 def test_requested_stop_never_restarts() -> None:
-    decision = after_exit(RestartPolicy(policy="always"), ExitStatus(signal=15), attempts=0, ran_for=1,
-                          requested_stop=True, backoff=BACKOFF)
+    decision = after_exit(
+        RestartPolicy(policy="always"),
+        ExitStatus(signal=15),
+        attempts=0,
+        ran_for=1,
+        requested_stop=True,
+        backoff=BACKOFF,
+    )
     assert not decision.restart and decision.state == "stopped"
 
 
 def _me(**overrides: object) -> Snapshot:
     values: dict[str, object] = dict(
-        worker_id="w1", region="mad", capacity=Resources(cpus=4, memory_mb=1024), used=Resources(cpus=3, memory_mb=512),
-        machines=3, cordoned=False, images=frozenset({"img:1"}), load=0.1, inflight=0,
+        worker_id="w1",
+        region="mad",
+        capacity=Resources(cpus=4, memory_mb=1024),
+        used=Resources(cpus=3, memory_mb=512),
+        machines=3,
+        cordoned=False,
+        images=frozenset({"img:1"}),
+        load=0.1,
+        inflight=0,
     )
     values.update(overrides)
     return Snapshot(**values)  # type: ignore[arg-type]
@@ -96,7 +110,9 @@ def _me(**overrides: object) -> Snapshot:
 def test_offers(me: Snapshot, guest: dict[str, int], reason: str | None) -> None:
     from bus.messages import OfferGuest
 
-    reply = answer_offer(OfferRequest(app="a", region="mad", guest=OfferGuest(**guest), image="img:1"), me, Backpressure())
+    reply = answer_offer(
+        OfferRequest(app="a", region="mad", guest=OfferGuest(**guest), image="img:1"), me, Backpressure()
+    )
     if reason is None:
         assert reply.__class__.__name__ == "Offer"
         assert reply.free == Resources(cpus=1, memory_mb=512) and reply.image_cached  # type: ignore[union-attr]

@@ -164,9 +164,7 @@ def test_env_and_cwd_reach_the_workload(driver: ProcessDriver, tasks: Tasks, tmp
     assert lines == ["greeting=hello world", str(tmp_path / "machine")]
 
 
-def test_stdout_and_stderr_are_captured_and_appended(
-    driver: ProcessDriver, tasks: Tasks, tmp_path: Path
-) -> None:
+def test_stdout_and_stderr_are_captured_and_appended(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     spec = make_spec(tmp_path, ["sh", "-c", "echo out; echo err >&2"])
     start_and_wait(driver, tasks, spec)
     handle, _ = start_and_wait(driver, tasks, spec)  # a restart appends to the same logs
@@ -243,9 +241,7 @@ def test_inspect_running_and_ended(driver: ProcessDriver, tasks: Tasks, tmp_path
 # stop, signal, destroy
 
 
-def test_stop_with_sigterm_ends_a_sleeping_process(
-    driver: ProcessDriver, tasks: Tasks, tmp_path: Path
-) -> None:
+def test_stop_with_sigterm_ends_a_sleeping_process(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sleep", "30"]))
     began = time.monotonic()
     # Right after start: the shim may not have forked yet; the signal must not be lost.
@@ -283,9 +279,7 @@ def test_signal_reaches_the_workload(driver: ProcessDriver, tasks: Tasks, tmp_pa
     assert "got usr1" in handle.stdout_path.read_text()
 
 
-def test_destroy_stops_removes_cgroups_and_keeps_logs(
-    driver: ProcessDriver, tasks: Tasks, tmp_path: Path
-) -> None:
+def test_destroy_stops_removes_cgroups_and_keeps_logs(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sh", "-c", "echo hello; exec sleep 30"]))
     wait_until(lambda: handle.stdout_path.read_text() == "hello\n")
     run(driver.destroy(handle, force=False))
@@ -295,9 +289,7 @@ def test_destroy_stops_removes_cgroups_and_keeps_logs(
     assert handle.status_path.exists()
 
 
-def test_shim_killed_under_a_running_workload_is_lost(
-    driver: ProcessDriver, tasks: Tasks, tmp_path: Path
-) -> None:
+def test_shim_killed_under_a_running_workload_is_lost(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sleep", "30"]))
     wait_until(lambda: (Path(handle.workdir) / "child.pid").exists())
     workload = read_pid(Path(handle.workdir) / "child.pid")
@@ -372,9 +364,7 @@ def test_task_survives_the_death_of_its_starter(limits: Limits, tasks: Tasks, tm
 
 
 @pytest.mark.usefixtures("subreaper")
-def test_exit_while_nobody_watched_is_read_from_exit_json(
-    limits: Limits, tasks: Tasks, tmp_path: Path
-) -> None:
+def test_exit_while_nobody_watched_is_read_from_exit_json(limits: Limits, tasks: Tasks, tmp_path: Path) -> None:
     spec = make_spec(tmp_path, ["sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 5"])
     starter, handle = start_elsewhere(spec)
     tasks.add(handle)

@@ -17,18 +17,25 @@ VERBS = ["reserve", "start", "stop", "destroy", "get", "list", "wait", "signal",
 OTHER = ["info", "cordon", "uncordon"]
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 
 # payloads that can never be a valid request: not an object, not JSON, or an object with an unknown field
 not_json = st.binary(min_size=1, max_size=64).filter(lambda b: not _is_json(b))
 not_object = json_values.filter(lambda v: not isinstance(v, dict)).map(lambda v: json.dumps(v).encode())
-unknown_field = st.dictionaries(st.sampled_from(["id", "app", "region", "config", "state", "timeout"]), json_values,
-                                max_size=3).flatmap(
+unknown_field = st.dictionaries(
+    st.sampled_from(["id", "app", "region", "config", "state", "timeout"]), json_values, max_size=3
+).flatmap(
     lambda d: st.text(alphabet="abcdefghij", min_size=3, max_size=8).map(
-        lambda k: json.dumps({**d, f"zz_{k}": 1}).encode()))
+        lambda k: json.dumps({**d, f"zz_{k}": 1}).encode()
+    )
+)
 wrong_types = st.fixed_dictionaries({"id": st.integers() | st.text(max_size=13) | st.lists(st.integers())}).map(
-    lambda d: json.dumps(d).encode())
+    lambda d: json.dumps(d).encode()
+)
 bad_payloads = not_json | not_object | unknown_field | wrong_types
 
 
@@ -100,7 +107,10 @@ def test_unknown_verb_and_bad_values_are_400(worker_factory: Callable[..., Worke
             ("reserve", {"app": "a", "region": worker.region, "config": {"cmd": []}}),
             ("reserve", {"app": "a.b", "region": worker.region, "config": {"cmd": ["x"]}}),
             ("reserve", {"app": "a", "region": worker.region, "config": {"cmd": ["x"], "guest": {"memory_mb": 0}}}),
-            ("reserve", {"app": "a", "region": worker.region, "config": {"cmd": ["x"], "restart": {"policy": "maybe"}}}),
+            (
+                "reserve",
+                {"app": "a", "region": worker.region, "config": {"cmd": ["x"], "restart": {"policy": "maybe"}}},
+            ),
             ("signal", {"id": "0123456789abcd", "signal": "SIGNOPE"}),
             ("wait", {"id": "0123456789abcd", "state": "sleeping"}),
             ("stop", {"id": "0123456789abcd", "timeout": -1}),

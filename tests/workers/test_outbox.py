@@ -288,6 +288,7 @@ def test_an_item_nats_keeps_refusing_holds_up_nothing_else(
                 )
         js = nc.jetstream()
         subject = f"fauxmad.v1.events.{region}.{worker_id}.>"
+
         async def stored() -> int:  # `state.messages` counts the whole stream: sum the filtered subjects
             return sum(((await js.stream_info(STREAM, subjects_filter=subject)).state.subjects or {}).values())
 

@@ -17,9 +17,16 @@ from workers.store import GroupCommitter, Store, Tx
 def machine(i: int, *, cpus: int = 1, state: str = "created") -> StoredMachine:
     return StoredMachine(
         machine=Machine(
-            id=f"{i:014x}", name=f"m{i}", app="app", region="r", worker_id="w", state=state,  # type: ignore[arg-type]
-            config=MachineConfig(cmd=["true"], guest=Guest(cpus=cpus, memory_mb=64)), instance_id="i",
-            created_at="t", updated_at="t",
+            id=f"{i:014x}",
+            name=f"m{i}",
+            app="app",
+            region="r",
+            worker_id="w",
+            state=state,  # type: ignore[arg-type]
+            config=MachineConfig(cmd=["true"], guest=Guest(cpus=cpus, memory_mb=64)),
+            instance_id="i",
+            created_at="t",
+            updated_at="t",
         ),
         idempotency_key=f"key-{i}",
     )
@@ -30,7 +37,9 @@ def test_group_commit_batches_and_every_result_is_durable(tmp_path: Path) -> Non
     committer = GroupCommitter(store)
 
     async def main() -> None:
-        await asyncio.gather(*[committer.submit(lambda tx, i=i: tx.put_machine(machine(i), "reserve")) for i in range(2000)])
+        await asyncio.gather(
+            *[committer.submit(lambda tx, i=i: tx.put_machine(machine(i), "reserve")) for i in range(2000)]
+        )
 
     arun(main())
     assert committer.batches < 2000  # batched: fewer fsyncs than operations
@@ -52,10 +61,13 @@ def test_a_failing_operation_rolls_back_alone(tmp_path: Path) -> None:
                 tx.put_machine(machine(i), "reserve")  # written, then rolled back with the error
                 raise NoCapacity("full")
             return tx.put_machine(machine(i), "reserve")
+
         return op
 
     async def main() -> list[object]:
-        return await asyncio.gather(*[committer.submit(reserve_within(5, i)) for i in range(20)], return_exceptions=True)
+        return await asyncio.gather(
+            *[committer.submit(reserve_within(5, i)) for i in range(20)], return_exceptions=True
+        )
 
     results = arun(main())
     assert sum(not isinstance(r, Exception) for r in results) == 5
@@ -69,17 +81,21 @@ def test_rebuild_from_log_equals_live_tables_and_survives_compaction(tmp_path: P
     for i in range(50):
         store.write(lambda tx, i=i: tx.put_machine(machine(i, cpus=1 + i % 3), "reserve"))
     for i in range(0, 50, 2):
+
         def advance(tx: Tx, i: int = i) -> None:
             stored = tx.require(f"{i:014x}")
             for state in ("starting", "started", "stopping", "stopped"):
                 stored.machine.state = state  # type: ignore[assignment]
                 tx.put_machine(stored, state)
+
         store.write(advance)
     for i in range(0, 50, 5):
+
         def destroy(tx: Tx, i: int = i) -> None:
             stored = tx.require(f"{i:014x}")
             stored.machine.state = "destroyed"
             tx.put_machine(stored, "destroyed")
+
         store.write(destroy)
     store.write(lambda tx: tx.put_worker(WorkerState(cordoned=True, reason="maintenance"), "cordon"))
     store.write(lambda tx: tx.touch_image("registry/app:1"))

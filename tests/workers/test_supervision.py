@@ -19,8 +19,14 @@ def test_on_failure_restarts_up_to_max_retries_then_fails(worker_factory: Callab
     async def main() -> None:
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
-        m = await raw.ok("reserve", {"app": "crash", "region": worker.region, "config": {
-            "cmd": ["sh", "-c", "exit 3"], "restart": {"policy": "on-failure", "max_retries": 2}}})
+        m = await raw.ok(
+            "reserve",
+            {
+                "app": "crash",
+                "region": worker.region,
+                "config": {"cmd": ["sh", "-c", "exit 3"], "restart": {"policy": "on-failure", "max_retries": 2}},
+            },
+        )
         await raw.ok("start", {"id": m["id"]})
         failed = await raw.wait_state(m["id"], "failed", timeout=15)
         assert failed["restarts"] == 2 and failed["exit"]["exit_code"] == 3
@@ -38,10 +44,22 @@ def test_always_restarts_a_clean_exit_and_no_never_does(worker_factory: Callable
     async def main() -> None:
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
-        always = await raw.ok("reserve", {"app": "r", "region": worker.region, "config": {
-            "cmd": ["sh", "-c", "sleep 0.1"], "restart": {"policy": "always"}}})
-        never = await raw.ok("reserve", {"app": "r", "region": worker.region, "config": {
-            "cmd": ["sh", "-c", "exit 1"], "restart": {"policy": "no"}}})
+        always = await raw.ok(
+            "reserve",
+            {
+                "app": "r",
+                "region": worker.region,
+                "config": {"cmd": ["sh", "-c", "sleep 0.1"], "restart": {"policy": "always"}},
+            },
+        )
+        never = await raw.ok(
+            "reserve",
+            {
+                "app": "r",
+                "region": worker.region,
+                "config": {"cmd": ["sh", "-c", "exit 1"], "restart": {"policy": "no"}},
+            },
+        )
         await raw.ok("start", {"id": always["id"]})
         await raw.ok("start", {"id": never["id"]})
         assert (await raw.wait_state(never["id"], "failed"))["restarts"] == 0
@@ -66,8 +84,18 @@ def test_out_of_memory_is_reported(worker_factory: Callable[..., WorkerProcess])
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
         hog = "import time; b = bytearray(300 * 1024 * 1024); time.sleep(5)"
-        m = await raw.ok("reserve", {"app": "hog", "region": worker.region, "config": {
-            "cmd": ["python3", "-c", hog], "guest": {"cpus": 1, "memory_mb": 64}, "restart": {"policy": "no"}}})
+        m = await raw.ok(
+            "reserve",
+            {
+                "app": "hog",
+                "region": worker.region,
+                "config": {
+                    "cmd": ["python3", "-c", hog],
+                    "guest": {"cpus": 1, "memory_mb": 64},
+                    "restart": {"policy": "no"},
+                },
+            },
+        )
         await raw.ok("start", {"id": m["id"]})
         failed = await raw.wait_state(m["id"], "failed", timeout=20)
         assert failed["exit"]["oom_killed"] is True
@@ -86,12 +114,20 @@ def test_health_check_status_follows_the_service(worker_factory: Callable[..., W
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
         server = "import http.server, os; http.server.HTTPServer(('127.0.0.1', int(os.environ['PORT'])), http.server.SimpleHTTPRequestHandler).serve_forever()"
-        m = await raw.ok("reserve", {"app": "web", "region": worker.region, "config": {
-            "cmd": ["python3", "-c", server],
-            "checks": {
-                "http": {"type": "http", "path": "/", "interval": "200ms", "timeout": "1s"},
-                "flag": {"type": "cmd", "command": ["test", "-f", str(flag)], "interval": "100ms"},
-            }}})
+        m = await raw.ok(
+            "reserve",
+            {
+                "app": "web",
+                "region": worker.region,
+                "config": {
+                    "cmd": ["python3", "-c", server],
+                    "checks": {
+                        "http": {"type": "http", "path": "/", "interval": "200ms", "timeout": "1s"},
+                        "flag": {"type": "cmd", "command": ["test", "-f", str(flag)], "interval": "100ms"},
+                    },
+                },
+            },
+        )
         await raw.ok("start", {"id": m["id"]})
 
         async def statuses() -> dict[str, str]:

@@ -46,11 +46,28 @@ def test_offer_reserve_start_stop_destroy_lifecycle(worker_factory: Callable[...
         assert offers == [offers[0]] and offers[0]["type"] == "offer"
         assert offers[0]["free"] == {"cpus": 2, "memory_mb": 1024}
 
-        machine = await raw.ok("reserve", {"app": "shop", "region": worker.region, "name": "web-1",
-                                           "config": {"cmd": SLEEPER, "env": {"GREETING": "hola"}}})
+        machine = await raw.ok(
+            "reserve",
+            {
+                "app": "shop",
+                "region": worker.region,
+                "name": "web-1",
+                "config": {"cmd": SLEEPER, "env": {"GREETING": "hola"}},
+            },
+        )
         assert machine["state"] == "created" and len(machine["id"]) == 14
-        for field in ("id", "name", "app", "region", "worker_id", "state", "config", "instance_id",
-                      "created_at", "updated_at"):
+        for field in (
+            "id",
+            "name",
+            "app",
+            "region",
+            "worker_id",
+            "state",
+            "config",
+            "instance_id",
+            "created_at",
+            "updated_at",
+        ):
             assert field in machine
         mid = machine["id"]
         started = await raw.ok("start", {"id": mid})
@@ -113,8 +130,9 @@ def test_errors_unknown_machine_illegal_transition_and_leases(worker_factory: Ca
         assert code == 504
         code, _ = await raw.send("reserve", {"app": "a", "region": "elsewhere", "config": {"cmd": SLEEPER}})
         assert code == 400
-        code, _ = await raw.send("reserve", {"app": "a", "region": worker.region, "config": {"cmd": SLEEPER,
-                                                                                            "guest": {"cpus": 64}}})
+        code, _ = await raw.send(
+            "reserve", {"app": "a", "region": worker.region, "config": {"cmd": SLEEPER, "guest": {"cpus": 64}}}
+        )
         assert code == 503
         await nc.close()
 
@@ -127,11 +145,17 @@ def test_cordon_declines_offers_and_reservations(worker_factory: Callable[..., W
     async def main() -> None:
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
-        info = json.loads((await nc.request(f"fauxmad.v1.worker.{worker.worker_id}.cordon",
-                                            b'{"reason": "kernel upgrade"}')).data)
+        info = json.loads(
+            (await nc.request(f"fauxmad.v1.worker.{worker.worker_id}.cordon", b'{"reason": "kernel upgrade"}')).data
+        )
         assert info["cordoned"] is True
-        offer = json.loads((await nc.request(f"fauxmad.v1.offers.{worker.region}",
-                                             json.dumps({"app": "a", "region": worker.region}).encode())).data)
+        offer = json.loads(
+            (
+                await nc.request(
+                    f"fauxmad.v1.offers.{worker.region}", json.dumps({"app": "a", "region": worker.region}).encode()
+                )
+            ).data
+        )
         assert offer == {**offer, "type": "decline", "reason": "cordoned"}
         code, _ = await raw.send("reserve", {"app": "a", "region": worker.region, "config": {"cmd": SLEEPER}})
         assert code == 503
@@ -181,8 +205,9 @@ def test_idempotency_key_returns_the_same_machine(worker_factory: Callable[..., 
     arun(main())
 
 
-def test_derived_tables_rebuilt_from_the_log_equal_the_live_ones(worker_factory: Callable[..., WorkerProcess],
-                                                                 tmp_path: Path) -> None:
+def test_derived_tables_rebuilt_from_the_log_equal_the_live_ones(
+    worker_factory: Callable[..., WorkerProcess], tmp_path: Path
+) -> None:
     worker = worker_factory(cpus=8, memory_mb=8192)
 
     async def main() -> None:
@@ -190,8 +215,15 @@ def test_derived_tables_rebuilt_from_the_log_equal_the_live_ones(worker_factory:
         raw = RawClient(nc, worker.worker_id)
         ids = []
         for i in range(6):
-            m = await raw.ok("reserve", {"app": "a", "region": worker.region, "idempotency_key": f"k{i}",
-                                         "config": {"cmd": ["sh", "-c", f"exit {i % 2}"], "restart": {"policy": "no"}}})
+            m = await raw.ok(
+                "reserve",
+                {
+                    "app": "a",
+                    "region": worker.region,
+                    "idempotency_key": f"k{i}",
+                    "config": {"cmd": ["sh", "-c", f"exit {i % 2}"], "restart": {"policy": "no"}},
+                },
+            )
             ids.append(m["id"])
         for mid in ids[:4]:
             await raw.ok("start", {"id": mid})
