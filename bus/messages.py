@@ -139,6 +139,8 @@ class ExitInfo(Reply):
     requested_stop: bool = False
     lost: bool = False
     at: float = 0.0
+    # addition: the last lines the process wrote to stderr before it ended (at most 20, each clipped)
+    stderr_tail: list[str] = []
 
 
 class CheckStatus(Reply):
