@@ -169,6 +169,9 @@ class MachineEvent(Reply):
     # (`reserve`, `update`), so the systemwide view knows a machine's release and role; and the
     # check that changed, on `check` events
     metadata: dict[str, str] | None = None
+    # addition: the instance the machine ran (or will run) when the event happened: checks belong to an
+    # instance, so a reader keeps them across an `update` that kept the instance (a relabel in place)
+    instance_id: str | None = None
     check: CheckStatus | None = None
 
 

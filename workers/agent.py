@@ -62,6 +62,7 @@ from workers.process_driver import ProcessDriver
 from workers.records import ImageRecord, LogRecord, MachineRecord, WorkerState
 from workers.store import GroupCommitter, Store
 from workers.supervision import Backoff
+from workers.tally import MachineTally
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class WorkerAgent:
         self.bus_lost: str | None = None  # why the bus connection ended for good, if it did
         self.limits_mode = ""
         self._beat_pending = False
-        self._state_of: dict[str, str] = {}
+        self.tally = MachineTally()
 
     # ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -142,7 +143,7 @@ class WorkerAgent:
         )
         self._images = frozenset(self.store.images())
         # derived from LMDB at start and kept in step by _on_commit: info() must not scan every machine
-        self._state_of = {stored.machine.id: stored.machine.state for stored in self.store.machines()}
+        self.tally = MachineTally(stored.machine for stored in self.store.machines())
         self.follower = LogFollower(self._publish_log, region=cfg.region, worker_id=cfg.worker_id)
         self.resumed = await self.manager.resume()
         for stored in self.store.machines():
@@ -210,6 +211,7 @@ class WorkerAgent:
             images=self._images,
             load=self._load,
             inflight=self.manager.inflight,
+            app_machines=self.tally.per_app,
         )
 
     async def _on_offer(self, subject: str, data: bytes) -> Any:
@@ -273,9 +275,7 @@ class WorkerAgent:
     def info(self) -> WorkerInfo:
         assert self.store is not None
         snap = self.snapshot()
-        states: dict[str, int] = {}
-        for state in self._state_of.values():
-            states[state] = states.get(state, 0) + 1
+        states = self.tally.state_counts()
         return WorkerInfo(
             worker_id=snap.worker_id,
             region=snap.region,
@@ -301,7 +301,7 @@ class WorkerAgent:
         for record in records:
             if isinstance(record, MachineRecord):
                 machine = record.stored.machine
-                self._state_of[machine.id] = machine.state
+                self.tally.update(machine)
                 self.outbox.committed(record)
                 if record.op in ("reserve", "destroyed", "update"):
                     self._beat_soon()

@@ -210,6 +210,7 @@ class MachineManager:
                 worker_id=machine.worker_id,
                 metadata=dict(machine.config.metadata) if kind == "update" else None,
                 check=check,
+                instance_id=machine.instance_id,
             )
         )
 
@@ -350,6 +351,7 @@ class MachineManager:
                     f"{self.config.cpus - usage.cpus} cpus/{self.config.memory_mb - usage.memory_mb} MB free"
                 )
             stamp = iso(tx.now)
+            instance_id = new_instance_id(tx.now)
             stored = StoredMachine(
                 machine=Machine(
                     id=machine_id,
@@ -359,7 +361,7 @@ class MachineManager:
                     worker_id=self.config.worker_id,
                     state="created",
                     config=request.config,
-                    instance_id=new_instance_id(tx.now),
+                    instance_id=instance_id,
                     created_at=stamp,
                     updated_at=stamp,
                     port=port,
@@ -378,6 +380,7 @@ class MachineManager:
                     region=request.region,
                     worker_id=self.config.worker_id,
                     metadata=dict(request.config.metadata),
+                    instance_id=instance_id,
                 )
             )
             return tx.put_machine(stored, "reserve")

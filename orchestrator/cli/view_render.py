@@ -128,12 +128,15 @@ def workers_table(workers: list[model.WorkerRow], now: float) -> Table:
 
 def machines_table(machines: list[model.MachineRow]) -> Table:
     table = Table(title="machines", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-    for col in ("id", "app", "region", "worker", "state", "release", "role", "checks"):
+    table.add_column("id", no_wrap=True, min_width=14)  # ids are what people copy: never cut
+    for col in ("app", "region", "worker", "state", "release", "role", "checks"):
         table.add_column(col, no_wrap=True, overflow="ellipsis")
     for m in machines:
         state = styled(m.state)
         if m.state in ("stopped", "failed") and m.exit_code is not None:
             state += f" ({m.exit_code})"
+        if m.host_status != "ok":
+            state += f" [red]host {m.host_status}[/]"  # as its worker last said; the host is not answering
         checks = ",".join(f"{name}:{styled(status)}" for name, status in sorted(m.checks.items())) or "-"
         table.add_row(m.id, m.app, m.region, m.worker_id, state, m.release or "-", m.role or "-", checks)
     return table

@@ -46,8 +46,11 @@ class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     - `cpu_weight` = `memory_weight` = 1.0: neither resource dominates by default.
     - `image_bonus` 0.25 per cached image: skipping a pull is worth about 20 points of utilization
       on one curve; enough to win a near tie, not enough to overfill a worker.
-    - `spread_penalty` 0.1 per machine of the same app already on the worker: anti-affinity, so one
-      worker's loss takes few of an app's machines; a soft nudge, smaller than the image bonus.
+    - `spread_penalty` 0.5 per machine of the same app already on the worker: anti-affinity, so one
+      worker's loss takes as few of an app's machines as the region allows. It must beat what the
+      curves give for filling a worker further (placing a second 1-cpu guest on a 4-cpu worker gains
+      about 0.3), so an app's machines land on distinct workers while there are free ones, and only
+      share a worker when the others are much worse off (full or far past the peak).
     - `load_weight` 0.1 per unit of `Offer.load` (load average per cpu; workers decline at 8 by
       default): a busy host loses ties against an idle one with the same bookings.
     """
@@ -57,7 +60,7 @@ class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     cpu_weight: float = 1.0
     memory_weight: float = 1.0
     image_bonus: float = 0.25
-    spread_penalty: float = 0.1
+    spread_penalty: float = 0.5
     load_weight: float = 0.1
 
     def __post_init__(self) -> None:

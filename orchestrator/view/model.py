@@ -14,6 +14,7 @@ from bus.messages import Resources
 # worker status in the view: `ready` and `cordoned` are beating; `lost` stopped beating (its key
 # expired or was deleted, or its last heartbeat is older than the registry's TTL)
 READY, CORDONED, LOST = "ready", "cordoned", "lost"
+HOST_OK, UNREACHABLE = "ok", "unreachable"  # a machine's host status (Fly's `host_status`)
 
 # the machine label keys the deploy reconciler writes into `config.metadata`
 RELEASE_KEY = "fauxmad_release"
@@ -56,13 +57,14 @@ class MachineRow(Record, frozen=True, kw_only=True):
     region: str
     worker_id: str
     state: str
-    release: str = ""
-    role: str = ""
-    checks: dict[str, str] = {}
+    release: str | None = None
+    role: str | None = None
+    checks: dict[str, str] = {}  # the last known results (of a machine on an unreachable host, too)
     check_status: str = ""  # the worst of `checks`, "" when the machine has none
     exit_code: int | None = None
     version: int = 0  # the worker's log sequence of the last event the view applied
     updated_at: float = 0.0  # epoch milliseconds, as events carry them
+    host_status: str = HOST_OK  # "ok" | "unreachable" (its worker's heartbeat expired: state and checks as last known)
 
 
 class EventRow(Record, frozen=True, kw_only=True):

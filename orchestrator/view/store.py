@@ -31,6 +31,7 @@ from orchestrator.view.model import (
     LOST,
     READY,
     RELEASE_KEY,
+    UNREACHABLE,
     EventRow,
     MachineGroup,
     MachineRow,
@@ -43,7 +44,7 @@ from orchestrator.view.model import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 LOST_SHOWN_FOR = 3600.0  # a lost worker with no machines left is shown for an hour, then only kept
 
 _SCHEMA = """
@@ -60,6 +61,7 @@ CREATE TABLE machines (
     state TEXT NOT NULL, version INTEGER NOT NULL, stream_seq INTEGER NOT NULL,
     release TEXT NOT NULL DEFAULT '', role TEXT NOT NULL DEFAULT '', labels_version INTEGER NOT NULL DEFAULT -1,
     checks TEXT NOT NULL DEFAULT '{}', exit_code INTEGER, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+    instance_id TEXT,
     PRIMARY KEY (worker_id, id)
 );
 CREATE INDEX machines_by_app ON machines (app);
@@ -265,9 +267,10 @@ class ViewStore:
         """
         self.db.execute("BEGIN")
         try:
-            rows = self._machines(app, include_destroyed) if machines else []
-            groups = self._groups(app)
             workers = self._workers(now, ttl, app)
+            rows = self._machines(app, include_destroyed) if machines else []
+            rows = _with_host_status(rows, workers)
+            groups = self._groups(app)
             tail = self._events(app, events)
             apps = [row[0] for row in self.db.execute("SELECT name FROM apps ORDER BY name")]
             stream_seq = self.last_seq
@@ -295,6 +298,8 @@ class ViewStore:
         out = []
         for row in rows:
             row["checks"] = json.loads(row["checks"])
+            row["release"] = row["release"] or None
+            row["role"] = row["role"] or None
             out.append(MachineRow(**row, check_status=worst_check(row["checks"])))
         return out
 
@@ -405,7 +410,8 @@ def _fold_machine(db: sqlite3.Connection, stream_seq: int, event: MachineEvent) 
     """A machine's row follows its worker's newest event; a row is per worker, the source of truth for it."""
     key = (event.worker_id, event.machine_id)
     row = db.execute(
-        "SELECT version, stream_seq, labels_version, checks FROM machines WHERE worker_id = ? AND id = ?", key
+        "SELECT version, stream_seq, labels_version, checks, instance_id FROM machines WHERE worker_id = ? AND id = ?",
+        key,
     ).fetchone()
     if row is None:
         db.execute(
@@ -413,14 +419,15 @@ def _fold_machine(db: sqlite3.Connection, stream_seq: int, event: MachineEvent) 
             " VALUES (?, ?, ?, ?, '', -1, 0, ?, ?)",
             (*key, event.app, event.region, event.timestamp, event.timestamp),
         )
-        row = (-1, 0, -1, "{}")
-    version, newest, labels_version, checks_json = row
+        row = (-1, 0, -1, "{}", None)
+    version, newest, labels_version, checks_json, instance_id = row
     if (event.seq, stream_seq) > (version, newest):
-        checks = json.dumps(_checks_after(event, json.loads(checks_json)), sort_keys=True)
+        checks = json.dumps(_checks_after(event, json.loads(checks_json), instance_id), sort_keys=True)
         db.execute(
             "UPDATE machines SET state = ?, version = ?, stream_seq = ?, checks = ?,"
-            " exit_code = coalesce(?, exit_code), updated_at = ? WHERE worker_id = ? AND id = ?",
-            (event.status, event.seq, stream_seq, checks, _exit_code(event), event.timestamp, *key),
+            " exit_code = coalesce(?, exit_code), updated_at = ?, instance_id = coalesce(?, instance_id)"
+            " WHERE worker_id = ? AND id = ?",
+            (event.status, event.seq, stream_seq, checks, _exit_code(event), event.timestamp, event.instance_id, *key),
         )
     else:  # an older event arriving late only tells how old the machine is
         db.execute(
@@ -434,11 +441,26 @@ def _fold_machine(db: sqlite3.Connection, stream_seq: int, event: MachineEvent) 
         )
 
 
-def _checks_after(event: MachineEvent, checks: dict[str, str]) -> dict[str, str]:
-    """The worker forgets check results when a machine stops running or gets a new config: so does the view."""
+def _with_host_status(rows: list[MachineRow], workers: list[WorkerRow]) -> list[MachineRow]:
+    """A machine on a worker that stopped beating is as its worker last said, on a host we cannot reach
+    (Fly's `host_status`): its state and checks are the last known, not the present."""
+    reachable = {w.worker_id for w in workers if w.status != LOST}
+    return [
+        row if row.worker_id in reachable else msgspec.structs.replace(row, host_status=UNREACHABLE) for row in rows
+    ]
+
+
+def _checks_after(event: MachineEvent, checks: dict[str, str], instance_id: str | None) -> dict[str, str]:
+    """The worker forgets check results when a machine stops running or gets a new config: so does the view.
+
+    A relabel in place (an `update` that keeps the running instance) keeps them, as the worker does.
+    """
     if event.type == "check" and event.check is not None:
         return {**checks, event.check.name: event.check.status}
-    if event.type == "update" or (event.type == "transition" and event.status != "started"):
+    if event.type == "update":
+        kept = event.instance_id is not None and event.instance_id == instance_id
+        return checks if kept else {}
+    if event.type == "transition" and event.status != "started":
         return {}
     return checks
 

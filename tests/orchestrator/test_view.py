@@ -227,6 +227,7 @@ def test_status_json_shape_is_stable(store: ViewStore) -> None:
         "exit_code",
         "version",
         "updated_at",
+        "host_status",
     }
     assert shape["view"] == {"path": "/tmp/v", "stream_seq": 1, "taken_at": now}
 
