@@ -8,11 +8,12 @@ python := env_var_or_default("PYTHON", "python3")
 test *args:
     {{python}} -m pytest -q {{args}}
 
-# ruff and mypy
+# ruff (lint and format), mypy, and the layering contracts (import-linter)
 lint:
     ruff check .
     ruff format --check .
     mypy
+    lint-imports
 
 # start a dev fleet, run the sample app in three regions, show where it landed, stop
 demo *args:

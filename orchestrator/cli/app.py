@@ -10,7 +10,7 @@ import typer
 try:  # typer >= 0.29 vendors click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # pragma: no cover - older typer depends on click itself
-    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[no-redef,import-not-found,unused-ignore]
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[no-redef,import-not-found,unused-ignore,assignment]
 
 from bus.errors import BadRequest, FauxmadError
 from orchestrator.cli.runtime import CliError
