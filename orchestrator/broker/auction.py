@@ -149,7 +149,7 @@ class Auction:
             )
             replies, considered = gathered.replies, live
             asked = sorted(live)
-        ranking = rank(request, replies, considered, self.config.placement)
+        ranking = rank(request, replies, considered, self.config.placement, tie_break=self.rng)
         return Outcome(
             region=region,
             strategy=strategy,

@@ -31,11 +31,28 @@ SLEEP = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=64))
 
 @pytest.fixture
 def fleet() -> Iterator[DevFleet]:
-    # ties go to the first worker by id, so `a-w1` wins an empty region; the long offer deadline is what
-    # lets the test freeze it between its offer and its reserve
+    # the long offer deadline is what lets the test freeze the winner between its offer and its reserve
     spec = FleetSpec(regions=["a"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=1, deadline_ms=1500)
     with DevFleet(spec) as running:
         yield running
+
+
+async def crowd(fleet: DevFleet, app: str) -> set[str]:
+    """Two machines of `app` on each of `a-w2` and `a-w3`, straight on the workers: the spread penalty then
+    makes `a-w1` the winner of the app's next auction. Returns their `worker/id`s."""
+    nc = await nats.connect(fleet.url)
+    placed = set()
+    try:
+        for worker_id in ("a-w2", "a-w2", "a-w3", "a-w3"):
+            payload = {"app": app, "region": "a", "config": {"cmd": ["true"], "guest": {"cpus": 1, "memory_mb": 64}}}
+            msg = await nc.request(
+                f"fauxmad.v1.worker.{worker_id}.machines.reserve", msgspec.json.encode(payload), timeout=5
+            )
+            assert not msg.headers, msg.data
+            placed.add(f"{worker_id}/{msgspec.json.decode(msg.data)['id']}")
+    finally:
+        await nc.close()
+    return placed
 
 
 def pid_of(fleet: DevFleet, name: str) -> int:
@@ -89,11 +106,14 @@ async def machines_everywhere(fleet: DevFleet, app: str) -> dict[str, list[str]]
         await nc.close()
 
 
-async def settle(fleet: DevFleet, app: str) -> dict[str, list[str]]:
-    """The three views once the workers' outboxes have caught up (a frozen worker publishes late)."""
+async def settle(fleet: DevFleet, app: str, crowd: set[str]) -> dict[str, list[str]]:
+    """The three views (less the crowd) once the workers' outboxes have caught up (a frozen one publishes late)."""
     deadline = time.monotonic() + 10
     while True:
-        seen = await machines_everywhere(fleet, app)
+        seen = {
+            view: [m for m in found if m not in crowd]
+            for view, found in (await machines_everywhere(fleet, app)).items()
+        }
         if seen["workers"] == seen["index"] == seen["events"] or time.monotonic() > deadline:
             return seen
         await asyncio.sleep(0.2)
@@ -101,6 +121,7 @@ async def settle(fleet: DevFleet, app: str) -> dict[str, list[str]]:
 
 def test_a_frozen_winner_leaves_one_machine_per_key(fleet: DevFleet) -> None:
     async def main() -> None:
+        crowded = await crowd(fleet, "frozen")
         client = await FleetClient.connect(fleet.url)
         try:
             winner = pid_of(fleet, "worker-a-w1")
@@ -124,7 +145,7 @@ def test_a_frozen_winner_leaves_one_machine_per_key(fleet: DevFleet) -> None:
         assert again.id == machine.id
         attempts = machine.explain["attempts"]  # type: ignore[index]
         assert attempts[0]["worker_id"] == "a-w1", attempts  # the frozen worker did win the auction
-        seen = await settle(fleet, "frozen")
+        seen = await settle(fleet, "frozen", crowded)
         assert seen["workers"] == [f"{machine.worker_id}/{machine.id}"], (seen, attempts, took)
         assert seen["index"] == seen["workers"] and seen["events"] == seen["workers"], seen
 
@@ -133,6 +154,7 @@ def test_a_frozen_winner_leaves_one_machine_per_key(fleet: DevFleet) -> None:
 
 def test_a_worker_that_stays_silent_is_an_unknown_outcome_and_the_retry_finds_out(fleet: DevFleet) -> None:
     async def main() -> None:
+        crowded = await crowd(fleet, "silent")
         client = await FleetClient.connect(fleet.url)
         request = CreateRequest(region="a", config=SLEEP, skip_launch=True, idempotency_key="silent-1")
         try:
@@ -153,7 +175,7 @@ def test_a_worker_that_stays_silent_is_an_unknown_outcome_and_the_retry_finds_ou
         finally:
             await client.close()
         assert again.id == machine.id
-        seen = await settle(fleet, "silent")
+        seen = await settle(fleet, "silent", crowded)
         assert seen["workers"] == [f"{machine.worker_id}/{machine.id}"], seen
         assert seen["index"] == seen["workers"] and seen["events"] == seen["workers"], seen
 
