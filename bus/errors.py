@@ -1,4 +1,8 @@
-"""Errors that travel: each carries the HTTP-like code of the error contract and says if a retry helps.
+"""Errors that travel: each carries the HTTP-like code of the error contract and its retry rule.
+
+`retry_after` is the rule (kopf's `TemporaryError(delay=...)`): the seconds a caller should wait before
+sending the same request again, or `None` when the same request will fail the same way. Callers
+branch on the type and this rule, never on the message.
 
 A handler raises one of these; the service edge (`bus.service`) turns it into the contract's error
 reply, and `raise_for_reply` turns such a reply back into the same class on the caller's side. So
@@ -14,7 +18,7 @@ class FauxmadError(Exception):
     """Base of every error that can cross the bus."""
 
     code: ClassVar[int] = 500
-    retryable: ClassVar[bool] = False
+    retry_after: ClassVar[float | None] = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -46,12 +50,12 @@ class NoCapacity(FauxmadError):
     """The order was not filled: nothing was reserved. Another region or a smaller guest may fit."""
 
     code = 503
-    retryable = True
+    retry_after = 1.0
 
 
 class DeadlineExceeded(FauxmadError):
     code = 504
-    retryable = True
+    retry_after = 0.5
 
 
 class InternalError(FauxmadError):
@@ -59,15 +63,20 @@ class InternalError(FauxmadError):
 
 
 class Unreachable(FauxmadError):
-    """Nobody answered on the bus: no one listens on the subject, so the request was not delivered."""
+    """Nobody answered on the bus: no one listens on the subject, so the request was not delivered.
 
-    code = 503
-    retryable = True
+    Its own code (502, the gateway's "the one behind me did not answer"), so a dead worker never reaches
+    a user as "no capacity"."""
+
+    code = 502
+    retry_after = 0.25
 
 
 class Unanswered(Unreachable):
     """No answer within the timeout. Unlike a refusal, the request may have been carried out: a caller
     that must not do a thing twice (reserve a machine) has to find out before it tries elsewhere."""
+
+    retry_after = 0.0  # at once, with the same idempotency key: the retry finds out what happened
 
 
 _BY_CODE: dict[int, type[FauxmadError]] = {
@@ -75,6 +84,7 @@ _BY_CODE: dict[int, type[FauxmadError]] = {
     404: NotFound,
     409: Conflict,
     412: StaleVersion,
+    502: Unreachable,
     503: NoCapacity,
     504: DeadlineExceeded,
     500: InternalError,

@@ -10,7 +10,7 @@ import pytest
 
 from bus import subjects
 from bus.codec import decode, encode
-from bus.errors import BadRequest, Conflict, NoCapacity, NotFound, Unreachable
+from bus.errors import BadRequest, Conflict, NoCapacity, NotFound, Unreachable, error_for_code
 from bus.messages import Decline, Offer, OfferReply, OfferRequest, ReserveRequest, Resources, seconds
 from bus.scatter import Scatterer
 from bus.service import ERROR_CODE_HEADER, ERROR_HEADER, Responder, call, request
@@ -116,6 +116,7 @@ def test_scatter_gathers_until_expected_or_deadline(nats_url: str) -> None:
     arun(main())
 
 
-def test_no_capacity_is_retryable_and_bad_request_is_not() -> None:
-    assert NoCapacity.retryable and not BadRequest.retryable
-    assert NoCapacity("x").code == 503
+def test_errors_carry_their_retry_rule_and_unreachable_is_not_no_capacity() -> None:
+    assert NoCapacity.retry_after is not None and BadRequest.retry_after is None
+    assert NoCapacity("x").code == 503 and Unreachable("x").code == 502
+    assert type(error_for_code(502, "x")) is Unreachable and type(error_for_code(503, "x")) is NoCapacity
