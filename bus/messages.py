@@ -346,6 +346,34 @@ class UpdateRequest(Request):
     timeout: Seconds = 10.0
 
 
+# addition: run a command in a started machine's environment, working directory and limits
+EXEC_MAX_OUTPUT = 32 * 1024  # bytes of stdout and of stderr kept (each); the rest is read and dropped
+
+
+class ExecRequest(Request):
+    id: MachineId
+    cmd: Annotated[list[str], msgspec.Meta(min_length=1, max_length=4096)]
+    timeout: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+
+    def __post_init__(self) -> None:
+        if any("\0" in part for part in self.cmd):
+            raise ValueError("cmd must not contain NUL bytes")
+        if not self.cmd[0]:
+            raise ValueError("cmd[0] must not be empty")
+
+
+class ExecReply(Reply):
+    """How an `exec` ended: `exit_code` (None when killed by a signal or the timeout), its output (each
+    stream at most `EXEC_MAX_OUTPUT` bytes, decoded as UTF-8 with replacement; `truncated` says if any was cut)."""
+
+    exit_code: int | None = None
+    signal: int | None = None
+    timed_out: bool = False
+    stdout: str = ""
+    stderr: str = ""
+    truncated: bool = False
+
+
 # ---------------------------------------------------------------------------------------------------
 # Broker API (contract)
 
@@ -360,6 +388,8 @@ class CreateRequest(Request):
     strategy: Literal["scatter", "p2c", "hedged"] | None = None
     # addition: workers that must not get this machine (a spare away from its primary, a drained host)
     avoid_workers: list[Token] = []
+    # addition: workers it should get only if no other has room (a penalty in the ranking, not a filter)
+    prefer_away: list[Token] = []
 
 
 class SimulateRequest(Request):

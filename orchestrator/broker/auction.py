@@ -131,12 +131,22 @@ class Auction:
         self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------------------------------
-    async def rank(self, app: str, region: str, guest: OfferGuest, image: str | None, strategy: str) -> Outcome:
+    async def rank(
+        self,
+        app: str,
+        region: str,
+        guest: OfferGuest,
+        image: str | None,
+        strategy: str,
+        *,
+        avoid: frozenset[str] = frozenset(),
+        away: frozenset[str] = frozenset(),
+    ) -> Outcome:
         request = OfferRequest(app=app, region=region, guest=guest, image=image)
         live = self.registry.live_ids(region)
         started = time.perf_counter()
-        if strategy == "p2c" and len(live) > 2:
-            asked = sample_two(sorted(live), self.rng)
+        if strategy == "p2c" and len(live - avoid) > 2:
+            asked = sample_two(sorted(live - avoid), self.rng)  # two it may place on
             replies = await self._ask_each(asked, request)
             considered = set(asked)
         else:
@@ -149,7 +159,7 @@ class Auction:
             )
             replies, considered = gathered.replies, live
             asked = sorted(live)
-        ranking = rank(request, replies, considered, self.config.placement, tie_break=self.rng)
+        ranking = rank(request, replies, considered, self.config.placement, tie_break=self.rng, avoid=avoid, away=away)
         return Outcome(
             region=region,
             strategy=strategy,
@@ -199,12 +209,17 @@ class Auction:
             memory_mb=request.config.guest.memory_mb,
             cpu_kind=request.config.guest.cpu_kind,
         )
-        outcome = await self.rank(app, request.region, guest, request.config.image, strategy)
+        outcome = await self.rank(
+            app,
+            request.region,
+            guest,
+            request.config.image,
+            strategy,
+            avoid=frozenset(request.avoid_workers),
+            away=frozenset(request.prefer_away),
+        )
         reserve = self.reserve_request(app, request, machine_id, not_after)
-        avoid = set(request.avoid_workers)
-        candidates = [c.worker_id for c in outcome.ranking.candidates if c.worker_id not in avoid]
-        for worker_id in sorted(avoid & {c.worker_id for c in outcome.ranking.candidates}):
-            outcome.attempts.append(Attempt(worker_id=worker_id, outcome="skipped: avoid_workers"))
+        candidates = [c.worker_id for c in outcome.ranking.candidates]  # `avoid` is a filter of the chain
         if strategy == "hedged" and len(candidates) >= 2:
             machine = await self._reserve_hedged(candidates, reserve, outcome)
         else:

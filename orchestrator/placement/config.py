@@ -31,7 +31,7 @@ DEFAULT_CPU_CURVE: Curve = ((0.0, 0.2), (0.7, 1.0), (1.0, 0.6))
 DEFAULT_MEMORY_CURVE: Curve = ((0.0, 0.2), (0.7, 1.0), (1.0, 0.4))
 
 CURVE_KEYS = ("cpu_curve", "memory_curve")
-WEIGHT_KEYS = ("cpu_weight", "memory_weight", "image_bonus", "spread_penalty", "load_weight")
+WEIGHT_KEYS = ("cpu_weight", "memory_weight", "image_bonus", "spread_penalty", "load_weight", "away_penalty")
 
 
 class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -51,6 +51,8 @@ class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
       curves give for filling a worker further (placing a second 1-cpu guest on a 4-cpu worker gains
       about 0.3), so an app's machines land on distinct workers while there are free ones, and only
       share a worker when the others are much worse off (full or far past the peak).
+    - `away_penalty` 10 on a worker the create would rather not get (`prefer_away`): more than the curves,
+      the image bonus and any likely spread penalty together, so it only wins when nothing else can.
     - `load_weight` 0.1 per unit of `Offer.load` (load average per cpu; workers decline at 8 by
       default): a busy host loses ties against an idle one with the same bookings.
     """
@@ -62,6 +64,7 @@ class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     image_bonus: float = 0.25
     spread_penalty: float = 0.5
     load_weight: float = 0.1
+    away_penalty: float = 10.0
 
     def __post_init__(self) -> None:
         for key in CURVE_KEYS:

@@ -16,21 +16,29 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from bus.messages import Offer, OfferRequest
+from bus.messages import Offer
+from orchestrator.placement.ask import Ask
 
-Filter = Callable[[OfferRequest, Offer], str | None]
+Filter = Callable[[Ask, Offer], str | None]
 
 NO_ANSWER = "no answer within deadline"
 
 
-def same_region(request: OfferRequest, offer: Offer) -> str | None:
+def same_region(request: Ask, offer: Offer) -> str | None:
     """A machine for R is never placed in another region (contract), even if a stray worker answers."""
     if offer.region != request.region:
         return f"wrong region: worker is in {offer.region!r}, request is for {request.region!r}"
     return None
 
 
-def consistent_numbers(request: OfferRequest, offer: Offer) -> str | None:
+def not_avoided(request: Ask, offer: Offer) -> str | None:
+    """The create named this worker in `avoid_workers` (a spare away from its primary, a drained host)."""
+    if offer.worker_id in request.avoid:
+        return "avoided: the create asked for another worker (avoid_workers)"
+    return None
+
+
+def consistent_numbers(request: Ask, offer: Offer) -> str | None:
     """Numbers the scorers can trust: capacity > 0, 0 <= free <= capacity, a finite load >= 0."""
     for name, capacity, free in (
         ("cpus", offer.capacity.cpus, offer.free.cpus),
@@ -45,13 +53,13 @@ def consistent_numbers(request: OfferRequest, offer: Offer) -> str | None:
     return None
 
 
-def enough_cpus(request: OfferRequest, offer: Offer) -> str | None:
+def enough_cpus(request: Ask, offer: Offer) -> str | None:
     if offer.free.cpus < request.guest.cpus:
         return f"insufficient cpus: needs {request.guest.cpus}, {offer.free.cpus} free"
     return None
 
 
-def enough_memory(request: OfferRequest, offer: Offer) -> str | None:
+def enough_memory(request: Ask, offer: Offer) -> str | None:
     if offer.free.memory_mb < request.guest.memory_mb:
         return f"insufficient memory: needs {request.guest.memory_mb} MB, {offer.free.memory_mb} MB free"
     return None
@@ -60,13 +68,14 @@ def enough_memory(request: OfferRequest, offer: Offer) -> str | None:
 # Name -> filter, in the order the stack runs them (see `stack.py` for why this order).
 FILTERS: tuple[tuple[str, Filter], ...] = (
     ("region", same_region),
+    ("avoid", not_avoided),
     ("consistent", consistent_numbers),
     ("cpus", enough_cpus),
     ("memory", enough_memory),
 )
 
 
-def first_failure(request: OfferRequest, offer: Offer) -> tuple[str, str] | None:
+def first_failure(request: Ask, offer: Offer) -> tuple[str, str] | None:
     """The first filter that rules the offer out, as `(filter name, reason)`, or None if feasible."""
     for name, check in FILTERS:
         reason = check(request, offer)

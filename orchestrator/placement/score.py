@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bus.messages import Offer, OfferRequest, Resources
+from bus.messages import Offer, Resources
+from orchestrator.placement.ask import Ask
 from orchestrator.placement.config import PlacementConfig, interpolate
 
-Scorer = Callable[[OfferRequest, Offer, PlacementConfig], float]
+Scorer = Callable[[Ask, Offer, PlacementConfig], float]
 
 
 def utilization_after(capacity: int, free: int, guest: int) -> float:
@@ -21,36 +22,43 @@ def utilization_after(capacity: int, free: int, guest: int) -> float:
     return (capacity - free + guest) / capacity
 
 
-def free_after(request: OfferRequest, offer: Offer) -> Resources:
+def free_after(request: Ask, offer: Offer) -> Resources:
     return Resources(
         cpus=offer.free.cpus - request.guest.cpus,
         memory_mb=offer.free.memory_mb - request.guest.memory_mb,
     )
 
 
-def cpu(request: OfferRequest, offer: Offer, config: PlacementConfig) -> float:
+def cpu(request: Ask, offer: Offer, config: PlacementConfig) -> float:
     used = utilization_after(offer.capacity.cpus, offer.free.cpus, request.guest.cpus)
     return config.cpu_weight * interpolate(config.cpu_curve, used)
 
 
-def memory(request: OfferRequest, offer: Offer, config: PlacementConfig) -> float:
+def memory(request: Ask, offer: Offer, config: PlacementConfig) -> float:
     used = utilization_after(offer.capacity.memory_mb, offer.free.memory_mb, request.guest.memory_mb)
     return config.memory_weight * interpolate(config.memory_curve, used)
 
 
-def image(request: OfferRequest, offer: Offer, config: PlacementConfig) -> float:
+def image(request: Ask, offer: Offer, config: PlacementConfig) -> float:
     """A bonus when the worker already has the image: the machine starts without a pull."""
     return config.image_bonus if request.image is not None and offer.image_cached else 0.0
 
 
-def spread(request: OfferRequest, offer: Offer, config: PlacementConfig) -> float:
+def spread(request: Ask, offer: Offer, config: PlacementConfig) -> float:
     """Anti-affinity: a penalty per machine of the same app already on the worker."""
     return 0.0 - config.spread_penalty * offer.app_machines
 
 
-def load(request: OfferRequest, offer: Offer, config: PlacementConfig) -> float:
+def load(request: Ask, offer: Offer, config: PlacementConfig) -> float:
     """A penalty for a busy host (load average per cpu), which bookings alone do not show."""
     return 0.0 - config.load_weight * offer.load
+
+
+def away(request: Ask, offer: Offer, config: PlacementConfig) -> float:
+    """A penalty on the workers the create would rather not get (`prefer_away`): big enough that any
+    other feasible worker wins, yet the worker stays a candidate, so an order is still filled there
+    rather than refused (Nomad's `node-reschedule-penalty`)."""
+    return 0.0 - config.away_penalty if offer.worker_id in request.away else 0.0
 
 
 # Name -> scorer; every name appears in every candidate's subscores, zero or not.
@@ -60,8 +68,9 @@ SCORERS: tuple[tuple[str, Scorer], ...] = (
     ("image", image),
     ("spread", spread),
     ("load", load),
+    ("away", away),
 )
 
 
-def subscores(request: OfferRequest, offer: Offer, config: PlacementConfig) -> dict[str, float]:
+def subscores(request: Ask, offer: Offer, config: PlacementConfig) -> dict[str, float]:
     return {name: scorer(request, offer, config) for name, scorer in SCORERS}

@@ -8,8 +8,8 @@ worker exactly once, in this order, and each step says why it comes where it doe
    to filter or score, and the broker must not wait for it (immediate-or-cancel).
 2. Declines. The worker's own word is the authority on itself (cordoned, overloaded, full), so its
    reason is kept verbatim and nothing else is checked.
-3. Region. The contract's hard rule (never place a machine for R elsewhere) goes before everything
-   that only asks "how well".
+3. Region, then the create's own hard rule (`avoid`). The contract's rule (never place a machine for
+   R elsewhere) and the caller's go before everything that only asks "how well".
 4. Consistency, then fit. The numbers are checked before they are used: the fit checks and the
    scorers can then trust capacity > 0 and 0 <= free <= capacity.
 5. Scores, only for feasible offers: they are the costly part, and a score of a worker that cannot
@@ -34,6 +34,7 @@ from collections.abc import Set as AbstractSet
 import msgspec
 
 from bus.messages import Decline, Offer, OfferRequest, Resources
+from orchestrator.placement.ask import Ask
 from orchestrator.placement.config import PlacementConfig
 from orchestrator.placement.feasible import NO_ANSWER, first_failure
 from orchestrator.placement.score import free_after, subscores
@@ -77,13 +78,20 @@ def rank(
     config: PlacementConfig,
     *,
     tie_break: random.Random | None = None,
+    avoid: AbstractSet[str] = frozenset(),
+    away: AbstractSet[str] = frozenset(),
 ) -> Ranking:
-    """Judge every worker of the auction once and order the feasible ones, best first."""
+    """Judge every worker of the auction once and order the feasible ones, best first.
+
+    `avoid`: workers the create must not get (filter `avoid`); `away`: workers it would rather not get
+    (scorer `away`). See `ask.py`.
+    """
+    ask = Ask.of(request, avoid=avoid, away=away)
     answers = _first_reply_per_worker(replies)
     rejected = [Rejection(worker_id=w, reason=NO_ANSWER, filter="deadline") for w in live_workers - answers.keys()]
     candidates: list[Candidate] = []
     for worker_id in sorted(answers):  # sorted: a seeded tie-break must not depend on arrival order
-        verdict = judge(request, answers[worker_id], config)
+        verdict = judge(ask, answers[worker_id], config)
         if isinstance(verdict, Candidate):
             candidates.append(verdict)
         else:
@@ -96,7 +104,7 @@ def rank(
     )
 
 
-def judge(request: OfferRequest, reply: Offer | Decline, config: PlacementConfig) -> Candidate | Rejection:
+def judge(request: Ask, reply: Offer | Decline, config: PlacementConfig) -> Candidate | Rejection:
     """One worker's verdict: steps 2 to 5 of the chain described above."""
     match reply:
         case Decline(worker_id=worker_id, reason=reason):

@@ -1,0 +1,36 @@
+"""What the chain judges offers against: the request the workers saw, and the create's rules about workers.
+
+Workers answer an `OfferRequest` (app, region, guest, image). A create may also name workers it must not
+get (`avoid_workers`: a spare off its primary's host, a drained host) and workers it would rather not get
+(`prefer_away`: only if nothing else has room). Those rules concern the broker's choice alone, so they never
+travel to the workers; they enter the chain here, as one filter (`avoid`) and one scorer (`away`), and so
+appear in `explain` like every other rule (Nomad's `node-reschedule-penalty` is such a scorer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from bus.messages import OfferGuest, OfferRequest
+
+
+class Ask(msgspec.Struct, frozen=True, kw_only=True):
+    app: str
+    region: str
+    guest: OfferGuest
+    image: str | None = None
+    avoid: frozenset[str] = frozenset()
+    away: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, request: OfferRequest, *, avoid: Iterable[str] = (), away: Iterable[str] = ()) -> Ask:
+        return cls(
+            app=request.app,
+            region=request.region,
+            guest=request.guest,
+            image=request.image,
+            avoid=frozenset(avoid),
+            away=frozenset(away),
+        )

@@ -1,0 +1,38 @@
+"""The create's own rules about workers are part of the chain: `avoid` a filter, `away` a scorer, both explained.
+
+Before, `avoid_workers` was applied after ranking in the auction and `prefer_away` re-ran the whole auction
+in the executor on a 503, invisible to `explain`.
+"""
+
+from __future__ import annotations
+
+from orchestrator.placement import PlacementConfig, explain, rank
+from tests.orchestrator.test_placement import CONFIG, ids, offer, request
+
+
+def test_avoided_workers_are_rejected_by_name() -> None:
+    ranking = rank(request(), [offer("a"), offer("b")], {"a", "b"}, CONFIG, avoid={"a"})
+    assert ids(ranking) == ["b"]
+    [rejected] = ranking.rejected
+    assert (rejected.worker_id, rejected.filter) == ("a", "avoid")
+    report = {w.worker_id: w for w in explain(ranking).workers}
+    assert report["a"].outcome == "rejected" and "avoid_workers" in (report["a"].reason or "")
+
+
+def test_away_is_a_penalty_that_loses_to_any_other_room_and_wins_over_none() -> None:
+    # `a` is the better worker by far (an empty one is worse on the curves than a half-full one)
+    replies = [offer("a", free_cpus=4), offer("b", free_cpus=8)]
+    assert ids(rank(request(), replies, {"a", "b"}, CONFIG))[0] == "a"
+    ranking = rank(request(), replies, {"a", "b"}, CONFIG, away={"a"})
+    assert ids(ranking) == ["b", "a"]
+    assert ranking.candidates[1].subscores["away"] == -CONFIG.away_penalty
+    assert ranking.candidates[0].subscores["away"] == 0.0
+    # only the worker to stay away from has room: the order is still filled there
+    alone = rank(request(), [offer("a"), offer("b", free_cpus=0)], {"a", "b"}, CONFIG, away={"a"})
+    assert ids(alone) == ["a"]
+
+
+def test_the_away_penalty_is_configuration() -> None:
+    config = PlacementConfig.from_mapping({"away_penalty": 0.0})
+    replies = [offer("a", free_cpus=4), offer("b", free_cpus=8)]
+    assert ids(rank(request(), replies, {"a", "b"}, config, away={"a"}))[0] == "a"
