@@ -21,7 +21,7 @@ import msgspec
 from nats.aio.client import Client
 
 from bus import subjects
-from bus.errors import Conflict, FauxmadError, NoCapacity
+from bus.errors import FauxmadError, NoCapacity
 from bus.messages import (
     CreateRequest,
     DestroyRequest,
@@ -35,7 +35,6 @@ from bus.messages import (
 )
 from bus.service import call
 from orchestrator.apps.plan import Action, Create, Destroy, MachineAction, Promote, Start, Stop, Update
-from orchestrator.apps.spec import SPARE
 from orchestrator.client import FleetClient
 
 log = logging.getLogger(__name__)
@@ -119,9 +118,9 @@ class Executor:
             await self._leased(action.worker_id, action.id, lambda nonce: self._verb(action, nonce))
             return Result(action=action, ok=True, machine_id=action.id)
         except FauxmadError as exc:
-            quiet = isinstance(exc, Conflict) or getattr(action, "role", "") == SPARE
-            level = logging.INFO if quiet else logging.WARNING
-            log.log(level, "%s failed: %s", type(action).__name__.lower(), exc.message)
+            # the result carries the error to whoever shows it (the deploy's display, the operator's log
+            # lines); a warning here would be a second, Python-formatted copy on stderr
+            log.info("%s failed: %s", type(action).__name__.lower(), exc.message)
             machine_id = action.id if isinstance(action, MachineAction) else ""
             return Result(action=action, ok=False, machine_id=machine_id, error=exc.message, code=exc.code)
 

@@ -47,6 +47,22 @@ def health(machine: Machine) -> tuple[bool, str]:
     return not problems, "; ".join(problems)
 
 
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def ulid_time(value: str) -> float:
+    """The time (epoch seconds) in a ULID's first ten characters, as instance ids carry it; 0 if it is none."""
+    if len(value) != 26:
+        return 0.0
+    ms = 0
+    for char in value[:10].upper():
+        digit = _CROCKFORD.find(char)
+        if digit < 0:
+            return 0.0
+        ms = ms * 32 + digit
+    return ms / 1000
+
+
 def member(machine: Machine) -> Member:
     healthy, note = health(machine)
     return Member(
@@ -58,6 +74,8 @@ def member(machine: Machine) -> Member:
         healthy=healthy,
         note=note,
         created_at=machine.created_at,
+        exit=machine.exit,
+        instance_at=ulid_time(machine.instance_id),
     )
 
 
@@ -120,6 +138,7 @@ class Observer:
         *,
         unhealthy_since: Mapping[str, float] | None = None,
         no_room_for_spares: frozenset[str] = frozenset(),
+        exits_since: float | None = None,
     ) -> Observed:
         entries = self.index.by_app(app)
         wanted = set(regions) | {e.region for e in entries}
@@ -155,4 +174,5 @@ class Observer:
             cordoned=self.cordoned(),
             unhealthy_since=dict(unhealthy_since or {}),
             no_room_for_spares=no_room_for_spares,
+            exits_since=exits_since,
         )

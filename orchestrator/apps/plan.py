@@ -13,12 +13,13 @@ machine that took over from another one (a lost host, a drained worker).
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from bus.messages import MachineConfig
+from bus.messages import ExitInfo, MachineConfig
 from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
 
 RUNNING = ("started", "starting")
@@ -37,6 +38,8 @@ class Member(msgspec.Struct, frozen=True, kw_only=True):
     healthy: bool = False
     note: str = ""  # why it is not healthy (check output), for failure messages
     created_at: str = ""
+    exit: ExitInfo | None = None  # how its process last ended
+    instance_at: float = 0.0  # when its current instance (config) began, epoch seconds; 0: unknown
 
     @property
     def role(self) -> str:
@@ -61,6 +64,9 @@ class Observed(msgspec.Struct, frozen=True, kw_only=True):
     cordoned: frozenset[str] = frozenset()
     unhealthy_since: Mapping[str, float] = {}  # machine id -> when first seen unhealthy on the desired release
     no_room_for_spares: frozenset[str] = frozenset()  # regions where a spare just failed to place
+    # a deploy's start (epoch seconds): a primary of the release whose process ended on its own since then
+    # fails its region at once. None (the operator): exits are left to the workers' restart policies.
+    exits_since: float | None = None
 
 
 class Desired(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,9 +128,10 @@ Action = Create | Start | Stop | Update | Promote | Destroy
 
 
 class Failure(msgspec.Struct, frozen=True, kw_only=True):
-    region: str
+    region: str  # "*": the whole deploy (a timeout, an interruption)
     machine_id: str
-    reason: str
+    reason: str  # what went wrong, the same words for every machine it happened to
+    detail: str = ""  # this machine's evidence: the end of its stderr, its check's output
 
 
 class RegionStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -418,13 +425,27 @@ class _RegionPlanner:
                     )
                 )
                 continue
-            if m.state in RESTING:
+            crash = self.crashed(m)
+            if crash is not None:
+                self.failures.append(crash)
+            elif m.state in RESTING:
                 self.add(Start(id=m.id, region=self.region, worker_id=m.worker_id, reason=f"a primary is {m.state}"))
             if not self.ready(m):
                 in_flight += 1
                 self.unready.append(m.id)
-                self.check_deadline(m)
+                if crash is None:
+                    self.check_deadline(m)
         return outdated, in_flight
+
+    def crashed(self, m: Member) -> Failure | None:
+        """A primary of the release whose current instance ended on its own during the deploy: it exited,
+        or it crash-loops under its restart policy. Waiting out `wait_timeout` would not help."""
+        since, ended = self.observed.exits_since, m.exit
+        if since is None or ended is None or ended.requested_stop or ended.lost:
+            return None
+        if ended.at < max(since, m.instance_at):
+            return None  # before the deploy, or a previous instance's
+        return Failure(region=self.region, machine_id=m.id, reason=describe_exit(ended), detail=stderr_tail(ended))
 
     def labels_for_release(self, m: Member) -> MachineConfig:
         metadata = dict(m.config.metadata)
@@ -436,11 +457,15 @@ class _RegionPlanner:
         if self.spec.deploy.strategy == "immediate":
             return
         since = self.observed.unhealthy_since.get(m.id, self.now)
-        waited = self.now - since
-        if waited > self.spec.deploy.wait_seconds:
-            detail = m.note or f"state {m.state}"
+        limit = self.spec.deploy.wait_seconds
+        if self.now - since > limit:
             self.failures.append(
-                Failure(region=self.region, machine_id=m.id, reason=f"not healthy after {waited:.0f}s ({detail})")
+                Failure(
+                    region=self.region,
+                    machine_id=m.id,
+                    reason=f"not healthy within {limit:g}s",
+                    detail=m.note or f"state {m.state}",
+                )
             )
 
     def tend_spares(self, kept: list[Member]) -> int:
@@ -595,6 +620,52 @@ def plan(desired: Desired, observed: Observed, now: float) -> Plan:
         primary_actions=primary_actions,
         unready=tuple(i for p in planners for i in p.unready),
     )
+
+
+def summarize(failures: Iterable[Failure]) -> list[str]:
+    """One line per distinct failure: machines that failed for the same reason, with details that differ
+    only in numbers (ports, pids, seconds), are one line (`mad, syd: 4 machines exited with code 3: …`)."""
+    groups: dict[tuple[str, str], list[Failure]] = {}
+    for f in failures:
+        groups.setdefault((f.reason, re.sub(r"\d+", "#", f.detail)), []).append(f)
+    lines = []
+    for (reason, _), group in groups.items():
+        regions = ", ".join(sorted({f.region for f in group if f.region != "*"}))
+        ids = list(dict.fromkeys(f.machine_id for f in group if f.machine_id))
+        who = ids[0] if len(ids) == 1 else f"{len(ids)} machines" if ids else ""
+        text = f"{who} {reason}" if who else reason
+        if not ids and len(group) > 1:
+            text += f" ({len(group)} times)"
+        if group[0].detail:
+            text += f": {group[0].detail}"
+        lines.append(f"{regions}: {text}" if regions else text)
+    return lines
+
+
+def describe_exit(ended: ExitInfo) -> str:
+    if ended.oom_killed:
+        return "was killed: out of memory"
+    if ended.signal is not None:
+        return f"was killed by signal {ended.signal}"
+    return f"exited with code {ended.exit_code}"
+
+
+STDERR_LINES = 3
+STDERR_CHARS = 300
+
+
+def stderr_tail(ended: ExitInfo) -> str:
+    """The last few lines a process wrote to stderr, as one line (`a | b | c`); empty if the worker sent none.
+    A line repeated (the log holds every run of a crash-looping process) is shown once, where it last was."""
+    lines: list[str] = []
+    for line in reversed(ended.stderr_tail):
+        line = line.strip()
+        if line and line not in lines:
+            lines.insert(0, line)
+        if len(lines) == STDERR_LINES:
+            break
+    text = " | ".join(lines)
+    return text if len(text) <= STDERR_CHARS else "…" + text[-STDERR_CHARS:]
 
 
 def _every_region_has_a_canary(desired: Desired, members: Mapping[str, list[Member]]) -> bool:

@@ -1,9 +1,13 @@
 """The reconciler loop: observe, plan, execute, until the app is where its release says (or fails).
 
 Everything the CLI's app commands do is a loop of `step`s with a different stopping rule:
-- `deploy`: claim a release, point the app at it, converge; if any region fails, point every
-  region back at the previous good release and converge there (automatic rollback).
-- `rollback`: point at an older release and converge.
+- `deploy`: first a preview (the whole plan, simulated, and whether every region has live workers with
+  room for it): a deploy that cannot work fails before it touches anything, and a spec the app already
+  runs claims no release. Then claim a release, point the app at it, converge; if any region fails
+  (a machine not healthy in time, or one whose process ends on its own: at once), point every region
+  back at the previous good release and converge there; with none, remove what the deploy created.
+- `rollback`: point at an older release and converge; a failed release only when forced, and if the
+  rollback fails, back to the last good release.
 - `reconcile --watch`: step every app whenever something changes (a worker's heartbeat expires, a
   machine's event, a new release), with a timer only as a backstop: the operator.
 - `worker drain`: cordon the worker, then step the apps that have machines on it; the planner
@@ -28,14 +32,15 @@ from nats.aio.client import Client
 
 from bus import subjects
 from bus.connection import connect
-from bus.errors import NotFound
+from bus.errors import BadRequest, Conflict, NoCapacity, NotFound
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import CordonRequest, CreateRequest, Machine, WorkerInfo
 from bus.service import call
 from orchestrator.apps.executor import Executor, Result
 from orchestrator.apps.observe import Observer, health
-from orchestrator.apps.plan import Create, Desired, Failure, Plan, plan
-from orchestrator.apps.releases import Release, Releases
+from orchestrator.apps.plan import Create, Desired, Destroy, Failure, Plan, Update, plan, summarize
+from orchestrator.apps.preview import Planned, planned, problems, simulate
+from orchestrator.apps.releases import Head, Release, Releases
 from orchestrator.apps.spec import SPARE, AppSpec
 from orchestrator.client import FleetClient
 
@@ -44,25 +49,58 @@ log = logging.getLogger(__name__)
 NO_ROOM_BACKOFF = 10.0  # seconds before trying again to place a spare in a region that had no room
 
 
+SCALED = "scale "  # how `scale` describes the releases it makes
+
+
 class Converged(msgspec.Struct, kw_only=True):
     ok: bool
     plan: Plan
     failures: list[Failure] = []
     passes: int = 0
     seconds: float = 0.0
+    first: Plan | None = None  # the first pass's plan: nothing in it, nothing was left to do
+
+    def errors(self) -> list[str]:
+        """One line per distinct error (sixteen machines failing alike are one line)."""
+        return summarize(self.failures)
 
     def describe(self) -> str:
-        if self.ok:
-            return "converged"
-        return "; ".join(f"{f.region}: {f.machine_id + ' ' if f.machine_id else ''}{f.reason}" for f in self.failures)
+        return "converged" if self.ok else "; ".join(self.errors())
 
 
 class DeployOutcome(msgspec.Struct, kw_only=True):
-    release: Release
+    release: Release  # the release deployed or rolled back to (the current one when nothing changed)
     ok: bool
     message: str
+    errors: list[str] = []  # one line per distinct error
     rolled_back_to: int | None = None
+    changed: bool = True  # False: the app already ran this spec, and no release was made
     seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        """What to tell a person: the message, or one line per distinct error ending with what was done."""
+        return self.message.split("\n")
+
+
+class Preview(msgspec.Struct, kw_only=True):
+    """What `deploy` would do now, and why it could not (`problems`), before anything is touched."""
+
+    app: str
+    release: int  # the release it would make (or the current one, when nothing changed)
+    current: Release | None
+    changes: bool
+    actions: list[Planned]
+    problems: list[str]
+    warnings: list[str]
+
+
+class CannotDeploy(Exception):
+    """The fleet cannot take this deploy (a region without live workers or room); nothing was touched."""
+
+    def __init__(self, app: str, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.app = app
+        self.problems = problems
 
 
 class AppLoop(msgspec.Struct, kw_only=True):
@@ -158,25 +196,35 @@ class Reconciler:
         release = await self.releases.get(app, head.version)
         return Desired(app=app, release=release.version, spec=release.spec)
 
-    async def step(self, desired: Desired) -> tuple[Plan, list[Result]]:
-        """One pass: observe, plan, execute. Returns the plan and what became of its actions."""
+    async def step(self, desired: Desired, exits_since: float | None = None) -> tuple[Plan, list[Result]]:
+        """One pass: observe, plan, execute. Returns the plan and what became of its actions.
+
+        With `exits_since` (a deploy's start), a primary of the release whose process ended on its own
+        since then fails the pass at once."""
         app = desired.app
         loop = self.loops.setdefault(app, AppLoop())
         now = self.clock()
         regions = list(desired.spec.regions) if desired.spec else []
         observed = await self.observer.observe(
-            app, regions, unhealthy_since=loop.unhealthy_since, no_room_for_spares=loop.spares_blocked(now)
+            app,
+            regions,
+            unhealthy_since=loop.unhealthy_since,
+            no_room_for_spares=loop.spares_blocked(now),
+            exits_since=exits_since,
         )
         result = plan(desired, observed, now)
         loop.unhealthy_since = {i: loop.unhealthy_since.get(i, now) for i in result.unready}
         if self.on_plan is not None:
             self.on_plan(app, result)
-        hook = self.on_result
-        results = await self.executor.apply(app, result.actions, (lambda r: hook(app, r)) if hook is not None else None)
+        results = await self.executor.apply(app, result.actions, self._result_hook(app))
         for r in results:
             if isinstance(r.action, Create) and r.action.role == SPARE and r.no_room:
                 loop.no_room[r.action.region] = now
         return result, results
+
+    def _result_hook(self, app: str) -> Callable[[Result], None] | None:
+        hook = self.on_result
+        return (lambda r: hook(app, r)) if hook is not None else None
 
     async def converge(
         self,
@@ -185,28 +233,31 @@ class Reconciler:
         timeout: float,
         until: Literal["primaries", "all"] = "primaries",
         stop: asyncio.Event | None = None,
+        exits_since: float | None = None,
     ) -> Converged:
         """Step until the primaries are in place (or everything, with `until="all"`), a failure, or `timeout`."""
         started = time.perf_counter()
         passes = 0
         last = Plan()
+        first: Plan | None = None
         while True:
             passes += 1
             try:
-                last, results = await self.step(desired)
+                last, results = await self.step(desired, exits_since)
             except Exception as exc:  # a worker that did not answer: look again
                 log.info("converge: pass failed (%s); trying again", exc)
                 await self.wait_for_change(self.poll)
                 if time.perf_counter() - started > timeout:
                     return self._timed_out(last, passes, started)
                 continue
-            failures = list(last.failures) + self._capacity_failures(results)
+            first = first or last
+            failures = list(last.failures) + self._refused(results)
             elapsed = time.perf_counter() - started
             if failures:
-                return Converged(ok=False, plan=last, failures=failures, passes=passes, seconds=elapsed)
+                return Converged(ok=False, plan=last, failures=failures, passes=passes, seconds=elapsed, first=first)
             done = last.converged if until == "all" else last.primaries_done
             if done:
-                return Converged(ok=True, plan=last, passes=passes, seconds=elapsed)
+                return Converged(ok=True, plan=last, passes=passes, seconds=elapsed, first=first)
             if elapsed > timeout:
                 return self._timed_out(last, passes, started)
             if stop is not None and stop.is_set():
@@ -221,13 +272,20 @@ class Reconciler:
                 await self.wait_for_change(self.poll)
 
     @staticmethod
-    def _capacity_failures(results: list[Result]) -> list[Failure]:
-        """A primary the fleet could not place fails its region at once (fill or fail, never queue)."""
-        return [
-            Failure(region=r.action.region, machine_id="", reason=r.error)
-            for r in results
-            if isinstance(r.action, Create) and r.action.role != SPARE and not r.ok and r.no_room
-        ]
+    def _refused(results: list[Result]) -> list[Failure]:
+        """A primary the fleet could not place (503: fill or fail, never queue) or a create or update a worker
+        refused as invalid (400: asking again gets the same answer) fails its region at once. Anything else
+        (a lease held by another reconciler, a timeout) is left to the next pass."""
+        out = []
+        for r in results:
+            action = r.action
+            if r.ok or r.code not in (BadRequest.code, NoCapacity.code) or not isinstance(action, Create | Update):
+                continue
+            if isinstance(action, Create) and action.role == SPARE and r.code == NoCapacity.code:
+                continue  # a spare without room is retried later; it never fails a deploy
+            what = "placing a new machine" if isinstance(action, Create) else "updating"
+            out.append(Failure(region=action.region, machine_id=r.machine_id, reason=f"{what} failed", detail=r.error))
+        return out
 
     @staticmethod
     def _timed_out(last: Plan, passes: int, started: float) -> Converged:
@@ -252,77 +310,232 @@ class Reconciler:
         return spec.deploy.wait_seconds * (batches + 2) + 30.0
 
     # ------------------------------------------------------------------------------------------
-    async def deploy(self, spec: AppSpec, description: str = "deploy") -> DeployOutcome:
+    async def preview(self, spec: AppSpec) -> Preview:
+        """The whole deploy of `spec`, simulated on the fleet as it is, and what stands in its way."""
+        current = await self.releases.current(spec.app)
+        changes = current is None or current.spec != spec or current.status not in ("complete", "running")
+        version = await self.releases.next_version(spec.app) if changes or current is None else current.version
+        observed = await self.observer.observe(spec.app, list(spec.regions))
+        desired = Desired(app=spec.app, release=version, spec=spec)
+        now = self.clock()
+        return Preview(
+            app=spec.app,
+            release=version,
+            current=current,
+            changes=changes,
+            actions=planned(desired, observed, now),
+            problems=problems(spec, simulate(desired, observed, now), self.observer.registry.workers()),
+            warnings=self._scale_warnings(spec, current),
+        )
+
+    @staticmethod
+    def _scale_warnings(spec: AppSpec, current: Release | None) -> list[str]:
+        if current is None or not current.description.startswith(SCALED) or current.spec.regions == spec.regions:
+            return []
+        regions = sorted(set(current.spec.regions) | set(spec.regions))
+        changes = ", ".join(
+            f"{r} {current.spec.regions.get(r, 0)} -> {spec.regions.get(r, 0)}"
+            for r in regions
+            if current.spec.regions.get(r, 0) != spec.regions.get(r, 0)
+        )
+        return [
+            f"this deploy changes the machine counts `fauxmad scale` set in v{current.version} ({changes}); "
+            "put them in the spec's [regions] to keep them"
+        ]
+
+    async def deploy(
+        self, spec: AppSpec, description: str = "deploy", *, checked: Preview | None = None, always: bool = False
+    ) -> DeployOutcome:
+        """Deploy `spec`: refuse what cannot work (`CannotDeploy`, nothing touched), converge the current
+        release when the app already runs this spec (unless `always`: `scale` makes its release anyway,
+        a relabel in place), else a new release (see `finish`)."""
         started = time.perf_counter()
-        before = await self.releases.current(spec.app)
-        release = await self.releases.create(spec, description)
+        seen = checked or await self.preview(spec)
+        if seen.problems:
+            raise CannotDeploy(spec.app, seen.problems)
+        if not seen.changes and seen.current is not None and not always:
+            return await self._again(seen.current, started)
+        release = await self.begin(spec, description)
+        outcome = await self.finish(release)
+        outcome.seconds = time.perf_counter() - started
+        return outcome
+
+    async def begin(self, spec: AppSpec, description: str = "deploy") -> Release:
+        """Claim a release for `spec` and point the app at it; `finish` converges it."""
+        head = await self.releases.head(spec.app)
+        previous = head.version if head is not None and head.version else None
+        release = await self.releases.create(spec, description, previous)
         await self.releases.point(spec.app, release.version)
+        return release
+
+    async def _again(self, current: Release, started: float) -> DeployOutcome:
+        """The app already runs this spec: no release, only whatever the current one still needs."""
+        app, version = current.app, current.version
         result = await self.converge(
-            Desired(app=spec.app, release=release.version, spec=spec), timeout=self.timeout_for(spec)
+            Desired(app=app, release=version, spec=current.spec),
+            timeout=self.timeout_for(current.spec),
+            exits_since=self.clock(),
         )
-        if result.ok:
-            release = await self.releases.set_status(spec.app, release.version, "complete")
-            return DeployOutcome(
-                release=release, ok=True, message=f"v{release.version} deployed", seconds=time.perf_counter() - started
-            )
-        why = result.describe()
-        await self.releases.set_status(spec.app, release.version, "failed", why)
-        target = (
-            before
-            if before is not None and before.status == "complete"
-            else await self.releases.previous_good(spec.app, release.version)
-        )
-        if target is None:
-            return DeployOutcome(
-                release=release,
-                ok=False,
-                seconds=time.perf_counter() - started,
-                message=f"v{release.version} failed: {why}; no earlier good release to roll back to",
-            )
-        back = await self.rollback(spec.app, target.version, reason=f"automatic rollback: v{release.version} failed")
-        regions = ", ".join(sorted(target.spec.regions))
-        if back.ok:
-            message = f"v{release.version} failed: {why}; rolled back to v{target.version} in every region ({regions})"
+        if result.ok and current.status == "running":
+            current = await self.releases.set_status(app, version, "complete")
+        idle = result.ok and result.first is not None and not result.first.actions and not result.first.waiting
+        if idle:
+            message = f"already at v{version}: nothing to change"
+        elif result.ok:
+            message = f"v{version} was already current; its machines are in place again"
         else:
-            message = f"v{release.version} failed: {why}; rollback to v{target.version} failed too: {back.message}"
+            message = "\n".join(f"v{version}: {line}" for line in result.errors())
         return DeployOutcome(
-            release=await self.releases.get(spec.app, release.version),
-            ok=False,
+            release=current,
+            ok=result.ok,
+            changed=False,
             message=message,
-            rolled_back_to=target.version if back.ok else None,
+            errors=[] if result.ok else result.errors(),
             seconds=time.perf_counter() - started,
         )
 
-    async def rollback(self, app: str, version: int | None = None, reason: str = "rollback") -> DeployOutcome:
-        """Point `app` at release `version` (default: the last good one before the current) and converge."""
+    async def finish(self, release: Release) -> DeployOutcome:
+        """Converge the app onto `release` (already current); if it fails, go back to the last good release
+        in every region, or, with none, remove the machines it created and leave the app with no current
+        release. The failed release keeps status `failed` and its reason."""
         started = time.perf_counter()
+        app, version, spec = release.app, release.version, release.spec
+        result = await self.converge(
+            Desired(app=app, release=version, spec=spec), timeout=self.timeout_for(spec), exits_since=self.clock()
+        )
+        if result.ok:
+            release = await self.releases.set_status(app, version, "complete")
+            return DeployOutcome(
+                release=release, ok=True, message=f"v{version} deployed", seconds=time.perf_counter() - started
+            )
+        errors = result.errors()
+        await self.releases.set_status(app, version, "failed", "; ".join(errors))
+        target = await self._back_from(release)
+        rolled_back_to = None
+        if target is None:
+            removed = await self._remove(release)
+            after = f"removed the {removed} machine(s) it created (no earlier good release to roll back to)"
+        else:
+            back = await self._converge_to(target)
+            regions = ", ".join(sorted(target.spec.regions))
+            if back.ok:
+                rolled_back_to = target.version
+                after = f"rolled back to v{target.version} in every region ({regions})"
+            else:
+                after = f"rollback to v{target.version} failed too: {back.describe()}"
+        lines = [f"v{version} failed: {line}" for line in errors]
+        lines[-1] += f"; {after}"
+        return DeployOutcome(
+            release=await self.releases.get(app, version),
+            ok=False,
+            message="\n".join(lines),
+            errors=errors,
+            rolled_back_to=rolled_back_to,
+            seconds=time.perf_counter() - started,
+        )
+
+    async def _back_from(self, release: Release) -> Release | None:
+        """Where a failed deploy goes back to: the release the app ran before it, if that one was good, else
+        the newest good release before it."""
+        if release.previous:
+            with contextlib.suppress(NotFound):
+                before = await self.releases.get(release.app, release.previous)
+                if before.status == "complete":
+                    return before
+        return await self.releases.previous_good(release.app, release.version)
+
+    async def _converge_to(self, target: Release) -> Converged:
+        """Point the app at `target` and converge; a good release converged onto is complete again."""
+        await self.releases.point(target.app, target.version)
+        result = await self.converge(
+            Desired(app=target.app, release=target.version, spec=target.spec),
+            timeout=self.timeout_for(target.spec),
+            exits_since=self.clock(),
+        )
+        if result.ok:
+            await self.releases.set_status(target.app, target.version, "complete")  # a failed one stays failed
+        return result
+
+    async def _remove(self, release: Release) -> int:
+        """Destroy the machines labelled with `release` and forget the app's current release, as it was
+        before this deploy (machines of the app that no release made are left alone)."""
+        app, label = release.app, str(release.version)
+        removed = 0
+        for _ in range(5):
+            observed = await self.observer.observe(app, list(release.spec.regions))
+            mine = [m for m in observed.machines if m.release == label]
+            if not mine:
+                break
+            actions = tuple(
+                Destroy(id=m.id, region=m.region, worker_id=m.worker_id, reason=f"v{label} failed: removing it")
+                for m in mine
+            )
+            results = await self.executor.apply(app, actions, self._result_hook(app))
+            removed += sum(r.ok for r in results)
+        head = await self.releases.head(app)
+        if head is not None and head.version == release.version:
+            await self.releases.forget_head(app)
+        return removed
+
+    async def rollback_target(self, app: str, version: int | None, *, force: bool = False) -> tuple[Head, Release]:
+        """Where a rollback of `app` goes, and the head it leaves; raises if there is none, or (without
+        `force`) if that release's deploy failed."""
         head = await self.releases.head(app)
         if head is None:
-            raise NotFound(f"app {app} has no releases")
+            if not await self.releases.list(app):
+                raise NotFound(f"app {app} has no releases")
+            head = Head(app=app, version=0)
         if version is None:
-            target = await self.releases.previous_good(app, head.version)
+            target = await self.releases.previous_good(app, head.version or 1 << 62)
             if target is None:
                 raise NotFound(f"app {app} has no good release before v{head.version} to roll back to")
         else:
             target = await self.releases.get(app, version)
-        await self.releases.point(app, target.version)
-        result = await self.converge(
-            Desired(app=app, release=target.version, spec=target.spec), timeout=self.timeout_for(target.spec)
-        )
-        if head.version != target.version:
-            with contextlib.suppress(NotFound):
-                left = await self.releases.get(app, head.version)
-                if left.status != "failed" or result.ok:
-                    await self.releases.set_status(
-                        app, head.version, "rolled_back", f"{reason}: back to v{target.version}"
-                    )
+        if target.status == "failed" and not force:
+            why = target.reason if len(target.reason) <= 160 else target.reason[:159] + "…"
+            raise Conflict(f"v{target.version} failed ({why}): pass --force to roll back to it anyway")
+        return head, target
+
+    async def rollback(
+        self, app: str, version: int | None = None, reason: str = "rollback", *, force: bool = False
+    ) -> DeployOutcome:
+        """Point `app` at release `version` (default: the last good one before the current) and converge.
+
+        A failed release is refused unless `force`. If the rollback fails, the app goes back to the release
+        it ran before (or the newest good one), and the command says so; no release is relabelled but the
+        one rolled back from, and only when the rollback worked (a failed release never is)."""
+        started = time.perf_counter()
+        head, target = await self.rollback_target(app, version, force=force)
+        before = await self.releases.get(app, head.version) if head.version else None
+        result = await self._converge_to(target)
         if result.ok:
-            target = await self.releases.set_status(app, target.version, "complete")
+            if before is not None and before.version != target.version:
+                note = f"{reason}: back to v{target.version}"
+                await self.releases.set_status(app, before.version, "rolled_back", note)
+            return DeployOutcome(
+                release=await self.releases.get(app, target.version),
+                ok=True,
+                seconds=time.perf_counter() - started,
+                message=f"v{target.version} is current",
+            )
+        errors = result.errors()
+        stays = before is not None and before.status == "complete" and before.version != target.version
+        good = before if stays else await self.releases.last_good(app, besides=target.version)
+        if good is None:
+            after = "no good release to go back to"
+        else:
+            back = await self._converge_to(good)
+            after = f"back on v{good.version}"
+            if not back.ok:
+                after = f"going back to v{good.version} failed too: {back.describe()}"
+        lines = [f"rollback to v{target.version} failed: {line}" for line in errors]
+        lines[-1] += f"; {after}"
         return DeployOutcome(
             release=target,
-            ok=result.ok,
+            ok=False,
+            errors=errors,
             seconds=time.perf_counter() - started,
-            message=f"v{target.version} is current" if result.ok else result.describe(),
+            message="\n".join(lines),
         )
 
     async def reconcile_once(self, app: str, timeout: float = 120.0) -> Converged:
@@ -331,10 +544,10 @@ class Reconciler:
         if desired is None:
             raise NotFound(f"app {app} has no releases: deploy it first")
         limit = self.timeout_for(desired.spec) if desired.spec else timeout
-        result = await self.converge(desired, timeout=limit, until="primaries")
+        result = await self.converge(desired, timeout=limit, until="primaries", exits_since=self.clock())
         if result.ok and desired.spec is not None:
             current = await self.releases.get(app, desired.release)
-            if current.status in ("running", "failed"):
+            if current.status == "running":  # a deploy that was killed halfway, finished now
                 await self.releases.set_status(app, desired.release, "complete")
         return result
 
@@ -360,7 +573,11 @@ class Reconciler:
 
     # ------------------------------------------------------------------------------------------
     async def destroy_app(self, app: str, timeout: float = 120.0) -> Converged:
-        if await self.releases.head(app) is None and not self.observer.index.by_app(app):
+        if (
+            await self.releases.head(app) is None
+            and not self.observer.index.by_app(app)
+            and not await self.releases.list(app)
+        ):
             raise NotFound(f"app {app} not found")
         await self.releases.point(app, 0, destroyed=True)
         result = await self.converge(Desired(app=app, release=0, spec=None), timeout=timeout, until="all")

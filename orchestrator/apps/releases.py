@@ -35,6 +35,7 @@ class Release(msgspec.Struct, kw_only=True):
     reason: str = ""
     created_at: float = 0.0
     updated_at: float = 0.0
+    previous: int | None = None  # the release the app ran when this one was made: where a failure goes back to
 
 
 class Head(msgspec.Struct, kw_only=True):
@@ -79,7 +80,11 @@ class Releases:
         return [key for key in keys if subject_matches(pattern, key)]
 
     async def apps(self) -> list[str]:
-        return sorted(key.rsplit(".", 1)[0] for key in await self._keys("*.current"))
+        """Apps with a current release or any release at all (a first deploy that failed leaves no current)."""
+        keys = await self._keys(">")
+        return sorted(
+            {k.split(".", 1)[0] for k in keys if subject_matches("*.current", k) or subject_matches("*.releases.*", k)}
+        )
 
     async def list(self, app: str) -> list[Release]:
         out = []
@@ -111,14 +116,24 @@ class Releases:
             return None
         return await self.get(app, head.version)
 
-    async def create(self, spec: AppSpec, description: str) -> Release:
+    async def next_version(self, app: str) -> int:
+        """The number the next release would claim (another deployer may take it first)."""
+        existing = await self._keys(f"{app}.releases.*")
+        return max((int(k.rsplit(".", 1)[1]) for k in existing), default=0) + 1
+
+    async def create(self, spec: AppSpec, description: str, previous: int | None = None) -> Release:
         """Claim the next release number for `spec` (status running); `current` is not moved yet."""
-        existing = await self._keys(f"{spec.app}.releases.*")
-        version = max((int(k.rsplit(".", 1)[1]) for k in existing), default=0) + 1
+        version = await self.next_version(spec.app)
         for _ in range(100):
             now = self.clock()
             release = Release(
-                app=spec.app, version=version, spec=spec, description=description, created_at=now, updated_at=now
+                app=spec.app,
+                version=version,
+                spec=spec,
+                description=description,
+                created_at=now,
+                updated_at=now,
+                previous=previous,
             )
             try:
                 await self.kv.create(_release_key(spec.app, version), encode(release))
@@ -132,8 +147,17 @@ class Releases:
             _head_key(app), encode(Head(app=app, version=version, destroyed=destroyed, updated_at=self.clock()))
         )
 
+    async def forget_head(self, app: str) -> None:
+        """The app has no current release (as before its first deploy); its releases stay."""
+        await self.kv.purge(_head_key(app))
+
     async def set_status(self, app: str, version: int, status: Status, reason: str = "") -> Release:
+        """Record what became of a release. `failed` is history: a failed release keeps that status and its
+        reason forever, whatever happens later (a rollback away from it, a forced rollback onto it). For the
+        other statuses the reason is a note on the status and goes with it."""
         release = await self.get(app, version)
+        if release.status == "failed":
+            return release
         release.status = status
         release.reason = reason
         release.updated_at = self.clock()
@@ -143,6 +167,11 @@ class Releases:
     async def previous_good(self, app: str, before: int) -> Release | None:
         """The newest complete release older than `before`: where an automatic rollback goes."""
         good = [r for r in await self.list(app) if r.version < before and r.status == "complete"]
+        return good[-1] if good else None
+
+    async def last_good(self, app: str, besides: int) -> Release | None:
+        """The newest complete release other than `besides`: where a failed rollback returns."""
+        good = [r for r in await self.list(app) if r.version != besides and r.status == "complete"]
         return good[-1] if good else None
 
     async def purge(self, app: str) -> None:

@@ -3,11 +3,17 @@
 tomllib reads the file and msgspec converts it, so an unknown key or a wrong type is refused before
 anything touches the fleet, with one line that names the key (`deploy.max_unavailble: unknown key`).
 The machine config every primary and spare of a release runs is derived here and nowhere else.
+
+Paths in a spec are relative to the spec file's directory, as in a compose file: `workdir` (where
+`cmd` runs) defaults to that directory and is stored absolute in the release, so `cmd = ["python3",
+"app.py"]` finds the `app.py` next to the spec. Until images ship an app's files to the workers, that
+directory must exist on every worker's host (it does with `fauxmad dev`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -69,6 +75,7 @@ class AppSpec(_Strict, frozen=True):
     app: Token
     cmd: Annotated[list[str], msgspec.Meta(min_length=1)]
     image: str | None = None
+    workdir: str | None = None  # absolute once loaded from a file; None: the machine's own directory
     env: dict[str, str] = {}
     guest: Guest = msgspec.field(default_factory=Guest)
     regions: dict[Token, Count] = {}
@@ -79,6 +86,8 @@ class AppSpec(_Strict, frozen=True):
     def __post_init__(self) -> None:
         if not self.regions:
             raise ValueError("[regions] needs at least one `<region> = <count>`")
+        if self.workdir is not None and (not self.workdir or "\0" in self.workdir):
+            raise ValueError("workdir must be a directory path")
 
     def machine_config(
         self, release: int, role: str, standby_of: str | None = None, replaces: str | None = None
@@ -90,6 +99,7 @@ class AppSpec(_Strict, frozen=True):
         return MachineConfig(
             image=self.image,
             cmd=list(self.cmd),
+            workdir=self.workdir,
             env=dict(self.env),
             guest=self.guest,
             restart=self.restart,
@@ -138,15 +148,22 @@ def _name_the_key(data: dict[str, object], exc: msgspec.ValidationError) -> msgs
     return exc
 
 
-def parse_spec(text: str, source: str = "fauxmad.toml") -> AppSpec:
+def parse_spec(text: str, source: str = "fauxmad.toml", base: Path | None = None) -> AppSpec:
+    """Decode a spec. With `base` (the spec file's directory), `workdir` is made absolute against it and
+    defaults to it; without, a relative `workdir` is taken against the current directory and an absent
+    one stays absent (the machine's own directory)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{source}: not valid TOML: {exc}") from None
     try:
-        return msgspec.convert(data, AppSpec, strict=True)
+        spec = msgspec.convert(data, AppSpec, strict=True)
     except msgspec.ValidationError as exc:
         raise SpecError(_one_line(source, _name_the_key(data, exc))) from None
+    if spec.workdir is None and base is None:
+        return spec
+    workdir = (base or Path.cwd()) / (spec.workdir or ".")
+    return msgspec.structs.replace(spec, workdir=os.path.normpath(workdir.absolute()))
 
 
 def load_spec(path: Path) -> AppSpec:
@@ -156,4 +173,8 @@ def load_spec(path: Path) -> AppSpec:
         raise SpecError(f"{path}: no such file (pass -c PATH, or run where fauxmad.toml is)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read: {exc}") from None
-    return parse_spec(text, str(path))
+    spec = parse_spec(text, str(path), base=path.absolute().parent)
+    assert spec.workdir is not None
+    if not Path(spec.workdir).is_dir():
+        raise SpecError(f"{path}: `workdir`: {spec.workdir} is not a directory")
+    return spec

@@ -8,12 +8,16 @@ progress display, and turn the outcome into an exit code.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import msgspec
 import typer
@@ -23,7 +27,8 @@ from rich.table import Table
 
 from orchestrator.apps.executor import Result
 from orchestrator.apps.plan import Plan
-from orchestrator.apps.reconciler import DeployOutcome, Reconciler
+from orchestrator.apps.preview import Planned
+from orchestrator.apps.reconciler import SCALED, CannotDeploy, DeployOutcome, Preview, Reconciler
 from orchestrator.apps.releases import Release
 from orchestrator.apps.spec import AppSpec, SpecError, load_spec
 from orchestrator.cli.render import console, print_json
@@ -35,6 +40,7 @@ from orchestrator.cli.runtime import (
     check_worker_id,
     checked,
     fail,
+    nats_url,
     split_names,
     with_connected,
 )
@@ -85,14 +91,18 @@ class DeployDisplay:
         self.tasks: dict[str, Any] = {}
         self.title = title
         self.last: dict[str, tuple[int, int]] = {}
+        self.failed: dict[str, int] = {}  # each distinct failure is shown once, then counted
 
     def __enter__(self) -> DeployDisplay:
-        console.print(self.title)
+        console.print(self.title, highlight=False)
         self.progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.progress.stop()
+        again = sum(n - 1 for n in self.failed.values())
+        if again:
+            console.print(f"({again} more failed action(s) like those above)", highlight=False)
 
     def on_plan(self, app: str, plan: Plan) -> None:
         for status in plan.regions:
@@ -112,31 +122,226 @@ class DeployDisplay:
         target = result.machine_id or "new machine"
         line = f"{action.region:>10}: {name} {target}: {action.reason}"
         if not result.ok:
-            line += f" [red](failed: {result.error})[/]"
-        self.progress.console.print(line, highlight=False)
+            key = f"{action.region} {name} {re.sub(r'[0-9a-f]{14}|[0-9]+', '#', result.error)}"
+            self.failed[key] = self.failed.get(key, 0) + 1
+            if self.failed[key] > 1:
+                return
+            line += f" (failed: {result.error})"
+        self.progress.console.print(line, highlight=False, markup=False)
+
+
+def fail_lines(lines: list[str], code: int = 1) -> NoReturn:
+    """Fail with one line per distinct error, each `fauxmad: ...` (the last through the CLI's edge)."""
+    for line in lines[:-1]:
+        typer.echo(f"fauxmad: {line}", err=True)
+    fail(lines[-1], code)
+
+
+def warn(lines: list[str]) -> None:
+    for line in lines:
+        typer.echo(f"fauxmad: warning: {line}", err=True)
 
 
 def _finish(outcome: DeployOutcome) -> None:
     if outcome.ok:
-        console.print(f"[green]{outcome.message}[/] in {outcome.seconds:.1f}s")
+        console.print(f"[green]{outcome.message}[/] in {outcome.seconds:.1f}s", highlight=False)
         return
-    fail(outcome.message)
+    fail_lines(outcome.lines())
 
 
-def deploy(config: Path = CONFIG, nats: str | None = NATS) -> None:
+def _outcome_json(outcome: DeployOutcome, warnings: list[str]) -> dict[str, Any]:
+    return {
+        "app": outcome.release.app,
+        "release": outcome.release.version,
+        "status": outcome.release.status,
+        "ok": outcome.ok,
+        "changed": outcome.changed,
+        "message": outcome.message,
+        "errors": outcome.errors,
+        "rolled_back_to": outcome.rolled_back_to,
+        "warnings": warnings,
+        "seconds": round(outcome.seconds, 3),
+    }
+
+
+def _cannot(app: str, problems: list[str]) -> NoReturn:
+    fail_lines([f"cannot deploy {app}: {problem}" for problem in problems])
+
+
+def deploy(
+    config: Path = CONFIG,
+    dry_run: bool = typer.Option(False, "--dry-run", help="show every step the deploy would take; change nothing"),
+    detach: bool = typer.Option(False, "--detach", help="start the deploy and return; it goes on in the background"),
+    json_out: bool = typer.Option(False, "--json", help="print the outcome (or, with --dry-run, the plan) as JSON"),
+    finish_release: int | None = typer.Option(None, "--finish-release", hidden=True),
+    finish_app: str | None = typer.Option(None, "--finish-app", hidden=True, callback=check_app),
+    nats: str | None = NATS,
+) -> None:
     """Deploy the app in fauxmad.toml to every region it names, per its [deploy] strategy.
 
-    Health checks gate progress; if any region fails, every region goes back to the previous good
-    release and the command exits non-zero saying what failed where.
+    First it checks that every region has live workers with room for the machines it must create;
+    if not, it fails before touching anything. A spec the app already runs makes no release. Health
+    checks gate progress, and a machine whose process ends on its own fails its region at once; if
+    any region fails, every region goes back to the previous good release (or, with none, what the
+    deploy created is removed) and the command exits non-zero saying what failed where.
     """
+    if finish_release is not None and finish_app is not None:
+        _finish_detached(finish_app, finish_release, nats)
+        return
     spec = _spec(config)
 
-    async def go(r: Reconciler) -> DeployOutcome:
+    async def go(r: Reconciler) -> tuple[Preview, DeployOutcome | Detached | None]:
+        seen = await r.preview(spec)
+        if dry_run or seen.problems:
+            return seen, None
+        if detach and seen.changes:
+            return seen, await _detach(r, spec, nats)
+        if json_out or not (seen.changes or seen.actions):  # nothing to show progress of
+            return seen, await r.deploy(spec, checked=seen)
+        warn(seen.warnings)
         with DeployDisplay(f"deploying {spec.app} ({spec.deploy.strategy}) to {', '.join(spec.regions)}") as show:
             r.on_plan, r.on_result = show.on_plan, show.on_result
-            return await r.deploy(spec)
+            return seen, await r.deploy(spec, checked=seen)
 
-    _finish(with_reconciler(nats, go))
+    try:
+        seen, outcome = with_reconciler(nats, go)
+    except CannotDeploy as exc:  # the fleet changed between the preview and the deploy
+        _cannot(exc.app, exc.problems)
+    if dry_run:
+        _show_preview(seen, json_out)
+    if seen.problems:
+        _cannot(spec.app, seen.problems)
+    if outcome is not None:
+        _report(seen, outcome, json_out)
+
+
+def _report(seen: Preview, outcome: DeployOutcome | Detached, json_out: bool) -> None:
+    if isinstance(outcome, Detached):
+        if json_out:
+            print_json({"app": seen.app, "release": outcome.release, "detached": True, "log": outcome.log})
+            return
+        warn(seen.warnings)
+        console.print(
+            f"v{outcome.release} of {seen.app} is deploying in the background (log: {outcome.log}); "
+            f"`fauxmad releases -a {seen.app}` shows when it is complete or failed",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
+    if json_out:
+        print_json(_outcome_json(outcome, seen.warnings))
+        warn(seen.warnings)
+        if not outcome.ok:
+            fail_lines(outcome.lines())
+        return
+    _finish(outcome)
+
+
+def _log_dir() -> Path:
+    """Where detached deploys write: $FAUXMAD_HOME/logs, else $XDG_STATE_HOME/fauxmad/logs (~/.local/state)."""
+    home = os.environ.get("FAUXMAD_HOME")
+    if home:
+        return Path(home) / "logs"
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "fauxmad" / "logs"
+
+
+class Detached(msgspec.Struct, frozen=True, kw_only=True):
+    release: int
+    log: str
+
+
+async def _detach(r: Reconciler, spec: AppSpec, nats: str | None) -> Detached:
+    """Claim the release and point the app at it here (so its number is known and the feasibility check
+    holds), then hand the rest (converge, roll back) to a process of its own, in its own session."""
+    release = await r.begin(spec, "deploy (detached)")
+    log_dir = _log_dir()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    path = log_dir / f"deploy-{spec.app}-v{release.version}.log"
+    url = nats_url(nats)
+    assert url is not None
+    args = [sys.executable, "-m", "orchestrator.cli", "deploy", "--nats", url]
+    args += ["--finish-app", spec.app, "--finish-release", str(release.version)]
+    with path.open("ab") as log:
+        subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    return Detached(release=release.version, log=str(path))
+
+
+def _finish_detached(app: str, version: int, nats: str | None) -> None:
+    """The background half of `deploy --detach`: converge the release (or roll it back) and log how it went."""
+
+    async def go(r: Reconciler) -> DeployOutcome | None:
+        head = await r.releases.head(app)
+        if head is None or head.version != version:
+            return None
+        release = await r.releases.get(app, version)
+        with DeployDisplay(f"deploying {app} v{version} ({release.spec.deploy.strategy})") as show:
+            r.on_plan, r.on_result = show.on_plan, show.on_result
+            return await r.finish(release)
+
+    outcome = with_reconciler(nats, go)
+    if outcome is None:
+        fail(f"v{version} of {app} is no longer current: left alone")
+    _finish(outcome)
+
+
+def _show_preview(seen: Preview, json_out: bool) -> None:
+    if json_out:
+        print_json(
+            {
+                "app": seen.app,
+                "release": seen.release,
+                "current": seen.current.version if seen.current else None,
+                "changes": seen.changes,
+                "feasible": not seen.problems,
+                "problems": seen.problems,
+                "warnings": seen.warnings,
+                "actions": seen.actions,
+            }
+        )
+        return
+    warn(seen.warnings)
+    steps = len({a.step for a in seen.actions})
+    if not seen.changes and not seen.actions:
+        console.print(f"{seen.app}: already at v{seen.release}: nothing to change", highlight=False)
+        return
+    head = f"v{seen.release} of {seen.app}" if seen.changes else f"{seen.app} stays at v{seen.release}"
+    console.print(f"{head}: {len(seen.actions)} action(s) in {steps} step(s)", highlight=False)
+    if not seen.actions:
+        return
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+    for col in ("step", "region", "action", "machine", "worker", "role", "release"):
+        table.add_column(col, no_wrap=True)
+    table.add_column("reason", overflow="fold")
+    for group in _alike(seen.actions):
+        a = group[0]
+        release = f"v{a.release}" if a.release is not None else "-"
+        if a.from_release is not None and a.from_release != a.release:
+            release = f"v{a.from_release} -> {release}"
+        action = a.action + (" (restart)" if a.action == "update" and a.starts else "")
+        machine = a.machine_id or a.new or "-"
+        if len(group) > 1:
+            action += f" x{len(group)}"
+            machine = f"{group[0].new}..{group[-1].new}"
+        table.add_row(str(a.step), a.region, action, machine, a.worker_id or "-", a.role or "-", release, a.reason)
+    console.print(table)
+
+
+def _alike(actions: list[Planned]) -> list[list[Planned]]:
+    """Creates of the same step, region, role and reason, one after another, are one row (`create x38`)."""
+    groups: list[list[Planned]] = []
+    for a in actions:
+        last = groups[-1][-1] if groups else None
+        if (
+            last is not None
+            and a.action == last.action == "create"
+            and (a.step, a.region, a.role, a.release, a.reason)
+            == (last.step, last.region, last.role, last.release, last.reason)
+        ):
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    return groups
 
 
 def rollback(
@@ -144,14 +349,20 @@ def rollback(
         None, help="the release to go back to [default: the last good one before the current]"
     ),
     app: str = APP,
+    force: bool = typer.Option(False, "--force", help="roll back to a release even if its deploy failed"),
     nats: str | None = NATS,
 ) -> None:
-    """Point the app at an earlier release and converge every region onto it."""
+    """Point the app at an earlier release and converge every region onto it.
+
+    A release whose deploy failed is refused unless --force; if the rollback fails, the app goes back to
+    the release it ran before (the last good one).
+    """
 
     async def go(r: Reconciler) -> DeployOutcome:
-        with DeployDisplay(f"rolling {app} back" + (f" to v{version}" if version else "")) as show:
+        _, target = await r.rollback_target(app, version, force=force)  # refused before anything is shown
+        with DeployDisplay(f"rolling {app} back to v{target.version}") as show:
             r.on_plan, r.on_result = show.on_plan, show.on_result
-            return await r.rollback(app, version)
+            return await r.rollback(app, target.version, force=force)
 
     _finish(with_reconciler(nats, go))
 
@@ -170,22 +381,26 @@ def releases(app: str = APP, nats: str | None = NATS, json_out: bool = JSON) -> 
     found, current = with_reconciler(nats, go)
     found.reverse()
     if json_out:
-        print_json({"app": app, "current": current, "releases": found})
+        print_json({"app": app, "current": current or None, "releases": found})
         return
     if not found:
         console.print(f"app {app} has no releases (deploy it with `fauxmad deploy -c fauxmad.toml`)")
         return
+    # reasons go under the table, wrapped: one long reason must not squeeze every column to nothing
     table = Table(header_style="bold", box=box.SIMPLE_HEAD)
     for col in ("version", "status", "strategy", "regions", "created", "description"):
-        table.add_column(col, no_wrap=col != "description")
+        table.add_column(col, no_wrap=True, overflow="ellipsis")
     for rel in found:
         mark = " (current)" if rel.version == current else ""
         regions = ",".join(f"{k}={v}" for k, v in rel.spec.regions.items())
-        status = rel.status + (f": {rel.reason}" if rel.reason else "")
+        status = rel.status + (" *" if rel.reason else "")
         table.add_row(
             f"v{rel.version}{mark}", status, rel.spec.deploy.strategy, regions, _when(rel.created_at), rel.description
         )
     console.print(table)
+    for rel in found:
+        if rel.reason:
+            console.print(f"* v{rel.version} {rel.status}: {rel.reason}", highlight=False, markup=False)
 
 
 def reconcile(
@@ -206,12 +421,17 @@ def reconcile(
         if spec is not None:
             current = await r.releases.current(spec.app)
             if current is None or current.spec != spec:
-                outcome = await r.deploy(spec, "reconcile: spec changed")
+                try:
+                    outcome = await r.deploy(spec, "reconcile: spec changed")
+                except CannotDeploy as exc:
+                    _cannot(exc.app, exc.problems)
                 console.print(outcome.message, highlight=False)
         if watch:
             return await _watch(r, names)
         failed = 0
         for name in names or await r.releases.apps():
+            if names is None and await r.releases.head(name) is None:
+                continue  # its only deploys failed: it has nothing to converge to
             result = await r.reconcile_once(name)
             console.print(
                 f"{name}: {result.describe()} ({result.passes} passes, {result.seconds:.1f}s)", highlight=False
@@ -287,9 +507,13 @@ def scale_count(
         summary = ", ".join(f"{k}={v}" for k, v in counts.items())
         with DeployDisplay(f"scaling {app} to {summary}") as show:
             r.on_plan, r.on_result = show.on_plan, show.on_result
-            return await r.deploy(spec, f"scale count {count} ({summary})")
+            return await r.deploy(spec, f"{SCALED}count {count} ({summary})", always=True)
 
-    _finish(with_reconciler(nats, go))
+    try:
+        outcome = with_reconciler(nats, go)
+    except CannotDeploy as exc:
+        _cannot(exc.app, exc.problems)
+    _finish(outcome)
 
 
 @apps_app.command("list")
@@ -301,12 +525,13 @@ def apps_list(nats: str | None = NATS, json_out: bool = JSON) -> None:
         for name in await r.releases.apps():
             head = await r.releases.head(name)
             rel = await r.releases.current(name)
+            # no current release: being destroyed, or its only deploys failed (null: nothing to describe)
             out.append(
                 {
                     "app": name,
-                    "release": head.version if head else 0,
-                    "status": rel.status if rel else "destroying",
-                    "strategy": rel.spec.deploy.strategy if rel else "",
+                    "release": rel.version if rel else None,
+                    "status": rel.status if rel else "destroying" if head and head.destroyed else None,
+                    "strategy": rel.spec.deploy.strategy if rel else None,
                     "regions": dict(rel.spec.regions) if rel else {},
                 }
             )
@@ -324,7 +549,9 @@ def apps_list(nats: str | None = NATS, json_out: bool = JSON) -> None:
         table.add_column(col, no_wrap=True)
     for row in found:
         regions = ",".join(f"{k}={v}" for k, v in row["regions"].items())
-        table.add_row(row["app"], f"v{row['release']}", row["status"], row["strategy"], regions)
+        release = f"v{row['release']}" if row["release"] is not None else "-"
+        status = row["status"] or "no current release"
+        table.add_row(row["app"], release, status, row["strategy"] or "-", regions or "-")
     console.print(table)
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from bus.messages import ExitInfo, MachineConfig, Resources, WorkerInfo
+from orchestrator.apps.executor import Result
 from orchestrator.apps.plan import (
     Create,
     Desired,
     Destroy,
+    Failure,
     Member,
     Observed,
     Plan,
@@ -17,7 +20,10 @@ from orchestrator.apps.plan import (
     Stop,
     Update,
     plan,
+    summarize,
 )
+from orchestrator.apps.preview import planned, problems, simulate
+from orchestrator.apps.reconciler import Reconciler
 from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, parse_spec
 
 NOW = 1_000_000.0
@@ -71,15 +77,27 @@ def run(
     cordoned: set[str] | None = None,
     since: dict[str, float] | None = None,
     now: float = NOW,
+    exits_since: float | None = None,
 ) -> Plan:
     desired = Desired(app="web", release=release, spec=app_spec)
-    observed = Observed(
+    return plan(desired, observed(machines, lost=lost, cordoned=cordoned, since=since, exits_since=exits_since), now)
+
+
+def observed(
+    machines: list[Member],
+    *,
+    lost: list[Member] | None = None,
+    cordoned: set[str] | None = None,
+    since: dict[str, float] | None = None,
+    exits_since: float | None = None,
+) -> Observed:
+    return Observed(
         machines=tuple(machines),
         lost=tuple(lost or ()),
         cordoned=frozenset(cordoned or ()),
         unhealthy_since=since or {},
+        exits_since=exits_since,
     )
-    return plan(desired, observed, now)
 
 
 def kinds(p: Plan) -> list[tuple[str, str]]:
@@ -150,7 +168,7 @@ def test_a_machine_that_never_gets_healthy_fails_the_release_after_wait_timeout(
     assert not p.failures and p.unready == ("a",)
     p = run(s, [bad], release=2, since={"a": NOW - 31})
     assert [(f.region, f.machine_id) for f in p.failures] == [("mad", "a")]
-    assert "not healthy after 31s" in p.failures[0].reason
+    assert p.failures[0].reason == "not healthy within 30s" and p.failures[0].detail == "state started"
 
 
 def test_immediate_updates_everything_at_once_without_waiting_for_health() -> None:
@@ -282,3 +300,157 @@ def test_planning_is_deterministic() -> None:
     s = spec("mad = 3\nsyd = 2", spares=1)
     machines = [m("a", "w1"), m("b", "w2", healthy=False), m("sa", "w1", role=SPARE, standby_of="a", state="created")]
     assert run(s, machines) == run(s, list(reversed(machines)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# a process that ends on its own during a deploy fails its region at once
+
+
+def ended(at: float, code: int | None = 3, **fields: object) -> ExitInfo:
+    return ExitInfo(exit_code=code, at=at, stderr_tail=["Traceback (most recent call last):", "", "KeyError: 'DB'"])
+
+
+def crashed(member: Member, at: float, *, instance_at: float = NOW - 60, **fields: object) -> Member:
+    info = msgspec.structs.replace(ended(at), **fields)
+    return msgspec.structs.replace(member, exit=info, instance_at=instance_at, healthy=False)
+
+
+@pytest.mark.parametrize("state", ["failed", "stopped", "starting", "started"])
+def test_a_primary_that_exited_since_the_deploy_began_fails_at_once(state: str) -> None:
+    s = spec("mad = 2", env="v2")
+    bad = crashed(m("a", "w1", app_spec=s, release=2, state=state), at=NOW - 1)
+    p = run(s, [bad, m("b", "w2", app_spec=s, release=2)], release=2, exits_since=NOW - 5)
+    assert [(f.region, f.machine_id, f.reason) for f in p.failures] == [("mad", "a", "exited with code 3")]
+    assert p.failures[0].detail == "Traceback (most recent call last): | KeyError: 'DB'"
+    assert not any(isinstance(a, Start) for a in p.actions)  # starting it again would only crash again
+
+
+@pytest.mark.parametrize(
+    ("why", "fields", "instance_at", "exits_since"),
+    [
+        ("before the deploy began", {}, NOW - 60, NOW + 1),
+        ("a previous instance's exit", {}, NOW, NOW - 5),
+        ("a stop we asked for", {"requested_stop": True}, NOW - 60, NOW - 5),
+        ("the worker was down", {"lost": True}, NOW - 60, NOW - 5),
+        ("the operator, not a deploy", {}, NOW - 60, None),
+    ],
+)
+def test_exits_that_do_not_fail_a_deploy(
+    why: str, fields: dict[str, object], instance_at: float, exits_since: float | None
+) -> None:
+    s = spec("mad = 1")
+    gone = crashed(m("a", "w1", state="stopped"), at=NOW - 1, instance_at=instance_at, **fields)
+    p = run(s, [gone], exits_since=exits_since)
+    assert not p.failures, why
+    assert [type(a) for a in p.actions] == [Start]
+
+
+def test_an_out_of_memory_kill_and_a_signal_say_so() -> None:
+    s = spec("mad = 2")
+    oom = crashed(m("a", "w1"), at=NOW, oom_killed=True, signal=9, exit_code=None, stderr_tail=[])
+    killed = crashed(m("b", "w2"), at=NOW, signal=11, exit_code=None, stderr_tail=[])
+    p = run(s, [oom, killed], exits_since=NOW - 5)
+    assert sorted((f.machine_id, f.reason, f.detail) for f in p.failures) == [
+        ("a", "was killed: out of memory", ""),
+        ("b", "was killed by signal 11", ""),
+    ]
+
+
+def test_failures_are_one_line_per_distinct_error() -> None:
+    same = "python3: can't open file '/srv/app.py': [Errno 2] No such file or directory"
+    failures = [
+        Failure(region=r, machine_id=f"{r}{i}", reason="exited with code 2", detail=same)
+        for r in ("syd", "mad")
+        for i in range(8)
+    ]
+    failures += [
+        Failure(region="mad", machine_id="m9", reason="not healthy within 6s", detail="check http: refused :4001"),
+        Failure(region="mad", machine_id="m8", reason="not healthy within 6s", detail="check http: refused :4002"),
+        Failure(region="gru", machine_id="g1", reason="exited with code 2", detail="KeyError: 'DB'"),
+        Failure(region="gru", machine_id="", reason="placing a new machine failed", detail="no capacity in gru"),
+        Failure(region="gru", machine_id="", reason="placing a new machine failed", detail="no capacity in gru"),
+    ]
+    assert summarize(failures) == [
+        f"mad, syd: 16 machines exited with code 2: {same}",
+        "mad: 2 machines not healthy within 6s: check http: refused :4001",
+        "gru: g1 exited with code 2: KeyError: 'DB'",
+        "gru: placing a new machine failed (2 times): no capacity in gru",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the dry run: the whole deploy simulated, and whether the fleet can take it
+
+
+def steps_of(app_spec: AppSpec, machines: list[Member], release: int = 1) -> list[list[tuple[str, str]]]:
+    steps = simulate(Desired(app="web", release=release, spec=app_spec), observed(machines), NOW)
+    return [kinds(step) for step in steps]
+
+
+def test_the_simulated_deploy_of_a_new_app_places_primaries_then_spares() -> None:
+    steps = steps_of(spec("mad = 2\nsyd = 1", spares=1), [])
+    assert steps == [[("Create", "mad"), ("Create", "mad"), ("Create", "syd")]] * 2
+    actions = planned(Desired(app="web", release=1, spec=spec("mad = 1", spares=1)), observed([]), NOW)
+    assert [(a.step, a.action, a.role, a.release, a.machine_id, a.from_release, a.starts) for a in actions] == [
+        (1, "create", PRIMARY, 1, None, None, True),
+        (2, "create", SPARE, 1, None, None, False),
+    ]
+
+
+def test_the_simulated_rolling_deploy_goes_in_batches_and_bluegreen_destroys_last() -> None:
+    v1 = spec("mad = 3", env="v1")
+    machines = [m(f"m{i}", f"w{i}", app_spec=v1) for i in range(3)]
+    steps = steps_of(spec("mad = 3", env="v2", max_unavailable="1"), machines, release=2)
+    assert steps == [[("Update", "m0")], [("Update", "m1")], [("Update", "m2")]]
+    steps = steps_of(spec("mad = 3", env="v2", strategy="bluegreen"), machines, release=2)
+    assert steps == [[("Create", "mad")] * 3, [("Destroy", "m0"), ("Destroy", "m1"), ("Destroy", "m2")]]
+    unlabelled = Member(id="u", region="mad", worker_id="w1", state="started", config=MachineConfig(cmd=["x"]))
+    [update] = planned(Desired(app="web", release=4, spec=spec("mad = 1")), observed([unlabelled]), NOW)
+    assert (update.action, update.machine_id, update.from_release, update.from_role) == ("update", "u", None, None)
+    assert (update.release, update.role, update.starts) == (4, PRIMARY, True)
+    assert steps_of(spec("mad = 3", env="v1"), machines) == []  # converged: nothing to do
+
+
+def worker(worker_id: str, region: str = "mad", *, cpus: int = 4, used: int = 0, cordoned: bool = False) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=worker_id,
+        region=region,
+        capacity=Resources(cpus=cpus, memory_mb=4096),
+        used=Resources(cpus=used, memory_mb=used * 256),
+        cordoned=cordoned,
+    )
+
+
+def test_a_deploy_the_fleet_cannot_take_is_a_problem_before_anything_happens() -> None:
+    s = spec("mad = 6\nsyd = 1\nlhr = 1\ngru = 0")
+    steps = simulate(Desired(app="web", release=1, spec=s), observed([]), NOW)
+    fleet = [worker("m1", used=3), worker("m2"), worker("m3", cordoned=True), worker("s1", "syd", cordoned=True)]
+    assert problems(s, steps, fleet) == [
+        "lhr: no live workers in lhr (regions with live workers: mad, syd)",
+        "mad: room for 5 of the 6 new machines (1 cpus, 256 MB each) on 3 live workers",
+        "syd: every worker of syd is cordoned (1)",
+    ]
+    assert problems(s, steps, [*fleet, worker("m4", cpus=1), worker("s2", "syd"), worker("l1", "lhr")]) == []
+    # machines already there need no room: only what the deploy must create counts
+    running = [m(f"a{i}", "m2") for i in range(6)] + [m("s", "s2", region="syd"), m("l", "l1", region="lhr")]
+    steps = simulate(Desired(app="web", release=1, spec=s), observed(running), NOW)
+    assert problems(s, steps, [worker("m2", used=4), worker("s2", "syd", used=4), worker("l1", "lhr", used=4)]) == []
+
+
+def test_a_refused_create_or_update_fails_at_once_but_a_busy_lease_or_a_spare_without_room_does_not() -> None:
+    s = spec("mad = 1")
+    primary = Create(region="mad", config=s.machine_config(1, PRIMARY), start=True)
+    spare = Create(region="mad", config=s.machine_config(1, SPARE, standby_of="a"), start=False)
+    update = Update(id="a", region="mad", worker_id="w1", config=s.machine_config(1, PRIMARY), restarts=True)
+    results = [
+        Result(action=primary, ok=False, error="config.workdir: /x is not a directory on worker w1", code=400),
+        Result(action=primary, ok=False, error="no capacity in mad", code=503),
+        Result(action=spare, ok=False, error="no capacity in mad", code=503),
+        Result(action=update, ok=False, machine_id="a", error="machine a: lease held by another", code=409),
+        Result(action=update, ok=False, machine_id="a", error="the worker did not answer", code=504),
+        Result(action=update, ok=True, machine_id="a"),
+    ]
+    assert summarize(Reconciler._refused(results)) == [
+        "mad: placing a new machine failed: config.workdir: /x is not a directory on worker w1",
+        "mad: placing a new machine failed: no capacity in mad",
+    ]

@@ -43,6 +43,7 @@ def write_spec(
     cmd: str | None = None,
     wait: str = "6s",
     max_unavailable: str = "1",
+    extra: str = "",
 ) -> Path:
     command = cmd or json.dumps([sys.executable, str(APP_PY)])
     path.write_text(f"""
@@ -64,17 +65,19 @@ strategy = "{strategy}"
 max_unavailable = {max_unavailable}
 spares = {spares}
 wait_timeout = "{wait}"
-""")
+{extra}""")
     return path
 
 
-def fauxmad(fleet: DevFleet, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="120")
+def fauxmad(
+    fleet: DevFleet, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    environ = {**os.environ, "FAUXMAD_NATS_URL": fleet.url, "PYTHONPATH": str(ROOT), "COLUMNS": "120", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=environ,
         timeout=timeout,
         cwd=str(ROOT),
     )
@@ -163,7 +166,9 @@ def test_a_failing_release_is_rolled_back_in_every_region(fleet: DevFleet, tmp_p
     assert_converged(machines(fleet, "fall"), {"mad": 2, "syd": 2}, "1", "v1")
     releases = json.loads(fauxmad(fleet, "releases", "-a", "fall", "--json").stdout)
     assert releases["current"] == 1
-    assert {r["version"]: r["status"] for r in releases["releases"]} == {1: "complete", 2: "rolled_back"}
+    statuses = {r["version"]: (r["status"], r["reason"]) for r in releases["releases"]}
+    assert statuses[1] == ("complete", "") and statuses[2][0] == "failed"  # a failed release stays failed
+    assert "not healthy within 3s" in statuses[2][1] and statuses[2][1] in message
     destroy(fleet, "fall")
 
 

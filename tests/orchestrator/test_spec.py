@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from orchestrator.apps.spec import SpecError, load_spec, parse_spec
@@ -17,7 +19,12 @@ def test_the_readme_example_documents_every_field() -> None:
     spec = parse_spec(block.group(1), "README.md")
     assert spec.app == "sandwich" and spec.regions == {"mad": 3, "syd": 2}
     assert spec.deploy.unavailable_budget(3) == 1 and spec.deploy.unavailable_budget(10) == 4
-    assert spec.checks["http"].port == 8080 and spec.deploy.wait_seconds == 60
+    assert spec.checks["http"].port is None and spec.deploy.wait_seconds == 60  # the check finds $PORT
+    # it is the shipped example, whose app.py sits next to it: the default working directory
+    shipped = load_spec(ROOT / "examples" / "sandwich" / "fauxmad.toml")
+    assert msgspec.structs.replace(shipped, workdir=None) == msgspec.structs.replace(spec, workdir=None)
+    assert shipped.workdir == str(ROOT / "examples" / "sandwich")
+    assert (Path(shipped.workdir) / shipped.cmd[1]).is_file()
 
 
 def test_the_shipped_example_parses_and_labels_its_machines() -> None:
@@ -25,6 +32,30 @@ def test_the_shipped_example_parses_and_labels_its_machines() -> None:
     config = spec.machine_config(7, "spare", standby_of="0123456789abcd")
     assert config.metadata == {"fauxmad_release": "7", "fauxmad_role": "spare"}
     assert config.standbys == ["0123456789abcd"] and config.cmd == spec.cmd
+    assert config.workdir == spec.workdir == str(ROOT / "examples")
+
+
+@pytest.mark.parametrize(
+    ("line", "where"),
+    [("", "app"), ('workdir = "."', "app"), ('workdir = "../data"', "data"), ('workdir = "/srv/x"', "/srv/x")],
+)
+def test_workdir_is_relative_to_the_spec_files_directory(tmp_path: Path, line: str, where: str) -> None:
+    for name in ("app", "data"):
+        (tmp_path / name).mkdir()
+    path = tmp_path / "app" / "fauxmad.toml"
+    path.write_text(f'app = "x"\ncmd = ["./run"]\n{line}\n[regions]\nmad = 1\n')
+    if where.startswith("/"):
+        with pytest.raises(SpecError, match="`workdir`: /srv/x is not a directory"):
+            load_spec(path)
+        return
+    spec = load_spec(path)
+    assert spec.workdir == str(tmp_path / where)
+    assert spec.machine_config(1, "primary").workdir == spec.workdir
+
+
+def test_a_spec_without_a_file_keeps_the_machines_own_directory() -> None:
+    spec = parse_spec('app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n')
+    assert spec.workdir is None and spec.machine_config(1, "primary").workdir is None
 
 
 @pytest.mark.parametrize(
