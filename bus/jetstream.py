@@ -1,4 +1,4 @@
-"""The JetStream resources of the contract: KV buckets, the events stream, the images store.
+"""The JetStream resources of the contract: KV buckets, the events and logs streams, the images store.
 
 Every process calls `ensure_fleet_resources` at start-up; creation is idempotent, so whichever
 process comes first creates them and the others bind. The workers bucket has a TTL of about three
@@ -8,6 +8,10 @@ The events stream keeps events for an age and up to a size that are configuratio
 field, else `$FAUXMAD_EVENTS_MAX_AGE` (`7d`, `12h`, seconds) and `$FAUXMAD_EVENTS_MAX_BYTES`
 (`1GiB`, `512MB`, bytes). Limits given either way are applied to an existing stream too; a process
 that was given none leaves the stream's limits as they are (defaults: 7 days, 1 GiB).
+
+The logs stream (`FAUXMAD_LOGS`, every `fauxmad.v1.logs.<app>.<machine>` line the workers publish)
+works the same way with `$FAUXMAD_LOGS_MAX_AGE` and `$FAUXMAD_LOGS_MAX_BYTES` (defaults: 1 day,
+256 MiB), and refuses a message above `LOGS_MAX_MSG_SIZE`: workers clip lines well below it.
 """
 
 from __future__ import annotations
@@ -34,6 +38,15 @@ EVENTS_MAX_BYTES_ENV = "FAUXMAD_EVENTS_MAX_BYTES"
 DEFAULT_EVENTS_MAX_AGE = 7 * 24 * 3600.0
 DEFAULT_EVENTS_MAX_BYTES = 1024 * 1024 * 1024
 
+LOGS_MAX_AGE_ENV = "FAUXMAD_LOGS_MAX_AGE"
+LOGS_MAX_BYTES_ENV = "FAUXMAD_LOGS_MAX_BYTES"
+DEFAULT_LOGS_MAX_AGE = 24 * 3600.0
+DEFAULT_LOGS_MAX_BYTES = 256 * 1024 * 1024
+# A worker clips a line to 16 KiB of UTF-8 (workers/logs.py); JSON escapes a byte into at most 6
+# (`\u001b`), so an encoded line with its other fields stays below 100 KiB. A bigger message is not
+# stored (one bad publisher cannot put megabytes in the stream per line).
+LOGS_MAX_MSG_SIZE = 128 * 1024
+
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?$", re.IGNORECASE)
 _SIZE_UNIT = {
     "b": 1,
@@ -51,13 +64,16 @@ _SIZE_UNIT = {
 class FleetConfig(msgspec.Struct, kw_only=True):
     """Limits of the shared JetStream resources (configuration, not contract).
 
-    `events_max_age` (seconds) and `events_max_bytes` left at `None` come from the environment;
-    when neither says anything, an existing stream keeps its limits and a new one gets the defaults.
+    `events_max_age` (seconds) and `events_max_bytes` (and the same for `logs_`) left at `None` come
+    from the environment; when neither says anything, an existing stream keeps its limits and a new
+    one gets the defaults.
     """
 
     heartbeat_interval: float = HEARTBEAT_INTERVAL
     events_max_age: float | None = None
     events_max_bytes: int | None = None
+    logs_max_age: float | None = None
+    logs_max_bytes: int | None = None
     storage: str = "file"
 
 
@@ -72,32 +88,60 @@ def parse_size(text: str) -> int:
     return size
 
 
-class EventsLimits(msgspec.Struct, frozen=True):
+class StreamLimits(msgspec.Struct, frozen=True):
     max_age: float
     max_bytes: int
     explicit: bool  # given by configuration (apply to an existing stream), not just the defaults
 
 
-def events_limits(config: FleetConfig, environ: Mapping[str, str] = os.environ) -> EventsLimits:
-    """The events stream's limits: the config's, else the environment's, else the defaults."""
-    age_text, bytes_text = environ.get(EVENTS_MAX_AGE_ENV, ""), environ.get(EVENTS_MAX_BYTES_ENV, "")
+EventsLimits = StreamLimits
+
+
+def _stream_limits(
+    what: str,
+    age: float | None,
+    size: int | None,
+    env: tuple[str, str],
+    defaults: tuple[float, int],
+    environ: Mapping[str, str],
+) -> StreamLimits:
+    """A stream's limits: the config's (`age`, `size`), else the environment's (`env`), else `defaults`."""
+    age_text, bytes_text = environ.get(env[0], ""), environ.get(env[1], "")
     try:
-        max_age = (
-            config.events_max_age if config.events_max_age is not None else (seconds(age_text) if age_text else None)
-        )
-        max_bytes = (
-            config.events_max_bytes
-            if config.events_max_bytes is not None
-            else (parse_size(bytes_text) if bytes_text else None)
-        )
+        max_age = age if age is not None else (seconds(age_text) if age_text else None)
+        max_bytes = size if size is not None else (parse_size(bytes_text) if bytes_text else None)
     except ValueError as exc:
-        raise ValueError(f"events stream limits: {exc}") from None
+        raise ValueError(f"{what} limits: {exc}") from None
     if max_age is not None and max_age <= 0:
-        raise ValueError(f"events stream limits: max age must be positive, not {max_age:g}")
-    return EventsLimits(
-        max_age=DEFAULT_EVENTS_MAX_AGE if max_age is None else max_age,
-        max_bytes=DEFAULT_EVENTS_MAX_BYTES if max_bytes is None else max_bytes,
+        raise ValueError(f"{what} limits: max age must be positive, not {max_age:g}")
+    return StreamLimits(
+        max_age=defaults[0] if max_age is None else max_age,
+        max_bytes=defaults[1] if max_bytes is None else max_bytes,
         explicit=max_age is not None or max_bytes is not None,
+    )
+
+
+def events_limits(config: FleetConfig, environ: Mapping[str, str] = os.environ) -> StreamLimits:
+    """The events stream's limits: the config's, else the environment's, else the defaults."""
+    return _stream_limits(
+        "events stream",
+        config.events_max_age,
+        config.events_max_bytes,
+        (EVENTS_MAX_AGE_ENV, EVENTS_MAX_BYTES_ENV),
+        (DEFAULT_EVENTS_MAX_AGE, DEFAULT_EVENTS_MAX_BYTES),
+        environ,
+    )
+
+
+def logs_limits(config: FleetConfig, environ: Mapping[str, str] = os.environ) -> StreamLimits:
+    """The logs stream's limits: the config's, else the environment's, else the defaults."""
+    return _stream_limits(
+        "logs stream",
+        config.logs_max_age,
+        config.logs_max_bytes,
+        (LOGS_MAX_AGE_ENV, LOGS_MAX_BYTES_ENV),
+        (DEFAULT_LOGS_MAX_AGE, DEFAULT_LOGS_MAX_BYTES),
+        environ,
     )
 
 
@@ -159,26 +203,47 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
             description="create idempotency keys: claimed by one broker, answered with one machine",
         ),
     )
-    await _events_stream(js, events_limits(config), storage)
+    await _limited_stream(
+        js,
+        StreamConfig(
+            name=subjects.EVENTS_STREAM,
+            subjects=[subjects.EVENTS_ALL],
+            storage=storage,
+            description="every machine state transition, from every worker",
+        ),
+        events_limits(config),
+    )
+    await ensure_logs_stream(js, config)
     return FleetKV(workers=workers, machines=machines, apps=apps, idempotency=idempotency)
 
 
-async def _events_stream(js: JetStreamContext, limits: EventsLimits, storage: StorageType) -> None:
-    stream = StreamConfig(
-        name=subjects.EVENTS_STREAM,
-        subjects=[subjects.EVENTS_ALL],
-        max_age=limits.max_age,
-        max_bytes=limits.max_bytes,
-        storage=storage,
-        description="every machine state transition, from every worker",
+async def ensure_logs_stream(js: JetStreamContext, config: FleetConfig | None = None) -> None:
+    """The logs stream alone (what a log reader needs), created or bound like the others."""
+    config = config or FleetConfig()
+    await _limited_stream(
+        js,
+        StreamConfig(
+            name=subjects.LOGS_STREAM,
+            subjects=[subjects.LOGS_ALL],
+            max_msg_size=LOGS_MAX_MSG_SIZE,
+            storage=StorageType.MEMORY if config.storage == "memory" else StorageType.FILE,
+            description="machines' stdout and stderr lines, from every worker",
+        ),
+        logs_limits(config),
     )
+
+
+async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: StreamLimits) -> None:
+    """Create `stream` with `limits`; if it exists, apply them only when they were configured."""
+    assert stream.name is not None
+    stream.max_age, stream.max_bytes = limits.max_age, limits.max_bytes
     try:
         await js.add_stream(stream)
         return
     except BadRequestError:
         if not limits.explicit:
             return  # exists with other limits, and nobody asked for these: leave it as it is
-    current = (await js.stream_info(subjects.EVENTS_STREAM)).config
+    current = (await js.stream_info(stream.name)).config
     if current.max_age != limits.max_age or current.max_bytes != limits.max_bytes:
         current.max_age, current.max_bytes = limits.max_age, limits.max_bytes
         await js.update_stream(current)

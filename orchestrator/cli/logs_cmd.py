@@ -1,0 +1,161 @@
+"""`fauxmad logs` and `fauxmad machine logs`: machines' stdout and stderr from stream FAUXMAD_LOGS.
+
+App output is printed verbatim: plain writes to stdout, never through rich, so `[info]` or
+`[/x]` in a line is printed as it is. A line is `time region machine stream | line` (`--json`: one
+object per line, as published plus `stream_seq`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import typer
+
+from orchestrator.cli.runtime import (
+    NatsOption,
+    check_app,
+    check_machine_id,
+    check_region,
+    fail,
+    nats_url,
+    run,
+)
+from orchestrator.logs import DEFAULT_LINES, LogQuery, LogRecord, json_line, plain_line
+
+SINCE_HELP = "a duration back from now (30s, 10m, 2h, 1d) or an ISO 8601 time (2024-05-01T12:00:00Z; no zone: local)"
+
+SinceOption = typer.Option(None, "--since", help=f"the history from: {SINCE_HELP}", show_default=False)
+LinesOption = typer.Option(
+    None,
+    "--lines",
+    "-n",
+    min=0,
+    help=f"at most the last N lines of the history (default: {DEFAULT_LINES}; with --since: all since)",
+    show_default=False,
+)
+LogsJsonOption = typer.Option(False, "--json", help="one JSON object per line (the line as published, and stream_seq)")
+
+
+def logs(
+    app: str | None = typer.Option(
+        None, "--app", "-a", help="this app's machines (default: every app)", callback=check_app
+    ),
+    machine: str | None = typer.Option(None, "--machine", "-m", help="only this machine", callback=check_machine_id),
+    region: str | None = typer.Option(
+        None, "--region", "-r", help="only machines in this region", callback=check_region
+    ),
+    since: str | None = SinceOption,
+    lines: int | None = LinesOption,
+    follow: bool = typer.Option(False, "--follow", "-f", help="then keep printing new lines (Ctrl-C stops)"),
+    nats: str | None = NatsOption,
+    json_out: bool = LogsJsonOption,
+) -> int:
+    """Machines' stdout and stderr, oldest first: the last lines kept, then (-f) new ones as they come."""
+    query = LogQuery(app=app, machine_id=machine, region=region, since=_since(since), lines=lines, follow=follow)
+    count = _print(nats, query, json_out=json_out, with_app=app is None)
+    if count == 0 and not follow and lines != 0:
+        scope = " ".join(
+            filter(
+                None,
+                [
+                    f"app {app}" if app else "",
+                    f"machine {machine}" if machine else "",
+                    f"region {region}" if region else "",
+                ],
+            )
+        )
+        _note("no logs" + (f" for {scope}" if scope else "") + (f" since {since}" if since else ""))
+    return 0
+
+
+def machine_logs(
+    machine_id: str = typer.Argument(..., help="machine id", callback=check_machine_id),
+    app: str = typer.Option(..., "--app", "-a", help="the app the machine belongs to", callback=check_app),
+    follow: bool = typer.Option(True, "--follow/--no-follow", help="after the history, keep printing new lines"),
+    since: str | None = SinceOption,
+    lines: int | None = LinesOption,
+    nats: str | None = NatsOption,
+    json_out: bool = LogsJsonOption,
+) -> int:
+    """A machine's stdout and stderr: its last lines kept, then new ones (--no-follow: the history only)."""
+    query = LogQuery(app=app, machine_id=machine_id, since=_since(since), lines=lines, follow=follow)
+    count = _print(nats, query, json_out=json_out, with_app=False, must_exist=True)
+    if count == 0 and not follow and lines != 0:
+        _note(f"no logs for machine {machine_id}" + (f" since {since}" if since else ""))
+    return 0
+
+
+def _since(text: str | None) -> float | None:
+    from orchestrator.view.history import parse_since
+
+    if text is None:
+        return None
+    try:
+        return parse_since(text, time.time())
+    except ValueError as exc:
+        fail(str(exc), 2)
+
+
+def _note(message: str) -> None:
+    sys.stderr.write(f"fauxmad: {message}\n")
+
+
+def _write(batch: Sequence[LogRecord], *, json_out: bool, with_app: bool) -> None:
+    text = "".join((json_line(r) if json_out else plain_line(r, with_app=with_app)) + "\n" for r in batch)
+    out = sys.stdout
+    buffer = getattr(out, "buffer", None)
+    if buffer is None:
+        out.write(text)
+    else:  # bytes: whatever the terminal's encoding, a line is never refused
+        out.flush()
+        buffer.write(text.encode("utf-8", "replace"))
+    out.flush()
+
+
+def _print(url: str | None, query: LogQuery, *, json_out: bool, with_app: bool, must_exist: bool = False) -> int:
+    """Print what `query` matches; returns how many lines."""
+    from bus.connection import connect
+    from bus.errors import NotFound
+    from orchestrator.client import FleetClient
+    from orchestrator.logs import has_lines, read_logs
+
+    resolved = nats_url(url)
+    assert resolved is not None
+
+    async def main() -> int:
+        closed = asyncio.Event()
+        nc = await connect(resolved, "fauxmad-logs", on_closed=lambda why: closed.set())
+        try:
+            if must_exist:
+                assert query.app is not None and query.machine_id is not None
+                try:
+                    await FleetClient(nc).get(query.app, query.machine_id)
+                except NotFound:
+                    if not await has_lines(nc, query.app, query.machine_id):
+                        raise  # a destroyed machine's logs are still shown while the stream has them
+            reader = asyncio.ensure_future(
+                read_logs(nc, query, lambda batch: _write(batch, json_out=json_out, with_app=with_app))
+            )
+            lost = asyncio.ensure_future(closed.wait())
+            await asyncio.wait([reader, lost], return_when=asyncio.FIRST_COMPLETED)
+            if not reader.done():
+                reader.cancel()
+                fail("the connection to NATS was lost")
+            lost.cancel()
+            return reader.result()
+        finally:
+            await nc.close()
+
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            return run(main())
+        return 0
+    except BrokenPipeError:  # `fauxmad logs | head`: the reader has seen enough
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
