@@ -1,10 +1,10 @@
 """The executor: applies a `Plan` over the bus, a bounded number of actions at a time, under leases.
 
-Creates go through the brokers (an auction per machine, `avoid_workers` keeping a spare off its
-primary's host). Every other action goes straight to the machine's worker, inside a lease, so two
-reconcilers (a deploy and a `reconcile --watch`) never act on one machine at once: the second gets a
-409 and leaves the machine to the next pass. An action that fails is reported, never retried here:
-the next plan, made from fresh observations, decides again.
+Creates go through the brokers: one auction per machine, whose chain applies `avoid_workers` (a
+spare off its primary's host) and `prefer_away` (rather not there). Every other action goes straight
+to the machine's worker, inside a lease, so two reconcilers (a deploy and a `reconcile --watch`) never
+act on one machine at once: the second gets a 409 and leaves the machine to the next pass. An action
+that fails is reported, never retried here: the next plan, made from fresh observations, decides again.
 """
 
 from __future__ import annotations
@@ -85,25 +85,16 @@ class Executor:
                 on_result(result)
             return result
 
-        # creates in one region go one after another, so each auction sees the previous machine and
-        # spreads the app over the region's workers; everything else runs side by side
+        # creates in one region go one after another, so each auction sees the machines placed before
+        # it (the spread scorer counts them): placing them is the chain's job, ordering them is ours;
+        # everything else runs side by side
         creates: dict[str, list[Create]] = defaultdict(list)
         for action in actions:
             if isinstance(action, Create):
                 creates[action.region].append(action)
 
         async def in_turn(batch: list[Create]) -> list[Result]:
-            out: list[Result] = []
-            landed: set[str] = set()
-            for action in batch:
-                if action.start:
-                    away = tuple(sorted(set(action.prefer_away) | landed))
-                    action = msgspec.structs.replace(action, prefer_away=away)
-                result = await one(action)
-                out.append(result)
-                if result.worker_id and action.start:
-                    landed.add(result.worker_id)
-            return out
+            return [await one(action) for action in batch]
 
         others = asyncio.gather(*[one(a) for a in actions if not isinstance(a, Create)])
         ordered = asyncio.gather(*[in_turn(batch) for batch in creates.values()])
@@ -125,19 +116,15 @@ class Executor:
             return Result(action=action, ok=False, machine_id=machine_id, error=exc.message, code=exc.code)
 
     async def _create(self, app: str, action: Create) -> Machine:
+        # one auction: `avoid_workers` is a filter of the chain, `prefer_away` a penalty (see placement/ask.py)
         request = CreateRequest(
             region=action.region,
             config=action.config,
             skip_launch=not action.start,
-            avoid_workers=sorted(set(action.avoid_workers) | set(action.prefer_away)),
+            avoid_workers=list(action.avoid_workers),
+            prefer_away=list(action.prefer_away),
         )
-        try:
-            return await self.client.create(app, request)
-        except NoCapacity:
-            if not action.prefer_away:
-                raise
-        # only the workers it prefers to stay away from have room: better there than nowhere
-        return await self.client.create(app, msgspec.structs.replace(request, avoid_workers=list(action.avoid_workers)))
+        return await self.client.create(app, request)
 
     async def _verb(self, action: MachineAction, nonce: str) -> None:
         worker, machine_id = action.worker_id, action.id
