@@ -1,128 +1,76 @@
-"""`fauxmad bench placement|worker`: measure, print a table, write JSON. Numbers belong in notes, not tests."""
+"""`fauxmad bench placement|worker|deploy|failover|peer`: parse the options, call `orchestrator.bench`, render.
+
+Each command runs one benchmark from the library, shows its report (rich tables on a terminal, plain
+aligned text when stdout is a pipe or a file, so nothing is cut at 80 columns) and writes the result as
+JSON. Progress goes to stderr. Numbers belong in notes, not tests.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import platform
-import time
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import typer
+from rich import box
+from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from orchestrator.benchstats import Latency, summarize
+from orchestrator.bench import BenchError
+from orchestrator.bench.report import Report, plain
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import NATS_HELP, fail, run
+from orchestrator.cli.runtime import EXIT_USAGE, NATS_HELP, fail
+
+T = TypeVar("T")
 
 bench_app = typer.Typer(
-    help="Measure placement and worker performance (prints percentiles, writes JSON).", no_args_is_help=True
+    help="Measure placement, workers, deploys, failover, and a peer (prints percentiles, writes JSON).",
+    no_args_is_help=True,
 )
 
+_stderr = Console(stderr=True)
 
-def _latency_row(table: Table, name: str, lat: Latency, extra: str = "") -> None:
-    table.add_row(
-        name, str(lat.count), f"{lat.p50_ms:.2f}", f"{lat.p90_ms:.2f}", f"{lat.p99_ms:.2f}", f"{lat.max_ms:.2f}", extra
-    )
-
-
-def _latency_table(title: str) -> Table:
-    table = Table(title=title, title_justify="left", header_style="bold")
-    for col in ("what", "n", "p50 ms", "p90 ms", "p99 ms", "max ms", ""):
-        table.add_column(col, no_wrap=True, justify="right" if col not in ("what", "") else "left")
-    return table
+OUTPUT_HELP = "where to write the JSON"
+JSON_HELP = "print the JSON result instead of the tables"
 
 
-def _write(path: Path, result: Any, json_out: bool) -> None:
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=2))
+def _progress(line: str) -> None:
+    _stderr.print(Text(f"… {line}", style="dim"))
+
+
+def show(report: Report) -> None:
+    """Rich tables on a terminal; plain aligned text otherwise (a pipe, a file: no box, nothing cut)."""
+    if not console.is_terminal:
+        sys.stdout.write(plain(report))
+        return
+    for spec in report.tables:
+        table = Table(title=spec.title or None, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+        for name, side in zip(spec.columns, spec.align, strict=True):
+            table.add_column(name, no_wrap=True, justify="right" if side == "r" else "left")
+        for row in spec.rows:
+            table.add_row(*(Text(cell) for cell in row))
+        console.print(table)
+    for note in report.notes:
+        console.print(Text(note))
+
+
+def _finish(result: Any, report: Report, output: Path, json_out: bool) -> None:
+    output.write_bytes(msgspec.json.format(msgspec.json.encode(result), indent=2) + b"\n")
     if json_out:
         print_json(result)
-    else:
-        console.print(f"wrote {path}")
+        return
+    show(report)
+    print(f"wrote {output}")
 
 
-async def _echo_rtt(url: str, count: int = 500) -> Latency:
-    """The bus's own request round trip on this machine, for reference."""
-    import nats
-
-    server, client = await nats.connect(url), await nats.connect(url)
-
-    async def echo(msg: Any) -> None:
-        await server.publish(msg.reply, msg.data)
-
-    await server.subscribe("fauxmad.bench.echo", cb=echo)
-    await server.flush()
-    samples = []
-    for _ in range(count):
-        started = time.perf_counter()
-        await client.request("fauxmad.bench.echo", b"x" * 200, timeout=2)
-        samples.append(time.perf_counter() - started)
-    await server.close()
-    await client.close()
-    return summarize(samples)
-
-
-class PlacementResult(msgspec.Struct, kw_only=True):
-    strategy: str
-    workers_per_region: int
-    regions: int
-    concurrency: int
-    start: bool
-    create: Latency
-    throughput_per_s: float
-    refused: int
-    errors: int
-    bus_rtt: Latency
-    host: dict[str, Any]
-
-
-async def _placement_run(
-    url: str, regions: list[str], count: int, concurrency: int, strategy: str, start: bool
-) -> tuple[list[float], int, int, float]:
-    from bus.errors import NoCapacity
-    from bus.messages import CreateRequest, Guest, MachineConfig, RestartPolicy
-    from orchestrator.client import FleetClient
-
-    clients = [await FleetClient.connect(url) for _ in range(min(concurrency, 8))]
-    config = MachineConfig(
-        cmd=["sleep", "600"] if start else ["true"],
-        guest=Guest(cpus=1, memory_mb=1),
-        restart=RestartPolicy(policy="no"),
-    )
-    samples: list[float] = []
-    refused = errors = 0
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(count):
-        queue.put_nowait(i)
-
-    async def one_client(index: int) -> None:
-        nonlocal refused, errors
-        client = clients[index % len(clients)]
-        while not queue.empty():
-            i = queue.get_nowait()
-            request = CreateRequest(
-                region=regions[i % len(regions)],
-                config=config,
-                skip_launch=not start,
-                strategy=strategy,  # type: ignore[arg-type]
-            )
-            began = time.perf_counter()
-            try:
-                await client.create("bench", request)
-                samples.append(time.perf_counter() - began)
-            except NoCapacity:
-                refused += 1
-            except Exception:
-                errors += 1
-
-    began = time.perf_counter()
-    await asyncio.gather(*[one_client(i) for i in range(concurrency)])
-    wall = time.perf_counter() - began
-    for client in clients:
-        await client.close()
-    return samples, refused, errors, wall
+def _measure(run: Callable[[], T]) -> T:
+    try:
+        return run()
+    except BenchError as exc:
+        fail(str(exc))
 
 
 @bench_app.command("placement")
@@ -142,109 +90,110 @@ def placement(
         max=5000,
         help="logical workers per worker process [default: 1 up to 16 workers]",
     ),
+    echo_count: int = typer.Option(500, "--echo-count", min=1, help="bus round trips to measure"),
     nats: str | None = typer.Option(None, "--nats", help=NATS_HELP + "; given: use that fleet", show_default=False),
-    output: Path = typer.Option(Path("bench-placement.json"), "--output", "-o", help="where to write the JSON"),
-    json_out: bool = typer.Option(False, "--json", help="print the JSON result"),
+    output: Path = typer.Option(Path("bench-placement.json"), "--output", "-o", help=OUTPUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Create latency (p50/p90/p99/max) and throughput, with the bus round trip for reference."""
+    """Create latency (p50/p90/p99/max) and throughput, with the bus round trip (echo in another process)."""
+    from orchestrator.bench import placement as bench
     from orchestrator.broker.auction import STRATEGIES
-    from orchestrator.devfleet import DevFleet, FleetSpec
 
     if strategy not in STRATEGIES:
-        fail(f"unknown --strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
-    names = [f"b{i + 1}" for i in range(regions_count)]
-    fleet = None
-    url = nats
-    if url is None:
-        per_process = per_process or (1 if workers <= 16 else -(-workers // 8))
-        spec = FleetSpec(
-            regions=names,
-            workers_per_region=workers,
-            cpus=100_000,
-            memory_mb=10_000_000,
-            brokers=brokers,
-            workers_per_process=per_process,
-            strategy=strategy,
-            heartbeat=1.0 if workers <= 100 else 2.0,
-        )
-        with console.status(f"starting {workers * regions_count} workers and {brokers} broker(s)"):
-            fleet = DevFleet(spec).start(timeout=300)
-        url = fleet.url
-    try:
-        if warmup:
-            run(_placement_run(url, names, warmup, concurrency, strategy, start))
-        with console.status(f"{count} creates at concurrency {concurrency}"):
-            samples, refused, errors, wall = run(_placement_run(url, names, count, concurrency, strategy, start))
-        rtt = run(_echo_rtt(url))
-    finally:
-        if fleet is not None:
-            with console.status("stopping the fleet"):
-                fleet.stop()
-    result = PlacementResult(
-        strategy=strategy,
-        workers_per_region=workers,
+        fail(f"unknown --strategy {strategy!r}: use one of {', '.join(STRATEGIES)}", EXIT_USAGE)
+    options = bench.PlacementOptions(
+        workers=workers,
         regions=regions_count,
+        strategy=strategy,
         concurrency=concurrency,
+        count=count,
         start=start,
-        create=summarize(samples),
-        throughput_per_s=round(len(samples) / wall, 1),
-        refused=refused,
-        errors=errors,
-        bus_rtt=rtt,
-        host={"cpus": os.cpu_count(), "python": platform.python_version()},
+        warmup=warmup,
+        brokers=brokers,
+        workers_per_process=per_process,
+        nats=nats,
+        echo_count=echo_count,
     )
-    if not json_out:
-        table = _latency_table(
-            f"placement: {strategy}, {workers} workers x {regions_count} region(s), concurrency {concurrency}"
-        )
-        _latency_row(
-            table,
-            "create+start" if start else "create (reserve)",
-            result.create,
-            f"{result.throughput_per_s:.0f}/s, {refused} refused, {errors} errors",
-        )
-        _latency_row(table, "bus round trip", rtt)
-        console.print(table)
-    _write(output, result, json_out)
+    result = _measure(lambda: bench.run_placement(options, _progress))
+    _finish(result, bench.report(result), output, json_out)
 
 
 @bench_app.command("worker")
-def worker_bench(
+def worker(
     reserves: int = typer.Option(2000, "--reserves", min=10, help="sequential reserves over NATS"),
     records: str = typer.Option("100000,1000000", "--records", help="log sizes for the restart measurement"),
-    output: Path = typer.Option(Path("bench-worker.json"), "--output", "-o", help="where to write the JSON"),
-    json_out: bool = typer.Option(False, "--json", help="print the JSON result"),
+    output: Path = typer.Option(Path("bench-worker.json"), "--output", "-o", help=OUTPUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Reserve latency over NATS, commits/s with fsync, restart time vs log size, worker RSS at rest."""
-    from orchestrator.cli.worker_bench import run_worker_bench  # the CLI's edge into `workers`
+    from orchestrator.bench.worker import report
+    from orchestrator.cli import worker_bench  # the CLI's one edge into `workers` for benchmarks
 
     try:
         sizes = [int(part) for part in records.split(",") if part.strip()]
     except ValueError:
-        fail(f"invalid --records {records!r}: use numbers like 100000,1000000")
-    result = run_worker_bench(reserves=reserves, sizes=sizes, progress=lambda s: console.print(f"[dim]…[/] {s}"))
-    if not json_out:
-        table = _latency_table("worker")
-        _latency_row(table, "reserve over NATS", result.reserve)
-        console.print(table)
-        console.print(
-            f"commits/s with fsync: {result.commits_per_s_concurrent:.0f} with 64 concurrent reservers "
-            f"({result.commits_per_batch:.1f} per fsync), {result.commits_per_s_serial:.0f} one at a time"
-        )
-        for item in result.restart:
-            console.print(
-                f"restart with {item.log_records} log records: store open+scan {item.open_ms:.1f} ms, "
-                f"process start to ready {item.ready_ms:.0f} ms (log {item.log_mb:.0f} MB)"
-            )
-        console.print(f"worker RSS at rest: {result.rss_mb_at_rest:.1f} MB")
-    _write(output, result, json_out)
+        fail(f"invalid --records {records!r}: use numbers like 100000,1000000", EXIT_USAGE)
+    result = _measure(lambda: worker_bench.run(reserves=reserves, sizes=sizes, progress=_progress))
+    _finish(result, report(result), output, json_out)
 
 
-def _register_app_benchmarks() -> None:
-    from orchestrator.cli import bench_apps
+@bench_app.command("deploy")
+def deploy(
+    regions: str = typer.Option("mad,syd,gru", "--regions", help="comma-separated regions"),
+    machines: int = typer.Option(10, "--machines", min=1, max=200, help="machines per region"),
+    workers: int = typer.Option(4, "--workers-per-region", min=1, max=20),
+    strategy: str = typer.Option("rolling", "--strategy", help="rolling, canary, bluegreen or immediate"),
+    max_unavailable: str = typer.Option("0.33", "--max-unavailable", help="a fraction or a count"),
+    output: Path = typer.Option(Path("bench-deploy.json"), "--output", "--out", "-o", help=OUTPUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Time a first deploy and a new release (every machine updated) across regions, with http checks."""
+    from orchestrator.bench import deploy as bench
+    from orchestrator.cli.runtime import split_names
 
-    bench_app.command("deploy")(bench_apps.deploy)
-    bench_app.command("failover")(bench_apps.failover)
+    names = split_names("region", regions)
+    if not names:
+        fail("--regions needs at least one region", EXIT_USAGE)
+    if strategy not in bench.STRATEGIES:
+        fail(f"unknown --strategy {strategy!r}: use one of {', '.join(bench.STRATEGIES)}", EXIT_USAGE)
+    options = bench.DeployOptions(
+        regions=names, machines=machines, workers=workers, strategy=strategy, max_unavailable=max_unavailable
+    )
+    result = _measure(lambda: bench.run_deploy(options, _progress))
+    _finish(result, bench.report(result), output, json_out)
 
 
-_register_app_benchmarks()
+@bench_app.command("failover")
+def failover(
+    rounds: int = typer.Option(3, "--rounds", min=1, max=50, help="hosts to kill, one after another"),
+    workers: int = typer.Option(3, "--workers-per-region", min=2, max=20),
+    machines: int = typer.Option(2, "--machines", min=1, max=50, help="primaries (each with one spare)"),
+    output: Path = typer.Option(Path("bench-failover.json"), "--output", "--out", "-o", help=OUTPUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Kill a host while `reconcile --watch` runs; time until its primaries' spares are started."""
+    from orchestrator.bench import failover as bench
+
+    options = bench.FailoverOptions(rounds=rounds, workers=workers, machines=machines)
+    result = _measure(lambda: bench.run_failover(options, _progress))
+    _finish(result, bench.report(result), output, json_out)
+
+
+@bench_app.command("peer")
+def peer(
+    count: int = typer.Option(200, "--count", "-n", min=1, max=100_000, help="of each kind, measured"),
+    warmup: int = typer.Option(10, "--warmup", min=0, help="of each kind, before measuring"),
+    workers: int = typer.Option(10, "--workers", min=1, max=100, help="fauxmad workers (one region)"),
+    ray_cpus: int = typer.Option(2, "--ray-cpus", min=1, max=1024, help="CPUs Ray gets (ray.init num_cpus)"),
+    output: Path = typer.Option(Path("bench-peer.json"), "--output", "-o", help=OUTPUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """fauxmad and Ray on this machine, one after the other, c=1: create vs a 1-CPU placement group,
+    create+start vs a 1-CPU actor. Needs the `peers` extra (Ray)."""
+    from orchestrator.bench import peer as bench
+
+    if not bench.ray_available():
+        fail(f"`fauxmad bench peer` needs Ray: {bench.INSTALL_HINT}", EXIT_USAGE)
+    options = bench.PeerOptions(count=count, warmup=warmup, workers=workers, ray_cpus=ray_cpus)
+    result = _measure(lambda: bench.run_peer(options, _progress))
+    _finish(result, bench.report(result), output, json_out)

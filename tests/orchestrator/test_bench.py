@@ -1,0 +1,150 @@
+"""The benchmark library: its statistics, its plain tables, its edges, and one tiny real placement run.
+
+No timing is asserted anywhere: numbers belong in notes, not tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from orchestrator.bench import peer
+from orchestrator.bench.echo import EchoResponder
+from orchestrator.bench.placement import PlacementOptions, report, run_placement
+from orchestrator.bench.report import Report, Table, latency_table, plain, plain_table, times
+from orchestrator.bench.stats import Latency, percentile, ratio, ratios, summarize
+from orchestrator.cli.app import main
+from orchestrator.cli.bench_cmd import show
+from workers import bench as store_bench
+
+# -- statistics ------------------------------------------------------------------------------------
+
+
+def test_percentiles_are_nearest_rank_so_each_is_an_observed_value() -> None:
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 90) == 90.0
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([1.0, 2.0, 3.0], 50) == 2.0
+    assert percentile([], 50) == 0.0
+
+
+def test_summarize_turns_seconds_into_milliseconds() -> None:
+    lat = summarize([0.003, 0.001, 0.002, 0.010])
+    assert lat == Latency(count=4, p50_ms=2.0, p90_ms=10.0, p99_ms=10.0, max_ms=10.0, mean_ms=4.0)
+    assert summarize([]) == Latency(count=0, p50_ms=0.0, p90_ms=0.0, p99_ms=0.0, max_ms=0.0, mean_ms=0.0)
+
+
+def test_ratios_have_none_where_the_denominator_is_not_positive() -> None:
+    assert ratio(3.0, 1.5) == 2.0
+    assert ratio(1.0, 3.0) == 0.33
+    assert ratio(1.0, 0.0) is None
+    a = summarize([0.002, 0.004])
+    b = summarize([0.001, 0.001])
+    assert ratios(a, b).p50 == 2.0 and ratios(a, b).p99 == 4.0
+    assert ratios(a, summarize([])).p50 is None
+    assert times(None) == "-" and times(2.0) == "2.00x"
+
+
+# -- plain tables ----------------------------------------------------------------------------------
+
+
+def test_plain_table_aligns_columns_and_never_cuts_a_long_cell() -> None:
+    long = "a very long description of what was measured, " * 3
+    table = Table(
+        title="title",
+        columns=("what", "n"),
+        align="lr",
+        rows=(("short", "1"), (long.strip(), "12345")),
+    )
+    lines = plain_table(table)
+    assert lines[0] == "title"
+    width = len(long.strip())
+    assert lines[1] == "what".ljust(width) + "  " + "    n"
+    assert lines[2] == "short".ljust(width) + "  " + "    1"
+    assert lines[3] == long.strip() + "  12345"
+    assert len(lines[3]) > 120
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_plain_report_has_no_box_drawing_and_separates_tables_and_notes() -> None:
+    lat = summarize([0.001, 0.002])
+    text = plain(
+        Report(
+            tables=(latency_table("one", [("x", lat)]), Table(columns=("k",), align="l", rows=(("v",),))),
+            notes=("a note",),
+        )
+    )
+    assert text == (
+        "one\nwhat  n  p50 ms  p90 ms  p99 ms  max ms\nx     2    1.00    2.00    2.00    2.00\n\nk\nv\n\na note\n"
+    )
+    assert not set(text) & set("─│┃━┏┓┗┛╇┡")
+    assert plain(Report()) == ""
+
+
+def test_a_table_refuses_rows_or_alignment_that_do_not_fit_its_columns() -> None:
+    with pytest.raises(ValueError, match="align"):
+        Table(columns=("a", "b"), align="l")
+    with pytest.raises(ValueError, match="align"):
+        Table(columns=("a",), align="c")
+    with pytest.raises(ValueError, match="cells"):
+        Table(columns=("a", "b"), align="lr", rows=(("only one",),))
+
+
+def test_the_cli_prints_plain_text_when_stdout_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    cell = "x" * 150
+    show(Report(tables=(Table(title="t", columns=("what", "n"), align="lr", rows=((cell, "1"),)),), notes=("[b]",)))
+    out = capsys.readouterr().out
+    assert out == f"t\n{'what'.ljust(150)}  n\n{cell}  1\n\n[b]\n"
+
+
+# -- edges -----------------------------------------------------------------------------------------
+
+
+def test_bench_peer_without_ray_says_how_to_install_it_and_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(peer, "ray_available", lambda: False)
+    assert main(["bench", "peer", "--output", "/nonexistent/never-written.json"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "pip install -e '.[peers]'" in err[0], err
+    with pytest.raises(peer.PeerMissing, match=r"\.\[peers\]"):
+        peer.run_peer(peer.PeerOptions(count=1))
+
+
+def test_the_worker_store_measurements_run_on_a_real_store(tmp_path: Path) -> None:
+    size_mb = store_bench.build_log(tmp_path / "lmdb", 2500, machines=100)
+    assert size_mb > 0
+    assert store_bench.open_and_scan(tmp_path / "lmdb") == 100
+    serial, concurrent, per_batch = store_bench.commit_rates(tmp_path, serial=20, concurrent=200, writers=8)
+    assert serial > 0 and concurrent > 0 and per_batch >= 1
+
+
+def test_the_echo_responder_answers_from_another_process_and_goes_away(nats_url: str) -> None:
+    with EchoResponder(nats_url) as echo:
+        assert echo.proc is not None
+        proc = echo.proc
+        lat = asyncio.run(echo.measure(5, warmup=1))
+    assert lat.count == 5
+    assert proc.poll() is not None  # exited when its stdin closed
+
+
+# -- a real fleet, tiny ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_placement_bench_on_a_real_fleet() -> None:
+    progress: list[str] = []
+    options = PlacementOptions(workers=2, count=6, warmup=2, concurrency=2, echo_count=5)
+    result = run_placement(options, progress.append)
+    assert result.errors == 0 and result.refused == 0, result.first_error
+    assert result.create.count == 6
+    assert result.bus_rtt.count == 5
+    assert result.create_p50_over_bus_rtt_p50 is not None
+    assert any("stopping the fleet" in line for line in progress)
+    text = plain(report(result))
+    assert "create (reserve)" in text and "bus round trip" in text and "create p50 / bus round trip p50" in text
