@@ -93,6 +93,29 @@ class Outcome(msgspec.Struct, kw_only=True):
     attempts: list[Attempt] = []
     winner: str | None = None
 
+    def kept(self, chosen: str, top: int = 3) -> dict[str, Any]:
+        """The short explanation a machine keeps (in its `created` event) of why it went to `chosen`:
+        the best few candidates and `chosen` with their subscores, rejections counted by filter, the
+        attempts before it. Short, because the worker writes it with the machine's record."""
+        ranked = self.ranking.candidates
+        shown = [(i, c) for i, c in enumerate(ranked, 1) if i <= top or c.worker_id == chosen]
+        rejected: dict[str, int] = {}
+        for rejection in self.ranking.rejected:
+            rejected[rejection.filter] = rejected.get(rejection.filter, 0) + 1
+        return {
+            "strategy": self.strategy,
+            "asked": self.asked,
+            "answered": self.answered,
+            "gather_ms": round(self.gather_ms, 3),
+            "chosen": chosen,
+            "candidates": [
+                {"worker_id": c.worker_id, "rank": i, "total": c.total, "subscores": c.subscores} for i, c in shown
+            ],
+            "feasible": len(ranked),
+            "rejected": rejected,
+            "attempts": msgspec.to_builtins(self.attempts),
+        }
+
     def explain(self) -> dict[str, Any]:
         summary = explain(self.ranking)
         return {
@@ -288,7 +311,9 @@ class Auction:
     ) -> Machine | None:
         for worker_id in candidates:
             try:
-                machine = await self._reserve_on(worker_id, reserve)
+                machine = await self._reserve_on(
+                    worker_id, msgspec.structs.replace(reserve, placement=outcome.kept(worker_id))
+                )
             except OutcomeUnknown:
                 raise
             except (NoCapacity, Unreachable, DeadlineExceeded) as exc:  # refusals: nothing was reserved there
@@ -302,7 +327,14 @@ class Auction:
         first, second = candidates[0], candidates[1]
         # distinct ids and no shared idempotency key: the two reservations must not be mistaken for one
         hedge = msgspec.structs.replace(reserve, idempotency_key=None, id=new_machine_id())
-        tasks = {asyncio.create_task(self._reserve_on(w, reserve if w == first else hedge)): w for w in (first, second)}
+        tasks = {
+            asyncio.create_task(
+                self._reserve_on(
+                    w, msgspec.structs.replace(reserve if w == first else hedge, placement=outcome.kept(w))
+                )
+            ): w
+            for w in (first, second)
+        }
         winner: Machine | None = None
         pending = set(tasks)
         while pending and winner is None:

@@ -94,7 +94,7 @@ def explain_table(explain: dict[str, Any]) -> Table:
         header_style="bold",
         box=box.SIMPLE_HEAD,
     )
-    for col in ("#", "worker", "total", "cpu", "mem", "image", "spread", "load"):
+    for col in ("#", "worker", "total", "cpu", "mem", "image", "spread", "load", "away"):
         table.add_column(col, no_wrap=col != "cpu")
     for w in explain["workers"]:
         won = w["worker_id"] == explain.get("winner")
@@ -105,8 +105,35 @@ def explain_table(explain: dict[str, Any]) -> Table:
                 str(w.get("rank")),
                 name,
                 f"{w.get('total', 0):.3f}",
-                *(f"{s.get(k, 0):+.2f}" for k in ("cpu", "memory", "image", "spread", "load")),
+                *(f"{s.get(k, 0):+.2f}" for k in SUBSCORES),
             )
         else:
-            table.add_row("-", name, "[red]no[/]", w.get("reason", ""), "", "", "", "")
+            table.add_row("-", name, "[red]no[/]", w.get("reason", ""), "", "", "", "", "")
+    return table
+
+
+SUBSCORES = ("cpu", "memory", "image", "spread", "load", "away")
+
+
+def kept_table(kept: dict[str, Any]) -> Table:
+    """The short explanation a machine kept of its placement (`machine explain`)."""
+    rejected = ", ".join(f"{n} by {name}" for name, n in sorted(kept.get("rejected", {}).items())) or "none"
+    table = Table(
+        title=f"placed on {kept['chosen']} ({kept['strategy']}: {kept['answered']}/{kept['asked']} workers answered"
+        f" in {kept['gather_ms']:.1f} ms; {kept.get('feasible', 0)} feasible; rejected: {rejected})",
+        title_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in ("#", "worker", "total", "cpu", "mem", "image", "spread", "load", "away"):
+        table.add_column(col, no_wrap=True)
+    for c in kept.get("candidates", []):
+        won = c["worker_id"] == kept["chosen"]
+        name = f"[bold green]{c['worker_id']} ✓[/]" if won else c["worker_id"]
+        s = c.get("subscores", {})
+        table.add_row(str(c["rank"]), name, f"{c['total']:.3f}", *(f"{s.get(k, 0):+.2f}" for k in SUBSCORES))
+    for attempt in kept.get("attempts", []):
+        table.caption = (table.caption + "; " if table.caption else "before: ") + (
+            f"{attempt['worker_id']} {attempt['outcome']}"
+        )
     return table

@@ -1,0 +1,50 @@
+"""Every placement's explanation is kept in the machine's `created` event: `machine explain ID` shows it later."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.helpers import ROOT
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[DevFleet]:
+    with DevFleet(FleetSpec(regions=["ex"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=1)) as running:
+        yield running
+
+
+def cli(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="160")
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=str(ROOT),
+    )
+
+
+def test_machine_explain_shows_why_it_landed_where_it_did(fleet: DevFleet) -> None:
+    first = json.loads(
+        cli(fleet, "machine", "run", "-a", "why", "-r", "ex", "--skip-launch", "--json", "--", "sleep", "60").stdout
+    )
+    second = json.loads(
+        cli(fleet, "machine", "run", "-a", "why", "-r", "ex", "--skip-launch", "--json", "--", "sleep", "60").stdout
+    )
+    kept = json.loads(cli(fleet, "machine", "explain", second["id"], "-a", "why", "--json").stdout)
+    assert kept["chosen"] == second["worker_id"] and kept["asked"] == 3 and kept["answered"] == 3
+    by_worker = {c["worker_id"]: c for c in kept["candidates"]}
+    # the spread scorer is why the second machine is not beside the first
+    assert by_worker[first["worker_id"]]["subscores"]["spread"] < 0
+    assert by_worker[second["worker_id"]]["rank"] == 1
+    table = cli(fleet, "machine", "explain", second["id"], "-a", "why")
+    assert table.returncode == 0 and f"placed on {second['worker_id']}" in table.stdout, table.stdout + table.stderr
+    fleet.destroy_all_machines()
