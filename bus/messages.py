@@ -117,6 +117,8 @@ class MachineConfig(Request):
     standbys: list[MachineId] = []
     auto_destroy: bool = False
     mounts: list[Mount] = []
+    # addition: the directory `cmd` runs in, absolute, on the worker's host (default: the machine's own)
+    workdir: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 
     def __post_init__(self) -> None:
         for key in self.env:
@@ -124,6 +126,8 @@ class MachineConfig(Request):
                 raise ValueError(f"invalid env var name {key!r}")
         if any("\0" in part for part in self.cmd):
             raise ValueError("cmd must not contain NUL bytes")
+        if self.workdir is not None and (not self.workdir.startswith("/") or "\0" in self.workdir):
+            raise ValueError("workdir must be an absolute path")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -172,6 +176,8 @@ class MachineEvent(Reply):
     # addition: the instance the machine ran (or will run) when the event happened: checks belong to an
     # instance, so a reader keeps them across an `update` that kept the instance (a relabel in place)
     instance_id: str | None = None
+    # addition: on the `created` event of a reserve, why the broker chose this worker (its short explain)
+    placement: dict[str, Any] | None = None
     check: CheckStatus | None = None
 
 
@@ -282,6 +288,8 @@ class ReserveRequest(Request):
     skip_launch: bool = True
     # addition: epoch seconds after which the worker must not commit this reserve (504, nothing reserved)
     expires_at: float | None = None
+    # addition: why the broker chose this worker (a short explain), kept in the machine's `created` event
+    placement: dict[str, Any] | None = None
 
 
 class IdRequest(Request):

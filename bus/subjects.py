@@ -21,6 +21,7 @@ APPS_BUCKET = "fauxmad_apps"
 IDEMPOTENCY_BUCKET = "fauxmad_idempotency"
 IMAGES_STORE = "fauxmad_images"
 EVENTS_STREAM = "FAUXMAD_EVENTS"
+LOGS_STREAM = "FAUXMAD_LOGS"
 
 BROKER_QUEUE = "brokers"
 BROKER_SERVICE = "fauxmad-broker"
@@ -38,8 +39,22 @@ WORKER_VERBS = (
     "lease",
     "release",
     "update",
+    "exec",
 )
-API_VERBS = ("create", "list", "get", "start", "stop", "destroy", "wait", "update", "signal", "lease", "release")
+API_VERBS = (
+    "create",
+    "list",
+    "get",
+    "start",
+    "stop",
+    "destroy",
+    "wait",
+    "update",
+    "signal",
+    "lease",
+    "release",
+    "exec",
+)
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -110,6 +125,16 @@ def events_filter(app: str | None = None, machine_id: str | None = None) -> str:
 
 def logs(app: str, machine_id: str) -> str:
     return f"{PREFIX}.logs.{app}.{machine_id}"
+
+
+LOGS_ALL = f"{PREFIX}.logs.>"
+
+
+def logs_filter(app: str | None = None, machine_id: str | None = None) -> str:
+    """The log lines of one app, one machine, or both: a stream filter subject."""
+    app_token = check_token("app", app) if app else "*"
+    machine_token = check_token("machine id", machine_id) if machine_id else "*"
+    return f"{PREFIX}.logs.{app_token}.{machine_token}"
 
 
 def kv_put(bucket: str, key: str) -> str:

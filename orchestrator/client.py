@@ -6,9 +6,11 @@ Every method is one request on a documented `fauxmad.v1.api...` subject; errors 
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client
 
 from bus import subjects
@@ -17,11 +19,15 @@ from bus.connection import connect
 from bus.messages import (
     CreateRequest,
     DestroyRequest,
+    ExecReply,
+    ExecRequest,
+    ExitInfo,
     GetRequest,
     ListRequest,
     Machine,
     MachineConfig,
     RegionSummary,
+    SignalRequest,
     SimulateRequest,
     StartRequest,
     StopRequest,
@@ -31,6 +37,37 @@ from bus.messages import (
     WorkersListRequest,
 )
 from bus.service import call, request
+
+
+class UpResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What `FleetClient.wait_up` saw: `up`, or `problem` (one line) and the machine as it was then."""
+
+    up: bool
+    machine: Machine
+    problem: str = ""
+
+
+def describe_exit(info: ExitInfo | None) -> str:
+    if info is None:
+        return "it ended"
+    if info.oom_killed:
+        return "it was killed: out of memory"
+    if info.lost:
+        return "it ended while its worker was down"
+    if info.signal is not None:
+        return f"it was killed by signal {info.signal}"
+    return f"it exited with code {info.exit_code}"
+
+
+def _checks_problem(machine: Machine) -> str:
+    """Empty when every check of the machine's config passes, else which do not and why."""
+    failing = []
+    for name in sorted(machine.config.checks):
+        status = machine.checks.get(name)
+        if status is None or status.status != "passing":
+            what = f"{status.status}: {status.output}" if status is not None else "no result yet"
+            failing.append(f"check {name} {what}"[:200])
+    return "; ".join(failing)
 
 
 class FleetClient:
@@ -58,9 +95,13 @@ class FleetClient:
         subject = subjects.api_machines(app, "list")
         return await call(self.nc, subject, query, builtins.list[Machine], timeout=self.timeout)
 
-    async def get(self, app: str, machine_id: str) -> Machine:
+    async def get(self, app: str, machine_id: str, *, events: bool = True) -> Machine:
         return await call(
-            self.nc, subjects.api_machines(app, "get"), GetRequest(id=machine_id), Machine, timeout=self.timeout
+            self.nc,
+            subjects.api_machines(app, "get"),
+            GetRequest(id=machine_id, events=events),
+            Machine,
+            timeout=self.timeout,
         )
 
     async def start(self, app: str, machine_id: str) -> Machine:
@@ -107,6 +148,69 @@ class FleetClient:
             Machine,
             timeout=self.timeout + 30,
         )
+
+    async def signal(self, app: str, machine_id: str, signal: str) -> Machine:
+        return await call(
+            self.nc,
+            subjects.api_machines(app, "signal"),
+            SignalRequest(id=machine_id, signal=signal),
+            Machine,
+            timeout=self.timeout,
+        )
+
+    async def exec(self, app: str, machine_id: str, cmd: builtins.list[str], *, timeout: float = 30.0) -> ExecReply:
+        """Run `cmd` in a started machine (its environment, working directory and limits) and wait for it."""
+        return await call(
+            self.nc,
+            subjects.api_machines(app, "exec"),
+            ExecRequest(id=machine_id, cmd=cmd, timeout=timeout),
+            ExecReply,
+            timeout=timeout + 10,
+        )
+
+    async def wait_up(
+        self, app: str, machine: Machine, *, up_for: float = 1.0, timeout: float = 60.0, poll: float = 0.1
+    ) -> UpResult:
+        """Watch a machine just started (`machine` is the start's answer) until it is up, or is not.
+
+        Up: started, and then either every check of its config passing, or (with no checks) still
+        running the same process `up_for` seconds later. Not up: it exited (any exit: a machine is
+        meant to keep running), it restarted (a crash the restart policy hides), or `timeout` passed.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        restarts = machine.restarts
+        current = machine
+        up_since: float | None = None
+        while True:
+            now = loop.time()
+            problem = self._not_up(current, restarts)
+            if problem:
+                return UpResult(up=False, machine=current, problem=problem)
+            if current.state == "started":
+                up_since = now if up_since is None else up_since
+                if current.config.checks:
+                    if not _checks_problem(current):
+                        return UpResult(up=True, machine=current)
+                elif now - up_since >= up_for:
+                    return UpResult(up=True, machine=current)
+            if now >= deadline:
+                why = _checks_problem(current) if current.state == "started" else f"it is {current.state}"
+                return UpResult(up=False, machine=current, problem=f"not up within {timeout:g}s: {why}")
+            await asyncio.sleep(poll)
+            current = await self.get(app, machine.id, events=False)
+
+    @staticmethod
+    def _not_up(machine: Machine, restarts: int) -> str:
+        if machine.restarts > restarts:
+            count = machine.restarts - restarts
+            times = "once" if count == 1 else f"{count} times"
+            return f"{describe_exit(machine.exit)}, and its restart policy restarted it {times} (now {machine.state})"
+        if machine.state in ("started", "starting", "replacing"):
+            return ""
+        if machine.state in ("stopped", "failed") and machine.exit is not None:
+            return f"{describe_exit(machine.exit)} ({machine.state})"
+        return f"it is {machine.state}"
 
     async def workers(self, region: str | None = None) -> builtins.list[WorkerInfo]:
         return await call(

@@ -102,16 +102,35 @@ class DevFleet:
         self._spawn(name, self.commands[name])
 
     def start(self, timeout: float = 60.0) -> DevFleet:
+        """Start NATS, the workers and the brokers; on any failure (or Ctrl-C) stop what started, remove the
+        data directory if it is this fleet's own, and raise."""
         spec = self.spec
-        self.nats = EmbeddedNats(port=spec.port, store_dir=self.root / "nats", name="fauxmad-dev").start()
-        self.progress(f"nats-server with JetStream at {self.url}")
         try:
+            self.nats = EmbeddedNats(port=spec.port, store_dir=self.root / "nats", name="fauxmad-dev")
+            try:
+                self.nats.start()
+            except Unreachable as exc:
+                raise Unreachable(self._nats_failure(exc)) from None
+            self.progress(f"nats-server with JetStream at {self.url}")
             self._start_processes()
             self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _nats_failure(self, exc: Unreachable) -> str:
+        """Why nats-server did not start, from its log (which `stop` is about to remove with the data dir)."""
+        assert self.nats is not None
+        try:
+            lines = self.nats.log_file.read_text(errors="replace").splitlines()
+        except OSError:
+            return exc.message
+        errors = [line for line in lines if "[FTL]" in line or "[ERR]" in line]
+        if not errors:
+            return exc.message
+        why = errors[-1].split("] ", 2)[-1].strip()
+        return f"nats-server could not start on port {self.nats.port}: {why}"
 
     def _start_processes(self) -> None:
         spec = self.spec
@@ -200,7 +219,8 @@ class DevFleet:
         """Destroy every machine on every worker of this fleet (workers leave machines running on exit)."""
 
         async def run() -> int:
-            nc = await nats.connect(self.url)
+            # fail fast: after a Ctrl-C the whole process group (nats-server too) may be gone already
+            nc = await nats.connect(self.url, connect_timeout=1, allow_reconnect=False)
             destroyed = 0
             try:
                 for worker_id in self.worker_ids:
@@ -228,6 +248,22 @@ class DevFleet:
         except Exception:
             return 0
 
+    def _kill_untracked_children(self) -> None:
+        """Our own children that name this fleet's directory but were never recorded: a Ctrl-C that landed
+        between a `Popen` and the line that records it. Left alone, such a worker would re-create the
+        directory after it is removed and reconnect forever."""
+        me, root = os.getpid(), str(self.root).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent == me and root in (entry / "cmdline").read_bytes():
+                    pid = int(entry.name)
+                    os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, 0)
+
     def _kill_leftover_machines(self) -> None:
         """Last resort: any machine process still running under this fleet's data dir."""
         self._kill_machines(self.root / "workers")
@@ -243,7 +279,8 @@ class DevFleet:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
 
     def stop(self) -> None:
-        if self.nats is not None and self.processes:
+        nats_alive = self.nats is not None and self.nats.process is not None and self.nats.process.poll() is None
+        if nats_alive and self.processes:
             destroyed = self.destroy_all_machines()
             if destroyed:
                 self.progress(f"destroyed {destroyed} machines")
@@ -261,6 +298,7 @@ class DevFleet:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        self._kill_untracked_children()
         if self._own_dir:
             shutil.rmtree(self.root, ignore_errors=True)
 

@@ -36,6 +36,7 @@ from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
     CordonRequest,
     DestroyRequest,
+    ExecRequest,
     GetRequest,
     InfoRequest,
     LeaseRequest,
@@ -144,7 +145,12 @@ class WorkerAgent:
         self._images = frozenset(self.store.images())
         # derived from LMDB at start and kept in step by _on_commit: info() must not scan every machine
         self.tally = MachineTally(stored.machine for stored in self.store.machines())
-        self.follower = LogFollower(self._publish_log, region=cfg.region, worker_id=cfg.worker_id)
+        self.follower = LogFollower(
+            self._publish_log,
+            region=cfg.region,
+            worker_id=cfg.worker_id,
+            connected=lambda: self.nc is not None and self.nc.is_connected,
+        )
         self.resumed = await self.manager.resume()
         for stored in self.store.machines():
             if stored.machine.state == "started":
@@ -218,7 +224,7 @@ class WorkerAgent:
         request = decode(OfferRequest, data)
         return answer_offer(request, self.snapshot(), self.config.backpressure)
 
-    async def _on_machines(self, subject: str, data: bytes) -> Any:
+    async def _on_machines(self, subject: str, data: bytes) -> Any:  # noqa: C901 - one case per verb
         manager = self.manager
         assert manager is not None
         verb = subjects.parse_verb(subject)
@@ -251,6 +257,8 @@ class WorkerAgent:
                 return await manager.release(decode(ReleaseRequest, data))
             case "update":
                 return await manager.update(decode(UpdateRequest, data))
+            case "exec":
+                return await manager.exec(decode(ExecRequest, data))
         raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.WORKER_VERBS)}")
 
     async def _on_info(self, subject: str, data: bytes) -> Any:

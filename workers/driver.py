@@ -22,6 +22,11 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True):
     workdir: str
     memory_mb: int
     cpus: int
+    cwd: str | None = None  # where `cmd` runs (`config.workdir`); None: `workdir`, the machine's own directory
+
+    @property
+    def run_dir(self) -> str:
+        return self.cwd or self.workdir
 
 
 class TaskHandle(msgspec.Struct, frozen=True, kw_only=True):

@@ -25,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -34,6 +34,8 @@ from bus.ids import new_machine_id
 from bus.messages import (
     CheckStatus,
     DestroyRequest,
+    ExecReply,
+    ExecRequest,
     ExitInfo,
     GetRequest,
     Lease,
@@ -56,11 +58,19 @@ from workers.driver import Driver, ExitStatus, TaskHandle, TaskSpec
 from workers.lifecycle import PROCESS_STATES, STARTABLE, check_transition
 from workers.records import LogRecord, StoredMachine
 from workers.store import GroupCommitter, Store, Tx
-from workers.supervision import Backoff, after_exit, describe_exit
+from workers.supervision import STDERR_TAIL_BYTES, Backoff, after_exit, describe_exit, tail_lines
 
 log = logging.getLogger(__name__)
 
 CommitHook = Callable[[list[LogRecord]], None]
+
+
+@runtime_checkable
+class CanExec(Protocol):
+    """A driver that can run a command beside a machine's workload (the process driver can)."""
+
+    async def exec(self, handle: TaskHandle, spec: TaskSpec, cmd: list[str], timeout: float) -> ExecReply: ...
+
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
@@ -90,6 +100,19 @@ def parse_signal(name: str) -> int:
         if isinstance(value, signals.Signals):
             return int(value)
     raise BadRequest(f"unknown signal {name!r}")
+
+
+def read_stderr_tail(path: Path) -> list[str]:
+    """The last lines of a machine's stderr log (`ExitInfo.stderr_tail`): a bounded read of the file's end."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - STDERR_TAIL_BYTES)
+            f.seek(start)
+            data = f.read(STDERR_TAIL_BYTES)
+    except OSError:
+        return []
+    return tail_lines(data, whole=start == 0)
 
 
 def pick_port() -> int:
@@ -325,6 +348,7 @@ class MachineManager:
             raise BadRequest(f"worker {self.config.worker_id} is in region {self.config.region}, not {request.region}")
         if not request.config.cmd:
             raise BadRequest("config.cmd is required: the process driver needs a command to run")
+        self._check_workdir(request.config)
         guest = request.config.guest
         machine_id = request.id or new_machine_id()
         port = pick_port()
@@ -381,6 +405,7 @@ class MachineManager:
                     worker_id=self.config.worker_id,
                     metadata=dict(request.config.metadata),
                     instance_id=instance_id,
+                    placement=request.placement,
                 )
             )
             return tx.put_machine(stored, "reserve")
@@ -431,7 +456,13 @@ class MachineManager:
             workdir=str(self.workdir(machine.id)),
             memory_mb=machine.config.guest.memory_mb,
             cpus=machine.config.guest.cpus,
+            cwd=machine.config.workdir,
         )
+
+    def _check_workdir(self, config: MachineConfig) -> None:
+        """`config.workdir` must be a directory on this host (until images ship an app's files)."""
+        if config.workdir is not None and not Path(config.workdir).is_dir():
+            raise BadRequest(f"config.workdir: {config.workdir} is not a directory on worker {self.config.worker_id}")
 
     def workdir(self, machine_id: str) -> Path:
         return Path(self.config.data_dir) / "machines" / machine_id
@@ -494,7 +525,7 @@ class MachineManager:
             return
         await self._on_exit(machine_id, handle, status)
 
-    def _exit_info(self, status: ExitStatus, requested: bool) -> ExitInfo:
+    def _exit_info(self, status: ExitStatus, requested: bool, stderr_tail: Iterable[str]) -> ExitInfo:
         return ExitInfo(
             exit_code=status.exit_code,
             signal=status.signal,
@@ -502,9 +533,12 @@ class MachineManager:
             requested_stop=requested,
             lost=status.lost,
             at=status.finished_at or self.clock(),
+            stderr_tail=[*stderr_tail],
         )
 
     async def _on_exit(self, machine_id: str, handle: TaskHandle, status: ExitStatus) -> None:
+        # read here, not in the commit: the process has ended, so its stderr is complete
+        stderr_tail = read_stderr_tail(handle.stderr_path)
         async with self._locks[machine_id]:
             decision_box: dict[str, Any] = {}
 
@@ -516,7 +550,7 @@ class MachineManager:
                 if state not in ("started", "stopping"):
                     return None  # destroying/replacing: whoever moved it there finishes the job
                 requested = state == "stopping"
-                info = self._exit_info(status, requested)
+                info = self._exit_info(status, requested, stderr_tail)
                 stored.machine.exit = info
                 ran_for = max(0.0, info.at - handle.started_at) if handle.started_at else 0.0
                 decision = after_exit(
@@ -597,7 +631,7 @@ class MachineManager:
                 command=check.command,
                 timeout=timeout,
                 env=spec.env,
-                cwd=spec.workdir,
+                cwd=spec.run_dir,
             )
             if result.status != last:
                 last = result.status
@@ -663,6 +697,15 @@ class MachineManager:
         await self.driver.signal(stored.handle, signum)
         return self.view(stored)
 
+    async def exec(self, request: ExecRequest) -> ExecReply:
+        """Run a command in a started machine's environment, working directory and limits (no state change)."""
+        stored = self.require(request.id)
+        if stored.machine.state != "started" or stored.handle is None:
+            raise Conflict(f"machine {request.id} is {stored.machine.state}; exec needs a started machine")
+        if not isinstance(self.driver, CanExec):
+            raise BadRequest(f"the {self.driver.name} driver cannot exec")
+        return await self.driver.exec(stored.handle, self._task_spec(stored), [*request.cmd], request.timeout)
+
     async def destroy(self, request: DestroyRequest, *, source: str = "user") -> Machine:
         async with self._lock(request.id):
 
@@ -695,7 +738,7 @@ class MachineManager:
             running = self.driver.recover(handle)
             await self.driver.destroy(handle, force=True)
             if running:
-                exit_info = self._exit_info(await self.driver.wait(handle), True)
+                exit_info = self._exit_info(await self.driver.wait(handle), True, read_stderr_tail(handle.stderr_path))
 
         def op(tx: Tx) -> StoredMachine:
             current = tx.require(machine_id)
@@ -722,6 +765,7 @@ class MachineManager:
     async def update(self, request: UpdateRequest) -> Machine:
         if not request.config.cmd:
             raise BadRequest("config.cmd is required: the process driver needs a command to run")
+        self._check_workdir(request.config)
         async with self._lock(request.id):
 
             def op(tx: Tx) -> tuple[StoredMachine, bool]:

@@ -21,6 +21,11 @@ Key decisions:
 - A signal is only sent while `exit.json` does not exist: until then the shim holds the workload's
   pid (as a zombie at worst), so it cannot have been reused by an unrelated process.
 - `start` returns as soon as the shim exists (a few ms): it does not wait for the workload's exec.
+- `exec` runs a command beside the workload, with its environment, working directory and limits (it
+  joins the machine's cgroups, or gets its RLIMIT_AS) through a few lines of stdlib Python that then
+  exec the command, so no `preexec_fn` runs in this threaded process. It is the worker's child, in a
+  session of its own, killed (its whole process group) at the timeout; its output is read to the end
+  but only the first `EXEC_MAX_OUTPUT` bytes of each stream are kept.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from bus.messages import EXEC_MAX_OUTPUT, ExecReply
 from workers.driver import ExitStatus, TaskHandle, TaskSpec, TaskState
 from workers.limits import Limits
 
@@ -49,6 +55,38 @@ STARTUP_POLL = 0.005
 # Only when the kernel has no pidfd_open (Linux < 5.3): how often to look whether the shim ended.
 FALLBACK_POLL = 0.1
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# After an exec's command has ended, how long its output may take to reach end of file (a background
+# process it left may hold the pipes) before its process group is killed and what was read is kept.
+EXEC_DRAIN = 0.5
+EXEC_READ_CHUNK = 65536
+EXEC_CANNOT_START = 127
+
+# argv: N, N cgroup directories, RLIMIT_AS bytes (0: none), then the command. Run as `python -I -S -c`.
+EXEC_LAUNCHER = """
+import os, signal, sys
+n = int(sys.argv[1])
+cgroups, rlimit, cmd = sys.argv[2 : 2 + n], int(sys.argv[2 + n]), sys.argv[3 + n :]
+try:
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    pid = str(os.getpid()).encode()
+    for cgroup in cgroups:
+        fd = os.open(os.path.join(cgroup, "cgroup.procs"), os.O_WRONLY)
+        try:
+            os.write(fd, pid)
+        finally:
+            os.close(fd)
+    if rlimit > 0:
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (rlimit, rlimit))
+    os.execvpe(cmd[0], cmd, dict(os.environ))
+except FileNotFoundError:
+    os.write(2, f"fauxmad exec: {cmd[0]}: command not found\\n".encode())
+    os._exit(127)
+except BaseException as exc:
+    os.write(2, f"fauxmad exec: cannot start {cmd[0]!r}: {exc}\\n".encode())
+    os._exit(127)  # EXEC_CANNOT_START, as a shell says "command not found"
+"""
 
 
 class _ExitRecord(msgspec.Struct, kw_only=True):
@@ -158,7 +196,7 @@ class ProcessDriver:
         rlimit = self.limits.rlimit_as(spec.memory_mb)
         argv = _shim_argv(self.python, spec.cmd, str(workdir), cgroups, rlimit)
         try:
-            proc = self._spawn(argv, spec.env, workdir)
+            proc = self._spawn(argv, spec.env, workdir, Path(spec.run_dir).absolute())
         except BaseException:
             self.limits.cleanup(cgroups)
             raise
@@ -171,7 +209,7 @@ class ProcessDriver:
         )
 
     @staticmethod
-    def _spawn(argv: list[str], env: dict[str, str], workdir: Path) -> subprocess.Popen[bytes]:
+    def _spawn(argv: list[str], env: dict[str, str], workdir: Path, cwd: Path) -> subprocess.Popen[bytes]:
         with open(workdir / "stdout.log", "ab") as out, open(workdir / "stderr.log", "ab") as err:
             return subprocess.Popen(
                 argv,
@@ -179,7 +217,7 @@ class ProcessDriver:
                 stdout=out,
                 stderr=err,
                 env=env,
-                cwd=workdir,
+                cwd=cwd,  # the shim's cwd is the workload's; the shim's own files are under `workdir`
                 start_new_session=True,
                 close_fds=True,
             )
@@ -326,6 +364,53 @@ class ProcessDriver:
             await self.stop(handle, DESTROY_TIMEOUT, signals.SIGTERM)
         await asyncio.to_thread(self.limits.cleanup, handle.cgroups)
 
+    # -- exec ----------------------------------------------------------------------------------------
+
+    async def exec(self, handle: TaskHandle, spec: TaskSpec, cmd: list[str], timeout: float) -> ExecReply:
+        """Run `cmd` in the machine's environment, working directory and limits; see the module docstring."""
+        rlimit = self.limits.rlimit_as(spec.memory_mb) or 0
+        argv = [self.python, "-I", "-S", "-c", EXEC_LAUNCHER, str(len(handle.cgroups)), *handle.cgroups]
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            str(rlimit),
+            *cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=spec.env,
+            cwd=spec.run_dir,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        reads = [asyncio.ensure_future(_read_bounded(stream)) for stream in (proc.stdout, proc.stderr)]
+        timed_out = False
+        try:
+            try:
+                await asyncio.wait_for(proc.wait(), timeout)
+            except TimeoutError:
+                timed_out = True
+                _kill_group(proc.pid)
+                await proc.wait()
+            done, _ = await asyncio.wait(reads, timeout=EXEC_DRAIN)
+            if len(done) < len(reads):  # something it started holds the pipes: its group goes too
+                _kill_group(proc.pid)
+                await asyncio.wait(reads, timeout=EXEC_DRAIN)
+        finally:
+            if proc.returncode is None:  # cancelled (the worker is stopping): leave nothing behind
+                _kill_group(proc.pid)
+            for read in reads:
+                read.cancel()
+        outputs = [read.result() if read.done() and not read.cancelled() else (b"", False) for read in reads]
+        code = proc.returncode
+        return ExecReply(
+            exit_code=None if timed_out or code is None or code < 0 else code,
+            signal=-code if code is not None and code < 0 else None,
+            timed_out=timed_out,
+            stdout=outputs[0][0].decode("utf-8", "replace"),
+            stderr=outputs[1][0].decode("utf-8", "replace"),
+            truncated=outputs[0][1] or outputs[1][1],
+        )
+
     # -- inspect, recover ----------------------------------------------------------------------------
 
     def inspect(self, handle: TaskHandle) -> TaskState:
@@ -363,3 +448,20 @@ class ProcessDriver:
         """The handle's shim is running: same pid, same start time, and not a zombie."""
         stat = _proc_stat(handle.pid)
         return stat is not None and stat.start_ticks == handle.start_ticks and stat.state not in ("Z", "X")
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signals.SIGKILL)
+
+
+async def _read_bounded(stream: asyncio.StreamReader, limit: int = EXEC_MAX_OUTPUT) -> tuple[bytes, bool]:
+    """Read `stream` to its end; keep its first `limit` bytes, and say whether there was more."""
+    kept = bytearray()
+    truncated = False
+    while chunk := await stream.read(EXEC_READ_CHUNK):
+        room = limit - len(kept)
+        if len(chunk) > room:
+            truncated = True
+        kept += chunk[: max(0, room)]
+    return bytes(kept), truncated

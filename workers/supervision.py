@@ -15,6 +15,11 @@ from workers.driver import ExitStatus
 
 DEFAULT_ON_FAILURE_RETRIES = 10
 
+# `ExitInfo.stderr_tail`: the last lines a process wrote to stderr, read from the end of its log file
+STDERR_TAIL_LINES = 20
+STDERR_TAIL_WIDTH = 300  # characters per line, after which a line is cut and marked
+STDERR_TAIL_BYTES = 8192  # how much of the end of the file is read: bounded, whatever the file's size
+
 
 class Backoff(msgspec.Struct, frozen=True, kw_only=True):
     base: float = 0.5
@@ -78,3 +83,21 @@ def after_exit(
         delay=backoff.delay(attempts),
         reason=f"{reason}; restart {attempts + 1} in {backoff.delay(attempts):.2f}s",
     )
+
+
+def tail_lines(
+    data: bytes, *, whole: bool, lines: int = STDERR_TAIL_LINES, width: int = STDERR_TAIL_WIDTH
+) -> list[str]:
+    """The last `lines` lines of `data` (the end of a log file), each at most `width` characters.
+
+    `whole`: `data` starts at the beginning of the file; if not, its first line is probably a piece of
+    a longer one and is dropped (unless it is all there is). Bytes that are not UTF-8 are replaced, a
+    carriage return ends a line too (progress bars), and blank lines at the end are left out.
+    """
+    text = data.decode("utf-8", "replace").replace("\r\n", "\n").replace("\r", "\n")
+    split = text.split("\n")
+    if not whole and len(split) > 1:
+        split = split[1:]
+    while split and not split[-1].strip():
+        split.pop()
+    return [line if len(line) <= width else line[: width - 1] + "…" for line in split[-lines:]]

@@ -30,6 +30,7 @@ from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
     CreateRequest,
     DestroyRequest,
+    ExecRequest,
     GetRequest,
     IdRequest,
     LeaseRequest,
@@ -71,6 +72,7 @@ FORWARDED: dict[str, type[Any]] = {
     "signal": SignalRequest,
     "lease": LeaseRequest,
     "release": ReleaseRequest,
+    "exec": ExecRequest,
 }
 
 
@@ -144,7 +146,7 @@ class Broker:
         kind = FORWARDED.get(verb)
         if kind is None:
             raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.API_VERBS)}")
-        parsed: IdRequest | LeaseRequest | ReleaseRequest = decode(kind, data)
+        parsed: IdRequest | LeaseRequest | ReleaseRequest | ExecRequest = decode(kind, data)
         entry = await self.index.locate(parsed.id, app)
         timeout = getattr(parsed, "timeout", 10.0) + 5.0
         assert self.nc is not None

@@ -1,19 +1,40 @@
-"""`fauxmad workers`, `fauxmad regions`, `fauxmad dev` and `fauxmad demo`: the fleet as a whole."""
+"""`fauxmad workers`, `regions`, `dev`, `demo`: the fleet as a whole; `fauxmad fleet`: the named fleets."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shlex
 import signal
+import socket
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from bus.connection import DEFAULT_URL_ENV
 from orchestrator.cli.render import console, explain_table, machines_table, print_json, regions_table, workers_table
-from orchestrator.cli.runtime import NATS_HELP, check_region, check_regions, fail, run, split_names, with_client
+from orchestrator.cli.runtime import (
+    EXIT_USAGE,
+    NATS_HELP,
+    FleetsConfig,
+    check_region,
+    check_regions,
+    check_url,
+    checked,
+    config_path,
+    fail,
+    load_config,
+    run,
+    save_config,
+    split_names,
+    with_client,
+)
 
 NATS = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
 JSON = typer.Option(False, "--json", help="print JSON instead of a table")
@@ -55,18 +76,71 @@ def _fleet_spec(regions_csv: str, per_region: int, cpus: int, memory_mb: int, po
     return FleetSpec(regions=names, workers_per_region=per_region, cpus=cpus, memory_mb=memory_mb, port=port)
 
 
-def _wait_for_ctrl_c() -> None:
-    stop = {"now": False}
+# The command `fauxmad dev` suggests, verbatim. No shell runs a machine's command (its argv is exec'd
+# as given), so `$PORT` is expanded by a shell the command starts itself: the worker does not invent
+# shell semantics, and what a user pastes is what runs. `exec` makes the server the machine's process.
+HELLO_CMD = ["sh", "-c", 'exec python3 -m http.server --bind 127.0.0.1 "$PORT"']
 
-    def on_signal(signum: int, frame: object) -> None:
-        stop["now"] = True
 
-    signal.signal(signal.SIGTERM, on_signal)
+def hello_hint(region: str) -> str:
+    """The `machine run` line `fauxmad dev` prints: pasted into a POSIX shell, it runs HELLO_CMD."""
+    return shlex.join(
+        ["fauxmad", "machine", "run", "--app", "hello", "--region", region, "--explain", "--", *HELLO_CMD]
+    )
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _fleet_lifetime(fleet: Any) -> Iterator[None]:
+    """Stop `fleet` (its machines, processes, NATS and data dir) however the block is left.
+
+    SIGTERM and SIGHUP (a closed terminal) unwind like Ctrl-C, so they clean up too; while the fleet
+    stops, these signals are ignored: stopping is bounded, and a second Ctrl-C must not leave half of it.
+    """
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {
+        sig: signal.signal(sig, _interrupt if sig != signal.SIGINT else signal.default_int_handler) for sig in stops
+    }
     try:
-        while not stop["now"]:
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
+        yield
+    finally:
+        for sig in stops:
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            with console.status("stopping the fleet"):
+                fleet.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _wait_for_ctrl_c() -> None:
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            time.sleep(3600)
+
+
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server does: TIME_WAIT is no conflict
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _start(fleet: Any, what: str) -> None:
+    from bus.errors import FauxmadError
+
+    try:
+        with console.status(what):
+            fleet.start()
+    except FauxmadError as exc:
+        fail(f"the fleet did not start: {exc.message}")
 
 
 def dev(
@@ -82,25 +156,24 @@ def dev(
     from orchestrator.devfleet import DevFleet
 
     spec = _fleet_spec(regions_csv, workers_per_region, cpus, memory_mb, port)
+    if port is not None and not _port_free(port):
+        fail(f"port {port} is in use: choose another --port, or leave --port out for a free one")
     fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
-    with console.status("starting the fleet"):
-        fleet.start()
-    try:
+    with _fleet_lifetime(fleet):
+        _start(fleet, "starting the fleet")
         console.print(f"\n[bold green]fleet up[/]: NATS at [bold]{fleet.url}[/]\n")
         console.print("try, in another terminal:")
-        console.print(f"  export FAUXMAD_NATS_URL={fleet.url}")
-        console.print("  fauxmad workers")
-        console.print(
-            f"  fauxmad machine run --app hello --region {spec.regions[0]} --explain -- "
-            "python3 -m http.server --bind 127.0.0.1 \\$PORT"
-        )
-        console.print("  fauxmad machine list --app hello\n")
-        console.print("[dim]Ctrl-C stops everything[/]")
+        for line in (
+            f"export {DEFAULT_URL_ENV}={fleet.url}",
+            "fauxmad workers",
+            hello_hint(spec.regions[0]),
+            "fauxmad machine list --app hello",
+        ):  # verbatim: one line each, never wrapped or highlighted, so they paste as they are
+            console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
+        console.print("\n[dim]Ctrl-C stops everything[/]")
+        console.file.flush()  # the hints must reach a pipe (`fauxmad dev | tee`) now, not at exit
         _wait_for_ctrl_c()
-    finally:
-        with console.status("stopping the fleet"):
-            fleet.stop()
-        console.print("fleet stopped; nothing left running")
+    console.print("fleet stopped; nothing left running")
 
 
 def demo(
@@ -115,16 +188,12 @@ def demo(
 
     spec = _fleet_spec(regions_csv, workers_per_region, 4, 4096, None)
     fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
-    with console.status("starting a dev fleet: nats-server, workers, broker"):
-        fleet.start()
-    try:
+    with _fleet_lifetime(fleet):
+        _start(fleet, "starting a dev fleet: nats-server, workers, broker")
         machines = _demo_run(fleet.url, spec.regions)
         if keep:
             console.print(f"\nfleet left running at [bold]{fleet.url}[/]; Ctrl-C stops it")
             _wait_for_ctrl_c()
-    finally:
-        with console.status("stopping the fleet"):
-            fleet.stop()
     console.print(f"[bold green]demo done[/]: {len(machines)} machines placed, served and cleaned up")
 
 
@@ -190,3 +259,74 @@ def _http_get(url: str) -> str:
         except OSError:
             time.sleep(0.1)
     return "(no answer)"
+
+
+# ---------------------------------------------------------------------------------------------------
+# `fauxmad fleet ...`: named fleets in the config file
+
+fleet_app = typer.Typer(
+    help="Named fleets (NATS URLs) in $XDG_CONFIG_HOME/fauxmad/config.toml; `--fleet NAME` picks one per command.",
+    no_args_is_help=True,
+)
+FLEET_NAME = typer.Argument(..., help="a name for the fleet (letters, digits, '-', '_')", show_default=False)
+
+
+def _fleet_name(name: str) -> str:
+    return checked("fleet name", name)
+
+
+@fleet_app.command("list")
+def fleet_list(json_out: bool = JSON) -> None:
+    """The named fleets; `*` marks the current one (used when neither --nats, --fleet nor $FAUXMAD_NATS_URL is)."""
+    config = load_config()
+    env_url = os.environ.get(DEFAULT_URL_ENV)
+    if json_out:
+        fleets = [{"name": n, "url": u, "current": n == config.current} for n, u in sorted(config.fleets.items())]
+        print_json({"path": str(config_path()), "current": config.current, "fleets": fleets, "env": env_url})
+        return
+    if not config.fleets:
+        console.print(f"no fleets in {config_path()}: add one with `fauxmad fleet add NAME URL --use`", highlight=False)
+    for name, url in sorted(config.fleets.items()):
+        mark = "*" if name == config.current else " "
+        console.print(f"{mark} {name:<20} {url}", markup=False, highlight=False)
+    if env_url:
+        console.print(f"(${DEFAULT_URL_ENV}={env_url} is set: it comes before the current fleet)", markup=False)
+
+
+@fleet_app.command("add")
+def fleet_add(
+    name: str = FLEET_NAME,
+    url: str = typer.Argument(..., help="its NATS URL, e.g. nats://10.0.0.5:4222", show_default=False),
+    use: bool = typer.Option(False, "--use", help="make it the current fleet too"),
+) -> None:
+    """Add (or change the URL of) a named fleet."""
+    name, url = _fleet_name(name), check_url(url)
+    config = load_config()
+    fleets = {**config.fleets, name: url}
+    current = name if use or config.current is None else config.current
+    path = save_config(FleetsConfig(current=current, fleets=fleets))
+    console.print(f"fleet {name} = {url}" + (" (current)" if current == name else "") + f" in {path}", markup=False)
+
+
+@fleet_app.command("use")
+def fleet_use(name: str = FLEET_NAME) -> None:
+    """Make a named fleet the current one."""
+    name = _fleet_name(name)
+    config = load_config()
+    if name not in config.fleets:
+        known = ", ".join(sorted(config.fleets)) or "none yet"
+        fail(f"no fleet named {name!r} (known: {known}; see `fauxmad fleet add`)", EXIT_USAGE)
+    save_config(FleetsConfig(current=name, fleets=config.fleets))
+    console.print(f"current fleet: {name} ({config.fleets[name]})", markup=False)
+
+
+@fleet_app.command("remove")
+def fleet_remove(name: str = FLEET_NAME) -> None:
+    """Forget a named fleet (if it was the current one, there is no current fleet any more)."""
+    name = _fleet_name(name)
+    config = load_config()
+    if name not in config.fleets:
+        fail(f"no fleet named {name!r}", EXIT_USAGE)
+    fleets = {n: u for n, u in config.fleets.items() if n != name}
+    save_config(FleetsConfig(current=None if config.current == name else config.current, fleets=fleets))
+    console.print(f"fleet {name} removed", markup=False)

@@ -1,16 +1,31 @@
-"""`fauxmad machine ...`: run and manage machines through the broker API."""
+"""`fauxmad machine ...`: run and manage machines through the broker API.
+
+`run`, `start`, `restart` and `update` (of a running machine) do not stop at "the worker spawned the
+process": they watch the machine until it is up (started and still running the same process after
+`--wait-up` seconds, or, with checks, every check passing) and exit 1 with the last lines of its
+stderr when it exits or crash-loops instead. `--detach` returns at once.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import sys
 from typing import Any
 
+import msgspec
 import typer
 
-from orchestrator.cli.render import console, explain_table, machines_table, print_json
-from orchestrator.cli.runtime import NATS_HELP, check_app, check_machine_id, check_region, fail, with_client
+from orchestrator.cli import logs_cmd
+from orchestrator.cli.render import console, explain_table, kept_table, machines_table, print_json
+from orchestrator.cli.runtime import (
+    EXIT_USAGE,
+    NATS_HELP,
+    CliError,
+    check_app,
+    check_machine_id,
+    check_region,
+    fail,
+    with_client,
+)
 
 machine_app = typer.Typer(help="Run and manage machines (through the brokers).", no_args_is_help=True)
 
@@ -18,6 +33,19 @@ NATS = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
 APP = typer.Option(..., "--app", "-a", help="the app the machine belongs to", callback=check_app)
 MACHINE_ID = typer.Argument(..., help="machine id", callback=check_machine_id)
 JSON = typer.Option(False, "--json", help="print JSON instead of a table")
+WAIT_UP = typer.Option(
+    1.0, "--wait-up", min=0, help="seconds the machine must stay up (with checks: until they all pass)"
+)
+WAIT_TIMEOUT = typer.Option(60.0, "--wait-timeout", min=0, help="give up waiting for the machine after this long")
+DETACH = typer.Option(False, "--detach", "-d", help="do not wait: return once its worker has spawned the process")
+
+EXEC_TIMED_OUT = 124  # as timeout(1)
+
+
+class Wait(msgspec.Struct, frozen=True):
+    up_for: float
+    timeout: float
+    detach: bool
 
 
 def _parse_env(pairs: list[str]) -> dict[str, str]:
@@ -25,9 +53,33 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            fail(f"invalid --env {pair!r}: use KEY=VALUE")
+            fail(f"invalid --env {pair!r}: use KEY=VALUE", EXIT_USAGE)
         env[key] = value
     return env
+
+
+async def _until_up(client: Any, app: str, machine: Any, wait: Wait, json_out: bool) -> Any:
+    """`machine` once it is up; else print it (with --json) and fail with why and its stderr's last lines."""
+    if wait.detach or machine.state not in ("started", "starting"):
+        return machine
+    result = await client.wait_up(app, machine, up_for=wait.up_for, timeout=wait.timeout)
+    if result.up:
+        return result.machine
+    if json_out:
+        print_json(result.machine)
+    now, exit_info = result.machine, result.machine.exit
+    ended = now.restarts > machine.restarts or now.state not in ("started", "starting", "replacing")
+    tail = exit_info.stderr_tail if exit_info is not None and ended else []  # else: an older run's
+    details = ["last lines of its stderr:", *(f"| {line}" for line in tail)] if tail else []
+    details.append(f"more: fauxmad machine logs {machine.id} --app {app}")
+    raise CliError(f"machine {machine.id} did not stay up: {result.problem}", details=details)
+
+
+def _print_machine(machine: Any, json_out: bool) -> None:
+    if json_out:
+        print_json(machine)
+    else:
+        console.print(f"{machine.id} {machine.state}")
 
 
 @machine_app.command("run", context_settings={"allow_interspersed_args": False})
@@ -47,12 +99,17 @@ def run_machine(
     strategy: str | None = typer.Option(None, "--strategy", help="scatter, p2c or hedged"),
     skip_launch: bool = typer.Option(False, "--skip-launch", help="reserve only (state created)"),
     idempotency_key: str | None = typer.Option(None, "--idempotency-key", help="retry-safe create"),
+    wait_up: float = WAIT_UP,
+    wait_timeout: float = WAIT_TIMEOUT,
+    detach: bool = DETACH,
     nats: str | None = NATS,
     json_out: bool = JSON,
 ) -> None:
-    """Place a machine in a region and start it: `fauxmad machine run -a web -r mad -- python app.py`."""
-    import msgspec
+    """Place a machine in a region, start it and wait until it is up: `fauxmad machine run -a web -r mad -- CMD`.
 
+    No shell runs CMD: to use `$PORT` (the port the worker gave the machine), start one yourself,
+    e.g. `-- sh -c 'exec python3 -m http.server "$PORT"'`.
+    """
     from bus.messages import CreateRequest, Guest, MachineConfig, RestartPolicy
 
     try:
@@ -74,8 +131,16 @@ def run_machine(
         )
         request = msgspec.convert(msgspec.to_builtins(request), CreateRequest)  # validate like the broker will
     except (msgspec.ValidationError, ValueError) as exc:
-        fail(f"invalid machine: {exc}")
-    machine = with_client(nats, lambda c: c.create(app, request))
+        fail(f"invalid machine: {exc}", EXIT_USAGE)
+    wait = Wait(wait_up, wait_timeout, detach)
+
+    async def create(client: Any) -> Any:
+        created = await client.create(app, request)
+        machine = await _until_up(client, app, created, wait, json_out)
+        machine.explain = created.explain
+        return machine
+
+    machine = with_client(nats, create)
     if json_out:
         print_json(machine)
         return
@@ -102,6 +167,23 @@ def list_machines(
         console.print(machines_table(machines))
 
 
+@machine_app.command("explain")
+def explain_machine(
+    machine_id: str = MACHINE_ID, app: str = APP, nats: str | None = NATS, json_out: bool = JSON
+) -> None:
+    """Why a machine is on its worker: the auction it won, as kept in its `created` event."""
+    machine = with_client(nats, lambda c: c.get(app, machine_id))
+    kept = next((event.placement for event in machine.events if event.placement), None)
+    if kept is None:
+        fail(
+            f"machine {machine_id} kept no placement (it was reserved straight on its worker, not through a broker)", 4
+        )
+    if json_out:
+        print_json(kept)
+        return
+    console.print(kept_table(kept))
+
+
 @machine_app.command("show")
 def show(machine_id: str = MACHINE_ID, app: str = APP, nats: str | None = NATS, json_out: bool = JSON) -> None:
     """Show one machine with its recent events."""
@@ -114,7 +196,48 @@ def show(machine_id: str = MACHINE_ID, app: str = APP, nats: str | None = NATS, 
         console.print(f"  {event.seq:>6}  {event.type:<10} {event.status:<10} {event.reason or ''}")
 
 
-def _verb(verb: str, help_text: str) -> None:
+@machine_app.command("start")
+def start(
+    machine_id: str = MACHINE_ID,
+    app: str = APP,
+    wait_up: float = WAIT_UP,
+    wait_timeout: float = WAIT_TIMEOUT,
+    detach: bool = DETACH,
+    nats: str | None = NATS,
+    json_out: bool = JSON,
+) -> None:
+    """Start a stopped or created machine and wait until it is up (exit 1 if it exits or crash-loops)."""
+    wait = Wait(wait_up, wait_timeout, detach)
+
+    async def act(client: Any) -> Any:
+        return await _until_up(client, app, await client.start(app, machine_id), wait, json_out)
+
+    _print_machine(with_client(nats, act), json_out)
+
+
+@machine_app.command("restart")
+def restart_machine(
+    machine_id: str = MACHINE_ID,
+    app: str = APP,
+    signal: str = typer.Option("SIGTERM", "--signal", "-s", help="the signal that stops it"),
+    stop_timeout: float = typer.Option(10.0, "--stop-timeout", min=0, help="seconds before SIGKILL"),
+    wait_up: float = WAIT_UP,
+    wait_timeout: float = WAIT_TIMEOUT,
+    detach: bool = DETACH,
+    nats: str | None = NATS,
+    json_out: bool = JSON,
+) -> None:
+    """Stop a machine (if it runs) and start it again; waits until it is up, like `start`."""
+    wait = Wait(wait_up, wait_timeout, detach)
+
+    async def act(client: Any) -> Any:
+        await client.stop(app, machine_id, signal=signal, timeout=stop_timeout)
+        return await _until_up(client, app, await client.start(app, machine_id), wait, json_out)
+
+    _print_machine(with_client(nats, act), json_out)
+
+
+def _destroy_or_stop(verb: str, help_text: str) -> None:
     def command(
         machine_id: str = MACHINE_ID,
         app: str = APP,
@@ -127,19 +250,122 @@ def _verb(verb: str, help_text: str) -> None:
                 return await c.destroy(app, machine_id, force=force)
             return await getattr(c, verb)(app, machine_id)
 
-        machine = with_client(nats, act)
-        if json_out:
-            print_json(machine)
-        else:
-            console.print(f"{machine.id} {machine.state}")
+        _print_machine(with_client(nats, act), json_out)
 
     command.__doc__ = help_text
     machine_app.command(verb)(command)
 
 
-_verb("start", "Start a stopped or created machine.")
-_verb("stop", "Stop a machine (SIGTERM, then SIGKILL after 10 s).")
-_verb("destroy", "Destroy a machine and release its resources (--force if it is running).")
+_destroy_or_stop("stop", "Stop a machine (SIGTERM, then SIGKILL after 10 s).")
+_destroy_or_stop("destroy", "Destroy a machine and release its resources (--force if it is running).")
+
+
+@machine_app.command("update")
+def update(
+    machine_id: str = MACHINE_ID,
+    cmd: list[str] | None = typer.Argument(None, help="a new command, after --", show_default=False),
+    app: str = APP,
+    env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE to set (the others are kept), repeatable"),
+    cpus: int | None = typer.Option(None, "--cpus", min=1, help="cpus to reserve"),
+    memory_mb: int | None = typer.Option(None, "--memory-mb", min=1, help="memory to reserve and enforce"),
+    image: str | None = typer.Option(None, "--image", help="a new image name"),
+    restart: str | None = typer.Option(None, "--restart", help="restart policy: no, always, on-failure"),
+    wait_up: float = WAIT_UP,
+    wait_timeout: float = WAIT_TIMEOUT,
+    detach: bool = DETACH,
+    nats: str | None = NATS,
+    json_out: bool = JSON,
+) -> None:
+    """Change a machine's config (a new instance); a running machine restarts with it and is waited for.
+
+    `fauxmad machine update ID -a web --env LEVEL=debug --memory-mb 512 -- python3 app.py --v2`
+    """
+    from bus.messages import MachineConfig
+
+    if not (cmd or env or cpus or memory_mb or image or restart):
+        fail("nothing to update: give --env, --cpus, --memory-mb, --image, --restart or a command after --", EXIT_USAGE)
+    changes = _parse_env(env)
+    wait = Wait(wait_up, wait_timeout, detach)
+
+    async def act(client: Any) -> Any:
+        current = await client.get(app, machine_id, events=False)
+        old = current.config
+        guest = msgspec.structs.replace(
+            old.guest, cpus=cpus or old.guest.cpus, memory_mb=memory_mb or old.guest.memory_mb
+        )
+        policy = msgspec.structs.replace(old.restart, policy=restart or old.restart.policy)
+        try:
+            config = msgspec.convert(
+                msgspec.to_builtins(
+                    msgspec.structs.replace(
+                        old,
+                        cmd=cmd or old.cmd,
+                        env={**old.env, **changes},
+                        image=image or old.image,
+                        guest=guest,
+                        restart=policy,
+                    )
+                ),
+                MachineConfig,
+            )
+        except (msgspec.ValidationError, ValueError) as exc:
+            fail(f"invalid update: {exc}", EXIT_USAGE)
+        updated = await client.update(app, machine_id, config)
+        return await _until_up(client, app, updated, wait, json_out)
+
+    _print_machine(with_client(nats, act), json_out)
+
+
+@machine_app.command("signal")
+def signal_machine(
+    machine_id: str = MACHINE_ID,
+    signal: str = typer.Argument(..., help="a signal name or number: SIGHUP, HUP, USR1, 10", show_default=False),
+    app: str = APP,
+    nats: str | None = NATS,
+    json_out: bool = JSON,
+) -> None:
+    """Send a signal to a started machine's process group."""
+    machine = with_client(nats, lambda c: c.signal(app, machine_id, signal))
+    if json_out:
+        print_json(machine)
+    else:
+        console.print(f"{machine.id}: sent {signal}", markup=False, highlight=False)
+
+
+@machine_app.command("exec")
+def exec_machine(
+    machine_id: str = MACHINE_ID,
+    cmd: list[str] = typer.Argument(..., help="the command, after --", show_default=False),
+    app: str = APP,
+    timeout: float = typer.Option(30.0, "--timeout", min=0.001, max=3600, help="seconds, then it is killed"),
+    nats: str | None = NATS,
+    json_out: bool = typer.Option(False, "--json", help="print {exit_code, signal, timed_out, stdout, stderr}"),
+) -> int:
+    """Run a command in a started machine (its environment, working directory and limits); exit with its code.
+
+    `fauxmad machine exec ID -a web -- sh -c 'echo $PORT; ls'`. A command killed by signal N exits
+    128+N, one that ran out of time 124. Each stream keeps its first 32 KiB.
+    """
+    reply = with_client(nats, lambda c: c.exec(app, machine_id, cmd, timeout=timeout))
+    if reply.timed_out:
+        code = EXEC_TIMED_OUT
+    elif reply.signal is not None:
+        code = 128 + reply.signal
+    else:
+        code = reply.exit_code if reply.exit_code is not None else 1
+    if json_out:
+        print_json(reply)
+        return code
+    sys.stdout.write(reply.stdout)
+    sys.stdout.flush()
+    sys.stderr.write(reply.stderr)
+    if reply.truncated:
+        sys.stderr.write("fauxmad: output cut to the first 32 KiB of each stream\n")
+    if reply.timed_out:
+        sys.stderr.write(f"fauxmad: killed after {timeout:g}s (--timeout)\n")
+    elif code:
+        sys.stderr.write(f"fauxmad: exit code {code}\n")
+    return code
 
 
 @machine_app.command("wait")
@@ -153,43 +379,7 @@ def wait(
 ) -> None:
     """Wait until a machine reaches a state (exit 1 on timeout)."""
     machine = with_client(nats, lambda c: c.wait(app, machine_id, state, timeout))
-    if json_out:
-        print_json(machine)
-    else:
-        console.print(f"{machine.id} {machine.state}")
+    _print_machine(machine, json_out)
 
 
-@machine_app.command("logs")
-def logs(
-    machine_id: str = MACHINE_ID,
-    app: str = APP,
-    follow: bool = typer.Option(True, "--follow/--no-follow", help="keep following new lines"),
-    nats: str | None = NATS,
-    json_out: bool = JSON,
-) -> None:
-    """Follow a machine's stdout and stderr (published by its worker on fauxmad.v1.logs.APP.ID)."""
-    from bus import subjects
-    from bus.codec import decoder
-    from bus.messages import LogLine
-
-    async def follow_logs(client: Any) -> None:
-        await client.get(app, machine_id)  # 404 early for an unknown machine
-        done = asyncio.Event()
-
-        async def on_line(msg: Any) -> None:
-            line = decoder(LogLine).decode(msg.data)
-            if json_out:
-                sys.stdout.write(msg.data.decode() + "\n")
-            else:
-                prefix = "[red]err[/]" if line.stream == "stderr" else "out"
-                console.print(f"{prefix} {line.line}", markup=True, highlight=False)
-            sys.stdout.flush()
-
-        await client.nc.subscribe(subjects.logs(app, machine_id), cb=on_line)
-        if follow:
-            await done.wait()
-        else:
-            await asyncio.sleep(1.0)
-
-    with contextlib.suppress(KeyboardInterrupt):
-        with_client(nats, follow_logs)
+machine_app.command("logs")(logs_cmd.machine_logs)  # history from stream FAUXMAD_LOGS, then follows

@@ -1,5 +1,9 @@
 """What every command needs: run a coroutine on uvloop, reach NATS, fail with one plain line.
 
+Which fleet a command talks to: `--nats URL`, else the global `--fleet NAME` (a fleet named in the
+config file), else `$FAUXMAD_NATS_URL`, else the config file's current fleet (`fauxmad fleet use`).
+The config file is `$XDG_CONFIG_HOME/fauxmad/config.toml` (`~/.config/fauxmad/config.toml`).
+
 Names a user types (apps, regions, machine and worker ids) become subject tokens and KV keys, where a
 space, `.`, `*` or `>` would be an exception deep in nats-py or, worse, address something else. So
 every option and argument that takes one is checked here, by its typer callback, with the bus's own
@@ -8,12 +12,16 @@ every option and argument that takes one is checked here, by its typer callback,
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+import tomllib
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from pathlib import Path
 from typing import Any, NoReturn, Protocol, TypeVar
 
+import msgspec
 import typer
 import uvloop
 
@@ -23,18 +31,32 @@ from bus.subjects import check_token
 
 T = TypeVar("T")
 
-NATS_HELP = f"NATS server URL (default: ${DEFAULT_URL_ENV}; commands that need a fleet start one when unset)"
+NATS_HELP = (
+    f"NATS server URL (default: the global --fleet, else ${DEFAULT_URL_ENV}, else the current fleet of "
+    "`fauxmad fleet use`)"
+)
+
+# Exit codes (README "Exit codes"): applied at one edge, `orchestrator.cli.app.main`.
+EXIT_OK = 0
+EXIT_FAILED = 1  # the operation failed (no capacity, a timeout, a machine that did not stay up, ...)
+EXIT_USAGE = 2  # usage or invalid input, a 400 from the fleet included
+EXIT_UNREACHABLE = 3  # cannot reach the fleet: no NATS server there, or no broker/worker answering
+EXIT_NOT_FOUND = 4  # a 404: no such machine, app, release or worker
+EXIT_CONFLICT = 5  # a 409 or 412: the state (or a lease, or an idempotency key) forbids it
+EXIT_INTERNAL = 70  # a bug in fauxmad (EX_SOFTWARE); FAUXMAD_DEBUG=1 shows the traceback
+EXIT_INTERRUPTED = 130  # Ctrl-C
 
 
 class CliError(Exception):
-    """A one-line message for the user, and the exit code to leave with."""
+    """A one-line message for the user, and the exit code to leave with; `details` go below it, indented."""
 
-    def __init__(self, message: str, code: int = 1) -> None:
+    def __init__(self, message: str, code: int = EXIT_FAILED, details: list[str] | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.details = details or []
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
+def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     raise CliError(message, code)
 
 
@@ -104,11 +126,111 @@ def with_client(url: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
     return with_connected(url, FleetClient.connect, fn)
 
 
-def nats_url(value: str | None, *, required: bool = True) -> str | None:
-    url = value or os.environ.get(DEFAULT_URL_ENV)
-    if required and not url:
-        fail(f"no NATS server given: pass --nats URL or set {DEFAULT_URL_ENV} (see `fauxmad dev`)")
+# ---------------------------------------------------------------------------------------------------
+# the config file: named fleets
+
+
+class FleetsConfig(msgspec.Struct, kw_only=True):
+    """`config.toml`: `current = "NAME"` and a `[fleets.NAME]` table with `url` per fleet."""
+
+    current: str | None = None
+    fleets: dict[str, str] = {}  # name -> NATS URL
+
+
+URL_SCHEMES = ("nats", "tls", "ws", "wss")
+_selected_fleet: str | None = None  # the global --fleet option, set by the root callback
+
+
+def select_fleet(name: str | None) -> None:
+    global _selected_fleet
+    _selected_fleet = checked("fleet name", name) if name is not None else None
+
+
+def config_path(environ: Mapping[str, str] = os.environ) -> Path:
+    base = environ.get("XDG_CONFIG_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".config")
+    return Path(base) / "fauxmad" / "config.toml"
+
+
+def check_url(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in URL_SCHEMES or not rest or any(c.isspace() for c in url):
+        fail(f"invalid NATS URL {url!r}: use {'|'.join(URL_SCHEMES)}://HOST:PORT", EXIT_USAGE)
     return url
+
+
+def load_config(path: Path | None = None) -> FleetsConfig:
+    """The config file (an empty one when there is none); a malformed file is one line naming it, exit 2."""
+    path = path or config_path()
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        return FleetsConfig()
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        fail(f"{path}: {exc}", EXIT_USAGE)
+    current = data.get("current")
+    if current is not None and not isinstance(current, str):
+        fail(f"{path}: `current`: expected a fleet name (a string)", EXIT_USAGE)
+    fleets: dict[str, str] = {}
+    tables = data.get("fleets", {})
+    if not isinstance(tables, dict):
+        fail(f"{path}: `fleets`: expected a table of [fleets.NAME] tables", EXIT_USAGE)
+    for name, table in tables.items():
+        url = table.get("url") if isinstance(table, dict) else None
+        if not isinstance(url, str):
+            fail(f"{path}: `fleets.{name}.url`: expected a NATS URL (a string)", EXIT_USAGE)
+        fleets[name] = url
+    return FleetsConfig(current=current, fleets=fleets)
+
+
+def save_config(config: FleetsConfig, path: Path | None = None) -> Path:
+    """Write the config file whole (atomically); TOML basic strings escape like JSON's."""
+    path = path or config_path()
+    lines = ["# fauxmad's fleets: `fauxmad fleet add|use|remove|list` (rewritten by them)"]
+    if config.current is not None:
+        lines.append(f"current = {json.dumps(config.current)}")
+    for name in sorted(config.fleets):
+        key = name if name.replace("-", "").replace("_", "").isalnum() and name.isascii() else json.dumps(name)
+        lines += ["", f"[fleets.{key}]", f"url = {json.dumps(config.fleets[name])}"]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        fail(f"cannot write {path}: {exc.strerror or exc}")
+    return path
+
+
+def fleet_url(name: str, config: FleetsConfig | None = None) -> str:
+    config = config or load_config()
+    url = config.fleets.get(name)
+    if url is None:
+        known = ", ".join(sorted(config.fleets)) or "none yet"
+        fail(f"no fleet named {name!r} in {config_path()} (known: {known}; see `fauxmad fleet add`)", EXIT_USAGE)
+    return url
+
+
+def nats_url(value: str | None, *, required: bool = True) -> str | None:
+    """The URL to reach: --nats, the global --fleet, $FAUXMAD_NATS_URL, then the config's current fleet.
+
+    `required=False` (`fauxmad worker`, which starts an embedded server without one) skips the current
+    fleet: a host must not join a fleet because someone once ran `fauxmad fleet use` on it.
+    """
+    if value:
+        return value
+    if _selected_fleet is not None:
+        return fleet_url(_selected_fleet)
+    url = os.environ.get(DEFAULT_URL_ENV)
+    if url or not required:
+        return url or None
+    config = load_config()
+    if config.current is not None:
+        return fleet_url(config.current, config)
+    fail(
+        f"no NATS server given: pass --nats URL, --fleet NAME or set {DEFAULT_URL_ENV}, "
+        "or `fauxmad fleet add NAME URL --use` (see `fauxmad dev`)",
+        EXIT_USAGE,
+    )
 
 
 def setup_logging(verbose: bool) -> None:

@@ -38,6 +38,7 @@ from bus.messages import (
     CordonRequest,
     CreateRequest,
     DestroyRequest,
+    ExecRequest,
     GetRequest,
     InfoRequest,
     LeaseRequest,
@@ -82,6 +83,7 @@ KIND_OF_VERB: dict[str, type[Any]] = {
     "lease": LeaseRequest,
     "release": ReleaseRequest,
     "update": UpdateRequest,
+    "exec": ExecRequest,
     "create": CreateRequest,
 }
 WORKER_KINDS = {verb: KIND_OF_VERB[verb] for verb in subjects.WORKER_VERBS}
@@ -116,6 +118,7 @@ NEEDS: dict[str, dict[str, Any]] = {
     "signal": {"signal": "SIGTERM"},
     "release": {"nonce": "n"},
     "update": {"config": {"cmd": ["true"]}},
+    "exec": {"cmd": ["true"]},
 }  # required fields besides `id`
 ODD_VERBS = ["explode", "CREATE", "Get", "ü", "%", "list2", "x" * 70]
 
@@ -151,6 +154,7 @@ def template(kind: type[Any], machine_id: str, region: str) -> dict[str, Any]:
             "id": "0123456789abcd",
             "skip_launch": True,
             "expires_at": 1.0,
+            "placement": {"chosen": "w"},
         },
         StartRequest: {"id": machine_id, "lease_nonce": "n"},
         StopRequest: {"id": machine_id, "signal": "SIGTERM", "timeout": 1.0, "lease_nonce": "n"},
@@ -162,6 +166,7 @@ def template(kind: type[Any], machine_id: str, region: str) -> dict[str, Any]:
         LeaseRequest: {"id": machine_id, "ttl": 30.0, "holder": "h", "nonce": "n"},
         ReleaseRequest: {"id": machine_id, "nonce": "n"},
         UpdateRequest: {"id": machine_id, "config": config(), "lease_nonce": "n", "timeout": 1.0},
+        ExecRequest: {"id": machine_id, "cmd": ["true"], "timeout": 1.0},
         OfferRequest: {
             "app": APP,
             "region": region,
@@ -180,6 +185,7 @@ def template(kind: type[Any], machine_id: str, region: str) -> dict[str, Any]:
             "explain": True,
             "strategy": "scatter",
             "avoid_workers": ["w"],
+            "prefer_away": ["w"],
         },
         RegionsListRequest: {},
         WorkersListRequest: {"region": region},

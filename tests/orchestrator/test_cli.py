@@ -108,11 +108,11 @@ def test_machine_commands_against_a_fleet(fleet: DevFleet) -> None:
     refused = fauxmad("machine", "run", "--app", "clitest", "--region", "sin", "--cpus", "64", "--", "true", env=env)
     assert refused.returncode == 1 and "no capacity in sin" in refused.stderr
     destroy = fauxmad("machine", "destroy", machine["id"], "--app", "clitest", env=env)
-    assert destroy.returncode == 1 and "stop it first" in destroy.stderr
+    assert destroy.returncode == 5 and "stop it first" in destroy.stderr  # 409: a conflict
     assert fauxmad("machine", "stop", machine["id"], "--app", "clitest", env=env).returncode == 0
     assert "destroyed" in fauxmad("machine", "destroy", machine["id"], "--app", "clitest", env=env).stdout
     missing = fauxmad("machine", "show", "0123456789abcd", "--app", "clitest", env=env)
-    assert missing.returncode == 1 and "not found" in missing.stderr
+    assert missing.returncode == 4 and "not found" in missing.stderr
 
 
 def test_machine_logs_follow_output(fleet: DevFleet) -> None:
@@ -157,7 +157,7 @@ def test_machine_logs_follow_output(fleet: DevFleet) -> None:
     assert len(ticks) >= 2 and ticks == sorted(ticks) and ticks[-1] - ticks[0] == len(ticks) - 1
     assert any(e["stream"] == "stderr" and e["line"].startswith("warn-") for e in seen)
     missing = fauxmad("machine", "logs", "0123456789abcd", "--app", "logs", env=env)
-    assert missing.returncode == 1 and "not found" in missing.stderr
+    assert missing.returncode == 4 and "not found" in missing.stderr
 
 
 def _processes_mentioning(text: str) -> list[int]:

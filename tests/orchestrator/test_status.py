@@ -146,7 +146,7 @@ def test_status_tables_unknown_app_and_unreachable_bus(fleet: DevFleet, tmp_path
         )
         elapsed = time.monotonic() - started
         lines = [line for line in down.stderr.splitlines() if line.strip()]
-        assert down.returncode == 1 and len(lines) == 1 and "cannot reach NATS" in lines[0], down.stderr
+        assert down.returncode == 3 and len(lines) == 1 and "cannot reach NATS" in lines[0], down.stderr
         assert elapsed < 5, elapsed
 
 

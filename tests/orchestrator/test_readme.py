@@ -1,0 +1,123 @@
+"""The README's first hour runs as written: `fauxmad dev` in one terminal, the listed commands in another.
+
+The blocks are read from README.md itself, so the documentation cannot drift from what works; the hints
+`fauxmad dev` prints are run verbatim too. The transcript is printed (`pytest -s`) for the notes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+README = ROOT / "README.md"
+
+
+def first_hour_blocks() -> tuple[str, list[str]]:
+    text = README.read_text()
+    section = text.split("## The first hour", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert len(blocks) == 2, blocks
+    dev = blocks[0].strip()
+    lines = [line for line in blocks[1].splitlines() if line.strip() and not line.startswith("#")]
+    return dev, lines
+
+
+def shell_env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = {k: v for k, v in os.environ.items() if k != "FAUXMAD_NATS_URL"}
+    return dict(env, PATH=path, PYTHONPATH=str(ROOT), COLUMNS="120", **extra)
+
+
+def lines_of(proc: subprocess.Popen[str]) -> queue.Queue[str]:
+    """The process's output lines as they come (a thread reads: select on a buffered pipe can miss them)."""
+    out: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return out
+
+
+def read_until(lines: queue.Queue[str], pattern: str, timeout: float) -> str:
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            seen += lines.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if re.search(pattern, seen):
+            return seen
+    raise AssertionError(f"no {pattern!r} within {timeout}s; saw:\n{seen}")
+
+
+@pytest.mark.timeout(480)
+def test_the_first_hour_runs_as_written(tmp_path: Path) -> None:
+    dev_line, lines = first_hour_blocks()
+    env = shell_env(FAUXMAD_HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    dev = subprocess.Popen(
+        ["bash", "-c", f"exec {dev_line}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        start_new_session=True,
+    )
+    transcript = [f"$ {dev_line}"]
+    try:
+        seen = read_until(lines_of(dev), r"Ctrl-C stops everything", 90)
+        transcript.append(seen.rstrip())
+        hints = [
+            line.strip()
+            for line in seen.split("try, in another terminal:", 1)[1].splitlines()
+            if line.strip().startswith(("export ", "fauxmad "))
+        ]
+        url = next(h.split("=", 1)[1] for h in hints if h.startswith("export "))
+        # every hint `fauxmad dev` printed, then every line of the README, each as a user would paste it
+        for line in [h for h in hints if not h.startswith("export ")] + lines:
+            result = subprocess.run(
+                ["bash", "-c", line],
+                capture_output=True,
+                text=True,
+                timeout=180,
+                env=dict(env, FAUXMAD_NATS_URL=url),
+                cwd=str(ROOT),
+            )
+            transcript.append(f"$ {line}\n{result.stdout.rstrip()}\n{result.stderr.rstrip()}".rstrip())
+            assert result.returncode == 0, "\n\n".join(transcript)
+    finally:
+        os.killpg(dev.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+        try:
+            dev.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(dev.pid, signal.SIGKILL)
+            dev.wait()
+        print("\n\n".join(transcript))
+    assert dev.returncode == 0
+
+
+@pytest.mark.timeout(320)
+def test_the_demo_runs_as_the_readme_says() -> None:
+    first = re.search(r"```bash\n(.*?)```", README.read_text(), re.S)
+    assert first is not None
+    install_and_demo = first.group(1).splitlines()[0]
+    assert install_and_demo.endswith("&& fauxmad demo")  # the install itself is what CI just did
+    result = subprocess.run(
+        ["bash", "-c", "fauxmad demo"], capture_output=True, text=True, timeout=300, env=shell_env(), cwd=str(ROOT)
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
