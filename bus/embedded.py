@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -79,15 +80,21 @@ class EmbeddedNats:
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         binary = find_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        config = self.store_dir / "nats-server.conf"
+        config.write_text(
+            # every JetStream write is flushed before it is acknowledged: by default nats-server acknowledges
+            # first and writes later, so a kill -9 of the server loses acknowledged claims, index entries and
+            # events (one server has no replica to recover them from)
+            f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir))}\n  sync_interval: always\n}}\n"
+        )
         args = [
             binary,
+            "-c",
+            str(config),
             "-a",
             self.host,
             "-p",
             str(self.port),
-            "-js",
-            "-sd",
-            str(self.store_dir),
             "-n",
             self.name,
             "-l",

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
@@ -170,6 +171,8 @@ async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) 
         raise Unreachable(f"nobody answers on {subject}") from None
     except NatsTimeout:
         raise Unanswered(f"no answer on {subject} within {timeout:g}s") from None
+    except (NatsError, OSError) as exc:  # the connection broke with the request on its way: it may have arrived
+        raise Unanswered(f"no answer on {subject}: {type(exc).__name__} {exc}".strip()) from None
     raise_for_reply(msg)
     return msg
 

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -50,6 +51,8 @@ from orchestrator.registry import Registry
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("scatter", "p2c", "hedged")
+
+BeforeReserve = Callable[[str], Awaitable[None]]
 
 
 # How far apart the clocks of a broker and a worker may be: a broker waits this long past a reserve's
@@ -220,11 +223,18 @@ class Auction:
         )
 
     async def place(
-        self, app: str, request: CreateRequest, machine_id: str | None = None, not_after: float | None = None
+        self,
+        app: str,
+        request: CreateRequest,
+        machine_id: str | None = None,
+        not_after: float | None = None,
+        before_reserve: BeforeReserve | None = None,
     ) -> tuple[Machine, Outcome]:
         """Reserve a machine in `request.region` (state `created`), or raise 503 at once.
 
         `not_after` (epoch seconds): no reserve of this placement may be committed after it.
+        `before_reserve(worker_id)` runs before each reserve is sent (an idempotent create records there
+        which workers may hold its machine); if it raises, that reserve is not sent.
         """
         strategy = request.strategy or self.config.strategy
         guest = OfferGuest(
@@ -244,9 +254,9 @@ class Auction:
         reserve = self.reserve_request(app, request, machine_id, not_after)
         candidates = [c.worker_id for c in outcome.ranking.candidates]  # `avoid` is a filter of the chain
         if strategy == "hedged" and len(candidates) >= 2:
-            machine = await self._reserve_hedged(candidates, reserve, outcome)
+            machine = await self._reserve_hedged(candidates, reserve, outcome, before_reserve)
         else:
-            machine = await self._reserve_in_order(candidates, reserve, outcome)
+            machine = await self._reserve_in_order(candidates, reserve, outcome, before_reserve)
         if machine is None:
             raise NoCapacity(self._no_capacity_message(request.region, outcome))
         outcome.winner = machine.worker_id
@@ -276,18 +286,20 @@ class Auction:
         if wait > 0:
             await asyncio.sleep(wait)
         expired = msgspec.structs.replace(reserve, expires_at=0.0)  # can find the machine, never reserve it
-        try:
-            return await call(
-                self.nc,
-                subjects.worker_machines(worker_id, "reserve"),
-                expired,
-                Machine,
-                timeout=self.config.reserve_timeout,
-            )
-        except DeadlineExceeded:
-            return None
-        except Unanswered:
-            raise OutcomeUnknown([worker_id], reserve.id) from None
+        subject = subjects.worker_machines(worker_id, "reserve")
+        deadline = time.perf_counter() + self.config.reserve_timeout
+        while True:
+            try:
+                return await call(self.nc, subject, expired, Machine, timeout=self.config.reserve_timeout)
+            except DeadlineExceeded:
+                return None
+            except Unanswered:
+                raise OutcomeUnknown([worker_id], reserve.id) from None
+            except Unreachable:
+                # nobody listens right now (the worker is reconnecting): that says nothing of what it holds
+                if time.perf_counter() > deadline:
+                    raise OutcomeUnknown([worker_id], reserve.id) from None
+                await asyncio.sleep(0.05)
 
     async def find(self, workers: list[str], reserve: ReserveRequest) -> tuple[Machine | None, list[str]]:
         """Ask each worker (at once) whether it holds the machine of `reserve`, whose reserves have all
@@ -307,9 +319,15 @@ class Auction:
         return found, [w for w in silent if w in region_live]
 
     async def _reserve_in_order(
-        self, candidates: list[str], reserve: ReserveRequest, outcome: Outcome
+        self,
+        candidates: list[str],
+        reserve: ReserveRequest,
+        outcome: Outcome,
+        before_reserve: BeforeReserve | None = None,
     ) -> Machine | None:
         for worker_id in candidates:
+            if before_reserve is not None:
+                await before_reserve(worker_id)
             try:
                 machine = await self._reserve_on(
                     worker_id, msgspec.structs.replace(reserve, placement=outcome.kept(worker_id))
@@ -323,8 +341,16 @@ class Auction:
             return machine
         return None
 
-    async def _reserve_hedged(self, candidates: list[str], reserve: ReserveRequest, outcome: Outcome) -> Machine | None:
+    async def _reserve_hedged(
+        self,
+        candidates: list[str],
+        reserve: ReserveRequest,
+        outcome: Outcome,
+        before_reserve: BeforeReserve | None = None,
+    ) -> Machine | None:
         first, second = candidates[0], candidates[1]
+        if before_reserve is not None:
+            await before_reserve(first)  # the hedge has its own id and no key: nothing to record for it
         # distinct ids and no shared idempotency key: the two reservations must not be mistaken for one
         hedge = msgspec.structs.replace(reserve, idempotency_key=None, id=new_machine_id())
         tasks = {
@@ -353,7 +379,7 @@ class Auction:
         for task in pending:  # the loser: release it whenever it lands
             task.add_done_callback(lambda t: self._release_done(t, outcome))
         if winner is None:
-            return await self._reserve_in_order(candidates[2:], reserve, outcome)
+            return await self._reserve_in_order(candidates[2:], reserve, outcome, before_reserve)
         return winner
 
     def _release_done(self, task: asyncio.Task[Machine], outcome: Outcome) -> None:

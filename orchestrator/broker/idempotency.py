@@ -6,7 +6,9 @@ by any broker, addresses the same machine, and a worker that holds it answers wi
 
 States: `pending` (a broker is placing), `done` (the machine exists: `machine_id` on `worker_id`) and
 `uncertain` (the last owner gave up because a worker did not answer its reserve: `uncertain` lists
-the workers that may hold the machine). A failed placement deletes the claim, so a retry starts over.
+the workers that may hold the machine). `tried` lists every worker a reserve was sent to, recorded
+before it was sent, so a taker asks exactly the workers that may hold the machine. A placement whose
+every reserve was refused deletes the claim, so a retry starts over.
 
 Taking over: a pending claim whose owner died (older than `stale_after`), an uncertain one, or a
 pending one of this very broker that no request of it is working on (an attempt that ended in an
@@ -40,6 +42,7 @@ class Claim(msgspec.Struct, kw_only=True):
     worker_id: str | None = None
     fingerprint: str = ""
     uncertain: list[str] = []
+    tried: list[str] = []  # every worker a reserve was sent to, recorded before it was sent
 
 
 class Ticket(msgspec.Struct, kw_only=True):
@@ -106,6 +109,19 @@ class Idempotency:
             await self._put(kv_key, value)
         finally:
             self._active.discard(kv_key)
+
+    async def trying(self, app: str, key: str, claim: Claim, worker_id: str) -> Claim:
+        """Record, before a reserve is sent to `worker_id`, that it may come to hold the claim's machine.
+
+        So whoever takes the claim over knows every worker to ask, whatever the registry knows then (after a
+        NATS restart a live worker can be missing from it for a heartbeat). If the record cannot be written,
+        this raises and the reserve is not sent.
+        """
+        if worker_id in claim.tried:
+            return claim
+        recorded = msgspec.structs.replace(claim, tried=[*claim.tried, worker_id])
+        await self._put(claim_key(app, key), recorded)
+        return recorded
 
     async def uncertain(self, app: str, key: str, claim: Claim, workers: list[str]) -> None:
         """Give the claim up, naming the workers that may hold the machine, for the next try to ask."""

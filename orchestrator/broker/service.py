@@ -24,7 +24,7 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 from bus import subjects
 from bus.codec import decode, encode
 from bus.connection import connect
-from bus.errors import BadRequest, FauxmadError, Unreachable
+from bus.errors import BadRequest, Conflict, FauxmadError, NoCapacity, NotFound, Unreachable
 from bus.ids import new_machine_id
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
@@ -193,6 +193,12 @@ class Broker:
             assert claim.machine_id is not None and claim.worker_id is not None
             return await self._get_from(claim.worker_id, claim.machine_id), None, False
         assert claim.machine_id is not None
+        machine_id = claim.machine_id
+        current = [claim]  # the claim as last written: `tried` grows before each reserve
+
+        async def record(worker_id: str) -> None:
+            current[0] = await self.idempotency.trying(app, key, current[0], worker_id)
+
         try:
             found = None
             if ticket.previous is not None:  # taken over: find out where the machine is before placing
@@ -201,22 +207,24 @@ class Broker:
                 (found, None)
                 if found is not None
                 else await self.auction.place(
-                    app, req, claim.machine_id, not_after=claim.at + self.idempotency.stale_after
+                    app, req, machine_id, not_after=claim.at + self.idempotency.stale_after, before_reserve=record
                 )
             )
         except OutcomeUnknown as exc:
-            await self.idempotency.uncertain(app, key, claim, exc.workers)
+            await self.idempotency.uncertain(app, key, current[0], exc.workers)
             raise
-        except BaseException:
-            await self.idempotency.release(app, key)
+        except (NoCapacity, BadRequest, Conflict, NotFound):
+            await self.idempotency.release(app, key)  # refused everywhere it was tried: nothing is held
             raise
-        await self.idempotency.done(app, key, claim, placed[0].worker_id)
+        # anything else (a lost connection, a cancellation): a reserve may be in flight, so the claim stays
+        # for a taker, who asks every worker it tried before placing
+        await self.idempotency.done(app, key, current[0], placed[0].worker_id)
         return placed[0], placed[1], True
 
     async def _find(self, app: str, req: CreateRequest, previous: Claim) -> Machine | None:
         """Which worker holds the machine of a claim taken over: the ones it named, its region's, the index's."""
         assert previous.machine_id is not None
-        workers = set(previous.uncertain) | self.registry.live_ids(req.region)
+        workers = set(previous.tried) | set(previous.uncertain) | self.registry.live_ids(req.region)
         entry = self.index.get(previous.machine_id)
         if entry is not None:
             workers.add(entry.worker_id)

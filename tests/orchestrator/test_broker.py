@@ -45,7 +45,7 @@ def test_create_places_in_region_and_explains(fleet: DevFleet) -> None:
         assert explain["winner"] == machine.worker_id and explain["asked"] == 3 and explain["answered"] == 3
         assert sorted(w["worker_id"] for w in explain["workers"]) == ["syd-w1", "syd-w2", "syd-w3"]
         for w in explain["workers"]:
-            assert set(w["subscores"]) == {"cpu", "memory", "image", "spread", "load"}
+            assert set(w["subscores"]) == {"cpu", "memory", "image", "spread", "load", "away"}
         listed = await client.list("web")
         assert [m.id for m in listed] == [machine.id]
         got = await client.get("web", machine.id)
