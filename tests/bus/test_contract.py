@@ -96,7 +96,12 @@ def test_scatter_gathers_until_expected_or_deadline(nats_url: str) -> None:
         await responders.subscribe("t.scatter", cb=responder(b"garbage"))
         await responders.subscribe("t.scatter", cb=responder(b"4", delay=1.0))  # a stalled worker
         await responders.flush()
+        # the responders are reachable from `nc` before anything is timed (a cold CI machine once missed
+        # the first scatter's replies entirely)
+        await nc.request("t.scatter", b"", timeout=5)
         scatterer = Scatterer(nc)
+        await scatterer.start()
+        await nc.flush()
         parse = lambda data: int(data)  # noqa: E731
         fast = await scatterer.scatter("t.scatter", b"", parse, expected=3, deadline=2.0)
         assert sorted(fast.replies) == [1, 2] and fast.malformed == 1 and not fast.timed_out
