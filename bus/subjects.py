@@ -116,11 +116,16 @@ def events(region: str, worker_id: str, app: str, machine_id: str) -> str:
 EVENTS_ALL = f"{PREFIX}.events.>"
 
 
-def events_filter(app: str | None = None, machine_id: str | None = None) -> str:
-    """The events of one app, one machine, or both (any region, any worker): a stream filter subject."""
+def _app_machine_tokens(app: str | None, machine_id: str | None) -> str:
+    """`<app>.<machine>` for a stream filter: each checked when given, `*` when not."""
     app_token = check_token("app", app) if app else "*"
     machine_token = check_token("machine id", machine_id) if machine_id else "*"
-    return f"{PREFIX}.events.*.*.{app_token}.{machine_token}"
+    return f"{app_token}.{machine_token}"
+
+
+def events_filter(app: str | None = None, machine_id: str | None = None) -> str:
+    """The events of one app, one machine, or both (any region, any worker): a stream filter subject."""
+    return f"{PREFIX}.events.*.*.{_app_machine_tokens(app, machine_id)}"
 
 
 def logs(app: str, machine_id: str) -> str:
@@ -132,9 +137,7 @@ LOGS_ALL = f"{PREFIX}.logs.>"
 
 def logs_filter(app: str | None = None, machine_id: str | None = None) -> str:
     """The log lines of one app, one machine, or both: a stream filter subject."""
-    app_token = check_token("app", app) if app else "*"
-    machine_token = check_token("machine id", machine_id) if machine_id else "*"
-    return f"{PREFIX}.logs.{app_token}.{machine_token}"
+    return f"{PREFIX}.logs.{_app_machine_tokens(app, machine_id)}"
 
 
 def kv_put(bucket: str, key: str) -> str:
