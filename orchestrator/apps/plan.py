@@ -489,17 +489,7 @@ class _RegionPlanner:
             have = have[:wanted]
             for s in have if not self.rolling else ():
                 if not self.current_spare(s, p):
-                    self.add(
-                        Update(
-                            id=s.id,
-                            region=self.region,
-                            worker_id=s.worker_id,
-                            restarts=False,
-                            config=self.config_for(SPARE, standby_of=p.id),
-                            reason=f"spare for v{self.release}",
-                        ),
-                        spare=True,
-                    )
+                    self.make_spare(s, p, f"spare for v{self.release}")
             total += len(have) + self.fill_spares(
                 p, wanted - len(have), {p.worker_id} | {s.worker_id for s in have}, orphans
             )
@@ -537,6 +527,20 @@ class _RegionPlanner:
                 mine[owner.id].append(s)
         return mine, orphans
 
+    def make_spare(self, machine: Member, p: Member, reason: str) -> None:
+        """Relabel `machine` in place (no restart) as a spare of `p` for this release."""
+        self.add(
+            Update(
+                id=machine.id,
+                region=self.region,
+                worker_id=machine.worker_id,
+                restarts=False,
+                config=self.config_for(SPARE, standby_of=p.id),
+                reason=reason,
+            ),
+            spare=True,
+        )
+
     def fill_spares(self, p: Member, missing: int, taken: set[str], orphans: list[Member]) -> int:
         """Give `p` its missing spares: reuse orphans on other workers first, then create new ones."""
         filled = 0
@@ -545,17 +549,7 @@ class _RegionPlanner:
                 break
             if orphan.worker_id not in taken and orphan.worker_id not in self.observed.cordoned:
                 orphans.remove(orphan)
-                self.add(
-                    Update(
-                        id=orphan.id,
-                        region=self.region,
-                        worker_id=orphan.worker_id,
-                        restarts=False,
-                        config=self.config_for(SPARE, standby_of=p.id),
-                        reason=f"now the spare of {p.id}",
-                    ),
-                    spare=True,
-                )
+                self.make_spare(orphan, p, f"now the spare of {p.id}")
                 taken.add(orphan.worker_id)
                 filled += 1
         if self.region not in self.observed.no_room_for_spares:
