@@ -196,6 +196,7 @@ def test_rollback_on_demand_and_scale(fleet: DevFleet, tmp_path: Path) -> None:
     destroy(fleet, "back")
 
 
+@pytest.mark.timeout(300)  # five CLI runs and a kill: near 120 s on a busy 2-core machine
 def test_a_reconciler_killed_mid_deploy_is_finished_by_the_next_run(fleet: DevFleet, tmp_path: Path) -> None:
     v1 = write_spec(tmp_path / "v1.toml", "half", regions="mad = 3", spares=0)
     assert fauxmad(fleet, "deploy", "-c", str(v1)).returncode == 0
