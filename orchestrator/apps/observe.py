@@ -24,8 +24,8 @@ from bus.jetstream import FleetKV
 from bus.messages import ListRequest, Machine, MachineConfig
 from bus.service import call
 from orchestrator.apps.plan import Member, Observed
-from orchestrator.broker.routing import MachineIndex
-from orchestrator.registry import Registry
+from orchestrator.fleet.machines import MachineIndex
+from orchestrator.fleet.workers import Registry
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ from bus.messages import (
 )
 from bus.scatter import Scatterer
 from bus.service import call
+from orchestrator.fleet.workers import Registry
 from orchestrator.placement import PlacementConfig, Ranking, explain, rank, sample_two
-from orchestrator.registry import Registry
 
 log = logging.getLogger(__name__)
 

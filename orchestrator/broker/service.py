@@ -54,8 +54,8 @@ from bus.scatter import Scatterer
 from bus.service import Responder, call, request
 from orchestrator.broker.auction import Auction, AuctionConfig, Outcome, OutcomeUnknown
 from orchestrator.broker.idempotency import Claim, Idempotency
-from orchestrator.broker.routing import MachineIndex
-from orchestrator.registry import Registry
+from orchestrator.fleet.machines import MachineIndex
+from orchestrator.fleet.workers import Registry
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from bus import subjects
 from bus.codec import decoder
 from bus.jetstream import ensure_fleet_resources
 from bus.messages import MachineEvent, WorkerInfo
-from orchestrator.replica import KVReplica
+from orchestrator.fleet.replica import KVReplica
 from orchestrator.view.store import ViewStore, needs_rebuild
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
-"""A local replica of a KV bucket, kept current by a watch: the pattern behind the registry and routing.
+"""A local replica of a KV bucket, kept current by a watch: the pattern behind `workers` and `machines`.
 
-Brokers answer hot-path questions (who is alive in a region, which worker owns a machine) from
-memory. A watch delivers the bucket's current values, then every put and every delete or expiry
-marker; subclasses say what one update means by implementing `apply`.
+Brokers and reconcilers answer hot-path questions (who is alive in a region, which worker owns a
+machine) from memory. A watch delivers the bucket's current values, then every put and every delete
+or expiry marker; subclasses say what one update means by implementing `apply`.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ Brokers need to know, per region, which workers are alive (to know how many offe
 and whom p2c may sample) without asking anyone on the hot path. A KV watch delivers every
 heartbeat and every expiry marker; a worker whose last heartbeat is older than the bucket TTL is
 treated as gone even before its marker arrives. Time is injected, so staleness is testable.
+Reconcilers read the same replica to know whose machines to ask for and whose are lost.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from bus.codec import decoder
 from bus.jetstream import WORKER_TTL
 from bus.messages import WorkerInfo
-from orchestrator.replica import KVReplica
+from orchestrator.fleet.replica import KVReplica
 
 log = logging.getLogger(__name__)
 

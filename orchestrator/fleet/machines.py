@@ -3,7 +3,8 @@
 Workers write the index after each transition; a broker that routes `get`, `stop` and friends
 reads its replica (no network hop), falling back to a direct KV read for a machine created a moment
 ago on another broker. Machines never move between workers, so an answer never goes stale except
-by destruction, which the watch delivers.
+by destruction, which the watch delivers. Reconcilers read it for the machines of workers whose
+heartbeat expired (nobody is left to ask about them).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 from bus.codec import decoder
 from bus.errors import NotFound
 from bus.messages import MachineIndexEntry
-from orchestrator.replica import KVReplica
+from orchestrator.fleet.replica import KVReplica
 
 log = logging.getLogger(__name__)
 
