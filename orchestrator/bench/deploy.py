@@ -16,11 +16,11 @@ from pathlib import Path
 import msgspec
 import uvloop
 
-from orchestrator.apps.reconciler import Reconciler
-from orchestrator.apps.spec import AppSpec, parse_spec
 from orchestrator.bench import BenchError
 from orchestrator.bench.report import Report, Table
 from orchestrator.devfleet import DevFleet, FleetSpec
+from orchestrator.reconcile.reconciler import Reconciler
+from orchestrator.reconcile.spec import AppSpec, parse_spec
 
 EXAMPLE = Path(__file__).resolve().parent.parent.parent / "examples" / "sandwich" / "app.py"
 APP = "bench"

@@ -19,12 +19,12 @@ import uvloop
 from bus import subjects
 from bus.messages import ListRequest, Machine
 from bus.service import call
-from orchestrator.apps.reconciler import Reconciler
 from orchestrator.bench import BenchError
 from orchestrator.bench.deploy import APP, bench_fleet, bench_spec
 from orchestrator.bench.report import Report, Table
 from orchestrator.bench.stats import summarize
 from orchestrator.devfleet import DevFleet
+from orchestrator.reconcile.reconciler import Reconciler
 
 REGION = "mad"
 SETTLE_TIMEOUT = 60.0

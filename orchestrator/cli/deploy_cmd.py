@@ -1,6 +1,6 @@
 """`fauxmad deploy`, `rollback`, `releases`, `reconcile`, `scale` and `apps`: the client-side reconcilers.
 
-Each command is a thin edge over `orchestrator.apps.reconciler`: parse and check the input (a bad
+Each command is a thin edge over `orchestrator.reconcile.reconciler`: parse and check the input (a bad
 spec is one line naming the key, before anything touches the fleet), connect, run the loop with a
 progress display, and turn the outcome into an exit code.
 """
@@ -25,12 +25,6 @@ from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from orchestrator.apps.executor import Result
-from orchestrator.apps.plan import Plan
-from orchestrator.apps.preview import Planned
-from orchestrator.apps.reconciler import SCALED, CannotDeploy, DeployOutcome, Preview, Reconciler
-from orchestrator.apps.releases import Release
-from orchestrator.apps.spec import AppSpec, SpecError, load_spec
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import (
     NATS_HELP,
@@ -44,6 +38,12 @@ from orchestrator.cli.runtime import (
     split_names,
     with_connected,
 )
+from orchestrator.reconcile.executor import Result
+from orchestrator.reconcile.plan import Plan
+from orchestrator.reconcile.preview import Planned
+from orchestrator.reconcile.reconciler import SCALED, CannotDeploy, DeployOutcome, Preview, Reconciler
+from orchestrator.reconcile.releases import Release
+from orchestrator.reconcile.spec import AppSpec, SpecError, load_spec
 
 T = TypeVar("T")
 

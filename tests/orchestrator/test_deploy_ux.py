@@ -17,9 +17,9 @@ from pathlib import Path
 import nats
 import pytest
 
-from orchestrator.apps.observe import health
 from orchestrator.cli.runtime import EXIT_CONFLICT
 from orchestrator.devfleet import DevFleet, FleetSpec
+from orchestrator.reconcile.observe import health
 from tests.helpers import ROOT, arun
 from tests.orchestrator.test_reconcile import (
     assert_converged,

@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from bus.messages import ExitInfo, MachineConfig, Resources, WorkerInfo
-from orchestrator.apps.executor import Result
-from orchestrator.apps.plan import (
+from orchestrator.reconcile.executor import Result
+from orchestrator.reconcile.plan import (
     Create,
     Desired,
     Destroy,
@@ -22,9 +22,9 @@ from orchestrator.apps.plan import (
     plan,
     summarize,
 )
-from orchestrator.apps.preview import planned, problems, simulate
-from orchestrator.apps.reconciler import Reconciler
-from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, parse_spec
+from orchestrator.reconcile.preview import planned, problems, simulate
+from orchestrator.reconcile.reconciler import Reconciler
+from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, parse_spec
 
 NOW = 1_000_000.0
 

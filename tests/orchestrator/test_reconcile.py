@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from bus.messages import Machine
-from orchestrator.apps.observe import health
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
+from orchestrator.reconcile.observe import health
 from tests.helpers import ROOT, arun
 
 APP_PY = ROOT / "examples" / "sandwich" / "app.py"

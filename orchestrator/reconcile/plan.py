@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from bus.messages import ExitInfo, MachineConfig
-from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
+from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
 
 RUNNING = ("started", "starting")
 RESTING = ("created", "stopped", "failed")

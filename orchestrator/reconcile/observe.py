@@ -23,9 +23,9 @@ from bus.errors import FauxmadError
 from bus.jetstream import FleetKV
 from bus.messages import ListRequest, Machine, MachineConfig
 from bus.service import call
-from orchestrator.apps.plan import Member, Observed
 from orchestrator.fleet.machines import MachineIndex
 from orchestrator.fleet.workers import Registry
+from orchestrator.reconcile.plan import Member, Observed
 
 log = logging.getLogger(__name__)
 

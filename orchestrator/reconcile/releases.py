@@ -21,7 +21,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysEr
 
 from bus.codec import decoder, encode
 from bus.errors import Conflict, NotFound
-from orchestrator.apps.spec import AppSpec
+from orchestrator.reconcile.spec import AppSpec
 
 Status = Literal["running", "complete", "failed", "rolled_back"]
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 import msgspec
 
 from bus.messages import Guest, WorkerInfo
-from orchestrator.apps.plan import (
+from orchestrator.reconcile.plan import (
     RUNNING,
     Action,
     Create,
@@ -38,7 +38,7 @@ from orchestrator.apps.plan import (
     Update,
     plan,
 )
-from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, ROLE_KEY, AppSpec
+from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, ROLE_KEY, AppSpec
 
 MAX_STEPS = 200
 NEW = "new-"  # simulated machines: `new-1`, `new-2`, … (a real machine id is 14 hex digits)

@@ -36,13 +36,13 @@ from bus.errors import BadRequest, Conflict, NoCapacity, NotFound
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import CordonRequest, CreateRequest, Machine, WorkerInfo
 from bus.service import call
-from orchestrator.apps.executor import Executor, Result
-from orchestrator.apps.observe import Observer, health
-from orchestrator.apps.plan import Create, Desired, Destroy, Failure, Plan, Update, plan, summarize
-from orchestrator.apps.preview import Planned, planned, problems, simulate
-from orchestrator.apps.releases import Head, Release, Releases
-from orchestrator.apps.spec import SPARE, AppSpec
 from orchestrator.client import FleetClient
+from orchestrator.reconcile.executor import Executor, Result
+from orchestrator.reconcile.observe import Observer, health
+from orchestrator.reconcile.plan import Create, Desired, Destroy, Failure, Plan, Update, plan, summarize
+from orchestrator.reconcile.preview import Planned, planned, problems, simulate
+from orchestrator.reconcile.releases import Head, Release, Releases
+from orchestrator.reconcile.spec import SPARE, AppSpec
 
 log = logging.getLogger(__name__)
 

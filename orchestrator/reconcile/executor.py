@@ -34,8 +34,8 @@ from bus.messages import (
     UpdateRequest,
 )
 from bus.service import call
-from orchestrator.apps.plan import Action, Create, Destroy, MachineAction, Promote, Start, Stop, Update
 from orchestrator.client import FleetClient
+from orchestrator.reconcile.plan import Action, Create, Destroy, MachineAction, Promote, Start, Stop, Update
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,7 @@
+"""The client-side reconciler: from an app spec to machines in place, run by the CLI (deploy, rollback,
+reconcile, drain) rather than by a server.
+
+One module per stage: `spec` (the file), `releases` (desired state in KV), `observe` (what the workers
+say), `plan` (a pure `plan(desired, observed, now) -> Plan`), `preview` (a deploy simulated), `executor`
+(the plan applied over the bus) and `reconciler` (the loops).
+"""
