@@ -272,6 +272,8 @@ class WorkerInfo(Reply):
     limits: str = ""
     pid: int = 0
     log_seq: int = 0
+    # addition: machines per app (what an offer's app_machines says), for placement from the replica
+    app_machines: dict[str, int] = {}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,6 +388,14 @@ class ExecReply(Reply):
 # Broker API (contract)
 
 
+# How a broker finds candidates: ask the region (`scatter`), ask two sampled workers (`p2c`), `scatter` and
+# reserve on the best two at once (`hedged`), or ask nobody and rank the workers' heartbeats (`replica`,
+# an addition). The broker's own strategy is the default.
+Strategy = Literal["scatter", "p2c", "hedged", "replica"]
+# An app's placement policy, `[placement] preset` in fauxmad.toml (see the README for the curves).
+Preset = Literal["balanced", "binpack", "spread"]
+
+
 class CreateRequest(Request):
     region: Token
     config: MachineConfig
@@ -393,11 +403,13 @@ class CreateRequest(Request):
     skip_launch: bool = False
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     explain: bool = False
-    strategy: Literal["scatter", "p2c", "hedged"] | None = None
+    strategy: Strategy | None = None
     # addition: workers that must not get this machine (a spare away from its primary, a drained host)
     avoid_workers: list[Token] = []
     # addition: workers it should get only if no other has room (a penalty in the ranking, not a filter)
     prefer_away: list[Token] = []
+    # addition: the app's placement policy, `[placement] preset` in fauxmad.toml (None: the broker's curves)
+    placement_preset: Preset | None = None
 
 
 class SimulateRequest(Request):
@@ -407,7 +419,8 @@ class SimulateRequest(Request):
     region: Token
     guest: OfferGuest = msgspec.field(default_factory=OfferGuest)
     image: str | None = None
-    strategy: Literal["scatter", "p2c", "hedged"] | None = None
+    strategy: Strategy | None = None
+    placement_preset: Preset | None = None
 
 
 class WorkersListRequest(Request):

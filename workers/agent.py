@@ -299,6 +299,7 @@ class WorkerAgent:
             limits=self.limits_mode,
             pid=os.getpid(),
             log_seq=self.store.last_seq,
+            app_machines=dict(snap.app_machines),
         )
 
     # ------------------------------------------------------------------------------------------

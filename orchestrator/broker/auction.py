@@ -1,8 +1,14 @@
 """The auction: ask a region's workers for offers, rank them, reserve on the best. Fill or fail, at once.
 
 1. Gather: `scatter` asks every worker of the region on `fauxmad.v1.offers.<region>` and waits until
-   every live worker (from the registry) has answered or the deadline passes; `p2c` asks just two
-   workers sampled from the registry on their own offer subjects (O(1) fan-out for huge regions).
+   every live worker (from the registry) has answered or the deadline passes; creates that arrive
+   while a scatter with the same question (region, app, guest, image) is out share its answers, so
+   one scatter serves a burst of creates. `p2c` asks just two workers sampled from the registry on
+   their own offer subjects (O(1) fan-out for huge regions). `replica` asks nobody: it ranks the
+   workers' last heartbeats (a worker writes one right after every reserve), so a create costs one
+   round trip to the chosen worker. Offers of every kind are discounted by what this broker picked
+   since they were taken (`orchestrator.placement.picks`), so a shared scatter does not send a whole
+   burst to one worker.
 2. Rank: the pure filter/score chain in `orchestrator.placement`, every rejection named.
 3. Reserve on the best; a refusal (the offer was information, not a promise) moves on to the next.
    `hedged` reserves on the top two at once, keeps the first to succeed and destroys the other.
@@ -21,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import random
 import time
+import typing
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -38,19 +46,22 @@ from bus.messages import (
     CreateRequest,
     DestroyRequest,
     Machine,
+    Offer,
     OfferGuest,
     OfferReply,
     OfferRequest,
     ReserveRequest,
+    Strategy,
 )
 from bus.scatter import Scatterer
 from bus.service import call
 from orchestrator.fleet.workers import Registry
-from orchestrator.placement import PlacementConfig, Ranking, explain, rank, sample_two
+from orchestrator.placement import PlacementConfig, Ranking, explain, rank, sample_two, with_preset
+from orchestrator.placement.picks import Pick, Picks, discount, offer_from_heartbeat
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("scatter", "p2c", "hedged")
+STRATEGIES: tuple[str, ...] = typing.get_args(Strategy)
 
 BeforeReserve = Callable[[str], Awaitable[None]]
 
@@ -95,6 +106,7 @@ class Outcome(msgspec.Struct, kw_only=True):
     ranking: Ranking
     attempts: list[Attempt] = []
     winner: str | None = None
+    shared: int = 1  # how many creates the scatter answered (it is shared by creates that arrive meanwhile)
 
     def kept(self, chosen: str, top: int = 3) -> dict[str, Any]:
         """The short explanation a machine keeps (in its `created` event) of why it went to `chosen`:
@@ -110,6 +122,7 @@ class Outcome(msgspec.Struct, kw_only=True):
             "asked": self.asked,
             "answered": self.answered,
             "gather_ms": round(self.gather_ms, 3),
+            "shared": self.shared,
             "chosen": chosen,
             "candidates": [
                 {"worker_id": c.worker_id, "rank": i, "total": c.total, "subscores": c.subscores} for i, c in shown
@@ -127,6 +140,7 @@ class Outcome(msgspec.Struct, kw_only=True):
             "asked": self.asked,
             "answered": self.answered,
             "gather_ms": round(self.gather_ms, 3),
+            "shared": self.shared,
             "winner": self.winner,
             "ranked_first": summary.winner,
             "attempts": msgspec.to_builtins(self.attempts),
@@ -137,6 +151,22 @@ class Outcome(msgspec.Struct, kw_only=True):
 def _parse_offer(data: bytes) -> OfferReply:
     reply: OfferReply = decode_any(OfferReply, data)
     return reply
+
+
+class _Scatter(msgspec.Struct, kw_only=True):
+    """One scatter's answers, shared by every create that asked the same question while it was out."""
+
+    replies: list[OfferReply]
+    sent: float  # perf_counter when the question went out: picks after it are not in the answers
+    gather_ms: float
+    shared: int = 1
+
+
+def _epoch(stamp: str) -> float:
+    try:
+        return datetime.datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return time.time()
 
 
 class Auction:
@@ -154,6 +184,8 @@ class Auction:
         self.registry = registry
         self.config = config
         self.rng = rng or random.Random()
+        self.picks = Picks(clock=time.perf_counter)
+        self._scatters: dict[tuple[str, bytes], asyncio.Future[_Scatter]] = {}
         self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------------------------------
@@ -167,25 +199,39 @@ class Auction:
         *,
         avoid: frozenset[str] = frozenset(),
         away: frozenset[str] = frozenset(),
+        preset: str | None = None,
     ) -> Outcome:
         request = OfferRequest(app=app, region=region, guest=guest, image=image)
+        config = with_preset(self.config.placement, preset)
         live = self.registry.live_ids(region)
         started = time.perf_counter()
-        if strategy == "p2c" and len(live - avoid) > 2:
+        shared = 1
+        if strategy == "replica":
+            infos = [info for info in self.registry.workers(region) if info.worker_id in live]
+            replies = [
+                self._discounted(
+                    offer_from_heartbeat(info, app, image),
+                    self.picks.since_heartbeat(info.worker_id, info.heartbeat_at),
+                    app,
+                )
+                for info in infos
+            ]
+            considered, asked = live, []
+        elif strategy == "p2c" and len(live - avoid) > 2:
             asked = sample_two(sorted(live - avoid), self.rng)  # two it may place on
-            replies = await self._ask_each(asked, request)
+            replies = [
+                self._discounted(reply, self.picks.since_scatter(reply.worker_id, started), app)
+                for reply in await self._ask_each(asked, request)
+            ]
             considered = set(asked)
         else:
-            gathered = await self.scatterer.scatter(
-                subjects.offers(region),
-                encode(request),
-                _parse_offer,
-                expected=len(live) or None,
-                deadline=self.config.deadline,
-            )
-            replies, considered = gathered.replies, live
-            asked = sorted(live)
-        ranking = rank(request, replies, considered, self.config.placement, tie_break=self.rng, avoid=avoid, away=away)
+            scatter = await self._scatter(request, expected=len(live))
+            replies = [
+                self._discounted(reply, self.picks.since_scatter(reply.worker_id, scatter.sent), app)
+                for reply in scatter.replies
+            ]
+            considered, asked, shared = live, sorted(live), scatter.shared
+        ranking = rank(request, replies, considered, config, tie_break=self.rng, avoid=avoid, away=away)
         return Outcome(
             region=region,
             strategy=strategy,
@@ -193,7 +239,38 @@ class Auction:
             answered=len(replies),
             gather_ms=(time.perf_counter() - started) * 1000,
             ranking=ranking,
+            shared=shared,
         )
+
+    @staticmethod
+    def _discounted(reply: OfferReply, picks: list[Pick], app: str) -> OfferReply:
+        return discount(reply, picks, app) if picks and isinstance(reply, Offer) else reply
+
+    async def _scatter(self, request: OfferRequest, *, expected: int) -> _Scatter:
+        """Ask the region, or join the scatter with the same question that is already out."""
+        payload = encode(request)
+        key = (request.region, payload)
+        out = self._scatters.get(key)
+        if out is None:
+            out = asyncio.ensure_future(self._scatter_once(request.region, payload, expected))
+            self._scatters[key] = out
+
+            def done(future: asyncio.Future[_Scatter]) -> None:
+                if self._scatters.get(key) is future:
+                    del self._scatters[key]
+
+            out.add_done_callback(done)
+            return await asyncio.shield(out)
+        answers = await asyncio.shield(out)
+        answers.shared += 1
+        return answers
+
+    async def _scatter_once(self, region: str, payload: bytes, expected: int) -> _Scatter:
+        sent = time.perf_counter()
+        gathered = await self.scatterer.scatter(
+            subjects.offers(region), payload, _parse_offer, expected=expected or None, deadline=self.config.deadline
+        )
+        return _Scatter(replies=gathered.replies, sent=sent, gather_ms=(time.perf_counter() - sent) * 1000)
 
     async def _ask_each(self, worker_ids: list[str], request: OfferRequest) -> list[OfferReply]:
         payload = encode(request)
@@ -250,6 +327,7 @@ class Auction:
             strategy,
             avoid=frozenset(request.avoid_workers),
             away=frozenset(request.prefer_away),
+            preset=request.placement_preset,
         )
         reserve = self.reserve_request(app, request, machine_id, not_after)
         candidates = [c.worker_id for c in outcome.ranking.candidates]  # `avoid` is a filter of the chain
@@ -326,20 +404,30 @@ class Auction:
         before_reserve: BeforeReserve | None = None,
     ) -> Machine | None:
         for worker_id in candidates:
-            if before_reserve is not None:
-                await before_reserve(worker_id)
+            pick = self._note(worker_id, reserve)  # before any await: the next create ranks without it
             try:
+                if before_reserve is not None:
+                    await before_reserve(worker_id)
                 machine = await self._reserve_on(
                     worker_id, msgspec.structs.replace(reserve, placement=outcome.kept(worker_id))
                 )
             except OutcomeUnknown:
-                raise
+                raise  # the pick stays (the worker may hold the machine) until the horizon forgets it
             except (NoCapacity, Unreachable, DeadlineExceeded) as exc:  # refusals: nothing was reserved there
+                self.picks.drop(pick)
                 outcome.attempts.append(Attempt(worker_id=worker_id, outcome=f"refused: {exc.message}"))
                 continue
+            except BaseException:
+                self.picks.drop(pick)
+                raise
+            self.picks.reserved(pick, _epoch(machine.created_at))
             outcome.attempts.append(Attempt(worker_id=worker_id, outcome="reserved"))
             return machine
         return None
+
+    def _note(self, worker_id: str, reserve: ReserveRequest) -> Pick:
+        guest = reserve.config.guest
+        return self.picks.note(worker_id, reserve.app, guest.cpus, guest.memory_mb)
 
     async def _reserve_hedged(
         self,
@@ -349,6 +437,7 @@ class Auction:
         before_reserve: BeforeReserve | None = None,
     ) -> Machine | None:
         first, second = candidates[0], candidates[1]
+        picks = {w: self._note(w, reserve) for w in (first, second)}  # before any await, as in _reserve_in_order
         if before_reserve is not None:
             await before_reserve(first)  # the hedge has its own id and no key: nothing to record for it
         # distinct ids and no shared idempotency key: the two reservations must not be mistaken for one
@@ -369,14 +458,18 @@ class Auction:
                 worker_id = tasks[task]
                 exc = task.exception()
                 if exc is not None:
+                    self.picks.drop(picks[worker_id])
                     message = exc.message if isinstance(exc, FauxmadError) else repr(exc)
                     outcome.attempts.append(Attempt(worker_id=worker_id, outcome=f"refused: {message}"))
                 elif winner is None:
                     winner = task.result()
+                    self.picks.reserved(picks[worker_id], _epoch(winner.created_at))
                     outcome.attempts.append(Attempt(worker_id=worker_id, outcome="reserved (hedge won)"))
                 else:
+                    self.picks.drop(picks[worker_id])
                     self._release_later(task.result(), outcome)
         for task in pending:  # the loser: release it whenever it lands
+            self.picks.drop(picks[tasks[task]])
             task.add_done_callback(lambda t: self._release_done(t, outcome))
         if winner is None:
             return await self._reserve_in_order(candidates[2:], reserve, outcome, before_reserve)

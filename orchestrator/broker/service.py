@@ -296,7 +296,12 @@ class Broker:
     async def _on_simulate(self, subject: str, data: bytes) -> Any:
         req = decode(SimulateRequest, data)
         outcome = await self.auction.rank(
-            req.app, req.region, req.guest, req.image, req.strategy or self.config.auction.strategy
+            req.app,
+            req.region,
+            req.guest,
+            req.image,
+            req.strategy or self.config.auction.strategy,
+            preset=req.placement_preset,
         )
         if outcome.ranking.candidates:
             outcome.winner = outcome.ranking.candidates[0].worker_id

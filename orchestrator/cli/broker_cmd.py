@@ -16,7 +16,9 @@ from orchestrator.cli.runtime import NATS_HELP, fail, nats_url, run
 def broker(
     nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False),
     deadline_ms: float = typer.Option(50.0, "--deadline-ms", min=1, max=60_000, help="how long an auction waits"),
-    strategy: str = typer.Option("scatter", "--strategy", help="default strategy: scatter, p2c or hedged"),
+    strategy: str = typer.Option(
+        "scatter", "--strategy", help="default strategy: scatter, p2c, hedged or replica (see the README)"
+    ),
     placement: Path | None = typer.Option(None, "--placement", help="TOML or JSON file: curves and weights"),
     name: str = typer.Option("", "--name", help="a name for this broker (shown in discovery)"),
 ) -> None:

@@ -11,7 +11,7 @@ One module per stage: `config` (curves and weights), `feasible` (filters, each w
 
 from __future__ import annotations
 
-from orchestrator.placement.config import Curve, PlacementConfig, interpolate
+from orchestrator.placement.config import PRESETS, Curve, PlacementConfig, interpolate, with_preset
 from orchestrator.placement.explain import Explain, WorkerExplanation, explain
 from orchestrator.placement.feasible import FILTERS, NO_ANSWER, Filter
 from orchestrator.placement.sample import sample_two
@@ -21,6 +21,7 @@ from orchestrator.placement.stack import Candidate, Ranking, Rejection, judge, r
 __all__ = [
     "FILTERS",
     "NO_ANSWER",
+    "PRESETS",
     "SCORERS",
     "Candidate",
     "Curve",
@@ -36,4 +37,5 @@ __all__ = [
     "judge",
     "rank",
     "sample_two",
+    "with_preset",
 ]

@@ -89,6 +89,29 @@ class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         return cls(**values)
 
 
+# Named policies an app picks with `[placement] preset = ...` in fauxmad.toml (CreateRequest.placement_preset).
+# Each is the broker's config with its curves replaced, so the weights an operator tuned still apply.
+PRESETS: dict[str, dict[str, Curve]] = {
+    # the defaults: fill a worker up to 70%, then back off (see PlacementConfig)
+    "balanced": {"cpu_curve": DEFAULT_CPU_CURVE, "memory_curve": DEFAULT_MEMORY_CURVE},
+    # pack: the fuller a worker would be, the better, so empty workers stay empty (for big guests, or to
+    # switch hosts off); memory still dips at the very top, since a full worker has nothing for bursts
+    "binpack": {"cpu_curve": ((0.0, 0.0), (1.0, 1.0)), "memory_curve": ((0.0, 0.0), (0.95, 1.0), (1.0, 0.8))},
+    # spread: the emptier, the better, so load and failures are shared as widely as the region allows
+    "spread": {"cpu_curve": ((0.0, 1.0), (1.0, 0.0)), "memory_curve": ((0.0, 1.0), (1.0, 0.0))},
+}
+
+
+def with_preset(config: PlacementConfig, preset: str | None) -> PlacementConfig:
+    """`config` with the curves of a named preset (`None`: unchanged). Raises ValueError for an unknown name."""
+    if preset is None:
+        return config
+    curves = PRESETS.get(preset)
+    if curves is None:
+        raise ValueError(f"placement preset {preset!r} is unknown: use one of {', '.join(sorted(PRESETS))}")
+    return msgspec.structs.replace(config, **curves)
+
+
 def interpolate(curve: Curve, utilization: float) -> float:
     """The curve's score at `utilization`: linear between points, clamped outside the first and last.
 

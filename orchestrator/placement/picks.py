@@ -1,0 +1,113 @@
+"""What a broker placed that the numbers in hand do not show yet, and offers from the heartbeat replica.
+
+Offers are a snapshot. When one scatter answers a batch of creates, or when the offers come from the
+replica of the workers' heartbeats (strategy `replica`), the machines this broker has just placed are
+not in them: ranking the next create on those numbers would send every create of a batch to the same
+best worker. So the broker notes each pick before it reserves, and ranks on the offers less the picks
+they cannot show: free resources less the guests, one machine more, one more of the app's. The
+worker's reserve stays the authority (it re-checks in LMDB); this only keeps the ranking honest
+between snapshots.
+
+Which picks an offer cannot show:
+- a scattered offer: the picks noted after the scatter was sent (broker clock, `noted`);
+- a heartbeat: the picks not yet reserved, and those the worker reserved after it wrote the heartbeat
+  (worker clock: the machine's `created_at` against the heartbeat's `heartbeat_at`).
+Picks are dropped when their reserve fails and forgotten after `horizon` seconds (by then a heartbeat
+or a fresh scatter shows them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from bus.messages import Decline, Offer, OfferReply, Resources, WorkerInfo
+
+PENDING = math.inf  # the `reserved_at` of a pick whose reserve has not answered yet
+
+
+@dataclass(slots=True, eq=False)
+class Pick:
+    worker_id: str
+    app: str
+    cpus: int
+    memory_mb: int
+    noted: float  # broker's monotonic clock, when the pick was made
+    reserved_at: float = PENDING  # worker's clock: the machine's created_at, once reserved
+
+
+class Picks:
+    """The picks of one broker, by worker; see the module docstring."""
+
+    def __init__(self, *, horizon: float = 10.0, clock: Callable[[], float]) -> None:
+        self.horizon = horizon
+        self.clock = clock
+        self._by_worker: dict[str, list[Pick]] = {}
+
+    def note(self, worker_id: str, app: str, cpus: int, memory_mb: int) -> Pick:
+        pick = Pick(worker_id=worker_id, app=app, cpus=cpus, memory_mb=memory_mb, noted=self.clock())
+        picks = self._by_worker.setdefault(worker_id, [])
+        if picks and self.clock() - picks[0].noted > self.horizon:
+            cutoff = self.clock() - self.horizon
+            picks[:] = [p for p in picks if p.noted >= cutoff]
+        picks.append(pick)
+        return pick
+
+    def reserved(self, pick: Pick, at: float) -> None:
+        pick.reserved_at = at
+
+    def drop(self, pick: Pick) -> None:
+        picks = self._by_worker.get(pick.worker_id)
+        if picks is not None and pick in picks:
+            picks.remove(pick)
+
+    def since_scatter(self, worker_id: str, sent: float) -> list[Pick]:
+        """Picks a scattered offer cannot show: noted after the scatter was sent at `sent`."""
+        return [p for p in self._by_worker.get(worker_id, ()) if p.noted > sent]
+
+    def since_heartbeat(self, worker_id: str, heartbeat_at: float) -> list[Pick]:
+        """Picks a heartbeat written at `heartbeat_at` (worker clock) cannot show."""
+        return [p for p in self._by_worker.get(worker_id, ()) if p.reserved_at > heartbeat_at]
+
+
+def discount(offer: Offer, picks: Iterable[Pick], app: str) -> Offer:
+    """`offer` less `picks`: their guests off `free` (down to 0: the fit filters then say why), their machines
+    on the counts."""
+    cpus = memory = machines = of_app = 0
+    for pick in picks:
+        cpus += pick.cpus
+        memory += pick.memory_mb
+        machines += 1
+        of_app += pick.app == app
+    if machines == 0:
+        return offer
+    return msgspec.structs.replace(
+        offer,
+        free=Resources(cpus=max(0, offer.free.cpus - cpus), memory_mb=max(0, offer.free.memory_mb - memory)),
+        machines=offer.machines + machines,
+        app_machines=offer.app_machines + of_app,
+    )
+
+
+def offer_from_heartbeat(info: WorkerInfo, app: str, image: str | None) -> OfferReply:
+    """What the worker would answer, from its last heartbeat: the `replica` strategy asks nobody.
+
+    A heartbeat says less than an offer (not the launches in flight), so only a cordon declines here;
+    the filters judge the numbers as they judge any offer's.
+    """
+    free = Resources(cpus=info.capacity.cpus - info.used.cpus, memory_mb=info.capacity.memory_mb - info.used.memory_mb)
+    if info.cordoned:
+        return Decline(worker_id=info.worker_id, region=info.region, reason="cordoned", free=free)
+    return Offer(
+        worker_id=info.worker_id,
+        region=info.region,
+        capacity=info.capacity,
+        free=free,
+        image_cached=image is not None and image in info.images,
+        machines=info.machines,
+        load=info.load,
+        app_machines=info.app_machines.get(app, 0),
+    )
