@@ -56,7 +56,7 @@ from bus.messages import (
 from bus.scatter import Scatterer
 from bus.service import call
 from orchestrator.fleet.workers import Registry
-from orchestrator.placement import PlacementConfig, Ranking, explain, rank, sample_two, with_preset
+from orchestrator.placement import PlacementConfig, Ranking, explain, rank, with_preset
 from orchestrator.placement.picks import Pick, Picks, discount, offer_from_heartbeat
 
 log = logging.getLogger(__name__)
@@ -203,28 +203,29 @@ class Auction:
     ) -> Outcome:
         request = OfferRequest(app=app, region=region, guest=guest, image=image)
         config = with_preset(self.config.placement, preset)
-        live = self.registry.live_ids(region)
         started = time.perf_counter()
         shared = 1
-        if strategy == "replica":
-            infos = [info for info in self.registry.workers(region) if info.worker_id in live]
+        sampled = self.registry.sample(region, 2, self.rng, avoid) if strategy == "p2c" else None
+        if sampled is not None:  # two it may place on, drawn in O(1): the region's size does not matter
+            replies = [
+                self._discounted(reply, self.picks.since_scatter(reply.worker_id, started), app)
+                for reply in await self._ask_each(sampled, request)
+            ]
+            considered, asked = set(sampled), sampled
+        elif strategy == "replica":
+            live = self.registry.live_ids(region)
             replies = [
                 self._discounted(
                     offer_from_heartbeat(info, app, image),
                     self.picks.since_heartbeat(info.worker_id, info.heartbeat_at),
                     app,
                 )
-                for info in infos
+                for info in self.registry.workers(region)
+                if info.worker_id in live
             ]
             considered, asked = live, []
-        elif strategy == "p2c" and len(live - avoid) > 2:
-            asked = sample_two(sorted(live - avoid), self.rng)  # two it may place on
-            replies = [
-                self._discounted(reply, self.picks.since_scatter(reply.worker_id, started), app)
-                for reply in await self._ask_each(asked, request)
-            ]
-            considered = set(asked)
-        else:
+        else:  # scatter, hedged, and p2c in a region too small to sample
+            live = self.registry.live_ids(region)
             scatter = await self._scatter(request, expected=len(live))
             replies = [
                 self._discounted(reply, self.picks.since_scatter(reply.worker_id, scatter.sent), app)

@@ -6,7 +6,9 @@ filters (`feasible`), scores (`score`), orders (`stack.rank`) and explains (`exp
 is reproducible from its inputs, tested without NATS, and served as-is by `placements.simulate`.
 
 One module per stage: `config` (curves and weights), `feasible` (filters, each with a named reason),
-`score` (named subscores), `stack` (the chain, assembled in one place), `explain`, `sample` (p2c).
+`score` (named subscores), `stack` (the chain, assembled in one place), `explain`, `picks` (what a
+broker placed that the offers in hand cannot show yet). p2c's O(1) sampling lives with the live-worker
+replica (`orchestrator.fleet.workers.Registry.sample`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 from orchestrator.placement.config import PRESETS, Curve, PlacementConfig, interpolate, with_preset
 from orchestrator.placement.explain import Explain, WorkerExplanation, explain
 from orchestrator.placement.feasible import FILTERS, NO_ANSWER, Filter
-from orchestrator.placement.sample import sample_two
 from orchestrator.placement.score import SCORERS, Scorer
 from orchestrator.placement.stack import Candidate, Ranking, Rejection, judge, rank
 
@@ -36,6 +37,5 @@ __all__ = [
     "interpolate",
     "judge",
     "rank",
-    "sample_two",
     "with_preset",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -10,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.messages import Decline, Offer, OfferGuest, OfferRequest, Resources
+from bus.messages import Decline, Offer, OfferGuest, OfferRequest, Resources, WorkerInfo
+from orchestrator.fleet.workers import Registry
 from orchestrator.placement import (
     NO_ANSWER,
     SCORERS,
@@ -19,7 +21,6 @@ from orchestrator.placement import (
     explain,
     interpolate,
     rank,
-    sample_two,
 )
 from orchestrator.placement.feasible import consistent_numbers, enough_cpus, enough_memory, same_region
 
@@ -314,21 +315,49 @@ def test_config_built_in_code_is_validated_too() -> None:
 # --- power of two choices --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("live", "expected"),
-    [([], []), (["a"], ["a"]), (["b", "a"], ["a", "b"]), (["a", "a"], ["a"])],
-)
-def test_sample_two_returns_all_when_fewer_than_two(live: list[str], expected: list[str]) -> None:
-    assert sample_two(live, random.Random(1)) == expected
+def registry_of(count: int, clock: Callable[[], float], *, region: str = "r") -> Registry:
+    registry = Registry(ttl=5.0, clock=clock)
+    for i in range(count):
+        info = WorkerInfo(
+            worker_id=f"w{i}",
+            region=region,
+            capacity=Resources(cpus=4, memory_mb=4096),
+            used=Resources(cpus=0, memory_mb=0),
+            heartbeat_at=clock(),
+        )
+        registry.apply(f"{region}.w{i}", msgspec.json.encode(info))
+    return registry
 
 
-def test_sample_two_draws_two_distinct_workers_reproducibly() -> None:
-    live = [f"w{i}" for i in range(50)]
+def test_the_registry_samples_two_distinct_live_workers_reproducibly() -> None:
+    registry = registry_of(1000, lambda: 100.0)
     for seed in range(20):
-        picked = sample_two(live, random.Random(seed))
-        assert len(picked) == len(set(picked)) == 2 and set(picked) <= set(live)
-        assert sample_two(list(reversed(live)), random.Random(seed)) == picked
-    assert len({tuple(sample_two(live, random.Random(s))) for s in range(20)}) > 1
+        picked = registry.sample("r", 2, random.Random(seed))
+        assert picked is not None and len(set(picked)) == 2
+        assert registry.sample("r", 2, random.Random(seed)) == picked
+    assert len({tuple(registry.sample("r", 2, random.Random(s)) or ()) for s in range(20)}) > 1
+
+
+def test_the_registry_sample_skips_excluded_and_gone_workers() -> None:
+    now = [100.0]
+    registry = registry_of(10, lambda: now[0])
+    fresh = WorkerInfo(
+        worker_id="w9", region="r", capacity=Resources(cpus=4, memory_mb=4096), used=Resources(), heartbeat_at=106.0
+    )
+    now[0] = 106.0  # every heartbeat but w9's is now older than the ttl
+    registry.apply("r.w9", msgspec.json.encode(fresh))
+    drawn = [registry.sample("r", 1, random.Random(seed)) for seed in range(40)]
+    assert all(d in (["w9"], None) for d in drawn) and ["w9"] in drawn, drawn
+    now[0] = 100.0
+    for seed in range(30):
+        picked = registry.sample("r", 2, random.Random(seed), exclude={"w0", "w1"})
+        assert picked is None or not {"w0", "w1"} & set(picked)
+
+
+def test_the_registry_sample_gives_up_on_a_region_too_small() -> None:
+    registry = registry_of(3, lambda: 100.0)
+    assert registry.sample("r", 2, random.Random(1), exclude={"w0"}) is None
+    assert registry.sample("nowhere", 2, random.Random(1)) is None
 
 
 # --- property --------------------------------------------------------------------------------------
