@@ -3,5 +3,7 @@ reconcile, drain) rather than by a server.
 
 One module per stage: `spec` (the file), `releases` (desired state in KV), `observe` (what the workers
 say), `plan` (a pure `plan(desired, observed, now) -> Plan`), `preview` (a deploy simulated), `executor`
-(the plan applied over the bus) and `reconciler` (the loops).
+(the plan applied over the bus) and `reconciler` (the loops). `ports` names what they need of the bus,
+the brokers, the KV and the clock, as Protocols; `over_nats` satisfies them with NATS, and the unit
+tests with an in-memory fleet and a clock that nobody waits for.
 """

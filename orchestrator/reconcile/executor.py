@@ -5,6 +5,7 @@ spare off its primary's host) and `prefer_away` (rather not there). Every other 
 to the machine's worker, inside a lease, so two reconcilers (a deploy and a `reconcile --watch`) never
 act on one machine at once: the second gets a 409 and leaves the machine to the next pass. An action
 that fails is reported, never retried here: the next plan, made from fresh observations, decides again.
+Workers are spoken to over a `Bus` and the brokers through `MachinesApi` (see `ports`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable
 
 import msgspec
-from nats.aio.client import Client
 
 from bus import subjects
 from bus.errors import FauxmadError, NoCapacity
@@ -33,9 +33,8 @@ from bus.messages import (
     StopRequest,
     UpdateRequest,
 )
-from bus.service import call
-from orchestrator.client import FleetClient
 from orchestrator.reconcile.plan import Action, Create, Destroy, MachineAction, Promote, Start, Stop, Update
+from orchestrator.reconcile.ports import Bus, MachinesApi
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +61,15 @@ def default_holder() -> str:
 class Executor:
     def __init__(
         self,
-        nc: Client,
-        client: FleetClient,
+        bus: Bus,
+        machines: MachinesApi,
         *,
         concurrency: int = 8,
         holder: str | None = None,
         stop_timeout: float = 10.0,
     ) -> None:
-        self.nc = nc
-        self.client = client
+        self.bus = bus
+        self.machines = machines
         self.limit = asyncio.Semaphore(concurrency)
         self.holder = holder or default_holder()
         self.stop_timeout = stop_timeout
@@ -124,7 +123,7 @@ class Executor:
             avoid_workers=list(action.avoid_workers),
             prefer_away=list(action.prefer_away),
         )
-        return await self.client.create(app, request)
+        return await self.machines.create(app, request)
 
     async def _verb(self, action: MachineAction, nonce: str) -> None:
         worker, machine_id = action.worker_id, action.id
@@ -151,11 +150,10 @@ class Executor:
             await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
 
     async def _call(self, worker_id: str, verb: str, request: msgspec.Struct, timeout: float = 30.0) -> Machine:
-        return await call(self.nc, subjects.worker_machines(worker_id, verb), request, Machine, timeout=timeout)
+        return await self.bus.call(subjects.worker_machines(worker_id, verb), request, Machine, timeout=timeout)
 
     async def _leased(self, worker_id: str, machine_id: str, work: Callable[[str], Awaitable[None]]) -> None:
-        lease = await call(
-            self.nc,
+        lease = await self.bus.call(
             subjects.worker_machines(worker_id, "lease"),
             LeaseRequest(id=machine_id, ttl=LEASE_TTL, holder=self.holder),
             Lease,
@@ -165,8 +163,7 @@ class Executor:
             await work(lease.nonce)
         finally:
             with contextlib.suppress(Exception):  # a destroyed machine has no lease to release
-                await call(
-                    self.nc,
+                await self.bus.call(
                     subjects.worker_machines(worker_id, "release"),
                     ReleaseRequest(id=machine_id, nonce=lease.nonce),
                     Machine,

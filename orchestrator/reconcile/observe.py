@@ -7,6 +7,8 @@ replica of KV `fauxmad_workers`; machines on workers whose heartbeat expired com
 the routing index KV `fauxmad_machines`, which remembers each machine's worker, state and labels.
 A worker whose heartbeat expires while a pass waits for its answer is dropped from the pass at once
 (its machines come from the index), and no live worker is waited for longer than `ANSWER_WITHIN`.
+The workers are asked over a `Bus` (see `ports`) and the replicas are passed in, so a unit test feeds
+both from memory.
 """
 
 from __future__ import annotations
@@ -16,16 +18,14 @@ import builtins
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
-from nats.aio.client import Client
-
 from bus import subjects
 from bus.errors import FauxmadError
 from bus.jetstream import FleetKV
 from bus.messages import ListRequest, Machine, MachineConfig
-from bus.service import call
 from orchestrator.fleet.machines import MachineIndex
 from orchestrator.fleet.workers import Registry
 from orchestrator.reconcile.plan import Member, Observed
+from orchestrator.reconcile.ports import Bus
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +87,23 @@ ANSWER_WITHIN = 1.0
 
 class Observer:
     def __init__(
-        self, nc: Client, *, on_change: Callable[[str], None] | None = None, answer_within: float = ANSWER_WITHIN
+        self,
+        bus: Bus,
+        *,
+        registry: Registry | None = None,
+        index: MachineIndex | None = None,
+        on_change: Callable[[str], None] | None = None,
+        answer_within: float = ANSWER_WITHIN,
     ) -> None:
-        self.nc = nc
+        self.bus = bus
         self.answer_within = answer_within
-        self.registry = Registry()
-        self.index = MachineIndex()
+        self.registry = registry or Registry()
+        self.index = index or MachineIndex()
         self.registry.on_change = on_change
         self.index.on_change = on_change
 
     async def start(self, kv: FleetKV) -> None:
+        """Fill the replicas from the KV and keep them current (a unit test `apply`s updates instead)."""
         await self.registry.start(kv.workers)
         await self.index.start(kv.machines)
 
@@ -108,8 +115,7 @@ class Observer:
         return frozenset(w.worker_id for w in self.registry.workers() if w.cordoned)
 
     async def machines_on(self, worker_id: str, app: str | None, timeout: float = 5.0) -> builtins.list[Machine]:
-        return await call(
-            self.nc,
+        return await self.bus.call(
             subjects.worker_machines(worker_id, "list"),
             ListRequest(app=app),
             builtins.list[Machine],

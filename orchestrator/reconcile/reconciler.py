@@ -15,6 +15,10 @@ Everything the CLI's app commands do is a loop of `step`s with a different stopp
 
 Wake-ups come from KV watches (workers, routing index, apps) and the events subject; the loop
 debounces them. Nothing here decides what to do: `plan` does, from fresh observations each pass.
+
+The loop is built from its ports (`Bus`, `MachinesApi`, `ReleaseStore`, two `Clock`s; see `ports`):
+`connect` wires them to NATS and follows the fleet's KV and events; a unit test builds one over an
+in-memory fleet, with a clock it moves by hand and no poll, so nothing in it waits for real time.
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ from nats.aio.client import Client
 from bus import subjects
 from bus.connection import connect
 from bus.errors import BadRequest, Conflict, NoCapacity, NotFound
-from bus.jetstream import FleetConfig, ensure_fleet_resources
+from bus.jetstream import FleetConfig, FleetKV, ensure_fleet_resources
 from bus.messages import CordonRequest, CreateRequest, Machine, WorkerInfo
-from bus.service import call
 from orchestrator.client import FleetClient
+from orchestrator.fleet.workers import Registry
 from orchestrator.reconcile.executor import Executor, Result
 from orchestrator.reconcile.observe import Observer, health
+from orchestrator.reconcile.over_nats import KVReleaseStore, NatsBus
 from orchestrator.reconcile.plan import Create, Desired, Destroy, Failure, Plan, Update, plan, summarize
+from orchestrator.reconcile.ports import Bus, Clock, MachinesApi, ReleaseStore
 from orchestrator.reconcile.preview import Planned, planned, problems, simulate
 from orchestrator.reconcile.releases import Head, Release, Releases
 from orchestrator.reconcile.spec import SPARE, AppSpec
@@ -120,20 +126,28 @@ ResultHook = Callable[[str, Result], None]
 class Reconciler:
     def __init__(
         self,
-        nc: Client,
+        bus: Bus,
+        machines: MachinesApi,
+        store: ReleaseStore,
         *,
         concurrency: int = 8,
-        clock: Callable[[], float] = time.time,
+        clock: Clock = time.time,
+        timer: Clock = time.perf_counter,
         poll: float = 0.25,
         backstop: float = 5.0,
+        debounce: float = 0.02,
     ) -> None:
-        self.nc = nc
-        self.clock = clock
+        self.bus = bus
+        self.machines = machines
+        self.clock = clock  # when things happen: releases, health deadlines, the planner's `now`
+        self.timer = timer  # how long a loop has run: deploy timeouts, drain deadlines
         self.poll = poll
         self.backstop = backstop
-        self.client = FleetClient(nc, timeout=15.0)
-        self.executor = Executor(nc, self.client, concurrency=concurrency)
-        self.observer = Observer(nc, on_change=self._on_change)
+        self.debounce = debounce
+        self.releases = Releases(store, clock=clock)
+        self.executor = Executor(bus, machines, concurrency=concurrency)
+        self.observer = Observer(bus, registry=Registry(clock=clock), on_change=self._on_change)
+        self._nc: Client | None = None
         self._wake = asyncio.Event()
         self._subs: list[Any] = []
         self._apps_watch: Any = None
@@ -144,19 +158,29 @@ class Reconciler:
 
     @classmethod
     async def connect(cls, url: str, **options: Any) -> Reconciler:
-        reconciler = cls(await connect(url, "fauxmad-reconciler"), **options)
-        await reconciler.start()
+        """A reconciler over NATS at `url`, following the fleet (its replicas current, woken by changes)."""
+        nc = await connect(url, "fauxmad-reconciler")
+        kv = await ensure_fleet_resources(nc.jetstream(), FleetConfig())
+        reconciler = cls(NatsBus(nc), FleetClient(nc, timeout=15.0), KVReleaseStore(kv.apps), **options)
+        await reconciler._follow(nc, kv)
         return reconciler
 
-    async def start(self) -> None:
-        kv = await ensure_fleet_resources(self.nc.jetstream(), FleetConfig())
-        self.releases = Releases(kv.apps, clock=self.clock)
+    @property
+    def nc(self) -> Client:
+        """The NATS connection of a reconciler made by `connect` (for the CLI's and benchmarks' own calls)."""
+        if self._nc is None:
+            raise RuntimeError("this reconciler was not made by Reconciler.connect: it has no NATS connection")
+        return self._nc
+
+    async def _follow(self, nc: Client, kv: FleetKV) -> None:
+        """Keep the replicas current and wake the loop on any change: workers, machines, events, releases."""
+        self._nc = nc
         await self.observer.start(kv)
 
         async def on_event(msg: Any) -> None:
             self._wake.set()
 
-        self._subs.append(await self.nc.subscribe(subjects.EVENTS_ALL, cb=on_event))
+        self._subs.append(await nc.subscribe(subjects.EVENTS_ALL, cb=on_event))
         self._apps_watch = await kv.apps.watchall()
         self._tasks.append(asyncio.create_task(self._follow_apps()))
 
@@ -177,13 +201,14 @@ class Reconciler:
         for task in self._tasks:
             task.cancel()
         await self.observer.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.nc.close(), 2.0)
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._nc.close(), 2.0)
 
     async def wait_for_change(self, timeout: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
-        await asyncio.sleep(0.02)  # debounce: let a burst of events land before the next look
+        await asyncio.sleep(self.debounce)  # let a burst of events land before the next look
         self._wake.clear()
 
     # ------------------------------------------------------------------------------------------
@@ -236,7 +261,7 @@ class Reconciler:
         exits_since: float | None = None,
     ) -> Converged:
         """Step until the primaries are in place (or everything, with `until="all"`), a failure, or `timeout`."""
-        started = time.perf_counter()
+        started = self.timer()
         passes = 0
         last = Plan()
         first: Plan | None = None
@@ -247,12 +272,12 @@ class Reconciler:
             except Exception as exc:  # a worker that did not answer: look again
                 log.info("converge: pass failed (%s); trying again", exc)
                 await self.wait_for_change(self.poll)
-                if time.perf_counter() - started > timeout:
+                if self.timer() - started > timeout:
                     return self._timed_out(last, passes, started)
                 continue
             first = first or last
             failures = list(last.failures) + self._refused(results)
-            elapsed = time.perf_counter() - started
+            elapsed = self.timer() - started
             if failures:
                 return Converged(ok=False, plan=last, failures=failures, passes=passes, seconds=elapsed, first=first)
             done = last.converged if until == "all" else last.primaries_done
@@ -287,14 +312,13 @@ class Reconciler:
             out.append(Failure(region=action.region, machine_id=r.machine_id, reason=f"{what} failed", detail=r.error))
         return out
 
-    @staticmethod
-    def _timed_out(last: Plan, passes: int, started: float) -> Converged:
+    def _timed_out(self, last: Plan, passes: int, started: float) -> Converged:
         waiting = "; ".join(last.waiting) or "no progress"
         return Converged(
             ok=False,
             plan=last,
             passes=passes,
-            seconds=time.perf_counter() - started,
+            seconds=self.timer() - started,
             failures=[Failure(region="*", machine_id="", reason=f"timed out waiting: {waiting}")],
         )
 
@@ -349,7 +373,7 @@ class Reconciler:
         """Deploy `spec`: refuse what cannot work (`CannotDeploy`, nothing touched), converge the current
         release when the app already runs this spec (unless `always`: `scale` makes its release anyway,
         a relabel in place), else a new release (see `finish`)."""
-        started = time.perf_counter()
+        started = self.timer()
         seen = checked or await self.preview(spec)
         if seen.problems:
             raise CannotDeploy(spec.app, seen.problems)
@@ -357,7 +381,7 @@ class Reconciler:
             return await self._again(seen.current, started)
         release = await self.begin(spec, description)
         outcome = await self.finish(release)
-        outcome.seconds = time.perf_counter() - started
+        outcome.seconds = self.timer() - started
         return outcome
 
     async def begin(self, spec: AppSpec, description: str = "deploy") -> Release:
@@ -391,14 +415,14 @@ class Reconciler:
             changed=False,
             message=message,
             errors=[] if result.ok else result.errors(),
-            seconds=time.perf_counter() - started,
+            seconds=self.timer() - started,
         )
 
     async def finish(self, release: Release) -> DeployOutcome:
         """Converge the app onto `release` (already current); if it fails, go back to the last good release
         in every region, or, with none, remove the machines it created and leave the app with no current
         release. The failed release keeps status `failed` and its reason."""
-        started = time.perf_counter()
+        started = self.timer()
         app, version, spec = release.app, release.version, release.spec
         result = await self.converge(
             Desired(app=app, release=version, spec=spec), timeout=self.timeout_for(spec), exits_since=self.clock()
@@ -406,7 +430,7 @@ class Reconciler:
         if result.ok:
             release = await self.releases.set_status(app, version, "complete")
             return DeployOutcome(
-                release=release, ok=True, message=f"v{version} deployed", seconds=time.perf_counter() - started
+                release=release, ok=True, message=f"v{version} deployed", seconds=self.timer() - started
             )
         errors = result.errors()
         await self.releases.set_status(app, version, "failed", "; ".join(errors))
@@ -431,7 +455,7 @@ class Reconciler:
             message="\n".join(lines),
             errors=errors,
             rolled_back_to=rolled_back_to,
-            seconds=time.perf_counter() - started,
+            seconds=self.timer() - started,
         )
 
     async def _back_from(self, release: Release) -> Release | None:
@@ -504,7 +528,7 @@ class Reconciler:
         A failed release is refused unless `force`. If the rollback fails, the app goes back to the release
         it ran before (or the newest good one), and the command says so; no release is relabelled but the
         one rolled back from, and only when the rollback worked (a failed release never is)."""
-        started = time.perf_counter()
+        started = self.timer()
         head, target = await self.rollback_target(app, version, force=force)
         before = await self.releases.get(app, head.version) if head.version else None
         result = await self._converge_to(target)
@@ -515,7 +539,7 @@ class Reconciler:
             return DeployOutcome(
                 release=await self.releases.get(app, target.version),
                 ok=True,
-                seconds=time.perf_counter() - started,
+                seconds=self.timer() - started,
                 message=f"v{target.version} is current",
             )
         errors = result.errors()
@@ -534,7 +558,7 @@ class Reconciler:
             release=target,
             ok=False,
             errors=errors,
-            seconds=time.perf_counter() - started,
+            seconds=self.timer() - started,
             message="\n".join(lines),
         )
 
@@ -589,19 +613,19 @@ class Reconciler:
         self, worker_id: str, *, timeout: float = 300.0, progress: Callable[[str], None] = lambda line: None
     ) -> int:
         """Cordon `worker_id` and move its machines to other workers of its region; returns how many moved."""
-        info = await call(
-            self.nc, subjects.worker_cordon(worker_id, True), CordonRequest(reason="drain"), WorkerInfo, timeout=5
+        info = await self.bus.call(
+            subjects.worker_cordon(worker_id, True), CordonRequest(reason="drain"), WorkerInfo, timeout=5
         )
         progress(f"cordoned {worker_id} ({info.region}): it takes no new machines")
-        deadline = time.perf_counter() + timeout
-        while worker_id not in self.observer.cordoned() and time.perf_counter() < deadline:
+        deadline = self.timer() + timeout
+        while worker_id not in self.observer.cordoned() and self.timer() < deadline:
             await self.wait_for_change(0.1)  # the planner must see the cordon before it plans the move
         moved: set[str] = set()
         while True:
             machines = [m for m in await self.observer.machines_on(worker_id, None) if m.state != "destroyed"]
             if not machines:
                 return len(moved)
-            if time.perf_counter() > deadline:
+            if self.timer() > deadline:
                 raise TimeoutError(f"{len(machines)} machine(s) still on {worker_id} after {timeout:.0f}s")
             for app in sorted({m.app for m in machines}):
                 desired = await self.desired(app)
@@ -617,19 +641,19 @@ class Reconciler:
     async def move_unmanaged(self, machine: Machine, progress: Callable[[str], None]) -> None:
         """A machine no release manages: a copy elsewhere in its region (healthy first), then the old one goes."""
         running = machine.state in ("started", "starting")
-        copy = await self.client.create(
+        copy = await self.machines.create(
             machine.app,
             CreateRequest(
                 region=machine.region, config=machine.config, skip_launch=not running, avoid_workers=[machine.worker_id]
             ),
         )
         if running:
-            deadline = time.perf_counter() + 60
-            while time.perf_counter() < deadline:
-                healthy, _ = health(await self.client.get(machine.app, copy.id))
+            deadline = self.timer() + 60
+            while self.timer() < deadline:
+                healthy, _ = health(await self.machines.get(machine.app, copy.id))
                 if healthy:
                     break
                 await asyncio.sleep(0.1)
         progress(f"moved {machine.app}/{machine.id} to {copy.worker_id} as {copy.id}")
         with contextlib.suppress(NotFound):
-            await self.client.destroy(machine.app, machine.id, force=True)
+            await self.machines.destroy(machine.app, machine.id, force=True)

@@ -7,20 +7,20 @@ Keys, per app:
   instead of copying that release under a new number, so machines already on it are left alone.
 
 Every write is a whole value; there is nothing to merge. A reconciler reads `current`, then the
-release it names, and converges the machines onto it.
+release it names, and converges the machines onto it. The bucket is a `ReleaseStore` (see `ports`), so
+this module never sees nats-py, and a unit test keeps releases in a dict.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 
 from bus.codec import decoder, encode
 from bus.errors import Conflict, NotFound
+from orchestrator.reconcile.ports import Clock, ReleaseStore
 from orchestrator.reconcile.spec import AppSpec
 
 Status = Literal["running", "complete", "failed", "rolled_back"]
@@ -67,17 +67,13 @@ def _head_key(app: str) -> str:
 
 
 class Releases:
-    def __init__(self, kv: Any, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, kv: ReleaseStore, *, clock: Clock = time.time) -> None:
         self.kv = kv
         self.clock = clock
 
     async def _keys(self, pattern: str) -> list[str]:
         # filtered at this end: nats-py's server-side key filters return nothing with some servers
-        try:
-            keys: list[str] = await self.kv.keys()
-        except NoKeysError:
-            return []
-        return [key for key in keys if subject_matches(pattern, key)]
+        return [key for key in await self.kv.keys() if subject_matches(pattern, key)]
 
     async def apps(self) -> list[str]:
         """Apps with a current release or any release at all (a first deploy that failed leaves no current)."""
@@ -89,25 +85,24 @@ class Releases:
     async def list(self, app: str) -> list[Release]:
         out = []
         for key in await self._keys(f"{app}.releases.*"):
-            entry = await self.kv.get(key)
-            out.append(decoder(Release).decode(entry.value))
+            value = await self.kv.get(key)
+            if value is not None:  # purged since the keys were listed
+                out.append(decoder(Release).decode(value))
         out.sort(key=lambda r: r.version)
         return out
 
     async def get(self, app: str, version: int) -> Release:
-        try:
-            entry = await self.kv.get(_release_key(app, version))
-        except KeyNotFoundError:
-            raise NotFound(f"app {app} has no release v{version}") from None
-        release: Release = decoder(Release).decode(entry.value)
+        value = await self.kv.get(_release_key(app, version))
+        if value is None:
+            raise NotFound(f"app {app} has no release v{version}")
+        release: Release = decoder(Release).decode(value)
         return release
 
     async def head(self, app: str) -> Head | None:
-        try:
-            entry = await self.kv.get(_head_key(app))
-        except KeyNotFoundError:
+        value = await self.kv.get(_head_key(app))
+        if value is None:
             return None
-        head: Head = decoder(Head).decode(entry.value)
+        head: Head = decoder(Head).decode(value)
         return head
 
     async def current(self, app: str) -> Release | None:
@@ -135,11 +130,9 @@ class Releases:
                 updated_at=now,
                 previous=previous,
             )
-            try:
-                await self.kv.create(_release_key(spec.app, version), encode(release))
+            if await self.kv.create(_release_key(spec.app, version), encode(release)):
                 return release
-            except KeyWrongLastSequenceError:
-                version += 1  # another deployer took this number
+            version += 1  # another deployer took this number
         raise Conflict(f"could not claim a release number for {spec.app}")
 
     async def point(self, app: str, version: int, *, destroyed: bool = False) -> None:
