@@ -122,6 +122,7 @@ class Executor:
             skip_launch=not action.start,
             avoid_workers=list(action.avoid_workers),
             prefer_away=list(action.prefer_away),
+            placement_preset=action.placement_preset,
         )
         return await self.machines.create(app, request)
 

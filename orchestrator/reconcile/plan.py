@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from bus.messages import ExitInfo, MachineConfig
+from bus.messages import ExitInfo, MachineConfig, Preset
 from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
 
 RUNNING = ("started", "starting")
@@ -85,6 +85,7 @@ class Create(msgspec.Struct, frozen=True, kw_only=True, tag="create"):
     start: bool
     avoid_workers: tuple[str, ...] = ()  # never on these
     prefer_away: tuple[str, ...] = ()  # not on these while another worker has room (spreading primaries)
+    placement_preset: Preset | None = None  # the spec's `[placement] preset`, for the brokers' chain
     reason: str = ""
 
     @property
@@ -226,6 +227,8 @@ class _RegionPlanner:
             if action.id in self.touched:
                 return
             self.touched.add(action.id)
+        elif self.spec is not None and self.spec.placement.preset is not None:  # every create places per the spec
+            action = msgspec.structs.replace(action, placement_preset=self.spec.placement.preset)
         self.actions.append(action)
         self.primary_actions += 0 if spare else 1
 

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from bus.messages import Check, Guest, MachineConfig, RestartPolicy, Token, seconds
+from bus.messages import Check, Guest, MachineConfig, Preset, RestartPolicy, Token, seconds
 
 RELEASE_KEY = "fauxmad_release"
 ROLE_KEY = "fauxmad_role"
@@ -71,6 +71,13 @@ class DeploySpec(_Strict, frozen=True):
         return seconds(self.wait_timeout)
 
 
+class PlacementSpec(_Strict, frozen=True):
+    """How the brokers score workers for this app's machines. The spec only names a preset; what it means
+    (the curves) is the brokers' business, so it travels on every create rather than being resolved here."""
+
+    preset: Preset | None = None  # the brokers' named policies (placement/config.py PRESETS); None: their own curves
+
+
 class AppSpec(_Strict, frozen=True):
     app: Token
     cmd: Annotated[list[str], msgspec.Meta(min_length=1)]
@@ -82,6 +89,7 @@ class AppSpec(_Strict, frozen=True):
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
     checks: dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")], Check] = {}
     deploy: DeploySpec = msgspec.field(default_factory=DeploySpec)
+    placement: PlacementSpec = msgspec.field(default_factory=PlacementSpec)
 
     def __post_init__(self) -> None:
         if not self.regions:

@@ -18,7 +18,7 @@ from orchestrator.reconcile.observe import health
 from orchestrator.reconcile.plan import Desired
 from orchestrator.reconcile.reconciler import CannotDeploy, Reconciler
 from orchestrator.reconcile.releases import Releases
-from orchestrator.reconcile.spec import RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
+from orchestrator.reconcile.spec import RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, PlacementSpec
 from tests.helpers import arun
 from tests.orchestrator.memory_fleet import FakeClock, MemoryFleet, MemoryStore
 from tests.orchestrator.test_plan import spec as plan_spec
@@ -56,6 +56,7 @@ def test_a_first_deploy_places_every_primary_on_its_own_worker_and_completes_the
     assert sorted(m.region for m in machines) == ["ams", "ams", "mad", "mad"]
     assert all(health(m)[0] and m.config.metadata[RELEASE_KEY] == "1" for m in machines)
     assert len({m.worker_id for m in machines}) == 4  # one region's creates in turn: they spread
+    assert {c.placement_preset for c in fleet.creates} == {None}  # no [placement]: the brokers' own curves
     assert arun(r.releases.current("web")).status == "complete"  # type: ignore[union-attr]
 
 
@@ -140,6 +141,19 @@ def test_spares_are_placed_off_their_primary_s_worker_and_left_unstarted() -> No
         primary = machines[spare.config.standbys[0]]
         assert spare.state == "created" and spare.worker_id != primary.worker_id
     assert all(c.avoid_workers for c in fleet.creates if c.config.metadata[ROLE_KEY] == SPARE)
+
+
+def test_the_spec_s_placement_preset_goes_with_every_create() -> None:
+    _, fleet, r = fleet_of(mad=3)
+    spec = msgspec.structs.replace(app_spec(spares=1), placement=PlacementSpec(preset="binpack"))
+    release = arun(r.begin(spec))
+
+    converged = arun(r.converge(Desired(app="web", release=release.version, spec=spec), timeout=60, until="all"))
+
+    assert converged.ok, converged.describe()
+    roles = sorted(c.config.metadata[ROLE_KEY] for c in fleet.creates)
+    assert roles == ["primary", "primary", "spare", "spare"]
+    assert {c.placement_preset for c in fleet.creates} == {"binpack"}
 
 
 def test_a_machine_leased_by_another_reconciler_is_left_to_a_later_pass() -> None:

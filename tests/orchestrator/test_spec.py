@@ -68,6 +68,7 @@ def test_a_spec_without_a_file_keeps_the_machines_own_directory() -> None:
         ('app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n[deploy]\nwait_timeout = "soon"\n', "wait_timeout"),
         ('app = "a.b"\ncmd = ["a"]\n[regions]\nmad = 1\n', "`app`"),
         ('app = "x"\ncmd = ["a"]\n[regions]\nmad = -1\n', "`regions.mad`"),
+        ('app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n[placement]\npreset = "packed"\n', "`placement.preset`"),
     ],
 )
 def test_bad_specs_name_the_problem(text: str, needle: str) -> None:
@@ -75,6 +76,12 @@ def test_bad_specs_name_the_problem(text: str, needle: str) -> None:
         parse_spec(text)
     message = str(caught.value)
     assert needle in message and "\n" not in message
+
+
+def test_the_placement_preset_is_optional_and_one_of_the_brokers_presets() -> None:
+    base = 'app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n'
+    assert parse_spec(base).placement.preset is None
+    assert parse_spec(base + '[placement]\npreset = "spread"\n').placement.preset == "spread"
 
 
 def test_a_missing_file_is_a_plain_error() -> None:
