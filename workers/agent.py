@@ -54,6 +54,7 @@ from bus.messages import (
     WorkerInfo,
 )
 from bus.service import Responder
+from workers.commit import GroupCommitter
 from workers.limits import auto_detect
 from workers.logs import LogFollower
 from workers.machines import MachineManager, ManagerConfig
@@ -61,7 +62,7 @@ from workers.offers import Backpressure, Snapshot, answer_offer
 from workers.outbox import Outbox
 from workers.process_driver import ProcessDriver
 from workers.records import ImageRecord, LogRecord, MachineRecord, WorkerState
-from workers.store import GroupCommitter, Store
+from workers.store import Store
 from workers.supervision import Backoff
 from workers.tally import MachineTally
 

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bus.messages import Machine, MachineConfig
+from workers.commit import GroupCommitter
 from workers.records import StoredMachine
-from workers.store import GroupCommitter, Store, Tx
+from workers.store import Store, Tx
 
 
 def _machine(i: int, *, worker_id: str, cmd: list[str]) -> StoredMachine:

@@ -7,10 +7,10 @@ to a machine id; `images` maps an image name to the last time it was used; `meta
 derived tables in the same write transaction, so they can never disagree, and `rebuild` recomputes
 them from the log alone to prove it.
 
-Writes go through `GroupCommitter`: a writer thread takes every operation queued meanwhile, runs
-each in its own nested transaction (one failing operation aborts only itself) and commits them all
-with one fsync. Callers get their result only after that commit, so nothing acknowledged is lost
-to a crash. Reads are lock-free LMDB read transactions on the caller's thread.
+Writes go through `workers.commit.GroupCommitter`: a writer thread takes every operation queued
+meanwhile, runs each in its own nested transaction (one failing operation aborts only itself) and
+commits them all with one fsync. Callers get their result only after that commit, so nothing
+acknowledged is lost to a crash. Reads are lock-free LMDB read transactions on the caller's thread.
 
 Restart time does not grow with the log: the derived tables are persistent, so opening the store
 reads nothing but the machines. Compaction drops log records a later record supersedes (and
@@ -19,20 +19,17 @@ destroyed machines past retention), which keeps the log bounded while replay sta
 
 from __future__ import annotations
 
-import asyncio
-import queue
+import contextlib
 import struct
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
 import msgspec
 
-from bus.errors import FauxmadError, InternalError, NotFound
+from bus.errors import NotFound
 from workers.lifecycle import HOLDS_RESOURCES
 from workers.records import (
     EVENTS_KEPT,
@@ -206,16 +203,22 @@ class Store:
     def _load_last_seq(self) -> int:
         with self.env.begin(db=self.db_log) as txn:
             cursor = txn.cursor()
-            if cursor.last():
-                return int(_SEQ.unpack(cursor.key())[0])
-        with self.env.begin(db=self.db_meta) as txn:
-            raw = txn.get(b"compacted_to")
-            return int(raw) if raw else 0
+            return int(_SEQ.unpack(cursor.key())[0]) if cursor.last() else 0
 
     def next_seq(self, txn: Any) -> int:
         # only the writer thread calls this, inside its write transaction
         self._seq += 1
         return self._seq
+
+    @contextlib.contextmanager
+    def rollback_seq(self) -> Iterator[None]:
+        """Give back the sequence numbers taken inside the block if it raises (its transaction aborted)."""
+        seq_before = self._seq
+        try:
+            yield
+        except BaseException:
+            self._seq = seq_before
+            raise
 
     @property
     def last_seq(self) -> int:
@@ -227,13 +230,8 @@ class Store:
     # writes, for the committer ----------------------------------------------------------------
     def write(self, fn: Callable[[Tx], T]) -> T:
         """Run one operation in its own write transaction (one fsync). For tools and tests."""
-        seq_before = self._seq
-        try:
-            with self.env.begin(write=True) as txn:
-                return fn(Tx(self, txn, self.clock()))
-        except BaseException:
-            self._seq = seq_before
-            raise
+        with self.rollback_seq(), self.env.begin(write=True) as txn:
+            return fn(Tx(self, txn, self.clock()))
 
     # reads ------------------------------------------------------------------------------------
     def get(self, machine_id: str) -> StoredMachine | None:
@@ -359,105 +357,3 @@ class Store:
                 txn.delete(current.idempotency_key.encode(), db=self.db_idempotency)
             return True
         return False
-
-
-class _Op:
-    __slots__ = ("fn", "future")
-
-    def __init__(self, fn: Callable[[Tx], Any]) -> None:
-        self.fn = fn
-        self.future: Future[tuple[Any, list[LogRecord]]] = Future()
-
-
-_STOP = object()
-
-
-class GroupCommitter:
-    """A writer thread that commits queued operations in batches: one fsync per batch.
-
-    `submit(fn)` returns an awaitable of `(fn's result, the records it appended)`, resolved only
-    after the batch's commit is durable. An operation that raises is rolled back alone (nested
-    transaction) and its exception reaches its caller; the others in the batch commit.
-    """
-
-    def __init__(self, store: Store, *, max_batch: int = 256) -> None:
-        self.store = store
-        self.max_batch = max_batch
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="lmdb-writer", daemon=True)
-        self.batches = 0
-        self.ops = 0
-        self._thread.start()
-
-    async def submit(self, fn: Callable[[Tx], T]) -> tuple[T, list[LogRecord]]:
-        op = _Op(fn)
-        self._queue.put(op)
-        result, records = await asyncio.wrap_future(op.future)
-        return result, records
-
-    def submit_sync(self, fn: Callable[[Tx], T]) -> tuple[T, list[LogRecord]]:
-        op = _Op(fn)
-        self._queue.put(op)
-        result, records = op.future.result()
-        return result, records
-
-    def close(self) -> None:
-        self._queue.put(_STOP)
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is _STOP:
-                return
-            batch = [first]
-            stop = False
-            while len(batch) < self.max_batch:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    stop = True
-                    break
-                batch.append(item)
-            self._commit(batch)
-            if stop:
-                return
-
-    def _commit(self, batch: list[_Op]) -> None:
-        store = self.store
-        seq_before = store._seq
-        outcomes: list[tuple[_Op, Any, list[LogRecord], BaseException | None]] = []
-        try:
-            with store.env.begin(write=True) as txn:
-                now = store.clock()
-                for op in batch:
-                    outcomes.append(self._run_one(txn, op, now))
-        except BaseException as exc:  # the commit itself failed: nothing in the batch happened
-            store._seq = seq_before
-            failure = exc if isinstance(exc, FauxmadError) else InternalError(f"store commit failed: {exc!r}")
-            for op in batch:
-                op.future.set_exception(failure)
-            return
-        self.batches += 1
-        self.ops += len(batch)
-        for op, result, records, error in outcomes:
-            if error is not None:
-                op.future.set_exception(error)
-            else:
-                op.future.set_result((result, records))
-
-    def _run_one(self, txn: Any, op: _Op, now: float) -> tuple[_Op, Any, list[LogRecord], BaseException | None]:
-        store = self.store
-        seq_before = store._seq
-        child = store.env.begin(write=True, parent=txn)
-        tx = Tx(store, child, now)
-        try:
-            result = op.fn(tx)
-        except BaseException as exc:
-            child.abort()
-            store._seq = seq_before
-            return op, None, [], exc
-        child.commit()
-        return op, result, tx.records, None

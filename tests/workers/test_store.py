@@ -10,8 +10,9 @@ import pytest
 from bus.errors import NoCapacity
 from bus.messages import Guest, Machine, MachineConfig
 from tests.helpers import arun
+from workers.commit import GroupCommitter
 from workers.records import StoredMachine, WorkerState
-from workers.store import GroupCommitter, Store, Tx
+from workers.store import Store, Tx
 
 
 def machine(i: int, *, cpus: int = 1, state: str = "created") -> StoredMachine:

@@ -1,0 +1,107 @@
+"""Re-adopting machines after the worker restarts: finish every transition that was in flight.
+
+A worker may die at any point of any verb; its machines' processes outlive it (the shim holds
+them). At start-up each machine in a process state is settled by what the store says it was doing
+and whether its process still runs: a destroy or an update cut short is finished, a running process
+is watched again, and one that ended while the worker was down gets its exit handled like any other.
+It asks the machine manager (`Host`) only for its parts, to launch a process and to finish a destroy.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal as signals
+from collections import defaultdict
+from typing import Protocol
+
+from workers.driver import Driver
+from workers.lifecycle import PROCESS_STATES
+from workers.recorder import Recorder
+from workers.records import StoredMachine
+from workers.signals import parse_signal
+from workers.store import Store, Tx
+from workers.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+class Host(Protocol):
+    """What resuming asks of the machine manager: its parts, a launch and the end of a destroy."""
+
+    store: Store
+    driver: Driver
+    recorder: Recorder
+    supervisor: Supervisor
+
+    async def launch(self, stored: StoredMachine) -> StoredMachine: ...
+
+    async def finish_destroy(self, stored: StoredMachine) -> StoredMachine: ...
+
+
+async def resume_in_flight(host: Host, *, stop_timeout: float) -> dict[str, int]:
+    """Finish every transition in flight when the worker stopped; returns counts per outcome."""
+    outcomes: dict[str, int] = defaultdict(int)
+    for stored in host.store.machines():
+        if stored.machine.state not in PROCESS_STATES:
+            continue
+        try:
+            outcome = await _resume_one(host, stored, stop_timeout)
+        except Exception:
+            log.exception("machine %s: could not resume", stored.machine.id)
+            outcome = "error"
+        outcomes[outcome] += 1
+    return dict(outcomes)
+
+
+async def _resume_one(host: Host, stored: StoredMachine, stop_timeout: float) -> str:
+    machine_id = stored.machine.id
+    state = stored.machine.state
+    handle = stored.handle
+    driver, recorder, supervisor = host.driver, host.recorder, host.supervisor
+    alive = handle is not None and driver.recover(handle)
+    if state == "destroying":
+        async with recorder.lock(machine_id):
+            await host.finish_destroy(stored)
+        return "destroyed"
+    if state == "replacing":  # an update was cut short: restart on the config it still has
+        async with recorder.lock(machine_id):
+            if handle is not None and alive:
+                await driver.stop(handle, stop_timeout, signals.SIGTERM)
+
+            def restart(tx: Tx) -> StoredMachine:
+                current = tx.require(machine_id)
+                current.handle = None
+                recorder.event(current, "starting", reason="worker restarted during an update")
+                return tx.put_machine(current, "resume")
+
+            await host.launch(await recorder.commit(restart))
+        return "relaunched"
+    if handle is None:
+        if state == "starting":
+            async with recorder.lock(machine_id):
+                await host.launch(stored)
+            return "launched"
+        return await _settle_without_process(recorder, stored)
+    if alive:
+        supervisor.supervise(stored)  # re-adopted: its exit will arrive through the watcher
+        if state == "stopping":
+            signum = parse_signal(stored.stop_signal)
+            supervisor.spawn(machine_id, driver.stop(handle, stop_timeout, signum))
+        return "adopted"
+    status = await driver.wait(handle)  # ended while we were down: the shim left its status
+    await supervisor.on_exit(machine_id, handle, status)
+    return "exited"
+
+
+async def _settle_without_process(recorder: Recorder, stored: StoredMachine) -> str:
+    machine_id = stored.machine.id
+
+    def op(tx: Tx) -> StoredMachine:
+        current = tx.require(machine_id)
+        target = "stopped" if current.machine.state == "stopping" else "failed"
+        recorder.event(current, target, reason="worker restarted; no process found")
+        return tx.put_machine(current, "resume")
+
+    async with recorder.lock(machine_id):
+        await recorder.commit(op)
+    return "settled"
