@@ -1,19 +1,27 @@
 """The process driver: each machine is an OS process tree under its own shim, limited by cgroups.
 
 Why it exists: it is the first `Driver` (see workers/driver.py). Machines must outlive the worker, so
-the worker never is a workload's parent: it starts `workers/shim.py` in a new session, the shim forks
-the workload and records its end in `<workdir>/exit.json`. Whoever holds the `TaskHandle` — this
-worker or its successor after a crash — can watch the shim and read that file.
+the worker never is a workload's parent: it starts a shim (workers/shim.py) in a new session, the
+shim forks the workload and records its end in `<workdir>/exit.json`. Whoever holds the `TaskHandle`
+— this worker or its successor after a crash — can watch the shim and read that file.
 
 Key decisions:
 
+- Shims are forked by this driver's launcher (workers/launcher.py, a fork server started on the
+  first `start`), which costs a fraction of a millisecond; only when there is no launcher (it cannot
+  start, died, or its request would be too big) is `python -I -S shim.py` spawned directly, which
+  costs ~20-30 ms of CPU. Either way the shim is the same code in its own session, and `start`
+  returns the same `TaskHandle`. `close()` stops the launcher; the machines keep running.
 - Watching uses a pidfd (`os.pidfd_open` + `loop.add_reader`): it works for processes that are not
   our children (re-adopted after a restart), costs no thread and no polling, and is immune to pid
-  reuse once opened — `start_ticks` is compared right after opening it. Our own shims are reaped
-  with `waitid(P_PIDFD, ...)`, which can never reap an unrelated process that reused the pid.
+  reuse once opened — `start_ticks` is compared right after opening it. Shims spawned directly are
+  our children, reaped with `waitid(P_PIDFD, ...)`, which can never reap an unrelated process that
+  reused the pid; the launcher reaps the shims it forked.
 - `exit.json` is the single source of truth for how the workload ended. When the shim itself died
-  without writing it, the driver writes one (with the shim's own wait status if it never started
-  the workload, else `lost`), so every later reader gets the same answer.
+  without writing it, one is written with the shim's own wait status if it never started the
+  workload (by the driver for its own child; by the launcher, before reaping, for the launcher's —
+  so the driver waits, briefly, for the launcher to reap such a shim before deciding), else the
+  driver writes `lost`, so every later reader gets the same answer.
 - Signals go to the workload's process group (its pgid is its pid, read from `child.pid`), never to
   the shim's: SIGKILL cannot be ignored and would take the shim, and the exit status, with it.
   Right after `start` the shim may not have forked yet; `signal` then waits (a few ms, bounded) for
@@ -44,14 +52,20 @@ import msgspec
 
 from bus.messages import EXEC_MAX_OUTPUT, ExecReply
 from workers.driver import ExitStatus, TaskHandle, TaskSpec, TaskState
+from workers.launcher import make_request, proc_stat_fields
+from workers.launcher_client import LauncherClient
 from workers.limits import Limits
 
 SHIM = str(Path(__file__).with_name("shim.py"))
 CHILD_PID = "child.pid"
 DESTROY_TIMEOUT = 10.0
-# How long `signal` waits for a just-started shim to write child.pid (it normally takes ~20 ms).
+# How long `signal` waits for a just-started shim to write child.pid (~1 ms from the launcher, ~20 ms
+# when spawned directly).
 STARTUP_PATIENCE = 5.0
 STARTUP_POLL = 0.005
+# How long `wait` gives the launcher to reap a shim that ended without exit.json (it does so at once).
+LAUNCHER_REAP_PATIENCE = 1.0
+LAUNCHER_REAP_POLL = 0.001
 # Only when the kernel has no pidfd_open (Linux < 5.3): how often to look whether the shim ended.
 FALLBACK_POLL = 0.1
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
@@ -108,23 +122,18 @@ WaitStatus = tuple[int | None, int | None]
 
 class _ProcStat(NamedTuple):
     state: str
+    parent: int
     session: int
     start_ticks: int
 
 
 def _proc_stat(pid: int) -> _ProcStat | None:
-    """State, session and start time of a process from /proc/<pid>/stat, None if there is none.
-
-    The comm field (2) may contain spaces and parentheses, so fields are counted after the last ')'.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
+    """State, parent, session and start time of a process from /proc/<pid>/stat, None if there is none."""
+    fields = proc_stat_fields(pid)
+    if fields is None:
         return None
-    fields = data[data.rfind(b")") + 2 :].split()
-    # fields[0] is field 3 (state); session is field 6, starttime field 22.
-    return _ProcStat(fields[0].decode(), int(fields[3]), int(fields[19]))
+    # fields[0] is field 3 (state); ppid is field 4, session field 6, starttime field 22.
+    return _ProcStat(fields[0].decode(), int(fields[1]), int(fields[3]), int(fields[19]))
 
 
 def _read_pid(path: Path) -> int | None:
@@ -179,9 +188,23 @@ class ProcessDriver:
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         # One watch per task, shared by concurrent `wait` calls; dropped once it has finished.
         self._watches: dict[tuple[int, int], asyncio.Task[ExitStatus]] = {}
+        self._launcher = LauncherClient(python)
 
     def __repr__(self) -> str:
-        return f"ProcessDriver(limits={self.limits.describe()}, running={len(self._children)})"
+        return (
+            f"ProcessDriver(limits={self.limits.describe()}, launcher={self._launcher!r}, "
+            f"direct_children={len(self._children)})"
+        )
+
+    @property
+    def launcher_pid(self) -> int | None:
+        """The launcher's pid (the shims' parent), None while there is none."""
+        return self._launcher.pid
+
+    def close(self) -> None:
+        """Stop the launcher, when the worker shuts down. Machines keep running; a later `start` would
+        spawn a shim directly."""
+        self._launcher.close()
 
     # -- start ---------------------------------------------------------------------------------------
 
@@ -194,19 +217,27 @@ class ProcessDriver:
             (workdir / stale).unlink(missing_ok=True)
         cgroups = self.limits.prepare(spec.machine_id, spec.memory_mb, spec.cpus)
         rlimit = self.limits.rlimit_as(spec.memory_mb)
-        argv = _shim_argv(self.python, spec.cmd, str(workdir), cgroups, rlimit)
         try:
-            proc = self._spawn(argv, spec.env, workdir, Path(spec.run_dir).absolute())
+            pid, ticks = self._start_shim(spec, workdir, cgroups, rlimit)
         except BaseException:
             self.limits.cleanup(cgroups)
             raise
+        return TaskHandle(pid=pid, start_ticks=ticks, workdir=str(workdir), cgroups=cgroups, started_at=time.time())
+
+    def _start_shim(self, spec: TaskSpec, workdir: Path, cgroups: list[str], rlimit: int | None) -> tuple[int, int]:
+        """(pid, start_ticks) of a new shim: forked by the launcher, else spawned directly."""
+        cwd = Path(spec.run_dir).absolute()
+        request = make_request(
+            workdir=str(workdir), cwd=str(cwd), cmd=spec.cmd, env=spec.env, cgroups=cgroups, rlimit_as=rlimit
+        )
+        launched = self._launcher.launch(request)
+        if launched is not None:
+            return launched
+        proc = self._spawn(_shim_argv(self.python, spec.cmd, str(workdir), cgroups, rlimit), spec.env, workdir, cwd)
         stat = _proc_stat(proc.pid)
         # Our own child cannot vanish before we reap it, so its stat is there (as a zombie at worst).
-        ticks = stat.start_ticks if stat else 0
         self._children[proc.pid] = proc
-        return TaskHandle(
-            pid=proc.pid, start_ticks=ticks, workdir=str(workdir), cgroups=cgroups, started_at=time.time()
-        )
+        return proc.pid, stat.start_ticks if stat else 0
 
     @staticmethod
     def _spawn(argv: list[str], env: dict[str, str], workdir: Path, cwd: Path) -> subprocess.Popen[bytes]:
@@ -256,9 +287,25 @@ class ProcessDriver:
             if not self._same_process(handle):
                 return None  # the pid was reused: the shim ended long ago
             await self._readable(pidfd)
-            return self._reap(handle.pid, pidfd)
+            status = self._reap(handle.pid, pidfd)
+            if status is None:
+                await self._launcher_reaped(handle)
+            return status
         finally:
             os.close(pidfd)
+
+    async def _launcher_reaped(self, handle: TaskHandle) -> None:
+        """Return once a shim our launcher forked is reaped, unless it left exit.json: the launcher
+        writes one for a shim that never started its workload before reaping it (bounded, and only
+        while the ended shim is still our launcher's zombie)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LAUNCHER_REAP_PATIENCE
+        while not handle.status_path.exists() and loop.time() < deadline:
+            stat = _proc_stat(handle.pid)
+            launcher = self._launcher.pid
+            if stat is None or stat.start_ticks != handle.start_ticks or launcher is None or stat.parent != launcher:
+                return
+            await asyncio.sleep(LAUNCHER_REAP_POLL)
 
     @staticmethod
     async def _readable(fd: int) -> None:

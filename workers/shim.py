@@ -7,6 +7,11 @@ leaves `exit.json` behind; the worker (or its successor after a restart) watches
 pidfd and reads the file. Nothing ties the shim to the worker: it runs in its own session, holds no
 pipe to it, and its stdio are the machine's log files.
 
+Two ways in, one body (`run`): the worker's launcher (workers/launcher.py) forks a shim from an
+interpreter that is already running and calls `run` in the child, which costs well under a
+millisecond; `python -I -S shim.py ...` (`main`) is the same shim started from scratch, used when
+there is no launcher.
+
 Key decisions:
 
 - STDLIB ONLY, no project imports, run as `python -I -S shim.py`: it starts in ~15 ms and cannot be
@@ -24,9 +29,11 @@ Key decisions:
   exists, the workload pid is held (as a zombie at worst), so the driver never signals a reused pid.
 - Files are written atomically (tmp + fsync + rename + fsync of the directory): a reader sees either
   nothing or a whole record.
+- The workload's environment is passed in (`Args.env`), never read from `os.environ` inside `run`: a
+  launcher-forked shim carries the launcher's environment, not the machine's.
 
 Usage: shim.py --workdir DIR [--cgroup PATH]... [--rlimit-as BYTES] -- CMD [ARG...]
-The workload's environment is the shim's own environment; its cwd is the shim's cwd.
+Run that way, the workload's environment is the shim's own environment; its cwd is the shim's cwd.
 """
 
 from __future__ import annotations
@@ -42,13 +49,15 @@ USAGE = 2
 
 
 class Args:
-    """The parsed command line (argparse would cost a few ms of start-up for four options)."""
+    """What to run and where to record it: the parsed command line (argparse would cost a few ms of
+    start-up for four options), or a launcher's decoded request."""
 
     def __init__(self) -> None:
         self.workdir = ""
         self.cgroups: list[str] = []
         self.rlimit_as: int | None = None
         self.cmd: list[str] = []
+        self.env: dict[str, str] = {}
 
 
 def parse_args(argv: list[str]) -> Args:
@@ -125,7 +134,7 @@ def run_child(args: Args) -> None:
             import resource
 
             resource.setrlimit(resource.RLIMIT_AS, (args.rlimit_as, args.rlimit_as))
-        os.execvpe(args.cmd[0], args.cmd, dict(os.environ))
+        os.execvpe(args.cmd[0], args.cmd, args.env)
     except BaseException as exc:  # anything at all: the child must not fall back into the shim
         try:
             os.write(2, f"fauxmad shim: cannot start {args.cmd[0]!r}: {exc}\n".encode())
@@ -168,12 +177,9 @@ def reap(pid: int) -> None:
             return
 
 
-def main(argv: list[str]) -> int:
-    try:
-        args = parse_args(argv)
-    except ValueError as exc:
-        os.write(2, f"fauxmad shim: {exc}\n".encode())
-        return USAGE
+def run(args: Args) -> int:
+    """The shim's whole job, in this process: fork the workload, record its pid and its end. Returns
+    the shim's own exit status (non-zero when a file could not be written)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, IGNORED)
     pid = os.fork()
     if pid == 0:
@@ -197,6 +203,17 @@ def main(argv: list[str]) -> int:
         status = 1
     reap(pid)
     return status
+
+
+def main(argv: list[str]) -> int:
+    """`python -I -S shim.py ...`: the command line says what to run, the environment is the workload's."""
+    try:
+        args = parse_args(argv)
+    except ValueError as exc:
+        os.write(2, f"fauxmad shim: {exc}\n".encode())
+        return USAGE
+    args.env = dict(os.environ)
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -104,8 +104,10 @@ def tasks(limits: Limits) -> Iterator[Tasks]:
 
 
 @pytest.fixture
-def driver(limits: Limits) -> ProcessDriver:
-    return ProcessDriver(limits)
+def driver(limits: Limits) -> Iterator[ProcessDriver]:
+    made = ProcessDriver(limits)
+    yield made
+    made.close()
 
 
 @pytest.fixture
@@ -313,9 +315,14 @@ spec = msgspec.json.decode(sys.argv[1], type=TaskSpec)
 driver = ProcessDriver(auto_detect(sys.argv[2]))
 handle = asyncio.run(driver.start(spec))
 sys.stdout.buffer.write(msgspec.json.encode(handle) + b"\\n")
+sys.stdout.write(f"{driver.launcher_pid}\\n")
 sys.stdout.flush()
 sys.stdin.read()  # until killed
 """
+
+
+# starter pid -> the pid of its launcher (the shims' parent), which must die with the starter
+LAUNCHERS: dict[int, int] = {}
 
 
 def start_elsewhere(spec: TaskSpec) -> tuple[subprocess.Popen[bytes], TaskHandle]:
@@ -329,15 +336,24 @@ def start_elsewhere(spec: TaskSpec) -> tuple[subprocess.Popen[bytes], TaskHandle
     assert starter.stdout is not None
     line = starter.stdout.readline()
     assert line, "the starter died before starting the task"
+    launcher = starter.stdout.readline().strip()
+    if launcher != b"None":
+        LAUNCHERS[starter.pid] = int(launcher)
     return starter, msgspec.json.decode(line, type=TaskHandle)
 
 
 def kill_starter(starter: subprocess.Popen[bytes]) -> None:
+    """kill -9 the starter: its launcher must end too (end of file on its socket), its tasks must not."""
     starter.kill()
     starter.wait()
     for stream in (starter.stdin, starter.stdout):
         if stream is not None:
             stream.close()
+    launcher = LAUNCHERS.pop(starter.pid, None)
+    if launcher is not None:
+        wait_until(lambda: gone(launcher))
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(launcher, 0)  # orphaned to us when we are a subreaper
 
 
 @pytest.mark.usefixtures("subreaper")
