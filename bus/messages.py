@@ -24,17 +24,6 @@ Seconds = Annotated[float, msgspec.Meta(ge=0, le=86400)]
 State = Literal[
     "created", "starting", "started", "stopping", "stopped", "destroying", "destroyed", "failed", "replacing"
 ]
-STATES: tuple[str, ...] = (
-    "created",
-    "starting",
-    "started",
-    "stopping",
-    "stopped",
-    "destroying",
-    "destroyed",
-    "failed",
-    "replacing",
-)
 
 
 class Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -287,7 +276,9 @@ class ReserveRequest(Request):
     name: Name | None = None
     idempotency_key: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     id: MachineId | None = None
-    skip_launch: bool = True
+    # addition: start it too, in the same request (one leg): the reservation commit records `starting`, the
+    # worker launches the process and answers once `started` is committed (or `failed`, with the reason)
+    launch: bool = False
     # addition: epoch seconds after which the worker must not commit this reserve (504, nothing reserved)
     expires_at: float | None = None
     # addition: why the broker chose this worker (a short explain), kept in the machine's `created` event

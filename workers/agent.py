@@ -42,6 +42,7 @@ from bus.messages import (
     LeaseRequest,
     ListRequest,
     LogLine,
+    Machine,
     OfferRequest,
     ReleaseRequest,
     ReserveRequest,
@@ -98,6 +99,7 @@ class WorkerAgent:
         self.store: Store | None = None
         self.committer: GroupCommitter | None = None
         self.manager: MachineManager | None = None
+        self.driver: ProcessDriver | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.outbox: Outbox | None = None
         self._service: Any = None
@@ -128,7 +130,7 @@ class WorkerAgent:
         self.committer = GroupCommitter(self.store)
         limits = auto_detect(cfg.worker_id)
         self.limits_mode = limits.describe()
-        driver = ProcessDriver(limits)
+        driver = self.driver = ProcessDriver(limits)
         self.manager = MachineManager(
             ManagerConfig(
                 worker_id=cfg.worker_id,
@@ -142,6 +144,7 @@ class WorkerAgent:
             self.committer,
             driver,
             on_commit=self._on_commit,
+            on_launch=self._follow_logs,
         )
         self._images = frozenset(self.store.images())
         # derived from LMDB at start and kept in step by _on_commit: info() must not scan every machine
@@ -233,11 +236,7 @@ class WorkerAgent:
             case "reserve":
                 return await manager.reserve(decode(ReserveRequest, data))
             case "start":
-                start = decode(StartRequest, data)
-                known = manager.require(start.id).machine
-                # follow from the current end of the logs before the process exists: no line is missed
-                self.follower.follow(known.id, known.app, manager.workdir(known.id), from_offset_now=True)
-                return await manager.start(start)
+                return await manager.start(decode(StartRequest, data))
             case "stop":
                 return await manager.stop(decode(StopRequest, data))
             case "destroy":
@@ -319,6 +318,11 @@ class WorkerAgent:
                     self.follower.unfollow(machine.id)
             elif isinstance(record, ImageRecord):
                 self._images = self._images | {record.image}
+
+    def _follow_logs(self, machine: Machine) -> None:
+        """Before a process is spawned: follow its files from their current end, so no line is missed."""
+        assert self.manager is not None
+        self.follower.follow(machine.id, machine.app, self.manager.workdir(machine.id), from_offset_now=True)
 
     def _beat_soon(self) -> None:
         """Usage changed: tell the registry now rather than at the next tick (coalesced)."""
@@ -408,6 +412,8 @@ class WorkerAgent:
             self.responder.cancel_all()
         if self.manager is not None:
             await _bounded(self.manager.close(), 2.0)
+        if self.driver is not None:
+            self.driver.close()  # its launcher (machines keep running)
         if self.nc is not None:
             await _bounded(self.nc.close(), 2.0)
         if self.committer is not None:

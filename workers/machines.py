@@ -91,11 +91,13 @@ class MachineManager:
         driver: Driver,
         *,
         on_commit: CommitHook = lambda records: None,
+        on_launch: Callable[[Machine], None] = lambda machine: None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.store = store
         self.driver = driver
+        self.on_launch = on_launch  # right before a process is spawned (the agent follows its logs from there)
         self.clock = clock
         self.inflight = 0
         self.recorder = Recorder(committer, on_commit=on_commit, clock=clock)
@@ -209,73 +211,98 @@ class MachineManager:
     # reserve
 
     async def reserve(self, request: ReserveRequest) -> Machine:
+        """Record the machine (`created`), or with `launch` record it `starting` in the same commit and start
+        it before answering: one request and two commits for a create+start instead of two and three."""
         if request.region != self.config.region:
             raise BadRequest(f"worker {self.config.worker_id} is in region {self.config.region}, not {request.region}")
         if not request.config.cmd:
             raise BadRequest("config.cmd is required: the process driver needs a command to run")
         self._check_workdir(request.config)
-        guest = request.config.guest
         machine_id = request.id or new_machine_id()
         port = pick_port()
 
-        def op(tx: Tx) -> StoredMachine:
+        def op(tx: Tx) -> tuple[StoredMachine, bool]:
             if request.idempotency_key:
                 existing = tx.by_idempotency(request.idempotency_key)
                 if existing is not None:
-                    return existing
+                    return existing, False
             held = tx.get(machine_id)
             if held is not None:
                 if held.machine.app != request.app or held.idempotency_key != request.idempotency_key:
                     raise Conflict(f"machine {machine_id} exists already")
-                return held  # the same reservation again (a broker's retry or probe): answer with it
-            if request.expires_at is not None and tx.now > request.expires_at:
-                # the broker has given up on this reserve and may place elsewhere: never commit it late
-                raise DeadlineExceeded(f"reservation of {machine_id} expired before it was committed: nothing reserved")
-            if tx.worker().cordoned:
-                raise NoCapacity(f"worker {self.config.worker_id} is cordoned")
-            usage = tx.usage()
-            if usage.cpus + guest.cpus > self.config.cpus or usage.memory_mb + guest.memory_mb > self.config.memory_mb:
-                raise NoCapacity(
-                    f"worker {self.config.worker_id} is full: needs {guest.cpus} cpus/{guest.memory_mb} MB, "
-                    f"{self.config.cpus - usage.cpus} cpus/{self.config.memory_mb - usage.memory_mb} MB free"
-                )
-            stamp = iso(tx.now)
-            instance_id = new_instance_id(tx.now)
-            stored = StoredMachine(
-                machine=Machine(
-                    id=machine_id,
-                    name=request.name or f"{request.app}-{machine_id[:6]}",
-                    app=request.app,
-                    region=request.region,
-                    worker_id=self.config.worker_id,
-                    state="created",
-                    config=request.config,
-                    instance_id=instance_id,
-                    created_at=stamp,
-                    updated_at=stamp,
-                    port=port,
-                ),
-                idempotency_key=request.idempotency_key,
-            )
-            stored.events.append(
-                MachineEvent(
-                    type="transition",
-                    status="created",
-                    source="user",
-                    reason="reserved",
-                    timestamp=round(tx.now * 1000, 3),
-                    machine_id=machine_id,
-                    app=request.app,
-                    region=request.region,
-                    worker_id=self.config.worker_id,
-                    metadata=dict(request.config.metadata),
-                    instance_id=instance_id,
-                    placement=request.placement,
-                )
-            )
-            return tx.put_machine(stored, "reserve")
+                return held, False  # the same reservation again (a broker's retry or probe): answer with it
+            self._check_room(tx, request, machine_id)
+            stored = self._new_record(request, machine_id, port, tx.now)
+            if request.launch:
+                self.recorder.event(stored, "starting", source="user", reason="start requested")
+                stored.desired = "started"
+            return tx.put_machine(stored, "reserve"), True
 
-        return self.view(await self.recorder.commit(op))
+        stored, reserved = await self.recorder.commit(op)
+        if reserved and request.launch:
+            stored = await self._launch_reserved(machine_id)
+        return self.view(stored)
+
+    def _check_room(self, tx: Tx, request: ReserveRequest, machine_id: str) -> None:
+        """Refuse a reserve this worker must not commit: expired, cordoned, or no room (all in the commit)."""
+        if request.expires_at is not None and tx.now > request.expires_at:
+            # the broker has given up on this reserve and may place elsewhere: never commit it late
+            raise DeadlineExceeded(f"reservation of {machine_id} expired before it was committed: nothing reserved")
+        if tx.worker().cordoned:
+            raise NoCapacity(f"worker {self.config.worker_id} is cordoned")
+        guest = request.config.guest
+        usage = tx.usage()
+        if usage.cpus + guest.cpus > self.config.cpus or usage.memory_mb + guest.memory_mb > self.config.memory_mb:
+            raise NoCapacity(
+                f"worker {self.config.worker_id} is full: needs {guest.cpus} cpus/{guest.memory_mb} MB, "
+                f"{self.config.cpus - usage.cpus} cpus/{self.config.memory_mb - usage.memory_mb} MB free"
+            )
+
+    def _new_record(self, request: ReserveRequest, machine_id: str, port: int, now: float) -> StoredMachine:
+        """A reserved machine (`created`) with its first event, which keeps the placement's explanation."""
+        stamp = iso(now)
+        instance_id = new_instance_id(now)
+        stored = StoredMachine(
+            machine=Machine(
+                id=machine_id,
+                name=request.name or f"{request.app}-{machine_id[:6]}",
+                app=request.app,
+                region=request.region,
+                worker_id=self.config.worker_id,
+                state="created",
+                config=request.config,
+                instance_id=instance_id,
+                created_at=stamp,
+                updated_at=stamp,
+                port=port,
+            ),
+            idempotency_key=request.idempotency_key,
+        )
+        stored.events.append(
+            MachineEvent(
+                type="transition",
+                status="created",
+                source="user",
+                reason="reserved",
+                timestamp=round(now * 1000, 3),
+                machine_id=machine_id,
+                app=request.app,
+                region=request.region,
+                worker_id=self.config.worker_id,
+                metadata=dict(request.config.metadata),
+                instance_id=instance_id,
+                placement=request.placement,
+            )
+        )
+        return stored
+
+    async def _launch_reserved(self, machine_id: str) -> StoredMachine:
+        """Start a machine just reserved `starting` (a stop or destroy may have come first: then leave it)."""
+        async with self._lock(machine_id):
+            current = self.require(machine_id)
+            if current.machine.state == "starting" and current.handle is None:
+                return await self.launch(current)
+            return current
 
     # ------------------------------------------------------------------------------------------
     # start
@@ -336,6 +363,7 @@ class MachineManager:
     async def launch(self, stored: StoredMachine) -> StoredMachine:
         """Spawn the process of a `starting` machine and record `started` (caller holds the lock)."""
         machine_id = stored.machine.id
+        self.on_launch(stored.machine)
         self.inflight += 1
         try:
             handle = await self.driver.start(self.task_spec(stored))

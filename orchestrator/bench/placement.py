@@ -57,6 +57,7 @@ class CreateRun(msgspec.Struct, kw_only=True):
     errors: int
     wall_s: float
     first_error: str | None = None
+    first_refusal: str | None = None
 
 
 class PlacementResult(msgspec.Struct, kw_only=True):
@@ -73,6 +74,7 @@ class PlacementResult(msgspec.Struct, kw_only=True):
     create_p50_over_bus_rtt_p50: float | None
     host: dict[str, object]
     first_error: str | None = None
+    first_refusal: str | None = None
 
 
 def fleet_spec(options: PlacementOptions) -> FleetSpec:
@@ -137,8 +139,9 @@ async def measure_creates(
             try:
                 await client.create(APP, request)
                 run.samples.append(time.perf_counter() - began)
-            except NoCapacity:
+            except NoCapacity as exc:
                 run.refused += 1
+                run.first_refusal = run.first_refusal or exc.message
             except Exception as exc:
                 run.errors += 1
                 run.first_error = run.first_error or f"{type(exc).__name__}: {exc}"
@@ -194,6 +197,7 @@ def run_placement(options: PlacementOptions, progress: Callable[[str], None] = l
         create_p50_over_bus_rtt_p50=ratio(create.p50_ms, rtt.p50_ms),
         host=host_info(),
         first_error=run.first_error,
+        first_refusal=run.first_refusal,
     )
 
 
@@ -210,5 +214,7 @@ def report(result: PlacementResult) -> Report:
     ]
     if result.first_error:
         notes.append(f"first error: {result.first_error}")
+    if result.first_refusal:
+        notes.append(f"first refusal: {result.first_refusal}")
     table = latency_table(title, [(what, result.create), ("bus round trip (echo, other process)", result.bus_rtt)])
     return Report(tables=(table,), notes=tuple(notes))

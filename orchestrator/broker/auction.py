@@ -308,7 +308,8 @@ class Auction:
         not_after: float | None = None,
         before_reserve: BeforeReserve | None = None,
     ) -> tuple[Machine, Outcome]:
-        """Reserve a machine in `request.region` (state `created`), or raise 503 at once.
+        """Reserve a machine in `request.region` (state `created`; `started` unless the create says
+        `skip_launch`: the worker starts what it reserves, in the same request), or raise 503 at once.
 
         `not_after` (epoch seconds): no reserve of this placement may be committed after it.
         `before_reserve(worker_id)` runs before each reserve is sent (an idempotent create records there
@@ -330,7 +331,9 @@ class Auction:
             away=frozenset(request.prefer_away),
             preset=request.placement_preset,
         )
-        reserve = self.reserve_request(app, request, machine_id, not_after)
+        # one leg: the worker starts what it reserves, except for a hedge (the loser would start for nothing)
+        launch = not request.skip_launch and strategy != "hedged"
+        reserve = msgspec.structs.replace(self.reserve_request(app, request, machine_id, not_after), launch=launch)
         candidates = [c.worker_id for c in outcome.ranking.candidates]  # `avoid` is a filter of the chain
         if strategy == "hedged" and len(candidates) >= 2:
             machine = await self._reserve_hedged(candidates, reserve, outcome, before_reserve)

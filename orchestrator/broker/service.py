@@ -172,7 +172,7 @@ class Broker:
                 name=machine.name,
             )
         )
-        if not req.skip_launch:
+        if not req.skip_launch and machine.state == "created":  # a hedge, or a key's machine reserved earlier
             assert self.nc is not None
             machine = await call(
                 self.nc,
