@@ -39,7 +39,7 @@ def create_watching(fleet: DevFleet, request: CreateRequest) -> tuple[Machine, C
             verb = subject.rsplit(".", 1)[-1]
             verbs[verb] += 1
             if verb == "reserve":
-                launches.append(bool(msgspec.json.decode(msg.data).get("launch")))  # type: ignore[attr-defined]
+                launches.append(bool(msgspec.json.decode(msg.data).get("launch")))  # type: ignore[attr-defined,unused-ignore]
 
         sub = await client.nc.subscribe("fauxmad.v1.worker.*.machines.>", cb=seen)
         try:
@@ -66,6 +66,7 @@ def test_the_machine_records_its_start_with_its_reservation(fleet: DevFleet) -> 
         try:
             created = await client.create("leg", CreateRequest(region="leg", config=CONFIG))
             got = await client.get("leg", created.id)
+            assert isinstance(got.events, list)
             return [f"{e.status}:{e.reason}" for e in reversed(got.events)]
         finally:
             await client.close()
