@@ -184,7 +184,8 @@ class Auction:
         self.registry = registry
         self.config = config
         self.rng = rng or random.Random()
-        self.picks = Picks(clock=time.perf_counter)
+        # a pick matters to scatters out when it was made: none is out longer than the deadline
+        self.picks = Picks(clock=time.perf_counter, window=max(0.25, 2 * config.deadline))
         self._scatters: dict[tuple[str, bytes], asyncio.Future[_Scatter]] = {}
         self._background: set[asyncio.Task[None]] = set()
 

@@ -12,13 +12,14 @@ Which picks an offer cannot show:
 - a scattered offer: the picks noted after the scatter was sent (broker clock, `noted`);
 - a heartbeat: the picks not yet reserved, and those the worker reserved after it wrote the heartbeat
   (worker clock: the machine's `created_at` against the heartbeat's `heartbeat_at`).
-Picks are dropped when their reserve fails and forgotten after `horizon` seconds (by then a heartbeat
-or a fresh scatter shows them).
+Picks are dropped when their reserve fails, and forgotten once no offer can still need them (see
+`Picks`), so the lists a create reads stay a few entries long.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -40,21 +41,38 @@ class Pick:
 
 
 class Picks:
-    """The picks of one broker, by worker; see the module docstring."""
+    """The picks of one broker, by worker, oldest first; see the module docstring.
 
-    def __init__(self, *, horizon: float = 10.0, clock: Callable[[], float]) -> None:
-        self.horizon = horizon
+    Kept short, since every create reads them: a pick goes once no offer can still need it, that is once it
+    is older than `window` (longer than any scatter is out) and a heartbeat of its worker has shown it, or
+    after `horizon` whatever happened (a reserve whose outcome stayed unknown, a broker that never ranks
+    from heartbeats).
+    """
+
+    def __init__(self, *, clock: Callable[[], float], window: float = 0.25, horizon: float = 10.0) -> None:
         self.clock = clock
-        self._by_worker: dict[str, list[Pick]] = {}
+        self.window = window
+        self.horizon = horizon
+        self._by_worker: dict[str, deque[Pick]] = {}
+        self._shown_until: dict[str, float] = {}  # per worker: the newest heartbeat seen (worker clock)
 
     def note(self, worker_id: str, app: str, cpus: int, memory_mb: int) -> Pick:
-        pick = Pick(worker_id=worker_id, app=app, cpus=cpus, memory_mb=memory_mb, noted=self.clock())
-        picks = self._by_worker.setdefault(worker_id, [])
-        if picks and self.clock() - picks[0].noted > self.horizon:
-            cutoff = self.clock() - self.horizon
-            picks[:] = [p for p in picks if p.noted >= cutoff]
+        now = self.clock()
+        pick = Pick(worker_id=worker_id, app=app, cpus=cpus, memory_mb=memory_mb, noted=now)
+        picks = self._by_worker.setdefault(worker_id, deque())
+        self._forget_old(worker_id, picks, now)
         picks.append(pick)
         return pick
+
+    def _forget_old(self, worker_id: str, picks: deque[Pick], now: float) -> None:
+        shown_until = self._shown_until.get(worker_id, -math.inf)
+        while picks:
+            oldest = picks[0]
+            age = now - oldest.noted
+            if age > self.horizon or (age > self.window and oldest.reserved_at <= shown_until):
+                picks.popleft()
+            else:
+                return
 
     def reserved(self, pick: Pick, at: float) -> None:
         pick.reserved_at = at
@@ -65,12 +83,26 @@ class Picks:
             picks.remove(pick)
 
     def since_scatter(self, worker_id: str, sent: float) -> list[Pick]:
-        """Picks a scattered offer cannot show: noted after the scatter was sent at `sent`."""
-        return [p for p in self._by_worker.get(worker_id, ()) if p.noted > sent]
+        """Picks a scattered offer cannot show: noted after the scatter was sent at `sent` (the newest last,
+        so only those are read)."""
+        picks = self._by_worker.get(worker_id)
+        if not picks:
+            return []
+        after: list[Pick] = []
+        for pick in reversed(picks):
+            if pick.noted <= sent:
+                break
+            after.append(pick)
+        return after
 
     def since_heartbeat(self, worker_id: str, heartbeat_at: float) -> list[Pick]:
         """Picks a heartbeat written at `heartbeat_at` (worker clock) cannot show."""
-        return [p for p in self._by_worker.get(worker_id, ()) if p.reserved_at > heartbeat_at]
+        if heartbeat_at > self._shown_until.get(worker_id, -math.inf):
+            self._shown_until[worker_id] = heartbeat_at
+        picks = self._by_worker.get(worker_id)
+        if not picks:
+            return []
+        return [p for p in picks if p.reserved_at > heartbeat_at]
 
 
 def discount(offer: Offer, picks: Iterable[Pick], app: str) -> Offer:

@@ -110,3 +110,16 @@ def test_presets_swap_the_curves_and_keep_the_weights() -> None:
     assert with_preset(tuned, None) is tuned
     with pytest.raises(ValueError, match="unknown"):
         with_preset(tuned, "random")
+
+
+def test_a_pick_goes_once_a_heartbeat_shows_it_and_no_scatter_can_need_it() -> None:
+    clock = Clock()
+    picks = Picks(clock=clock, window=0.25, horizon=10.0)
+    shown = picks.note("w1", "a", 1, 64)
+    picks.reserved(shown, 50.0)
+    unshown = picks.note("w1", "a", 1, 64)
+    picks.reserved(unshown, 80.0)
+    assert picks.since_heartbeat("w1", 60.0) == [unshown]  # the heartbeat of 60.0 shows the first
+    clock.now += 1.0
+    latest = picks.note("w1", "a", 1, 64)  # older ones are looked at again here
+    assert picks.since_scatter("w1", 0.0) == [latest, unshown]  # the shown one is gone, newest first
