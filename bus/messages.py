@@ -483,3 +483,32 @@ class ErrorBody(Reply):
 class Ack(Reply):
     ok: bool = True
     message: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The verbs of each subject family, listed once (contract): what each verb's payload is. Subjects, the worker's
+# dispatch, the broker's forwarding and the fuzz tests all read these two tables.
+
+# `fauxmad.v1.worker.<id>.machines.<verb>`: the worker decodes each payload with its type.
+WORKER_REQUESTS: dict[str, type[Request]] = {
+    "reserve": ReserveRequest,
+    "start": StartRequest,
+    "stop": StopRequest,
+    "destroy": DestroyRequest,
+    "get": GetRequest,
+    "list": ListRequest,
+    "wait": WaitRequest,
+    "signal": SignalRequest,
+    "lease": LeaseRequest,
+    "release": ReleaseRequest,
+    "update": UpdateRequest,
+    "exec": ExecRequest,
+}
+# `fauxmad.v1.api.apps.<app>.machines.<verb>`: `create` and `list` are the broker's own; every other verb is
+# forwarded to the machine's worker, which takes the same payload (a reserve is the broker's to send).
+BROKER_REQUESTS: dict[str, type[Request]] = {"create": CreateRequest, "list": ListRequest}
+API_REQUESTS: dict[str, type[Request]] = BROKER_REQUESTS | {
+    verb: kind for verb, kind in WORKER_REQUESTS.items() if verb not in BROKER_REQUESTS and verb != "reserve"
+}
+# payloads that may be empty (`{}` assumed)
+EMPTY_OK: frozenset[type[Request]] = frozenset({ListRequest})

@@ -12,6 +12,7 @@ import re
 
 from bus.codec import clip
 from bus.errors import BadRequest
+from bus.messages import API_REQUESTS, WORKER_REQUESTS
 
 PREFIX = "fauxmad.v1"
 
@@ -27,34 +28,8 @@ BROKER_QUEUE = "brokers"
 BROKER_SERVICE = "fauxmad-broker"
 WORKER_SERVICE = "fauxmad-worker"
 
-WORKER_VERBS = (
-    "reserve",
-    "start",
-    "stop",
-    "destroy",
-    "get",
-    "list",
-    "wait",
-    "signal",
-    "lease",
-    "release",
-    "update",
-    "exec",
-)
-API_VERBS = (
-    "create",
-    "list",
-    "get",
-    "start",
-    "stop",
-    "destroy",
-    "wait",
-    "update",
-    "signal",
-    "lease",
-    "release",
-    "exec",
-)
+WORKER_VERBS = tuple(WORKER_REQUESTS)
+API_VERBS = tuple(API_REQUESTS)
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import time
@@ -34,24 +35,14 @@ from bus.connection import connect
 from bus.errors import BadRequest, Unreachable
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
+    EMPTY_OK,
+    WORKER_REQUESTS,
     CordonRequest,
-    DestroyRequest,
-    ExecRequest,
-    GetRequest,
     InfoRequest,
-    LeaseRequest,
-    ListRequest,
     LogLine,
     Machine,
     OfferRequest,
-    ReleaseRequest,
-    ReserveRequest,
     Resources,
-    SignalRequest,
-    StartRequest,
-    StopRequest,
-    UpdateRequest,
-    WaitRequest,
     WorkerInfo,
 )
 from bus.service import Responder
@@ -228,38 +219,19 @@ class WorkerAgent:
         request = decode(OfferRequest, data)
         return answer_offer(request, self.snapshot(), self.config.backpressure)
 
-    async def _on_machines(self, subject: str, data: bytes) -> Any:  # noqa: C901 - one case per verb
+    async def _on_machines(self, subject: str, data: bytes) -> Any:
         manager = self.manager
         assert manager is not None
         verb = subjects.parse_verb(subject)
-        match verb:
-            case "reserve":
-                return await manager.reserve(decode(ReserveRequest, data))
-            case "start":
-                return await manager.start(decode(StartRequest, data))
-            case "stop":
-                return await manager.stop(decode(StopRequest, data))
-            case "destroy":
-                machine = await manager.destroy(decode(DestroyRequest, data))
-                self.follower.unfollow(machine.id)
-                return machine
-            case "get":
-                return manager.get(decode(GetRequest, data))
-            case "list":
-                return manager.list(decode(ListRequest, data, empty_ok=True))
-            case "wait":
-                return await manager.wait(decode(WaitRequest, data))
-            case "signal":
-                return await manager.signal(decode(SignalRequest, data))
-            case "lease":
-                return await manager.lease(decode(LeaseRequest, data))
-            case "release":
-                return await manager.release(decode(ReleaseRequest, data))
-            case "update":
-                return await manager.update(decode(UpdateRequest, data))
-            case "exec":
-                return await manager.exec(decode(ExecRequest, data))
-        raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.WORKER_VERBS)}")
+        kind = WORKER_REQUESTS.get(verb)
+        if kind is None:
+            raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.WORKER_VERBS)}")
+        request = decode(kind, data, empty_ok=kind in EMPTY_OK)
+        answer = getattr(manager, verb)(request)  # every verb is the manager's method of that name
+        result = await answer if inspect.isawaitable(answer) else answer
+        if verb == "destroy":
+            self.follower.unfollow(result.id)
+        return result
 
     async def _on_info(self, subject: str, data: bytes) -> Any:
         decode(InfoRequest, data, empty_ok=True)

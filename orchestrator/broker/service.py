@@ -28,8 +28,9 @@ from bus.errors import BadRequest, Conflict, FauxmadError, NoCapacity, NotFound,
 from bus.ids import new_machine_id
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
+    API_REQUESTS,
+    BROKER_REQUESTS,
     CreateRequest,
-    DestroyRequest,
     ExecRequest,
     GetRequest,
     IdRequest,
@@ -41,12 +42,8 @@ from bus.messages import (
     RegionSummary,
     ReleaseRequest,
     Resources,
-    SignalRequest,
     SimulateRequest,
     StartRequest,
-    StopRequest,
-    UpdateRequest,
-    WaitRequest,
     WorkerInfo,
     WorkersListRequest,
 )
@@ -61,19 +58,8 @@ log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 
-# per-machine verbs: how to validate the payload, and how long the worker may take
-FORWARDED: dict[str, type[Any]] = {
-    "get": GetRequest,
-    "start": StartRequest,
-    "stop": StopRequest,
-    "destroy": DestroyRequest,
-    "wait": WaitRequest,
-    "update": UpdateRequest,
-    "signal": SignalRequest,
-    "lease": LeaseRequest,
-    "release": ReleaseRequest,
-    "exec": ExecRequest,
-}
+# per-machine verbs, forwarded to the owning worker: how to validate the payload (a 400 never travels further)
+FORWARDED: dict[str, type[Any]] = {verb: kind for verb, kind in API_REQUESTS.items() if verb not in BROKER_REQUESTS}
 
 
 def fingerprint(req: CreateRequest) -> str:

@@ -11,9 +11,10 @@ import nats
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bus.messages import WORKER_REQUESTS
 from tests.helpers import RawClient, WorkerProcess, arun
 
-VERBS = ["reserve", "start", "stop", "destroy", "get", "list", "wait", "signal", "lease", "release"]
+VERBS = list(WORKER_REQUESTS)
 OTHER = ["info", "cordon", "uncordon"]
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
