@@ -1,7 +1,10 @@
-"""A typed client for the broker API: what the CLI, the reconcilers and other Python services call.
+"""A typed client for the fleet: what the CLI, the reconcilers and other Python services call.
 
-Every method is one request on a documented `fauxmad.v1.api...` subject; errors arrive as the same
-`FauxmadError` classes the broker raised. It holds no state but the connection.
+Every request method is one request on a documented subject: the brokers' `fauxmad.v1.api...`, and a
+worker's own `fauxmad.v1.worker.ID...` only for what concerns that worker alone (cordon). Errors
+arrive as the same `FauxmadError` classes the other side raised. The streams are read here too
+(`events`, `logs`), so the CLI never holds a NATS connection of its own. It holds no state but the
+connection.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from nats.aio.client import Client
 from bus import subjects
 from bus.codec import decode
 from bus.connection import connect
+from bus.errors import NotFound
 from bus.messages import (
+    CordonRequest,
     CreateRequest,
     DestroyRequest,
     ExecReply,
@@ -37,6 +42,8 @@ from bus.messages import (
     WorkersListRequest,
 )
 from bus.service import call, request
+from orchestrator.logs import Emit, LogQuery, has_lines, read_logs
+from orchestrator.view.history import EmitEvent, EventQuery, read_events
 
 
 class UpResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,14 +77,22 @@ def _checks_problem(machine: Machine) -> str:
     return "; ".join(failing)
 
 
+class ConnectionLost(Exception):
+    """The NATS connection ended for good while a read that has no end of its own (a follow) ran."""
+
+
 class FleetClient:
     def __init__(self, nc: Client, *, timeout: float = 10.0) -> None:
         self.nc = nc
         self.timeout = timeout
+        self.closed = asyncio.Event()  # set when a connection made by `connect` ends for good
 
     @classmethod
     async def connect(cls, url: str, name: str = "fauxmad-cli") -> FleetClient:
-        return cls(await connect(url, name))
+        closed = asyncio.Event()
+        client = cls(await connect(url, name, on_closed=lambda why: closed.set()))
+        client.closed = closed
+        return client
 
     async def close(self) -> None:
         await self.nc.close()
@@ -228,3 +243,38 @@ class FleetClient:
         msg = await request(self.nc, subjects.API_PLACEMENTS_SIMULATE, req, timeout=self.timeout)
         result: dict[str, Any] = decode(dict[str, Any], msg.data)  # type: ignore[arg-type]
         return result
+
+    async def cordon(self, worker_id: str, *, cordoned: bool = True, reason: str = "cli") -> WorkerInfo:
+        """Stop (`cordoned=False`: resume) placing new machines on a worker; asked of the worker itself."""
+        subject = subjects.worker_cordon(worker_id, cordoned)
+        return await call(self.nc, subject, CordonRequest(reason=reason), WorkerInfo, timeout=5)
+
+    # ------------------------------------------------------------------------------------------
+    # the streams: events and logs
+
+    async def events(self, query: EventQuery, emit: EmitEvent) -> int:
+        """Machine events from stream FAUXMAD_EVENTS, oldest first (see `orchestrator.view.history`)."""
+        return await read_events(self.nc, query, emit)
+
+    async def logs(self, query: LogQuery, emit: Emit, *, must_exist: bool = False) -> int:
+        """Machines' log lines from stream FAUXMAD_LOGS (see `orchestrator.logs`); returns how many.
+
+        `must_exist` (one machine asked for by id): `NotFound` if the fleet does not know the machine
+        and the stream holds none of its lines (a destroyed machine's logs outlive it). A follow that
+        loses its connection raises `ConnectionLost` rather than waiting forever.
+        """
+        if must_exist:
+            assert query.app is not None and query.machine_id is not None
+            try:
+                await self.get(query.app, query.machine_id)
+            except NotFound:
+                if not await has_lines(self.nc, query.app, query.machine_id):
+                    raise
+        reader = asyncio.ensure_future(read_logs(self.nc, query, emit))
+        lost = asyncio.ensure_future(self.closed.wait())
+        await asyncio.wait([reader, lost], return_when=asyncio.FIRST_COMPLETED)
+        lost.cancel()
+        if not reader.done():
+            reader.cancel()
+            raise ConnectionLost("the connection to NATS was lost")
+        return reader.result()

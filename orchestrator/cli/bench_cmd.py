@@ -22,7 +22,7 @@ from rich.text import Text
 from orchestrator.bench import BenchError
 from orchestrator.bench.report import Report, plain
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import EXIT_USAGE, NATS_HELP, fail
+from orchestrator.cli.runtime import EXIT_USAGE, fail, nats_option
 
 T = TypeVar("T")
 
@@ -91,7 +91,7 @@ def placement(
         help="logical workers per worker process [default: 1 up to 16 workers]",
     ),
     echo_count: int = typer.Option(500, "--echo-count", min=1, help="bus round trips to measure"),
-    nats: str | None = typer.Option(None, "--nats", help=NATS_HELP + "; given: use that fleet", show_default=False),
+    nats: str | None = nats_option("; given: use that fleet"),
     output: Path = typer.Option(Path("bench-placement.json"), "--output", "-o", help=OUTPUT_HELP),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:

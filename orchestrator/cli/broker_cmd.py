@@ -10,11 +10,11 @@ from pathlib import Path
 import msgspec
 import typer
 
-from orchestrator.cli.runtime import NATS_HELP, fail, nats_url, run
+from orchestrator.cli.runtime import NatsOption, fail, nats_url, run
 
 
 def broker(
-    nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False),
+    nats: str | None = NatsOption,
     deadline_ms: float = typer.Option(50.0, "--deadline-ms", min=1, max=60_000, help="how long an auction waits"),
     strategy: str = typer.Option(
         "scatter", "--strategy", help="default strategy: scatter, p2c, hedged or replica (see the README)"

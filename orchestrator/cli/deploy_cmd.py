@@ -27,8 +27,10 @@ from rich.table import Table
 
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import (
-    NATS_HELP,
     CliError,
+    JsonOption,
+    NatsOption,
+    WorkerIdArgument,
     check_app,
     check_regions,
     check_worker_id,
@@ -36,6 +38,7 @@ from orchestrator.cli.runtime import (
     fail,
     nats_url,
     split_names,
+    with_client,
     with_connected,
 )
 from orchestrator.reconcile.executor import Result
@@ -47,8 +50,6 @@ from orchestrator.reconcile.spec import AppSpec, SpecError, load_spec
 
 T = TypeVar("T")
 
-NATS = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
-JSON = typer.Option(False, "--json", help="print JSON instead of a table")
 CONFIG = typer.Option(Path("fauxmad.toml"), "--config", "-c", help="the app spec file")
 APP = typer.Option(..., "--app", "-a", help="the app", callback=check_app)
 
@@ -175,7 +176,7 @@ def deploy(
     json_out: bool = typer.Option(False, "--json", help="print the outcome (or, with --dry-run, the plan) as JSON"),
     finish_release: int | None = typer.Option(None, "--finish-release", hidden=True),
     finish_app: str | None = typer.Option(None, "--finish-app", hidden=True, callback=check_app),
-    nats: str | None = NATS,
+    nats: str | None = NatsOption,
 ) -> None:
     """Deploy the app in fauxmad.toml to every region it names, per its [deploy] strategy.
 
@@ -350,7 +351,7 @@ def rollback(
     ),
     app: str = APP,
     force: bool = typer.Option(False, "--force", help="roll back to a release even if its deploy failed"),
-    nats: str | None = NATS,
+    nats: str | None = NatsOption,
 ) -> None:
     """Point the app at an earlier release and converge every region onto it.
 
@@ -371,7 +372,7 @@ def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
-def releases(app: str = APP, nats: str | None = NATS, json_out: bool = JSON) -> None:
+def releases(app: str = APP, nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
     """An app's releases, newest first, with status and the current one marked."""
 
     async def go(r: Reconciler) -> tuple[list[Release], int]:
@@ -407,7 +408,7 @@ def reconcile(
     config: Path | None = typer.Option(None, "--config", "-c", help="an app spec: deploy it if it is new"),
     app: str | None = typer.Option(None, "--app", "-a", help="only this app", callback=check_app),
     watch: bool = typer.Option(False, "--watch", "-w", help="keep converging as things change (the operator)"),
-    nats: str | None = NATS,
+    nats: str | None = NatsOption,
 ) -> None:
     """Bring apps to their current release: once, or continuously with --watch (all apps by default).
 
@@ -487,7 +488,7 @@ def scale_count(
         None, "--region", "-r", help="comma-separated regions [default: the app's]", callback=check_regions
     ),
     max_per_region: int | None = typer.Option(None, "--max-per-region", min=1, help="at most this many per region"),
-    nats: str | None = NATS,
+    nats: str | None = NatsOption,
 ) -> None:
     """Run COUNT machines, spread round robin over the regions: a new release with the same config."""
 
@@ -517,7 +518,7 @@ def scale_count(
 
 
 @apps_app.command("list")
-def apps_list(nats: str | None = NATS, json_out: bool = JSON) -> None:
+def apps_list(nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
     """Apps with their current release and desired counts."""
 
     async def go(r: Reconciler) -> list[dict[str, Any]]:
@@ -559,7 +560,7 @@ def apps_list(nats: str | None = NATS, json_out: bool = JSON) -> None:
 def apps_destroy(
     app: str = typer.Argument(..., help="the app to destroy, with all its machines and releases", callback=check_app),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask"),
-    nats: str | None = NATS,
+    nats: str | None = NatsOption,
 ) -> None:
     """Destroy every machine of an app in every region, then forget its releases."""
     if not yes:
@@ -579,7 +580,7 @@ def apps_destroy(
 def drain(
     worker_id: str = typer.Argument(..., help="the worker to empty", callback=check_worker_id),
     timeout: float = typer.Option(300.0, "--timeout", min=1, help="give up after this many seconds"),
-    nats: str | None = NATS,
+    nats: str | None = NatsOption,
 ) -> None:
     """Cordon a worker and move its machines elsewhere in its region, healthy replacements first.
 
@@ -602,22 +603,9 @@ def drain(
     )
 
 
-def cordon(
-    worker_id: str = typer.Argument(..., help="the worker", callback=check_worker_id),
-    uncordon: bool = False,
-    nats: str | None = NATS,
-) -> None:
+def cordon(worker_id: str = WorkerIdArgument, uncordon: bool = False, nats: str | None = NatsOption) -> None:
     """Stop (or resume) placing new machines on a worker; what runs there keeps running."""
-    from bus import subjects
-    from bus.messages import CordonRequest, WorkerInfo
-    from bus.service import call
-
-    async def go(r: Reconciler) -> WorkerInfo:
-        return await call(
-            r.nc, subjects.worker_cordon(worker_id, not uncordon), CordonRequest(reason="cli"), WorkerInfo, timeout=5
-        )
-
-    info = with_reconciler(nats, go)
+    info = with_client(nats, lambda c: c.cordon(worker_id, cordoned=not uncordon))
     console.print(
         f"{info.worker_id} ({info.region}) is {'cordoned' if info.cordoned else 'taking machines'}", highlight=False
     )

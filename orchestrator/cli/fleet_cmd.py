@@ -21,12 +21,13 @@ from bus.connection import DEFAULT_URL_ENV
 from orchestrator.cli.render import console, explain_table, machines_table, print_json, regions_table, workers_table
 from orchestrator.cli.runtime import (
     EXIT_USAGE,
-    NATS_HELP,
     FleetsConfig,
+    JsonOption,
+    NatsOption,
+    check_fleet_name,
     check_region,
     check_regions,
     check_url,
-    checked,
     config_path,
     fail,
     load_config,
@@ -36,15 +37,13 @@ from orchestrator.cli.runtime import (
     with_client,
 )
 
-NATS = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
-JSON = typer.Option(False, "--json", help="print JSON instead of a table")
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 
 
 def workers(
     region: str | None = typer.Option(None, "--region", "-r", help="only this region", callback=check_region),
-    nats: str | None = NATS,
-    json_out: bool = JSON,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
 ) -> None:
     """The live workers (from their heartbeats) with capacity and utilization."""
     infos = with_client(nats, lambda c: c.workers(region))
@@ -56,7 +55,7 @@ def workers(
         console.print(workers_table(infos))
 
 
-def regions(nats: str | None = NATS, json_out: bool = JSON) -> None:
+def regions(nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
     """Regions with their workers, capacity and utilization."""
     summaries = with_client(nats, lambda c: c.regions())
     if json_out:
@@ -268,15 +267,13 @@ fleet_app = typer.Typer(
     help="Named fleets (NATS URLs) in $XDG_CONFIG_HOME/fauxmad/config.toml; `--fleet NAME` picks one per command.",
     no_args_is_help=True,
 )
-FLEET_NAME = typer.Argument(..., help="a name for the fleet (letters, digits, '-', '_')", show_default=False)
-
-
-def _fleet_name(name: str) -> str:
-    return checked("fleet name", name)
+FLEET_NAME = typer.Argument(
+    ..., help="a name for the fleet (letters, digits, '-', '_')", show_default=False, callback=check_fleet_name
+)
 
 
 @fleet_app.command("list")
-def fleet_list(json_out: bool = JSON) -> None:
+def fleet_list(json_out: bool = JsonOption) -> None:
     """The named fleets; `*` marks the current one (used when neither --nats, --fleet nor $FAUXMAD_NATS_URL is)."""
     config = load_config()
     env_url = os.environ.get(DEFAULT_URL_ENV)
@@ -300,7 +297,7 @@ def fleet_add(
     use: bool = typer.Option(False, "--use", help="make it the current fleet too"),
 ) -> None:
     """Add (or change the URL of) a named fleet."""
-    name, url = _fleet_name(name), check_url(url)
+    url = check_url(url)
     config = load_config()
     fleets = {**config.fleets, name: url}
     current = name if use or config.current is None else config.current
@@ -311,7 +308,6 @@ def fleet_add(
 @fleet_app.command("use")
 def fleet_use(name: str = FLEET_NAME) -> None:
     """Make a named fleet the current one."""
-    name = _fleet_name(name)
     config = load_config()
     if name not in config.fleets:
         known = ", ".join(sorted(config.fleets)) or "none yet"
@@ -323,7 +319,6 @@ def fleet_use(name: str = FLEET_NAME) -> None:
 @fleet_app.command("remove")
 def fleet_remove(name: str = FLEET_NAME) -> None:
     """Forget a named fleet (if it was the current one, there is no current fleet any more)."""
-    name = _fleet_name(name)
     config = load_config()
     if name not in config.fleets:
         fail(f"no fleet named {name!r}", EXIT_USAGE)

@@ -22,10 +22,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.live import Live
 
-from bus.connection import connect
 from orchestrator.cli.view_render import layout
-from orchestrator.view.follower import ViewFollower
-from orchestrator.view.store import ViewStore
+from orchestrator.view.follower import followed
+from orchestrator.view.query import ViewReader
 
 MIN_INTERVAL = 0.15  # seconds between two frames at most; a change waits no longer than this
 IDLE_REDRAW = 1.0  # redraw at least this often
@@ -61,26 +60,19 @@ def cbreak_keys(on_key: bytes, stop: asyncio.Event) -> Iterator[None]:
 
 async def watch(url: str, view_path: Path, app: str | None, console: Console) -> int:
     """Run the live view until `q`, Ctrl-C or SIGTERM (exit 0), or until the bus is lost (exit 1)."""
-    nc = await connect(url, "fauxmad-status-watch")
-    store = ViewStore(view_path)
     changed = asyncio.Event()
     stop = asyncio.Event()
-    follower = ViewFollower(nc, store, on_change=changed.set)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await follower.start()
-        with cbreak_keys(b"qQ", stop), Live(console=console, screen=True, auto_refresh=False) as live:
-            await _draw_until(stop, changed, live, store, console, url, app, nc)
+        async with followed(url, view_path, name="fauxmad-status-watch", on_change=changed.set) as (follower, view):
+            with cbreak_keys(b"qQ", stop), Live(console=console, screen=True, auto_refresh=False) as live:
+                await _draw_until(stop, changed, live, view, console, url, app, follower.nc)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await follower.close()
-        store.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.close(), 2.0)
-    if nc.is_closed and not stop.is_set():
+    if not stop.is_set():  # the drawing ended on its own: the connection closed
         console.print(f"fauxmad: lost the connection to NATS at {url}", style="red", highlight=False)
         return 1
     return 0
@@ -90,7 +82,7 @@ async def _draw_until(
     stop: asyncio.Event,
     changed: asyncio.Event,
     live: Live,
-    store: ViewStore,
+    view: ViewReader,
     console: Console,
     url: str,
     app: str | None,
@@ -100,7 +92,7 @@ async def _draw_until(
     try:
         while not stop.is_set() and not getattr(nc, "is_closed", False):
             changed.clear()
-            snap = store.snapshot(time.time(), app=app, events=EVENTS_SHOWN, machines=False)
+            snap = view.snapshot(time.time(), app=app, events=EVENTS_SHOWN, machines=False)
             live.update(layout(snap, width=console.width, height=console.height, source=url, app=app), refresh=True)
             drawn = time.monotonic()
             waking = asyncio.create_task(changed.wait())

@@ -7,8 +7,8 @@ object per line, as published plus `stream_seq`).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -17,17 +17,17 @@ from collections.abc import Sequence
 import typer
 
 from orchestrator.cli.runtime import (
+    MachineAppOption,
+    MachineIdArgument,
     NatsOption,
     check_app,
     check_machine_id,
     check_region,
     fail,
-    nats_url,
-    run,
+    with_client,
 )
 from orchestrator.logs import DEFAULT_LINES, LogQuery, LogRecord, json_line, plain_line
-
-SINCE_HELP = "a duration back from now (30s, 10m, 2h, 1d) or an ISO 8601 time (2024-05-01T12:00:00Z; no zone: local)"
+from orchestrator.view.history import SINCE_HELP, parse_since
 
 SinceOption = typer.Option(None, "--since", help=f"the history from: {SINCE_HELP}", show_default=False)
 LinesOption = typer.Option(
@@ -74,8 +74,8 @@ def logs(
 
 
 def machine_logs(
-    machine_id: str = typer.Argument(..., help="machine id", callback=check_machine_id),
-    app: str = typer.Option(..., "--app", "-a", help="the app the machine belongs to", callback=check_app),
+    machine_id: str = MachineIdArgument,
+    app: str = MachineAppOption,
     follow: bool = typer.Option(True, "--follow/--no-follow", help="after the history, keep printing new lines"),
     since: str | None = SinceOption,
     lines: int | None = LinesOption,
@@ -91,8 +91,6 @@ def machine_logs(
 
 
 def _since(text: str | None) -> float | None:
-    from orchestrator.view.history import parse_since
-
     if text is None:
         return None
     try:
@@ -119,41 +117,18 @@ def _write(batch: Sequence[LogRecord], *, json_out: bool, with_app: bool) -> Non
 
 def _print(url: str | None, query: LogQuery, *, json_out: bool, with_app: bool, must_exist: bool = False) -> int:
     """Print what `query` matches; returns how many lines."""
-    from bus.connection import connect
-    from bus.errors import NotFound
-    from orchestrator.client import FleetClient
-    from orchestrator.logs import has_lines, read_logs
+    from orchestrator.client import ConnectionLost, FleetClient
 
-    resolved = nats_url(url)
-    assert resolved is not None
-
-    async def main() -> int:
-        closed = asyncio.Event()
-        nc = await connect(resolved, "fauxmad-logs", on_closed=lambda why: closed.set())
+    async def read(client: FleetClient) -> int:
+        emit = functools.partial(_write, json_out=json_out, with_app=with_app)
         try:
-            if must_exist:
-                assert query.app is not None and query.machine_id is not None
-                try:
-                    await FleetClient(nc).get(query.app, query.machine_id)
-                except NotFound:
-                    if not await has_lines(nc, query.app, query.machine_id):
-                        raise  # a destroyed machine's logs are still shown while the stream has them
-            reader = asyncio.ensure_future(
-                read_logs(nc, query, lambda batch: _write(batch, json_out=json_out, with_app=with_app))
-            )
-            lost = asyncio.ensure_future(closed.wait())
-            await asyncio.wait([reader, lost], return_when=asyncio.FIRST_COMPLETED)
-            if not reader.done():
-                reader.cancel()
-                fail("the connection to NATS was lost")
-            lost.cancel()
-            return reader.result()
-        finally:
-            await nc.close()
+            return await client.logs(query, emit, must_exist=must_exist)
+        except ConnectionLost as exc:
+            fail(str(exc))
 
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            return run(main())
+            return with_client(url, read, name="fauxmad-logs")
         return 0
     except BrokenPipeError:  # `fauxmad logs | head`: the reader has seen enough
         with contextlib.suppress(OSError):

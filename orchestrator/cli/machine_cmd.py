@@ -18,10 +18,11 @@ from orchestrator.cli import logs_cmd
 from orchestrator.cli.render import console, explain_table, kept_table, machines_table, print_json
 from orchestrator.cli.runtime import (
     EXIT_USAGE,
-    NATS_HELP,
     CliError,
-    check_app,
-    check_machine_id,
+    JsonOption,
+    MachineAppOption,
+    MachineIdArgument,
+    NatsOption,
     check_region,
     fail,
     with_client,
@@ -29,10 +30,6 @@ from orchestrator.cli.runtime import (
 
 machine_app = typer.Typer(help="Run and manage machines (through the brokers).", no_args_is_help=True)
 
-NATS = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
-APP = typer.Option(..., "--app", "-a", help="the app the machine belongs to", callback=check_app)
-MACHINE_ID = typer.Argument(..., help="machine id", callback=check_machine_id)
-JSON = typer.Option(False, "--json", help="print JSON instead of a table")
 WAIT_UP = typer.Option(
     1.0, "--wait-up", min=0, help="seconds the machine must stay up (with checks: until they all pass)"
 )
@@ -85,7 +82,7 @@ def _print_machine(machine: Any, json_out: bool) -> None:
 @machine_app.command("run", context_settings={"allow_interspersed_args": False})
 def run_machine(
     cmd: list[str] = typer.Argument(..., help="the command to run, after --"),
-    app: str = APP,
+    app: str = MachineAppOption,
     region: str = typer.Option(
         ..., "--region", "-r", help="the region to place it in (never another)", callback=check_region
     ),
@@ -102,8 +99,8 @@ def run_machine(
     wait_up: float = WAIT_UP,
     wait_timeout: float = WAIT_TIMEOUT,
     detach: bool = DETACH,
-    nats: str | None = NATS,
-    json_out: bool = JSON,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
 ) -> None:
     """Place a machine in a region, start it and wait until it is up: `fauxmad machine run -a web -r mad -- CMD`.
 
@@ -151,11 +148,11 @@ def run_machine(
 
 @machine_app.command("list")
 def list_machines(
-    app: str = APP,
+    app: str = MachineAppOption,
     state: str | None = typer.Option(None, "--state", help="only this state"),
     all_: bool = typer.Option(False, "--all", help="include destroyed machines"),
-    nats: str | None = NATS,
-    json_out: bool = JSON,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
 ) -> None:
     """List an app's machines across every region."""
     machines = with_client(nats, lambda c: c.list(app, state=state, include_destroyed=all_))
@@ -169,7 +166,10 @@ def list_machines(
 
 @machine_app.command("explain")
 def explain_machine(
-    machine_id: str = MACHINE_ID, app: str = APP, nats: str | None = NATS, json_out: bool = JSON
+    machine_id: str = MachineIdArgument,
+    app: str = MachineAppOption,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
 ) -> None:
     """Why a machine is on its worker: the auction it won, as kept in its `created` event."""
     machine = with_client(nats, lambda c: c.get(app, machine_id))
@@ -185,7 +185,12 @@ def explain_machine(
 
 
 @machine_app.command("show")
-def show(machine_id: str = MACHINE_ID, app: str = APP, nats: str | None = NATS, json_out: bool = JSON) -> None:
+def show(
+    machine_id: str = MachineIdArgument,
+    app: str = MachineAppOption,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
+) -> None:
     """Show one machine with its recent events."""
     machine = with_client(nats, lambda c: c.get(app, machine_id))
     if json_out:
@@ -198,13 +203,13 @@ def show(machine_id: str = MACHINE_ID, app: str = APP, nats: str | None = NATS, 
 
 @machine_app.command("start")
 def start(
-    machine_id: str = MACHINE_ID,
-    app: str = APP,
+    machine_id: str = MachineIdArgument,
+    app: str = MachineAppOption,
     wait_up: float = WAIT_UP,
     wait_timeout: float = WAIT_TIMEOUT,
     detach: bool = DETACH,
-    nats: str | None = NATS,
-    json_out: bool = JSON,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
 ) -> None:
     """Start a stopped or created machine and wait until it is up (exit 1 if it exits or crash-loops)."""
     wait = Wait(wait_up, wait_timeout, detach)
@@ -217,15 +222,15 @@ def start(
 
 @machine_app.command("restart")
 def restart_machine(
-    machine_id: str = MACHINE_ID,
-    app: str = APP,
+    machine_id: str = MachineIdArgument,
+    app: str = MachineAppOption,
     signal: str = typer.Option("SIGTERM", "--signal", "-s", help="the signal that stops it"),
     stop_timeout: float = typer.Option(10.0, "--stop-timeout", min=0, help="seconds before SIGKILL"),
     wait_up: float = WAIT_UP,
     wait_timeout: float = WAIT_TIMEOUT,
     detach: bool = DETACH,
-    nats: str | None = NATS,
-    json_out: bool = JSON,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
 ) -> None:
     """Stop a machine (if it runs) and start it again; waits until it is up, like `start`."""
     wait = Wait(wait_up, wait_timeout, detach)
@@ -239,11 +244,11 @@ def restart_machine(
 
 def _destroy_or_stop(verb: str, help_text: str) -> None:
     def command(
-        machine_id: str = MACHINE_ID,
-        app: str = APP,
+        machine_id: str = MachineIdArgument,
+        app: str = MachineAppOption,
         force: bool = typer.Option(False, "--force", help="destroy: kill a running machine"),
-        nats: str | None = NATS,
-        json_out: bool = JSON,
+        nats: str | None = NatsOption,
+        json_out: bool = JsonOption,
     ) -> None:
         async def act(c: Any) -> Any:
             if verb == "destroy":
@@ -262,9 +267,9 @@ _destroy_or_stop("destroy", "Destroy a machine and release its resources (--forc
 
 @machine_app.command("update")
 def update(
-    machine_id: str = MACHINE_ID,
+    machine_id: str = MachineIdArgument,
     cmd: list[str] | None = typer.Argument(None, help="a new command, after --", show_default=False),
-    app: str = APP,
+    app: str = MachineAppOption,
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE to set (the others are kept), repeatable"),
     cpus: int | None = typer.Option(None, "--cpus", min=1, help="cpus to reserve"),
     memory_mb: int | None = typer.Option(None, "--memory-mb", min=1, help="memory to reserve and enforce"),
@@ -273,8 +278,8 @@ def update(
     wait_up: float = WAIT_UP,
     wait_timeout: float = WAIT_TIMEOUT,
     detach: bool = DETACH,
-    nats: str | None = NATS,
-    json_out: bool = JSON,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
 ) -> None:
     """Change a machine's config (a new instance); a running machine restarts with it and is waited for.
 
@@ -318,11 +323,11 @@ def update(
 
 @machine_app.command("signal")
 def signal_machine(
-    machine_id: str = MACHINE_ID,
+    machine_id: str = MachineIdArgument,
     signal: str = typer.Argument(..., help="a signal name or number: SIGHUP, HUP, USR1, 10", show_default=False),
-    app: str = APP,
-    nats: str | None = NATS,
-    json_out: bool = JSON,
+    app: str = MachineAppOption,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
 ) -> None:
     """Send a signal to a started machine's process group."""
     machine = with_client(nats, lambda c: c.signal(app, machine_id, signal))
@@ -334,11 +339,11 @@ def signal_machine(
 
 @machine_app.command("exec")
 def exec_machine(
-    machine_id: str = MACHINE_ID,
+    machine_id: str = MachineIdArgument,
     cmd: list[str] = typer.Argument(..., help="the command, after --", show_default=False),
-    app: str = APP,
+    app: str = MachineAppOption,
     timeout: float = typer.Option(30.0, "--timeout", min=0.001, max=3600, help="seconds, then it is killed"),
-    nats: str | None = NATS,
+    nats: str | None = NatsOption,
     json_out: bool = typer.Option(False, "--json", help="print {exit_code, signal, timed_out, stdout, stderr}"),
 ) -> int:
     """Run a command in a started machine (its environment, working directory and limits); exit with its code.
@@ -370,12 +375,12 @@ def exec_machine(
 
 @machine_app.command("wait")
 def wait(
-    machine_id: str = MACHINE_ID,
-    app: str = APP,
+    machine_id: str = MachineIdArgument,
+    app: str = MachineAppOption,
     state: str = typer.Option("started", "--state", help="the state to wait for"),
     timeout: float = typer.Option(60.0, "--timeout", min=0, help="seconds"),
-    nats: str | None = NATS,
-    json_out: bool = JSON,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
 ) -> None:
     """Wait until a machine reaches a state (exit 1 on timeout)."""
     machine = with_client(nats, lambda c: c.wait(app, machine_id, state, timeout))

@@ -91,6 +91,7 @@ check_region = _names("region")
 check_regions = _names("region", csv=True)  # a comma-separated list
 check_machine_id = _names("machine id")
 check_worker_id = _names("worker id")
+check_fleet_name = _names("fleet name")
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -119,11 +120,11 @@ def with_connected(url: str | None, open_: Callable[[str], Awaitable[C]], fn: Ca
     return run(main())
 
 
-def with_client(url: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
-    """Run `fn` with a `FleetClient` connected to the fleet at `url`."""
+def with_client(url: str | None, fn: Callable[[Any], Awaitable[T]], *, name: str = "fauxmad-cli") -> T:
+    """Run `fn` with a `FleetClient` connected to the fleet at `url` (`name`: the connection's, in NATS)."""
     from orchestrator.client import FleetClient
 
-    return with_connected(url, FleetClient.connect, fn)
+    return with_connected(url, lambda resolved: FleetClient.connect(resolved, name), fn)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ _selected_fleet: str | None = None  # the global --fleet option, set by the root
 
 def select_fleet(name: str | None) -> None:
     global _selected_fleet
-    _selected_fleet = checked("fleet name", name) if name is not None else None
+    _selected_fleet = check_fleet_name(name)
 
 
 def config_path(environ: Mapping[str, str] = os.environ) -> Path:
@@ -238,5 +239,17 @@ def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-NatsOption = typer.Option(None, "--nats", help=NATS_HELP, show_default=False)
+# ---------------------------------------------------------------------------------------------------
+# options and arguments many commands take, declared once (typer reads each as a parameter's default)
+
+
+def nats_option(more_help: str = "") -> Any:
+    """The `--nats URL` option (resolved by `nats_url`); `more_help` is appended to its help."""
+    return typer.Option(None, "--nats", help=NATS_HELP + more_help, show_default=False)
+
+
+NatsOption = nats_option()
 JsonOption = typer.Option(False, "--json", help="print JSON instead of a table")
+MachineAppOption = typer.Option(..., "--app", "-a", help="the app the machine belongs to", callback=check_app)
+MachineIdArgument = typer.Argument(..., help="machine id", callback=check_machine_id)
+WorkerIdArgument = typer.Argument(..., help="the worker", callback=check_worker_id)

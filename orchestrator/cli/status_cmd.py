@@ -16,9 +16,18 @@ import msgspec
 import typer
 
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, check_machine_id, fail, nats_url, run
+from orchestrator.cli.runtime import (
+    JsonOption,
+    NatsOption,
+    check_app,
+    check_machine_id,
+    fail,
+    nats_url,
+    run,
+    with_client,
+)
 from orchestrator.cli.view_render import event_line, machines_table, regions_table, workers_table
-from orchestrator.view.history import SINCE_HELP, parse_since
+from orchestrator.view.history import SINCE_HELP, EventQuery, parse_since
 from orchestrator.view.model import Snapshot
 
 CATCH_UP_TIMEOUT = 10.0
@@ -88,26 +97,14 @@ class Collected(msgspec.Struct, frozen=True):
 
 
 async def _collect(url: str, path: Path, app: str | None, include_destroyed: bool, rebuild: bool) -> Collected:
-    from bus.connection import connect
-    from orchestrator.view.follower import ViewFollower
-    from orchestrator.view.store import ViewStore
+    from orchestrator.view.follower import followed
 
-    nc = await connect(url, "fauxmad-status")
-    store = ViewStore(path)
-    follower = ViewFollower(nc, store)
-    try:
-        if rebuild:
-            store.reset()
-        await follower.start()
+    async with followed(url, path, name="fauxmad-status", rebuild=rebuild) as (follower, view):
         caught_up = await follower.catch_up(CATCH_UP_TIMEOUT)
-        snap = store.snapshot(time.time(), app=app, include_destroyed=include_destroyed, events=0)
-        known = app is None or store.known_app(app)
+        snap = view.snapshot(time.time(), app=app, include_destroyed=include_destroyed, events=0)
+        known = app is None or view.known_app(app)
         rebuilt = follower.rebuilt or ("asked for (--rebuild)" if rebuild else None)
         return Collected(snapshot=snap, caught_up=caught_up, known=known, rebuilt=rebuilt)
-    finally:
-        await follower.close()
-        store.close()
-        await nc.close()
 
 
 def events(
@@ -121,9 +118,8 @@ def events(
     json_out: bool = typer.Option(False, "--json", help="one JSON object per line"),
 ) -> int:
     """Machine events from the stream FAUXMAD_EVENTS, oldest first."""
-    from bus.connection import connect
     from bus.messages import MachineEvent
-    from orchestrator.view.history import read_events
+    from orchestrator.client import FleetClient
 
     start = None
     if since is not None:
@@ -131,8 +127,6 @@ def events(
             start = parse_since(since, time.time())
         except ValueError as exc:
             fail(str(exc), 2)
-    url = nats_url(nats)
-    assert url is not None
 
     def emit(stream_seq: int, event: MachineEvent) -> None:
         if json_out:
@@ -142,16 +136,14 @@ def events(
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
-    async def main() -> int:
-        nc = await connect(url, "fauxmad-events")
-        try:
-            return await read_events(nc, emit, app=app, machine_id=machine, since=start, follow=follow)
-        finally:
-            await nc.close()
+    query = EventQuery(app=app, machine_id=machine, since=start, follow=follow)
+
+    async def read(client: FleetClient) -> int:
+        return await client.events(query, emit)
 
     count = 0
     with contextlib.suppress(KeyboardInterrupt):
-        count = run(main())
+        count = with_client(nats, read, name="fauxmad-events")
     if count == 0 and not follow:
         scope = " ".join(filter(None, [f"app {app}" if app else "", f"machine {machine}" if machine else ""]))
         note("no events" + (f" for {scope}" if scope else "") + (f" since {since}" if since else ""))

@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from bus.embedded import EmbeddedNats
-from orchestrator.cli.runtime import NATS_HELP, check_region, check_worker_id, nats_url, run
+from orchestrator.cli.runtime import NatsOption, WorkerIdArgument, check_region, check_worker_id, nats_url, run
 
 
 def default_worker_id() -> str:
@@ -44,7 +44,7 @@ worker_app = typer.Typer(
 @worker_app.callback()
 def worker(
     ctx: typer.Context,
-    nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False),
+    nats: str | None = NatsOption,
     region: str = typer.Option("local", "--region", "-r", help="the region this worker serves", callback=check_region),
     worker_id: str | None = typer.Option(
         None, "--worker-id", help="unique id [default: the host name]", callback=check_worker_id
@@ -117,16 +117,16 @@ def _register_subcommands() -> None:
 
     @worker_app.command("cordon")
     def cordon(
-        worker_id: str = typer.Argument(..., help="the worker", callback=check_worker_id),
-        nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False),
+        worker_id: str = WorkerIdArgument,
+        nats: str | None = NatsOption,
     ) -> None:
         """Place no new machines on a worker; what runs there keeps running."""
         deploy_cmd.cordon(worker_id, uncordon=False, nats=nats)
 
     @worker_app.command("uncordon")
     def uncordon(
-        worker_id: str = typer.Argument(..., help="the worker", callback=check_worker_id),
-        nats: str | None = typer.Option(None, "--nats", help=NATS_HELP, show_default=False),
+        worker_id: str = WorkerIdArgument,
+        nats: str | None = NatsOption,
     ) -> None:
         """Let a cordoned worker take new machines again."""
         deploy_cmd.cordon(worker_id, uncordon=True, nats=nats)

@@ -5,7 +5,8 @@ Each worker is the source of truth for its own machines and publishes every tran
 that stream (plus the heartbeats in KV `fauxmad_workers`) in a local SQLite file, so `status`, the
 live view and list queries answer without asking every worker.
 
-Modules: `model` (the records a snapshot is made of, and the JSON shape), `store` (SQLite: apply
-events, answer snapshots), `follower` (keeps a store current from the bus), `history` (events
-straight from the stream), `paths` (where the file lives). No typer or rich here: the CLI renders.
+Modules: `model` (the records a snapshot is made of, and the JSON shape), `db` (the SQLite file:
+schema, connection, transactions), `fold` (the write side: events and heartbeats in, idempotently),
+`query` (the read side: snapshots out), `follower` (keeps the view current from the bus), `history`
+(events straight from the stream), `paths` (where the file lives). No typer or rich here: the CLI renders.
 """

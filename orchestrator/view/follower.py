@@ -1,4 +1,6 @@
-"""Keeps a `ViewStore` current: the events stream through an ordered consumer, heartbeats through a KV watch.
+"""Keeps the view current: the events stream through an ordered consumer, heartbeats through a KV watch.
+
+It only writes, through `fold.ViewWriter`; what `status` shows is read through `query.ViewReader`.
 
 Start-up checks that the view still matches the stream (same stream, nothing aged out in between;
 otherwise the view is reset and rebuilt from what the stream holds, rather than shown stale), then
@@ -15,7 +17,8 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
@@ -24,10 +27,13 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus import subjects
 from bus.codec import decoder
+from bus.connection import connect
 from bus.jetstream import ensure_fleet_resources
 from bus.messages import MachineEvent, WorkerInfo
 from orchestrator.fleet.replica import KVReplica
-from orchestrator.view.store import ViewStore, needs_rebuild
+from orchestrator.view.db import ViewDb
+from orchestrator.view.fold import ViewWriter, needs_rebuild
+from orchestrator.view.query import ViewReader
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +57,9 @@ class WorkerMirror(KVReplica):
     on its own tick anyway; only events are worth an immediate redraw.
     """
 
-    def __init__(self, store: ViewStore, clock: Callable[[], float]) -> None:
+    def __init__(self, view: ViewWriter, clock: Callable[[], float]) -> None:
         super().__init__()
-        self.store = store
+        self.view = view
         self.clock = clock
         self.keys: set[str] = set()
 
@@ -68,21 +74,21 @@ class WorkerMirror(KVReplica):
             self.keys.add(key)
         else:
             self.keys.discard(key)
-        self.store.put_heartbeat(key, info, self.clock())
+        self.view.put_heartbeat(key, info, self.clock())
 
 
 class ViewFollower:
     def __init__(
         self,
         nc: Client,
-        store: ViewStore,
+        view: ViewWriter,
         *,
         on_change: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.time,
         batch_max: int = BATCH_MAX,
     ) -> None:
         self.nc = nc
-        self.store = store
+        self.view = view
         self.on_change = on_change
         self.clock = clock
         self.batch_max = batch_max
@@ -95,7 +101,7 @@ class ViewFollower:
         self._moved = asyncio.Event()
         self._sub: Any = None
         self._task: asyncio.Task[None] | None = None
-        self._mirror = WorkerMirror(store, clock)
+        self._mirror = WorkerMirror(view, clock)
 
     async def start(self, *, heartbeats: bool = True) -> None:
         """Check the view against the stream, follow events from where it left off, and mirror heartbeats."""
@@ -103,12 +109,12 @@ class ViewFollower:
         fleet = await ensure_fleet_resources(js)
         info = await js.stream_info(subjects.EVENTS_STREAM)
         created = info.created.isoformat() if info.created else ""
-        self.rebuilt = needs_rebuild(self.store.identity(), info.state.first_seq, info.state.last_seq, created)
+        self.rebuilt = needs_rebuild(self.view.identity(), info.state.first_seq, info.state.last_seq, created)
         if self.rebuilt:
-            log.info("view %s: rebuilding: %s", self.store.path, self.rebuilt)
-            self.store.reset()
-        self.store.bind_stream(created, info.state.first_seq)
-        self.position = self.store.last_seq
+            log.info("view %s: rebuilding: %s", self.view.db.path, self.rebuilt)
+            self.view.reset()
+        self.view.bind_stream(created, info.state.first_seq)
+        self.position = self.view.db.last_seq
         config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         if self.position:
             config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.position + 1)
@@ -118,7 +124,7 @@ class ViewFollower:
         )
         if heartbeats:
             await self._mirror.start(fleet.workers)
-            self.store.lost_unless(self._mirror.keys, self.clock())
+            self.view.lost_unless(self._mirror.keys, self.clock())
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -136,7 +142,7 @@ class ViewFollower:
                 count = min(len(self._pending), self.batch_max)
                 batch = [self._pending.popleft() for _ in range(count)]
                 try:
-                    applied = self.store.apply_events([(seq, decode_event(data)) for seq, data in batch])
+                    applied = self.view.apply_events([(seq, decode_event(data)) for seq, data in batch])
                 except Exception:
                     log.exception("view: could not apply %d events; they will be read again", count)
                     self._pending.extendleft(reversed(batch))
@@ -176,3 +182,25 @@ class ViewFollower:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+
+
+@contextlib.asynccontextmanager
+async def followed(
+    url: str, path: Path, *, name: str, rebuild: bool = False, on_change: Callable[[], None] = lambda: None
+) -> AsyncIterator[tuple[ViewFollower, ViewReader]]:
+    """The view in file `path`, followed from the fleet at `url` while the block runs (`rebuild`: emptied
+    first); yields the follower (how far it got) and a reader of the same file. Closes all it opened."""
+    nc = await connect(url, name)
+    db = ViewDb(path)
+    writer = ViewWriter(db)
+    follower = ViewFollower(nc, writer, on_change=on_change)
+    try:
+        if rebuild:
+            writer.reset()
+        await follower.start()
+        yield follower, ViewReader(db)
+    finally:
+        await follower.close()
+        db.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), 2.0)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -50,15 +51,20 @@ def start_config(since: float | None, now: float) -> ConsumerConfig:
     return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=datetime.fromtimestamp(since, UTC))
 
 
-async def read_events(
-    nc: Client,
-    emit: Callable[[int, MachineEvent], None],
-    *,
-    app: str | None = None,
-    machine_id: str | None = None,
-    since: float | None = None,
-    follow: bool = False,
-) -> int:
+class EventQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """Which events to read: `app`/`machine_id` `None`: any; from `since` (epoch seconds; `None`: the
+    oldest kept); `follow`: then keep reading new ones."""
+
+    app: str | None = None
+    machine_id: str | None = None
+    since: float | None = None
+    follow: bool = False
+
+
+EmitEvent = Callable[[int, MachineEvent], None]
+
+
+async def read_events(nc: Client, query: EventQuery, emit: EmitEvent) -> int:
     """Call `emit(stream_seq, event)` for each matching event, oldest first; returns how many."""
     js = nc.jetstream()
     await ensure_fleet_resources(js)
@@ -68,15 +74,15 @@ async def read_events(
         queue.put_nowait(msg)
 
     sub = await js.subscribe(
-        subjects.events_filter(app, machine_id),
+        subjects.events_filter(query.app, query.machine_id),
         stream=subjects.EVENTS_STREAM,
         cb=on_msg,
         ordered_consumer=True,
-        config=start_config(since, time.time()),
+        config=start_config(query.since, time.time()),
     )
     count = 0
     try:
-        if not follow:
+        if not query.follow:
             info = await sub.consumer_info()
             delivered = info.delivered.consumer_seq if info.delivered else 0
             if info.num_pending == 0 and delivered == 0 and queue.empty():
@@ -88,7 +94,7 @@ async def read_events(
             if event is not None:
                 emit(meta.sequence.stream, event)
                 count += 1
-            if not follow and meta.num_pending == 0:
+            if not query.follow and meta.num_pending == 0:
                 return count
     finally:
         with contextlib.suppress(Exception):

@@ -26,8 +26,10 @@ from bus import subjects
 from bus.messages import CreateRequest, Guest, ListRequest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
+from orchestrator.view.db import ViewDb
+from orchestrator.view.fold import ViewWriter
 from orchestrator.view.follower import ViewFollower
-from orchestrator.view.store import ViewStore
+from orchestrator.view.query import ViewReader
 from tests.helpers import ROOT, arun
 
 CLI = [sys.executable, "-m", "orchestrator.cli"]
@@ -71,8 +73,8 @@ def test_status_json_agrees_with_the_workers_after_a_burst_and_a_rebuild_equals_
 
     async def burst() -> tuple[int, dict[str, tuple[str, str]], dict[str, list[tuple[object, ...]]]]:
         client = await FleetClient.connect(fleet.url)
-        view = ViewStore(incremental)
-        follower = ViewFollower(client.nc, view)
+        view = ViewDb(incremental)
+        follower = ViewFollower(client.nc, ViewWriter(view))
         await follower.start()  # follows while the burst happens
         labels = {"fauxmad_release": "4", "fauxmad_role": "primary"}
         config = msgspec.structs.replace(SLEEP, metadata=labels)
@@ -88,7 +90,7 @@ def test_status_json_agrees_with_the_workers_after_a_burst_and_a_rebuild_equals_
         answers = await workers_own_answers(client, fleet.worker_ids, "burst")
         await asyncio.sleep(0.3)  # nothing more is coming: the machines are settled
         assert await follower.catch_up(5)
-        applied, dump = follower.applied, view.dump()
+        applied, dump = follower.applied, ViewReader(view).dump()
         await follower.close()
         view.close()
         await client.close()
@@ -111,8 +113,8 @@ def test_status_json_agrees_with_the_workers_after_a_burst_and_a_rebuild_equals_
     assert sum(r["machines"] for r in status["regions"]) == 20
     assert status["view"]["path"] == str(scratch)
 
-    rebuilt = ViewStore(scratch)
-    assert rebuilt.dump() == incremental_dump  # built from scratch by the CLI == followed live
+    rebuilt = ViewDb(scratch)
+    assert ViewReader(rebuilt).dump() == incremental_dump  # built from scratch by the CLI == followed live
     rebuilt.close()
     fleet.destroy_all_machines()
 

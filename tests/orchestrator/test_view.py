@@ -1,4 +1,4 @@
-"""The systemwide view: folding events into SQLite, heartbeats, rebuild rules, and the live layout.
+"""The systemwide view: folding events into SQLite (`fold`), reading it (`query`), rebuild rules, the live layout.
 
 Pure parts are fed records directly; the follower runs against a real nats-server (a fresh one per
 test, so stream sequences are the test's own) with events published as workers publish them.
@@ -27,10 +27,12 @@ from bus.errors import BadRequest
 from bus.jetstream import FleetConfig, ensure_fleet_resources, events_limits, parse_size
 from bus.messages import CheckStatus, ExitInfo, MachineEvent, Resources, WorkerInfo
 from orchestrator.cli.view_render import layout
+from orchestrator.view.db import ViewDb
+from orchestrator.view.fold import StreamIdentity, ViewWriter, needs_rebuild
 from orchestrator.view.follower import ViewFollower
 from orchestrator.view.history import parse_since
 from orchestrator.view.paths import default_view_path
-from orchestrator.view.store import StreamIdentity, ViewStore, needs_rebuild
+from orchestrator.view.query import ViewReader
 from tests.helpers import arun
 
 M1, M2, M3 = "a" * 14, "b" * 14, "c" * 14
@@ -74,47 +76,57 @@ def info(worker: str, region: str = "mad", *, heartbeat_at: float, cordoned: boo
 
 
 @pytest.fixture
-def store() -> Iterator[ViewStore]:
-    view = ViewStore(":memory:")
+def db() -> Iterator[ViewDb]:
+    view = ViewDb(":memory:")
     yield view
     view.close()
+
+
+@pytest.fixture
+def fold(db: ViewDb) -> ViewWriter:
+    return ViewWriter(db)
+
+
+@pytest.fixture
+def query(db: ViewDb) -> ViewReader:
+    return ViewReader(db)
 
 
 # ---------------------------------------------------------------------------------------------------
 # folding events
 
 
-def test_a_machine_follows_its_workers_sequence_not_arrival_order(store: ViewStore) -> None:
+def test_a_machine_follows_its_workers_sequence_not_arrival_order(fold: ViewWriter, query: ViewReader) -> None:
     # stream order 1, 2, 3 carries worker sequences 1, 5, 3: the event from seq 3 arrived late
-    store.apply_events(
+    fold.apply_events(
         [
             (1, event(1, "created")),
             (2, event(5, "started", from_state="starting")),
             (3, event(3, "starting", from_state="created")),
         ]
     )
-    [machine] = store.snapshot(time.time()).machines
+    [machine] = query.snapshot(time.time()).machines
     assert (machine.state, machine.version) == ("started", 5)
-    assert [e.status for e in store.snapshot(time.time()).events] == ["created", "started", "starting"]
+    assert [e.status for e in query.snapshot(time.time()).events] == ["created", "started", "starting"]
 
 
-def test_applying_an_event_twice_is_a_no_op(store: ViewStore) -> None:
+def test_applying_an_event_twice_is_a_no_op(fold: ViewWriter, query: ViewReader) -> None:
     batch: list[tuple[int, MachineEvent | None]] = [
         (1, event(1, "created")),
         (2, event(2, "starting")),
         (3, None),
         (4, event(3, "started")),
     ]
-    assert store.apply_events(batch) == 4
-    before = store.dump()
-    assert store.apply_events(batch) == 0
-    assert store.apply_events(batch[1:2]) == 0
-    assert store.dump() == before and store.last_seq == 4
+    assert fold.apply_events(batch) == 4
+    before = query.dump()
+    assert fold.apply_events(batch) == 0
+    assert fold.apply_events(batch[1:2]) == 0
+    assert query.dump() == before and query.db.last_seq == 4
 
 
-def test_release_role_checks_and_exit_come_from_the_events(store: ViewStore) -> None:
+def test_release_role_checks_and_exit_come_from_the_events(fold: ViewWriter, query: ViewReader) -> None:
     labels = {"fauxmad_release": "7", "fauxmad_role": "spare"}
-    store.apply_events(
+    fold.apply_events(
         [
             (1, event(1, "created", metadata=labels)),
             (2, event(2, "started")),
@@ -122,10 +134,10 @@ def test_release_role_checks_and_exit_come_from_the_events(store: ViewStore) -> 
             (4, event(4, "started", kind="check", check=CheckStatus(name="tcp", status="critical"))),
         ]
     )
-    [machine] = store.snapshot(time.time()).machines
+    [machine] = query.snapshot(time.time()).machines
     assert (machine.release, machine.role) == ("7", "spare")
     assert machine.checks == {"http": "passing", "tcp": "critical"} and machine.check_status == "critical"
-    store.apply_events(
+    fold.apply_events(
         [
             (5, event(5, "started", kind="update", metadata={"fauxmad_release": "8", "fauxmad_role": "primary"})),
             (6, event(6, "started", kind="exit", exit=ExitInfo(exit_code=3))),
@@ -133,14 +145,16 @@ def test_release_role_checks_and_exit_come_from_the_events(store: ViewStore) -> 
             (8, event(1, "created", metadata=labels)),  # a stale copy of the first event changes nothing
         ]
     )
-    [machine] = store.snapshot(time.time()).machines
+    [machine] = query.snapshot(time.time()).machines
     assert (machine.state, machine.release, machine.role, machine.exit_code) == ("failed", "8", "primary", 3)
     assert machine.checks == {} and machine.check_status == ""
 
 
-def test_each_worker_owns_its_rows_even_for_a_machine_id_seen_on_two_workers(store: ViewStore) -> None:
+def test_each_worker_owns_its_rows_even_for_a_machine_id_seen_on_two_workers(
+    fold: ViewWriter, query: ViewReader
+) -> None:
     # a reserve that timed out on mad-w1 but landed, retried with the same id on mad-w2 which won
-    store.apply_events(
+    fold.apply_events(
         [
             (1, event(7, "created", worker="mad-w1")),
             (2, event(3, "created", worker="mad-w2")),
@@ -149,48 +163,48 @@ def test_each_worker_owns_its_rows_even_for_a_machine_id_seen_on_two_workers(sto
         ]
     )
     now = time.time()
-    assert [(m.worker_id, m.state) for m in store.snapshot(now).machines] == [("mad-w2", "started")]
-    everything = store.snapshot(now, include_destroyed=True).machines
+    assert [(m.worker_id, m.state) for m in query.snapshot(now).machines] == [("mad-w2", "started")]
+    everything = query.snapshot(now, include_destroyed=True).machines
     assert sorted((m.worker_id, m.state) for m in everything) == [("mad-w1", "destroyed"), ("mad-w2", "started")]
 
 
-def test_destroyed_machines_leave_the_listing_and_apps_are_known(store: ViewStore) -> None:
-    store.apply_events(
+def test_destroyed_machines_leave_the_listing_and_apps_are_known(fold: ViewWriter, query: ViewReader) -> None:
+    fold.apply_events(
         [(1, event(1, "created")), (2, event(2, "created", M2, app="api")), (3, event(3, "destroyed", M2, app="api"))]
     )
     now = time.time()
-    assert [m.id for m in store.snapshot(now).machines] == [M1]
-    assert {m.id for m in store.snapshot(now, include_destroyed=True).machines} == {M1, M2}
-    assert store.snapshot(now, app="api").machines == [] and store.known_app("api")
-    assert not store.known_app("nope") and store.snapshot(now, app="nope").workers == []
+    assert [m.id for m in query.snapshot(now).machines] == [M1]
+    assert {m.id for m in query.snapshot(now, include_destroyed=True).machines} == {M1, M2}
+    assert query.snapshot(now, app="api").machines == [] and query.known_app("api")
+    assert not query.known_app("nope") and query.snapshot(now, app="nope").workers == []
 
 
-def test_heartbeats_expiry_and_staleness_set_worker_status(store: ViewStore) -> None:
+def test_heartbeats_expiry_and_staleness_set_worker_status(fold: ViewWriter, query: ViewReader) -> None:
     now = time.time()
-    store.put_heartbeat("mad.mad-w1", info("mad-w1", heartbeat_at=now), now)
-    store.put_heartbeat("mad.mad-w2", info("mad-w2", heartbeat_at=now, cordoned=True), now)
-    store.put_heartbeat("syd.syd-w1", info("syd-w1", "syd", heartbeat_at=now), now)
-    store.apply_events([(1, event(1, "started", worker="syd-w1", region="syd"))])
-    status = {w.worker_id: w.status for w in store.snapshot(now).workers}
+    fold.put_heartbeat("mad.mad-w1", info("mad-w1", heartbeat_at=now), now)
+    fold.put_heartbeat("mad.mad-w2", info("mad-w2", heartbeat_at=now, cordoned=True), now)
+    fold.put_heartbeat("syd.syd-w1", info("syd-w1", "syd", heartbeat_at=now), now)
+    fold.apply_events([(1, event(1, "started", worker="syd-w1", region="syd"))])
+    status = {w.worker_id: w.status for w in query.snapshot(now).workers}
     assert status == {"mad-w1": "ready", "mad-w2": "cordoned", "syd-w1": "ready"}
-    store.put_heartbeat("mad.mad-w1", None, now)  # an expiry marker
-    store.lost_unless({"mad.mad-w2"}, now)  # a fresh read of the bucket without syd-w1
-    snap = store.snapshot(now)
+    fold.put_heartbeat("mad.mad-w1", None, now)  # an expiry marker
+    fold.lost_unless({"mad.mad-w2"}, now)  # a fresh read of the bucket without syd-w1
+    snap = query.snapshot(now)
     assert {w.worker_id: w.status for w in snap.workers} == {"mad-w1": "lost", "mad-w2": "cordoned", "syd-w1": "lost"}
     regions = {r.region: r for r in snap.regions}
     assert (regions["mad"].workers, regions["mad"].lost, regions["mad"].cordoned) == (1, 1, 1)
     assert (regions["syd"].workers, regions["syd"].lost, regions["syd"].machines) == (0, 1, 1)
     # a heartbeat older than the TTL counts as lost even before its marker arrives
-    assert {w.status for w in store.snapshot(now + 60).workers} == {"lost"}
+    assert {w.status for w in query.snapshot(now + 60).workers} == {"lost"}
     # long gone and holding nothing: no longer listed; holding a machine: still listed
-    assert {w.worker_id for w in store.snapshot(now + 7200).workers} == {"syd-w1"}
+    assert {w.worker_id for w in query.snapshot(now + 7200).workers} == {"syd-w1"}
 
 
-def test_status_json_shape_is_stable(store: ViewStore) -> None:
+def test_status_json_shape_is_stable(fold: ViewWriter, query: ViewReader) -> None:
     now = time.time()
-    store.put_heartbeat("mad.mad-w1", info("mad-w1", heartbeat_at=now), now)
-    store.apply_events([(1, event(1, "created"))])
-    shape = msgspec.json.decode(msgspec.json.encode(store.snapshot(now).status_json("/tmp/v")))
+    fold.put_heartbeat("mad.mad-w1", info("mad-w1", heartbeat_at=now), now)
+    fold.apply_events([(1, event(1, "created"))])
+    shape = msgspec.json.decode(msgspec.json.encode(query.snapshot(now).status_json("/tmp/v")))
     assert list(shape) == ["regions", "workers", "machines", "view"]
     assert set(shape["regions"][0]) == {
         "region",
@@ -284,17 +298,18 @@ def test_event_filters_limits_and_view_location() -> None:
 def test_a_corrupt_view_file_is_replaced(tmp_path: Path) -> None:
     path = tmp_path / "view.sqlite"
     path.write_bytes(b"this is not a database" * 100)
-    view = ViewStore(path)
-    assert view.last_seq == 0 and view.apply_events([(1, event(1, "created"))]) == 1
-    view.close()
+    db = ViewDb(path)
+    assert db.last_seq == 0 and ViewWriter(db).apply_events([(1, event(1, "created"))]) == 1
+    db.close()
 
 
 # ---------------------------------------------------------------------------------------------------
 # the live layout: pure, rendered at several widths
 
 
-def fleet_snapshot() -> ViewStore:
-    view = ViewStore(":memory:")
+def fleet_view() -> ViewDb:
+    db = ViewDb(":memory:")
+    view = ViewWriter(db)
     now = time.time()
     batch: list[tuple[int, MachineEvent | None]] = []
     for r, region in enumerate(("mad", "syd", "gru")):
@@ -327,13 +342,13 @@ def fleet_snapshot() -> ViewStore:
                         )
                     )
     view.apply_events(batch)
-    return view
+    return db
 
 
 @pytest.mark.parametrize("width", [80, 100, 160])
 def test_the_live_layout_fits_and_shows_the_fleet(width: int) -> None:
-    view = fleet_snapshot()
-    snap = view.snapshot(time.time(), events=30, machines=False)
+    db = fleet_view()
+    snap = ViewReader(db).snapshot(time.time(), events=30, machines=False)
     console = Console(file=io.StringIO(), width=width, height=40, force_terminal=True, color_system="truecolor")
     console.print(layout(snap, width=width, height=40, source="nats://127.0.0.1:4222"))
     lines = ANSI.sub("", console.file.getvalue()).splitlines()  # type: ignore[attr-defined]
@@ -355,16 +370,16 @@ def test_the_live_layout_fits_and_shows_the_fleet(width: int) -> None:
     assert sum("recent events" in line for line in lines) == 1
     if width >= 160:  # region panels side by side
         assert any(line.count("╭") >= 2 for line in lines)
-    view.close()
+    db.close()
 
 
 def test_the_live_layout_of_an_empty_fleet() -> None:
-    view = ViewStore(":memory:")
+    db = ViewDb(":memory:")
     console = Console(file=io.StringIO(), width=80, force_terminal=True)
-    console.print(layout(view.snapshot(time.time(), machines=False), width=80, source="nats://x"))
+    console.print(layout(ViewReader(db).snapshot(time.time(), machines=False), width=80, source="nats://x"))
     text = ANSI.sub("", console.file.getvalue())  # type: ignore[attr-defined]
     assert "no workers have reported yet" in text and "no events yet" in text
-    view.close()
+    db.close()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -413,14 +428,14 @@ async def publish(url: str, messages: list[tuple[str, bytes]]) -> int:
 
 async def build(url: str, path: Path) -> tuple[ViewFollower, float]:
     nc = await nats.connect(url)
-    view = ViewStore(path)
-    follower = ViewFollower(nc, view)
+    db = ViewDb(path)
+    follower = ViewFollower(nc, ViewWriter(db))
     started = time.perf_counter()
     await follower.start(heartbeats=False)
     assert await follower.catch_up(60)
     elapsed = time.perf_counter() - started
     await follower.close()
-    view.close()
+    db.close()
     await nc.close()
     return follower, elapsed
 
@@ -434,9 +449,9 @@ def test_catch_up_rate_and_rebuild_from_scratch(fresh_nats: EmbeddedNats, tmp_pa
     (tmp_path / "a.sqlite").rename(tmp_path / "kept.sqlite")  # delete the file: it is rebuilt from the stream
     _, elapsed = arun(build(fresh_nats.url, tmp_path / "a.sqlite"))
     print(f"rebuild after deleting the file: {elapsed:.2f}s")
-    kept, rebuilt = ViewStore(tmp_path / "kept.sqlite"), ViewStore(tmp_path / "a.sqlite")
-    assert kept.dump() == rebuilt.dump()
-    snap = rebuilt.snapshot(time.time())
+    kept, rebuilt = ViewDb(tmp_path / "kept.sqlite"), ViewDb(tmp_path / "a.sqlite")
+    assert ViewReader(kept).dump() == ViewReader(rebuilt).dump()
+    snap = ViewReader(rebuilt).snapshot(time.time())
     assert len(snap.machines) == 500 and {m.state for m in snap.machines} == {"stopped"}
     kept.close()
     rebuilt.close()
@@ -461,9 +476,9 @@ def test_resume_applies_only_new_events_and_stale_views_are_rebuilt(fresh_nats: 
     arun(purge_and_add())
     aged, _ = arun(build(fresh_nats.url, path))
     assert "aged out" in str(aged.rebuilt) and aged.applied == 3 and aged.first_applied == 53
-    view = ViewStore(path)
-    assert [row[0] for row in view.dump()["events"]] == [53, 54, 55]
-    view.close()
+    db = ViewDb(path)
+    assert [row[0] for row in ViewReader(db).dump()["events"]] == [53, 54, 55]
+    db.close()
 
     async def recreate() -> None:
         nc = await nats.connect(fresh_nats.url)
