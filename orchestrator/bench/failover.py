@@ -11,14 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import uvloop
 
 from bus import subjects
 from bus.messages import ListRequest, Machine
-from bus.service import call
 from orchestrator.bench import BenchError
 from orchestrator.bench.deploy import APP, bench_fleet, bench_spec
 from orchestrator.bench.report import Report, Table
@@ -44,8 +42,9 @@ class FailoverResult(msgspec.Struct, kw_only=True):
     max_s: float
 
 
-async def _spare_started(nc: Any, worker_id: str, machine_id: str) -> bool:
-    found = await call(nc, subjects.worker_machines(worker_id, "list"), ListRequest(app=APP), list[Machine], timeout=2)
+async def _spare_started(operator: Reconciler, worker_id: str, machine_id: str) -> bool:
+    subject = subjects.worker_machines(worker_id, "list")
+    found = await operator.bus.call(subject, ListRequest(app=APP), list[Machine], timeout=2)
     return any(m.id == machine_id and m.state == "started" for m in found)
 
 
@@ -64,7 +63,7 @@ async def _one_failover(fleet: DevFleet, operator: Reconciler, round_: int, prog
     standby = spares[victim.id]
     fleet.kill_host(victim.worker_id)
     killed = time.perf_counter()
-    while not await _spare_started(operator.nc, standby.worker_id, standby.id):
+    while not await _spare_started(operator, standby.worker_id, standby.id):
         if time.perf_counter() - killed > FAILOVER_TIMEOUT:
             raise BenchError(f"round {round_ + 1}: the spare {standby.id} did not start within {FAILOVER_TIMEOUT:g}s")
         await asyncio.sleep(0.02)

@@ -165,13 +165,6 @@ class Reconciler:
         await reconciler._follow(nc, kv)
         return reconciler
 
-    @property
-    def nc(self) -> Client:
-        """The NATS connection of a reconciler made by `connect` (for the CLI's and benchmarks' own calls)."""
-        if self._nc is None:
-            raise RuntimeError("this reconciler was not made by Reconciler.connect: it has no NATS connection")
-        return self._nc
-
     async def _follow(self, nc: Client, kv: FleetKV) -> None:
         """Keep the replicas current and wake the loop on any change: workers, machines, events, releases."""
         self._nc = nc
