@@ -2,10 +2,11 @@
 
 Why it exists: `python -I -S shim.py` costs ~20-30 ms of CPU per machine start, nearly all of it
 interpreter start-up, and on a small host that competes with the next create. The launcher is one
-long-lived `python -I -S` per `ProcessDriver` that already holds the shim's code: per request it
-forks, and the child becomes the shim exactly as a fresh one would (new session, the machine's log
-files as stdout/stderr, /dev/null as stdin, no other fds, the machine's cwd, then `shim.run`).
-A start then costs a fork and a few syscalls.
+long-lived `python -I -S` per `ProcessDriver` that already holds the shim's code. It keeps `SPARES`
+children forked ahead of need; a request hands its job to one of them, which becomes the shim
+exactly as a fresh one would (new session, the machine's log files as stdout/stderr, /dev/null as
+stdin, no other fds, the machine's cwd, then `shim.run`). A start then costs one message to a
+process that already exists, and the fork of its replacement happens after the reply, off the path.
 
 Key decisions:
 
@@ -13,30 +14,47 @@ Key decisions:
   must not depend on the worker's virtualenv or environment. Its own start-up (~30 ms) is paid once.
   Few imports (no typing, no contextlib) and a frozen heap: a fork copies the page tables of all
   that is mapped, and every page either side writes to afterwards, and on a VM that is the cost.
-- Machines outlive the launcher: each shim calls setsid, and nothing of the launcher is left open
-  in it. The launcher exits when its request socket reaches end of file, which the kernel delivers
-  the moment the worker dies, however it dies. (No PR_SET_PDEATHSIG: it fires when the *thread*
-  that spawned the launcher ends, which would kill a healthy launcher started from a thread pool.)
-- The reply follows the fork at once, so the driver's `start` returns before the child has even run:
-  its setsid and redirections come a moment later, always before it forks the workload (so
-  `child.pid` names a process in the shim's session, which is what the driver checks).
-- Fallible set-up happens in the launcher before the fork (decoding, opening the logs, chdir), so a
-  bad request gets an error reply, as `subprocess.Popen` would raise, instead of a dead shim.
-- No duplicate machines: the child waits for one byte (`GO`) that the launcher writes only after
-  its reply is sent. If the launcher dies in between, the child reads end of file and exits without
-  starting anything, so a worker that got no reply can safely fall back to starting the shim itself.
-- The launcher reaps its shims (SIGCHLD through a wakeup fd, handled in the main loop, so reaping
-  never interleaves with a launch). The worker cannot `waitid` them, so a shim that ended without
-  writing `exit.json` and never started its workload gets one from the launcher, holding the shim's
-  own wait status, written *before* the zombie is reaped: the driver waits for that reaping before it
-  decides, and `exit.json` stays the single source of truth. A shim that died under a running
-  workload is left to the driver, which kills that workload and reports the task as lost.
-- `start_ticks` is read by the launcher before it replies: until it reaps the shim (later, in its own
-  loop) the pid cannot be reused, so the value is always the shim's.
+- Spares: each is forked with a SOCK_SEQPACKET channel of its own, calls setsid, takes /dev/null as
+  stdin and stdout and closes every other fd of the launcher's (the worker's socket, the other
+  spares' channels) at once, then waits. A job arrives as the request itself plus the stdout, stderr
+  and cwd descriptors (SCM_RIGHTS). A spare that dies while waiting is reaped and replaced; the
+  launcher forks replacements only when no request is waiting, after `REFILL_DELAY` while a spare
+  is still left (a fork right after a reply would compete with the worker reading it), at once when
+  none is. With no spare (a burst, or a failed fork), the launcher forks the shim on the request's
+  path, as it always did; a job too big for one message does the same.
+- The launcher runs as SCHED_BATCH, which never preempts on wake-up: a request otherwise made the
+  kernel run the launcher at once on the worker's CPU, in the middle of the worker's `send` (a
+  millisecond of the worker's event loop per start on a busy 2-core VM). Its children switch back
+  to SCHED_OTHER first thing, so machines are scheduled like any other process.
+- Machines outlive the launcher: each shim is in a session of its own, and nothing of the launcher
+  is left open in it. The launcher exits when its request socket reaches end of file, which the
+  kernel delivers the moment the worker dies, however it dies; its waiting spares then read end of
+  file on their channels and exit too (reaped by the launcher when it exits on its own). (No
+  PR_SET_PDEATHSIG: it fires when the *thread* that spawned the launcher ends, which would kill a
+  healthy launcher started from a thread pool.)
+- The reply names a spare (pid, `start_ticks` read when it was forked: until the launcher reaps it
+  the pid cannot be reused) and is sent as soon as the job is handed over, so the driver's `start`
+  returns before the shim has even run: its redirections come a moment later, always before it
+  forks the workload (so `child.pid` names a process in the shim's session, which the driver checks).
+- Fallible set-up happens in the launcher before the hand-over (decoding, creating the workdir and
+  clearing what a previous run left in it, opening the logs and the cwd), so a bad request gets an
+  error reply, as `subprocess.Popen` would raise, not a dead shim; and none of that filesystem work
+  runs on the worker's event loop.
+- No duplicate machines: the child waits for one byte (`GO`: on its channel for a spare, on a pipe
+  for a child forked on the path) that the launcher writes only after its reply is sent. If the
+  launcher dies in between, the child reads end of file and exits (`ABANDONED`) without starting
+  anything, so a worker that got no reply can safely fall back to starting the shim itself.
+- The launcher reaps its shims and spares (SIGCHLD through a wakeup fd, handled in the main loop, so
+  reaping never interleaves with a launch). The worker cannot `waitid` them, so a shim that ended
+  without writing `exit.json` and never started its workload gets one from the launcher, holding
+  the shim's own wait status, written *before* the zombie is reaped: the driver waits for that
+  reaping before it decides, and `exit.json` stays the single source of truth. A shim that died
+  under a running workload is left to the driver, which kills that workload and reports it lost.
 
 Wire format (one SOCK_SEQPACKET message each way, fields NUL-separated; exec arguments cannot hold NUL):
 request `workdir, cwd, rlimit_as or "", N, N cgroups, M, M "KEY=VALUE", cmd...`;
 reply `ok PID START_TICKS` or `err ERRNO MESSAGE` + NUL + the file it is about (may be empty).
+A job, launcher to spare: the request's bytes with three descriptors (stdout, stderr, cwd), then `GO`.
 """
 
 from __future__ import annotations
@@ -46,6 +64,7 @@ import gc
 import os
 import select
 import signal
+import socket
 import sys
 import time
 
@@ -56,6 +75,12 @@ GO = b"g"
 ABANDONED = 125  # a child whose launcher died before saying GO: it started nothing
 FIELD_SEP = b"\0"
 OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+STALE = ("exit.json", "child.pid", "exit.json.tmp", "child.pid.tmp")  # what a run leaves in its workdir
+CWD_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+SPARES = 2  # children forked ahead: one for the next request, one for a burst
+# A spare is forked once no request has come for this long (at once when none is left): a fork
+# right after a reply competes for the CPU with the worker that is reading that reply.
+REFILL_DELAY = 0.005
 
 
 class Request:
@@ -153,24 +178,57 @@ def proc_stat_fields(pid: int) -> list[bytes] | None:
 # the server
 
 
+class Spare:
+    """A child forked ahead of need, waiting on `chan` for a job; `ticks` is its start time."""
+
+    def __init__(self, pid: int, ticks: int, chan: socket.socket) -> None:
+        self.pid = pid
+        self.ticks = ticks
+        self.chan = chan
+
+    def __repr__(self) -> str:
+        return f"Spare(pid={self.pid})"
+
+
 def main(argv: list[str]) -> int:
-    """`python -I -S -c BOOTSTRAP REPO_ROOT SOCKET_FD`: serve until the worker closes its end."""
+    """`python -I -S -c BOOTSTRAP REPO_ROOT SOCKET_FD [SPARES]`: serve until the worker closes its end."""
     sock = int(argv[0])
+    wanted = int(argv[1]) if len(argv) > 1 else SPARES
     # What exists now never changes: keep the collector off it, so neither the launcher nor its
     # children write to (and so copy) the pages they share after each fork.
     gc.freeze()
+    _set_policy(os.SCHED_BATCH)
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, _on_sigchld)
     shims: dict[int, str] = {}  # pid -> workdir, until reaped
-    while True:
-        ready, _, _ = select.select([sock, wake_r], [], [])
-        if wake_r in ready:
-            while _drain(wake_r):
-                pass
-            reap(shims)
-        if sock in ready and not _serve_one(sock, shims):
-            return 0
+    spares: dict[int, Spare] = {}  # pid -> spare, until handed a job or reaped
+    refill = True  # False after a failed fork, until the next request
+    try:
+        while True:
+            # Requests first: a missing spare is forked only when no request is waiting.
+            idle = None if not refill or len(spares) >= wanted else REFILL_DELAY if spares else 0.0
+            ready, _, _ = select.select([sock, wake_r], [], [], idle)
+            if not ready:
+                refill = _add_spare(spares)
+                continue
+            if wake_r in ready:
+                while _drain(wake_r):
+                    pass
+                reap(shims, spares)
+            if sock in ready:
+                if not _serve_one(sock, shims, spares):
+                    return 0
+                refill = True
+    finally:
+        _dismiss(spares)
+
+
+def _set_policy(policy: int) -> None:
+    try:  # noqa: SIM105
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError:
+        pass  # (a seccomp filter, say) only latency is at stake
 
 
 def _on_sigchld(signum: int, frame: object) -> None:
@@ -184,7 +242,7 @@ def _drain(fd: int) -> bool:
         return False
 
 
-def _serve_one(sock: int, shims: dict[int, str]) -> bool:
+def _serve_one(sock: int, shims: dict[int, str], spares: dict[int, Spare]) -> bool:
     """Read and answer one request; False once the worker is gone."""
     try:
         data = os.read(sock, MAX_REQUEST + 1)
@@ -195,10 +253,14 @@ def _serve_one(sock: int, shims: dict[int, str]) -> bool:
     go_fd = -1
     try:
         request = decode_request(data)
-        pid, go_fd = _fork_shim(request)
+        fds = _open_job_files(request)
+        try:
+            pid, ticks, go_fd = _hand_to_spare(spares, data, fds) or _fork_shim(request, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         shims[pid] = request.args.workdir
-        fields = proc_stat_fields(pid)  # cannot be gone: only this loop reaps it
-        reply = encode_ok(pid, int(fields[19]) if fields else 0)
+        reply = encode_ok(pid, ticks)
     except OSError as exc:
         reply = encode_error(exc.errno or errno.EIO, exc.strerror or str(exc), exc.filename)
     except (ValueError, IndexError) as exc:
@@ -222,58 +284,171 @@ def _say_go(go_fd: int) -> None:
         os.close(go_fd)
 
 
-def _fork_shim(request: Request) -> tuple[int, int]:
-    """Fork a shim for `request`; return its pid and the fd to write GO to."""
-    workdir = request.args.workdir
+def prepare_workdir(workdir: str) -> None:
+    """The machine's own directory, without the files a previous run of it left (a restart reuses
+    it): done here rather than in the worker, whose event loop a slow filesystem would stall."""
+    try:
+        os.mkdir(workdir)
+        return  # new: nothing stale in it
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(workdir, exist_ok=True)
+        return
+    for name in STALE:
+        try:  # noqa: SIM105
+            os.unlink(os.path.join(workdir, name))
+        except FileNotFoundError:
+            pass
+
+
+def _open_job_files(request: Request) -> list[int]:
+    """The shim's stdout, stderr and cwd (an O_PATH descriptor), opened here so that a missing
+    directory or an unwritable log is an error reply, as `Popen` would raise, not a dead shim."""
+    prepare_workdir(request.args.workdir)
     opened: list[int] = []
     try:
         for name in ("stdout.log", "stderr.log"):
-            opened.append(os.open(os.path.join(workdir, name), OPEN_FLAGS, 0o666))
-        opened.append(os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC))
-        go_r, go_w = os.pipe2(os.O_CLOEXEC)
-        opened.append(go_r)
-        os.chdir(request.cwd)  # here, so a missing directory is an error reply; the child inherits it
-        try:
-            pid = os.fork()
-            if pid == 0:
-                _become_shim(request, opened, go_w)
-        except BaseException:
-            os.close(go_w)
-            raise
-        finally:
-            os.chdir("/")
-        return pid, go_w
-    finally:
+            opened.append(os.open(os.path.join(request.args.workdir, name), OPEN_FLAGS, 0o666))
+        opened.append(os.open(request.cwd, CWD_FLAGS))
+    except BaseException:
         for fd in opened:
             os.close(fd)
+        raise
+    return opened
 
 
-def _become_shim(request: Request, fds: list[int], go_w: int) -> None:
-    """In the forked child: what `Popen(start_new_session=True, close_fds=True, ...)` and a fresh
-    `python -I -S shim.py` would have done, then the shim itself. Never returns to the loop."""
-    out, err, null, go_r = fds
+def _hand_to_spare(spares: dict[int, Spare], data: bytes, fds: list[int]) -> tuple[int, int, int] | None:
+    """Send the job to a waiting spare: its pid, start time and the fd to write GO to; None when no
+    spare took it (none left, or the job is too big for one message)."""
+    while spares:
+        pid = next(iter(spares))
+        spare = spares.pop(pid)
+        try:
+            socket.send_fds(spare.chan, [data], fds)
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:
+                spares[pid] = spare  # still good for the next job
+                return None
+            spare.chan.close()  # it died before its job: reaped by the loop, not a shim
+            continue
+        return spare.pid, spare.ticks, spare.chan.detach()
+    return None
+
+
+def _add_spare(spares: dict[int, Spare]) -> bool:
+    """Fork one spare; False if that failed (the loop retries after the next request)."""
+    try:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError:
+        return False
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _wait_for_job(theirs)
+    except OSError:
+        ours.close()
+        return False
+    finally:
+        theirs.close()
+    fields = proc_stat_fields(pid)  # cannot be gone: only this loop reaps it
+    spares[pid] = Spare(pid, int(fields[19]) if fields else 0, ours)
+    return True
+
+
+def _dismiss(spares: dict[int, Spare]) -> None:
+    """The launcher is ending: its spares read end of file and exit; reap them (at once)."""
+    for spare in spares.values():
+        spare.chan.close()
+    for pid in spares:
+        try:  # noqa: SIM105
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _fork_shim(request: Request, fds: list[int]) -> tuple[int, int, int]:
+    """No spare: fork a shim for `request` now; return its pid, start time and the fd to write GO to."""
+    go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                _leave_launcher(keep=(go_r, *fds))
+                status = _run_job(request, fds, go_r)
+            except BaseException as exc:  # the child must not fall back into the loop
+                _complain(exc)
+            os._exit(status)
+    except BaseException:
+        os.close(go_w)
+        raise
+    finally:
+        os.close(go_r)
+    fields = proc_stat_fields(pid)  # cannot be gone: only this loop reaps it
+    return pid, int(fields[19]) if fields else 0, go_w
+
+
+def _wait_for_job(chan: socket.socket) -> None:
+    """In a spare: leave the launcher behind, wait for a job, become its shim. Never returns."""
     status = 1
     try:
-        os.close(go_w)  # only the launcher may hold it, or a dead launcher's EOF would never come
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.setsid()
-        for fd, target in ((null, 0), (out, 1), (err, 2)):
-            os.dup2(fd, target)
-        if os.read(go_r, 1) != GO:
-            os._exit(ABANDONED)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        status = shim.run(request.args)
-    except BaseException as exc:  # anything at all: the child must not fall back into the loop
-        try:  # noqa: SIM105 - contextlib (and typing) are not imported: every module is copied by each fork
-            os.write(2, f"fauxmad shim: {type(exc).__name__}: {exc}\n".encode())
-        except BaseException:
-            pass
+        _leave_launcher(keep=(chan.fileno(),))
+        data, fds, _, _ = socket.recv_fds(chan, MAX_REQUEST + 1, 3)
+        if not data or len(fds) != 3:
+            os._exit(ABANDONED)  # the launcher ended first
+        status = _run_job(decode_request(data), fds, chan.fileno())
+    except BaseException as exc:
+        _complain(exc)
     os._exit(status)
 
 
-def reap(shims: dict[int, str]) -> None:
-    """Reap every ended child, after recording the end of a shim that left no exit.json behind."""
+def _leave_launcher(keep: tuple[int, ...]) -> None:
+    """In a new child: drop the launcher's signal set-up and every fd but `keep` and stderr (so no
+    child holds the worker's socket or a sibling's GO channel), start a session, stdin from /dev/null."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _set_policy(os.SCHED_OTHER)  # the machine's processes are scheduled like any other
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    low = 3
+    for fd in sorted(keep):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+
+
+def _run_job(request: Request, fds: list[int], go_fd: int) -> int:
+    """What `Popen(start_new_session=True, close_fds=True, ...)` and a fresh `python -I -S shim.py`
+    would have done (stdio, cwd, no other fds), once the launcher says GO; then the shim itself."""
+    out, err, cwd = fds
+    try:
+        os.dup2(out, 1)
+        os.dup2(err, 2)
+        os.fchdir(cwd)
+        for fd in fds:
+            os.close(fd)
+        if os.read(go_fd, 1) != GO:
+            return ABANDONED
+        os.close(go_fd)
+        return shim.run(request.args)
+    except BaseException as exc:  # anything at all: the child must not fall back into the loop
+        _complain(exc)
+        return 1
+
+
+def _complain(exc: BaseException) -> None:
+    try:  # noqa: SIM105 - contextlib (and typing) are not imported: every module is copied by each fork
+        os.write(2, f"fauxmad shim: {type(exc).__name__}: {exc}\n".encode())
+    except BaseException:
+        pass
+
+
+def reap(shims: dict[int, str], spares: dict[int, Spare] | None = None) -> None:
+    """Reap every ended child, after recording the end of a shim that left no exit.json behind; a
+    spare that ended before its job is forgotten (the loop forks another)."""
     while True:
         try:
             ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -284,6 +459,9 @@ def reap(shims: dict[int, str]) -> None:
         workdir = shims.pop(ended.si_pid, None)
         if workdir is not None:
             record_shim_end(workdir, ended)
+        spare = spares.pop(ended.si_pid, None) if spares is not None else None
+        if spare is not None:
+            spare.chan.close()
         try:  # noqa: SIM105
             os.waitpid(ended.si_pid, 0)
         except ChildProcessError:

@@ -1,16 +1,22 @@
 """The worker's end of the launcher (workers/launcher.py): spawn it, ask it for shims, replace it.
 
-Why it exists: `ProcessDriver.start` wants a shim in well under a millisecond, and must still start
-one when there is no launcher. This module owns the helper process and its socket so the driver only
-sees `launch(request) -> (pid, start_ticks)`, or None meaning "start it the direct way".
+Why it exists: `ProcessDriver.start` wants a shim in well under a millisecond without blocking the
+worker's event loop, and must still start one when there is no launcher. This module owns the
+helper process and its socket so the driver only sees `await launch(request) -> (pid, start_ticks)`,
+or None meaning "start it the direct way".
 
 Key decisions:
 
 - Spawned lazily by the first launch, so a driver that only recovers, inspects or waits (a restarted
   worker's bookkeeping, the tests' cleanup) never starts one.
-- One request at a time, answered synchronously: the launcher's fork takes a fraction of a
-  millisecond, less than `subprocess.Popen` blocked the event loop for before, and a blocking round
-  trip is independent of whichever event loop (or thread) calls it.
+- One request at a time per event loop (an `asyncio.Lock`), awaited on the non-blocking socket
+  (`loop.sock_sendall` / `sock_recv`): the event loop serves other requests while the launcher
+  answers. A second loop in another thread that finds a round trip in flight starts its shim the
+  direct way rather than wait (a `threading.Lock`, tried without blocking, guards the socket).
+- A launch cancelled while its request is out (the worker stopping, a caller's timeout) may have
+  started a shim that nobody will hear of: the launcher is killed at once (a child it had not yet
+  told GO starts nothing), and a reply it had already sent is handed to `orphaned`, which ends
+  that machine. The next launch spawns a new launcher.
 - Any failure of the launcher itself (cannot spawn, died, closed, silent past `LAUNCH_TIMEOUT`) is
   logged once, the launcher is discarded and this start goes the direct way; the next start spawns a
   new one. After `MAX_FAILURES` failures in a row the driver stops trying for its lifetime.
@@ -23,14 +29,16 @@ Key decisions:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-from workers.launcher import MAX_REQUEST, Request, decode_reply, encode_request
+from workers.launcher import MAX_REQUEST, SPARES, Request, decode_reply, encode_request
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +61,21 @@ class LauncherFailed(Exception):
         self.late_reply = late_reply
 
 
+Orphaned = Callable[[Request, int, int], None]
+
+
 class LauncherClient:
     """One launcher process and the socket to it; see the module docstring."""
 
-    def __init__(self, python: str) -> None:
+    def __init__(self, python: str, orphaned: Orphaned | None = None, spares: int = SPARES) -> None:
         self.python = python
+        self.spares = spares
+        self._orphaned = orphaned
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
-        self._lock = threading.Lock()
+        self._turn: asyncio.Lock | None = None
+        self._turn_loop: asyncio.AbstractEventLoop | None = None
+        self._busy = threading.Lock()
         self._failures = 0
         self._closed = False
 
@@ -74,39 +89,57 @@ class LauncherClient:
         proc = self._proc
         return proc.pid if proc is not None and proc.poll() is None else None
 
-    def launch(self, request: Request) -> tuple[int, int] | None:
+    async def launch(self, request: Request) -> tuple[int, int] | None:
         """(pid, start_ticks) of a new shim, or None: no launcher, start the shim directly."""
         data = encode_request(request)
         if len(data) > MAX_REQUEST:
             return None
-        with self._lock:
-            if self._closed or self._failures >= MAX_FAILURES:
-                return None
+        async with self._my_turn():
+            if self._closed or self._failures >= MAX_FAILURES or not self._busy.acquire(blocking=False):
+                return None  # (busy: another thread's loop is in a round trip right now)
             try:
-                sock = self._sock or self._spawn()
-                reply = self._round_trip(sock, data)
-            except LauncherFailed as exc:
-                self._failed(str(exc))
-                if not exc.late_reply:
-                    return None
-                reply = exc.late_reply
-            else:
-                self._failures = 0
-        return decode_reply(reply)
+                reply = await self._exchange(request, data)
+            finally:
+                self._busy.release()
+        return decode_reply(reply) if reply else None
 
     def close(self) -> None:
         """Stop the launcher (it exits on end of file); the shims it started keep running."""
-        with self._lock:
+        # Bounded: called from the loop's own thread, it must not wait forever for a round trip in
+        # flight on that loop (it then ends at its timeout, on a closed socket).
+        acquired = self._busy.acquire(timeout=CLOSE_TIMEOUT)
+        try:
             self._closed = True
             self._discard(kill=False)
+        finally:
+            if acquired:
+                self._busy.release()
 
     # -- internals -----------------------------------------------------------------------------------
+
+    def _my_turn(self) -> asyncio.Lock:
+        """One round trip at a time per event loop; a new loop (each `asyncio.run`) gets a new lock."""
+        loop = asyncio.get_running_loop()
+        if self._turn is None or self._turn_loop is not loop:
+            self._turn, self._turn_loop = asyncio.Lock(), loop
+        return self._turn
+
+    async def _exchange(self, request: Request, data: bytes) -> bytes:
+        """The launcher's reply, or b"" when it failed (and was discarded)."""
+        try:
+            sock = self._sock or self._spawn()
+            reply = await self._round_trip(sock, request, data)
+        except LauncherFailed as exc:
+            self._failed(str(exc))
+            return exc.late_reply
+        self._failures = 0
+        return reply
 
     def _spawn(self) -> socket.socket:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(
-                [self.python, "-I", "-S", "-c", BOOTSTRAP, REPO_ROOT, str(theirs.fileno())],
+                [self.python, "-I", "-S", "-c", BOOTSTRAP, REPO_ROOT, str(theirs.fileno()), str(self.spares)],
                 stdin=subprocess.DEVNULL,
                 pass_fds=[theirs.fileno()],
                 start_new_session=True,  # no terminal's Ctrl-C; the shims it forks get sessions of their own
@@ -116,29 +149,44 @@ class LauncherClient:
             raise LauncherFailed(f"cannot start the launcher: {exc}") from exc
         finally:
             theirs.close()
-        ours.settimeout(LAUNCH_TIMEOUT)
+        ours.setblocking(False)
         self._sock = ours
         return ours
 
-    def _round_trip(self, sock: socket.socket, data: bytes) -> bytes:
+    async def _round_trip(self, sock: socket.socket, request: Request, data: bytes) -> bytes:
+        loop = asyncio.get_running_loop()
         try:
-            sock.send(data)
-            reply = sock.recv(REPLY_SIZE)
+            await loop.sock_sendall(sock, data)  # one SEQPACKET message: sent whole or not at all
+            async with asyncio.timeout(LAUNCH_TIMEOUT):
+                reply = await loop.sock_recv(sock, REPLY_SIZE)
         except TimeoutError:
             raise LauncherFailed(
                 f"the launcher did not answer in {LAUNCH_TIMEOUT} s", self._reply_after_kill(sock)
             ) from None
+        except asyncio.CancelledError:
+            self._abandon(sock, request)
+            raise
         except OSError as exc:
             raise LauncherFailed(f"the launcher is gone ({exc})") from exc
         if not reply:
             raise LauncherFailed("the launcher is gone (end of file)")
         return reply
 
+    def _abandon(self, sock: socket.socket, request: Request) -> None:
+        """Cancelled mid-request: the launcher may be starting a shim nobody will hear of. Kill it (a
+        child not yet told GO starts nothing), and hand a shim it had already answered with to
+        `orphaned`, so that it is ended. The next launch spawns a new launcher."""
+        late = self._reply_after_kill(sock)
+        self._discard(kill=True)
+        log.info("a launch was cancelled mid-request: launcher discarded")
+        with contextlib.suppress(OSError, ValueError):
+            if late and self._orphaned is not None:
+                self._orphaned(request, *decode_reply(late))
+
     def _reply_after_kill(self, sock: socket.socket) -> bytes:
         """Silent too long: kill it (its child, if any, then starts nothing), and use a reply that
         made it into the socket before it died, if one did."""
         self._kill()
-        sock.setblocking(False)
         try:
             return sock.recv(REPLY_SIZE)
         except OSError:

@@ -14,6 +14,10 @@ Key decisions:
   directory can never pass for a cgroup.
 - Layout `<root>/fauxmad/<base_name>/<machine_id>`, so several workers on one host never collide and
   an operator can see at a glance what belongs to fauxmad.
+- Creating a cgroup is the slow part, so `prepare` takes one made ahead from a small pool
+  (workers/cgroup_pool.py: `<base>/_pool-<hex>`, renamed after the machine, limits preset for the
+  last size asked for) and creates one only when the pool is empty or the machine's cgroup exists
+  already (a restart reuses it). Probing (`auto_detect`) and the rlimit mode never start a pool.
 - Memory: the limit is `memory_mb`, swap is not allowed (v1 `memsw` = the limit, v2 `swap.max` = 0),
   so an oversized machine is OOM-killed rather than swapping the host to death. v2 also sets
   `memory.oom.group`, so an OOM kills the whole machine and not a random process inside it.
@@ -35,6 +39,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal, Protocol
+
+from workers.cgroup_pool import CgroupPool
 
 Mode = Literal["cgroup2", "cgroup1", "rlimit"]
 
@@ -69,6 +75,11 @@ class Limits(Protocol):
 
     def rlimit_as(self, memory_mb: int) -> int | None:
         """The RLIMIT_AS to give the workload, or None when cgroups do the job."""
+        ...
+
+    def release_pool(self) -> None:
+        """Remove the cgroups made ahead for future machines (see workers/cgroup_pool.py), when the
+        driver stops starting machines; a later `prepare` fills the pool again."""
         ...
 
     def close(self) -> None:
@@ -188,6 +199,7 @@ class Cgroup2Limits:
         self.root = Path(root)
         self.base = self.root / "fauxmad" / _checked(base_name)
         self.cpu = False
+        self.pool = CgroupPool(self._apply)
 
     def __repr__(self) -> str:
         return f"Cgroup2Limits(base={str(self.base)!r}, cpu={self.cpu})"
@@ -213,10 +225,24 @@ class Cgroup2Limits:
         return [str(self.base / machine_id)]
 
     def prepare(self, machine_id: str, memory_mb: int, cpus: int) -> list[str]:
+        cgroup = self.base / _checked(machine_id)
         if not self.base.is_dir():
             self.setup()
+        if not cgroup.exists():
+            pooled = self.pool.claim([self.base], machine_id, memory_mb, cpus)
+            if pooled is not None:
+                return [str(directory) for directory in pooled]
+        return self.make(machine_id, memory_mb, cpus)
+
+    def make(self, machine_id: str, memory_mb: int, cpus: int) -> list[str]:
+        """`prepare` without the pool: create (or reuse) the machine's cgroup and write its limits."""
         cgroup = self.base / _checked(machine_id)
         cgroup.mkdir(exist_ok=True)
+        self._apply([cgroup], memory_mb, cpus)
+        return [str(cgroup)]
+
+    def _apply(self, dirs: list[Path], memory_mb: int, cpus: int) -> None:
+        [cgroup] = dirs
         _write(cgroup / "memory.max", str(memory_mb * MIB))
         for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
             if (cgroup / name).exists():
@@ -224,7 +250,6 @@ class Cgroup2Limits:
         if self.cpu:
             weight = _weight(cpus, V2_WEIGHT_PER_CPU, 1, V2_WEIGHT_MAX)
             _write(cgroup / "cpu.weight", str(weight))
-        return [str(cgroup)]
 
     def oom_killed(self, cgroups: Sequence[str], signal: int | None) -> bool:
         for cgroup in map(Path, cgroups):
@@ -244,7 +269,11 @@ class Cgroup2Limits:
     def rlimit_as(self, memory_mb: int) -> int | None:
         return None
 
+    def release_pool(self) -> None:
+        self.pool.release()
+
     def close(self) -> None:
+        self.pool.release()
         with contextlib.suppress(OSError):
             self.base.rmdir()
 
@@ -261,6 +290,7 @@ class Cgroup1Limits:
     def __init__(self, memory_root: str, cpu_root: str | None, base_name: str) -> None:
         self.memory_base = Path(memory_root) / "fauxmad" / _checked(base_name)
         self.cpu_base = Path(cpu_root) / "fauxmad" / base_name if cpu_root else None
+        self.pool = CgroupPool(self._apply)
 
     def __repr__(self) -> str:
         return f"Cgroup1Limits(memory={str(self.memory_base)!r}, cpu={str(self.cpu_base)!r})"
@@ -282,18 +312,32 @@ class Cgroup1Limits:
         bases = (self.memory_base, self.cpu_base)
         return [str(base / machine_id) for base in bases if base is not None]
 
+    def _bases(self) -> list[Path]:
+        return [base for base in (self.memory_base, self.cpu_base) if base is not None]
+
     def prepare(self, machine_id: str, memory_mb: int, cpus: int) -> list[str]:
+        _checked(machine_id)
         if not self.memory_base.is_dir() or (self.cpu_base is not None and not self.cpu_base.is_dir()):
             self.setup()
-        memory = self.memory_base / _checked(machine_id)
-        memory.mkdir(exist_ok=True)
-        self._set_memory(memory, memory_mb * MIB)
-        if self.cpu_base is None:
-            return [str(memory)]
-        cpu = self.cpu_base / machine_id
-        cpu.mkdir(exist_ok=True)
-        _write(cpu / "cpu.shares", str(_weight(cpus, V1_SHARES_PER_CPU, 2, V1_SHARES_MAX)))
-        return [str(memory), str(cpu)]
+        # (No check whether the machine's cgroups exist: the rename fails if they do.)
+        pooled = self.pool.claim(self._bases(), machine_id, memory_mb, cpus)
+        if pooled is not None:
+            return [str(directory) for directory in pooled]
+        return self.make(machine_id, memory_mb, cpus)
+
+    def make(self, machine_id: str, memory_mb: int, cpus: int) -> list[str]:
+        """`prepare` without the pool: create (or reuse) the machine's cgroups and write its limits."""
+        dirs = [base / _checked(machine_id) for base in self._bases()]
+        for directory in dirs:
+            directory.mkdir(exist_ok=True)
+        self._apply(dirs, memory_mb, cpus)
+        return [str(directory) for directory in dirs]
+
+    def _apply(self, dirs: list[Path], memory_mb: int, cpus: int) -> None:
+        """Limits into [memory] or [memory, cpu] directories."""
+        self._set_memory(dirs[0], memory_mb * MIB)
+        if len(dirs) > 1:
+            _write(dirs[1] / "cpu.shares", str(_weight(cpus, V1_SHARES_PER_CPU, 2, V1_SHARES_MAX)))
 
     @staticmethod
     def _set_memory(cgroup: Path, limit: int) -> None:
@@ -329,7 +373,11 @@ class Cgroup1Limits:
     def rlimit_as(self, memory_mb: int) -> int | None:
         return None
 
+    def release_pool(self) -> None:
+        self.pool.release()
+
     def close(self) -> None:
+        self.pool.release()
         for base in (self.memory_base, self.cpu_base):
             if base is not None:
                 with contextlib.suppress(OSError):
@@ -363,6 +411,9 @@ class RlimitLimits:
 
     def rlimit_as(self, memory_mb: int) -> int | None:
         return memory_mb * MIB if memory_mb > 0 else None
+
+    def release_pool(self) -> None:
+        return None
 
     def close(self) -> None:
         return None
@@ -402,7 +453,7 @@ def _works(limits: Cgroup2Limits | Cgroup1Limits) -> bool:
     (the first `prepare` recreates it): detecting leaves nothing behind."""
     try:
         limits.setup()
-        limits.cleanup(limits.prepare(PROBE, 64, 1))
+        limits.cleanup(limits.make(PROBE, 64, 1))  # not `prepare`: probing must not start the pool
         return True
     except OSError:
         limits.cleanup(limits.machine_dirs(PROBE))

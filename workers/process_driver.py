@@ -7,11 +7,14 @@ shim forks the workload and records its end in `<workdir>/exit.json`. Whoever ho
 
 Key decisions:
 
-- Shims are forked by this driver's launcher (workers/launcher.py, a fork server started on the
-  first `start`), which costs a fraction of a millisecond; only when there is no launcher (it cannot
-  start, died, or its request would be too big) is `python -I -S shim.py` spawned directly, which
-  costs ~20-30 ms of CPU. Either way the shim is the same code in its own session, and `start`
-  returns the same `TaskHandle`. `close()` stops the launcher; the machines keep running.
+- Shims come from this driver's launcher (workers/launcher.py, a fork server started on the first
+  `start` that keeps children forked ahead), one awaited message away: the event loop runs on
+  meanwhile. Only when there is no launcher (it cannot start, died, or its request would be too
+  big) is `python -I -S shim.py` spawned directly, which costs ~20-30 ms of CPU. Either way the shim
+  is the same code in its own session, and `start` returns the same `TaskHandle`. A `start`
+  cancelled while the launcher was starting its shim ends that machine (`_end_orphan`), so nothing
+  runs that no handle names. `close()` stops the launcher and releases the limits' pool of
+  cgroups made ahead (see workers/cgroup_pool.py); the machines keep running.
 - Watching uses a pidfd (`os.pidfd_open` + `loop.add_reader`): it works for processes that are not
   our children (re-adopted after a restart), costs no thread and no polling, and is immune to pid
   reuse once opened — `start_ticks` is compared right after opening it. Shims spawned directly are
@@ -52,7 +55,7 @@ import msgspec
 
 from bus.messages import EXEC_MAX_OUTPUT, ExecReply
 from workers.driver import ExitStatus, TaskHandle, TaskSpec, TaskState
-from workers.launcher import make_request, proc_stat_fields
+from workers.launcher import Request, make_request, prepare_workdir, proc_stat_fields
 from workers.launcher_client import LauncherClient
 from workers.limits import Limits
 
@@ -188,7 +191,9 @@ class ProcessDriver:
         self._children: dict[int, subprocess.Popen[bytes]] = {}
         # One watch per task, shared by concurrent `wait` calls; dropped once it has finished.
         self._watches: dict[tuple[int, int], asyncio.Task[ExitStatus]] = {}
-        self._launcher = LauncherClient(python)
+        self._launcher = LauncherClient(python, orphaned=self._end_orphan)
+        # Shims a cancelled `start` had already launched, being ended (see `_end_orphan`).
+        self._orphans: set[asyncio.Task[None]] = set()
 
     def __repr__(self) -> str:
         return (
@@ -202,42 +207,53 @@ class ProcessDriver:
         return self._launcher.pid
 
     def close(self) -> None:
-        """Stop the launcher, when the worker shuts down. Machines keep running; a later `start` would
-        spawn a shim directly."""
+        """Stop the launcher and give back the cgroups pooled for future machines, when the worker
+        shuts down. Machines keep running; a later `start` would spawn a shim directly."""
         self._launcher.close()
+        self.limits.release_pool()
 
     # -- start ---------------------------------------------------------------------------------------
 
     async def start(self, spec: TaskSpec) -> TaskHandle:
         if not spec.cmd:
             raise ValueError(f"machine {spec.machine_id}: empty command")
-        workdir = Path(spec.workdir).absolute()
-        workdir.mkdir(parents=True, exist_ok=True)
-        for stale in ("exit.json", CHILD_PID, "exit.json.tmp", f"{CHILD_PID}.tmp"):
-            (workdir / stale).unlink(missing_ok=True)
+        workdir = Path(spec.workdir).absolute()  # created (or cleared) by the launcher, else below
         cgroups = self.limits.prepare(spec.machine_id, spec.memory_mb, spec.cpus)
         rlimit = self.limits.rlimit_as(spec.memory_mb)
         try:
-            pid, ticks = self._start_shim(spec, workdir, cgroups, rlimit)
+            pid, ticks = await self._start_shim(spec, workdir, cgroups, rlimit)
         except BaseException:
             self.limits.cleanup(cgroups)
             raise
         return TaskHandle(pid=pid, start_ticks=ticks, workdir=str(workdir), cgroups=cgroups, started_at=time.time())
 
-    def _start_shim(self, spec: TaskSpec, workdir: Path, cgroups: list[str], rlimit: int | None) -> tuple[int, int]:
-        """(pid, start_ticks) of a new shim: forked by the launcher, else spawned directly."""
+    async def _start_shim(
+        self, spec: TaskSpec, workdir: Path, cgroups: list[str], rlimit: int | None
+    ) -> tuple[int, int]:
+        """(pid, start_ticks) of a new shim: from the launcher (awaited: the event loop runs on while
+        it answers), else spawned directly."""
         cwd = Path(spec.run_dir).absolute()
         request = make_request(
             workdir=str(workdir), cwd=str(cwd), cmd=spec.cmd, env=spec.env, cgroups=cgroups, rlimit_as=rlimit
         )
-        launched = self._launcher.launch(request)
+        launched = await self._launcher.launch(request)
         if launched is not None:
             return launched
+        prepare_workdir(str(workdir))
         proc = self._spawn(_shim_argv(self.python, spec.cmd, str(workdir), cgroups, rlimit), spec.env, workdir, cwd)
         stat = _proc_stat(proc.pid)
         # Our own child cannot vanish before we reap it, so its stat is there (as a zombie at worst).
         self._children[proc.pid] = proc
         return proc.pid, stat.start_ticks if stat else 0
+
+    def _end_orphan(self, request: Request, pid: int, ticks: int) -> None:
+        """A `start` was cancelled after the launcher had started its shim: nobody will hold that
+        handle, so end the machine (as `destroy` does) rather than leave it running unseen."""
+        args = request.args
+        handle = TaskHandle(pid=pid, start_ticks=ticks, workdir=args.workdir, cgroups=args.cgroups, started_at=0.0)
+        task = asyncio.get_running_loop().create_task(self.destroy(handle, force=True))
+        self._orphans.add(task)
+        task.add_done_callback(self._orphans.discard)
 
     @staticmethod
     def _spawn(argv: list[str], env: dict[str, str], workdir: Path, cwd: Path) -> subprocess.Popen[bytes]:

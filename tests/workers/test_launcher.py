@@ -24,7 +24,16 @@ from tests.workers import test_driver as shared
 from tests.workers.test_driver import BASE, REPO, Tasks, gone, make_spec, read_pid, run, start, wait_until
 from workers import launcher_client
 from workers.driver import ExitStatus, TaskHandle
-from workers.launcher import decode_reply, decode_request, encode_error, encode_ok, encode_request, make_request
+from workers.launcher import (
+    ABANDONED,
+    SPARES,
+    decode_reply,
+    decode_request,
+    encode_error,
+    encode_ok,
+    encode_request,
+    make_request,
+)
 from workers.limits import Limits
 from workers.process_driver import ProcessDriver
 
@@ -111,8 +120,13 @@ def test_a_killed_launcher_loses_no_machine_and_start_falls_back_then_respawns(
     before = start(driver, tasks, make_spec(tmp_path / "before", WAIT_FOR_GO))
     launcher = driver.launcher_pid
     assert launcher is not None
+    wait_until(lambda: read_pid(Path(before.workdir) / "child.pid") is not None)
+    wait_until(lambda: len(children_of(launcher)) == 1 + SPARES)
+    spares = [pid for pid, _ in children_of(launcher) if pid != before.pid]
     os.kill(launcher, signal.SIGKILL)
     wait_until(lambda: gone(launcher))
+    for spare in spares:  # they read end of file and exit, orphaned to us
+        assert os.waitstatus_to_exitcode(os.waitpid(spare, 0)[1]) == ABANDONED
     assert driver.recover(before)  # the machine outlives its launcher
 
     with caplog.at_level(logging.WARNING, logger=launcher_client.__name__):
@@ -209,7 +223,8 @@ def test_the_launcher_reaps_every_shim(driver: ProcessDriver, tasks: Tasks, tmp_
     assert [status.exit_code for status in run(go())] == list(range(8))
     launcher = driver.launcher_pid
     assert launcher is not None
-    wait_until(lambda: children_of(launcher) == [])  # reaped, not zombies
+    # reaped, not zombies: what is left are the spares, waiting for the next starts
+    wait_until(lambda: [state for _, state in children_of(launcher)] == ["S"] * SPARES)
 
 
 REAP_A_FAILED_SHIM = """
