@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 import subprocess
@@ -125,7 +126,8 @@ class LauncherClient:
         return self._turn
 
     async def _exchange(self, request: Request, data: bytes) -> bytes:
-        """The launcher's reply, or b"" when it failed (and was discarded)."""
+        """The launcher's reply, or b"" when it failed (and was discarded) or the request could not
+        be sent as one message (too big for the socket's buffer: kept, this start goes direct)."""
         try:
             sock = self._sock or self._spawn()
             reply = await self._round_trip(sock, request, data)
@@ -157,6 +159,11 @@ class LauncherClient:
         loop = asyncio.get_running_loop()
         try:
             await loop.sock_sendall(sock, data)  # one SEQPACKET message: sent whole or not at all
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:  # bigger than the socket's buffer: nothing was sent
+                return b""
+            raise LauncherFailed(f"the launcher is gone ({exc})") from exc
+        try:
             async with asyncio.timeout(LAUNCH_TIMEOUT):
                 reply = await loop.sock_recv(sock, REPLY_SIZE)
         except TimeoutError:

@@ -105,6 +105,19 @@ def test_a_spare_killed_while_waiting_is_replaced_and_reaped(
     wait_until(lambda: len(spares_of(driver)) == launcher.SPARES)
 
 
+def test_a_request_too_big_for_one_message_starts_directly_and_keeps_the_launcher(
+    driver: ProcessDriver, tasks: Tasks, tmp_path: Path
+) -> None:
+    start(driver, tasks, make_spec(tmp_path / "first", ["true"]))
+    launcher_pid = driver.launcher_pid
+    # under MAX_REQUEST, over a socket buffer (~208 KiB); each variable under exec's 128 KiB limit
+    huge = {**shared.ENV, "BIG1": "x" * (110 << 10), "BIG2": "y" * (110 << 10)}
+    handle = start(driver, tasks, make_spec(tmp_path / "big", ["sh", "-c", 'exit "${#BIG2}"'], env=huge))
+    assert gone(handle.pid) or parent_of(handle.pid) == os.getpid()  # spawned the direct way
+    assert driver.launcher_pid == launcher_pid  # not taken for a failed launcher
+    assert run(asyncio.wait_for(driver.wait(handle), 10)).exit_code == (110 << 10) % 256
+
+
 ABANDON_A_SPARE = """
 import os, sys
 from workers import launcher
