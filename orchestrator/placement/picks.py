@@ -27,6 +27,7 @@ import msgspec
 
 from bus.messages import Decline, Offer, OfferReply, Resources, WorkerInfo
 
+SHOWN_AFTER = 0.5  # seconds between a reserve and the first heartbeat (worker clock) trusted to show it
 PENDING = math.inf  # the `reserved_at` of a pick whose reserve has not answered yet
 
 
@@ -97,12 +98,15 @@ class Picks:
 
     def since_heartbeat(self, worker_id: str, heartbeat_at: float) -> list[Pick]:
         """Picks a heartbeat written at `heartbeat_at` (worker clock) cannot show."""
-        if heartbeat_at > self._shown_until.get(worker_id, -math.inf):
-            self._shown_until[worker_id] = heartbeat_at
+        if heartbeat_at - SHOWN_AFTER > self._shown_until.get(worker_id, -math.inf):
+            self._shown_until[worker_id] = heartbeat_at - SHOWN_AFTER
         picks = self._by_worker.get(worker_id)
         if not picks:
             return []
-        return [p for p in picks if p.reserved_at > heartbeat_at]
+        # a heartbeat read its numbers a moment before it was stamped, perhaps while the reserve was being
+        # committed: only a heartbeat well after the reserve surely shows it (counting a pick twice for a
+        # moment only makes the worker look fuller)
+        return [p for p in picks if p.reserved_at + SHOWN_AFTER > heartbeat_at]
 
 
 def discount(offer: Offer, picks: Iterable[Pick], app: str) -> Offer:

@@ -58,7 +58,7 @@ def test_a_heartbeat_shows_picks_reserved_before_it_was_written() -> None:
     picks = Picks(clock=Clock())
     old, new, pending = (picks.note("w1", "a", 1, 64) for _ in range(3))
     picks.reserved(old, 50.0)
-    picks.reserved(new, 70.0)
+    picks.reserved(new, 59.8)  # reserved just before the heartbeat: it may have been read before the commit
     assert picks.since_heartbeat("w1", 60.0) == [new, pending]
 
 
@@ -118,8 +118,8 @@ def test_a_pick_goes_once_a_heartbeat_shows_it_and_no_scatter_can_need_it() -> N
     shown = picks.note("w1", "a", 1, 64)
     picks.reserved(shown, 50.0)
     unshown = picks.note("w1", "a", 1, 64)
-    picks.reserved(unshown, 80.0)
-    assert picks.since_heartbeat("w1", 60.0) == [unshown]  # the heartbeat of 60.0 shows the first
+    picks.reserved(unshown, 59.8)
+    assert picks.since_heartbeat("w1", 60.0) == [unshown]  # the heartbeat of 60.0 surely shows the first
     clock.now += 1.0
     latest = picks.note("w1", "a", 1, 64)  # older ones are looked at again here
     assert picks.since_scatter("w1", 0.0) == [latest, unshown]  # the shown one is gone, newest first
