@@ -297,7 +297,12 @@ class WorkerAgent:
         self.follower.follow(machine.id, machine.app, self.manager.workdir(machine.id), from_offset_now=True)
 
     def _beat_soon(self) -> None:
-        """Usage changed: tell the registry now rather than at the next tick (coalesced)."""
+        """Usage changed: tell the registry now rather than at the next tick (coalesced).
+
+        Best effort, so published without waiting for JetStream's ack: at the fleet's rates this beat
+        follows nearly every reserve, and the ack's round trip cost about as much as the rest of the beat.
+        The tick (every `heartbeat_interval`) still waits for its ack and says when puts fail.
+        """
         if self._beat_pending or self.nc is None:
             return
         self._beat_pending = True
@@ -306,7 +311,7 @@ class WorkerAgent:
             await asyncio.sleep(0.05)
             self._beat_pending = False
             with contextlib.suppress(Exception):
-                await self._heartbeat_once()
+                await self._heartbeat_once(acked=False)
 
         self._tasks.append(asyncio.create_task(beat()))
         self._tasks = [t for t in self._tasks if not t.done()]
@@ -318,15 +323,21 @@ class WorkerAgent:
     # ------------------------------------------------------------------------------------------
     # heartbeat and housekeeping
 
-    async def _put_heartbeat(self, info: WorkerInfo) -> None:
-        await self._kv.workers.put(subjects.worker_key(self.config.region, self.config.worker_id), encode(info))
+    async def _put_heartbeat(self, info: WorkerInfo, *, acked: bool = True) -> None:
+        """Put `info` into the registry; `acked=False` only publishes it (in order with the acked puts,
+        on the same connection), and not at all while disconnected: no stale beat is buffered."""
+        key = subjects.worker_key(self.config.region, self.config.worker_id)
+        if acked:
+            await self._kv.workers.put(key, encode(info))
+        elif self.nc is not None and self.nc.is_connected:
+            await self.nc.publish(subjects.kv_put(subjects.WORKERS_BUCKET, key), encode(info))
 
-    async def _heartbeat_once(self) -> None:
+    async def _heartbeat_once(self, *, acked: bool = True) -> None:
         try:
             self._load = os.getloadavg()[0] / max(1, os.cpu_count() or 1)
         except OSError:
             self._load = 0.0
-        await self._put_heartbeat(self.info())
+        await self._put_heartbeat(self.info(), acked=acked)
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -15,10 +15,10 @@ outage of any length both copies converge on the log.
 - Index entries are state: a newer entry for a machine replaces one not yet sent, so the backlog
   is bounded by the number of machines, and a machine's entry always ends at its newest state.
 - Each round pipelines a batch (all published at once, acks awaited together with one deadline: not
-  one round trip per item, and no task per item, since the outbox shares the worker's event loop
-  with its commits); what failed stays at the front and is retried with a backoff of 0.05 s doubling
-  to 1 s. Index entries are KV puts and deletes on the bucket's subjects (`$KV.<bucket>.<key>`, a
-  delete carries `KV-Operation: DEL`), pipelined the same way.
+  one round trip per item, and no task or future per item, since the outbox shares the worker's event
+  loop with its commits: `workers.publisher`); what failed stays at the front and is retried with a
+  backoff of 0.05 s doubling to 1 s. Index entries are KV puts and deletes on the bucket's subjects
+  (`$KV.<bucket>.<key>`, a delete carries `KV-Operation: DEL`), pipelined the same way.
 - A round that delivered nothing waits before the next; one that delivered some goes on at once,
   so an item NATS keeps refusing holds up nothing but itself.
 - One warning when deliveries start failing, one info line when they flow again: never one per item.
@@ -35,7 +35,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import msgspec
 from nats.aio.client import Client
@@ -44,6 +44,7 @@ from nats.js.errors import NotFoundError
 from bus import subjects
 from bus.codec import encode
 from bus.messages import Machine, MachineEvent, MachineIndexEntry
+from workers.publisher import BatchPublisher, Message
 from workers.records import MachineRecord, StoredMachine
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,10 @@ def parse_msg_id(msg_id: str) -> tuple[int, int] | None:
 def record_events(events: Sequence[MachineEvent], seq: int) -> list[MachineEvent]:
     """The events that the record `seq` added: the tail of `events` carrying that sequence (an exit
     and the state it settled in share one record); their order is their `n`."""
-    tail = list(itertools.takewhile(lambda event: event.seq == seq, reversed(events)))
-    tail.reverse()
-    return tail
+    start = len(events)
+    while start and events[start - 1].seq == seq:
+        start -= 1
+    return list(events[start:])
 
 
 def index_entry(machine: Machine) -> MachineIndexEntry:
@@ -92,7 +94,7 @@ def index_entry(machine: Machine) -> MachineIndexEntry:
 class PendingEvent(NamedTuple):
     subject: str
     payload: bytes
-    msg_id: str
+    headers: dict[str, str]  # its `Nats-Msg-Id`, made once: a retry sends the very same
 
 
 class _Seq(msgspec.Struct):
@@ -114,7 +116,8 @@ class Outbox:
         retry_max: float = 1.0,
     ) -> None:
         self._nc = nc
-        self._js = nc.jetstream(timeout=timeout)  # its own: the outbox's publishes in flight are its alone
+        self._js = nc.jetstream(timeout=timeout)  # for the start-up lookups
+        self._publisher = BatchPublisher(nc, timeout=timeout)
         self._index_bucket = index_bucket
         self.worker_id = worker_id
         self.batch = batch
@@ -147,7 +150,7 @@ class Outbox:
         subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
         for n, event in numbered:
             msg_id = event_msg_id(self.worker_id, machine.id, event.seq, n)
-            self._events.append(PendingEvent(subject, encode(event), msg_id))
+            self._events.append(PendingEvent(subject, encode(event), {MSG_ID_HEADER: msg_id}))
         self._wake.set()
 
     def republish(self, machines: list[StoredMachine], lookups: int = 64) -> asyncio.Task[None]:
@@ -218,8 +221,8 @@ class Outbox:
         the first failure (None: all were)."""
         events = list(itertools.islice(self._events, self.batch))
         index = list(itertools.islice(self._index.values(), self.batch))
-        results = await self._send(
-            [(event.subject, event.payload, {MSG_ID_HEADER: event.msg_id}) for event in events]
+        results = await self._publisher.send(
+            [(event.subject, event.payload, event.headers) for event in events]
             + [self._index_message(entry) for entry in index]
         )
         event_results, index_results = results[: len(events)], results[len(events) :]
@@ -238,34 +241,11 @@ class Outbox:
             self._delivered_while_failing += ok
         return ok, next((result for result in results if result is not None), None)
 
-    def _index_message(self, entry: MachineIndexEntry) -> tuple[str, bytes, dict[str, str] | None]:
+    def _index_message(self, entry: MachineIndexEntry) -> Message:
         subject = subjects.kv_put(self._index_bucket, entry.id)
         if entry.state == "destroyed":
             return subject, b"", {KV_OPERATION_HEADER: "DEL"}
         return subject, encode(entry), None
-
-    async def _send(self, messages: list[tuple[str, bytes, dict[str, str] | None]]) -> list[BaseException | None]:
-        """Publish all, then wait for their acks together: per message None (stored) or why not."""
-        futures: list[asyncio.Future[Any]] = []
-        try:
-            for subject, payload, headers in messages:
-                futures.append(await self._js.publish_async(subject, payload, headers=headers))
-        except Exception as exc:  # could not even be queued (connection closed): this round failed
-            for future in futures:
-                future.cancel()
-            return [exc] * len(messages)
-        if futures:
-            await asyncio.wait(futures, timeout=self.timeout)
-        results: list[BaseException | None] = []
-        for future in futures:
-            if not future.done():
-                future.cancel()  # frees its slot; a late ack changes nothing: it is sent again
-                results.append(TimeoutError(f"no ack within {self.timeout:g}s"))
-            elif future.cancelled():
-                results.append(asyncio.CancelledError())
-            else:
-                results.append(future.exception())
-        return results
 
     def _failing(self, error: BaseException | str) -> None:
         if self._failing_since is not None:

@@ -1,0 +1,123 @@
+"""Publishing a batch to JetStream and collecting its acks through one subscription: the outbox's wire.
+
+The outbox sends rounds: a batch published at once, the acks awaited together with one deadline.
+nats-py's `publish_async` would give each message a future with a done callback, a semaphore slot, a
+fresh NUID, and parse its ack with `json.loads` into a dataclass; for the outbox that was about as
+much CPU as the publish itself. A round needs none of it: one reply subscription for the life of the
+connection (nats-py renews it after a reconnect), reply subjects `<inbox>.<n>` with `n` counting up (so
+an ack arriving after its round gave up matches nothing and changes nothing), the outcomes of the round
+in a list, and one future resolved by the last ack.
+
+An outcome is None only for a JetStream ack without an error (a duplicate dropped by `Nats-Msg-Id` is
+one); an error reply, a status reply (503: no stream takes the subject), an undecodable reply or no
+reply within the deadline is an exception, and the caller sends that message again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+Message = tuple[str, bytes, dict[str, str] | None]  # subject, payload, headers
+STATUS_HEADER = "Status"
+DESCRIPTION_HEADER = "Description"
+
+
+class Refused(Exception):
+    """JetStream answered, and did not store the message."""
+
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    description: str = ""
+
+
+class _PubAck(msgspec.Struct):
+    """The one field of a JetStream ack that decides the outcome (`stream`, `seq`, `duplicate` are ignored)."""
+
+    error: _ApiError | None = None
+
+
+_decode_ack = msgspec.json.Decoder(_PubAck).decode
+
+
+class BatchPublisher:
+    """`send(messages)` publishes them all, then waits (up to `timeout`) for their acks together.
+
+    One round at a time: the outbox's single delivery task is the only caller.
+    """
+
+    def __init__(self, nc: Client, *, timeout: float) -> None:
+        self._nc = nc
+        self.timeout = timeout
+        self._prefix = ""  # `<inbox>.`: set with the subscription, on the first round
+        self._next = 0
+        self._waiting: dict[str, int] = {}  # reply token -> index in the round
+        self._outcomes: list[BaseException | None] = []
+        self._left = 0
+        self._done: asyncio.Future[None] | None = None
+
+    async def send(self, messages: Sequence[Message]) -> list[BaseException | None]:
+        """Per message, None (stored) or why not, in the order given."""
+        if not messages:
+            return []
+        if not self._prefix:
+            inbox = self._nc.new_inbox()
+            await self._nc.subscribe(inbox + ".*", cb=self._on_ack)
+            self._prefix = inbox + "."
+        loop = asyncio.get_running_loop()
+        done = self._done = loop.create_future()
+        outcomes = self._outcomes = [None] * len(messages)
+        waiting = self._waiting = {}
+        self._left = len(messages)
+        try:
+            for i, (subject, payload, headers) in enumerate(messages):
+                token = str(self._next)
+                self._next += 1
+                waiting[token] = i
+                await self._nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
+        except Exception as exc:  # could not even be queued (connection closed): this round failed
+            waiting.clear()
+            return [exc] * len(messages)
+        deadline = loop.call_later(self.timeout, _resolve, done)
+        try:
+            await done
+        finally:
+            deadline.cancel()
+        late = TimeoutError(f"no ack within {self.timeout:g}s")
+        for i in waiting.values():
+            outcomes[i] = late
+        waiting.clear()  # acks still on their way are now late: they match nothing
+        return outcomes
+
+    async def _on_ack(self, msg: Msg) -> None:
+        index = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+        if index is None:
+            return  # its round is over (it gave up, or failed to publish)
+        self._outcomes[index] = _outcome(msg)
+        self._left -= 1
+        if self._left == 0 and self._done is not None:
+            _resolve(self._done)
+
+
+def _outcome(msg: Msg) -> BaseException | None:
+    headers = msg.headers
+    if headers and STATUS_HEADER in headers:  # no stream takes the subject (503), or another status
+        return Refused(f"status {headers[STATUS_HEADER]} {headers.get(DESCRIPTION_HEADER, '')}".strip())
+    try:
+        ack = _decode_ack(msg.data)
+    except msgspec.DecodeError as exc:
+        return Refused(f"undecodable ack: {exc}")
+    if ack.error is not None:
+        return Refused(f"{ack.error.code} {ack.error.description}")
+    return None
+
+
+def _resolve(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_result(None)
