@@ -235,7 +235,11 @@ class Broker:
             raise BadRequest(f"list for app {app} cannot filter on app {req.app}")
         nc = self.nc
         assert nc is not None
+        # the routing index is filled by the workers' outboxes, a moment after a create returns: a listing also
+        # asks the workers whose heartbeat counts a machine of the app, and those this broker just placed one on
         workers = {entry.worker_id for entry in self.index.by_app(app)}
+        workers |= {info.worker_id for info in self.registry.workers() if info.app_machines.get(app)}
+        workers |= self.auction.picks.workers_of(app)
         query = msgspec.structs.replace(req, app=app)
 
         async def from_worker(worker_id: str) -> builtins.list[Machine]:

@@ -83,6 +83,11 @@ class Picks:
         if picks is not None and pick in picks:
             picks.remove(pick)
 
+    def workers_of(self, app: str) -> set[str]:
+        """The workers this broker placed a machine of `app` on lately (within `horizon`): a listing reads
+        them, since the routing index may not show a machine the moment its create returns."""
+        return {worker_id for worker_id, picks in self._by_worker.items() if any(p.app == app for p in picks)}
+
     def since_scatter(self, worker_id: str, sent: float) -> list[Pick]:
         """Picks a scattered offer cannot show: noted after the scatter was sent at `sent` (the newest last,
         so only those are read)."""
