@@ -207,10 +207,11 @@ class ProcessDriver:
         return self._launcher.pid
 
     def close(self) -> None:
-        """Stop the launcher and give back the cgroups pooled for future machines, when the worker
-        shuts down. Machines keep running; a later `start` would spawn a shim directly."""
+        """Stop the launcher, give back the cgroups pooled for future machines and remove the worker's
+        cgroup base if no machine is left in it, when the worker shuts down. Machines keep running (their
+        cgroups keep the base); a later `start` would spawn a shim directly."""
         self._launcher.close()
-        self.limits.release_pool()
+        self.limits.close()
 
     # -- start ---------------------------------------------------------------------------------------
 
