@@ -58,10 +58,15 @@ def seconds(value: float | str) -> float:
 # Machine configuration (contract)
 
 
+Sandbox = Literal["none", "bwrap"]
+
+
 class Guest(Request):
     cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
     cpu_kind: Literal["shared", "performance"] = "shared"
+    # addition: "bwrap" runs the machine in its own pid, mount, ipc and uts namespaces (README "Sandboxes")
+    sandbox: Sandbox = "none"
 
 
 class RestartPolicy(Request):
@@ -211,6 +216,7 @@ class OfferGuest(Request):
     cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
     cpu_kind: Literal["shared", "performance"] = "shared"
+    sandbox: Sandbox = "none"  # addition
 
 
 class OfferRequest(Request):
@@ -230,6 +236,7 @@ class Offer(Reply, tag="offer", tag_field="type"):
     machines: int = 0
     load: float = 0.0
     app_machines: int = 0
+    sandboxes: list[str] = []  # addition: the sandboxes this worker can run besides "none" (e.g. ["bwrap"])
 
 
 class Decline(Reply, tag="decline", tag_field="type"):
@@ -263,6 +270,7 @@ class WorkerInfo(Reply):
     log_seq: int = 0
     # addition: machines per app (what an offer's app_machines says), for placement from the replica
     app_machines: dict[str, int] = {}
+    sandboxes: list[str] = []  # addition: as an offer's
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from bus.messages import (
     WorkerInfo,
 )
 from bus.service import Responder
+from workers import sandbox
 from workers.commit import GroupCommitter
 from workers.limits import auto_detect
 from workers.logs import LogFollower
@@ -103,6 +104,7 @@ class WorkerAgent:
         self._closing = False
         self.bus_lost: str | None = None  # why the bus connection ended for good, if it did
         self.limits_mode = ""
+        self._sandboxes = tuple(sandbox.available())  # looked up once: offers are answered inline
         self._beat_pending = False
         self.tally = MachineTally()
 
@@ -213,6 +215,7 @@ class WorkerAgent:
             load=self._load,
             inflight=self.manager.inflight,
             app_machines=self.tally.per_app,
+            sandboxes=self._sandboxes,
         )
 
     async def _on_offer(self, subject: str, data: bytes) -> Any:
@@ -272,6 +275,7 @@ class WorkerAgent:
             pid=os.getpid(),
             log_seq=self.store.last_seq,
             app_machines=dict(snap.app_machines),
+            sandboxes=list(snap.sandboxes),
         )
 
     # ------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True):
     memory_mb: int
     cpus: int
     cwd: str | None = None  # where `cmd` runs (`config.workdir`); None: `workdir`, the machine's own directory
+    sandbox: str = "none"  # "bwrap": in namespaces of its own (workers/sandbox.py)
 
     @property
     def run_dir(self) -> str:

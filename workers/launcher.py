@@ -52,7 +52,7 @@ Key decisions:
   under a running workload is left to the driver, which kills that workload and reports it lost.
 
 Wire format (one SOCK_SEQPACKET message each way, fields NUL-separated; exec arguments cannot hold NUL):
-request `workdir, cwd, rlimit_as or "", N, N cgroups, M, M "KEY=VALUE", cmd...`;
+request `workdir, cwd, rlimit_as or "", sandbox ("bwrap" or ""), N, N cgroups, M, M "KEY=VALUE", cmd...`;
 reply `ok PID START_TICKS` or `err ERRNO MESSAGE` + NUL + the file it is about (may be empty).
 A job, launcher to spare: the request's bytes with three descriptors (stdout, stderr, cwd), then `GO`.
 """
@@ -95,10 +95,18 @@ class Request:
 
 
 def make_request(
-    *, workdir: str, cwd: str, cmd: list[str], env: dict[str, str], cgroups: list[str], rlimit_as: int | None
+    *,
+    workdir: str,
+    cwd: str,
+    cmd: list[str],
+    env: dict[str, str],
+    cgroups: list[str],
+    rlimit_as: int | None,
+    sandbox: bool = False,
 ) -> Request:
     args = shim.Args()
     args.workdir, args.cmd, args.env, args.cgroups, args.rlimit_as = workdir, list(cmd), dict(env), cgroups, rlimit_as
+    args.sandbox = sandbox
     return Request(args, cwd)
 
 
@@ -109,7 +117,8 @@ def make_request(
 def encode_request(request: Request) -> bytes:
     args = request.args
     rlimit = "" if args.rlimit_as is None else str(args.rlimit_as)
-    fields = [args.workdir, request.cwd, rlimit, str(len(args.cgroups)), *args.cgroups, str(len(args.env))]
+    sandbox = "bwrap" if args.sandbox else ""
+    fields = [args.workdir, request.cwd, rlimit, sandbox, str(len(args.cgroups)), *args.cgroups, str(len(args.env))]
     fields += [f"{key}={value}" for key, value in args.env.items()]
     encoded = [os.fsencode(field) for field in (*fields, *args.cmd)]
     if any(FIELD_SEP in field for field in encoded):
@@ -123,9 +132,10 @@ def decode_request(data: bytes) -> Request:
     args = shim.Args()
     args.workdir, cwd, rlimit = fields[0], fields[1], fields[2]
     args.rlimit_as = int(rlimit) if rlimit else None
-    n_cgroups = int(fields[3])
-    args.cgroups = fields[4 : 4 + n_cgroups]
-    at = 4 + n_cgroups
+    args.sandbox = fields[3] == "bwrap"
+    n_cgroups = int(fields[4])
+    args.cgroups = fields[5 : 5 + n_cgroups]
+    at = 5 + n_cgroups
     n_env = int(fields[at])
     for item in fields[at + 1 : at + 1 + n_env]:
         key, _, value = item.partition("=")

@@ -48,6 +48,7 @@ from bus.messages import (
     UpdateRequest,
     WaitRequest,
 )
+from workers import sandbox
 from workers.commit import GroupCommitter
 from workers.driver import Driver, TaskHandle, TaskSpec
 from workers.exits import exit_info, read_stderr_tail
@@ -218,6 +219,10 @@ class MachineManager:
         if not request.config.cmd:
             raise BadRequest("config.cmd is required: the process driver needs a command to run")
         self._check_workdir(request.config)
+        try:
+            sandbox.check(request.config.guest.sandbox, self.config.worker_id)
+        except sandbox.SandboxUnavailable as exc:  # a refusal: the broker moves on to a worker that has it
+            raise NoCapacity(str(exc)) from None
         machine_id = request.id or new_machine_id()
         port = pick_port()
 
@@ -350,6 +355,7 @@ class MachineManager:
             memory_mb=machine.config.guest.memory_mb,
             cpus=machine.config.guest.cpus,
             cwd=machine.config.workdir,
+            sandbox=machine.config.guest.sandbox,
         )
 
     def _check_workdir(self, config: MachineConfig) -> None:
@@ -499,6 +505,10 @@ class MachineManager:
         if not request.config.cmd:
             raise BadRequest("config.cmd is required: the process driver needs a command to run")
         self._check_workdir(request.config)
+        try:
+            sandbox.check(request.config.guest.sandbox, self.config.worker_id)
+        except sandbox.SandboxUnavailable as exc:
+            raise BadRequest(str(exc)) from None
         async with self._lock(request.id):
 
             def op(tx: Tx) -> tuple[StoredMachine, bool]:

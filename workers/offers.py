@@ -25,6 +25,7 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     load: float
     inflight: int
     app_machines: dict[str, int] = {}
+    sandboxes: tuple[str, ...] = ()
 
 
 class Backpressure(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,4 +60,5 @@ def answer_offer(request: OfferRequest, me: Snapshot, limits: Backpressure) -> O
         machines=me.machines,
         load=me.load,
         app_machines=me.app_machines.get(request.app, 0),
+        sandboxes=list(me.sandboxes),
     )

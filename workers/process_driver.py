@@ -58,6 +58,7 @@ from workers.driver import ExitStatus, TaskHandle, TaskSpec, TaskState
 from workers.launcher import Request, make_request, prepare_workdir, proc_stat_fields
 from workers.launcher_client import LauncherClient
 from workers.limits import Limits
+from workers.sandbox import bwrap_argv, bwrap_path
 
 SHIM = str(Path(__file__).with_name("shim.py"))
 CHILD_PID = "child.pid"
@@ -169,14 +170,28 @@ def _decode_wait(result: os.waitid_result) -> WaitStatus:
     return None, result.si_status
 
 
-def _shim_argv(exe: str, cmd: list[str], workdir: str, cgroups: list[str], rlimit: int | None) -> list[str]:
+def _shim_argv(
+    exe: str, cmd: list[str], workdir: str, cgroups: list[str], rlimit: int | None, sandbox: bool = False
+) -> list[str]:
     """`exe -I -S shim.py ...`: isolated mode, no site: the shim must not depend on the environment."""
     argv = [exe, "-I", "-S", SHIM, "--workdir", workdir]
     for cgroup in cgroups:
         argv += ["--cgroup", cgroup]
     if rlimit is not None:
         argv += ["--rlimit-as", str(rlimit)]
+    if sandbox:
+        argv += ["--sandbox", "bwrap"]
     return [*argv, "--", *cmd]
+
+
+def _command(spec: TaskSpec, workdir: Path, cwd: Path) -> list[str]:
+    """What the shim runs: the machine's command, inside bwrap for a sandboxed machine (workers/sandbox.py)."""
+    if spec.sandbox != "bwrap":
+        return spec.cmd
+    bwrap = bwrap_path()
+    if bwrap is None:
+        raise FileNotFoundError(f"machine {spec.machine_id}: guest.sandbox 'bwrap' but bwrap is not installed")
+    return bwrap_argv(bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir), str(cwd)], cwd=str(cwd))
 
 
 class ProcessDriver:
@@ -234,14 +249,22 @@ class ProcessDriver:
         """(pid, start_ticks) of a new shim: from the launcher (awaited: the event loop runs on while
         it answers), else spawned directly."""
         cwd = Path(spec.run_dir).absolute()
+        cmd, sandboxed = _command(spec, workdir, cwd), spec.sandbox != "none"
         request = make_request(
-            workdir=str(workdir), cwd=str(cwd), cmd=spec.cmd, env=spec.env, cgroups=cgroups, rlimit_as=rlimit
+            workdir=str(workdir),
+            cwd=str(cwd),
+            cmd=cmd,
+            env=spec.env,
+            cgroups=cgroups,
+            rlimit_as=rlimit,
+            sandbox=sandboxed,
         )
         launched = await self._launcher.launch(request)
         if launched is not None:
             return launched
         prepare_workdir(str(workdir))
-        proc = self._spawn(_shim_argv(self.python, spec.cmd, str(workdir), cgroups, rlimit), spec.env, workdir, cwd)
+        argv = _shim_argv(self.python, cmd, str(workdir), cgroups, rlimit, sandboxed)
+        proc = self._spawn(argv, spec.env, workdir, cwd)
         stat = _proc_stat(proc.pid)
         # Our own child cannot vanish before we reap it, so its stat is there (as a zombie at worst).
         self._children[proc.pid] = proc
@@ -384,7 +407,8 @@ class ProcessDriver:
             # The shim died under a running workload that nobody can watch any more. Kill it, so that
             # what we report (it ended) is true; the session check guards against a reused pid.
             stat = _proc_stat(workload)
-            if stat is not None and stat.session == handle.pid:
+            # (a sandbox is a session of its own: its id is the pid in child.pid)
+            if stat is not None and stat.session in (handle.pid, workload):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(workload, signals.SIGKILL)
         return _ExitRecord(lost=True, finished_at=now)
@@ -434,6 +458,10 @@ class ProcessDriver:
         """Run `cmd` in the machine's environment, working directory and limits; see the module docstring."""
         rlimit = self.limits.rlimit_as(spec.memory_mb) or 0
         argv = [self.python, "-I", "-S", "-c", EXEC_LAUNCHER, str(len(handle.cgroups)), *handle.cgroups]
+        if spec.sandbox != "none":  # into the sandbox's namespaces (nsenter forks, so it joins the pid one too)
+            sandbox = _read_pid(Path(handle.workdir) / CHILD_PID)
+            if sandbox is not None:
+                cmd = ["nsenter", "-t", str(sandbox), "-p", "-m", "-i", "-u", f"--wd={spec.run_dir}", "--", *cmd]
         proc = await asyncio.create_subprocess_exec(
             *argv,
             str(rlimit),

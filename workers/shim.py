@@ -32,7 +32,13 @@ Key decisions:
 - The workload's environment is passed in (`Args.env`), never read from `os.environ` inside `run`: a
   launcher-forked shim carries the launcher's environment, not the machine's.
 
-Usage: shim.py --workdir DIR [--cgroup PATH]... [--rlimit-as BYTES] -- CMD [ARG...]
+- A sandboxed machine (`--sandbox bwrap`, see workers/sandbox.py): CMD is a bwrap command line. The
+  shim hands bwrap a pipe for `--info-fd`, reads the sandbox's pid from it and writes that to
+  `child.pid` (the sandbox is a process group of its own, `--new-session`): signals reach the workload,
+  not the outer bwrap. bwrap's init reports a death by signal N as exit code 128 + N; the shim records
+  it as the signal, as for a plain machine.
+
+Usage: shim.py --workdir DIR [--cgroup PATH]... [--rlimit-as BYTES] [--sandbox bwrap] -- CMD [ARG...]
 Run that way, the workload's environment is the shim's own environment; its cwd is the shim's cwd.
 """
 
@@ -56,6 +62,7 @@ class Args:
         self.workdir = ""
         self.cgroups: list[str] = []
         self.rlimit_as: int | None = None
+        self.sandbox = False  # CMD is a bwrap command line (see the module docstring)
         self.cmd: list[str] = []
         self.env: dict[str, str] = {}
 
@@ -77,6 +84,8 @@ def parse_args(argv: list[str]) -> Args:
             args.cgroups.append(value)
         elif opt == "--rlimit-as":
             args.rlimit_as = int(value)
+        elif opt == "--sandbox":
+            args.sandbox = value == "bwrap"
         else:
             raise ValueError(f"unknown option {opt}")
         i += 2
@@ -177,24 +186,79 @@ def reap(pid: int) -> None:
             return
 
 
+def sandbox_pid(fd: int) -> int | None:
+    """The sandbox's pid from bwrap's `--info-fd` JSON (`{"child-pid": N, ...}`), read by hand (no json
+    import); None if bwrap ended without writing it."""
+    data = b""
+    while b"}" not in data:
+        try:
+            chunk = os.read(fd, 4096)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    key = b'"child-pid":'
+    at = data.find(key)
+    if at < 0:
+        return None
+    digits = data[at + len(key) :].lstrip().split(b",")[0].split(b"}")[0].strip()
+    return int(digits) if digits.isdigit() else None
+
+
+def await_own_group(pid: int, patience: float = 5.0) -> None:
+    """Return once `pid` leads its own process group (bwrap reports the sandbox's pid a moment before the
+    sandbox calls setsid): a signal sent to that group before then would find no group and be lost."""
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        try:
+            if os.getpgid(pid) == pid:
+                return
+        except ProcessLookupError:
+            return  # already gone: its end reaches the shim as bwrap's exit
+        time.sleep(0.0002)
+
+
+def from_sandbox(exit_code: int | None, sig: int | None) -> tuple[int | None, int | None]:
+    """bwrap's init exits 128 + N when the workload died of signal N: record that as the signal."""
+    if exit_code is not None and 128 < exit_code <= 128 + 64:
+        return None, exit_code - 128
+    return exit_code, sig
+
+
 def run(args: Args) -> int:
     """The shim's whole job, in this process: fork the workload, record its pid and its end. Returns
     the shim's own exit status (non-zero when a file could not be written)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, IGNORED)
+    info_r = info_w = -1
+    if args.sandbox:
+        info_r, info_w = os.pipe()
+        args.cmd = [args.cmd[0], "--info-fd", str(info_w), *args.cmd[1:]]
     pid = os.fork()
     if pid == 0:
+        if info_w >= 0:
+            os.close(info_r)
+            os.set_inheritable(info_w, True)
         run_child(args)
     try:  # noqa: SIM105 - contextlib would add to the start-up time
         os.setpgid(pid, pid)
     except OSError:
         pass  # the child already exec'd (EACCES) or set it itself: either way it has its group
+    group = pid
+    if info_w >= 0:
+        os.close(info_w)
+        group = sandbox_pid(info_r) or pid  # no pid: bwrap failed before it made the sandbox
+        os.close(info_r)
+        await_own_group(group)
     status = 0
     try:
-        write_atomic(os.path.join(args.workdir, "child.pid"), str(pid).encode(), durable=False)
+        write_atomic(os.path.join(args.workdir, "child.pid"), str(group).encode(), durable=False)
     except OSError as exc:  # keep supervising: the exit status matters more than signalling
         os.write(2, f"fauxmad shim: cannot write child.pid: {exc}\n".encode())
         status = 1
     exit_code, sig = wait_child(pid)
+    if args.sandbox:
+        exit_code, sig = from_sandbox(exit_code, sig)
     try:
         record = exit_record(exit_code, sig, time.time())
         write_atomic(os.path.join(args.workdir, "exit.json"), record, durable=True)

@@ -321,6 +321,7 @@ class Auction:
             cpus=request.config.guest.cpus,
             memory_mb=request.config.guest.memory_mb,
             cpu_kind=request.config.guest.cpu_kind,
+            sandbox=request.config.guest.sandbox,
         )
         outcome = await self.rank(
             app,

@@ -65,6 +65,14 @@ def enough_memory(request: Ask, offer: Offer) -> str | None:
     return None
 
 
+def has_sandbox(request: Ask, offer: Offer) -> str | None:
+    """A sandboxed machine only goes where that sandbox exists (a worker without bubblewrap says so)."""
+    wanted = request.guest.sandbox
+    if wanted != "none" and wanted not in offer.sandboxes:
+        return f"no sandbox {wanted!r} on this worker (bubblewrap is not installed there)"
+    return None
+
+
 # Name -> filter, in the order the stack runs them (see `stack.py` for why this order).
 FILTERS: tuple[tuple[str, Filter], ...] = (
     ("region", same_region),
@@ -72,6 +80,7 @@ FILTERS: tuple[tuple[str, Filter], ...] = (
     ("consistent", consistent_numbers),
     ("cpus", enough_cpus),
     ("memory", enough_memory),
+    ("sandbox", has_sandbox),
 )
 
 

@@ -151,4 +151,5 @@ def offer_from_heartbeat(info: WorkerInfo, app: str, image: str | None) -> Offer
         machines=info.machines,
         load=info.load,
         app_machines=info.app_machines.get(app, 0),
+        sandboxes=info.sandboxes,
     )

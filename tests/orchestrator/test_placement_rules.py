@@ -36,3 +36,16 @@ def test_the_away_penalty_is_configuration() -> None:
     config = PlacementConfig.from_mapping({"away_penalty": 0.0})
     replies = [offer("a", free_cpus=4), offer("b", free_cpus=8)]
     assert ids(rank(request(), replies, {"a", "b"}, config, away={"a"}))[0] == "a"
+
+
+def test_a_sandboxed_machine_goes_only_where_the_sandbox_exists() -> None:
+    from bus.messages import OfferGuest, OfferRequest
+
+    sandboxed = OfferRequest(app="web", region="mad", guest=OfferGuest(sandbox="bwrap"))
+    replies = [offer("plain"), offer("boxed", sandboxes=["bwrap"])]
+    ranking = rank(sandboxed, replies, {"plain", "boxed"}, CONFIG)
+    assert ids(ranking) == ["boxed"]
+    [rejected] = ranking.rejected
+    assert (rejected.worker_id, rejected.filter) == ("plain", "sandbox")
+    assert "bubblewrap" in rejected.reason
+    assert ids(rank(request(), replies, {"plain", "boxed"}, CONFIG)) != []  # no sandbox asked: both may take it
