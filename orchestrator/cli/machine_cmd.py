@@ -88,6 +88,9 @@ def run_machine(
     ),
     cpus: int = typer.Option(1, "--cpus", min=1, help="cpus to reserve"),
     memory_mb: int = typer.Option(256, "--memory-mb", min=1, help="memory to reserve and enforce"),
+    sandbox: str = typer.Option(
+        "none", "--sandbox", help="none, or bwrap: its own pid, mount, ipc and uts namespaces (see the README)"
+    ),
     restart: str = typer.Option("on-failure", "--restart", help="restart policy: no, always, on-failure"),
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),
     name: str | None = typer.Option(None, "--name", help="a name for the machine"),
@@ -114,7 +117,7 @@ def run_machine(
             cmd=cmd,
             env=_parse_env(env),
             image=image,
-            guest=Guest(cpus=cpus, memory_mb=memory_mb),
+            guest=Guest(cpus=cpus, memory_mb=memory_mb, sandbox=sandbox),  # type: ignore[arg-type]
             restart=RestartPolicy(policy=restart),  # type: ignore[arg-type]
         )
         request = CreateRequest(
