@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from tests.workers.test_driver import subreaper  # noqa: F401 - a fixture
 from workers import sandbox
 from workers.driver import ExitStatus, TaskHandle, TaskSpec
 from workers.limits import Limits, auto_detect
@@ -248,3 +249,47 @@ def test_the_launcher_path_and_the_direct_path_both_sandbox(driver: ProcessDrive
         handle, status = run_to_end(driver, spec)
         assert status.success, handle.stderr_path.read_text()
         assert handle.stdout_path.read_text().strip() == f"m{name}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# crash safety: the same shim, the same files
+
+
+@needs_bwrap
+@pytest.mark.usefixtures("subreaper")
+def test_a_sandboxed_task_survives_its_worker_and_is_stopped_by_the_next(limits: Limits, tmp_path: Path) -> None:
+    from tests.workers.test_driver import kill_starter, start_elsewhere
+
+    script = "trap 'exit 9' TERM; touch ready; while :; do sleep 0.05; done"
+    starter, handle = start_elsewhere(spec_for(tmp_path, ["sh", "-c", script]))
+    kill_starter(starter)  # kill -9 of the worker that started it
+    wait_for_file(Path(handle.workdir) / "ready")
+    driver = ProcessDriver(limits)  # the restarted worker
+    try:
+        assert driver.recover(handle) and driver.inspect(handle).running
+        status = asyncio.run(driver.stop(handle, 10, signal.SIGTERM))
+        assert status.exit_code == 9 and not status.lost  # the workload's own exit, through the new watcher
+    finally:
+        driver.close()
+
+
+@needs_bwrap
+def test_a_shim_killed_under_a_sandbox_reports_it_lost_and_ends_it(driver: ProcessDriver, tmp_path: Path) -> None:
+    handle = start(driver, spec_for(tmp_path, ["sleep", "30"]))
+    wait_for_file(Path(handle.workdir) / "child.pid")
+    group = _read_pid(Path(handle.workdir) / "child.pid")
+    assert group is not None and os.getsid(group) == group  # the sandbox's own session
+    os.kill(handle.pid, signal.SIGKILL)
+    status = asyncio.run(asyncio.wait_for(driver.wait(handle), 10))
+    assert status.lost and not status.success
+    deadline = time.monotonic() + 10
+    while _alive(group):  # reported as ended, so it must have ended
+        assert time.monotonic() < deadline, "the sandbox outlived a report that it ended"
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
