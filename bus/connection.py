@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import nats
 from nats.aio.client import Client
 
+from bus import credentials
 from bus.errors import Unreachable
 
 log = logging.getLogger(__name__)
@@ -35,14 +37,26 @@ async def _quiet_error(exc: Exception) -> None:
 
 
 async def connect(
-    url: str, name: str, *, agent: bool = False, timeout: float = 2.0, on_closed: Callable[[str], None] | None = None
+    url: str,
+    name: str,
+    *,
+    agent: bool = False,
+    timeout: float = 2.0,
+    on_closed: Callable[[str], None] | None = None,
+    creds: str | None = None,
 ) -> Client:
     """Connect to `url`. `agent=True`: reconnect forever; otherwise fail fast when unreachable.
 
     `on_closed(reason)` runs whenever the connection ends for good, including the caller's own `close()`:
-    an agent ignores it while it is shutting down.
+    an agent ignores it while it is shutting down. `creds` (default: `$FAUXMAD_CREDS`) is a secure fleet's
+    credentials file (`bus.credentials`): the connection is then that identity, over mutual TLS.
     """
     client: Client | None = None
+    secure: dict[str, Any] = {}
+    creds_path = creds or credentials.default_path()
+    if creds_path:
+        identity, base = credentials.load(creds_path)
+        secure = identity.connect_options(base)
 
     async def closed() -> None:
         if on_closed is not None:
@@ -62,6 +76,7 @@ async def connect(
             error_cb=_quiet_error,
             pending_size=64 * 1024 * 1024,
             closed_cb=closed,
+            **secure,
         )
         return client
     except Exception as exc:

@@ -76,13 +76,14 @@ def root(
 
 
 def _register() -> None:
-    from orchestrator.cli import bench_cmd, broker_cmd, deploy_cmd, fleet_cmd, machine_cmd, worker_cmd
+    from orchestrator.cli import bench_cmd, broker_cmd, deploy_cmd, fleet_cmd, machine_cmd, security_cmd, worker_cmd
 
     app.command("demo")(fleet_cmd.demo)
     app.command("dev")(fleet_cmd.dev)
     app.add_typer(machine_cmd.machine_app, name="machine")
     app.command("workers")(fleet_cmd.workers)
     app.command("regions")(fleet_cmd.regions)
+    security_cmd.register(fleet_cmd.fleet_app)
     app.add_typer(fleet_cmd.fleet_app, name="fleet")
     app.add_typer(worker_cmd.worker_app, name="worker")
     app.command("deploy")(deploy_cmd.deploy)

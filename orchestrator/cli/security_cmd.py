@@ -1,0 +1,109 @@
+"""`fauxmad fleet init|add-worker|add-user|revoke|reload`: a secure fleet's CA, identities and server config.
+
+Thin: the work is in `orchestrator.security` (what is written and why); this parses, calls and prints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import typer
+
+from bus.errors import BadRequest
+from orchestrator.cli.render import console, print_json
+from orchestrator.cli.runtime import EXIT_USAGE, JsonOption, fail
+from orchestrator.security.fleetdir import FleetDir, FleetDirError
+from orchestrator.security.roles import ROLES
+
+USER_ROLES = ", ".join(role for role in ROLES if role != "worker")
+DIR_OPTION = typer.Option(
+    ..., "--dir", "-d", help="the fleet directory that `fauxmad fleet init` made", show_default=False
+)
+
+
+def register(fleet_app: typer.Typer) -> None:
+    fleet_app.command("init")(init)
+    fleet_app.command("add-worker")(add_worker)
+    fleet_app.command("add-user")(add_user)
+    fleet_app.command("revoke")(revoke)
+    fleet_app.command("reload")(reload)
+
+
+def init(
+    directory: str = typer.Argument(..., help="where to write the fleet's CA, server config and credentials"),
+    host: str = typer.Option(
+        "127.0.0.1", "--host", help="the address nats-server listens on (also in its certificate)"
+    ),
+    port: int = typer.Option(4222, "--port", min=1, max=65535, help="the port nats-server listens on"),
+    server_name: list[str] = typer.Option(
+        [], "--server-name", help="another DNS name or IP for the server certificate"
+    ),
+    json_out: bool = JsonOption,
+) -> None:
+    """Make a secure fleet: a CA, the server's certificate, nats.conf (mutual TLS, nkey users with per-role
+    permissions) and the operator's credentials. Start the server with `nats-server -c DIR/nats.conf`."""
+    fleet = FleetDir(directory)
+    creds = _run(lambda: fleet.init(host=host, port=port, server_names=tuple(server_name)))
+    if json_out:
+        print_json({"config": str(fleet.config), "operator": str(creds)})
+        return
+    console.print(f"fleet in {fleet.root}: start its server with  nats-server -c {fleet.config}", markup=False)
+    console.print(f"operator credentials: export FAUXMAD_CREDS={creds}", markup=False)
+
+
+def add_worker(
+    worker_id: str = typer.Argument(..., help="the worker's id (as `fauxmad worker --worker-id`)"),
+    region: str = typer.Option(..., "--region", "-r", help="the worker's region: it answers that region's offers only"),
+    directory: str = DIR_OPTION,
+) -> None:
+    """Credentials for one worker: it may answer only its own subjects and its region's offers."""
+    fleet = FleetDir(directory)
+    _done(fleet, _run(lambda: fleet.add_worker(worker_id, region)))
+
+
+def add_user(
+    name: str = typer.Argument(..., help="a name for the identity (its inbox prefix too)"),
+    role: str = typer.Option(..., "--role", help=f"one of {USER_ROLES}"),
+    app: str | None = typer.Option(None, "--app", "-a", help="the app a deployer may deploy"),
+    directory: str = DIR_OPTION,
+) -> None:
+    """Credentials for a person or a service: operator, broker, deployer (of one app) or viewer."""
+    if role not in ROLES or role == "worker":
+        fail(f"unknown role {role!r}: use operator, broker, deployer or viewer (workers: fleet add-worker)", EXIT_USAGE)
+    fleet = FleetDir(directory)
+    _done(fleet, _run(lambda: fleet.add_user(name, role, app)))  # type: ignore[arg-type]  # checked above
+
+
+def revoke(name: str = typer.Argument(..., help="the identity to cut off"), directory: str = DIR_OPTION) -> None:
+    """Take an identity out of the server's users and delete its credentials (a running server is reloaded)."""
+    fleet = FleetDir(directory)
+    _run(lambda: fleet.remove(name))
+    reloaded = fleet.reload()
+    console.print(f"{name} revoked" + ("" if reloaded else " (no running server here: takes effect at its start)"))
+
+
+def reload(directory: str = DIR_OPTION) -> None:
+    """Make the fleet's running nats-server re-read its users (SIGHUP; connections stay)."""
+    if not FleetDir(directory).reload():
+        fail(f"no running nats-server for {directory} (its pid file is missing or stale)")
+    console.print("nats-server reloaded")
+
+
+def _done(fleet: FleetDir, creds: object) -> None:
+    reloaded = fleet.reload()
+    note = "" if reloaded else " (start or reload the server to let it in)"
+    console.print(f"credentials: {creds}{note}", markup=False)
+
+
+T = TypeVar("T")
+
+
+def _run(action: Callable[[], T]) -> T:
+    """`action()`, or one line and the right exit code when the fleet directory says no."""
+    try:
+        return action()
+    except (FleetDirError, ValueError, BadRequest) as exc:
+        fail(str(getattr(exc, "message", exc)), EXIT_USAGE)
+    except OSError as exc:
+        fail(f"{exc.filename or ''}: {exc.strerror or exc}".strip(": "))

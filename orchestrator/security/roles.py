@@ -1,0 +1,148 @@
+"""Who may publish and subscribe to what: one role per kind of identity, enforced by nats-server.
+
+fauxmad code alone cannot keep a stolen credential in its lane: anything connected to NATS can publish
+anything the server lets it. So every identity gets server-side permissions (allow lists: whatever is
+not listed is refused, and the server drops the message), built here from the contract's subjects:
+
+- `worker` (one per host, bound to its id and region): answers only its own `worker.<id>.>` subjects and
+  its own region's offers; publishes events only under `events.<region>.<id>.>` and writes only its own
+  heartbeat key; reads the streams it republishes into.
+- `broker`: answers the API (`api.>`); asks workers (`offers.*`, `worker.*.>`); keeps idempotency claims;
+  reads the fleet's buckets and streams.
+- `operator`: everything, JetStream administration included.
+- `deployer` (bound to one app): that app's API subjects and its releases, the fleet-wide read-only
+  queries, reading events and logs.
+- `viewer`: the read-only API verbs of every app and the fleet queries; reading streams and buckets.
+
+Replies: an identity that answers requests (`worker`, `broker`) may publish to the reply subject of a
+request it received (`allow_responses`), and nothing else on inboxes. Every identity has its own inbox
+prefix (`_INBOX.<name>`) and may subscribe only below it, so no one reads another's replies.
+
+Known limits (see the README's security section): the routing index is keyed by machine id and the log
+subjects carry no worker id, so a worker's writes there cannot be narrowed to its own machines by subject.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from bus import subjects
+
+Role = Literal["worker", "broker", "operator", "deployer", "viewer"]
+ROLES: tuple[Role, ...] = ("worker", "broker", "operator", "deployer", "viewer")
+
+P = subjects.PREFIX
+FLEET_STREAMS = (
+    subjects.EVENTS_STREAM,
+    subjects.LOGS_STREAM,
+    *(f"KV_{bucket}" for bucket in (subjects.WORKERS_BUCKET, subjects.MACHINES_BUCKET, subjects.APPS_BUCKET)),
+    f"KV_{subjects.IDEMPOTENCY_BUCKET}",
+    f"OBJ_{subjects.IMAGES_STORE}",
+)
+READ_ONLY_VERBS = ("list", "get", "wait")
+
+
+class Permissions(msgspec.Struct, frozen=True, kw_only=True):
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False
+
+
+class Identity(msgspec.Struct, frozen=True, kw_only=True):
+    """A name (its inbox prefix too), a role, and what the role is bound to."""
+
+    name: str
+    role: Role
+    worker_id: str | None = None
+    region: str | None = None
+    app: str | None = None
+
+    @property
+    def inbox_prefix(self) -> str:
+        return f"_INBOX.{self.name}"
+
+
+def read_streams(streams: tuple[str, ...] = FLEET_STREAMS) -> tuple[str, ...]:
+    """JetStream's read side for `streams`: info, message gets, and consumers (KV watches, stream reads)."""
+    allowed = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST"]
+    for stream in streams:
+        allowed += [
+            f"$JS.API.STREAM.INFO.{stream}",
+            f"$JS.API.STREAM.MSG.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}",
+            f"$JS.API.DIRECT.GET.{stream}.>",
+            f"$JS.API.CONSUMER.CREATE.{stream}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.>",
+            f"$JS.API.CONSUMER.INFO.{stream}.*",
+            f"$JS.API.CONSUMER.DELETE.{stream}.*",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+            f"$JS.ACK.{stream}.>",
+            f"$JS.FC.{stream}.>",
+        ]
+    return tuple(allowed)
+
+
+def permissions(identity: Identity) -> Permissions:
+    """The server-side permissions of `identity` (raises ValueError when a binding it needs is missing)."""
+    inbox = f"{identity.inbox_prefix}.>"
+    role = identity.role
+    if role == "operator":
+        return Permissions(publish=(">",), subscribe=(">",), allow_responses=True)
+    if role == "worker":
+        worker_id, region = _required(identity, "worker_id"), _required(identity, "region")
+        return Permissions(
+            publish=(
+                f"{P}.events.{region}.{worker_id}.>",
+                f"{P}.logs.>",
+                subjects.kv_put(subjects.WORKERS_BUCKET, f"{region}.{worker_id}"),
+                subjects.kv_put(subjects.MACHINES_BUCKET, "*"),
+                *read_streams(
+                    (subjects.EVENTS_STREAM, f"KV_{subjects.MACHINES_BUCKET}", f"OBJ_{subjects.IMAGES_STORE}")
+                ),
+            ),
+            subscribe=(f"{P}.worker.{worker_id}.>", f"{P}.offers.{region}", "$SRV.>", inbox),
+            allow_responses=True,
+        )
+    if role == "broker":
+        return Permissions(
+            publish=(
+                f"{P}.offers.*",
+                f"{P}.worker.*.>",
+                subjects.kv_put(subjects.IDEMPOTENCY_BUCKET, ">"),
+                *read_streams(),
+            ),
+            subscribe=(f"{P}.api.>", "$SRV.>", inbox),
+            allow_responses=True,
+        )
+    fleet_queries = (subjects.API_REGIONS_LIST, subjects.API_WORKERS_LIST, subjects.API_PLACEMENTS_SIMULATE)
+    if role == "deployer":
+        app = _required(identity, "app")
+        return Permissions(
+            publish=(
+                f"{P}.api.apps.{app}.>",
+                *fleet_queries,
+                subjects.kv_put(subjects.APPS_BUCKET, f"{app}.>"),
+                *read_streams(),
+            ),
+            subscribe=(inbox,),
+        )
+    if role == "viewer":
+        return Permissions(
+            publish=(
+                *(f"{P}.api.apps.*.machines.{verb}" for verb in READ_ONLY_VERBS),
+                subjects.API_REGIONS_LIST,
+                subjects.API_WORKERS_LIST,
+                *read_streams(),
+            ),
+            subscribe=(inbox,),
+        )
+    raise ValueError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+
+
+def _required(identity: Identity, field: str) -> str:
+    value = getattr(identity, field)
+    if not value:
+        raise ValueError(f"role {identity.role} needs --{field.replace('_', '-')}")
+    return str(value)
