@@ -459,6 +459,7 @@ class MachineIndexEntry(Reply):
     version: int = 0
     # addition: the machine's config.metadata, so a reconciler knows the role of a machine on a lost worker
     metadata: dict[str, str] = {}
+    port: int | None = None  # addition: the machine's PORT, so the edge proxy can reach it
 
 
 # ---------------------------------------------------------------------------------------------------

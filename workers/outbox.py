@@ -88,6 +88,7 @@ def index_entry(machine: Machine) -> MachineIndexEntry:
         name=machine.name,
         version=machine.version,
         metadata=dict(machine.config.metadata),
+        port=machine.port,
     )
 
 

@@ -22,6 +22,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from bus.messages import Check, Guest, MachineConfig, Preset, RestartPolicy, Token, seconds
+from orchestrator.reconcile.http_service import HttpService
 
 RELEASE_KEY = "fauxmad_release"
 ROLE_KEY = "fauxmad_role"
@@ -90,6 +91,7 @@ class AppSpec(_Strict, frozen=True):
     checks: dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")], Check] = {}
     deploy: DeploySpec = msgspec.field(default_factory=DeploySpec)
     placement: PlacementSpec = msgspec.field(default_factory=PlacementSpec)
+    http_service: HttpService | None = None  # read by `fauxmad proxy` only (README "The edge proxy")
 
     def __post_init__(self) -> None:
         if not self.regions:
