@@ -12,8 +12,10 @@ non-zero for its supervisor (systemd, `fauxmad dev`) to restart it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -21,11 +23,62 @@ import nats
 from nats.aio.client import Client
 
 from bus import credentials
-from bus.errors import Unreachable
+from bus.errors import Forbidden, Unreachable
 
 log = logging.getLogger(__name__)
 
 DEFAULT_URL_ENV = "FAUXMAD_NATS_URL"
+
+
+_PUBLISH_VIOLATION = re.compile(r"permissions violation for publish to [\"']?([^\"'\s]+)", re.IGNORECASE)
+
+
+class Refusals:
+    """Publishes nats-server refused (its `-ERR 'Permissions Violation for Publish to "<subject>"'`), so a
+    request to a forbidden subject fails at once as a refusal (403) instead of waiting out its timeout:
+    the server drops such a message and nothing else would ever answer. Attached to secure connections."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+
+    def watch(self, subject: str) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(subject, []).append(future)
+        return future
+
+    def forget(self, subject: str, future: asyncio.Future[None]) -> None:
+        waiting = self._waiting.get(subject, [])
+        if future in waiting:
+            waiting.remove(future)
+        if not waiting:
+            self._waiting.pop(subject, None)
+
+    def noted(self, error: Exception) -> None:
+        match = _PUBLISH_VIOLATION.search(str(error))
+        if match is None:
+            return
+        for future in self._waiting.pop(match.group(1), []):
+            if not future.done():
+                future.set_result(None)
+
+
+def refusals_of(client: Client) -> Refusals | None:
+    found = getattr(client, REFUSALS_ATTRIBUTE, None)
+    return found if isinstance(found, Refusals) else None
+
+
+REFUSALS_ATTRIBUTE = "fauxmad_refusals"
+
+
+class _SslCloseNoise(logging.Filter):
+    """asyncio warns on every TLS connection nats-py closes ("returning true from eof_received() has no
+    effect when using ssl"): noise on every CLI call of a secure fleet, dropped here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_SslCloseNoise())
 
 
 def default_url() -> str | None:
@@ -53,10 +106,21 @@ async def connect(
     """
     client: Client | None = None
     secure: dict[str, Any] = {}
+    refusals: Refusals | None = None
     creds_path = creds or credentials.default_path()
     if creds_path:
         identity, base = credentials.load(creds_path)
         secure = identity.connect_options(base)
+        refusals = Refusals()
+
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        if refusals is not None:
+            refusals.noted(exc)
+        if client is None:  # still connecting: kept to say why it failed
+            errors.append(str(exc))
+        await _quiet_error(exc)
 
     async def closed() -> None:
         if on_closed is not None:
@@ -73,11 +137,18 @@ async def connect(
             reconnect_time_wait=0.25 if agent else 0.1,
             ping_interval=5 if agent else 20,
             max_outstanding_pings=3,
-            error_cb=_quiet_error,
+            error_cb=on_error,
             pending_size=64 * 1024 * 1024,
             closed_cb=closed,
             **secure,
         )
+        if refusals is not None:
+            setattr(client, REFUSALS_ATTRIBUTE, refusals)
         return client
     except Exception as exc:
+        if any("authorization violation" in error.lower() for error in errors):
+            raise Forbidden(
+                f"NATS at {url} refused these credentials (authorization violation): unknown, revoked or not for"
+                " this server"
+            ) from None
         raise Unreachable(f"cannot reach NATS at {url}: {exc.__class__.__name__} {exc}".strip()) from None

@@ -42,6 +42,12 @@ class Conflict(FauxmadError):
     code = 409
 
 
+class Forbidden(FauxmadError):
+    """This identity may not do that: nats-server refused the request (a secure fleet's permissions)."""
+
+    code = 403
+
+
 class StaleVersion(FauxmadError):
     code = 412
 
@@ -81,6 +87,7 @@ class Unanswered(Unreachable):
 
 _BY_CODE: dict[int, type[FauxmadError]] = {
     400: BadRequest,
+    403: Forbidden,
     404: NotFound,
     409: Conflict,
     412: StaleVersion,

@@ -24,10 +24,11 @@ from typing import Any
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from bus import subjects
+from bus.errors import Unreachable
 from bus.messages import seconds
 
 HEARTBEAT_INTERVAL = 1.0
@@ -145,6 +146,15 @@ def logs_limits(config: FleetConfig, environ: Mapping[str, str] = os.environ) ->
     )
 
 
+def _cannot_create(stream: str) -> Unreachable:
+    """A create that got no answer: JetStream is down, or (in a secure fleet) this identity may not create
+    streams and the server dropped the request. Either way, say what to do."""
+    return Unreachable(
+        f"stream {stream} does not exist and could not be created: in a secure fleet only the operator may"
+        " create the fleet's streams (run `fauxmad fleet prepare` with the operator's credentials)"
+    )
+
+
 class FleetKV(msgspec.Struct, frozen=True):
     workers: Any
     machines: Any
@@ -153,11 +163,20 @@ class FleetKV(msgspec.Struct, frozen=True):
 
 
 async def _kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    """Bind to the bucket, creating it only if it is not there: in a secure fleet only an operator may
+    create streams (a worker's or broker's create would be refused), and binding needs read access only."""
+    assert config.bucket is not None
+    try:
+        return await js.key_value(config.bucket)
+    except (NotFoundError, BucketNotFoundError):
+        pass
     try:
         return await js.create_key_value(config)
     except BadRequestError:
-        # exists with a different config (an older layout): bind to what is there
+        # created meanwhile by another process, with a different config (an older layout): bind to it
         return await js.key_value(config.bucket)
+    except TimeoutError:
+        raise _cannot_create(f"KV_{config.bucket}") from None
 
 
 async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | None = None) -> FleetKV:
@@ -237,13 +256,18 @@ async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: St
     """Create `stream` with `limits`; if it exists, apply them only when they were configured."""
     assert stream.name is not None
     stream.max_age, stream.max_bytes = limits.max_age, limits.max_bytes
-    try:
-        await js.add_stream(stream)
-        return
-    except BadRequestError:
-        if not limits.explicit:
-            return  # exists with other limits, and nobody asked for these: leave it as it is
-    current = (await js.stream_info(stream.name)).config
+    try:  # look before creating: in a secure fleet only an operator may create (see `_kv`)
+        current = (await js.stream_info(stream.name)).config
+    except NotFoundError:
+        try:
+            await js.add_stream(stream)
+            return
+        except BadRequestError:  # created meanwhile by another process
+            current = (await js.stream_info(stream.name)).config
+        except TimeoutError:
+            raise _cannot_create(stream.name) from None
+    if not limits.explicit:
+        return  # exists with other limits, and nobody asked for these: leave it as it is
     if current.max_age != limits.max_age or current.max_bytes != limits.max_bytes:
         current.max_age, current.max_bytes = limits.max_age, limits.max_bytes
         await js.update_stream(current)

@@ -24,7 +24,8 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from bus.codec import clip, decode, decoder, encode
-from bus.errors import FauxmadError, InternalError, Unanswered, Unreachable, error_for_code
+from bus.connection import Refusals, refusals_of
+from bus.errors import FauxmadError, Forbidden, InternalError, Unanswered, Unreachable, error_for_code
 from bus.messages import ErrorBody, ErrorDetail
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,11 @@ async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) 
     """Send a request; raise `FauxmadError` for an error reply, `Unreachable` if nobody answers."""
     data = payload if isinstance(payload, bytes) else encode(payload)
     try:
-        msg = await nc.request(subject, data, timeout=timeout)
+        refusals = refusals_of(nc)
+        if refusals is None:
+            msg = await nc.request(subject, data, timeout=timeout)
+        else:
+            msg = await _request_or_refusal(nc, refusals, subject, data, timeout)
     except NoRespondersError:
         raise Unreachable(f"nobody answers on {subject}") from None
     except NatsTimeout:
@@ -175,6 +180,21 @@ async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) 
         raise Unanswered(f"no answer on {subject}: {type(exc).__name__} {exc}".strip()) from None
     raise_for_reply(msg)
     return msg
+
+
+async def _request_or_refusal(nc: Client, refusals: Refusals, subject: str, data: bytes, timeout: float) -> Msg:
+    """A request on a secure connection: the reply, or `Forbidden` the moment the server refuses the publish."""
+    refused = refusals.watch(subject)
+    asked: asyncio.Future[Msg] = asyncio.ensure_future(nc.request(subject, data, timeout=timeout))
+    either: set[asyncio.Future[Any]] = {asked, refused}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refusals.forget(subject, refused)
+    if asked.done():
+        return asked.result()
+    asked.cancel()
+    raise Forbidden(f"not allowed to {subject}: this identity's permissions (nats-server) refuse it")
 
 
 async def call(nc: Client, subject: str, payload: Any, reply_type: type[T], timeout: float = 5.0) -> T:

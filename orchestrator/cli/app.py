@@ -17,10 +17,11 @@ try:  # typer >= 0.29 vendors click
 except ImportError:  # pragma: no cover - older typer depends on click itself
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[no-redef,import-not-found,unused-ignore,assignment]
 
-from bus.errors import BadRequest, Conflict, FauxmadError, NotFound, StaleVersion, Unanswered, Unreachable
+from bus.errors import BadRequest, Conflict, FauxmadError, Forbidden, NotFound, StaleVersion, Unanswered, Unreachable
 from orchestrator.cli.runtime import (
     EXIT_CONFLICT,
     EXIT_FAILED,
+    EXIT_FORBIDDEN,
     EXIT_INTERNAL,
     EXIT_INTERRUPTED,
     EXIT_NOT_FOUND,
@@ -139,6 +140,8 @@ def exit_code_for(exc: FauxmadError) -> int:
         return EXIT_USAGE  # 400: bad input, like a usage error
     if isinstance(exc, NotFound):
         return EXIT_NOT_FOUND
+    if isinstance(exc, Forbidden):
+        return EXIT_FORBIDDEN
     if isinstance(exc, Conflict | StaleVersion):
         return EXIT_CONFLICT
     return EXIT_FAILED  # 503 no capacity, 504, an unanswered request (its outcome unknown), a remote 500

@@ -43,6 +43,7 @@ EXIT_USAGE = 2  # usage or invalid input, a 400 from the fleet included
 EXIT_UNREACHABLE = 3  # cannot reach the fleet: no NATS server there, or no broker/worker answering
 EXIT_NOT_FOUND = 4  # a 404: no such machine, app, release or worker
 EXIT_CONFLICT = 5  # a 409 or 412: the state (or a lease, or an idempotency key) forbids it
+EXIT_FORBIDDEN = 6  # a 403: this identity's permissions (a secure fleet's nats-server) refuse it
 EXIT_INTERNAL = 70  # a bug in fauxmad (EX_SOFTWARE); FAUXMAD_DEBUG=1 shows the traceback
 EXIT_INTERRUPTED = 130  # Ctrl-C
 

@@ -6,13 +6,15 @@ Thin: the work is in `orchestrator.security` (what is written and why); this par
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import typer
 
+from bus.connection import connect
 from bus.errors import BadRequest
+from bus.jetstream import ensure_fleet_resources
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import EXIT_USAGE, JsonOption, fail
+from orchestrator.cli.runtime import EXIT_USAGE, JsonOption, NatsOption, fail, with_connected
 from orchestrator.security.fleetdir import FleetDir, FleetDirError
 from orchestrator.security.roles import ROLES
 
@@ -28,6 +30,7 @@ def register(fleet_app: typer.Typer) -> None:
     fleet_app.command("add-user")(add_user)
     fleet_app.command("revoke")(revoke)
     fleet_app.command("reload")(reload)
+    fleet_app.command("prepare")(prepare)
 
 
 def init(
@@ -88,6 +91,17 @@ def reload(directory: str = DIR_OPTION) -> None:
     if not FleetDir(directory).reload():
         fail(f"no running nats-server for {directory} (its pid file is missing or stale)")
     console.print("nats-server reloaded")
+
+
+def prepare(nats: str | None = NatsOption) -> None:
+    """Create the fleet's streams and buckets. Every process does this at start on an open fleet; in a
+    secure one only the operator may create them (the others bind), so run this once with its credentials."""
+
+    async def ensure(nc: Any) -> None:
+        await ensure_fleet_resources(nc.jetstream())
+
+    with_connected(nats, lambda url: connect(url, "fauxmad-prepare"), ensure)
+    console.print("the fleet's streams and buckets are in place")
 
 
 def _done(fleet: FleetDir, creds: object) -> None:

@@ -98,9 +98,7 @@ def permissions(identity: Identity) -> Permissions:
                 f"{P}.logs.>",
                 subjects.kv_put(subjects.WORKERS_BUCKET, f"{region}.{worker_id}"),
                 subjects.kv_put(subjects.MACHINES_BUCKET, "*"),
-                *read_streams(
-                    (subjects.EVENTS_STREAM, f"KV_{subjects.MACHINES_BUCKET}", f"OBJ_{subjects.IMAGES_STORE}")
-                ),
+                *read_streams(),
             ),
             subscribe=(f"{P}.worker.{worker_id}.>", f"{P}.offers.{region}", "$SRV.>", inbox),
             allow_responses=True,

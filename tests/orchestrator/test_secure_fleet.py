@@ -1,0 +1,162 @@
+"""A secure fleet with real processes: nats-server with the generated config, a worker and a broker each
+with its own credentials, and CLI commands as a deployer, a viewer and a revoked identity.
+
+What must hold: the whole create path works with least privilege (nothing needs more than its role);
+a deployer of `web` is refused `other` at once with a 403 (exit 6, one line), never a timeout taken for
+a refusal; a viewer reads but cannot create; a revoked identity is cut off on the next connection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bus.embedded import find_binary, free_port
+from orchestrator.security.fleetdir import FleetDir
+from tests.helpers import ROOT
+
+
+class SecureFleet:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = free_port()
+        self.url = f"tls://127.0.0.1:{self.port}"
+        self.dir = FleetDir(root / "fleet")
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def cli(self, identity: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("FAUXMAD_NATS_URL", "FAUXMAD_CREDS")}
+        env.update(PYTHONPATH=str(ROOT), COLUMNS="120", FAUXMAD_CREDS=str(self.dir.creds(identity)))
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            cwd=str(ROOT),
+        )
+
+    def spawn(self, identity: str, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in ("FAUXMAD_NATS_URL", "FAUXMAD_CREDS")}
+        env.update(PYTHONPATH=str(ROOT), FAUXMAD_CREDS=str(self.dir.creds(identity)))
+        log = open(self.root / f"{identity}.log", "wb")  # noqa: SIM115 - kept open for the process's life
+        self.procs.append(
+            subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], stdout=log, stderr=log, env=env)
+        )
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFleet]:
+    secure = SecureFleet(tmp_path_factory.mktemp("secure-fleet"))
+    secure.dir.init(port=secure.port)
+    secure.dir.add_worker("sec-w1", "mad")
+    secure.dir.add_user("broker-1", "broker")
+    secure.dir.add_user("ci-web", "deployer", app="web")
+    secure.dir.add_user("ops-bob", "viewer")
+    secure.dir.add_user("gone", "viewer")
+    server = subprocess.Popen(
+        [find_binary(), "-c", str(secure.dir.config), "-l", str(secure.root / "nats.log")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", secure.port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and server.poll() is None, "nats-server did not start"
+                time.sleep(0.02)
+        prepared = secure.cli("operator", "fleet", "prepare", "--nats", secure.url)
+        assert prepared.returncode == 0, prepared.stderr
+        data = secure.root / "sec-w1"
+        secure.spawn(
+            "worker-sec-w1",
+            *("worker", "--nats", secure.url, "--region", "mad", "--worker-id", "sec-w1"),
+            *("--cpus", "4", "--memory-mb", "4096", "--data-dir", str(data)),
+        )
+        secure.spawn("broker-1", "broker", "--nats", secure.url)
+        deadline = time.monotonic() + 30
+        while True:
+            listed = secure.cli("ops-bob", "workers", "--json", "--nats", secure.url)
+            if listed.returncode == 0 and json.loads(listed.stdout):
+                break
+            assert time.monotonic() < deadline, f"no worker came up: {listed.stderr}"
+            time.sleep(0.2)
+        yield secure
+    finally:
+        for proc in secure.procs:
+            proc.terminate()
+        for proc in secure.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        subprocess.run(["pkill", "-f", str(secure.root)], check=False)  # machines the worker left
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_a_deployer_creates_in_its_app_and_is_refused_elsewhere_at_once(fleet: SecureFleet) -> None:
+    run = fleet.cli(
+        "ci-web", "machine", "run", "-a", "web", "-r", "mad", "--json", "--nats", fleet.url, "--", "sleep", "60"
+    )
+    assert run.returncode == 0, run.stderr
+    machine = json.loads(run.stdout)
+    assert machine["state"] == "started" and machine["worker_id"] == "sec-w1"
+
+    began = time.monotonic()
+    other = fleet.cli("ci-web", "machine", "run", "-a", "other", "-r", "mad", "--nats", fleet.url, "--", "sleep", "60")
+    took = time.monotonic() - began
+    assert other.returncode == 6, other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1 and "not allowed" in other.stderr
+    assert took < 30  # refused by the server, not a request left to time out (its timeout is far longer)
+
+    destroyed = fleet.cli("ci-web", "machine", "destroy", machine["id"], "-a", "web", "--force", "--nats", fleet.url)
+    assert destroyed.returncode == 0, destroyed.stderr
+
+
+def test_a_viewer_reads_and_cannot_create(fleet: SecureFleet) -> None:
+    listed = fleet.cli("ops-bob", "machine", "list", "-a", "web", "--json", "--nats", fleet.url)
+    assert listed.returncode == 0, listed.stderr
+    create = fleet.cli("ops-bob", "machine", "run", "-a", "web", "-r", "mad", "--nats", fleet.url, "--", "true")
+    assert create.returncode == 6 and "not allowed" in create.stderr
+
+
+def test_a_revoked_identity_is_cut_off(fleet: SecureFleet) -> None:
+    kept = fleet.root / "gone-copy"
+    kept.mkdir(exist_ok=True)
+    for name in ("gone.json", "gone.pem", "gone-key.pem"):
+        shutil.copy(fleet.dir.root / "creds" / name, kept / name)
+    (kept / "gone.json").write_text(
+        (kept / "gone.json").read_text().replace('"../ca.pem"', json.dumps(str(fleet.dir.root / "ca.pem")))
+    )
+    revoked = fleet.cli("operator", "fleet", "revoke", "gone", "--dir", str(fleet.dir.root))
+    assert revoked.returncode == 0 and "revoked" in revoked.stdout, revoked.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("FAUXMAD_NATS_URL",)}
+    env.update(PYTHONPATH=str(ROOT), FAUXMAD_CREDS=str(kept / "gone.json"))
+    deadline = time.monotonic() + 10
+    while True:  # the server re-reads its users on SIGHUP, asynchronously
+        after = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "workers", "--nats", fleet.url],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        if after.returncode != 0:
+            break
+        assert time.monotonic() < deadline, "the revoked identity still gets in"
+        time.sleep(0.1)
+    assert after.returncode == 6 and "refused these credentials" in after.stderr, after.stderr
