@@ -33,6 +33,7 @@ class Credentials(msgspec.Struct, frozen=True, kw_only=True):
     ca: str
     cert: str
     key: str
+    secrets_key: str | None = None  # workers only: the fleet's secrets key (bus/secrets.py)
 
     def connect_options(self, base: Path) -> dict[str, Any]:
         """nats-py `connect` keyword arguments: the nkey, the inbox prefix and an mTLS context."""

@@ -162,7 +162,7 @@ class FleetKV(msgspec.Struct, frozen=True):
     idempotency: Any
 
 
-async def _kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
     """Bind to the bucket, creating it only if it is not there: in a secure fleet only an operator may
     create streams (a worker's or broker's create would be refused), and binding needs read access only."""
     assert config.bucket is not None
@@ -183,7 +183,7 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
     config = config or FleetConfig()
     storage = StorageType.MEMORY if config.storage == "memory" else StorageType.FILE
     ttl = 3 * config.heartbeat_interval
-    workers = await _kv(
+    workers = await bind_or_create_kv(
         js,
         KeyValueConfig(
             bucket=subjects.WORKERS_BUCKET,
@@ -194,7 +194,7 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
             description="worker heartbeats: capacity, usage, images, cordon",
         ),
     )
-    machines = await _kv(
+    machines = await bind_or_create_kv(
         js,
         KeyValueConfig(
             bucket=subjects.MACHINES_BUCKET,
@@ -203,7 +203,7 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
             description="routing index: machine id -> worker, region, app, state",
         ),
     )
-    apps = await _kv(
+    apps = await bind_or_create_kv(
         js,
         KeyValueConfig(
             bucket=subjects.APPS_BUCKET,
@@ -212,7 +212,7 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
             description="desired state: app specs and releases",
         ),
     )
-    idempotency = await _kv(
+    idempotency = await bind_or_create_kv(
         js,
         KeyValueConfig(
             bucket=subjects.IDEMPOTENCY_BUCKET,
@@ -256,7 +256,7 @@ async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: St
     """Create `stream` with `limits`; if it exists, apply them only when they were configured."""
     assert stream.name is not None
     stream.max_age, stream.max_bytes = limits.max_age, limits.max_bytes
-    try:  # look before creating: in a secure fleet only an operator may create (see `_kv`)
+    try:  # look before creating: in a secure fleet only an operator may create (see `bind_or_create_kv`)
         current = (await js.stream_info(stream.name)).config
     except NotFoundError:
         try:

@@ -29,6 +29,7 @@ from bus.codec import encode
 from bus.embedded import EmbeddedNats
 from bus.errors import Unreachable
 from bus.messages import DestroyRequest, ListRequest
+from bus.secrets import new_private_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,8 +133,18 @@ class DevFleet:
         why = errors[-1].split("] ", 2)[-1].strip()
         return f"nats-server could not start on port {self.nats.port}: {why}"
 
+    def _secrets_key(self) -> Path:
+        """The dev fleet's secrets key (one for all its workers, so `fauxmad secrets` works out of the box)."""
+        path = self.root / "secrets.key"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(new_private_key() + "\n")
+        return path
+
     def _start_processes(self) -> None:
         spec = self.spec
+        secrets_key = self._secrets_key()
         for region in spec.regions:
             per = spec.workers_per_process
             groups = (spec.workers_per_region + per - 1) // per
@@ -158,6 +169,8 @@ class DevFleet:
                     str(self.root / "workers" / base),
                     "--heartbeat",
                     str(spec.heartbeat),
+                    "--secrets-key",
+                    str(secrets_key),
                 ]
                 if count > 1:
                     args += ["--count", str(count)]

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from nacl.public import PrivateKey
 from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
-from bus import subjects
+from bus import credentials, subjects
 from bus.codec import decode, encode
 from bus.connection import connect
 from bus.errors import BadRequest, Unreachable
@@ -45,6 +46,7 @@ from bus.messages import (
     Resources,
     WorkerInfo,
 )
+from bus.secrets import load_private_key, secrets_bucket
 from bus.service import Responder
 from workers import sandbox
 from workers.commit import GroupCommitter
@@ -55,6 +57,7 @@ from workers.offers import Backpressure, Snapshot, answer_offer
 from workers.outbox import Outbox
 from workers.process_driver import ProcessDriver
 from workers.records import ImageRecord, LogRecord, MachineRecord, WorkerState
+from workers.secrets import SecretsCache
 from workers.store import Store
 from workers.supervision import Backoff
 from workers.tally import MachineTally
@@ -79,6 +82,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     compact_every: float = 60.0
     fsync: bool = True
     map_size: int = 8 * 1024 * 1024 * 1024
+    secrets_key: str | None = None  # the fleet's secrets key (base64), else the credentials file's, else none
 
 
 class WorkerAgent:
@@ -118,6 +122,8 @@ class WorkerAgent:
         )
         js = self.nc.jetstream()
         self._kv = await ensure_fleet_resources(js, FleetConfig(heartbeat_interval=cfg.heartbeat_interval))
+        self.secrets = SecretsCache(_secrets_key(cfg))
+        await self.secrets.start(await secrets_bucket(js))
         self.outbox = Outbox(self.nc, worker_id=cfg.worker_id)
         self.store = Store(data / "lmdb", sync=cfg.fsync, map_size=cfg.map_size)
         self.committer = GroupCommitter(self.store)
@@ -138,6 +144,7 @@ class WorkerAgent:
             driver,
             on_commit=self._on_commit,
             on_launch=self._follow_logs,
+            secret_env=self.secrets.env_for,
         )
         self._images = frozenset(self.store.images())
         # derived from LMDB at start and kept in step by _on_commit: info() must not scan every machine
@@ -399,6 +406,8 @@ class WorkerAgent:
             self.responder.cancel_all()
         if self.manager is not None:
             await _bounded(self.manager.close(), 2.0)
+        if hasattr(self, "secrets"):
+            await _bounded(self.secrets.close(), 1.0)
         if self.driver is not None:
             self.driver.close()  # its launcher (machines keep running)
         if self.nc is not None:
@@ -407,6 +416,14 @@ class WorkerAgent:
             self.committer.close()
         if self.store is not None:
             self.store.close()
+
+
+def _secrets_key(config: WorkerConfig) -> PrivateKey | None:
+    """The fleet's secrets key: the worker's config, else its credentials file's (secure fleets), else none."""
+    text = config.secrets_key
+    if text is None and credentials.default_path():
+        text = credentials.load(credentials.default_path() or "")[0].secrets_key
+    return load_private_key(text) if text else None
 
 
 async def _bounded(awaitable: Any, seconds: float) -> None:

@@ -93,12 +93,14 @@ class MachineManager:
         *,
         on_commit: CommitHook = lambda records: None,
         on_launch: Callable[[Machine], None] = lambda machine: None,
+        secret_env: Callable[[str], dict[str, str]] = lambda app: {},
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.store = store
         self.driver = driver
         self.on_launch = on_launch  # right before a process is spawned (the agent follows its logs from there)
+        self.secret_env = secret_env  # the app's secrets in clear, for the environment only (workers/secrets.py)
         self.clock = clock
         self.inflight = 0
         self.recorder = Recorder(committer, on_commit=on_commit, clock=clock)
@@ -337,6 +339,7 @@ class MachineManager:
         machine = stored.machine
         env = {key: os.environ[key] for key in ("PATH", "HOME", "LANG", "TZ") if key in os.environ}
         env.update(machine.config.env)
+        env.update(self.secret_env(machine.app))
         env.update(
             {
                 "PORT": str(machine.port),

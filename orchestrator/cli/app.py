@@ -77,7 +77,16 @@ def root(
 
 
 def _register() -> None:
-    from orchestrator.cli import bench_cmd, broker_cmd, deploy_cmd, fleet_cmd, machine_cmd, security_cmd, worker_cmd
+    from orchestrator.cli import (
+        bench_cmd,
+        broker_cmd,
+        deploy_cmd,
+        fleet_cmd,
+        machine_cmd,
+        secrets_cmd,
+        security_cmd,
+        worker_cmd,
+    )
 
     app.command("demo")(fleet_cmd.demo)
     app.command("dev")(fleet_cmd.dev)
@@ -86,6 +95,7 @@ def _register() -> None:
     app.command("regions")(fleet_cmd.regions)
     security_cmd.register(fleet_cmd.fleet_app)
     app.add_typer(fleet_cmd.fleet_app, name="fleet")
+    app.add_typer(secrets_cmd.secrets_app, name="secrets")
     app.add_typer(worker_cmd.worker_app, name="worker")
     app.command("deploy")(deploy_cmd.deploy)
     app.command("rollback")(deploy_cmd.rollback)

@@ -11,7 +11,16 @@ from pathlib import Path
 import typer
 
 from bus.embedded import EmbeddedNats
-from orchestrator.cli.runtime import NatsOption, WorkerIdArgument, check_region, check_worker_id, nats_url, run
+from orchestrator.cli.runtime import (
+    EXIT_USAGE,
+    NatsOption,
+    WorkerIdArgument,
+    check_region,
+    check_worker_id,
+    fail,
+    nats_url,
+    run,
+)
 
 
 def default_worker_id() -> str:
@@ -57,6 +66,13 @@ def worker(
     heartbeat: float = typer.Option(1.0, "--heartbeat", min=0.1, help="seconds between heartbeats"),
     restart_backoff: float = typer.Option(0.5, "--restart-backoff", min=0.0, help="first restart delay, seconds"),
     no_fsync: bool = typer.Option(False, "--no-fsync", help="skip fsync on commit (benchmarks only: unsafe)"),
+    secrets_key: Path | None = typer.Option(
+        None,
+        "--secrets-key",
+        envvar="FAUXMAD_SECRETS_KEY",
+        help="a file with the fleet's secrets key (see `fauxmad secrets`): apps with secrets start only with it",
+        show_default=False,
+    ),
     count: int = typer.Option(
         1,
         "--count",
@@ -85,6 +101,7 @@ def worker(
         url = server.url
         typer.echo(f"no --nats given: started an embedded nats-server at {url}", err=True)
     root = data_dir or default_data_dir(wid)
+    key = _read_secrets_key(secrets_key)
     ids = [wid] if count == 1 else [f"{wid}-{i:04d}" for i in range(count)]
     configs = [
         WorkerConfig(
@@ -98,6 +115,7 @@ def worker(
             backoff=Backoff(base=restart_backoff),
             fsync=not no_fsync,
             map_size=(8 << 30) if count == 1 else (64 << 20),
+            secrets_key=key,
         )
         for one in ids
     ]
@@ -133,3 +151,19 @@ def _register_subcommands() -> None:
 
 
 _register_subcommands()
+
+
+def _read_secrets_key(path: Path | None) -> str | None:
+    """The key in `path` (checked), or None; a missing or malformed file is one line and exit 2."""
+    if path is None:
+        return None
+    from bus.secrets import load_private_key
+
+    try:
+        text = path.read_text()
+        load_private_key(text)
+    except OSError as exc:
+        fail(f"--secrets-key {path}: {exc.strerror or exc}", EXIT_USAGE)
+    except ValueError as exc:
+        fail(f"--secrets-key {path}: {exc}", EXIT_USAGE)
+    return text.strip()

@@ -11,7 +11,8 @@ stays in its credentials file; the server holds only public keys. The cost: addi
 identity rewrites `users.conf` and reloads the server (which JWTs avoid); fine at a fleet's scale.
 
 Layout: `ca.pem` `ca-key.pem` `server.pem` `server-key.pem` `nats.conf` `users.conf` `identities.json`
-(names, roles, bindings and public keys: the source `users.conf` is rendered from) and
+(names, roles, bindings and public keys: the source `users.conf` is rendered from), `secrets.key` (the
+fleet's secrets key: it goes into workers' credentials only) and
 `creds/<name>.json` with `creds/<name>.pem`, `creds/<name>-key.pem`. Keys and credentials are 0600.
 """
 
@@ -26,6 +27,7 @@ import msgspec
 import nkeys
 
 from bus import credentials
+from bus.secrets import new_private_key
 from bus.subjects import check_token
 from orchestrator.security import pki
 from orchestrator.security.roles import Identity, Permissions, Role, permissions
@@ -71,6 +73,7 @@ class FleetDir:
         pki.write_cert(self.root / "server.pem", server[0])
         pki.write_key(self.root / "server-key.pem", server[1])
         (self.root / "url").write_text(f"tls://{host}:{port}\n")
+        _write_private(self.root / "secrets.key", (new_private_key() + "\n").encode())
         self.config.write_text(self._render_config(host, port))
         self._save([])
         return self.add(Identity(name=OPERATOR, role="operator"))
@@ -133,11 +136,10 @@ class FleetDir:
             ca="../ca.pem",
             cert=f"{identity.name}.pem",
             key=f"{identity.name}-key.pem",
+            secrets_key=(self.root / "secrets.key").read_text().strip() if identity.role == "worker" else None,
         )
         path = self.creds(identity.name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode(document)) + b"\n")
+        _write_private(path, msgspec.json.format(msgspec.json.encode(document)) + b"\n")
         self._save([*entries, Entry(identity=identity, public_key=public)])
         return path
 
@@ -173,6 +175,12 @@ class FleetDir:
         except (OSError, ValueError):
             return False
         return True
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 def _render_user(public_key: str, perms: Permissions, identity: Identity) -> str:

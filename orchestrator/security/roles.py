@@ -29,6 +29,7 @@ from typing import Literal
 import msgspec
 
 from bus import subjects
+from bus.secrets import PUBLIC_KEY, SECRETS_BUCKET
 
 Role = Literal["worker", "broker", "operator", "deployer", "viewer"]
 ROLES: tuple[Role, ...] = ("worker", "broker", "operator", "deployer", "viewer")
@@ -40,6 +41,7 @@ FLEET_STREAMS = (
     *(f"KV_{bucket}" for bucket in (subjects.WORKERS_BUCKET, subjects.MACHINES_BUCKET, subjects.APPS_BUCKET)),
     f"KV_{subjects.IDEMPOTENCY_BUCKET}",
     f"OBJ_{subjects.IMAGES_STORE}",
+    f"KV_{SECRETS_BUCKET}",
 )
 READ_ONLY_VERBS = ("list", "get", "wait")
 
@@ -98,6 +100,7 @@ def permissions(identity: Identity) -> Permissions:
                 f"{P}.logs.>",
                 subjects.kv_put(subjects.WORKERS_BUCKET, f"{region}.{worker_id}"),
                 subjects.kv_put(subjects.MACHINES_BUCKET, "*"),
+                subjects.kv_put(SECRETS_BUCKET, PUBLIC_KEY),
                 *read_streams(),
             ),
             subscribe=(f"{P}.worker.{worker_id}.>", f"{P}.offers.{region}", "$SRV.>", inbox),
@@ -122,6 +125,7 @@ def permissions(identity: Identity) -> Permissions:
                 f"{P}.api.apps.{app}.>",
                 *fleet_queries,
                 subjects.kv_put(subjects.APPS_BUCKET, f"{app}.>"),
+                subjects.kv_put(SECRETS_BUCKET, f"{app}.*"),
                 *read_streams(),
             ),
             subscribe=(inbox,),
