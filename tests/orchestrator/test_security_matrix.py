@@ -280,3 +280,21 @@ def test_the_readme_commands_run_as_written_and_bad_input_is_one_line() -> None:
         assert nowhere.returncode == 2 and "fleet init" in nowhere.stderr
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_plain_connection_is_refused(secure_fleet: tuple[FleetDir, str]) -> None:
+    """TLS is required: the same server, a client without TLS (even with a valid nkey) gets nowhere."""
+    fleet, url = secure_fleet
+    creds, _ = credentials.load(fleet.creds("operator"))
+
+    async def main() -> None:
+        nc = await nats.connect(
+            url.replace("tls://", "nats://"),
+            nkeys_seed_str=creds.seed,
+            allow_reconnect=False,
+            connect_timeout=2,
+        )
+        await nc.close()
+
+    with pytest.raises(Exception):  # noqa: B017 - nats-py's error for a server that demands TLS varies
+        arun(main())
