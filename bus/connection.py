@@ -127,8 +127,13 @@ async def connect(
             why = client.last_error if client is not None else None
             on_closed(f"the NATS connection was closed: {why or 'by the server'}")
 
+    if url.startswith("tls://") and not secure:
+        raise Forbidden(f"{url} is a secure fleet: set {credentials.CREDS_ENV} to this identity's credentials file")
+    # nats-py can wait forever on a TLS handshake that will not complete (a plain client told by the server
+    # that TLS is required): a command gets a bounded wait; an agent keeps trying, as it does on any failure
+    bound = None if agent else 4 * timeout + 2
     try:
-        client = await nats.connect(
+        connecting = nats.connect(
             servers=[url],
             name=name,
             connect_timeout=timeout,
@@ -142,9 +147,13 @@ async def connect(
             closed_cb=closed,
             **secure,
         )
+        client = await asyncio.wait_for(connecting, bound)
         if refusals is not None:
             setattr(client, REFUSALS_ATTRIBUTE, refusals)
         return client
+    except TimeoutError:
+        hint = "" if secure else f" (a secure fleet needs its credentials: {credentials.CREDS_ENV})"
+        raise Unreachable(f"cannot reach NATS at {url}: no connection within {bound:g}s{hint}") from None
     except Exception as exc:
         if any("authorization violation" in error.lower() for error in errors):
             raise Forbidden(

@@ -64,7 +64,10 @@ class EmbeddedNats:
         store_dir: str | Path | None = None,
         name: str = "fauxmad-dev",
         log_file: str | Path | None = None,
+        config_file: str | Path | None = None,
     ) -> None:
+        """`config_file`: run with that config (a secure fleet's, `orchestrator.security`: TLS required, so the
+        URL is `tls://`) instead of the JetStream-only one written here."""
         self.host = host
         self.port = port or free_port(host)
         self._own_store = store_dir is None
@@ -72,21 +75,23 @@ class EmbeddedNats:
         self.name = name
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.config_file = Path(config_file) if config_file else None
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.config_file else 'nats'}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         binary = find_binary()
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        config = self.store_dir / "nats-server.conf"
-        config.write_text(
-            # every JetStream write is flushed before it is acknowledged: by default nats-server acknowledges
-            # first and writes later, so a kill -9 of the server loses acknowledged claims, index entries and
-            # events (one server has no replica to recover them from)
-            f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir))}\n  sync_interval: always\n}}\n"
-        )
+        config = self.config_file or self.store_dir / "nats-server.conf"
+        if self.config_file is None:
+            config.write_text(
+                # every JetStream write is flushed before it is acknowledged: by default nats-server acknowledges
+                # first and writes later, so a kill -9 of the server loses acknowledged claims, index entries and
+                # events (one server has no replica to recover them from)
+                f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir))}\n  sync_interval: always\n}}\n"
+            )
         args = [
             binary,
             "-c",

@@ -20,17 +20,22 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats
 
-from bus import subjects
+from bus import credentials, subjects
 from bus.codec import encode
-from bus.embedded import EmbeddedNats
+from bus.credentials import CREDS_ENV
+from bus.embedded import EmbeddedNats, free_port
 from bus.errors import Unreachable
+from bus.jetstream import ensure_fleet_resources
 from bus.messages import DestroyRequest, ListRequest
-from bus.secrets import new_private_key
+from bus.secrets import new_private_key, secrets_bucket
+from orchestrator.security.fleetdir import FleetDir
 
+SECURE_ENV = "FAUXMAD_DEV_SECURE"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -47,6 +52,9 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat: float = 1.0
     data_dir: str | None = None
     fsync: bool = True
+    # the same setup a production fleet gets (orchestrator/security): mutual TLS, an identity per process;
+    # $FAUXMAD_DEV_SECURE=1 makes it the default (to run the test suite against secure fleets)
+    secure: bool = os.environ.get(SECURE_ENV) == "1"
 
 
 class DevFleet:
@@ -59,6 +67,21 @@ class DevFleet:
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.worker_ids: list[str] = []
         self.commands: dict[str, list[str]] = {}
+        self.security: FleetDir | None = None
+        self.security_port: int | None = None
+        self._creds: dict[str, str] = {}  # process name -> its credentials file (secure fleets)
+
+    @property
+    def operator_creds(self) -> str | None:
+        """The operator's credentials file of a secure fleet (what a person exports as $FAUXMAD_CREDS)."""
+        return str(self.security.creds("operator")) if self.security is not None else None
+
+    async def _connect(self, **options: Any) -> Any:
+        """A raw connection to this fleet for the fleet's own chores (as the operator when secure)."""
+        if self.security is None:
+            return await nats.connect(self.url, **options)
+        creds, base = credentials.load(self.security.creds("operator"))
+        return await nats.connect(self.url, **options, **creds.connect_options(base))
 
     @property
     def url(self) -> str:
@@ -73,6 +96,9 @@ class DevFleet:
         log_path = self.root / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        env.pop(CREDS_ENV, None)
+        if name in self._creds:
+            env[CREDS_ENV] = self._creds[name]
         with log_path.open("ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.cli", *args],
@@ -107,18 +133,49 @@ class DevFleet:
         data directory if it is this fleet's own, and raise."""
         spec = self.spec
         try:
-            self.nats = EmbeddedNats(port=spec.port, store_dir=self.root / "nats", name="fauxmad-dev")
+            config = self._secure_setup() if spec.secure else None
+            port = self.security_port if config else spec.port
+            self.nats = EmbeddedNats(port=port, store_dir=self.root / "nats", name="fauxmad-dev", config_file=config)
             try:
                 self.nats.start()
             except Unreachable as exc:
                 raise Unreachable(self._nats_failure(exc)) from None
-            self.progress(f"nats-server with JetStream at {self.url}")
+            self.progress(f"nats-server with JetStream at {self.url}" + (" (mutual TLS, nkey users)" if config else ""))
+            if config:
+                asyncio.run(self._prepare())
+                if os.environ.get(SECURE_ENV) == "1":  # the suite in secure mode: its clients act as the operator
+                    os.environ[CREDS_ENV] = str(self.operator_creds)
             self._start_processes()
             self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _secure_setup(self) -> Path:
+        """A secure fleet's directory (CA, certificates, users) with an identity for every process to come."""
+        spec = self.spec
+        if spec.workers_per_process > 1:
+            raise ValueError("a secure dev fleet runs one worker per process (each worker is an identity)")
+        self.security_port = spec.port or free_port()
+        self.security = FleetDir(self.root / "secure")
+        self.security.init(port=self.security_port)
+        for region in spec.regions:
+            for n in range(spec.workers_per_region):
+                worker_id = f"{region}-w{n + 1}"
+                self._creds[f"worker-{worker_id}"] = str(self.security.add_worker(worker_id, region))
+        for i in range(spec.brokers):
+            self._creds[f"broker-{i + 1}"] = str(self.security.add_user(f"broker-{i + 1}", "broker"))
+        return self.security.config
+
+    async def _prepare(self) -> None:
+        """Create the fleet's streams and buckets as the operator: in a secure fleet the others only bind."""
+        nc = await self._connect()
+        try:
+            await ensure_fleet_resources(nc.jetstream())
+            await secrets_bucket(nc.jetstream())
+        finally:
+            await nc.close()
 
     def _nats_failure(self, exc: Unreachable) -> str:
         """Why nats-server did not start, from its log (which `stop` is about to remove with the data dir)."""
@@ -198,7 +255,7 @@ class DevFleet:
         deadline = time.monotonic() + timeout
 
         async def counts() -> tuple[int, int]:
-            nc = await nats.connect(self.url)
+            nc = await self._connect()
             try:
                 msg = await nc.request(subjects.API_WORKERS_LIST, b"", timeout=1)
                 workers = len(msgspec.json.decode(msg.data)) if not msg.headers else 0
@@ -233,7 +290,7 @@ class DevFleet:
 
         async def run() -> int:
             # fail fast: after a Ctrl-C the whole process group (nats-server too) may be gone already
-            nc = await nats.connect(self.url, connect_timeout=1, allow_reconnect=False)
+            nc = await self._connect(connect_timeout=1, allow_reconnect=False)
             destroyed = 0
             try:
                 for worker_id in self.worker_ids:

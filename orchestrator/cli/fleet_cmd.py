@@ -150,11 +150,16 @@ def dev(
     cpus: int = typer.Option(4, "--cpus", min=1, help="cpus per worker"),
     memory_mb: int = typer.Option(4096, "--memory-mb", min=64, help="memory per worker"),
     port: int | None = typer.Option(None, "--port", min=1, max=65535, help="NATS port [default: a free one]"),
+    secure: bool = typer.Option(
+        False, "--secure", help="mutual TLS and an identity with least privilege per process (README 'Security')"
+    ),
 ) -> None:
     """A local fleet in the foreground: NATS, workers per region (real processes) and a broker. Ctrl-C stops all."""
+    import msgspec
+
     from orchestrator.devfleet import DevFleet
 
-    spec = _fleet_spec(regions_csv, workers_per_region, cpus, memory_mb, port)
+    spec = msgspec.structs.replace(_fleet_spec(regions_csv, workers_per_region, cpus, memory_mb, port), secure=secure)
     if port is not None and not _port_free(port):
         fail(f"port {port} is in use: choose another --port, or leave --port out for a free one")
     fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
@@ -162,8 +167,11 @@ def dev(
         _start(fleet, "starting the fleet")
         console.print(f"\n[bold green]fleet up[/]: NATS at [bold]{fleet.url}[/]\n")
         console.print("try, in another terminal:")
+        exports = [f"export {DEFAULT_URL_ENV}={fleet.url}"]
+        if fleet.operator_creds:
+            exports.append(f"export FAUXMAD_CREDS={fleet.operator_creds}")
         for line in (
-            f"export {DEFAULT_URL_ENV}={fleet.url}",
+            *exports,
             "fauxmad workers",
             hello_hint(spec.regions[0]),
             "fauxmad machine list --app hello",

@@ -160,3 +160,41 @@ def test_a_revoked_identity_is_cut_off(fleet: SecureFleet) -> None:
         assert time.monotonic() < deadline, "the revoked identity still gets in"
         time.sleep(0.1)
     assert after.returncode == 6 and "refused these credentials" in after.stderr, after.stderr
+
+
+def test_a_secure_dev_fleet_runs_machines_and_deploys(tmp_path: Path) -> None:
+    """`fauxmad dev --secure`'s fleet: every process its own identity over mutual TLS; the operator deploys."""
+    from orchestrator.devfleet import DevFleet, FleetSpec
+
+    with DevFleet(FleetSpec(regions=["mad", "syd"], workers_per_region=1, secure=True)) as dev:
+        assert dev.url.startswith("tls://") and dev.operator_creds is not None and dev.security is not None
+        names = {entry.identity.name for entry in dev.security.entries()}
+        assert {"operator", "worker-mad-w1", "worker-syd-w1", "broker-1"} <= names
+        env = {k: v for k, v in os.environ.items() if k != "FAUXMAD_NATS_URL"}
+        env.update(PYTHONPATH=str(ROOT), FAUXMAD_CREDS=dev.operator_creds)
+        deploy = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "orchestrator.cli",
+                "deploy",
+                "-c",
+                "examples/sandwich/fauxmad.toml",
+                "--nats",
+                dev.url,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            cwd=str(ROOT),
+        )
+        assert deploy.returncode == 0, deploy.stderr
+        plain = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "workers", "--nats", dev.url.replace("tls://", "nats://")],
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in env.items() if k != "FAUXMAD_CREDS"},
+            timeout=60,
+        )
+        assert plain.returncode != 0 and "Traceback" not in plain.stderr
