@@ -24,6 +24,18 @@ def arun(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
+async def connect_nats(url: str, **options: Any) -> Any:
+    """`nats.connect` for tests: as the identity in $FAUXMAD_CREDS when set (the suite against secure dev
+    fleets, `FAUXMAD_DEV_SECURE=1`), else plain."""
+    from bus import credentials
+
+    path = credentials.default_path()
+    if path and url.startswith("tls://"):
+        creds, base = credentials.load(path)
+        options = {**creds.connect_options(base), **options}
+    return await nats.connect(url, **options)
+
+
 def kill_machines_of(worker_id: str) -> int:
     """Kill every process whose environment names this worker (machines and their shims)."""
     needle = f"FAUXMAD_WORKER_ID={worker_id}".encode()
@@ -100,7 +112,7 @@ class WorkerProcess:
         deadline = time.monotonic() + timeout
 
         async def ping() -> bool:
-            nc = await nats.connect(self.nats_url)
+            nc = await connect_nats(self.nats_url)
             try:
                 msg = await nc.request(f"fauxmad.v1.worker.{self.worker_id}.info", b"", timeout=0.5)
                 info = msgspec.json.decode(msg.data)

@@ -18,7 +18,7 @@ import pytest
 from bus.connection import connect
 from bus.embedded import EmbeddedNats
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, connect_nats
 
 HUGE = "A" * 600_000
 
@@ -51,7 +51,7 @@ def test_a_huge_bad_value_gets_a_small_400_and_everyone_keeps_answering(fleet: D
     worker_id = fleet.worker_ids[0]
 
     async def main() -> None:
-        nc = await nats.connect(fleet.url)
+        nc = await connect_nats(fleet.url)
         try:
             for _ in range(3):
                 code, size, header = await ask(nc, subject_of(worker_id), msgspec.json.encode(payload))

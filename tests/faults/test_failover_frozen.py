@@ -21,7 +21,7 @@ import nats
 import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, connect_nats
 from tests.orchestrator.test_reconcile import destroy, fauxmad, machines, primaries, spares, wait_for, write_spec
 
 
@@ -34,7 +34,7 @@ def fleet() -> Iterator[DevFleet]:
 
 async def expiry_to_spare_started(fleet: DevFleet, worker_id: str, standby_id: str, pid: int) -> float:
     """Freeze the worker; return the seconds from its heartbeat key expiring to its spare's `started`."""
-    nc = await nats.connect(fleet.url)
+    nc = await connect_nats(fleet.url)
     try:
         kv = await nc.jetstream().key_value("fauxmad_workers")
         watcher = await kv.watch(f"syd.{worker_id}", include_history=False)

@@ -62,7 +62,7 @@ from bus.messages import (
 from bus.service import ERROR_CODE_HEADER, ERROR_HEADER
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, connect_nats
 
 SEED = 9
 REGIONS = ["fza", "fzb"]
@@ -682,7 +682,7 @@ def test_a_barrage_of_bad_payloads_gets_4xx_everywhere_and_changes_nothing(fleet
 
     async def main() -> None:
         client = await FleetClient.connect(fleet.url, "fuzz-setup")
-        nc = await nats.connect(fleet.url, name="fuzz", max_reconnect_attempts=0)
+        nc = await connect_nats(fleet.url, name="fuzz", max_reconnect_attempts=0)
         try:
             sleeper = MachineConfig(cmd=["sleep", "600"])
             started = await client.create(APP, CreateRequest(region=REGIONS[0], config=sleeper))

@@ -24,7 +24,7 @@ from bus.errors import FauxmadError
 from bus.messages import CreateRequest, Guest, Machine, MachineConfig
 from bus.service import call
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, connect_nats
 
 CONFIG = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=16))
 KEYS = 300
@@ -39,7 +39,7 @@ def fleet() -> Iterator[DevFleet]:
 
 
 async def everything_on_the_workers(fleet: DevFleet, app: str) -> list[dict[str, str]]:
-    nc = await nats.connect(fleet.url)
+    nc = await connect_nats(fleet.url)
     try:
         found = []
         for worker_id in fleet.worker_ids:
@@ -53,7 +53,7 @@ async def everything_on_the_workers(fleet: DevFleet, app: str) -> list[dict[str,
 
 
 async def index_of(fleet: DevFleet, app: str) -> dict[str, str]:
-    nc = await nats.connect(fleet.url)
+    nc = await connect_nats(fleet.url)
     try:
         kv = await nc.jetstream().key_value("fauxmad_machines")
         out: dict[str, str] = {}

@@ -24,7 +24,7 @@ from bus.errors import DeadlineExceeded
 from bus.messages import CreateRequest, Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, connect_nats
 
 SLEEP = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=64))
 
@@ -40,7 +40,7 @@ def fleet() -> Iterator[DevFleet]:
 async def crowd(fleet: DevFleet, app: str) -> set[str]:
     """Two machines of `app` on each of `a-w2` and `a-w3`, straight on the workers: the spread penalty then
     makes `a-w1` the winner of the app's next auction. Returns their `worker/id`s."""
-    nc = await nats.connect(fleet.url)
+    nc = await connect_nats(fleet.url)
     placed = set()
     try:
         for worker_id in ("a-w2", "a-w2", "a-w3", "a-w3"):
@@ -73,7 +73,7 @@ def freeze(pid: int, after: float, for_: float) -> threading.Thread:
 
 async def machines_everywhere(fleet: DevFleet, app: str) -> dict[str, list[str]]:
     """Every worker's own answer (the source of truth), the routing index, and the events stream."""
-    nc = await nats.connect(fleet.url)
+    nc = await connect_nats(fleet.url)
     try:
         on_workers = []
         for worker_id in fleet.worker_ids:

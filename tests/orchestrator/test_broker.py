@@ -8,14 +8,13 @@ import time
 from collections.abc import Iterator
 
 import msgspec
-import nats
 import pytest
 
 from bus.errors import BadRequest, NoCapacity, NotFound
 from bus.messages import CreateRequest, Guest, MachineConfig, SimulateRequest
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, connect_nats
 
 SLEEP = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=128))
 
@@ -140,7 +139,7 @@ def test_strategies_place_correctly_and_leave_no_extra_machine(fleet: DevFleet, 
 
 def test_a_dead_worker_delays_a_create_by_at_most_the_deadline(fleet: DevFleet) -> None:
     async def main() -> None:
-        nc = await nats.connect(fleet.url)
+        nc = await connect_nats(fleet.url)
         kv = await nc.jetstream().key_value("fauxmad_workers")
         # a worker that died a moment ago: its heartbeat is still in the registry, but it never answers
         ghost = {
@@ -205,7 +204,7 @@ def test_bad_requests_and_empty_regions(fleet: DevFleet) -> None:
 
 def test_brokers_and_workers_answer_discovery(fleet: DevFleet) -> None:
     async def main() -> None:
-        nc = await nats.connect(fleet.url)
+        nc = await connect_nats(fleet.url)
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         await nc.publish("$SRV.PING", b"", reply=inbox)

@@ -14,13 +14,12 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import nats
 import pytest
 
 from orchestrator.cli.runtime import EXIT_CONFLICT
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, connect_nats
 from tests.orchestrator.test_reconcile import (
     assert_converged,
     destroy,
@@ -337,7 +336,7 @@ def test_json_detach_no_changes_and_the_scale_warning(fleet: DevFleet, tmp_path:
 
 def test_a_worker_refuses_a_workdir_it_does_not_have(fleet: DevFleet, tmp_path: Path) -> None:
     async def go() -> tuple[int, object, int, object]:
-        nc = await nats.connect(fleet.url)
+        nc = await connect_nats(fleet.url)
         try:
             subject = "fauxmad.v1.api.apps.nodir.machines.create"
             answers = []

@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import nats
 import pytest
 
 import workers.logs as worker_logs
@@ -27,7 +26,7 @@ from orchestrator.cli.app import main
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.logs import LogQuery, read_logs
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, connect_nats
 from workers.logs import MAX_LINE, OFFSETS_FILE, LogFollower
 
 # ---------------------------------------------------------------------------------------------------
@@ -137,7 +136,7 @@ def test_follower_resumes_where_it_stopped_and_bounds_the_backlog(
 
 def test_logs_stream_limits_are_configuration(fresh_nats: EmbeddedNats, monkeypatch: pytest.MonkeyPatch) -> None:
     async def stream(config: FleetConfig) -> tuple[float, int, int]:
-        nc = await nats.connect(fresh_nats.url)
+        nc = await connect_nats(fresh_nats.url)
         js = nc.jetstream()
         await ensure_fleet_resources(js, config)
         info = (await js.stream_info(subjects.LOGS_STREAM)).config
@@ -218,7 +217,7 @@ def in_process(fleet: DevFleet, capfd: pytest.CaptureFixture[str], *args: str) -
 
 def wait_for_lines(fleet: DevFleet, app: str, count: int, timeout: float = 20) -> None:
     async def lines() -> int:
-        nc = await nats.connect(fleet.url)
+        nc = await connect_nats(fleet.url)
         try:
             return await read_logs(nc, LogQuery(app=app), lambda batch: None)
         finally:

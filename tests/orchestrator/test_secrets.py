@@ -13,11 +13,10 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-import nats
 import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, connect_nats
 from tests.orchestrator.test_cli import fauxmad
 
 APP = "vault"
@@ -50,7 +49,7 @@ def every_stored_byte(url: str) -> bytes:
     """Every message of every JetStream stream (events, logs, each KV bucket's history), concatenated."""
 
     async def main() -> bytes:
-        nc = await nats.connect(url)
+        nc = await connect_nats(url)
         js = nc.jetstream()
         found = bytearray()
         for info in await js.streams_info():

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import nats
 import pytest
 from rich.cells import cell_len
 from rich.console import Console
@@ -33,7 +32,7 @@ from orchestrator.view.follower import ViewFollower
 from orchestrator.view.history import parse_since
 from orchestrator.view.paths import default_view_path
 from orchestrator.view.query import ViewReader
-from tests.helpers import arun
+from tests.helpers import arun, connect_nats
 
 M1, M2, M3 = "a" * 14, "b" * 14, "c" * 14
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -411,7 +410,7 @@ def synthetic(machines: int, per_machine: int, workers: int) -> list[tuple[str, 
 
 
 async def publish(url: str, messages: list[tuple[str, bytes]]) -> int:
-    nc = await nats.connect(url)
+    nc = await connect_nats(url)
     js = nc.jetstream()
     await ensure_fleet_resources(js, FleetConfig(storage="memory"))
     for subject, data in messages:
@@ -427,7 +426,7 @@ async def publish(url: str, messages: list[tuple[str, bytes]]) -> int:
 
 
 async def build(url: str, path: Path) -> tuple[ViewFollower, float]:
-    nc = await nats.connect(url)
+    nc = await connect_nats(url)
     db = ViewDb(path)
     follower = ViewFollower(nc, ViewWriter(db))
     started = time.perf_counter()
@@ -469,7 +468,7 @@ def test_resume_applies_only_new_events_and_stale_views_are_rebuilt(fresh_nats: 
 
     async def purge_and_add() -> None:  # events 51..55 arrive, then 1..52 age out: the view (at 50) missed 51
         await publish(fresh_nats.url, synthetic(machines=5, per_machine=1, workers=1))
-        nc = await nats.connect(fresh_nats.url)
+        nc = await connect_nats(fresh_nats.url)
         await nc.jetstream().purge_stream(subjects.EVENTS_STREAM, seq=53)
         await nc.close()
 
@@ -481,7 +480,7 @@ def test_resume_applies_only_new_events_and_stale_views_are_rebuilt(fresh_nats: 
     db.close()
 
     async def recreate() -> None:
-        nc = await nats.connect(fresh_nats.url)
+        nc = await connect_nats(fresh_nats.url)
         await nc.jetstream().delete_stream(subjects.EVENTS_STREAM)
         await nc.close()
         await publish(fresh_nats.url, messages[:4])
@@ -495,7 +494,7 @@ def test_stream_limits_are_configuration_applied_to_an_existing_stream(
     fresh_nats: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def limits(config: FleetConfig) -> tuple[float, int]:
-        nc = await nats.connect(fresh_nats.url)
+        nc = await connect_nats(fresh_nats.url)
         js = nc.jetstream()
         await ensure_fleet_resources(js, config)
         stream = (await js.stream_info(subjects.EVENTS_STREAM)).config
