@@ -23,11 +23,20 @@ from orchestrator.bench.stats import Latency, summarize
 # Answers every request on argv[2] with its own payload; exits when its stdin closes (so when the
 # benchmark ends, or dies).
 RESPONDER = """
-import asyncio, sys
+import asyncio, json, os, ssl, sys
 import nats, uvloop
 
+def secure():  # a secure fleet's credentials file (bus/credentials.py), read as any nats-py service would
+    path = os.environ.get("FAUXMAD_CREDS")
+    if not path or not sys.argv[1].startswith("tls://"):
+        return {}
+    creds, base = json.load(open(path)), os.path.dirname(path)
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=os.path.join(base, creds["ca"]))
+    context.load_cert_chain(os.path.join(base, creds["cert"]), os.path.join(base, creds["key"]))
+    return {"tls": context, "nkeys_seed_str": creds["seed"], "inbox_prefix": creds["inbox_prefix"]}
+
 async def main():
-    nc = await nats.connect(sys.argv[1], name="fauxmad-bench-echo")
+    nc = await nats.connect(sys.argv[1], name="fauxmad-bench-echo", **secure())
     async def echo(msg):
         await nc.publish(msg.reply, msg.data)
     await nc.subscribe(sys.argv[2], cb=echo)
