@@ -115,6 +115,14 @@ def logs_filter(app: str | None = None, machine_id: str | None = None) -> str:
     return f"{PREFIX}.logs.{_app_machine_tokens(app, machine_id)}"
 
 
+def proxy_unreachable(app: str, machine_id: str) -> str:
+    """Where an edge proxy says a machine refused or dropped a connection (README "The edge proxy")."""
+    return f"{PREFIX}.proxy.unreachable.{check_token('app', app)}.{check_token('machine', machine_id)}"
+
+
+PROXY_UNREACHABLE_ALL = f"{PREFIX}.proxy.unreachable.>"
+
+
 def kv_put(bucket: str, key: str) -> str:
     """The subject a put (or, with header `KV-Operation: DEL`, a delete) of `key` in a KV bucket goes to."""
     return f"$KV.{bucket}.{key}"

@@ -104,6 +104,9 @@ def _register() -> None:
     app.add_typer(deploy_cmd.scale_app, name="scale")
     app.add_typer(deploy_cmd.apps_app, name="apps")
     app.command("broker")(broker_cmd.broker)
+    from orchestrator.cli import proxy_cmd
+
+    app.command("proxy")(proxy_cmd.proxy)
     app.add_typer(bench_cmd.bench_app, name="bench")
     from orchestrator.cli import status_cmd
 

@@ -1,0 +1,59 @@
+"""`fauxmad proxy`: run an edge proxy (any number at once): parse the options, hand off to the library."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import typer
+
+from orchestrator.cli.runtime import NatsOption, checked, fail, nats_url, run
+
+
+def _latency(pairs: list[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for pair in pairs:
+        region, _, ms = pair.partition("=")
+        try:
+            out[checked("region", region)] = float(ms)
+        except ValueError:
+            fail(f"--latency {pair!r}: use REGION=MILLISECONDS", 2)
+    return out
+
+
+def proxy(
+    listen: str = typer.Option("127.0.0.1:8080", "--listen", help="HOST:PORT to serve HTTP on"),
+    region: str = typer.Option(..., "--region", help="the region this proxy stands in (its machines go first)"),
+    domain: str = typer.Option("localhost", "--domain", help="apps are served at <app>.<domain>"),
+    admin: str | None = typer.Option(None, "--admin", help="HOST:PORT for /metrics and /healthz (off by default)"),
+    latency: list[str] = typer.Option(
+        [], "--latency", help="REGION=MS: how far another region is (repeat); unknown regions come last"
+    ),
+    machine_host: str = typer.Option("127.0.0.1", "--machine-host", help="where machines' ports are reached"),
+    queue_timeout: float = typer.Option(5.0, "--queue-timeout", min=0, help="seconds a request waits for a slot"),
+    head_timeout: float = typer.Option(
+        10.0, "--head-timeout", min=0.1, help="seconds a client has to send a whole request head (else 408)"
+    ),
+    nats: str | None = NatsOption,
+) -> None:
+    """Route HTTP requests for <app>.<domain> to the app's machines; start or create them inside a request."""
+    from orchestrator.proxy.run import parse_listen, run_proxy
+    from orchestrator.proxy.server import ProxyConfig
+
+    try:
+        where = parse_listen(listen)
+        admin_at = parse_listen(admin) if admin else None
+    except ValueError as exc:
+        fail(str(exc), 2)
+    config = ProxyConfig(
+        region=checked("region", region),
+        domain=domain,
+        machine_host=machine_host,
+        latency=_latency(latency),
+        queue_timeout=queue_timeout,
+        head_timeout=head_timeout,
+    )
+    url = nats_url(nats)
+    assert url is not None
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+        run(run_proxy(config, url, where, admin=admin_at))

@@ -1,0 +1,177 @@
+"""The route table: apps and their machines, from local replicas of three KV buckets, never a broker.
+
+`fauxmad_machines` (the routing index: each machine's worker, region, state and port), `fauxmad_workers`
+(live workers: a machine on a worker whose heartbeat expired is not routed to) and `fauxmad_apps` (each
+app's current release, for its `[http_service]` and, for auto_create, the machine config). Workers write
+the index after every transition, so the table follows starts and stops within a publish.
+
+Entries only move forward: a machine's index entry carries the worker's log sequence (`version`), and an
+older one arriving late (the watch can deliver a `starting` after the proxy already learned `started`
+from the start's reply) is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from bus.codec import decoder
+from bus.messages import MachineIndexEntry
+from orchestrator.fleet.machines import MachineIndex
+from orchestrator.fleet.replica import KVReplica
+from orchestrator.fleet.workers import Registry
+from orchestrator.reconcile.http_service import HttpService
+from orchestrator.reconcile.spec import AppSpec
+
+log = logging.getLogger(__name__)
+DEFAULT_SERVICE = HttpService()
+
+
+class _Head(msgspec.Struct):
+    version: int
+    destroyed: bool = False
+
+
+class _Release(msgspec.Struct):
+    version: int
+    spec: AppSpec
+
+
+class App(msgspec.Struct, frozen=True):
+    """What the proxy knows of one app: its service settings and, when it has a release, the spec."""
+
+    name: str
+    service: HttpService
+    release: int = 0
+    spec: AppSpec | None = None
+
+
+class AppsReplica(KVReplica):
+    """KV `fauxmad_apps`: `<app>.current` and `<app>.releases.<N>` (only the current one's spec is kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._heads: dict[str, int] = {}
+        self._releases: dict[tuple[str, int], AppSpec] = {}
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        parts = key.split(".")
+        if len(parts) == 2 and parts[1] == "current":
+            head = None
+            if value is not None:
+                try:
+                    head = decoder(_Head).decode(value)
+                except Exception:
+                    log.warning("apps: ignoring malformed head %s", key)
+            if head is None or head.destroyed or head.version == 0:
+                self._heads.pop(parts[0], None)
+            else:
+                self._heads[parts[0]] = head.version
+        elif len(parts) == 3 and parts[1] == "releases" and parts[2].isdigit():
+            if value is None:
+                self._releases.pop((parts[0], int(parts[2])), None)
+                return
+            try:
+                release = decoder(_Release).decode(value)
+            except Exception:
+                log.warning("apps: ignoring a release I cannot read: %s", key)
+                return
+            self._releases[(parts[0], release.version)] = release.spec
+
+    def names(self) -> list[str]:
+        """Apps with a current release."""
+        return sorted(self._heads)
+
+    def current(self, app: str) -> App | None:
+        version = self._heads.get(app)
+        if version is None:
+            return None
+        spec = self._releases.get((app, version))
+        service = spec.http_service if spec is not None and spec.http_service is not None else DEFAULT_SERVICE
+        return App(name=app, service=service, release=version, spec=spec)
+
+
+class OrderedIndex(MachineIndex):
+    """The routing index, where an entry older than the one held (a lower `version`) is ignored."""
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            super().apply(key, value)
+            return
+        try:
+            entry = decoder(MachineIndexEntry).decode(value)
+        except Exception:
+            log.warning("index: ignoring malformed entry %s", key)
+            return
+        self.remember(entry)
+
+    def remember(self, entry: MachineIndexEntry) -> None:
+        held = self.get(entry.id)
+        if held is None or entry.version >= held.version or entry.worker_id != held.worker_id:
+            super().remember(entry)
+
+    def by_app_all(self) -> list[MachineIndexEntry]:
+        return list(self._entries.values())
+
+
+class RouteTable:
+    def __init__(self, *, registry: Registry | None = None) -> None:
+        self.index = OrderedIndex()
+        self.registry = registry or Registry()
+        self.apps = AppsReplica()
+        self._by_app: dict[str, list[MachineIndexEntry]] | None = None
+        self.index.on_change = self._changed
+
+    def _changed(self, key: str) -> None:
+        self._by_app = None
+
+    async def start(self, kv: Any) -> None:
+        """`kv`: the `FleetKV` of `bus.jetstream.ensure_fleet_resources`."""
+        await self.registry.start(kv.workers)
+        await self.index.start(kv.machines)
+        await self.apps.start(kv.apps)
+
+    async def close(self) -> None:
+        for replica in (self.apps, self.index, self.registry):
+            await replica.close()
+
+    def remember(self, entry: MachineIndexEntry) -> None:
+        """What a start or create through a broker answered: known before the index's watch says so."""
+        self.index.remember(entry)
+        self._by_app = None
+
+    def app(self, name: str) -> App | None:
+        """The app, or None when the fleet knows no such app (no current release and no machine)."""
+        found = self.apps.current(name)
+        if found is not None:
+            return found
+        if self.machines(name):
+            return App(name=name, service=DEFAULT_SERVICE)
+        return None
+
+    def machines(self, app: str) -> list[MachineIndexEntry]:
+        """The app's machines on live workers, destroyed ones left out."""
+        if self._by_app is None:
+            grouped: dict[str, list[MachineIndexEntry]] = {}
+            for entry in self.index.by_app_all():
+                if entry.state != "destroyed":
+                    grouped.setdefault(entry.app, []).append(entry)
+            self._by_app = grouped
+        entries = self._by_app.get(app, [])
+        live: dict[str, set[str]] = {}
+        out = []
+        for entry in entries:
+            ids = live.get(entry.region)
+            if ids is None:
+                ids = live[entry.region] = self.registry.live_ids(entry.region)
+            if entry.worker_id in ids:
+                out.append(entry)
+        return out
+
+    def entry(self, machine_id: str) -> MachineIndexEntry | None:
+        return self.index.get(machine_id)
+
+    def regions(self) -> list[str]:
+        return self.registry.regions()

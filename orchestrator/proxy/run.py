@@ -1,0 +1,111 @@
+"""`fauxmad proxy`: one process that connects to NATS, fills the route table and listens.
+
+It holds no state of its own worth keeping: kill it and start another, or run ten. Its NATS connection
+reads three KV buckets (watches), publishes failover signals, and asks the brokers to start, create and
+stop machines only when a request (or idleness) needs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+
+import msgspec
+
+from bus.connection import connect
+from bus.jetstream import ensure_fleet_resources
+from orchestrator.client import FleetClient
+from orchestrator.proxy.http import MAX_HEAD
+from orchestrator.proxy.idle import IdleStopper
+from orchestrator.proxy.metrics import ProxyMetrics, serve_admin
+from orchestrator.proxy.routes import RouteTable
+from orchestrator.proxy.server import Proxy, ProxyConfig
+from orchestrator.proxy.upstream import Pool
+from orchestrator.proxy.wake import Waker
+
+log = logging.getLogger(__name__)
+
+
+class Listen(msgspec.Struct, frozen=True):
+    host: str
+    port: int
+
+
+def parse_listen(text: str) -> Listen:
+    """`127.0.0.1:8080`, `:8080` (all interfaces) or `8080`."""
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"invalid address {text!r}: use HOST:PORT")
+    return Listen(host.strip("[]") or "0.0.0.0", int(port))
+
+
+async def run_proxy(
+    config: ProxyConfig,
+    nats_url: str,
+    listen: Listen,
+    *,
+    admin: Listen | None = None,
+    autostop_interval: float = 1.0,
+    ready: asyncio.Event | None = None,
+) -> None:
+    nc = await connect(nats_url, "fauxmad-proxy")
+    routes = RouteTable()
+    metrics = ProxyMetrics()
+    pool = Pool()
+    try:
+        kv = await ensure_fleet_resources(nc.jetstream())
+        await routes.start(kv)
+        client = FleetClient(nc)
+        waker = Waker(
+            client,
+            routes,
+            pool,
+            host=config.machine_host,
+            ready_timeout=config.ready_timeout,
+            on_woken=lambda app, kind: metrics.woken.labels(app, kind).inc(),
+        )
+
+        sending: set[asyncio.Future[None]] = set()
+
+        def publish(subject: str, payload: bytes) -> None:
+            future = asyncio.ensure_future(nc.publish(subject, payload))
+            sending.add(future)
+            future.add_done_callback(sending.discard)
+
+        proxy = Proxy(config, routes, waker, pool=pool, metrics=metrics, publish=publish)
+        stopper = IdleStopper(
+            routes,
+            client,
+            proxy.loads,
+            proxy.last_used,
+            region=config.region,
+            latency=config.latency,
+            clock=time.monotonic,
+            on_stopped=lambda app: metrics.stopped.labels(app).inc(),
+        )
+        server = await asyncio.start_server(proxy.handle, listen.host, listen.port, limit=MAX_HEAD, backlog=1024)
+        admin_server = await serve_admin(metrics, admin.host, admin.port) if admin is not None else None
+        idle_task = asyncio.ensure_future(stopper.run(autostop_interval))
+        bound = server.sockets[0].getsockname()
+        log.info("proxy: listening on %s:%s for *.%s (region %s)", bound[0], bound[1], config.domain, config.region)
+        print(f"fauxmad proxy: listening on {bound[0]}:{bound[1]}, region {config.region}", flush=True)
+        if ready is not None:
+            ready.set()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        idle_task.cancel()
+        server.close()
+        if admin_server is not None:
+            admin_server.close()
+    finally:
+        pool.close()
+        await routes.close()
+        with contextlib.suppress(Exception):
+            await nc.close()

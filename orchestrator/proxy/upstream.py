@@ -1,0 +1,84 @@
+"""Connections to machines: opened on demand, kept alive between requests, reused per machine.
+
+A kept connection may have been closed by the machine meanwhile (its idle timeout, a restart); the
+caller learns that when the response head does not come, and retries on a fresh connection only when
+the request is safe to send twice. Waiting for a machine just started to accept connections is here too:
+a process may take a few milliseconds to bind after the worker says `started`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+MAX_IDLE_PER_MACHINE = 64
+
+Address = tuple[str, int]
+
+
+class Conn:
+    __slots__ = ("address", "reader", "reused", "writer")
+
+    def __init__(self, address: Address, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.address = address
+        self.reader = reader
+        self.writer = writer
+        self.reused = False
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class Pool:
+    def __init__(self) -> None:
+        self._idle: dict[Address, list[Conn]] = {}
+
+    async def get(self, address: Address, *, fresh: bool = False) -> Conn:
+        idle = self._idle.get(address)
+        while idle and not fresh:
+            conn = idle.pop()
+            if conn.reader.at_eof() or conn.writer.is_closing():
+                conn.close()
+                continue
+            conn.reused = True
+            return conn
+        reader, writer = await asyncio.open_connection(*address, limit=64 * 1024)
+        return Conn(address, reader, writer)
+
+    def put(self, conn: Conn) -> None:
+        idle = self._idle.setdefault(conn.address, [])
+        if len(idle) >= MAX_IDLE_PER_MACHINE or conn.writer.is_closing():
+            conn.close()
+            return
+        idle.append(conn)
+
+    def drop(self, address: Address) -> None:
+        for conn in self._idle.pop(address, []):
+            conn.close()
+
+    def close(self) -> None:
+        for address in list(self._idle):
+            self.drop(address)
+
+
+async def connect_when_up(
+    address: Address, timeout: float, *, step: float = 0.002, clock: Callable[[], float] | None = None
+) -> Conn | None:
+    """A connection to `address` as soon as it accepts one (a process just started binds its port a moment
+    after the worker says `started`), or None after `timeout`. A refused connect costs microseconds locally,
+    so the step starts short."""
+    loop = asyncio.get_running_loop()
+    now = clock or loop.time
+    deadline = now() + timeout
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(*address, limit=64 * 1024)
+        except OSError:
+            if now() >= deadline:
+                return None
+            await asyncio.sleep(step)
+            step = min(step * 1.5, 0.05)
+            continue
+        return Conn(address, reader, writer)

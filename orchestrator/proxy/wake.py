@@ -1,0 +1,115 @@
+"""Machines started or created inside a request (autostart, scale from zero), through the brokers.
+
+A request that finds no started machine under its soft limit starts a stopped one (`start` on
+`fauxmad.v1.api.apps.<app>.machines.start`), or, with `auto_create`, creates one in a region that may have
+another (`create`, which the broker starts in the same leg); it is then held until the machine accepts a
+TCP connection, and that connection serves it. One start per machine and one create per app and region
+are in flight at a time: a burst of requests shares them. Until the index's watch catches up, the start's
+reply is the table's entry for the machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import msgspec
+
+from bus.errors import FauxmadError
+from bus.messages import CreateRequest, Machine, MachineIndexEntry
+from orchestrator.client import FleetClient
+from orchestrator.proxy.routes import App, RouteTable
+from orchestrator.proxy.upstream import Pool, connect_when_up
+from orchestrator.reconcile.spec import PRIMARY
+
+CREATED_BY_KEY = "fauxmad_created_by"  # metadata of a machine the proxy created: "proxy"
+
+
+class WakeError(Exception):
+    """A start or create for a request did not give a machine that accepts connections; the reason."""
+
+
+def _entry(machine: Machine) -> MachineIndexEntry:
+    return MachineIndexEntry(
+        id=machine.id,
+        worker_id=machine.worker_id,
+        region=machine.region,
+        app=machine.app,
+        state=machine.state,
+        name=machine.name,
+        version=machine.version,
+        metadata=dict(machine.config.metadata),
+        port=machine.port,
+    )
+
+
+class Waker:
+    def __init__(
+        self,
+        client: FleetClient,
+        routes: RouteTable,
+        pool: Pool,
+        *,
+        host: str = "127.0.0.1",
+        ready_timeout: float = 10.0,
+        on_woken: Callable[[str, str], None] = lambda app, kind: None,
+    ) -> None:
+        self.client = client
+        self.routes = routes
+        self.pool = pool
+        self.host = host
+        self.ready_timeout = ready_timeout
+        self.on_woken = on_woken  # (app, "start" | "create") once the machine accepts connections
+        self.starting: dict[str, asyncio.Future[MachineIndexEntry]] = {}
+        self._creating: dict[tuple[str, str], asyncio.Future[MachineIndexEntry]] = {}
+
+    async def start(self, app: str, machine_id: str) -> MachineIndexEntry:
+        pending = self.starting.get(machine_id)
+        if pending is None:
+            pending = self.starting[machine_id] = asyncio.ensure_future(self._start(app, machine_id))
+            pending.add_done_callback(lambda _: self.starting.pop(machine_id, None))
+        return await asyncio.shield(pending)
+
+    async def create(self, app: App, region: str) -> MachineIndexEntry:
+        key = (app.name, region)
+        pending = self._creating.get(key)
+        if pending is None:
+            pending = self._creating[key] = asyncio.ensure_future(self._create(app, region))
+            pending.add_done_callback(lambda _: self._creating.pop(key, None))
+        return await asyncio.shield(pending)
+
+    async def _start(self, app: str, machine_id: str) -> MachineIndexEntry:
+        try:
+            machine = await self.client.start(app, machine_id)
+        except (FauxmadError, TimeoutError) as exc:
+            raise WakeError(f"starting {machine_id} failed: {exc}") from None
+        return await self._ready(machine, "start")
+
+    async def _create(self, app: App, region: str) -> MachineIndexEntry:
+        if app.spec is None:
+            raise WakeError(f"{app.name} has no release to create a machine from")
+        config = app.spec.machine_config(app.release, PRIMARY)
+        config = msgspec.structs.replace(config, metadata={**config.metadata, CREATED_BY_KEY: "proxy"})
+        try:
+            machine = await self.client.create(app.name, CreateRequest(region=region, config=config))
+        except (FauxmadError, TimeoutError) as exc:
+            raise WakeError(f"creating a machine in {region} failed: {exc}") from None
+        return await self._ready(machine, "create")
+
+    async def _ready(self, machine: Machine, kind: str) -> MachineIndexEntry:
+        if machine.state != "started" or machine.port is None:
+            raise WakeError(f"{machine.id} is {machine.state} after its {kind}")
+        entry = _entry(machine)
+        self.routes.remember(entry)
+        port = self.port_of(entry)
+        conn = await connect_when_up((self.host, port), self.ready_timeout)
+        if conn is None:
+            raise WakeError(f"{machine.id} did not accept connections on port {port} within {self.ready_timeout:g}s")
+        self.pool.put(conn)
+        self.on_woken(machine.app, kind)
+        return entry
+
+    def port_of(self, entry: MachineIndexEntry) -> int:
+        app = self.routes.app(entry.app)
+        internal = app.service.internal_port if app is not None else None
+        return internal or entry.port or 0

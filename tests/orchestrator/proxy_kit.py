@@ -1,0 +1,201 @@
+"""Plumbing for the edge proxy's tests: a real `fauxmad proxy` process, apps published to KV, a raw client.
+
+The client speaks HTTP/1.1 over asyncio streams (no library), so a test sees exactly the bytes the proxy
+sent: status, headers, body, and whether the connection stayed open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bus.connection import connect
+from bus.jetstream import ensure_fleet_resources
+from bus.messages import CreateRequest, Machine
+from orchestrator.client import FleetClient
+from orchestrator.proxy.upstream import connect_when_up
+from orchestrator.reconcile.over_nats import KVReleaseStore
+from orchestrator.reconcile.releases import Releases
+from orchestrator.reconcile.spec import PRIMARY, SPARE, AppSpec, parse_spec
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+ECHO = ROOT / "examples" / "echo" / "app.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ProxyProcess:
+    def __init__(self, nats_url: str, region: str, log_dir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.admin = free_port()
+        self.log_path = log_dir / f"proxy-{self.port}.log"
+        args = [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "proxy",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--admin",
+            f"127.0.0.1:{self.admin}",
+            "--region",
+            region,
+            "--nats",
+            nats_url,
+            *extra,
+        ]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, cwd=str(ROOT))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"proxy exited: {self.log_path.read_text()[-3000:]}")
+            if b"listening on" in self.log_path.read_bytes():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"proxy not ready: {self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+def spec_for(app: str, regions: dict[str, int], http_service: str = "") -> AppSpec:
+    region_lines = "\n".join(f"{r} = {n}" for r, n in regions.items())
+    text = (
+        f'app = "{app}"\ncmd = ["python3", "{ECHO}"]\n[guest]\nmemory_mb = 64\n'
+        f"[regions]\n{region_lines}\n[http_service]\n{http_service}\n"
+    )
+    return parse_spec(text)
+
+
+async def publish(nats_url: str, spec: AppSpec) -> int:
+    """Make `spec` the app's current release (as a deploy would, without converging anything)."""
+    nc = await connect(nats_url, "proxy-test")
+    try:
+        kv = await ensure_fleet_resources(nc.jetstream())
+        releases = Releases(KVReleaseStore(kv.apps))
+        release = await releases.create(spec, "proxy test")
+        await releases.point(spec.app, release.version)
+        return release.version
+    finally:
+        await nc.close()
+
+
+async def machines(nats_url: str, spec: AppSpec, release: int, placed: list[tuple[str, bool]]) -> list[Machine]:
+    """Create the app's machines: (region, started?) each; stopped ones are spares (never started)."""
+    client = await FleetClient.connect(nats_url)
+    try:
+        out = []
+        for region, started in placed:
+            config = spec.machine_config(release, PRIMARY if started else SPARE)
+            out.append(
+                await client.create(spec.app, CreateRequest(region=region, config=config, skip_launch=not started))
+            )
+        for machine in out:  # started means launched: wait until each process has bound its port
+            if machine.state == "started" and machine.port is not None:
+                conn = await connect_when_up(("127.0.0.1", machine.port), 10.0)
+                assert conn is not None, f"{machine.id} never listened on {machine.port}"
+                conn.close()
+        return out
+    finally:
+        await client.close()
+
+
+class Response(msgspec.Struct):
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return msgspec.json.decode(self.body)
+
+
+async def read_response(reader: asyncio.StreamReader, method: str = "GET") -> Response:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    body = b""
+    if method == "HEAD" or status in (204, 304) or status < 200:
+        pass
+    elif headers.get("transfer-encoding", "").endswith("chunked"):
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")
+                break
+            body += await reader.readexactly(size)
+            await reader.readexactly(2)
+    elif "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    else:
+        body = await reader.read()
+    return Response(status=status, headers=headers, body=body)
+
+
+class Client:
+    """One keep-alive connection to the proxy."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(
+        self,
+        host: str,
+        path: str = "/",
+        *,
+        method: str = "GET",
+        headers: dict[str, str] | None = None,
+        body: bytes = b"",
+    ) -> Response:
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        assert self.reader is not None
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        length = f"content-length: {len(body)}\r\n" if body else ""
+        self.writer.write(f"{method} {path} HTTP/1.1\r\nhost: {host}\r\n{extra}{length}\r\n".encode() + body)
+        response = await read_response(self.reader, method)
+        if response.headers.get("connection") == "close":
+            self.writer.close()
+            self.writer = None
+        return response
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def get(port: int, host: str, path: str = "/", **options: Any) -> Response:
+    client = Client(port)
+    try:
+        return await client.request(host, path, **options)
+    finally:
+        await client.close()

@@ -1,0 +1,415 @@
+"""The edge proxy end to end: a real fleet (NATS, workers, a broker), real machines running
+examples/echo/app.py, a real `fauxmad proxy` process, and a raw HTTP client.
+
+Each test publishes its own app (a release in KV `fauxmad_apps` with an `[http_service]`) and makes
+its machines through the broker, so tests share the fleet without seeing each other. The host-loss
+test runs last: it kills a worker of region `pxb`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import nats
+import pytest
+
+from orchestrator.client import FleetClient
+from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.helpers import arun
+from tests.orchestrator import proxy_kit as kit
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[DevFleet]:
+    with DevFleet(FleetSpec(regions=["pxa", "pxb"], workers_per_region=2, cpus=16, memory_mb=8192)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def proxy(fleet: DevFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[kit.ProxyProcess]:
+    running = kit.ProxyProcess(fleet.url, "pxa", tmp_path_factory.mktemp("proxy"), "--latency", "pxb=30")
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def app(fleet: DevFleet, unique: Callable[[str], str]) -> Callable[..., tuple[str, list[str]]]:
+    """Publish an app and make its machines: `app(service_toml, [(region, started?), ...])` -> (name, ids)."""
+
+    def make(service: str = "", placed: list[tuple[str, bool]] | None = None) -> tuple[str, list[str]]:
+        name = unique("web")
+        spec = kit.spec_for(name, {"pxa": 1}, service)
+        release = arun(kit.publish(fleet.url, spec))
+        made = arun(kit.machines(fleet.url, spec, release, placed or []))
+        return name, [m.id for m in made]
+
+    return make
+
+
+def state_of(fleet: DevFleet, app: str, machine_id: str) -> str:
+    async def main() -> str:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            return (await client.get(app, machine_id, events=False)).state
+        finally:
+            await client.close()
+
+    return arun(main())
+
+
+# ---------------------------------------------------------------------------------------------------
+# routing
+
+
+def test_the_host_picks_the_app_and_the_machine_sees_forwarded_headers(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
+    one, (one_id,) = app(placed=[("pxa", True)])
+    two, (two_id,) = app(placed=[("pxa", True)])
+
+    async def main() -> list[kit.Response]:
+        client = kit.Client(proxy.port)
+        try:
+            out = [await client.request(f"{one}.localhost"), await client.request(f"{two}.localhost:8080")]
+            out.append(await client.request(f"{one}.localhost", headers={"x-forwarded-for": "10.1.2.3"}))
+            return out
+        finally:
+            await client.close()
+
+    first, second, third = arun(main())
+    assert (first.status, first.json()["machine"]) == (200, one_id)
+    assert (second.status, second.json()["machine"]) == (200, two_id)
+    seen = first.json()["headers"]
+    assert seen["x-forwarded-for"] == "127.0.0.1" and seen["x-forwarded-proto"] == "http"
+    assert seen["x-forwarded-host"] == f"{one}.localhost"
+    assert seen["fauxmad-request-id"] == first.headers["fauxmad-request-id"]
+    assert first.headers["fauxmad-machine"] == one_id and first.headers["connection"] == "keep-alive"
+    assert third.json()["headers"]["x-forwarded-for"] == "10.1.2.3, 127.0.0.1"
+
+
+def test_unknown_apps_and_bad_hosts_are_answered_by_the_proxy(proxy: kit.ProxyProcess) -> None:
+    unknown = arun(kit.get(proxy.port, "nosuchapp.localhost"))
+    assert unknown.status == 404 and unknown.body == b"unknown app nosuchapp\n"
+    other_domain = arun(kit.get(proxy.port, "web.example.com"))
+    assert other_domain.status == 404
+    assert arun(kit.get(proxy.port, "bad host!")).status == 400
+
+
+def test_an_app_with_no_started_machine_and_no_autostart_is_a_502_saying_why(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
+    name, _ = app("auto_start = false", [("pxa", False)])
+    response = arun(kit.get(proxy.port, f"{name}.localhost"))
+    assert response.status == 502
+    assert response.body.decode().startswith(f"no machine of {name} could take this request (none is started")
+
+
+def test_the_preferred_region_goes_first(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
+    name, (near, far) = app(placed=[("pxa", True), ("pxb", True)])
+    plain = arun(kit.get(proxy.port, f"{name}.localhost"))
+    preferring = arun(kit.get(proxy.port, f"{name}.localhost", headers={"fauxmad-prefer-region": "pxb"}))
+    assert plain.json()["machine"] == near
+    assert preferring.json()["machine"] == far
+
+
+# ---------------------------------------------------------------------------------------------------
+# limits
+
+
+def test_a_machine_at_its_soft_limit_sends_the_next_request_to_another(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
+    name, ids = app(
+        "auto_start = false\n[http_service.concurrency]\nsoft_limit = 1\nhard_limit = 5", [("pxa", True)] * 2
+    )
+
+    async def main() -> list[str]:
+        slow = [asyncio.ensure_future(kit.get(proxy.port, f"{name}.localhost", "/slow?ms=1500")) for _ in range(2)]
+        return [(await s).json()["machine"] for s in slow]
+
+    assert sorted(arun(main())) == sorted(ids)
+
+
+def test_at_the_hard_limit_a_request_waits_then_gets_a_503(fleet: DevFleet, app, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    quick = kit.ProxyProcess(fleet.url, "pxa", tmp_path, "--queue-timeout", "0.3")
+    name, (_only,) = app(
+        "auto_start = false\n[http_service.concurrency]\nsoft_limit = 1\nhard_limit = 2", [("pxa", True)]
+    )
+
+    async def main() -> tuple[list[int], kit.Response]:
+        slow = [asyncio.ensure_future(kit.get(quick.port, f"{name}.localhost", "/slow?ms=3000")) for _ in range(2)]
+        await asyncio.sleep(0.5)  # both are in flight
+        over = await kit.get(quick.port, f"{name}.localhost")
+        return [(await s).status for s in slow], over
+
+    try:
+        statuses, over = arun(main())
+    finally:
+        quick.stop()
+    assert statuses == [200, 200]
+    assert over.status == 503 and over.headers["retry-after"] == "1"
+    assert over.body.decode() == f"every machine of {name} is at its hard limit\n"
+
+
+def test_a_request_queued_at_the_hard_limit_is_served_when_a_slot_frees(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
+    name, (_only,) = app(
+        "auto_start = false\n[http_service.concurrency]\nsoft_limit = 1\nhard_limit = 1", [("pxa", True)]
+    )
+
+    async def main() -> list[int]:
+        first = asyncio.ensure_future(kit.get(proxy.port, f"{name}.localhost", "/slow?ms=500"))
+        await asyncio.sleep(0.2)
+        second = await kit.get(proxy.port, f"{name}.localhost")
+        return [(await first).status, second.status]
+
+    assert arun(main()) == [200, 200]
+
+
+# ---------------------------------------------------------------------------------------------------
+# starting and creating machines inside a request
+
+
+def test_autostart_starts_a_stopped_machine_and_serves_the_request_from_it(
+    proxy: kit.ProxyProcess, app, fleet: DevFleet
+) -> None:  # type: ignore[no-untyped-def]
+    name, (stopped,) = app(placed=[("pxa", False)])
+    assert state_of(fleet, name, stopped) == "created"
+    response = arun(kit.get(proxy.port, f"{name}.localhost"))
+    assert response.status == 200 and response.json()["machine"] == stopped
+    assert state_of(fleet, name, stopped) == "started"
+
+
+def test_over_the_soft_limit_autostart_starts_a_spare_in_the_nearest_region(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
+    name, (busy, _far_spare, near_spare) = app(
+        "[http_service.concurrency]\nsoft_limit = 1\nhard_limit = 5", [("pxa", True), ("pxb", False), ("pxa", False)]
+    )
+
+    async def main() -> tuple[str, str]:
+        held = asyncio.ensure_future(kit.get(proxy.port, f"{name}.localhost", "/slow?ms=1500"))
+        await asyncio.sleep(0.3)
+        second = await kit.get(proxy.port, f"{name}.localhost")
+        return (await held).json()["machine"], second.json()["machine"]
+
+    assert arun(main()) == (busy, near_spare)
+
+
+def test_scale_from_zero_creates_a_machine_inside_the_request(proxy: kit.ProxyProcess, app, fleet: DevFleet) -> None:  # type: ignore[no-untyped-def]
+    name, _ = app("auto_create = true")
+
+    async def main() -> list[kit.Response]:
+        return list(await asyncio.gather(*(kit.get(proxy.port, f"{name}.localhost") for _ in range(5))))
+
+    responses = arun(main())
+    assert [r.status for r in responses] == [200] * 5
+    machines = {r.json()["machine"] for r in responses}
+    assert len(machines) == 1, "a burst shares one create (max_per_region = 1)"
+
+    async def listed() -> list[dict[str, str]]:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            return [dict(m.config.metadata) | {"region": m.region} for m in await client.list(name)]
+        finally:
+            await client.close()
+
+    (made,) = arun(listed())
+    assert made["fauxmad_created_by"] == "proxy" and made["region"] == "pxa"
+
+
+def test_idle_machines_are_stopped_keeping_min_machines_running(proxy: kit.ProxyProcess, app, fleet: DevFleet) -> None:  # type: ignore[no-untyped-def]
+    name, ids = app('auto_stop = "stop"\nidle_timeout = "1s"\nmin_machines_running = 1', [("pxa", True)] * 2)
+
+    async def main() -> list[str]:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            assert (await kit.get(proxy.port, f"{name}.localhost")).status == 200
+            for _ in range(100):  # the proxy's autostop round runs every second
+                states = [(await client.get(name, i, events=False)).state for i in ids]
+                if "stopped" in states:
+                    await asyncio.sleep(2.5)  # another round or two: the second must stay
+                    return [(await client.get(name, i, events=False)).state for i in ids]
+                await asyncio.sleep(0.1)
+            return states
+        finally:
+            await client.close()
+
+    assert sorted(arun(main())) == ["started", "stopped"]
+    # and a request afterwards is served by the one kept (or wakes the other): never an error
+    assert arun(kit.get(proxy.port, f"{name}.localhost")).status == 200
+
+
+# ---------------------------------------------------------------------------------------------------
+# bodies, upgrades, malformed requests
+
+
+def test_bodies_stream_both_ways(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
+    name, _ = app(placed=[("pxa", True)])
+
+    async def main() -> list[bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(f"POST /echo HTTP/1.1\r\nhost: {name}.localhost\r\ntransfer-encoding: chunked\r\n\r\n".encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        echoed = []
+        for piece in (b"first", b"second", b"third"):
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            size = int(await reader.readuntil(b"\r\n"), 16)  # the echo of this piece, before the next is sent
+            echoed.append(await reader.readexactly(size))
+            await reader.readexactly(2)
+        writer.write(b"0\r\n\r\n")
+        assert await reader.readuntil(b"\r\n\r\n") == b"0\r\n\r\n"
+        writer.close()
+        return echoed
+
+    assert arun(main()) == [b"first", b"second", b"third"]
+
+
+def test_a_large_body_arrives_whole(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
+    name, _ = app(placed=[("pxa", True)])
+    body = os.urandom(3 * 1024 * 1024)
+    response = arun(kit.get(proxy.port, f"{name}.localhost", "/echo", method="POST", body=body))
+    assert response.status == 200 and response.body == body
+
+
+def test_a_websocket_echoes_through_the_proxy(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
+    name, _ = app(placed=[("pxa", True)])
+
+    async def main() -> tuple[bytes, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write(
+            f"GET /ws HTTP/1.1\r\nhost: {name}.localhost\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+            f"sec-websocket-key: {key}\r\nsec-websocket-version: 13\r\n\r\n".encode()
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+        mask = os.urandom(4)
+        payload = b"hello over the edge"
+        writer.write(bytes([0x81, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        _first, second = await reader.readexactly(2)
+        echoed = await reader.readexactly(second & 0x7F)
+        writer.close()
+        return head, echoed
+
+    head, echoed = arun(main())
+    assert head.startswith(b"HTTP/1.1 101"), head
+    assert echoed == b"hello over the edge"
+
+
+def test_malformed_requests_get_4xx_or_are_cut_and_the_proxy_stays_up(fleet: DevFleet, app, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    strict = kit.ProxyProcess(fleet.url, "pxa", tmp_path, "--head-timeout", "0.5")
+    name, _ = app(placed=[("pxa", True)])
+
+    async def raw(data: bytes, *, trickle: bool = False) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", strict.port)
+        try:
+            if trickle:  # slowloris: a byte now and then, never the whole head
+                for byte in data:
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    await asyncio.sleep(0.2)
+                    if reader.at_eof():
+                        break
+            else:
+                writer.write(data)
+            return await asyncio.wait_for(reader.read(), 10)
+        except ConnectionError:
+            return b""
+        finally:
+            writer.close()
+
+    async def main() -> dict[str, bytes]:
+        host = f"host: {name}.localhost\r\n".encode()
+        return {
+            "garbage": await raw(b"\x16\x03\x01 hello\r\n\r\n"),
+            "no host": await raw(b"GET / HTTP/1.1\r\n\r\n"),
+            "bad header": await raw(b"GET / HTTP/1.1\r\n" + host + b"bad header\r\n\r\n"),
+            "smuggling": await raw(
+                b"POST / HTTP/1.1\r\n" + host + b"content-length: 3\r\ntransfer-encoding: chunked\r\n\r\n"
+            ),
+            "huge": await raw(b"GET / HTTP/1.1\r\n" + host + b"x-big: " + b"a" * 100_000 + b"\r\n\r\n"),
+            "slowloris": await raw(b"GET / HTTP/1.1\r\n" + host + b"x-slow: " + b"a" * 40, trickle=True),
+            "http2": await raw(b"GET / HTTP/2.0\r\n" + host + b"\r\n"),
+        }
+
+    try:
+        answers = arun(main())
+        after = arun(kit.get(strict.port, f"{name}.localhost"))
+        alive = strict.alive()
+    finally:
+        strict.stop()
+    assert answers["garbage"].startswith(b"HTTP/1.1 400")
+    assert answers["no host"].startswith(b"HTTP/1.1 400")
+    assert answers["bad header"].startswith(b"HTTP/1.1 400")
+    assert answers["smuggling"].startswith(b"HTTP/1.1 400")
+    assert answers["huge"].startswith(b"HTTP/1.1 431") or answers["huge"] == b""
+    # cut at the head timeout: the 408 arrives, or the next trickled byte finds the connection reset
+    # (a proxy that never cut would leave the read above to time out: an error, not a pass)
+    assert answers["slowloris"].startswith(b"HTTP/1.1 408") or answers["slowloris"] == b""
+    assert answers["http2"].startswith(b"HTTP/1.1 505")
+    assert after.status == 200 and alive
+    assert b"Traceback" not in strict.log_path.read_bytes()
+
+
+def test_metrics_count_requests_by_app_and_status(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
+    name, _ = app(placed=[("pxa", True)])
+    for _ in range(3):
+        assert arun(kit.get(proxy.port, f"{name}.localhost")).status == 200
+
+    async def scrape() -> str:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.admin)
+        writer.write(b"GET /metrics HTTP/1.1\r\nhost: admin\r\n\r\n")
+        data = await reader.read()
+        writer.close()
+        return data.decode()
+
+    text = arun(scrape())
+    assert f'fauxmad_proxy_requests_total{{app="{name}",region="pxa",status="200"}} 3.0' in text
+    assert f'fauxmad_proxy_request_seconds_count{{app="{name}"}} 3.0' in text
+
+
+# ---------------------------------------------------------------------------------------------------
+# failover (last: it kills a host of pxb)
+
+
+def test_a_host_killed_mid_load_fails_no_get_and_is_signalled(proxy: kit.ProxyProcess, app, fleet: DevFleet) -> None:  # type: ignore[no-untyped-def]
+    name, ids = app(placed=[("pxb", True), ("pxb", True)])
+
+    async def where() -> dict[str, str]:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            return {i: (await client.get(name, i, events=False)).worker_id for i in ids}
+        finally:
+            await client.close()
+
+    workers = arun(where())
+    assert len(set(workers.values())) == 2, "the spread scorer puts an app's two machines on two workers"
+    victim = workers[ids[0]]
+
+    async def main() -> tuple[list[int], list[dict[str, str]]]:
+        nc = await nats.connect(fleet.url)
+        signals: list[dict[str, str]] = []
+
+        async def heard(msg: object) -> None:
+            signals.append(msgspec.json.decode(msg.data))  # type: ignore[attr-defined]
+
+        await nc.subscribe(f"fauxmad.v1.proxy.unreachable.{name}.>", cb=heard)
+        statuses: list[int] = []
+        clients = [kit.Client(proxy.port) for _ in range(4)]
+
+        async def load(client: kit.Client, rounds: int) -> None:
+            for _ in range(rounds):
+                statuses.append(
+                    (await client.request(f"{name}.localhost", headers={"fauxmad-prefer-region": "pxb"})).status
+                )
+
+        await asyncio.gather(*(load(c, 25) for c in clients))
+        fleet.kill_host(victim)
+        await asyncio.gather(*(load(c, 50) for c in clients))
+        await asyncio.sleep(0.3)
+        await nc.close()
+        for c in clients:
+            await c.close()
+        return statuses, signals
+
+    statuses, signals = arun(main())
+    assert statuses == [200] * 300
+    assert signals and signals[0]["machine_id"] == ids[0] and signals[0]["worker_id"] == victim
