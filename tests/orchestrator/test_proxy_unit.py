@@ -1,0 +1,126 @@
+"""The edge proxy's pure parts: the choice of machine, region order, idle victims, HTTP head parsing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Route, Start, Wait, choose, region_order
+from orchestrator.proxy.http import HttpError, body_framing, parse_request_head, split_host
+from orchestrator.proxy.idle import idle_victims
+
+POLICY = Policy(soft_limit=2, hard_limit=4, auto_start=True, auto_create=False, max_per_region=1)
+ORDER = ["mad", "lhr", "syd"]
+
+
+def pick(candidates: list[Candidate], policy: Policy = POLICY, avoid: frozenset[str] = frozenset()) -> object:
+    return choose(candidates, policy, ORDER, random.Random(7), avoid)
+
+
+def test_regions_go_preferred_then_own_then_by_latency() -> None:
+    assert region_order({"syd", "lhr", "gru", "mad"}, "mad", None, {"lhr": 20, "syd": 300}) == [
+        "mad",
+        "lhr",
+        "syd",
+        "gru",
+    ]
+    assert region_order({"syd", "mad"}, "mad", "syd", {}) == ["syd", "mad"]
+
+
+def test_the_least_loaded_machine_under_the_soft_limit_in_the_nearest_region_wins() -> None:
+    machines = [
+        Candidate("a", "mad", "started", 1),
+        Candidate("b", "mad", "started", 0),
+        Candidate("c", "lhr", "started", 0),
+    ]
+    assert pick(machines) == Route("b")
+
+
+def test_a_farther_region_under_its_soft_limit_beats_a_near_one_over_it() -> None:
+    machines = [Candidate("a", "mad", "started", 2), Candidate("c", "lhr", "started", 1)]
+    assert pick(machines, POLICY._replace(auto_start=False)) == Route("c")
+
+
+def test_ties_are_broken_at_random() -> None:
+    machines = [Candidate(x, "mad", "started", 0) for x in "abcdef"]
+    seen = {choose(machines, POLICY, ORDER, random.Random(seed)) for seed in range(40)}
+    assert len(seen) > 1
+
+
+def test_all_over_the_soft_limit_starts_a_stopped_machine_nearest_first() -> None:
+    machines = [
+        Candidate("a", "mad", "started", 2),
+        Candidate("s", "syd", "stopped", 0),
+        Candidate("t", "lhr", "created", 0),
+    ]
+    assert pick(machines) == Start("t")
+
+
+def test_without_autostart_a_machine_over_its_soft_limit_but_under_hard_takes_it() -> None:
+    machines = [Candidate("a", "mad", "started", 3), Candidate("s", "mad", "stopped", 0)]
+    assert pick(machines, POLICY._replace(auto_start=False)) == Route("a")
+
+
+def test_at_the_hard_limit_everywhere_the_request_waits() -> None:
+    assert pick([Candidate("a", "mad", "started", 4)]) == Wait()
+
+
+def test_auto_create_fills_the_nearest_region_with_room() -> None:
+    policy = POLICY._replace(auto_create=True)
+    assert pick([], policy) == Create("mad")
+    assert pick([Candidate("a", "mad", "started", 4)], policy) == Create("lhr")
+
+
+def test_no_machine_says_why() -> None:
+    assert pick([], POLICY) == NoMachine("it has no machines (auto_create is off)")
+    refused = pick([Candidate("a", "mad", "started", 0)], avoid=frozenset({"a"}))
+    assert refused == NoMachine("1 machine(s) refused the connection or failed")
+    off = pick([Candidate("s", "mad", "stopped", 0)], POLICY._replace(auto_start=False))
+    assert off == NoMachine("none is started (states: stopped) and auto_start is off")
+
+
+def test_idle_victims_keep_min_running_and_the_nearest() -> None:
+    machines = [
+        Candidate("a", "mad", "started", 0),
+        Candidate("b", "syd", "started", 0),
+        Candidate("c", "lhr", "started", 1),
+    ]
+    used = {"a": 0.0, "b": 0.0, "c": 0.0}
+    assert idle_victims(machines, used, 100.0, 60.0, 1, ORDER) == ["b", "a"]
+    assert idle_victims(machines, used, 100.0, 60.0, 2, ORDER) == ["b"]
+    assert idle_victims(machines, {"a": 90.0, "b": 90.0}, 100.0, 60.0, 0, ORDER) == []
+
+
+def test_a_request_head_parses_and_hosts_name_apps() -> None:
+    head = parse_request_head(b"GET /x HTTP/1.1\r\nHost: web.localhost:8080\r\nX-A:  b \r\n\r\n")
+    assert (head.first, head.target, head.get(b"x-a")) == (b"GET", b"/x", b"b")
+    assert split_host(head.get(b"host"), "localhost") == "web"
+    assert split_host(b"a.b.localhost", "localhost") is None
+    assert split_host(b"localhost", "localhost") is None
+
+
+@pytest.mark.parametrize(
+    ("data", "status"),
+    [
+        (b"GET / HTTP/1.1\r\nbad\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nname : v\r\n\r\n", 400),
+        (b"GET /\r\n\r\n", 400),
+        (b"GET / HTTP/2.0\r\n\r\n", 505),
+    ],
+)
+def test_malformed_heads_are_refused(data: bytes, status: int) -> None:
+    with pytest.raises(HttpError) as caught:
+        parse_request_head(data)
+    assert caught.value.status == status
+
+
+def test_body_framing_refuses_what_could_smuggle_a_request() -> None:
+    both = parse_request_head(b"POST / HTTP/1.1\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n")
+    with pytest.raises(HttpError):
+        body_framing(both, request=True)
+    two = parse_request_head(b"POST / HTTP/1.1\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\n")
+    with pytest.raises(HttpError):
+        body_framing(two, request=True)
+    chunked = parse_request_head(b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n")
+    assert body_framing(chunked, request=True).chunked
