@@ -107,6 +107,9 @@ def _register() -> None:
     from orchestrator.cli import proxy_cmd
 
     app.command("proxy")(proxy_cmd.proxy)
+    from orchestrator.cli import api_cmd
+
+    app.command("api")(api_cmd.api)
     app.add_typer(bench_cmd.bench_app, name="bench")
     from orchestrator.cli import status_cmd
 

@@ -1,0 +1,285 @@
+"""The aiohttp application: Fly's `/v1` paths, each one request on the brokers' subjects.
+
+Bodies are decoded with the strict Structs of `orchestrator.api.types`; every failure a client causes is a
+4xx with Fly's error body (a middleware turns aiohttp's own errors, such as 413, into that body too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+from nats.aio.client import Client
+
+from bus import messages as bus
+from bus import subjects
+from bus.errors import FauxmadError
+from bus.messages import MACHINE_ID, Machine, seconds
+from bus.service import call
+from orchestrator.api import types
+from orchestrator.api.errors import error_response, from_bus
+from orchestrator.api.openapi import DOCS_HTML, document
+
+MAX_BODY = 1024 * 1024
+WAIT_MAX = 60.0
+WAIT_STATES = frozenset({"created", "started", "stopped", "destroyed", "failed"})
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+NC: web.AppKey[Client] = web.AppKey("nc", Client)
+_ENCODE = msgspec.json.Encoder()
+
+
+class ClientError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def json(value: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_ENCODE.encode(value), content_type="application/json")
+
+
+async def body(request: web.Request, kind: type[T]) -> T:
+    raw = await request.read()
+    try:
+        return msgspec.json.decode(raw or b"{}", type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ClientError(400, str(exc)) from None
+
+
+def machine_id(request: web.Request) -> str:
+    value = request.match_info["machine_id"]
+    if not MACHINE_ID.match(value):
+        raise ClientError(404, f"machine {value!r} not found")
+    return value
+
+
+def app_name(request: web.Request) -> str:
+    value = request.match_info["app_name"]
+    try:
+        return subjects.check_token("app", value)
+    except ValueError as exc:
+        raise ClientError(400, str(exc)) from None
+
+
+def flag(request: web.Request, name: str) -> bool:
+    return request.query.get(name, "").lower() in ("1", "true", "yes")
+
+
+async def ask(request: web.Request, verb: str, payload: Any, timeout: float = 30.0) -> Machine:
+    subject = subjects.api_machines(app_name(request), verb)
+    return await call(request.app[NC], subject, payload, Machine, timeout=timeout)
+
+
+def nonce(request: web.Request) -> str | None:
+    return request.headers.get("fly-machine-lease-nonce") or None
+
+
+# ---------------------------------------------------------------------------------------------------
+# handlers
+
+
+async def list_machines(request: web.Request) -> web.Response:
+    found = await call(
+        request.app[NC], subjects.api_machines(app_name(request), "list"), bus.ListRequest(), list[Machine], timeout=10
+    )
+    return json([types.machine(m) for m in found])
+
+
+async def create_machine(request: web.Request) -> web.Response:
+    req = await body(request, types.CreateMachineRequest)
+    if req.region is None:
+        raise ClientError(400, "region is required (fauxmad has no nearest region)")
+    try:
+        config = types.to_config(req.config)
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise ClientError(400, str(exc)) from None
+    create = bus.CreateRequest(region=req.region, config=config, name=req.name, skip_launch=req.skip_launch)
+    return json(types.machine(await ask(request, "create", create, timeout=40)))
+
+
+async def get_machine(request: web.Request) -> web.Response:
+    got = await ask(request, "get", bus.GetRequest(id=machine_id(request), events=True))
+    return json(types.machine(got))
+
+
+async def update_machine(request: web.Request) -> web.Response:
+    req = await body(request, types.UpdateMachineRequest)
+    try:
+        config = types.to_config(req.config)
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise ClientError(400, str(exc)) from None
+    update = bus.UpdateRequest(id=machine_id(request), config=config, lease_nonce=nonce(request))
+    return json(types.machine(await ask(request, "update", update, timeout=45)))
+
+
+async def delete_machine(request: web.Request) -> web.Response:
+    force = flag(request, "force") or flag(request, "kill")
+    await ask(request, "destroy", bus.DestroyRequest(id=machine_id(request), force=force, lease_nonce=nonce(request)))
+    return json({"ok": True})
+
+
+async def start_machine(request: web.Request) -> web.Response:
+    await ask(request, "start", bus.StartRequest(id=machine_id(request), lease_nonce=nonce(request)), timeout=35)
+    return json({"previous_state": "", "migrated": False, "new_host": ""})
+
+
+async def stop_machine(request: web.Request) -> web.Response:
+    req = await body(request, types.StopRequest)
+    try:
+        timeout = seconds(req.timeout)
+    except ValueError as exc:
+        raise ClientError(400, str(exc)) from None
+    stop = bus.StopRequest(id=machine_id(request), signal=req.signal, timeout=timeout, lease_nonce=nonce(request))
+    await ask(request, "stop", stop, timeout=timeout + 15)
+    return json({"ok": True})
+
+
+async def restart_machine(request: web.Request) -> web.Response:
+    mid = machine_id(request)
+    await ask(request, "stop", bus.StopRequest(id=mid, lease_nonce=nonce(request)), timeout=25)
+    await ask(request, "start", bus.StartRequest(id=mid, lease_nonce=nonce(request)), timeout=35)
+    return json({"ok": True})
+
+
+async def signal_machine(request: web.Request) -> web.Response:
+    req = await body(request, types.SignalRequest)
+    await ask(
+        request, "signal", bus.SignalRequest(id=machine_id(request), signal=req.signal, lease_nonce=nonce(request))
+    )
+    return json({"ok": True})
+
+
+def _wait_args(request: web.Request) -> tuple[list[str], float]:
+    states = request.query.getall("state", ["started"])
+    allowed = WAIT_STATES
+    for state in states:
+        if state not in allowed:
+            raise ClientError(400, f"invalid state {state!r}: use one of {sorted(allowed)}")
+    try:
+        timeout = float(request.query.get("timeout", "60"))
+    except ValueError:
+        raise ClientError(400, "timeout must be a number of seconds") from None
+    if not 0 <= timeout <= WAIT_MAX:
+        raise ClientError(400, f"timeout must be between 0 and {WAIT_MAX:g} seconds")
+    return states, timeout
+
+
+async def wait_machine(request: web.Request) -> web.Response:
+    states, timeout = _wait_args(request)
+    mid = machine_id(request)
+    waits = [
+        asyncio.ensure_future(ask(request, "wait", bus.WaitRequest(id=mid, state=s, timeout=timeout), timeout + 10))  # type: ignore[arg-type]
+        for s in states
+    ]
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        reached = done.pop().result()
+    finally:
+        for task in waits:
+            task.cancel()
+    instance = request.query.get("instance_id")
+    if instance and reached.instance_id != instance:
+        raise ClientError(412, f"machine {mid} now runs instance {reached.instance_id}, not {instance}")
+    return json({"ok": True, "state": reached.state})
+
+
+async def machine_events(request: web.Request) -> web.Response:
+    got = await ask(request, "get", bus.GetRequest(id=machine_id(request), events=True))
+    return json(types.machine(got).events)
+
+
+async def get_lease(request: web.Request) -> web.Response:
+    got = await ask(request, "get", bus.GetRequest(id=machine_id(request), events=False))
+    if got.lease is None:
+        raise ClientError(404, "no lease")
+    return json(_lease(got.lease))
+
+
+def _lease(lease: bus.Lease) -> dict[str, Any]:
+    return {
+        "status": "success",
+        "data": {"nonce": lease.nonce, "owner": lease.holder, "expires_at": int(lease.expires_at)},
+    }
+
+
+async def acquire_lease(request: web.Request) -> web.Response:
+    req = await body(request, types.LeaseRequest)
+    lease = bus.LeaseRequest(id=machine_id(request), ttl=req.ttl, holder=req.description, nonce=nonce(request))
+    subject = subjects.api_machines(app_name(request), "lease")
+    held = await call(request.app[NC], subject, lease, bus.Lease, timeout=10)
+    return json(_lease(held))
+
+
+async def release_lease(request: web.Request) -> web.Response:
+    given = nonce(request)
+    if given is None:
+        raise ClientError(400, "releasing a lease needs its nonce in the fly-machine-lease-nonce header")
+    subject = subjects.api_machines(app_name(request), "release")
+    await call(
+        request.app[NC], subject, bus.ReleaseRequest(id=machine_id(request), nonce=given), dict[str, Any], timeout=10
+    )
+    return json({"ok": True})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return json(document())
+
+
+async def docs(request: web.Request) -> web.Response:
+    return web.Response(text=DOCS_HTML, content_type="text/html")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the application
+
+
+def _errors(token: bytes | None) -> Any:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            scheme, _, value = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token):
+                return error_response(401, "missing or wrong bearer token")
+        try:
+            return await handler(request)
+        except ClientError as exc:
+            return error_response(exc.status, exc.message)
+        except FauxmadError as exc:
+            return from_bus(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(exc.status, exc.reason)
+
+    return middleware
+
+
+def build(nc: Client, *, token: bytes | None = None) -> web.Application:
+    app = web.Application(middlewares=[_errors(token)], client_max_size=MAX_BODY)
+    app[NC] = nc
+    m = "/v1/apps/{app_name}/machines"
+    one = m + "/{machine_id}"
+    app.router.add_get(m, list_machines)
+    app.router.add_post(m, create_machine)
+    app.router.add_get(one, get_machine)
+    app.router.add_post(one, update_machine)
+    app.router.add_delete(one, delete_machine)
+    app.router.add_post(one + "/start", start_machine)
+    app.router.add_post(one + "/stop", stop_machine)
+    app.router.add_post(one + "/restart", restart_machine)
+    app.router.add_post(one + "/signal", signal_machine)
+    app.router.add_get(one + "/wait", wait_machine)
+    app.router.add_get(one + "/events", machine_events)
+    app.router.add_get(one + "/lease", get_lease)
+    app.router.add_post(one + "/lease", acquire_lease)
+    app.router.add_delete(one + "/lease", release_lease)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/docs", docs)
+    return app

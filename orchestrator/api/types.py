@@ -1,0 +1,148 @@
+"""The HTTP request and response bodies, with Fly's field names, and their translation to the bus's types.
+
+These Structs both validate requests (strict: an unknown field is a 400) and generate `/openapi.json`, so
+the document cannot drift from what the server accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from bus.messages import Guest, Machine, MachineConfig, MachineEvent, RestartPolicy, State
+
+
+class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """Base of every request body: unknown fields are an error, not silently ignored."""
+
+
+class FlyInit(Body):
+    exec: list[str] | None = None
+    entrypoint: list[str] | None = None
+    cmd: list[str] | None = None
+
+
+class FlyGuest(Body):
+    cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
+    cpu_kind: Literal["shared", "performance"] = "shared"
+
+
+class FlyRestart(Body):
+    policy: Literal["no", "always", "on-failure"] = "on-failure"
+    max_retries: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
+
+
+class FlyMachineConfig(Body):
+    image: str | None = None
+    init: FlyInit = msgspec.field(default_factory=FlyInit)
+    env: dict[str, str] = {}
+    guest: FlyGuest = msgspec.field(default_factory=FlyGuest)
+    restart: FlyRestart = msgspec.field(default_factory=FlyRestart)
+    metadata: dict[str, str] = {}
+    auto_destroy: bool = False
+
+
+class CreateMachineRequest(Body):
+    config: FlyMachineConfig
+    region: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")] | None = None
+    skip_launch: bool = False
+    lease_ttl: int | None = None
+
+
+class UpdateMachineRequest(Body):
+    config: FlyMachineConfig
+    region: str | None = None
+    name: str | None = None
+    skip_launch: bool = False
+
+
+class StopRequest(Body):
+    signal: str = "SIGTERM"
+    timeout: Annotated[float, msgspec.Meta(ge=0, le=86400)] | str = 10.0
+
+
+class SignalRequest(Body):
+    signal: Annotated[str, msgspec.Meta(min_length=1, max_length=16)]
+
+
+class LeaseRequest(Body):
+    ttl: Annotated[int, msgspec.Meta(gt=0, le=86400)] = 30
+    description: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    error: str
+    status: Literal["unknown", "insufficient_capacity"] = "unknown"
+
+
+class FlyMachineEvent(msgspec.Struct, kw_only=True):
+    type: str
+    status: str
+    source: str
+    timestamp: int
+
+
+class FlyMachine(msgspec.Struct, kw_only=True):
+    id: str
+    name: str
+    state: State
+    region: str
+    instance_id: str
+    config: FlyMachineConfig
+    created_at: str
+    updated_at: str
+    events: list[FlyMachineEvent] = []
+    # extensions (README "HTTP API"): where it runs, and how its process last ended
+    worker_id: str = ""
+    exit: dict[str, Any] | None = None
+
+
+def to_config(config: FlyMachineConfig) -> MachineConfig:
+    """Fly's config as fauxmad's: the command is `init.exec`, else `init.entrypoint` + `init.cmd`."""
+    init = config.init
+    cmd = init.exec if init.exec else [*(init.entrypoint or []), *(init.cmd or [])]
+    return MachineConfig(
+        image=config.image,
+        cmd=cmd,
+        env=config.env,
+        guest=Guest(cpus=config.guest.cpus, memory_mb=config.guest.memory_mb, cpu_kind=config.guest.cpu_kind),
+        restart=RestartPolicy(policy=config.restart.policy, max_retries=config.restart.max_retries),
+        metadata=config.metadata,
+        auto_destroy=config.auto_destroy,
+    )
+
+
+def from_config(config: MachineConfig) -> FlyMachineConfig:
+    return FlyMachineConfig(
+        image=config.image,
+        init=FlyInit(cmd=list(config.cmd)),
+        env=dict(config.env),
+        guest=FlyGuest(cpus=config.guest.cpus, memory_mb=config.guest.memory_mb, cpu_kind=config.guest.cpu_kind),
+        restart=FlyRestart(policy=config.restart.policy, max_retries=config.restart.max_retries),
+        metadata=dict(config.metadata),
+        auto_destroy=config.auto_destroy,
+    )
+
+
+def event(e: MachineEvent) -> FlyMachineEvent:
+    return FlyMachineEvent(type=e.type, status=e.status, source=e.source, timestamp=int(e.timestamp * 1000))
+
+
+def machine(m: Machine) -> FlyMachine:
+    events = [event(e) for e in m.events] if isinstance(m.events, list) else []
+    return FlyMachine(
+        id=m.id,
+        name=m.name,
+        state=m.state,
+        region=m.region,
+        instance_id=m.instance_id,
+        config=from_config(m.config),
+        created_at=m.created_at,
+        updated_at=m.updated_at,
+        events=events,
+        worker_id=m.worker_id,
+        exit=msgspec.to_builtins(m.exit) if m.exit is not None else None,
+    )

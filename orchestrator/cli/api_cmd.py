@@ -1,0 +1,31 @@
+"""`fauxmad api`: serve the Machines API over HTTP (Fly's paths); parse the options, hand off to the library."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import typer
+
+from orchestrator.cli.runtime import NatsOption, fail, nats_url, run
+
+
+def api(
+    listen: str = typer.Option("127.0.0.1:4280", "--listen", help="HOST:PORT to serve HTTP on"),
+    token_file: Path | None = typer.Option(None, "--token-file", help="a file holding the bearer token to require"),
+    nats: str | None = NatsOption,
+) -> None:
+    """Serve Fly's Machines API (`/v1/apps/...`) over HTTP, each request one request to the brokers."""
+    from orchestrator.api.run import read_token, serve
+    from orchestrator.proxy.run import parse_listen
+
+    try:
+        where = parse_listen(listen)
+        token = read_token(token_file)
+    except (ValueError, OSError) as exc:
+        fail(str(exc), 2)
+    url = nats_url(nats)
+    assert url is not None
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+        run(serve(url, where.host, where.port, token=token))

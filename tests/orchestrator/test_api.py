@@ -1,0 +1,190 @@
+"""The HTTP Machines API against a real fleet: nats-server, worker and broker processes, an API process."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.devfleet import DevFleet, FleetSpec
+
+SLEEP = {"config": {"init": {"cmd": ["sleep", "300"]}, "guest": {"cpus": 1, "memory_mb": 128}}, "region": "mad"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Api:
+    def __init__(self, base: str, token: str | None = None) -> None:
+        self.base = base
+        self.token = token
+
+    def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        for key, value in (headers or {}).items():
+            req.add_header(key, value)
+        try:
+            with urllib.request.urlopen(req, timeout=90) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"null")
+
+
+def start_api(url: str, extra: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "orchestrator.cli", "api", "--listen", f"127.0.0.1:{port}", "--nats", url]
+    proc = subprocess.Popen([*cmd, *(extra or [])])
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(base + "/openapi.json", timeout=5):
+                return proc, base
+        except OSError:
+            assert proc.poll() is None, "the API process exited"
+            time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the API never listened")
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[DevFleet]:
+    spec = FleetSpec(regions=["mad"], workers_per_region=2, cpus=4, memory_mb=4096, brokers=1)
+    with DevFleet(spec) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def api(fleet: DevFleet) -> Iterator[Api]:
+    proc, base = start_api(fleet.url)
+    yield Api(base)
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_create_wait_stop_destroy(api: Api) -> None:
+    status, machine = api.call("POST", "/v1/apps/web/machines", SLEEP)
+    assert status == 200, machine
+    assert machine["config"]["init"]["cmd"] == ["sleep", "300"] and machine["region"] == "mad"
+    mid = machine["id"]
+    path = f"/v1/apps/web/machines/{mid}"
+    status, waited = api.call("GET", path + "/wait?state=started&timeout=30")
+    assert status == 200 and waited["state"] == "started"
+    status, listed = api.call("GET", "/v1/apps/web/machines")
+    assert status == 200 and mid in [m["id"] for m in listed]
+    status, _ = api.call("POST", path + "/stop", raw=b"")  # a bodyless POST with a JSON content type
+    assert status == 200
+    status, waited = api.call("GET", path + "/wait?state=stopped&state=destroyed&timeout=30")
+    assert status == 200 and waited["state"] == "stopped"
+    status, events = api.call("GET", path + "/events")
+    assert status == 200 and "stopped" in [e["status"] for e in events]
+    status, _ = api.call("DELETE", path + "?force=true")
+    assert status == 200
+    status, got = api.call("GET", path)
+    assert (status == 404 and "error" in got) or got["state"] == "destroyed"
+
+
+def test_lease_refuses_a_mutation_without_its_nonce(api: Api) -> None:
+    status, machine = api.call("POST", "/v1/apps/leased/machines", SLEEP)
+    assert status == 200, machine
+    path = f"/v1/apps/leased/machines/{machine['id']}"
+    status, lease = api.call("POST", path + "/lease", {"ttl": 60, "description": "test"})
+    assert status == 200, lease
+    nonce = lease["data"]["nonce"]
+    assert nonce
+    status, refused = api.call("POST", path + "/stop", {})
+    assert status in (409, 412) and "leased" in refused["error"]
+    status, wrong = api.call("DELETE", path + "?force=true", headers={"fly-machine-lease-nonce": "nope"})
+    assert status in (409, 412) and wrong["error"]
+    status, got = api.call("GET", path + "/lease")
+    assert status == 200 and got["data"]["nonce"] == nonce
+    held = {"fly-machine-lease-nonce": nonce}
+    status, _ = api.call("POST", path + "/stop", {}, headers=held)
+    assert status == 200
+    status, _ = api.call("DELETE", path + "/lease", headers=held)
+    assert status == 200
+    status, _ = api.call("DELETE", path + "?force=true")
+    assert status == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "raw", "status"),
+    [
+        ("POST", "/v1/apps/web/machines", b"{not json", 400),
+        ("POST", "/v1/apps/web/machines", b'{"config": {}, "region": "mad", "colour": "red"}', 400),
+        ("POST", "/v1/apps/web/machines", b'{"config": {"guest": {"cpus": "two"}}, "region": "mad"}', 400),
+        ("POST", "/v1/apps/web/machines", b'{"config": {"init": {"cmd": "sleep"}}, "region": "mad"}', 400),
+        ("POST", "/v1/apps/web/machines", b'{"config": {}}', 400),
+        ("POST", "/v1/apps/web/machines", b'{"config": {"env": {"A=B": "x"}}, "region": "mad"}', 400),
+        ("POST", "/v1/apps/web/machines", b'{"config": {"x": "' + b"a" * (2 * 1024 * 1024) + b'"}}', 413),
+        ("GET", "/v1/apps/web/machines/not-an-id", None, 404),
+        ("GET", "/v1/apps/web/machines/0123456789abcd", None, 404),
+        ("GET", "/v1/apps/web/machines/0123456789abcd/wait?timeout=600", None, 400),
+        ("GET", "/v1/apps/web/machines/0123456789abcd/wait?state=bogus", None, 400),
+        ("GET", "/v1/apps/web/machines/0123456789abcd/wait?timeout=soon", None, 400),
+        ("POST", "/v1/apps/web/machines/0123456789abcd/signal", b"{}", 400),
+        ("DELETE", "/v1/apps/web/machines/0123456789abcd/lease", None, 400),
+        ("GET", "/v1/apps/bad.app/machines", None, 400),
+    ],
+)
+def test_bad_requests_are_4xx_with_the_error_body(
+    api: Api, method: str, path: str, raw: bytes | None, status: int
+) -> None:
+    got, body = api.call(method, path, raw=raw)
+    assert got == status, body
+    assert isinstance(body, dict) and isinstance(body["error"], str) and body["error"]
+    assert body["status"] == "unknown"
+
+
+def test_no_capacity_is_503_insufficient_capacity(api: Api) -> None:
+    huge = {"config": {"init": {"cmd": ["sleep", "1"]}, "guest": {"cpus": 64}}, "region": "mad"}
+    status, body = api.call("POST", "/v1/apps/web/machines", huge)
+    assert status == 503 and body["status"] == "insufficient_capacity", body
+
+
+def test_openapi_is_generated_from_the_request_types(api: Api) -> None:
+    status, doc = api.call("GET", "/openapi.json")
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    create = doc["components"]["schemas"]["CreateMachineRequest"]
+    assert create["additionalProperties"] is False and "config" in create["properties"]
+    assert "/v1/apps/{app_name}/machines/{machine_id}/wait" in doc["paths"]
+
+
+def test_a_token_file_requires_the_bearer_token(fleet: DevFleet, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    proc, base = start_api(fleet.url, ["--token-file", str(token_file)])
+    try:
+        status, body = Api(base).call("GET", "/v1/apps/web/machines")
+        assert status == 401 and body["error"]
+        status, body = Api(base, token="wrong").call("GET", "/v1/apps/web/machines")
+        assert status == 401
+        status, body = Api(base, token="s3cret-token").call("GET", "/v1/apps/web/machines")
+        assert status == 200 and isinstance(body, list)
+    finally:
+        proc.terminate()
+        proc.wait(10)
