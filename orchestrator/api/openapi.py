@@ -17,6 +17,12 @@ _BODIES = [
     types.LeaseRequest,
     types.FlyMachine,
     types.ErrorResponse,
+    types.CreateAppRequest,
+    types.App,
+    types.ListAppsResponse,
+    types.MetadataValue,
+    types.PlacementsRequest,
+    types.PlacementsResponse,
 ]
 _APP = {"name": "app_name", "in": "path", "required": True, "schema": {"type": "string"}}
 _ID = {"name": "machine_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -51,7 +57,24 @@ def document() -> dict[str, Any]:
         {"name": "timeout", "in": "query", "schema": {"type": "integer", "minimum": 0, "maximum": 60}},
         {"name": "instance_id", "in": "query", "schema": {"type": "string"}},
     ]
+    key = {"name": "key", "in": "path", "required": True, "schema": {"type": "string"}}
     paths = {
+        "/v1/apps": {
+            "get": _op("List apps", reply="ListAppsResponse"),
+            "post": _op("Create an app", body="CreateAppRequest", reply="App"),
+        },
+        "/v1/apps/{app_name}": {
+            "get": _op("Get an app", reply="App", params=[_APP]),
+            "delete": _op("Destroy an app's machines", params=[_APP]),
+        },
+        one + "/metadata": {"get": _op("A machine's metadata", params=both)},
+        one + "/metadata/{key}": {
+            "post": _op("Set a metadata key", body="MetadataValue", params=[*both, key]),
+            "delete": _op("Remove a metadata key", params=[*both, key]),
+        },
+        "/v1/platform/placements": {
+            "post": _op("Dry-run placement", body="PlacementsRequest", reply="PlacementsResponse"),
+        },
         m: {
             "get": _op("List machines", params=[_APP]),
             "post": _op("Create a machine", body="CreateMachineRequest", reply="FlyMachine", params=[_APP]),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -18,66 +18,16 @@ from nats.aio.client import Client
 from bus import messages as bus
 from bus import subjects
 from bus.errors import FauxmadError
-from bus.messages import MACHINE_ID, Machine, seconds
+from bus.messages import Machine, seconds
 from bus.service import call
-from orchestrator.api import types
+from orchestrator.api import apps, metadata, placements, types
 from orchestrator.api.errors import error_response, from_bus
+from orchestrator.api.http import MAX_BODY, NC, ClientError, app_name, ask, body, flag, json, machine_id, nonce
 from orchestrator.api.openapi import DOCS_HTML, document
 
-MAX_BODY = 1024 * 1024
 WAIT_MAX = 60.0
 WAIT_STATES = frozenset({"created", "started", "stopped", "destroyed", "failed"})
-T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-NC: web.AppKey[Client] = web.AppKey("nc", Client)
-_ENCODE = msgspec.json.Encoder()
-
-
-class ClientError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def json(value: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=_ENCODE.encode(value), content_type="application/json")
-
-
-async def body(request: web.Request, kind: type[T]) -> T:
-    raw = await request.read()
-    try:
-        return msgspec.json.decode(raw or b"{}", type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ClientError(400, str(exc)) from None
-
-
-def machine_id(request: web.Request) -> str:
-    value = request.match_info["machine_id"]
-    if not MACHINE_ID.match(value):
-        raise ClientError(404, f"machine {value!r} not found")
-    return value
-
-
-def app_name(request: web.Request) -> str:
-    value = request.match_info["app_name"]
-    try:
-        return subjects.check_token("app", value)
-    except ValueError as exc:
-        raise ClientError(400, str(exc)) from None
-
-
-def flag(request: web.Request, name: str) -> bool:
-    return request.query.get(name, "").lower() in ("1", "true", "yes")
-
-
-async def ask(request: web.Request, verb: str, payload: Any, timeout: float = 30.0) -> Machine:
-    subject = subjects.api_machines(app_name(request), verb)
-    return await call(request.app[NC], subject, payload, Machine, timeout=timeout)
-
-
-def nonce(request: web.Request) -> str | None:
-    return request.headers.get("fly-machine-lease-nonce") or None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -280,6 +230,9 @@ def build(nc: Client, *, token: bytes | None = None) -> web.Application:
     app.router.add_get(one + "/lease", get_lease)
     app.router.add_post(one + "/lease", acquire_lease)
     app.router.add_delete(one + "/lease", release_lease)
+    apps.add_routes(app)
+    metadata.add_routes(app, one)
+    placements.add_routes(app)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/docs", docs)
     return app

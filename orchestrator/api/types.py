@@ -146,3 +146,46 @@ def machine(m: Machine) -> FlyMachine:
         worker_id=m.worker_id,
         exit=msgspec.to_builtins(m.exit) if m.exit is not None else None,
     )
+
+
+class CreateAppRequest(Body):
+    app_name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    org_slug: str = "personal"
+    network: str | None = None
+
+
+class App(msgspec.Struct, kw_only=True):
+    id: str
+    name: str
+    status: str
+    machine_count: int = 0  # extension: machines the workers' last heartbeats count for it
+
+
+class ListAppsResponse(msgspec.Struct, kw_only=True):
+    total_apps: int
+    apps: list[App]
+
+
+class MetadataValue(Body):
+    value: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class PlacementsRequest(Body):
+    """A dry run: where `count` machines of `compute` would go. `region` is one region or several, comma-separated."""
+
+    compute: FlyGuest = msgspec.field(default_factory=FlyGuest)
+    count: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 1
+    region: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}(,[A-Za-z0-9_-]{1,64})*$")] | None = None
+    org_slug: str = "personal"
+    app: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = "placements"  # extension
+
+
+class RegionPlacement(msgspec.Struct, kw_only=True):
+    region: str
+    count: int
+    # extension: the brokers' dry run (`placements.simulate`): every worker's subscores and rejections
+    explain: dict[str, Any] | None = None
+
+
+class PlacementsResponse(msgspec.Struct, kw_only=True):
+    regions: list[RegionPlacement]

@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +188,53 @@ def test_a_token_file_requires_the_bearer_token(fleet: DevFleet, tmp_path: Path)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_apps_metadata_and_placements(api: Api) -> None:
+    status, created = api.call("POST", "/v1/apps", {"app_name": "meta", "org_slug": "personal"})
+    assert status == 201 and created["name"] == "meta"
+    status, machine = api.call("POST", "/v1/apps/meta/machines", SLEEP)
+    assert status == 200, machine
+    path = f"/v1/apps/meta/machines/{machine['id']}"
+    status, _ = api.call("POST", path + "/metadata/role", {"value": "primary"})
+    assert status == 204
+    status, labels = api.call("GET", path + "/metadata")
+    assert status == 200 and labels == {"role": "primary"}
+    status, got = api.call("GET", path)
+    assert got["instance_id"] == machine["instance_id"] and got["state"] == "started"  # relabelled in place
+    status, _ = api.call("DELETE", path + "/metadata/role")
+    assert status == 204
+    assert api.call("GET", path + "/metadata") == (200, {})
+    status, bad = api.call("POST", path + "/metadata/bad%20key", {"value": "x"})
+    assert status in (400, 404) and bad["error"]
+    status, placed = api.call(
+        "POST", "/v1/platform/placements", {"compute": {"cpus": 1, "memory_mb": 128}, "count": 3, "region": "mad"}
+    )
+    assert status == 200, placed
+    [mad] = placed["regions"]
+    assert mad["region"] == "mad" and mad["count"] == 3 and mad["explain"]["winner"].startswith("mad-")
+    status, placed = api.call("POST", "/v1/platform/placements", {"compute": {"cpus": 64}, "count": 1, "region": "mad"})
+    assert status == 200 and placed["regions"][0]["count"] == 0
+    status, app = api.call("GET", "/v1/apps/meta")
+    assert status == 200 and app["name"] == "meta"
+    assert eventually(lambda: "meta" in app_names(api))  # apps are read off heartbeats
+    status, _ = api.call("DELETE", "/v1/apps/meta")
+    assert status == 202
+    status, listed = api.call("GET", "/v1/apps/meta/machines")
+    assert status == 200 and listed == []
+    assert eventually(lambda: "meta" not in app_names(api))
+
+
+def app_names(api: Api) -> list[str]:
+    status, apps = api.call("GET", "/v1/apps")
+    assert status == 200 and apps["total_apps"] == len(apps["apps"])
+    return [a["name"] for a in apps["apps"]]
+
+
+def eventually(check: Callable[[], bool], tries: int = 200) -> bool:
+    """True once `check` is (the workers' heartbeats carry app counts a moment late), False if never."""
+    for _ in range(tries):
+        if check():
+            return True
+        time.sleep(0.05)
+    return False

@@ -1,0 +1,56 @@
+"""A machine's metadata (`config.metadata`): read from `get`, written by an `update` that changes only the
+labels, which the worker applies in place (the same instance, no restart)."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from aiohttp import web
+
+from bus import messages as bus
+from orchestrator.api import types
+from orchestrator.api.http import ClientError, ask, body, json, machine_id, nonce
+
+_KEY = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def _key(request: web.Request) -> str:
+    key = request.match_info["key"]
+    if not _KEY.match(key):
+        raise ClientError(400, f"invalid metadata key {key!r}: letters, digits, '_', '.', '-' (at most 128)")
+    return key
+
+
+async def get_metadata(request: web.Request) -> web.Response:
+    got = await ask(request, "get", bus.GetRequest(id=machine_id(request), events=False))
+    return json(got.config.metadata)
+
+
+async def _relabel(request: web.Request, key: str, value: str | None) -> web.Response:
+    mid = machine_id(request)
+    got = await ask(request, "get", bus.GetRequest(id=mid, events=False))
+    labels = dict(got.config.metadata)
+    if value is None:
+        labels.pop(key, None)
+    else:
+        labels[key] = value
+    config = msgspec.structs.replace(got.config, metadata=labels)
+    await ask(request, "update", bus.UpdateRequest(id=mid, config=config, lease_nonce=nonce(request)), timeout=45)
+    return web.Response(status=204)
+
+
+async def set_metadata(request: web.Request) -> web.Response:
+    key = _key(request)
+    req = await body(request, types.MetadataValue)
+    return await _relabel(request, key, req.value)
+
+
+async def delete_metadata(request: web.Request) -> web.Response:
+    return await _relabel(request, _key(request), None)
+
+
+def add_routes(app: web.Application, one: str) -> None:
+    app.router.add_get(one + "/metadata", get_metadata)
+    app.router.add_post(one + "/metadata/{key}", set_metadata)
+    app.router.add_delete(one + "/metadata/{key}", delete_metadata)
