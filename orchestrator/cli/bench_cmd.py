@@ -179,6 +179,22 @@ def failover(
     _finish(result, bench.report(result), output, json_out)
 
 
+@bench_app.command("api")
+def api(
+    creates: int = typer.Option(200, "--creates", min=1, max=5000, help="creates each way (HTTP and NATS)"),
+    gets: int = typer.Option(5000, "--gets", min=1, max=1_000_000, help="gets through the API for req/s"),
+    concurrency: int = typer.Option(32, "--concurrency", min=1, max=1024),
+    output: Path = typer.Option(Path("bench-api.json"), "--output", "--out", "-o", help=OUTPUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """HTTP create latency vs the NATS create in the same run, and requests/s on one API process."""
+    from orchestrator.bench import api as bench
+
+    options = bench.ApiOptions(creates=creates, gets=gets, concurrency=concurrency)
+    result = _measure(lambda: bench.run_api(options, _progress))
+    _finish(result, bench.report(result), output, json_out)
+
+
 @bench_app.command("peer")
 def peer(
     count: int = typer.Option(200, "--count", "-n", min=1, max=100_000, help="of each kind, measured"),
