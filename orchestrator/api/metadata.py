@@ -41,6 +41,7 @@ async def _relabel(request: web.Request, key: str, value: str | None) -> web.Res
 
 
 async def set_metadata(request: web.Request) -> web.Response:
+    machine_id(request)
     key = _key(request)
     req = await body(request, types.MetadataValue)
     return await _relabel(request, key, req.value)

@@ -24,24 +24,45 @@ _BODIES = [
     types.PlacementsRequest,
     types.PlacementsResponse,
 ]
-_APP = {"name": "app_name", "in": "path", "required": True, "schema": {"type": "string"}}
+_BY_NAME: dict[str, Any] = {kind.__name__: kind for kind in _BODIES}
+_NONCE = {"name": "fly-machine-lease-nonce", "in": "header", "required": True, "schema": {"type": "string"}}
+_STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
+_APP = {
+    "name": "app_name",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,64}$"},
+}
 _ID = {"name": "machine_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
-def _op(summary: str, *, body: str | None = None, reply: str | None = None, params: list[Any] | None = None) -> Any:
-    ref = {"$ref": f"#/components/schemas/{reply}"} if reply else {"type": "object"}
-    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _op(
+    summary: str,
+    *,
+    body: str | None = None,
+    reply: str | dict[str, Any] | None = None,
+    params: list[Any] | None = None,
+    code: str = "200",
+) -> Any:
+    """One operation: its success `code` (201, 202 and 204 have no body), and Fly's error body otherwise."""
+    error = {"application/json": {"schema": _ref("ErrorResponse")}}
+    schema = _ref(reply) if isinstance(reply, str) else reply or {"type": "object"}
+    success: dict[str, Any] = {"description": "OK"}
+    if code in ("200", "201"):
+        success["content"] = {"application/json": {"schema": schema}}
     op: dict[str, Any] = {
         "summary": summary,
         "parameters": params or [],
-        "responses": {
-            "200": {"description": "OK", "content": {"application/json": {"schema": ref}}},
-            "default": {"description": "error", "content": error},
-        },
+        "responses": {code: success, "default": {"description": "error", "content": error}},
     }
     if body:
-        schema = {"$ref": f"#/components/schemas/{body}"}
-        op["requestBody"] = {"required": False, "content": {"application/json": {"schema": schema}}}
+        # a bodyless POST counts as `{}`: the body is optional where `{}` is valid
+        needed = any(f.required for f in msgspec.structs.fields(_BY_NAME[body]))
+        op["requestBody"] = {"required": needed, "content": {"application/json": {"schema": _ref(body)}}}
     return op
 
 
@@ -57,26 +78,31 @@ def document() -> dict[str, Any]:
         {"name": "timeout", "in": "query", "schema": {"type": "integer", "minimum": 0, "maximum": 60}},
         {"name": "instance_id", "in": "query", "schema": {"type": "string"}},
     ]
-    key = {"name": "key", "in": "path", "required": True, "schema": {"type": "string"}}
+    key = {
+        "name": "key",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,128}$"},
+    }
     paths = {
         "/v1/apps": {
             "get": _op("List apps", reply="ListAppsResponse"),
-            "post": _op("Create an app", body="CreateAppRequest", reply="App"),
+            "post": _op("Create an app", body="CreateAppRequest", reply="App", code="201"),
         },
         "/v1/apps/{app_name}": {
             "get": _op("Get an app", reply="App", params=[_APP]),
-            "delete": _op("Destroy an app's machines", params=[_APP]),
+            "delete": _op("Destroy an app's machines", params=[_APP], code="202"),
         },
-        one + "/metadata": {"get": _op("A machine's metadata", params=both)},
+        one + "/metadata": {"get": _op("A machine's metadata", params=both, reply=_STRINGS)},
         one + "/metadata/{key}": {
-            "post": _op("Set a metadata key", body="MetadataValue", params=[*both, key]),
-            "delete": _op("Remove a metadata key", params=[*both, key]),
+            "post": _op("Set a metadata key", body="MetadataValue", params=[*both, key], code="204"),
+            "delete": _op("Remove a metadata key", params=[*both, key], code="204"),
         },
         "/v1/platform/placements": {
             "post": _op("Dry-run placement", body="PlacementsRequest", reply="PlacementsResponse"),
         },
         m: {
-            "get": _op("List machines", params=[_APP]),
+            "get": _op("List machines", params=[_APP], reply={"type": "array", "items": _ref("FlyMachine")}),
             "post": _op("Create a machine", body="CreateMachineRequest", reply="FlyMachine", params=[_APP]),
         },
         one: {
@@ -89,11 +115,11 @@ def document() -> dict[str, Any]:
         one + "/restart": {"post": _op("Restart", params=both)},
         one + "/signal": {"post": _op("Signal", body="SignalRequest", params=both)},
         one + "/wait": {"get": _op("Wait for a state", params=wait_params)},
-        one + "/events": {"get": _op("Events", params=both)},
+        one + "/events": {"get": _op("Events", params=both, reply={"type": "array", "items": _ref("FlyMachineEvent")})},
         one + "/lease": {
             "get": _op("Get the lease", params=both),
             "post": _op("Acquire a lease", body="LeaseRequest", params=both),
-            "delete": _op("Release a lease (fly-machine-lease-nonce header)", params=both),
+            "delete": _op("Release a lease", params=[*both, _NONCE]),
         },
     }
     return {

@@ -43,8 +43,6 @@ async def list_machines(request: web.Request) -> web.Response:
 
 async def create_machine(request: web.Request) -> web.Response:
     req = await body(request, types.CreateMachineRequest)
-    if req.region is None:
-        raise ClientError(400, "region is required (fauxmad has no nearest region)")
     try:
         config = types.to_config(req.config)
     except (ValueError, msgspec.ValidationError) as exc:
@@ -59,12 +57,13 @@ async def get_machine(request: web.Request) -> web.Response:
 
 
 async def update_machine(request: web.Request) -> web.Response:
+    mid = machine_id(request)
     req = await body(request, types.UpdateMachineRequest)
     try:
         config = types.to_config(req.config)
     except (ValueError, msgspec.ValidationError) as exc:
         raise ClientError(400, str(exc)) from None
-    update = bus.UpdateRequest(id=machine_id(request), config=config, lease_nonce=nonce(request))
+    update = bus.UpdateRequest(id=mid, config=config, lease_nonce=nonce(request))
     return json(types.machine(await ask(request, "update", update, timeout=45)))
 
 
@@ -80,12 +79,13 @@ async def start_machine(request: web.Request) -> web.Response:
 
 
 async def stop_machine(request: web.Request) -> web.Response:
+    mid = machine_id(request)
     req = await body(request, types.StopRequest)
     try:
         timeout = seconds(req.timeout)
     except ValueError as exc:
         raise ClientError(400, str(exc)) from None
-    stop = bus.StopRequest(id=machine_id(request), signal=req.signal, timeout=timeout, lease_nonce=nonce(request))
+    stop = bus.StopRequest(id=mid, signal=req.signal, timeout=timeout, lease_nonce=nonce(request))
     await ask(request, "stop", stop, timeout=timeout + 15)
     return json({"ok": True})
 
@@ -98,10 +98,9 @@ async def restart_machine(request: web.Request) -> web.Response:
 
 
 async def signal_machine(request: web.Request) -> web.Response:
+    mid = machine_id(request)
     req = await body(request, types.SignalRequest)
-    await ask(
-        request, "signal", bus.SignalRequest(id=machine_id(request), signal=req.signal, lease_nonce=nonce(request))
-    )
+    await ask(request, "signal", bus.SignalRequest(id=mid, signal=req.signal, lease_nonce=nonce(request)))
     return json({"ok": True})
 
 
@@ -159,21 +158,21 @@ def _lease(lease: bus.Lease) -> dict[str, Any]:
 
 
 async def acquire_lease(request: web.Request) -> web.Response:
+    mid = machine_id(request)
     req = await body(request, types.LeaseRequest)
-    lease = bus.LeaseRequest(id=machine_id(request), ttl=req.ttl, holder=req.description, nonce=nonce(request))
+    lease = bus.LeaseRequest(id=mid, ttl=req.ttl, holder=req.description, nonce=nonce(request))
     subject = subjects.api_machines(app_name(request), "lease")
     held = await call(request.app[NC], subject, lease, bus.Lease, timeout=10)
     return json(_lease(held))
 
 
 async def release_lease(request: web.Request) -> web.Response:
+    mid = machine_id(request)
     given = nonce(request)
     if given is None:
         raise ClientError(400, "releasing a lease needs its nonce in the fly-machine-lease-nonce header")
     subject = subjects.api_machines(app_name(request), "release")
-    await call(
-        request.app[NC], subject, bus.ReleaseRequest(id=machine_id(request), nonce=given), dict[str, Any], timeout=10
-    )
+    await call(request.app[NC], subject, bus.ReleaseRequest(id=mid, nonce=given), dict[str, Any], timeout=10)
     return json({"ok": True})
 
 

@@ -17,10 +17,16 @@ class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaul
     """Base of every request body: unknown fields are an error, not silently ignored."""
 
 
+Arg = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", max_length=65536)]
+EnvName = Annotated[str, msgspec.Meta(pattern=r"^[^=\x00]+$", max_length=1024)]
+
+
 class FlyInit(Body):
-    exec: list[str] | None = None
-    entrypoint: list[str] | None = None
-    cmd: list[str] | None = None
+    """The command: `exec` if given, else `entrypoint` + `cmd` (fauxmad has no image default: one is needed)."""
+
+    exec: Annotated[list[Arg], msgspec.Meta(min_length=1)] | None = None
+    entrypoint: list[Arg] | None = None
+    cmd: list[Arg] | None = None
 
 
 class FlyGuest(Body):
@@ -37,7 +43,7 @@ class FlyRestart(Body):
 class FlyMachineConfig(Body):
     image: str | None = None
     init: FlyInit = msgspec.field(default_factory=FlyInit)
-    env: dict[str, str] = {}
+    env: dict[EnvName, str] = {}
     guest: FlyGuest = msgspec.field(default_factory=FlyGuest)
     restart: FlyRestart = msgspec.field(default_factory=FlyRestart)
     metadata: dict[str, str] = {}
@@ -46,7 +52,7 @@ class FlyMachineConfig(Body):
 
 class CreateMachineRequest(Body):
     config: FlyMachineConfig
-    region: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    region: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # required: no "nearest region" here
     name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")] | None = None
     skip_launch: bool = False
     lease_ttl: int | None = None
@@ -59,9 +65,12 @@ class UpdateMachineRequest(Body):
     skip_launch: bool = False
 
 
+Duration = Annotated[str, msgspec.Meta(pattern=r"^\d{1,9}(\.\d{1,9})?(ms|s|m|h|d)$")]
+
+
 class StopRequest(Body):
     signal: str = "SIGTERM"
-    timeout: Annotated[float, msgspec.Meta(ge=0, le=86400)] | str = 10.0
+    timeout: Annotated[float, msgspec.Meta(ge=0, le=86400)] | Duration = 10.0
 
 
 class SignalRequest(Body):
