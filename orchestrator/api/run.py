@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import start_http_server
 
 from bus.connection import connect
 from orchestrator.api.server import build
@@ -20,7 +21,11 @@ def read_token(path: Path | None) -> bytes | None:
     return token
 
 
-async def serve(nats_url: str, host: str, port: int, *, token: bytes | None = None) -> None:
+async def serve(
+    nats_url: str, host: str, port: int, *, token: bytes | None = None, metrics: tuple[str, int] | None = None
+) -> None:
+    if metrics is not None:
+        start_http_server(metrics[1], metrics[0])
     nc = await connect(nats_url, "fauxmad-api")
     runner = web.AppRunner(build(nc, token=token), access_log=None)
     await runner.setup()

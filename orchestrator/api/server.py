@@ -20,7 +20,7 @@ from bus import subjects
 from bus.errors import FauxmadError
 from bus.messages import Machine, seconds
 from bus.service import call
-from orchestrator.api import apps, metadata, placements, types
+from orchestrator.api import apps, metadata, metrics, placements, types
 from orchestrator.api.errors import error_response, from_bus
 from orchestrator.api.http import MAX_BODY, NC, ClientError, app_name, ask, body, flag, json, machine_id, nonce
 from orchestrator.api.openapi import DOCS_HTML, document
@@ -211,7 +211,7 @@ def _errors(token: bytes | None) -> Any:
 
 
 def build(nc: Client, *, token: bytes | None = None) -> web.Application:
-    app = web.Application(middlewares=[_errors(token)], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[metrics.measure, _errors(token)], client_max_size=MAX_BODY)
     app[NC] = nc
     m = "/v1/apps/{app_name}/machines"
     one = m + "/{machine_id}"

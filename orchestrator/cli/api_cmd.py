@@ -14,6 +14,7 @@ from orchestrator.cli.runtime import NatsOption, fail, nats_url, run
 def api(
     listen: str = typer.Option("127.0.0.1:4280", "--listen", help="HOST:PORT to serve HTTP on"),
     token_file: Path | None = typer.Option(None, "--token-file", help="a file holding the bearer token to require"),
+    metrics_listen: str | None = typer.Option(None, "--metrics-listen", help="HOST:PORT for Prometheus /metrics"),
     nats: str | None = NatsOption,
 ) -> None:
     """Serve Fly's Machines API (`/v1/apps/...`) over HTTP, each request one request to the brokers."""
@@ -23,9 +24,11 @@ def api(
     try:
         where = parse_listen(listen)
         token = read_token(token_file)
+        metrics = parse_listen(metrics_listen) if metrics_listen else None
     except (ValueError, OSError) as exc:
         fail(str(exc), 2)
     url = nats_url(nats)
     assert url is not None
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        run(serve(url, where.host, where.port, token=token))
+        at = (metrics.host, metrics.port) if metrics else None
+        run(serve(url, where.host, where.port, token=token, metrics=at))

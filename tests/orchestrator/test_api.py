@@ -238,3 +238,21 @@ def eventually(check: Callable[[], bool], tries: int = 200) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_metrics_count_requests_by_route_and_status(fleet: DevFleet) -> None:
+    port = free_port()
+    proc, base = start_api(fleet.url, ["--metrics-listen", f"127.0.0.1:{port}"])
+    try:
+        api = Api(base)
+        assert api.call("GET", "/v1/apps/web/machines/0123456789abcd")[0] == 404
+        assert api.call("GET", "/v1/apps/web/machines")[0] == 200
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        one = 'route="/v1/apps/{app_name}/machines/{machine_id}"'
+        assert f'fauxmad_api_requests_total{{method="GET",{one},status="404"}} 1.0' in text, text
+        assert 'fauxmad_api_requests_total{method="GET",route="/v1/apps/{app_name}/machines",status="200"} 1.0' in text
+        assert "fauxmad_api_request_seconds_bucket" in text
+    finally:
+        proc.terminate()
+        proc.wait(10)
