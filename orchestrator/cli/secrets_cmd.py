@@ -87,4 +87,3 @@ async def _roll(nc: Any, app: str) -> None:
     client = FleetClient(nc)
     restarted = await rolling_restart(client, app, _say)
     _say(f"{restarted} machine(s) of {app} restarted with the new secrets")
-
