@@ -463,6 +463,25 @@ class MachineIndexEntry(Reply):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Edge proxy signals (addition)
+
+
+class ProxyUnreachable(Reply):
+    """`fauxmad.v1.proxy.unreachable.<app>.<machine_id>`: a machine refused or dropped a proxy's connection.
+
+    A hint, not a verdict: anyone who can publish there can send one, so a reconciler asks the worker itself
+    before it acts on it."""
+
+    app: str
+    machine_id: str
+    worker_id: str
+    region: str
+    proxy_region: str = ""
+    error: str = ""
+    at: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
 # Logs (contract)
 
 

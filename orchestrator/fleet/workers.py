@@ -5,6 +5,11 @@ and whom p2c may sample) without asking anyone on the hot path. A KV watch deliv
 heartbeat and every expiry marker; a worker whose last heartbeat is older than the bucket TTL is
 treated as gone even before its marker arrives. Time is injected, so staleness is testable.
 Reconcilers read the same replica to know whose machines to ask for and whose are lost.
+
+A reconciler may also `suspect` a worker it has just found silent (an edge proxy's connection was
+refused and the worker itself did not answer): the worker counts as gone at once, without waiting for
+its heartbeat to expire, until it proves otherwise with a heartbeat stamped after the suspicion (or
+the TTL passes, by when an expired key says the same).
 """
 
 from __future__ import annotations
@@ -34,6 +39,25 @@ class Registry(KVReplica):
         self._seen_at: dict[str, float] = {}
         self._sorted_ids: dict[str, list[str]] = {}  # per region, for O(1) sampling; dropped when membership changes
         self._departed: asyncio.Event | None = None
+        self._suspected: dict[str, float] = {}  # worker id -> when it was found silent
+
+    def suspect(self, worker_id: str) -> None:
+        """Count `worker_id` as gone from now until a heartbeat stamped later than now arrives."""
+        self._suspected[worker_id] = self.clock()
+        departed, self._departed = self._departed, None
+        if departed is not None:
+            departed.set()
+        if self.on_change is not None:
+            self.on_change(worker_id)
+
+    def suspected(self, worker_id: str) -> bool:
+        since = self._suspected.get(worker_id)
+        if since is None:
+            return False
+        if self.clock() - since > self.ttl:
+            del self._suspected[worker_id]
+            return False
+        return True
 
     async def departure(self) -> None:
         """Return when the next worker leaves (its key expires or is deleted)."""
@@ -61,12 +85,17 @@ class Registry(KVReplica):
                 return
             if key not in self._workers:
                 self._sorted_ids.pop(info.region, None)
+            since = self._suspected.get(info.worker_id)
+            if since is not None and info.heartbeat_at > since:
+                del self._suspected[info.worker_id]  # it spoke after we found it silent
             self._workers[key] = info
             self._seen_at[key] = self.clock()
             self._by_region.setdefault(info.region, {})[info.worker_id] = info
 
     def _alive(self, key: str, info: WorkerInfo) -> bool:
         seen = self._seen_at.get(key, 0.0)
+        if self._suspected and self.suspected(info.worker_id):
+            return False
         return self.clock() - max(seen, info.heartbeat_at) <= self.ttl
 
     def workers(self, region: str | None = None) -> list[WorkerInfo]:
@@ -88,6 +117,7 @@ class Registry(KVReplica):
             worker_id
             for worker_id, info in self._by_region.get(region, {}).items()
             if now - max(seen.get(f"{region}.{worker_id}", 0.0), info.heartbeat_at) <= ttl
+            and not (self._suspected and self.suspected(worker_id))
         }
 
     def sample(
@@ -110,6 +140,8 @@ class Registry(KVReplica):
             worker_id = ids[rng.randrange(len(ids))]
             info = infos.get(worker_id)
             if worker_id in exclude or worker_id in chosen or info is None:
+                continue
+            if self._suspected and self.suspected(worker_id):
                 continue
             if now - max(self._seen_at.get(f"{region}.{worker_id}", 0.0), info.heartbeat_at) > self.ttl:
                 continue

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from bus import subjects
+from bus.messages import ProxyUnreachable
 from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Route, Start, Wait, choose, region_order
 from orchestrator.proxy.http import (
     HOP_BY_HOP,
@@ -411,15 +412,15 @@ class Proxy:
         self._bad[machine_id] = self.clock() + self.config.avoid_for
         self.metrics.refused.labels(app.name).inc()
         if first and self.publish is not None and entry is not None:
-            signal = {
-                "app": app.name,
-                "machine_id": machine_id,
-                "worker_id": entry.worker_id,
-                "region": entry.region,
-                "proxy_region": self.config.region,
-                "error": why[:200],
-                "at": time.time(),
-            }
+            signal = ProxyUnreachable(
+                app=app.name,
+                machine_id=machine_id,
+                worker_id=entry.worker_id,
+                region=entry.region,
+                proxy_region=self.config.region,
+                error=why[:200],
+                at=time.time(),
+            )
             self.publish(subjects.proxy_unreachable(app.name, machine_id), msgspec.json.encode(signal))
 
     def _port(self, app: App, entry: Any) -> int:

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 
 from bus import subjects
-from bus.errors import FauxmadError
+from bus.errors import FauxmadError, Unreachable
 from bus.jetstream import FleetKV
 from bus.messages import ListRequest, Machine, MachineConfig
 from orchestrator.fleet.machines import MachineIndex
@@ -83,6 +83,7 @@ def member(machine: Machine) -> Member:
 # (the loop looks again within a poll), so a silent host never holds up failover for long; one whose
 # heartbeat expires meanwhile is not waited for at all.
 ANSWER_WITHIN = 1.0
+PROBE_WITHIN = 0.5  # a worker named by an edge proxy's signal has this long to answer before it is suspected
 
 
 class Observer:
@@ -94,9 +95,11 @@ class Observer:
         index: MachineIndex | None = None,
         on_change: Callable[[str], None] | None = None,
         answer_within: float = ANSWER_WITHIN,
+        probe_within: float = PROBE_WITHIN,
     ) -> None:
         self.bus = bus
         self.answer_within = answer_within
+        self.probe_within = probe_within
         self.registry = registry or Registry()
         self.index = index or MachineIndex()
         self.registry.on_change = on_change
@@ -121,6 +124,25 @@ class Observer:
             builtins.list[Machine],
             timeout=timeout,
         )
+
+    async def check_host(self, worker_id: str, app: str) -> bool:
+        """An edge proxy says a machine on `worker_id` refused it: ask the worker itself. Silence (nobody
+        subscribed, or no answer within `PROBE_WITHIN`) makes it suspected (gone until it heartbeats
+        again), so the app's spares start now rather than when the heartbeat expires. True if suspected.
+
+        A worker that answers is trusted: a machine that refused a connection on a live worker is that
+        worker's to restart (its supervisor), not ours to replace."""
+        if not self.registry.is_live(worker_id):
+            return False  # already gone for us: nothing to add
+        try:
+            await self.machines_on(worker_id, app, timeout=self.probe_within)
+        except Unreachable as exc:  # no responders at once, or `Unanswered` after the probe's timeout
+            log.warning("worker %s did not answer a probe after an edge proxy's signal: %s", worker_id, exc.message)
+            self.registry.suspect(worker_id)
+            return True
+        except FauxmadError:
+            return False  # it answered, with an error: it is alive
+        return False
 
     async def _machines_unless_lost(self, worker_id: str, app: str) -> builtins.list[Machine] | None:
         """A live worker's machines; `None` as soon as its heartbeat expires while we wait for them."""

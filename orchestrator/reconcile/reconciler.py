@@ -35,10 +35,11 @@ import msgspec
 from nats.aio.client import Client
 
 from bus import subjects
+from bus.codec import decoder
 from bus.connection import connect
 from bus.errors import BadRequest, Conflict, NoCapacity, NotFound
 from bus.jetstream import FleetConfig, FleetKV, ensure_fleet_resources
-from bus.messages import CordonRequest, CreateRequest, Machine, WorkerInfo
+from bus.messages import CordonRequest, CreateRequest, Machine, ProxyUnreachable, WorkerInfo
 from orchestrator.client import FleetClient
 from orchestrator.fleet.workers import Registry
 from orchestrator.reconcile.executor import Executor, Result
@@ -152,6 +153,7 @@ class Reconciler:
         self._subs: list[Any] = []
         self._apps_watch: Any = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._probing: set[str] = set()  # workers being probed after an edge proxy's signal
         self.loops: dict[str, AppLoop] = {}
         self.on_plan: PlanHook | None = None
         self.on_result: ResultHook | None = None
@@ -174,8 +176,37 @@ class Reconciler:
             self._wake.set()
 
         self._subs.append(await nc.subscribe(subjects.EVENTS_ALL, cb=on_event))
+        self._subs.append(await nc.subscribe(subjects.PROXY_UNREACHABLE_ALL, cb=self._on_proxy_signal))
         self._apps_watch = await kv.apps.watchall()
         self._tasks.append(asyncio.create_task(self._follow_apps()))
+
+    async def _on_proxy_signal(self, msg: Any) -> None:
+        """An edge proxy could not reach a machine: have its worker probed (in a task: callbacks run one
+        at a time), at most once per worker at a time."""
+        try:
+            signal = decoder(ProxyUnreachable).decode(msg.data)
+        except msgspec.DecodeError:
+            log.info("ignoring a malformed signal on %s", msg.subject)
+            return
+        if signal.worker_id in self._probing:
+            return
+        self._probing.add(signal.worker_id)
+
+        async def probe() -> None:
+            try:
+                if await self.observer.check_host(signal.worker_id, signal.app):
+                    log.warning(
+                        "worker %s is silent after proxy %s could not reach %s: treating its machines as lost",
+                        signal.worker_id,
+                        signal.proxy_region or "?",
+                        signal.machine_id,
+                    )
+            finally:
+                self._probing.discard(signal.worker_id)
+
+        task = asyncio.create_task(probe())
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
 
     async def _follow_apps(self) -> None:
         async for _ in self._apps_watch:
@@ -191,7 +222,7 @@ class Reconciler:
         if self._apps_watch is not None:
             with contextlib.suppress(Exception):
                 await self._apps_watch.stop()
-        for task in self._tasks:
+        for task in list(self._tasks):
             task.cancel()
         await self.observer.close()
         if self._nc is not None:

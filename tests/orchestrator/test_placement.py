@@ -360,6 +360,33 @@ def test_the_registry_sample_gives_up_on_a_region_too_small() -> None:
     assert registry.sample("nowhere", 2, random.Random(1)) is None
 
 
+def test_a_suspected_worker_is_gone_until_it_heartbeats_after_the_suspicion() -> None:
+    now = [100.0]
+    registry = registry_of(2, lambda: now[0])
+    changed: list[str] = []
+    registry.on_change = changed.append
+    registry.suspect("w0")
+    assert changed == ["w0"]
+    assert not registry.is_live("w0") and registry.live_ids("r") == {"w1"}
+    assert [w.worker_id for w in registry.workers("r")] == ["w1"]
+    assert all(registry.sample("r", 1, random.Random(seed)) in (["w1"], None) for seed in range(20))
+
+    def beat(at: float) -> None:
+        info = WorkerInfo(
+            worker_id="w0", region="r", capacity=Resources(cpus=4, memory_mb=4096), used=Resources(), heartbeat_at=at
+        )
+        registry.apply("r.w0", msgspec.json.encode(info))
+
+    now[0] = 100.5
+    beat(99.9)  # a heartbeat already in flight when it was suspected proves nothing
+    assert not registry.is_live("w0")
+    beat(100.4)  # one stamped after the suspicion does
+    assert registry.is_live("w0") and registry.live_ids("r") == {"w0", "w1"}
+    registry.suspect("w1")
+    now[0] = 106.0  # the suspicion lasts one ttl; by then the heartbeat's age speaks for itself
+    assert not registry.suspected("w1")
+
+
 # --- property --------------------------------------------------------------------------------------
 
 
