@@ -252,6 +252,36 @@ async def ensure_logs_stream(js: JetStreamContext, config: FleetConfig | None = 
     )
 
 
+AUDIT_MAX_AGE = 90 * 24 * 3600.0  # an audit trail outlives the events it explains
+
+
+async def ensure_audit_stream(js: JetStreamContext) -> None:
+    """The audit stream (mutating requests and who made them), created or bound like the others."""
+    await _limited_stream(
+        js,
+        StreamConfig(
+            name=subjects.AUDIT_STREAM,
+            subjects=[subjects.AUDIT_ALL],
+            storage=StorageType.FILE,
+            description="every mutating request made through the HTTP API, with the identity that made it",
+        ),
+        StreamLimits(max_age=AUDIT_MAX_AGE, max_bytes=1 << 30, explicit=False),
+    )
+
+
+async def revoked_tokens_bucket(js: JetStreamContext) -> KeyValue:
+    """KV `fauxmad_revoked_tokens`: a key per revoked HTTP API token id; every API process watches it."""
+    return await bind_or_create_kv(
+        js,
+        KeyValueConfig(
+            bucket=subjects.REVOKED_TOKENS_BUCKET,
+            history=1,
+            storage=StorageType.FILE,
+            description="revoked HTTP API tokens (and every token attenuated from them)",
+        ),
+    )
+
+
 async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: StreamLimits) -> None:
     """Create `stream` with `limits`; if it exists, apply them only when they were configured."""
     assert stream.name is not None

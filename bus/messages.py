@@ -482,6 +482,24 @@ class ProxyUnreachable(Reply):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Audit (addition)
+
+
+class AuditRecord(Reply):
+    """Stream `FAUXMAD_AUDIT`, subject `fauxmad.v1.audit.<app>`: one mutating HTTP API request."""
+
+    at: float
+    identity: str  # "token:<id>" (caveats in `scope`), "static-token", "anonymous" (open API), "refused"
+    method: str
+    path: str
+    status: int
+    scope: list[str] = []
+    app: str = ""
+    remote: str = ""
+    request_id: str = ""
+
+
+# ---------------------------------------------------------------------------------------------------
 # Logs (contract)
 
 

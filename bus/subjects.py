@@ -21,6 +21,8 @@ MACHINES_BUCKET = "fauxmad_machines"
 APPS_BUCKET = "fauxmad_apps"
 IDEMPOTENCY_BUCKET = "fauxmad_idempotency"
 IMAGES_STORE = "fauxmad_images"
+REVOKED_TOKENS_BUCKET = "fauxmad_revoked_tokens"  # ids of revoked HTTP API tokens (value: when and why)
+AUDIT_STREAM = "FAUXMAD_AUDIT"
 EVENTS_STREAM = "FAUXMAD_EVENTS"
 LOGS_STREAM = "FAUXMAD_LOGS"
 
@@ -121,6 +123,14 @@ def proxy_unreachable(app: str, machine_id: str) -> str:
 
 
 PROXY_UNREACHABLE_ALL = f"{PREFIX}.proxy.unreachable.>"
+
+
+def audit(app: str | None) -> str:
+    """`fauxmad.v1.audit.<app>` (`_fleet` for requests outside an app): one record per mutating request."""
+    return f"{PREFIX}.audit.{check_token('app', app) if app else '_fleet'}"
+
+
+AUDIT_ALL = f"{PREFIX}.audit.>"
 
 
 def kv_put(bucket: str, key: str) -> str:

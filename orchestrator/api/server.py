@@ -7,7 +7,6 @@ Bodies are decoded with the strict Structs of `orchestrator.api.types`; every fa
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from bus.errors import FauxmadError
 from bus.messages import Machine, seconds
 from bus.service import call
 from orchestrator.api import apps, metadata, metrics, placements, types
+from orchestrator.api.auth import Auth, guard
 from orchestrator.api.errors import error_response, from_bus
 from orchestrator.api.http import MAX_BODY, NC, ClientError, app_name, ask, body, flag, json, machine_id, nonce
 from orchestrator.api.openapi import DOCS_HTML, document
@@ -188,14 +188,9 @@ async def docs(request: web.Request) -> web.Response:
 # the application
 
 
-def _errors(token: bytes | None) -> Any:
+def _errors() -> Any:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token is not None and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "")
-            scheme, _, value = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token):
-                return error_response(401, "missing or wrong bearer token")
         try:
             return await handler(request)
         except ClientError as exc:
@@ -210,8 +205,10 @@ def _errors(token: bytes | None) -> Any:
     return middleware
 
 
-def build(nc: Client, *, token: bytes | None = None) -> web.Application:
-    app = web.Application(middlewares=[metrics.measure, _errors(token)], client_max_size=MAX_BODY)
+def build(nc: Client, *, auth: Auth | None = None) -> web.Application:
+    """The application; `auth` says what a `/v1` request must carry (default: nothing, an open API)."""
+    middlewares = [metrics.measure, guard(auth or Auth(), nc), _errors()]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
     app[NC] = nc
     m = "/v1/apps/{app_name}/machines"
     one = m + "/{machine_id}"

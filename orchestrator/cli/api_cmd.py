@@ -14,16 +14,23 @@ from orchestrator.cli.runtime import NatsOption, fail, nats_url, run
 def api(
     listen: str = typer.Option("127.0.0.1:4280", "--listen", help="HOST:PORT to serve HTTP on"),
     token_file: Path | None = typer.Option(None, "--token-file", help="a file holding the bearer token to require"),
+    token_key: Path | None = typer.Option(
+        None,
+        "--token-key",
+        help="the fleet's token root key: accept tokens minted from it (`fauxmad token mint`): app-scoped, "
+        "expiring, revocable",
+    ),
     metrics_listen: str | None = typer.Option(None, "--metrics-listen", help="HOST:PORT for Prometheus /metrics"),
     nats: str | None = NatsOption,
 ) -> None:
     """Serve Fly's Machines API (`/v1/apps/...`) over HTTP, each request one request to the brokers."""
-    from orchestrator.api.run import read_token, serve
+    from orchestrator.api.run import read_root_key, read_token, serve
     from orchestrator.proxy.run import parse_listen
 
     try:
         where = parse_listen(listen)
         token = read_token(token_file)
+        root_key = read_root_key(token_key)
         metrics = parse_listen(metrics_listen) if metrics_listen else None
     except (ValueError, OSError) as exc:
         fail(str(exc), 2)
@@ -31,4 +38,4 @@ def api(
     assert url is not None
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
         at = (metrics.host, metrics.port) if metrics else None
-        run(serve(url, where.host, where.port, token=token, metrics=at))
+        run(serve(url, where.host, where.port, token=token, root_key=root_key, metrics=at))

@@ -96,6 +96,9 @@ def _register() -> None:
     security_cmd.register(fleet_cmd.fleet_app)
     app.add_typer(fleet_cmd.fleet_app, name="fleet")
     app.add_typer(secrets_cmd.secrets_app, name="secrets")
+    from orchestrator.cli import token_cmd
+
+    app.add_typer(token_cmd.token_app, name="token")
     app.add_typer(worker_cmd.worker_app, name="worker")
     app.command("deploy")(deploy_cmd.deploy)
     app.command("rollback")(deploy_cmd.rollback)

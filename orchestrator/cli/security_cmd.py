@@ -12,7 +12,7 @@ import typer
 
 from bus.connection import connect
 from bus.errors import BadRequest
-from bus.jetstream import ensure_fleet_resources
+from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, revoked_tokens_bucket
 from bus.secrets import secrets_bucket
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import EXIT_USAGE, JsonOption, NatsOption, fail, with_connected
@@ -101,6 +101,8 @@ def prepare(nats: str | None = NatsOption) -> None:
     async def ensure(nc: Any) -> None:
         await ensure_fleet_resources(nc.jetstream())
         await secrets_bucket(nc.jetstream())
+        await ensure_audit_stream(nc.jetstream())
+        await revoked_tokens_bucket(nc.jetstream())
 
     with_connected(nats, lambda url: connect(url, "fauxmad-prepare"), ensure)
     console.print("the fleet's streams and buckets are in place")

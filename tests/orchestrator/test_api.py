@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -256,3 +257,121 @@ def test_metrics_count_requests_by_route_and_status(fleet: DevFleet) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_fleet_tokens_are_scoped_expiring_revocable_and_every_write_is_audited(fleet: DevFleet, tmp_path: Path) -> None:
+    key = tmp_path / "token.key"
+    env = {"FAUXMAD_NATS_URL": fleet.url}
+
+    def cli(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env={**os.environ, **env}
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    web = cli("token", "mint", "--key", str(key), "-a", "tokweb", "--ttl", "1h")
+    web_read = cli("token", "attenuate", web, "--read-only")
+    short = cli("token", "mint", "--key", str(key), "-a", "tokweb", "--ttl", "1s")
+    proc, base = start_api(fleet.url, ["--token-key", str(key)])
+    try:
+        status, machine = Api(base, token=web).call("POST", "/v1/apps/tokweb/machines", SLEEP)
+        assert status == 200, machine
+        # app A's token cannot touch app B, and nothing happens there
+        status, body = Api(base, token=web).call("POST", "/v1/apps/tokother/machines", SLEEP)
+        assert status == 403 and "for app tokweb only" in body["error"]
+        status, body = Api(base, token=web).call("GET", "/v1/apps/tokother/machines")
+        assert status == 403
+        assert Api(base).call("GET", "/v1/apps/tokother/machines")[0] == 401
+        # read-only: reads work, writes are refused
+        assert Api(base, token=web_read).call("GET", "/v1/apps/tokweb/machines")[0] == 200
+        path = f"/v1/apps/tokweb/machines/{machine['id']}"
+        status, body = Api(base, token=web_read).call("POST", path + "/stop", {})
+        assert status == 403 and body["error"] == "this token is read-only"
+        # forged (one character of the signature changed), expired, and revoked: 401
+        forged = web[:-2] + ("A" if web[-2] != "A" else "B") + web[-1]
+        status, body = Api(base, token=forged).call("POST", path + "/stop", {})
+        assert status == 401 and "forged" in body["error"]
+        time.sleep(max(0.0, 1.1 - (time.time() % 1)) + 1.0)
+        status, body = Api(base, token=short).call("POST", path + "/stop", {})
+        assert status == 401 and "expired" in body["error"]
+        cli("token", "revoke", web_read)  # by the narrowed token: revokes its whole family, `web` too
+        deadline = time.monotonic() + 10
+        while (status := Api(base, token=web).call("GET", path)[0]) != 401:  # the API's watch delivers it
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        status, body = Api(base, token=web).call("POST", path + "/stop", {})
+        assert status == 401 and "revoked" in body["error"]
+        # the machine was never stopped by a refused request
+        status, body = Api(base).call("GET", path)
+        assert status == 401
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert _machine_state(fleet.url, "tokweb", machine["id"]) == "started"
+    records = _audit(fleet.url)
+    by_path = [(r["identity"].split(":")[0], r["method"], r["path"], r["status"]) for r in records]
+    assert ("token", "POST", "/v1/apps/tokweb/machines", 200) in by_path
+    assert ("refused", "POST", "/v1/apps/tokother/machines", 403) in by_path
+    assert ("refused", "POST", path + "/stop", 401) in by_path
+    made = next(r for r in records if r["path"] == "/v1/apps/tokweb/machines")
+    assert made["scope"][0] == "app = tokweb" and made["app"] == "tokweb"
+    assert all(r["method"] != "GET" for r in records)
+
+
+def _machine_state(url: str, app: str, machine_id: str) -> str:
+    from orchestrator.client import FleetClient
+    from tests.helpers import arun
+
+    async def main() -> str:
+        client = await FleetClient.connect(url)
+        try:
+            return (await client.get(app, machine_id, events=False)).state
+        finally:
+            await client.close()
+
+    return arun(main())
+
+
+def _audit(url: str) -> list[dict[str, Any]]:
+    from tests.helpers import arun, connect_nats
+
+    async def main() -> list[dict[str, Any]]:
+        nc = await connect_nats(url)
+        try:
+            js = nc.jetstream()
+            sub = await js.subscribe("fauxmad.v1.audit.>", ordered_consumer=True)
+            out = []
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=1.0)
+                except Exception:
+                    return out
+                out.append(json.loads(msg.data))
+        finally:
+            await nc.close()
+
+    return arun(main())
+
+
+def test_the_readme_token_commands_run_as_written(fleet: DevFleet, tmp_path: Path) -> None:
+    import re
+
+    section = (Path(__file__).resolve().parents[2] / "README.md").read_text().split("### Tokens and the audit", 1)[1]
+    [block] = re.findall(r"```bash\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    key = Path("/tmp/fauxmad-token.key")
+    key.unlink(missing_ok=True)
+    env = {**os.environ, "FAUXMAD_NATS_URL": fleet.url, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    try:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        assert "caveat   access = read" in done.stdout and "revoked token" in done.stdout
+        bad = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "token", "attenuate", "fm1_x.y", "--read-only"],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    finally:
+        key.unlink(missing_ok=True)

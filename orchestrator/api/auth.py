@@ -1,0 +1,146 @@
+"""Who may call the API, and the audit trail of what they changed.
+
+Two ways to lock the API (`fauxmad api`): a static bearer token from a file (one secret for every
+caller, compared in constant time), or tokens minted from the fleet's root key (`--token-key`): app
+scoped, expiring, revocable, attenuable (see `orchestrator.security.tokens`). A refused token is a 401
+(malformed, forged, expired, revoked) or a 403 (valid, but for another app, or read-only on a write),
+with the reason in the error body, and the request goes no further: nothing reaches the brokers.
+
+Revocations live in KV `fauxmad_revoked_tokens`; every API process keeps a replica by a watch, so a
+revocation holds on every process within the watch's delay (milliseconds), without a call per request.
+
+Every mutating request (any method but GET and HEAD), allowed or refused, is recorded in the stream
+`FAUXMAD_AUDIT` with the identity that made it, after its outcome is known, and before the response
+goes out: a change the caller saw acknowledged is in the audit trail (a failed audit write is logged
+and counted; it does not undo the change).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from nats.aio.client import Client
+
+from bus import subjects
+from bus.messages import AuditRecord
+from orchestrator.api.errors import error_response
+from orchestrator.fleet.replica import KVReplica
+from orchestrator.security.tokens import Token, TokenError, verify
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+READS = frozenset({"GET", "HEAD"})
+AUDIT_TIMEOUT = 2.0
+
+
+class RevokedTokens(KVReplica):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            self.ids.discard(key)
+        else:
+            self.ids.add(key)
+
+
+class Caller(msgspec.Struct, frozen=True):
+    identity: str
+    scope: list[str] = []
+
+
+class Auth:
+    """What a request must carry: nothing (an open API), the static token, or a token from `root_key`."""
+
+    def __init__(
+        self,
+        *,
+        static_token: bytes | None = None,
+        root_key: bytes | None = None,
+        revoked: RevokedTokens | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.static_token = static_token
+        self.root_key = root_key
+        self.revoked = revoked or RevokedTokens()
+        self.clock = clock
+
+    @property
+    def open(self) -> bool:
+        return self.static_token is None and self.root_key is None
+
+    def identify(self, request: web.Request) -> Caller:
+        """The caller of `request`, or `TokenError` saying why it may not make it."""
+        if self.open:
+            return Caller("anonymous")
+        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+        value = value.strip()
+        if scheme.lower() != "bearer" or not value:
+            raise TokenError("missing bearer token (Authorization: Bearer <token>)")
+        if self.static_token is not None and hmac.compare_digest(value.encode(), self.static_token):
+            return Caller("static-token")
+        if self.root_key is None:
+            raise TokenError("missing or wrong bearer token")
+        token: Token = verify(
+            self.root_key,
+            value,
+            app=request.match_info.get("app_name"),
+            write=request.method not in READS,
+            now=self.clock(),
+            revoked=self.revoked.ids.__contains__,
+        )
+        return Caller(f"token:{token.id}", list(token.caveats))
+
+
+def guard(auth: Auth, nc: Client) -> Any:
+    """The middleware: identify the caller of every `/v1` request, refuse it or run it, audit any write."""
+    js = nc.jetstream()
+
+    async def audit(request: web.Request, caller: Caller, status: int) -> None:
+        app = request.match_info.get("app_name", "")
+        record = AuditRecord(
+            at=time.time(),
+            identity=caller.identity,
+            scope=caller.scope,
+            method=request.method,
+            path=request.path,
+            app=app,
+            status=status,
+            remote=request.remote or "",
+            request_id=request.headers.get("fly-request-id", "") or secrets.token_hex(8),
+        )
+        try:
+            subject = subjects.audit(app or None)
+        except ValueError:
+            subject = subjects.audit(None)  # a malformed app name: the request was refused; record it anyway
+        try:
+            await js.publish(subject, msgspec.json.encode(record), timeout=AUDIT_TIMEOUT)
+        except Exception as exc:
+            log.error("audit: could not record %s %s by %s: %s", request.method, request.path, caller.identity, exc)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        writes = request.method not in READS
+        try:
+            caller = auth.identify(request)
+        except TokenError as exc:
+            if writes:
+                await audit(request, Caller("refused"), exc.status)
+            return error_response(exc.status, exc.message)
+        response = await handler(request)
+        if writes:
+            await audit(request, caller, response.status)
+        return response
+
+    return middleware
