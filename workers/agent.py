@@ -33,7 +33,7 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 from bus import credentials, subjects
 from bus.codec import decode, encode
 from bus.connection import connect
-from bus.errors import BadRequest, Unreachable
+from bus.errors import BadRequest, FauxmadError, Unreachable
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
     EMPTY_OK,
@@ -48,7 +48,7 @@ from bus.messages import (
 )
 from bus.secrets import load_private_key, secrets_bucket
 from bus.service import Responder
-from workers import sandbox
+from workers import metrics, sandbox
 from workers.commit import GroupCommitter
 from workers.limits import auto_detect
 from workers.logs import LogFollower
@@ -111,6 +111,7 @@ class WorkerAgent:
         self._sandboxes = tuple(sandbox.available())  # looked up once: offers are answered inline
         self._beat_pending = False
         self.tally = MachineTally()
+        self._states_seen: set[str] = set()  # for the per-state gauge
 
     # ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -237,8 +238,15 @@ class WorkerAgent:
         if kind is None:
             raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.WORKER_VERBS)}")
         request = decode(kind, data, empty_ok=kind in EMPTY_OK)
-        answer = getattr(manager, verb)(request)  # every verb is the manager's method of that name
-        result = await answer if inspect.isawaitable(answer) else answer
+        started = time.perf_counter()
+        try:
+            answer = getattr(manager, verb)(request)  # every verb is the manager's method of that name
+            result = await answer if inspect.isawaitable(answer) else answer
+        except FauxmadError as exc:
+            metrics.REQUESTS.labels(verb, str(exc.code)).inc()
+            raise
+        metrics.REQUESTS.labels(verb, "ok").inc()
+        metrics.REQUEST_SECONDS.labels(verb).observe(time.perf_counter() - started)
         if verb == "destroy":
             self.follower.unfollow(result.id)
         return result
@@ -266,6 +274,7 @@ class WorkerAgent:
         assert self.store is not None
         snap = self.snapshot()
         states = self.tally.state_counts()
+        metrics.set_machine_states(states, self._states_seen)
         return WorkerInfo(
             worker_id=snap.worker_id,
             region=snap.region,

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from bus.errors import FauxmadError, InternalError
+from workers import metrics
 from workers.records import LogRecord
 from workers.store import Store, Tx
 
@@ -84,6 +86,7 @@ class GroupCommitter:
     def _commit(self, batch: list[_Op]) -> None:
         store = self.store
         outcomes: list[tuple[_Op, Any, list[LogRecord], BaseException | None]] = []
+        started = time.perf_counter()
         try:
             with store.rollback_seq(), store.env.begin(write=True) as txn:
                 now = store.clock()
@@ -96,6 +99,9 @@ class GroupCommitter:
             return
         self.batches += 1
         self.ops += len(batch)
+        metrics.COMMITS.inc()
+        metrics.COMMIT_BATCH.observe(len(batch))
+        metrics.COMMIT_SECONDS.observe(time.perf_counter() - started)
         for op, result, records, error in outcomes:
             if error is not None:
                 op.future.set_exception(error)

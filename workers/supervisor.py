@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import msgspec
 
 from bus.messages import Check, CheckStatus, DestroyRequest, Machine, seconds
+from workers import metrics
 from workers.checks import run_check
 from workers.driver import Driver, ExitStatus, TaskHandle, TaskSpec
 from workers.exits import exit_info, read_stderr_tail
@@ -147,6 +148,7 @@ class Supervisor:
             self.stop_checks(machine_id)
             decision = decision_box["decision"]
             if decision.restart:
+                metrics.RESTARTS.inc()
                 timer = self.spawn(machine_id, self._restart_later(machine_id, decision.delay))
                 self._restart_timers[machine_id] = timer
             elif stored.machine.config.auto_destroy:
@@ -199,6 +201,7 @@ class Supervisor:
                 env=spec.env,
                 cwd=spec.run_dir,
             )
+            metrics.CHECKS.labels(result.status).inc()
             if result.status != last:
                 last = result.status
                 await self._record_check(machine_id, handle, name, result.status, result.output)

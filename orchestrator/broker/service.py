@@ -49,6 +49,7 @@ from bus.messages import (
 )
 from bus.scatter import Scatterer
 from bus.service import Responder, call, request
+from orchestrator.broker import metrics
 from orchestrator.broker.auction import Auction, AuctionConfig, Outcome, OutcomeUnknown
 from orchestrator.broker.idempotency import Claim, Idempotency
 from orchestrator.fleet.machines import MachineIndex
@@ -142,12 +143,18 @@ class Broker:
     async def create(self, app: str, req: CreateRequest) -> Machine:
         if not req.config.cmd:
             raise BadRequest("config.cmd is required: the process driver needs a command to run")
+        strategy = req.strategy or self.config.auction.strategy
         if req.idempotency_key:
-            machine, outcome, new = await self._place_once(app, req, req.idempotency_key)
+            key = req.idempotency_key
+            machine, outcome, new = await metrics.measured(
+                strategy, lambda: self._place_once(app, req, key), lambda placed: placed[1]
+            )
             if not new:
                 return machine  # the key's machine, as it is now
         else:
-            machine, outcome = await self.auction.place(app, req)
+            machine, outcome = await metrics.measured(
+                strategy, lambda: self.auction.place(app, req), lambda placed: placed[1]
+            )
         self.index.remember(
             MachineIndexEntry(
                 id=machine.id,

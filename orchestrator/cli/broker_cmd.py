@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import typer
 
-from orchestrator.cli.runtime import NatsOption, fail, nats_url, run
+from orchestrator.cli.runtime import MetricsOption, NatsOption, fail, nats_url, run, serve_metrics
 
 
 def broker(
@@ -21,6 +21,7 @@ def broker(
     ),
     placement: Path | None = typer.Option(None, "--placement", help="TOML or JSON file: curves and weights"),
     name: str = typer.Option("", "--name", help="a name for this broker (shown in discovery)"),
+    metrics_listen: str | None = MetricsOption,
 ) -> None:
     """Run a broker: turns `create` into a placement within milliseconds, or a clear 503 just as fast."""
     from orchestrator.broker.auction import STRATEGIES, AuctionConfig
@@ -37,6 +38,7 @@ def broker(
             placement_config = PlacementConfig.from_mapping(data)
         except (OSError, ValueError, msgspec.DecodeError) as exc:
             fail(f"--placement {placement}: {exc}")
+    serve_metrics(metrics_listen)
     url = nats_url(nats)
     assert url is not None
     config = BrokerConfig(

@@ -254,3 +254,23 @@ JsonOption = typer.Option(False, "--json", help="print JSON instead of a table")
 MachineAppOption = typer.Option(..., "--app", "-a", help="the app the machine belongs to", callback=check_app)
 MachineIdArgument = typer.Argument(..., help="machine id", callback=check_machine_id)
 WorkerIdArgument = typer.Argument(..., help="the worker", callback=check_worker_id)
+
+
+MetricsOption = typer.Option(
+    None, "--metrics-listen", help="HOST:PORT to serve Prometheus /metrics on (off by default)", show_default=False
+)
+
+
+def serve_metrics(listen: str | None) -> None:
+    """Serve this process's Prometheus metrics at `listen` (prometheus_client's HTTP server, a thread)."""
+    if listen is None:
+        return
+    from prometheus_client import start_http_server
+
+    from orchestrator.proxy.run import parse_listen
+
+    try:
+        where = parse_listen(listen)
+        start_http_server(where.port, where.host)
+    except (ValueError, OSError) as exc:
+        fail(f"--metrics-listen {listen}: {exc}", 2)

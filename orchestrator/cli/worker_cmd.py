@@ -13,6 +13,7 @@ import typer
 from bus.embedded import EmbeddedNats
 from orchestrator.cli.runtime import (
     EXIT_USAGE,
+    MetricsOption,
     NatsOption,
     WorkerIdArgument,
     check_region,
@@ -20,6 +21,7 @@ from orchestrator.cli.runtime import (
     fail,
     nats_url,
     run,
+    serve_metrics,
 )
 
 
@@ -73,6 +75,7 @@ def worker(
         help="a file with the fleet's secrets key (see `fauxmad secrets`): apps with secrets start only with it",
         show_default=False,
     ),
+    metrics_listen: str | None = MetricsOption,
     count: int = typer.Option(
         1,
         "--count",
@@ -93,6 +96,7 @@ def worker(
     from workers.agent import WorkerConfig, run_workers  # imported here: other commands start faster
     from workers.supervision import Backoff
 
+    serve_metrics(metrics_listen)
     wid = worker_id if worker_id is not None else default_worker_id()
     url = nats_url(nats, required=False)
     server = None
