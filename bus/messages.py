@@ -22,7 +22,17 @@ Name = Annotated[str, msgspec.Meta(pattern=NAME)]
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=86400)]
 
 State = Literal[
-    "created", "starting", "started", "stopping", "stopped", "destroying", "destroyed", "failed", "replacing"
+    "created",
+    "starting",
+    "started",
+    "stopping",
+    "stopped",
+    "destroying",
+    "destroyed",
+    "failed",
+    "replacing",
+    "suspending",  # addition: the process is being frozen (SIGSTOP of its process group)
+    "suspended",  # addition: frozen; memory kept, no CPU; `resume` continues it where it was
 ]
 
 
@@ -311,6 +321,14 @@ class DestroyRequest(IdRequest):
     force: bool = False
 
 
+class SuspendRequest(IdRequest):
+    """Addition: freeze a started machine's process group (SIGSTOP); it keeps its memory and reservation."""
+
+
+class ResumeRequest(IdRequest):
+    """Addition: continue a suspended machine (SIGCONT): back to `started` in a millisecond or so."""
+
+
 class GetRequest(Request):
     id: MachineId
     events: bool = True
@@ -549,6 +567,8 @@ WORKER_REQUESTS: dict[str, type[Request]] = {
     "release": ReleaseRequest,
     "update": UpdateRequest,
     "exec": ExecRequest,
+    "suspend": SuspendRequest,
+    "resume": ResumeRequest,
 }
 # `fauxmad.v1.api.apps.<app>.machines.<verb>`: `create` and `list` are the broker's own; every other verb is
 # forwarded to the machine's worker, which takes the same payload (a reserve is the broker's to send).

@@ -32,10 +32,12 @@ from bus.messages import (
     Machine,
     MachineConfig,
     RegionSummary,
+    ResumeRequest,
     SignalRequest,
     SimulateRequest,
     StartRequest,
     StopRequest,
+    SuspendRequest,
     UpdateRequest,
     WaitRequest,
     WorkerInfo,
@@ -136,6 +138,14 @@ class FleetClient:
             Machine,
             timeout=timeout + 15,
         )
+
+    async def suspend(self, app: str, machine_id: str) -> Machine:
+        request = SuspendRequest(id=machine_id)
+        return await call(self.nc, subjects.api_machines(app, "suspend"), request, Machine, timeout=self.timeout)
+
+    async def resume(self, app: str, machine_id: str) -> Machine:
+        request = ResumeRequest(id=machine_id)
+        return await call(self.nc, subjects.api_machines(app, "resume"), request, Machine, timeout=self.timeout)
 
     async def destroy(self, app: str, machine_id: str, *, force: bool = False) -> Machine:
         return await call(

@@ -156,7 +156,7 @@ class WorkerAgent:
             worker_id=cfg.worker_id,
             connected=lambda: self.nc is not None and self.nc.is_connected,
         )
-        self.resumed = await self.manager.resume()
+        self.resumed = await self.manager.readopt()
         for stored in self.store.machines():
             if stored.machine.state == "started":
                 self.follower.follow(

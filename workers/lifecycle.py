@@ -14,7 +14,11 @@ LEGAL: dict[str, frozenset[str]] = {
     # starting -> destroying: a forced destroy during a restart's back-off (no process runs then)
     "starting": frozenset({"started", "stopping", "failed", "destroying", "replacing"}),
     # started -> starting is the supervisor restarting a machine whose process exited
-    "started": frozenset({"stopping", "stopped", "failed", "starting", "destroying", "replacing"}),
+    "started": frozenset({"stopping", "stopped", "failed", "starting", "destroying", "replacing", "suspending"}),
+    # suspend: the process group is frozen (SIGSTOP) and continued (SIGCONT) by `resume`; it may still
+    # exit (killed from outside), be stopped or be destroyed like a started machine
+    "suspending": frozenset({"suspended", "started", "stopping", "stopped", "failed", "starting", "destroying"}),
+    "suspended": frozenset({"started", "stopping", "stopped", "failed", "starting", "destroying"}),
     "stopping": frozenset({"stopped", "failed", "destroying"}),
     "stopped": frozenset({"starting", "destroying", "replacing"}),
     "failed": frozenset({"starting", "destroying", "replacing"}),
@@ -24,7 +28,7 @@ LEGAL: dict[str, frozenset[str]] = {
 }
 
 # States in which the machine's process may be running (the driver must be asked).
-PROCESS_STATES = frozenset({"starting", "started", "stopping", "replacing", "destroying"})
+PROCESS_STATES = frozenset({"starting", "started", "stopping", "replacing", "destroying", "suspending", "suspended"})
 # States from which `start` launches the machine.
 STARTABLE = frozenset({"created", "stopped", "failed"})
 # A machine holds its reservation (cpus, memory) in every state but destroyed.

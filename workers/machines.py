@@ -42,9 +42,11 @@ from bus.messages import (
     MachineEvent,
     ReleaseRequest,
     ReserveRequest,
+    ResumeRequest,
     SignalRequest,
     StartRequest,
     StopRequest,
+    SuspendRequest,
     UpdateRequest,
     WaitRequest,
 )
@@ -407,6 +409,7 @@ class MachineManager:
 
     async def stop(self, request: StopRequest) -> Machine:
         signum = parse_signal(request.signal)
+        frozen = [False]  # was it suspended?
         async with self._lock(request.id):
 
             def op(tx: Tx) -> tuple[StoredMachine, bool]:
@@ -417,6 +420,7 @@ class MachineManager:
                     return stored, state == "stopping"
                 if state in ("destroying", "destroyed"):
                     raise Conflict(f"machine {request.id} is {state}; it cannot be stopped")
+                frozen[0] = state in ("suspending", "suspended")
                 stored.desired = "stopped"
                 stored.stop_signal = request.signal
                 self.recorder.event(stored, "stopping", source="user", reason=f"stop requested ({request.signal})")
@@ -430,6 +434,8 @@ class MachineManager:
             self.supervisor.cancel_restart(request.id)
             handle = stored.handle
         if must_wait and handle is not None:
+            if frozen[0]:  # continued just before its stop signal: a frozen process would not act on it
+                await self.driver.signal(handle, signals.SIGCONT)
             await self.driver.stop(handle, request.timeout, signum)
             return await self.wait_for(request.id, {"stopped", "failed", "destroyed"}, timeout=10.0)
         return self.view(self.require(request.id))
@@ -442,6 +448,68 @@ class MachineManager:
             raise Conflict(f"machine {request.id} is {stored.machine.state}; only a started machine takes signals")
         await self.driver.signal(stored.handle, signum)
         return self.view(stored)
+
+    # ------------------------------------------------------------------------------------------
+    # suspend, resume: freeze a started machine's process group and continue it (an edge proxy's
+    # `auto_stop = "suspend"`): it keeps its memory, its port and its reservation, and comes back in
+    # about a millisecond plus one commit, where a start would run the program again
+
+    async def suspend(self, request: SuspendRequest) -> Machine:
+        async with self._lock(request.id):
+
+            def mark(tx: Tx) -> StoredMachine:
+                stored = tx.require(request.id)
+                self._check_lease(stored, request.lease_nonce, tx.now)
+                if stored.machine.state in ("suspending", "suspended"):
+                    return stored
+                if stored.machine.state != "started" or stored.handle is None:
+                    raise Conflict(f"machine {request.id} is {stored.machine.state}; only a started machine suspends")
+                self.recorder.event(stored, "suspending", source="user", reason="suspend requested")
+                return tx.put_machine(stored, "suspend")
+
+            stored = await self.recorder.commit(mark)
+            if stored.machine.state == "suspended":
+                return self.view(stored)
+            return self.view(await self.freeze(stored))
+
+    async def freeze(self, stored: StoredMachine) -> StoredMachine:
+        """SIGSTOP the process group, then record `suspended` (also how a worker restart finishes one)."""
+        assert stored.handle is not None
+        self.supervisor.stop_checks(stored.machine.id)
+        await self.driver.signal(stored.handle, signals.SIGSTOP)
+
+        def frozen(tx: Tx) -> StoredMachine:
+            current = tx.require(stored.machine.id)
+            if current.machine.state == "suspending":
+                self.recorder.event(current, "suspended", reason="process group stopped (SIGSTOP)")
+                return tx.put_machine(current, "suspended")
+            return current  # it exited meanwhile: the supervisor has recorded that
+
+        return await self.recorder.commit(frozen)
+
+    async def resume(self, request: ResumeRequest) -> Machine:
+        async with self._lock(request.id):
+            stored = self.require(request.id)
+            self._check_lease(stored, request.lease_nonce, self.clock())
+            if stored.machine.state == "started":
+                return self.view(stored)
+            if stored.machine.state not in ("suspended", "suspending") or stored.handle is None:
+                raise Conflict(f"machine {request.id} is {stored.machine.state}; only a suspended machine resumes")
+            # continue first, then record: a worker that dies in between finds `suspended` and a running
+            # process, and its restart freezes it again (the store's word wins), so no state is ever a lie
+            await self.driver.signal(stored.handle, signals.SIGCONT)
+
+            def thawed(tx: Tx) -> StoredMachine:
+                current = tx.require(request.id)
+                if current.machine.state in ("suspended", "suspending"):
+                    self.recorder.event(current, "started", source="user", reason="resumed (SIGCONT)")
+                    return tx.put_machine(current, "resume")
+                return current
+
+            stored = await self.recorder.commit(thawed)
+            if stored.machine.state == "started":
+                self.supervisor.start_checks(stored)
+            return self.view(stored)
 
     async def exec(self, request: ExecRequest) -> ExecReply:
         """Run a command in a started machine's environment, working directory and limits (no state change)."""
@@ -577,7 +645,7 @@ class MachineManager:
     # ------------------------------------------------------------------------------------------
     # restart of the worker, and shutdown
 
-    async def resume(self) -> dict[str, int]:
+    async def readopt(self) -> dict[str, int]:
         """Finish every transition in flight when the worker stopped; returns counts per outcome."""
         return await resume_in_flight(self, stop_timeout=self.config.stop_timeout)
 

@@ -37,6 +37,8 @@ class Host(Protocol):
 
     async def finish_destroy(self, stored: StoredMachine) -> StoredMachine: ...
 
+    async def freeze(self, stored: StoredMachine) -> StoredMachine: ...
+
 
 async def resume_in_flight(host: Host, *, stop_timeout: float) -> dict[str, int]:
     """Finish every transition in flight when the worker stopped; returns counts per outcome."""
@@ -87,6 +89,11 @@ async def _resume_one(host: Host, stored: StoredMachine, stop_timeout: float) ->
         if state == "stopping":
             signum = parse_signal(stored.stop_signal)
             supervisor.spawn(machine_id, driver.stop(handle, stop_timeout, signum))
+        elif state == "suspending":  # frozen or not when we died: freeze it and record it
+            async with recorder.lock(machine_id):
+                await host.freeze(stored)
+        elif state == "suspended":  # a resume cut short may have continued it: the store's word wins
+            await driver.signal(handle, signals.SIGSTOP)
         return "adopted"
     status = await driver.wait(handle)  # ended while we were down: the shim left its status
     await supervisor.on_exit(machine_id, handle, status)

@@ -81,8 +81,15 @@ class Supervisor:
             return
         machine_id = stored.machine.id
         self.spawn(machine_id, self._watch(machine_id, handle))
+        self.start_checks(stored)
+
+    def start_checks(self, stored: StoredMachine) -> None:
+        """Run the machine's health checks (again, after a resume: they end while it is not `started`)."""
+        handle = stored.handle
+        if handle is None:
+            return
         for name, check in stored.machine.config.checks.items():
-            self.spawn(machine_id, self._check_loop(machine_id, handle, name, check), check=True)
+            self.spawn(stored.machine.id, self._check_loop(stored.machine.id, handle, name, check), check=True)
 
     async def close(self) -> None:
         """Stop watching (machines keep running: a worker restart must not kill them)."""

@@ -118,7 +118,8 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
                     pass
                 if url.path == "/slow":
                     await asyncio.sleep(float(query.get("ms", "100")) / 1000)
-                body = json.dumps({"machine": MACHINE, "region": REGION, "path": url.path, "headers": headers})
+                seen = {"machine": MACHINE, "region": REGION, "pid": os.getpid(), "path": url.path}
+                body = json.dumps({**seen, "headers": headers})
                 respond(writer, "200 OK", body.encode())
             await writer.drain()
             if headers.get("connection", "").lower() == "close":

@@ -268,6 +268,26 @@ _destroy_or_stop("stop", "Stop a machine (SIGTERM, then SIGKILL after 10 s).")
 _destroy_or_stop("destroy", "Destroy a machine and release its resources (--force if it is running).")
 
 
+def _freeze_verb(verb: str, help_text: str) -> None:
+    def command(
+        machine_id: str = MachineIdArgument,
+        app: str = MachineAppOption,
+        nats: str | None = NatsOption,
+        json_out: bool = JsonOption,
+    ) -> None:
+        async def act(c: Any) -> Any:
+            return await getattr(c, verb)(app, machine_id)
+
+        _print_machine(with_client(nats, act), json_out)
+
+    command.__doc__ = help_text
+    machine_app.command(verb)(command)
+
+
+_freeze_verb("suspend", "Freeze a started machine (SIGSTOP of its processes): it keeps its memory, uses no CPU.")
+_freeze_verb("resume", "Continue a suspended machine where it was frozen (SIGCONT).")
+
+
 @machine_app.command("update")
 def update(
     machine_id: str = MachineIdArgument,

@@ -26,6 +26,8 @@ STYLES = {
     "starting": "blue",
     "stopping": "blue",
     "replacing": "magenta",
+    "suspending": "cyan",
+    "suspended": "cyan",
     "destroying": "dim",
     READY: "green",
     CORDONED: "yellow",
@@ -34,7 +36,18 @@ STYLES = {
     "warning": "yellow",
     "critical": "red",
 }
-STATE_ORDER = ("started", "starting", "replacing", "created", "stopping", "stopped", "failed", "destroying")
+STATE_ORDER = (
+    "started",
+    "starting",
+    "replacing",
+    "suspending",
+    "suspended",
+    "created",
+    "stopping",
+    "stopped",
+    "failed",
+    "destroying",
+)
 SPARE = "spare"
 
 

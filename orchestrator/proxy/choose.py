@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 # States from which a start makes the machine serve.
 STARTABLE = frozenset({"created", "stopped", "failed"})
+WAKEABLE = STARTABLE | {"suspended"}  # a suspended machine is resumed (SIGCONT), cheaper than any start
 
 
 class Candidate(NamedTuple):
@@ -114,7 +115,10 @@ def _under(
 
 def _startable(by_region: Mapping[str, list[Candidate]], regions: Sequence[str]) -> Start | None:
     for region in regions:
-        stopped = sorted((m for m in by_region.get(region, []) if m.state in STARTABLE), key=lambda m: m.id)
+        stopped = sorted(
+            (m for m in by_region.get(region, []) if m.state in WAKEABLE),
+            key=lambda m: (m.state != "suspended", m.id),  # resume before start: milliseconds, not a program
+        )
         if stopped:
             return Start(stopped[0].id)
     return None

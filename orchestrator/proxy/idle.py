@@ -1,4 +1,6 @@
-"""Autostop: machines no request has used for `idle_timeout` are stopped, keeping `min_machines_running`.
+"""Autostop: machines no request has used for `idle_timeout` are stopped (or suspended, with `auto_stop =
+"suspend"`: frozen with their memory, resumed by the next request in milliseconds), keeping
+`min_machines_running`.
 
 Beyond Fly (which stops one machine per region every few minutes): every idle machine past its timeout
 goes at once, farthest region first, so the ones kept are the nearest. Idle means idle for this proxy:
@@ -91,9 +93,12 @@ class IdleStopper:
             )
             for machine_id in victims:
                 try:
-                    await self.client.stop(name, machine_id)
+                    if app.service.auto_stop == "suspend":
+                        await self.client.suspend(name, machine_id)
+                    else:
+                        await self.client.stop(name, machine_id)
                 except (FauxmadError, TimeoutError) as exc:
-                    log.warning("proxy: stopping idle %s failed: %s", machine_id, exc)
+                    log.warning("proxy: %s idle %s failed: %s", app.service.auto_stop, machine_id, exc)
                     continue
                 self.last_used.pop(machine_id, None)
                 stopped.append(machine_id)

@@ -1,6 +1,7 @@
 """Machines started or created inside a request (autostart, scale from zero), through the brokers.
 
-A request that finds no started machine under its soft limit starts a stopped one (`start` on
+A request that finds no started machine under its soft limit resumes a suspended one (`resume`: the
+process continues where it was frozen) or starts a stopped one (`start` on
 `fauxmad.v1.api.apps.<app>.machines.start`), or, with `auto_create`, creates one in a region that may have
 another (`create`, which the broker starts in the same leg); it is then held until the machine accepts a
 TCP connection, and that connection serves it. One start per machine and one create per app and region
@@ -79,11 +80,16 @@ class Waker:
         return await asyncio.shield(pending)
 
     async def _start(self, app: str, machine_id: str) -> MachineIndexEntry:
+        entry = self.routes.entry(machine_id)
+        kind = "resume" if entry is not None and entry.state in ("suspended", "suspending") else "start"
         try:
-            machine = await self.client.start(app, machine_id)
+            if kind == "resume":
+                machine = await self.client.resume(app, machine_id)
+            else:
+                machine = await self.client.start(app, machine_id)
         except (FauxmadError, TimeoutError) as exc:
-            raise WakeError(f"starting {machine_id} failed: {exc}") from None
-        return await self._ready(machine, "start")
+            raise WakeError(f"{'resuming' if kind == 'resume' else 'starting'} {machine_id} failed: {exc}") from None
+        return await self._ready(machine, kind)
 
     async def _create(self, app: App, region: str) -> MachineIndexEntry:
         if app.spec is None:

@@ -34,7 +34,7 @@ class HttpService(_Strict, frozen=True):
     internal_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None  # None: the machine's PORT
     concurrency: Concurrency = msgspec.field(default_factory=Concurrency)
     auto_start: bool = True
-    auto_stop: Literal["off", "stop"] = "off"
+    auto_stop: Literal["off", "stop", "suspend"] = "off"
     min_machines_running: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
     idle_timeout: float | str = "5m"
     auto_create: bool = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -234,6 +235,38 @@ def test_idle_machines_are_stopped_keeping_min_machines_running(proxy: kit.Proxy
     assert sorted(arun(main())) == ["started", "stopped"]
     # and a request afterwards is served by the one kept (or wakes the other): never an error
     assert arun(kit.get(proxy.port, f"{name}.localhost")).status == 200
+
+
+def test_idle_machines_are_suspended_and_a_request_resumes_the_same_process(
+    proxy: kit.ProxyProcess, app, fleet: DevFleet
+) -> None:  # type: ignore[no-untyped-def]
+    name, (machine_id,) = app('auto_stop = "suspend"\nidle_timeout = "1s"', [("pxa", True)])
+
+    async def main() -> tuple[list[str], float, str]:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            first = await kit.get(proxy.port, f"{name}.localhost")
+            assert first.status == 200
+            seen = []
+            for _ in range(100):  # the proxy's autostop round runs every second
+                state = (await client.get(name, machine_id, events=False)).state
+                seen.append(state)
+                if state == "suspended":
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.3)  # the proxy's replica of the index sees it suspended
+            started = time.perf_counter()
+            again = await kit.get(proxy.port, f"{name}.localhost")
+            took = time.perf_counter() - started
+            assert again.status == 200 and again.json()["machine"] == machine_id
+            assert again.json()["pid"] == first.json()["pid"], "resumed, not restarted: the same process"
+            return seen, took, (await client.get(name, machine_id, events=False)).state
+        finally:
+            await client.close()
+
+    seen, took, after = arun(main())
+    assert seen[-1] == "suspended" and after == "started"
+    print(f"\nfirst byte after resume from suspend: {took * 1000:.1f} ms")
 
 
 # ---------------------------------------------------------------------------------------------------

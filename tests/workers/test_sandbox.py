@@ -189,7 +189,8 @@ def test_exit_code_and_stop_with_sigterm(driver: ProcessDriver, tmp_path: Path) 
     _, status = run_to_end(driver, spec_for(tmp_path, ["sh", "-c", "exit 3"]))
     assert status.exit_code == 3 and status.signal is None
 
-    handle = start(driver, spec_for(tmp_path, ["sleep", "30"], workdir=str(tmp_path / "m2")))
+    handle = start(driver, spec_for(tmp_path, ["sh", "-c", "touch ready; exec sleep 30"], workdir=str(tmp_path / "m2")))
+    wait_for_file(Path(handle.workdir) / "ready")  # a SIGTERM while bwrap still sets up ends bwrap, not sleep
     status = asyncio.run(driver.stop(handle, 10, signal.SIGTERM))
     assert status.signal == signal.SIGTERM and status.exit_code is None
     assert not driver.recover(handle)
