@@ -21,6 +21,7 @@ MACHINES_BUCKET = "fauxmad_machines"
 APPS_BUCKET = "fauxmad_apps"
 IDEMPOTENCY_BUCKET = "fauxmad_idempotency"
 IMAGES_STORE = "fauxmad_images"
+IMAGE_TAGS_BUCKET = "fauxmad_image_tags"  # image manifests and tags
 REVOKED_TOKENS_BUCKET = "fauxmad_revoked_tokens"  # ids of revoked HTTP API tokens (value: when and why)
 AUDIT_STREAM = "FAUXMAD_AUDIT"
 EVENTS_STREAM = "FAUXMAD_EVENTS"

@@ -30,6 +30,7 @@ from bus.codec import encode
 from bus.credentials import CREDS_ENV
 from bus.embedded import EmbeddedNats, free_port
 from bus.errors import Unreachable
+from bus.images import Images
 from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, revoked_tokens_bucket
 from bus.messages import DestroyRequest, ListRequest
 from bus.secrets import new_private_key, secrets_bucket
@@ -176,6 +177,7 @@ class DevFleet:
             await secrets_bucket(nc.jetstream())
             await ensure_audit_stream(nc.jetstream())
             await revoked_tokens_bucket(nc.jetstream())
+            await Images.open(nc.jetstream())
         finally:
             await nc.close()
 

@@ -34,6 +34,7 @@ from bus import credentials, subjects
 from bus.codec import decode, encode
 from bus.connection import connect
 from bus.errors import BadRequest, FauxmadError, Unreachable
+from bus.images import ImageManifest, Images, image_store, is_digest, tags_bucket
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
     EMPTY_OK,
@@ -50,6 +51,8 @@ from bus.secrets import load_private_key, secrets_bucket
 from bus.service import Responder
 from workers import metrics, sandbox
 from workers.commit import GroupCommitter
+from workers.images import ImageCache
+from workers.lifecycle import PROCESS_STATES
 from workers.limits import auto_detect
 from workers.logs import LogFollower
 from workers.machines import MachineManager, ManagerConfig
@@ -83,6 +86,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     fsync: bool = True
     map_size: int = 8 * 1024 * 1024 * 1024
     secrets_key: str | None = None  # the fleet's secrets key (base64), else the credentials file's, else none
+    image_cache_mb: int = 4096  # unpacked images kept on disk (least recently used go first)
 
 
 class WorkerAgent:
@@ -111,6 +115,7 @@ class WorkerAgent:
         self._sandboxes = tuple(sandbox.available())  # looked up once: offers are answered inline
         self._beat_pending = False
         self.tally = MachineTally()
+        self.image_cache: ImageCache | None = None
         self._states_seen: set[str] = set()  # for the per-state gauge
 
     # ------------------------------------------------------------------------------------------
@@ -131,6 +136,14 @@ class WorkerAgent:
         limits = auto_detect(cfg.worker_id)
         self.limits_mode = limits.describe()
         driver = self.driver = ProcessDriver(limits)
+        images = Images(js, await image_store(js), await tags_bucket(js))
+
+        async def fetch(digest: str) -> tuple[bytes, ImageManifest | None]:
+            return await images.pull(digest), await images.manifest(digest)
+
+        self.image_cache = ImageCache(
+            data / "images", quota_bytes=cfg.image_cache_mb << 20, fetch=fetch, in_use=self._images_in_use
+        )
         self.manager = MachineManager(
             ManagerConfig(
                 worker_id=cfg.worker_id,
@@ -146,6 +159,7 @@ class WorkerAgent:
             on_commit=self._on_commit,
             on_launch=self._follow_logs,
             secret_env=self.secrets.env_for,
+            images=self.image_cache,
         )
         self._images = frozenset(self.store.images())
         # derived from LMDB at start and kept in step by _on_commit: info() must not scan every machine
@@ -219,12 +233,26 @@ class WorkerAgent:
             used=usage.resources(),
             machines=usage.machines,
             cordoned=worker.cordoned,
-            images=self._images,
+            images=self._images_now(),
             load=self._load,
             inflight=self.manager.inflight,
             app_machines=self.tally.per_app,
             sandboxes=self._sandboxes,
         )
+
+    def _images_now(self) -> frozenset[str]:
+        """Images named in offers and heartbeats: names machines ran with, and the digests on disk now."""
+        if self.image_cache is None:
+            return self._images
+        return frozenset(i for i in self._images if not is_digest(i)) | self.image_cache.cached()
+
+    def _images_in_use(self) -> set[str]:
+        assert self.store is not None
+        return {
+            s.machine.config.image
+            for s in self.store.machines()
+            if s.machine.config.image and s.machine.state in PROCESS_STATES
+        }
 
     async def _on_offer(self, subject: str, data: bytes) -> Any:
         request = decode(OfferRequest, data)

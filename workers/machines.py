@@ -28,6 +28,7 @@ import msgspec
 
 from bus.errors import BadRequest, Conflict, DeadlineExceeded, NoCapacity, NotFound
 from bus.ids import new_machine_id
+from bus.images import is_digest
 from bus.messages import (
     DestroyRequest,
     ExecReply,
@@ -55,6 +56,7 @@ from workers.commit import GroupCommitter
 from workers.driver import Driver, TaskHandle, TaskSpec
 from workers.exits import exit_info, read_stderr_tail
 from workers.ids import iso, new_instance_id, pick_port
+from workers.images import ImageCache, Pulled
 from workers.lifecycle import PROCESS_STATES, STARTABLE
 from workers.recorder import CommitHook, Recorder
 from workers.records import StoredMachine
@@ -96,6 +98,7 @@ class MachineManager:
         on_commit: CommitHook = lambda records: None,
         on_launch: Callable[[Machine], None] = lambda machine: None,
         secret_env: Callable[[str], dict[str, str]] = lambda app: {},
+        images: ImageCache | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
@@ -103,6 +106,7 @@ class MachineManager:
         self.driver = driver
         self.on_launch = on_launch  # right before a process is spawned (the agent follows its logs from there)
         self.secret_env = secret_env  # the app's secrets in clear, for the environment only (workers/secrets.py)
+        self.images = images  # machines whose config.image is a digest run in their unpacked image
         self.clock = clock
         self.inflight = 0
         self.recorder = Recorder(committer, on_commit=on_commit, clock=clock)
@@ -336,10 +340,23 @@ class MachineManager:
                 stored = await self.launch(stored)
             return self.view(stored)
 
+    async def _image_for(self, image: str | None) -> Pulled | None:
+        """The machine's image on this host (pulled and unpacked first if needed), if it names one by digest."""
+        if self.images is None or not is_digest(image):
+            return None
+        assert image is not None
+        return await self.images.ensure(image)
+
     def task_spec(self, stored: StoredMachine) -> TaskSpec:
         """What the driver runs for this machine; checks and `exec` run in the same environment."""
         machine = stored.machine
         env = {key: os.environ[key] for key in ("PATH", "HOME", "LANG", "TZ") if key in os.environ}
+        digest = machine.config.image
+        image = self.images.ready(digest) if self.images is not None and digest and is_digest(digest) else None
+        if image is not None:  # its defaults, under the machine's own env; it writes to its own directory
+            env.update(image.manifest.env if image.manifest else {})
+            own = str(self.workdir(machine.id))
+            env.update({"HOME": own, "TMPDIR": own})
         env.update(machine.config.env)
         env.update(self.secret_env(machine.app))
         env.update(
@@ -359,8 +376,9 @@ class MachineManager:
             workdir=str(self.workdir(machine.id)),
             memory_mb=machine.config.guest.memory_mb,
             cpus=machine.config.guest.cpus,
-            cwd=machine.config.workdir,
+            cwd=str(image.workdir) if image is not None else machine.config.workdir,
             sandbox=machine.config.guest.sandbox,
+            image_root=str(image.root) if image is not None else None,
         )
 
     def _check_workdir(self, config: MachineConfig) -> None:
@@ -376,7 +394,9 @@ class MachineManager:
         machine_id = stored.machine.id
         self.on_launch(stored.machine)
         self.inflight += 1
+        pulled = None
         try:
+            pulled = await self._image_for(stored.machine.config.image)
             handle = await self.driver.start(self.task_spec(stored))
         except Exception as exc:
             log.warning("machine %s: could not start: %r", machine_id, exc)
@@ -395,7 +415,8 @@ class MachineManager:
         def started(tx: Tx) -> StoredMachine:
             current = tx.require(machine_id)
             current.handle = handle
-            self.recorder.event(current, "started", reason=f"process {handle.pid} running")
+            note = f" ({pulled.describe()})" if pulled is not None else ""
+            self.recorder.event(current, "started", reason=f"process {handle.pid} running{note}")
             if current.machine.config.image:
                 tx.touch_image(current.machine.config.image)
             return tx.put_machine(current, "started")

@@ -191,6 +191,11 @@ def _command(spec: TaskSpec, workdir: Path, cwd: Path) -> list[str]:
     bwrap = bwrap_path()
     if bwrap is None:
         raise FileNotFoundError(f"machine {spec.machine_id}: guest.sandbox 'bwrap' but bwrap is not installed")
+    if spec.image_root is not None:  # the image is seen read-only; the machine writes to its own directory
+        image = spec.image_root
+        return bwrap_argv(
+            bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir)], readonly=[image], cwd=str(cwd)
+        )
     return bwrap_argv(bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir), str(cwd)], cwd=str(cwd))
 
 

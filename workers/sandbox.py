@@ -78,6 +78,7 @@ def bwrap_argv(
     hostname: str,
     writable: Sequence[str],
     cwd: str,
+    readonly: Sequence[str] = (),
     root_dirs: Sequence[str] = ROOT_DIRS,
     etc_files: Sequence[str] = ETC_FILES,
 ) -> list[str]:
@@ -99,5 +100,7 @@ def bwrap_argv(
     # after /tmp: a machine directory under /tmp (a dev fleet's) is bound over the private /tmp
     for path in dict.fromkeys(writable):
         argv += ["--bind", path, path]
+    for path in dict.fromkeys(readonly):  # an image: shared by machines, written by none
+        argv += ["--ro-bind", path, path]
     argv += ["--remount-ro", "/", "--chdir", cwd, "--", *cmd]  # the sandbox's own root: read-only too
     return argv

@@ -96,7 +96,9 @@ def _register() -> None:
     security_cmd.register(fleet_cmd.fleet_app)
     app.add_typer(fleet_cmd.fleet_app, name="fleet")
     app.add_typer(secrets_cmd.secrets_app, name="secrets")
-    from orchestrator.cli import token_cmd
+    from orchestrator.cli import image_cmd, token_cmd
+
+    app.add_typer(image_cmd.image_app, name="image")
 
     app.add_typer(token_cmd.token_app, name="token")
     app.add_typer(worker_cmd.worker_app, name="worker")

@@ -25,6 +25,7 @@ from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from bus.images import ImageError
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import (
     CliError,
@@ -41,6 +42,7 @@ from orchestrator.cli.runtime import (
     with_client,
     with_connected,
 )
+from orchestrator.images import pin_image
 from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.plan import Plan
 from orchestrator.reconcile.preview import Planned
@@ -192,6 +194,12 @@ def deploy(
     spec = _spec(config)
 
     async def go(r: Reconciler) -> tuple[Preview, DeployOutcome | Detached | None]:
+        nonlocal spec
+        if spec.image is not None or spec.build is not None:
+            try:
+                spec = await pin_image(r.jetstream(), spec, say=lambda line: None if json_out else print(line))
+            except ImageError as exc:
+                fail(str(exc), 2)
         seen = await r.preview(spec)
         if dry_run or seen.problems:
             return seen, None

@@ -94,7 +94,9 @@ def run_machine(
     restart: str = typer.Option("on-failure", "--restart", help="restart policy: no, always, on-failure"),
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),
     name: str | None = typer.Option(None, "--name", help="a name for the machine"),
-    image: str | None = typer.Option(None, "--image", help="an image name (scored: cached images win ties)"),
+    image: str | None = typer.Option(
+        None, "--image", help="name:tag or sha256:... of an image in the fleet's store (see `fauxmad image`)"
+    ),
     explain: bool = typer.Option(False, "--explain", help="show every worker's scores and why the winner won"),
     strategy: str | None = typer.Option(None, "--strategy", help="scatter, p2c or hedged"),
     skip_launch: bool = typer.Option(False, "--skip-launch", help="reserve only (state created)"),
@@ -135,6 +137,9 @@ def run_machine(
     wait = Wait(wait_up, wait_timeout, detach)
 
     async def create(client: Any) -> Any:
+        nonlocal request
+        if image is not None:  # a tag of the fleet's store: pinned to its digest (other names pass as they are)
+            request = await _pin(client, request)
         created = await client.create(app, request)
         machine = await _until_up(client, app, created, wait, json_out)
         machine.explain = created.explain
@@ -243,6 +248,21 @@ def restart_machine(
         return await _until_up(client, app, await client.start(app, machine_id), wait, json_out)
 
     _print_machine(with_client(nats, act), json_out)
+
+
+async def _pin(client: Any, request: Any) -> Any:
+    from bus.images import ImageError, Images, is_digest
+
+    reference = request.config.image
+    images = await Images.open(client.nc.jetstream())
+    try:
+        digest = await images.resolve(reference)
+    except ImageError:
+        if is_digest(reference):
+            fail(f"no image {reference} in the fleet's store (fauxmad image ls)", EXIT_USAGE)
+        return request  # a plain name: scored by placement only, as before images
+    config = msgspec.structs.replace(request.config, image=digest)
+    return msgspec.structs.replace(request, config=config)
 
 
 def _destroy_or_stop(verb: str, help_text: str) -> None:

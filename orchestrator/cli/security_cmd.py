@@ -12,6 +12,7 @@ import typer
 
 from bus.connection import connect
 from bus.errors import BadRequest
+from bus.images import Images
 from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, revoked_tokens_bucket
 from bus.secrets import secrets_bucket
 from orchestrator.cli.render import console, print_json
@@ -103,6 +104,7 @@ def prepare(nats: str | None = NatsOption) -> None:
         await secrets_bucket(nc.jetstream())
         await ensure_audit_stream(nc.jetstream())
         await revoked_tokens_bucket(nc.jetstream())
+        await Images.open(nc.jetstream())  # the images store and its tags bucket
 
     with_connected(nats, lambda url: connect(url, "fauxmad-prepare"), ensure)
     console.print("the fleet's streams and buckets are in place")

@@ -76,6 +76,9 @@ def worker(
         show_default=False,
     ),
     metrics_listen: str | None = MetricsOption,
+    image_cache_mb: int = typer.Option(
+        4096, "--image-cache-mb", min=1, help="disk for unpacked images (least recently used go first)"
+    ),
     count: int = typer.Option(
         1,
         "--count",
@@ -120,6 +123,7 @@ def worker(
             fsync=not no_fsync,
             map_size=(8 << 30) if count == 1 else (64 << 20),
             secrets_key=key,
+            image_cache_mb=image_cache_mb,
         )
         for one in ids
     ]

@@ -229,6 +229,11 @@ class Reconciler:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._nc.close(), 2.0)
 
+    def jetstream(self) -> Any:
+        """The JetStream context of this reconciler's connection (a deploy pushes and resolves images on it)."""
+        assert self._nc is not None, "not connected: use Reconciler.connect"
+        return self._nc.jetstream()
+
     async def wait_for_change(self, timeout: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)

@@ -6,8 +6,9 @@ The machine config every primary and spare of a release runs is derived here and
 
 Paths in a spec are relative to the spec file's directory, as in a compose file: `workdir` (where
 `cmd` runs) defaults to that directory and is stored absolute in the release, so `cmd = ["python3",
-"app.py"]` finds the `app.py` next to the spec. Until images ship an app's files to the workers, that
-directory must exist on every worker's host (it does with `fauxmad dev`).
+"app.py"]` finds the `app.py` next to the spec. That directory must then exist on every worker's host (it
+does with `fauxmad dev`); with `build` (a directory packed into an image at deploy) or `image` (a tag or
+digest of the fleet's store) the machines run in the image instead, and `workdir` is not allowed.
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ class PlacementSpec(_Strict, frozen=True):
 
 class AppSpec(_Strict, frozen=True):
     app: Token
-    cmd: Annotated[list[str], msgspec.Meta(min_length=1)]
-    image: str | None = None
+    cmd: list[str] = []  # required unless an image (or `build`) gives a default command
+    image: str | None = None  # `name:tag` or `sha256:...`; a release pins the digest
+    build: str | None = None  # a directory (relative to the spec) that deploy packs and pushes as the image
     workdir: str | None = None  # absolute once loaded from a file; None: the machine's own directory
     env: dict[str, str] = {}
     guest: Guest = msgspec.field(default_factory=Guest)
@@ -98,6 +100,14 @@ class AppSpec(_Strict, frozen=True):
             raise ValueError("[regions] needs at least one `<region> = <count>`")
         if self.workdir is not None and (not self.workdir or "\0" in self.workdir):
             raise ValueError("workdir must be a directory path")
+        if self.image is not None and self.build is not None:
+            raise ValueError("`image` and `build` both given: use one (build packs a directory into the image)")
+        if (self.image is not None or self.build is not None) and self.workdir is not None:
+            raise ValueError("`workdir` does not go with `image`/`build`: machines run in the image's directory")
+        if not self.cmd and self.image is None and self.build is None:
+            raise ValueError("missing required key `cmd` (or an `image`/`build` whose manifest has one)")
+        if any(not part for part in self.cmd[:1]):
+            raise ValueError("`cmd`: the program must not be empty")
 
     def machine_config(
         self, release: int, role: str, standby_of: str | None = None, replaces: str | None = None
@@ -170,6 +180,10 @@ def parse_spec(text: str, source: str = "fauxmad.toml", base: Path | None = None
         spec = msgspec.convert(data, AppSpec, strict=True)
     except msgspec.ValidationError as exc:
         raise SpecError(_one_line(source, _name_the_key(data, exc))) from None
+    if spec.image is not None or spec.build is not None:  # its files come from the image, not this host
+        if spec.build is None:
+            return spec
+        return msgspec.structs.replace(spec, build=os.path.normpath(((base or Path.cwd()) / spec.build).absolute()))
     if spec.workdir is None and base is None:
         return spec
     workdir = (base or Path.cwd()) / (spec.workdir or ".")
@@ -184,7 +198,8 @@ def load_spec(path: Path) -> AppSpec:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read: {exc}") from None
     spec = parse_spec(text, str(path), base=path.absolute().parent)
-    assert spec.workdir is not None
-    if not Path(spec.workdir).is_dir():
+    if spec.build is not None and not Path(spec.build).is_dir():
+        raise SpecError(f"{path}: `build`: {spec.build} is not a directory")
+    if spec.workdir is not None and not Path(spec.workdir).is_dir():
         raise SpecError(f"{path}: `workdir`: {spec.workdir} is not a directory")
     return spec

@@ -41,6 +41,7 @@ FLEET_STREAMS = (
     *(f"KV_{bucket}" for bucket in (subjects.WORKERS_BUCKET, subjects.MACHINES_BUCKET, subjects.APPS_BUCKET)),
     f"KV_{subjects.IDEMPOTENCY_BUCKET}",
     f"OBJ_{subjects.IMAGES_STORE}",
+    f"KV_{subjects.IMAGE_TAGS_BUCKET}",
     f"KV_{SECRETS_BUCKET}",
 )
 READ_ONLY_VERBS = ("list", "get", "wait")
@@ -126,6 +127,10 @@ def permissions(identity: Identity) -> Permissions:
                 *fleet_queries,
                 subjects.kv_put(subjects.APPS_BUCKET, f"{app}.>"),
                 subjects.kv_put(SECRETS_BUCKET, f"{app}.*"),
+                # images: any archive (content-addressed) and manifest, but tags only under the app's name
+                f"$O.{subjects.IMAGES_STORE}.>",
+                subjects.kv_put(subjects.IMAGE_TAGS_BUCKET, "m.*"),
+                subjects.kv_put(subjects.IMAGE_TAGS_BUCKET, f"t.{app}.*"),
                 *read_streams(),
             ),
             subscribe=(inbox,),

@@ -1,0 +1,184 @@
+"""`fauxmad image build|push|ls|inspect|tag|rm`: thin; the format and the store are in `bus.images`."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import typer
+
+from bus.connection import connect
+from bus.images import ImageError, ImageManifest, Images, build_archive, check_tag, manifest_for
+from orchestrator.cli.render import console, print_json
+from orchestrator.cli.runtime import JsonOption, NatsOption, fail, with_connected
+
+image_app = typer.Typer(
+    help="Images: an app's directory as one content-addressed archive in the fleet's store, pulled by workers.",
+    no_args_is_help=True,
+)
+TagOption = typer.Option(None, "--tag", "-t", help="name:tag to point at it (repeatable)")
+
+
+def _say(line: str) -> None:
+    console.print(line, markup=False, highlight=False)
+
+
+def _tags(tags: list[str] | None) -> list[str]:
+    try:
+        return [check_tag(t) for t in tags or []]
+    except ImageError as exc:
+        fail(str(exc), 2)
+
+
+def build(directory: Path, cmd: str | None, env: list[str] | None, workdir: str) -> tuple[bytes, ImageManifest]:
+    """Pack `directory`; the manifest's defaults from the options (`cmd` in shell words)."""
+    pairs: dict[str, str] = {}
+    for item in env or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            fail(f"--env {item!r}: use NAME=VALUE", 2)
+        pairs[name] = value
+    try:
+        data = build_archive(directory)
+    except (ImageError, OSError) as exc:
+        fail(str(exc), 2)
+    return data, manifest_for(
+        data, cmd=shlex.split(cmd) if cmd else [], env=pairs, workdir=workdir, source=str(directory.resolve())
+    )
+
+
+@image_app.command("build")
+def build_command(
+    directory: Path = typer.Argument(..., help="the app's directory"),
+    tag: list[str] | None = TagOption,
+    cmd: str | None = typer.Option(None, "--cmd", help='the default command, e.g. "python3 app.py"'),
+    env: list[str] | None = typer.Option(None, "--env", "-e", help="a default NAME=VALUE (repeatable)"),
+    workdir: str = typer.Option("", "--workdir", help="where the command runs, relative to the directory"),
+    out: Path | None = typer.Option(None, "--out", help="write the archive here instead of pushing it"),
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
+) -> None:
+    """Pack a directory (deterministic: the same tree gives the same digest) and push it to the fleet.
+
+    `fauxmad image build examples/sandwich --tag sandwich:v1 --cmd "python3 app.py"`
+    """
+    tags = _tags(tag)
+    started = time.perf_counter()
+    data, manifest = build(directory, cmd, env, workdir)
+    if out is not None:
+        out.write_bytes(data)
+        out.with_name(out.name + ".json").write_bytes(msgspec.json.encode(manifest))
+        _show(manifest, json_out, f"built {manifest.digest} ({len(data) / 1e6:.2f} MB) into {out}")
+        return
+
+    async def act(nc: Any) -> None:
+        pushed = await (await Images.open(nc.jetstream())).push(data, manifest, tags)
+        took = time.perf_counter() - started
+        _show(pushed, json_out, f"pushed {pushed.digest} ({len(data) / 1e6:.2f} MB, {took:.2f} s) {' '.join(tags)}")
+
+    with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
+
+
+@image_app.command("push")
+def push_command(
+    archive: Path = typer.Argument(..., help="an archive written by `image build --out`"),
+    tag: list[str] | None = TagOption,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
+) -> None:
+    """Push an archive built earlier (`image build DIR --out FILE`) with its manifest (FILE.json)."""
+    tags = _tags(tag)
+    try:
+        data = archive.read_bytes()
+        manifest = msgspec.json.decode(archive.with_name(archive.name + ".json").read_bytes(), type=ImageManifest)
+    except (OSError, msgspec.DecodeError) as exc:
+        fail(f"{archive}: {exc}", 2)
+
+    async def act(nc: Any) -> None:
+        try:
+            pushed = await (await Images.open(nc.jetstream())).push(data, manifest, tags)
+        except ImageError as exc:
+            fail(str(exc), 2)
+        _show(pushed, json_out, f"pushed {pushed.digest} {' '.join(tags)}")
+
+    with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
+
+
+@image_app.command("ls")
+def ls_command(nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
+    """The fleet's images: digest, size, tags, when built."""
+
+    async def act(nc: Any) -> None:
+        found = await (await Images.open(nc.jetstream())).list()
+        if json_out:
+            print_json(found)
+            return
+        if not found:
+            _say("no images (fauxmad image build DIR --tag NAME:TAG)")
+        for manifest in found:
+            built = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created))
+            _say(f"{manifest.digest[:19]}  {manifest.size / 1e6:8.2f} MB  {built}  {' '.join(manifest.tags)}")
+
+    with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
+
+
+@image_app.command("inspect")
+def inspect_command(
+    reference: str = typer.Argument(..., help="name:tag or sha256:..."), nats: str | None = NatsOption
+) -> None:
+    """An image's manifest (JSON)."""
+
+    async def act(nc: Any) -> None:
+        images = await Images.open(nc.jetstream())
+        try:
+            manifest = await images.manifest(await images.resolve(reference))
+        except ImageError as exc:
+            fail(str(exc), 4)
+        print_json(manifest)
+
+    with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
+
+
+@image_app.command("tag")
+def tag_command(
+    reference: str = typer.Argument(..., help="name:tag or sha256:..."),
+    tag: str = typer.Argument(..., help="the new name:tag"),
+    nats: str | None = NatsOption,
+) -> None:
+    """Point another name:tag at an image."""
+    (new,) = _tags([tag])
+
+    async def act(nc: Any) -> None:
+        try:
+            manifest = await (await Images.open(nc.jetstream())).tag(reference, new)
+        except ImageError as exc:
+            fail(str(exc), 4)
+        _say(f"{new} -> {manifest.digest}")
+
+    with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
+
+
+@image_app.command("rm")
+def rm_command(
+    reference: str = typer.Argument(..., help="name:tag or sha256:..."), nats: str | None = NatsOption
+) -> None:
+    """Delete an image from the store (workers keep what they unpacked until they evict it)."""
+
+    async def act(nc: Any) -> None:
+        try:
+            manifest = await (await Images.open(nc.jetstream())).remove(reference)
+        except ImageError as exc:
+            fail(str(exc), 4)
+        _say(f"removed {manifest.digest} {' '.join(manifest.tags)}")
+
+    with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
+
+
+def _show(manifest: ImageManifest, json_out: bool, line: str) -> None:
+    if json_out:
+        print_json(manifest)
+    else:
+        _say(line)

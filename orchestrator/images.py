@@ -1,0 +1,41 @@
+"""A deploy's image: build it (`build = "."`) or resolve its tag (`image = "name:tag"`), and pin the digest.
+
+A release stores the spec it ran; pinning the digest there (not the tag, not the directory) is what makes
+a rollback restore the exact bytes, and lets every worker check what it pulls against it. A spec without
+a `cmd` takes the image's (its manifest's) default command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+from nats.js import JetStreamContext
+
+from bus.images import ImageError, Images, build_archive, is_digest, manifest_for
+from orchestrator.reconcile.spec import AppSpec
+
+
+async def pin_image(js: JetStreamContext, spec: AppSpec, say: Callable[[str], None] = lambda line: None) -> AppSpec:
+    """`spec` with `image` a digest the fleet's store holds (built and pushed first for `build`)."""
+    if spec.image is None and spec.build is None:
+        return spec
+    images = await Images.open(js)
+    if spec.build is not None:
+        data = build_archive(Path(spec.build))
+        manifest = manifest_for(data, cmd=list(spec.cmd), env={}, workdir="", source=spec.build)
+        tag = f"{spec.app}:{manifest.digest[7:19]}"
+        pushed = await images.push(data, manifest, [tag])
+        say(f"built {spec.build} into {pushed.digest} ({len(data) / 1e6:.2f} MB, tagged {tag})")
+        digest = pushed.digest
+    else:
+        assert spec.image is not None
+        digest = await images.resolve(spec.image)
+        if not is_digest(spec.image):
+            say(f"image {spec.image} is {digest}")
+    found = await images.manifest(digest)
+    cmd = list(spec.cmd) or (list(found.cmd) if found is not None else [])
+    if not cmd:
+        raise ImageError(f"{spec.app}: no `cmd` in the spec and none in image {digest}'s manifest")
+    return msgspec.structs.replace(spec, image=digest, build=None, cmd=cmd)
