@@ -33,6 +33,7 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 from bus import credentials, subjects
 from bus.codec import decode, encode
 from bus.connection import connect
+from bus.contract import endpoint_metadata
 from bus.errors import BadRequest, FauxmadError, Unreachable
 from bus.images import ImageManifest, Images, image_store, is_digest, tags_bucket
 from bus.jetstream import FleetConfig, ensure_fleet_resources
@@ -213,9 +214,16 @@ class WorkerAgent:
             "cordon": (subjects.worker_cordon(cfg.worker_id, True), self._on_cordon),
             "uncordon": (subjects.worker_cordon(cfg.worker_id, False), self._on_cordon),
         }
+        machine_channels = [f"worker_machines_{verb}" for verb in WORKER_REQUESTS]
         for name, (subject, handler) in endpoints.items():
+            described = machine_channels if name == "machines" else [f"worker_{name}"]
             await self._service.add_endpoint(
-                EndpointConfig(name=name, subject=subject, handler=self.responder.for_micro(handler))
+                EndpointConfig(
+                    name=name,
+                    subject=subject,
+                    handler=self.responder.for_micro(handler),
+                    metadata=endpoint_metadata(*described),
+                )
             )
         await self.nc.flush()
 

@@ -24,6 +24,7 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 from bus import subjects
 from bus.codec import decode, encode
 from bus.connection import connect
+from bus.contract import endpoint_metadata
 from bus.errors import BadRequest, Conflict, FauxmadError, NoCapacity, NotFound, Unreachable
 from bus.ids import new_machine_id
 from bus.jetstream import FleetConfig, ensure_fleet_resources
@@ -111,14 +112,24 @@ class Broker:
                 },
             ),
         )
-        for name, subject, handler in (
-            ("machines", subjects.API_MACHINES_WILDCARD, self._on_machines),
-            ("regions", subjects.API_REGIONS_LIST, self._on_regions),
-            ("workers", subjects.API_WORKERS_LIST, self._on_workers),
-            ("simulate", subjects.API_PLACEMENTS_SIMULATE, self._on_simulate),
+        for name, subject, handler, described in (
+            (
+                "machines",
+                subjects.API_MACHINES_WILDCARD,
+                self._on_machines,
+                [f"api_machines_{v}" for v in API_REQUESTS],
+            ),
+            ("regions", subjects.API_REGIONS_LIST, self._on_regions, ["regions_list"]),
+            ("workers", subjects.API_WORKERS_LIST, self._on_workers, ["workers_list"]),
+            ("simulate", subjects.API_PLACEMENTS_SIMULATE, self._on_simulate, ["placements_simulate"]),
         ):
             await self._service.add_endpoint(
-                EndpointConfig(name=name, subject=subject, handler=self.responder.for_micro(handler))
+                EndpointConfig(
+                    name=name,
+                    subject=subject,
+                    handler=self.responder.for_micro(handler),
+                    metadata=endpoint_metadata(*described),
+                )
             )
         await self.nc.flush()
 

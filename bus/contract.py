@@ -1,0 +1,165 @@
+"""The NATS contract, machine-readable: JSON Schema for every message, an AsyncAPI 3.0 document for every
+subject, generated from the very Structs that decode the messages and the tables that list the verbs.
+
+Nothing here is written by hand twice: the schemas come from `msgspec.json.schema_components` over
+`bus.messages`, the verbs from `WORKER_REQUESTS`/`API_REQUESTS`, and the addresses from `bus.subjects`'
+prefix. `fauxmad schema asyncapi` prints the document; the micro services' `$SRV.INFO` metadata names
+the channel of each endpoint, so a service that discovers a worker or broker finds its schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import msgspec
+
+from bus import messages as m
+from bus import subjects
+
+P = subjects.PREFIX
+ASYNCAPI_VERSION = "3.0.0"
+ERROR_HEADERS = "replies that fail carry `Nats-Service-Error-Code` and `Nats-Service-Error` headers and an ErrorBody"
+
+
+class Channel(NamedTuple):
+    name: str
+    address: str  # with {parameters}
+    summary: str
+    payload: Any  # the message type sent on it
+    reply: Any = None  # the reply's type for a request, None for a publish
+    parameters: tuple[str, ...] = ()
+
+
+def _verb_reply(verb: str) -> Any:
+    return {"list": list[m.Machine], "exec": m.ExecReply, "lease": m.Lease}.get(verb, m.Machine)
+
+
+def channels() -> list[Channel]:
+    out = [
+        Channel(
+            f"worker_machines_{verb}",
+            f"{P}.worker.{{worker_id}}.machines.{verb}",
+            f"A worker's `{verb}` of one of its machines (the worker is the source of truth).",
+            kind,
+            _verb_reply(verb),
+            ("worker_id",),
+        )
+        for verb, kind in m.WORKER_REQUESTS.items()
+    ]
+    out += [
+        Channel(
+            f"api_machines_{verb}",
+            f"{P}.api.apps.{{app}}.machines.{verb}",
+            f"The brokers' `{verb}` (queue group `brokers`): "
+            + ("placed by an auction." if verb == "create" else "asked of the app's workers.")
+            if verb in m.BROKER_REQUESTS
+            else f"The brokers' `{verb}` (queue group `brokers`): forwarded to the machine's worker.",
+            kind,
+            _verb_reply(verb) if verb != "create" else m.Machine,
+            ("app",),
+        )
+        for verb, kind in m.API_REQUESTS.items()
+    ]
+    out += [
+        Channel("offers", f"{P}.offers.{{region}}", "An auction's call for offers (scatter).", m.OfferRequest,
+                m.Offer | m.Decline, ("region",)),
+        Channel("worker_offer", f"{P}.worker.{{worker_id}}.offer", "One worker's offer (p2c).", m.OfferRequest,
+                m.Offer | m.Decline, ("worker_id",)),
+        Channel("worker_info", f"{P}.worker.{{worker_id}}.info", "A worker's heartbeat, on request.", m.InfoRequest,
+                m.WorkerInfo, ("worker_id",)),
+        Channel("worker_cordon", f"{P}.worker.{{worker_id}}.cordon", "Take no new machines.", m.CordonRequest,
+                m.WorkerInfo, ("worker_id",)),
+        Channel("worker_uncordon", f"{P}.worker.{{worker_id}}.uncordon", "Take machines again.", m.CordonRequest,
+                m.WorkerInfo, ("worker_id",)),
+        Channel("regions_list", subjects.API_REGIONS_LIST, "Regions with their capacity.", m.RegionsListRequest,
+                list[m.RegionSummary]),
+        Channel("workers_list", subjects.API_WORKERS_LIST, "Live workers.", m.WorkersListRequest, list[m.WorkerInfo]),
+        Channel("placements_simulate", subjects.API_PLACEMENTS_SIMULATE, "A dry-run auction and its explain.",
+                m.SimulateRequest, dict[str, Any]),
+        Channel("events", f"{P}.events.{{region}}.{{worker_id}}.{{app}}.{{machine_id}}",
+                "Every machine state transition (stream FAUXMAD_EVENTS).", m.MachineEvent, None,
+                ("region", "worker_id", "app", "machine_id")),
+        Channel("logs", f"{P}.logs.{{app}}.{{machine_id}}", "Machines' output lines (stream FAUXMAD_LOGS).",
+                m.LogLine, None, ("app", "machine_id")),
+        Channel("proxy_unreachable", f"{P}.proxy.unreachable.{{app}}.{{machine_id}}",
+                "An edge proxy could not reach a machine.", m.ProxyUnreachable, None, ("app", "machine_id")),
+        Channel("audit", f"{P}.audit.{{app}}", "A mutating HTTP API request (stream FAUXMAD_AUDIT).",
+                m.AuditRecord, None, ("app",)),
+    ]  # fmt: skip
+    return out
+
+
+def _name(kind: Any) -> str:
+    return getattr(kind, "__name__", None) or str(kind).replace("bus.messages.", "")
+
+
+def json_schemas() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(per channel: {"payload": schema, "reply": schema}, components): JSON Schema 2020-12 refs."""
+    kinds: list[Any] = []
+    for channel in channels():
+        kinds.append(channel.payload)
+        if channel.reply is not None:
+            kinds.append(channel.reply)
+    kinds.append(m.ErrorBody)
+    refs, components = msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
+    by_channel: dict[str, Any] = {}
+    position = 0
+    for channel in channels():
+        entry = {"payload": refs[position]}
+        position += 1
+        if channel.reply is not None:
+            entry["reply"] = refs[position]
+            position += 1
+        by_channel[channel.name] = entry
+    return by_channel, components
+
+
+def asyncapi() -> dict[str, Any]:
+    """The AsyncAPI 3.0 document of the whole NATS contract."""
+    schemas, components = json_schemas()
+    doc: dict[str, Any] = {
+        "asyncapi": ASYNCAPI_VERSION,
+        "info": {
+            "title": "fauxmad NATS contract",
+            "version": "1",
+            "description": f"Subjects under `{P}`; JSON payloads; {ERROR_HEADERS}.",
+        },
+        "defaultContentType": "application/json",
+        "channels": {},
+        "operations": {},
+        "components": {"schemas": components, "messages": {}},
+    }
+    messages = doc["components"]["messages"]
+    for channel in channels():
+        payload_name = f"{channel.name}_payload"
+        messages[payload_name] = {"name": payload_name, "payload": schemas[channel.name]["payload"]}
+        channel_doc: dict[str, Any] = {
+            "address": channel.address,
+            "summary": channel.summary,
+            "messages": {payload_name: {"$ref": f"#/components/messages/{payload_name}"}},
+        }
+        if channel.parameters:
+            channel_doc["parameters"] = {p: {"description": f"the {p.replace('_', ' ')}"} for p in channel.parameters}
+        operation: dict[str, Any] = {  # a client's view: it sends requests, it receives what is published
+            "action": "send" if channel.reply is not None else "receive",
+            "channel": {"$ref": f"#/channels/{channel.name}"},
+            "summary": channel.summary,
+            "messages": [{"$ref": f"#/channels/{channel.name}/messages/{payload_name}"}],
+        }
+        if channel.reply is not None:
+            reply_name = f"{channel.name}_reply"
+            messages[reply_name] = {"name": reply_name, "payload": schemas[channel.name]["reply"]}
+            channel_doc["messages"][reply_name] = {"$ref": f"#/components/messages/{reply_name}"}
+            operation["reply"] = {
+                "address": {"location": "$message.header#/reply_to", "description": "the request's inbox"},
+                "channel": {"$ref": f"#/channels/{channel.name}"},
+                "messages": [{"$ref": f"#/channels/{channel.name}/messages/{reply_name}"}],
+            }
+        doc["channels"][channel.name] = channel_doc
+        doc["operations"][channel.name] = operation
+    return doc
+
+
+def endpoint_metadata(*channel_names: str) -> dict[str, str]:
+    """What a micro endpoint's `$SRV.INFO` says about its contract (nats.micro metadata is str -> str)."""
+    return {"asyncapi": "fauxmad schema asyncapi", "channels": ",".join(channel_names)}

@@ -1,0 +1,106 @@
+"""The machine-readable contract: `fauxmad schema asyncapi` is a well-formed AsyncAPI 3.0 document whose
+schemas are valid JSON Schema 2020-12, and what a real fleet sends validates against them: a create's
+reply, a heartbeat, an event from the stream, an error reply, a list. `$SRV.INFO` names each endpoint's
+channels. (No AsyncAPI parser is installable here: npm is not on this machine and PyPI has none, so the
+document's structure is checked by hand below; its schemas by the reference validator, jsonschema.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import msgspec
+import pytest
+
+from bus import subjects
+from bus.contract import asyncapi, channels
+from bus.messages import CreateRequest, Guest, MachineConfig
+from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.helpers import ROOT, arun, connect_nats
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[DevFleet]:
+    with DevFleet(FleetSpec(regions=["sch"], workers_per_region=1, cpus=4, memory_mb=2048)) as running:
+        yield running
+
+
+def validator(doc: dict[str, Any], ref: dict[str, Any]) -> jsonschema.Draft202012Validator:
+    schema = {**ref, "components": doc["components"]}
+    return jsonschema.Draft202012Validator(schema)
+
+
+def test_the_document_is_asyncapi_3_and_every_schema_is_valid_json_schema() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "schema", "asyncapi"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc == json.loads(json.dumps(asyncapi()))
+    assert doc["asyncapi"] == "3.0.0" and doc["info"]["title"] and doc["info"]["version"]
+    for schema in doc["components"]["schemas"].values():
+        jsonschema.Draft202012Validator.check_schema(schema)  # raises, naming the problem
+    for name, channel in doc["channels"].items():
+        assert channel["address"].startswith(subjects.PREFIX + "."), name
+        params = set(channel.get("parameters", {}))
+        assert params == {p.strip("{}") for p in channel["address"].split(".") if p.startswith("{")}, name
+        for ref in channel["messages"].values():
+            assert ref["$ref"].split("/")[-1] in doc["components"]["messages"]
+        operation = doc["operations"][name]
+        assert operation["channel"]["$ref"] == f"#/channels/{name}"
+        for message in operation["messages"] + operation.get("reply", {}).get("messages", []):
+            assert message["$ref"].split("/")[-1] in channel["messages"]
+    verbs = {c.name for c in channels()}
+    assert {"worker_machines_reserve", "api_machines_create", "api_machines_suspend", "events", "audit"} <= verbs
+
+
+def test_what_a_real_fleet_sends_validates(fleet: DevFleet) -> None:
+    doc = asyncapi()
+
+    def reply_schema(channel: str) -> jsonschema.Draft202012Validator:
+        message = doc["components"]["messages"][f"{channel}_reply"]
+        return validator(doc, message["payload"])
+
+    def payload_schema(channel: str) -> jsonschema.Draft202012Validator:
+        return validator(doc, doc["components"]["messages"][f"{channel}_payload"]["payload"])
+
+    async def main() -> dict[str, Any]:
+        nc = await connect_nats(fleet.url)
+        try:
+            config = MachineConfig(cmd=["sleep", "30"], guest=Guest(cpus=1, memory_mb=32))
+            create = CreateRequest(region="sch", config=config)
+            payload_schema("api_machines_create").validate(msgspec.to_builtins(create))
+            made = await nc.request(subjects.api_machines("schapp", "create"), msgspec.json.encode(create), timeout=30)
+            listed = await nc.request(subjects.api_machines("schapp", "list"), b"{}", timeout=10)
+            workers = await nc.request(subjects.API_WORKERS_LIST, b"{}", timeout=10)
+            bad = await nc.request(subjects.api_machines("schapp", "create"), b'{"region": 5}', timeout=10)
+            js = nc.jetstream()
+            sub = await js.subscribe(subjects.events_filter("schapp"), ordered_consumer=True)
+            event = await sub.next_msg(timeout=5)
+            info = await nc.request("$SRV.INFO.fauxmad-worker", b"", timeout=5)
+            return {
+                "made": json.loads(made.data),
+                "listed": json.loads(listed.data),
+                "workers": json.loads(workers.data),
+                "bad": (dict(bad.headers or {}), json.loads(bad.data)),
+                "event": json.loads(event.data),
+                "info": json.loads(info.data),
+            }
+        finally:
+            await nc.close()
+
+    seen = arun(main())
+    reply_schema("api_machines_create").validate(seen["made"])
+    reply_schema("api_machines_list").validate(seen["listed"])
+    reply_schema("workers_list").validate(seen["workers"])
+    payload_schema("events").validate(seen["event"])
+    headers, body = seen["bad"]
+    assert headers.get("Nats-Service-Error-Code") == "400"
+    jsonschema.Draft202012Validator({"$ref": "#/components/schemas/ErrorBody", **doc}).validate(body)
+    machines = next(e for e in seen["info"]["endpoints"] if e["name"] == "machines")
+    assert machines["metadata"]["asyncapi"] == "fauxmad schema asyncapi"
+    assert "worker_machines_reserve" in machines["metadata"]["channels"].split(",")
