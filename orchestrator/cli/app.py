@@ -119,6 +119,9 @@ def _register() -> None:
 
     app.command("api")(api_cmd.api)
     app.add_typer(bench_cmd.bench_app, name="bench")
+    from orchestrator.cli import sim_cmd
+
+    app.command("sim")(sim_cmd.sim)
     from orchestrator.cli import status_cmd
 
     app.command("status")(status_cmd.status)

@@ -137,6 +137,37 @@ def test_strategies_place_correctly_and_leave_no_extra_machine(fleet: DevFleet, 
     cleanup(fleet)
 
 
+def test_p2c_looks_at_the_whole_region_when_its_two_cannot_take_the_machine(fleet: DevFleet) -> None:
+    """Two of mad's three workers full: every p2c create still lands (on the third), and says how."""
+
+    async def main() -> list[tuple[str, str]]:
+        client = await connect(fleet)
+        try:
+            full = MachineConfig(cmd=["sleep", "60"], guest=Guest(cpus=4, memory_mb=512))
+            fillers = [
+                await client.create("p2cfill", CreateRequest(region="mad", config=full, skip_launch=True))
+                for _ in range(2)
+            ]
+            assert len({m.worker_id for m in fillers}) == 2
+            landed = []
+            for _ in range(30):  # a sample of two of three is both full one time in three (never, 30 times: 5e-6)
+                m = await client.create(
+                    "p2cwide", CreateRequest(region="mad", config=SLEEP, skip_launch=True, explain=True, strategy="p2c")
+                )
+                landed.append((m.worker_id, m.explain["strategy"]))  # type: ignore[index]
+                await client.destroy("p2cwide", m.id, force=True)
+            return landed
+        finally:
+            await client.close()
+
+    try:
+        landed = arun(main())
+    finally:
+        cleanup(fleet)
+    assert len({worker for worker, _ in landed}) == 1, "all on the one worker with room"
+    assert "p2c>scatter" in {how for _, how in landed}, landed
+
+
 def test_a_dead_worker_delays_a_create_by_at_most_the_deadline(fleet: DevFleet) -> None:
     async def main() -> None:
         nc = await connect_nats(fleet.url)

@@ -127,6 +127,23 @@ def test_a_deployer_creates_in_its_app_and_is_refused_elsewhere_at_once(fleet: S
     assert destroyed.returncode == 0, destroyed.stderr
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+def test_a_sandboxed_machine_has_no_way_to_the_workers_credentials(fleet: SecureFleet) -> None:
+    creds = fleet.dir.creds("worker-sec-w1")
+    seed = json.loads(creds.read_text())["seed"]
+    base = ("-a", "web", "--nats", fleet.url)
+    run = fleet.cli("ci-web", "machine", "run", *base, "-r", "mad", "--sandbox", "bwrap", "--json", "--", "sleep", "60")
+    assert run.returncode == 0, run.stderr
+    machine_id = json.loads(run.stdout)["id"]
+    try:
+        looked = fleet.cli("ci-web", "machine", "exec", machine_id, *base, "--", "sh", "-c", f"env; cat {creds}")
+        assert looked.returncode != 0, "the credentials file is not in the sandbox"
+        assert "No such file" in looked.stdout + looked.stderr
+        assert seed not in looked.stdout + looked.stderr and "FAUXMAD_CREDS" not in looked.stdout
+    finally:
+        fleet.cli("ci-web", "machine", "destroy", machine_id, *base, "--force")
+
+
 def test_a_viewer_reads_and_cannot_create(fleet: SecureFleet) -> None:
     listed = fleet.cli("ops-bob", "machine", "list", "-a", "web", "--json", "--nats", fleet.url)
     assert listed.returncode == 0, listed.stderr
