@@ -107,7 +107,8 @@ async def connect(
     client: Client | None = None
     secure: dict[str, Any] = {}
     refusals: Refusals | None = None
-    creds_path = creds or credentials.default_path()
+    # $FAUXMAD_CREDS is for secure (tls://) fleets: a plain URL given alongside it is an open fleet
+    creds_path = creds or (credentials.default_path() if url.startswith("tls://") else None)
     if creds_path:
         identity, base = credentials.load(creds_path)
         secure = identity.connect_options(base)

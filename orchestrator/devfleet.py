@@ -62,6 +62,7 @@ class DevFleet:
     def __init__(self, spec: FleetSpec, *, progress: Callable[[str], None] = lambda line: None) -> None:
         self.spec = spec
         self.progress = progress
+        self._creds_before: tuple[str | None] | None = None  # ($FAUXMAD_CREDS,) before a secure suite run set it
         self._own_dir = spec.data_dir is None
         self.root = Path(spec.data_dir) if spec.data_dir else Path(tempfile.mkdtemp(prefix="fauxmad-dev-"))
         self.nats: EmbeddedNats | None = None
@@ -145,6 +146,7 @@ class DevFleet:
             if config:
                 asyncio.run(self._prepare())
                 if os.environ.get(SECURE_ENV) == "1":  # the suite in secure mode: its clients act as the operator
+                    self._creds_before = (os.environ.get(CREDS_ENV),)
                     os.environ[CREDS_ENV] = str(self.operator_creds)
             self._start_processes()
             self._wait_ready(timeout)
@@ -375,6 +377,13 @@ class DevFleet:
         self._kill_untracked_children()
         if self._own_dir:
             shutil.rmtree(self.root, ignore_errors=True)
+        if self._creds_before is not None:  # put back what the secure suite mode changed
+            (before,) = self._creds_before
+            if before is None:
+                os.environ.pop(CREDS_ENV, None)
+            else:
+                os.environ[CREDS_ENV] = before
+            self._creds_before = None
 
     def __enter__(self) -> DevFleet:
         return self.start()

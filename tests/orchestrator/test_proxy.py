@@ -16,12 +16,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
-import nats
 import pytest
 
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, connect_nats
 from tests.orchestrator import proxy_kit as kit
 
 
@@ -418,7 +417,7 @@ def test_a_host_killed_mid_load_fails_no_get_and_is_signalled(proxy: kit.ProxyPr
     victim = workers[ids[0]]
 
     async def main() -> tuple[list[int], list[dict[str, str]]]:
-        nc = await nats.connect(fleet.url)
+        nc = await connect_nats(fleet.url)
         signals: list[dict[str, str]] = []
 
         async def heard(msg: object) -> None:
