@@ -1,4 +1,4 @@
-"""`fauxmad bench placement|worker|deploy|failover|peer`: parse the options, call `orchestrator.bench`, render.
+"""`fauxmad bench placement|worker|deploy|failover|api|proxy|peer`: parse options, call `orchestrator.bench`, render.
 
 Each command runs one benchmark from the library, shows its report (rich tables on a terminal, plain
 aligned text when stdout is a pipe or a file, so nothing is cut at 80 columns) and writes the result as
@@ -192,6 +192,24 @@ def api(
 
     options = bench.ApiOptions(creates=creates, gets=gets, concurrency=concurrency)
     result = _measure(lambda: bench.run_api(options, _progress))
+    _finish(result, bench.report(result), output, json_out)
+
+
+@bench_app.command("proxy")
+def proxy(
+    requests: int = typer.Option(2000, "--requests", "-n", min=10, max=1_000_000, help="GETs each way, one at a time"),
+    concurrency: int = typer.Option(32, "--concurrency", "-c", min=1, max=1024, help="keep-alive clients for req/s"),
+    seconds: float = typer.Option(3.0, "--seconds", min=0.5, max=600, help="how long to measure req/s"),
+    wakes: int = typer.Option(10, "--wakes", min=1, max=1000, help="requests to a suspended and to a stopped machine"),
+    output: Path = typer.Option(Path("bench-proxy.json"), "--output", "-o", help=OUTPUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """The edge: GET latency direct vs through `fauxmad proxy`, req/s through one proxy process, and the first
+    byte when the machine is suspended (resumed) or stopped (started) inside the request."""
+    from orchestrator.bench import proxy as bench
+
+    options = bench.ProxyOptions(requests=requests, concurrency=concurrency, seconds=seconds, wakes=wakes)
+    result = _measure(lambda: bench.run_proxy_bench(options, _progress))
     _finish(result, bench.report(result), output, json_out)
 
 

@@ -148,3 +148,16 @@ def test_placement_bench_on_a_real_fleet() -> None:
     assert any("stopping the fleet" in line for line in progress)
     text = plain(report(result))
     assert "create (reserve)" in text and "bus round trip" in text and "create p50 / bus round trip p50" in text
+
+
+@pytest.mark.timeout(180)
+def test_proxy_bench_on_a_real_fleet_and_proxy(tmp_path: Path) -> None:
+    from orchestrator.bench.proxy import ProxyOptions, report, run_proxy_bench
+
+    result = run_proxy_bench(ProxyOptions(requests=50, concurrency=4, seconds=0.5, wakes=2))
+    assert result.errors == 0
+    assert result.direct.count == result.proxied.count == 50
+    assert result.after_resume.count == result.after_start.count == 2
+    assert result.requests_per_second > 0
+    text = plain(report(result))
+    assert "GET through the proxy" in text and "first byte, machine suspended" in text
