@@ -107,6 +107,34 @@ def push_command(
     with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
 
 
+@image_app.command("import")
+def import_command(
+    layout: Path = typer.Argument(..., help="an OCI image layout directory (umoci, skopeo copy ... oci:DIR)"),
+    tag: list[str] | None = TagOption,
+    ref: str | None = typer.Option(None, "--ref", help="which image of the layout (its ref.name) if it holds several"),
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
+) -> None:
+    """Import an OCI image layout: layers applied in order (whiteouts honoured), its Entrypoint/Cmd, Env and
+    WorkingDir kept in the manifest; pushed like a built image.
+
+    `fauxmad image import ./layout --ref v1 --tag web:v1`
+    """
+    from orchestrator.oci import import_layout
+
+    tags = _tags(tag)
+    try:
+        data, manifest = import_layout(layout, ref)
+    except (ImageError, OSError, KeyError, ValueError) as exc:
+        fail(f"{layout}: {exc}" if not str(exc).startswith(str(layout)) else str(exc), 2)
+
+    async def act(nc: Any) -> None:
+        pushed = await (await Images.open(nc.jetstream())).push(data, manifest, tags)
+        _show(pushed, json_out, f"imported {pushed.digest} ({len(data) / 1e6:.2f} MB) {' '.join(tags)}")
+
+    with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
+
+
 @image_app.command("ls")
 def ls_command(nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
     """The fleet's images: digest, size, tags, when built."""

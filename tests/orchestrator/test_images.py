@@ -227,3 +227,49 @@ def test_the_readme_image_commands_run_as_written(fleet: DevFleet) -> None:
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "not a directory" in bad.stderr
     bad_tag = fauxmad(fleet, "image", "build", "examples/echo", "--tag", "Bad Tag")
     assert bad_tag.returncode == 2 and "invalid tag" in bad_tag.stderr
+
+
+OCI_APP = """import http.server, os
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = f"{os.environ.get('GREETING')} old={os.path.exists('old.txt')} cwd={os.path.basename(os.getcwd())}"
+        self.send_response(200); self.send_header("content-length", str(len(body))); self.end_headers()
+        self.wfile.write(body.encode())
+    def log_message(self, *args): pass
+http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever()
+"""
+
+
+@pytest.mark.skipif(shutil.which("umoci") is None, reason="umoci is not installed (Debian: apt-get install umoci)")
+def test_an_oci_layout_made_by_umoci_imports_and_runs(fleet: DevFleet, tmp_path: Path) -> None:
+    def umoci(*args: str) -> None:
+        done = subprocess.run(["umoci", *args], capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+
+    umoci("init", "--layout", "lay")
+    umoci("new", "--image", "lay:v1")
+    umoci("unpack", "--image", "lay:v1", "bundle")
+    app = tmp_path / "bundle" / "rootfs" / "srv"
+    app.mkdir(parents=True)
+    (app / "app.py").write_text(OCI_APP)
+    (app / "old.txt").write_text("a layer below")
+    umoci("repack", "--image", "lay:v1", "bundle")
+    (app / "old.txt").unlink()  # the next layer carries a whiteout for it
+    umoci("repack", "--image", "lay:v1", "bundle")
+    umoci("config", "--image", "lay:v1", "--config.cmd", "python3", "--config.cmd", "app.py")
+    umoci("config", "--image", "lay:v1", "--config.workingdir", "/srv", "--config.env", "GREETING=hola")
+
+    imported = fauxmad(fleet, "image", "import", str(tmp_path / "lay"), "--ref", "v1", "--tag", "ociapp:v1", "--json")
+    assert imported.returncode == 0, imported.stderr
+    manifest = json.loads(imported.stdout)
+    assert manifest["cmd"] == ["python3", "app.py"] and manifest["workdir"] == "srv"
+    spec = tmp_path / "fauxmad.toml"
+    spec.write_text(
+        'app = "ociapp"\nimage = "ociapp:v1"\n[guest]\nmemory_mb = 64\n[regions]\nimg = 1\n[deploy]\nspares = 0\n'
+    )
+    deployed = fauxmad(fleet, "deploy", "-c", str(spec))
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    (machine,) = machines_of(fleet, "ociapp")
+    assert wait_served(machine) == "hola old=False cwd=srv"
+    bad = fauxmad(fleet, "image", "import", str(tmp_path / "bundle"))
+    assert bad.returncode == 2 and "not an OCI image layout" in bad.stderr and "Traceback" not in bad.stderr
