@@ -167,6 +167,39 @@ class FleetDir:
         tmp.replace(self.root / "users.conf")
 
     # -- the running server ------------------------------------------------------------------------
+    def rotate(self, names: list[str] | None = None) -> list[str]:
+        """New certificates (and keys) for the server and for `names` (default: every identity), from the
+        same CA; nkey seeds stay. Each file is replaced by a rename, so a reader never sees half of one.
+        Reload the server afterwards: it serves the new certificate to new connections, and the ones it
+        has keep going (their TLS sessions are set up). Old client certificates stay valid until they
+        expire (same CA), so processes pick up their new files at their next start, not all at once.
+        Returns what was rotated ("server" included)."""
+        ca = pki.load_ca(self.root / "ca.pem", self.root / "ca-key.pem")
+        known = {entry.identity.name for entry in self.entries()}
+        chosen = sorted(known) if names is None else names
+        unknown = sorted(set(chosen) - known)
+        if unknown:
+            raise FleetDirError(f"no identity {', '.join(unknown)} in {self.root}")
+        rotated = []
+        if names is None:
+            cert, key = pki.issue(
+                ca, "nats-server", server_names=pki.server_names(self.root / "server.pem"), client=False
+            )
+            pki.write_key(self.root / "server-key.pem.new", key)
+            pki.write_cert(self.root / "server.pem.new", cert)
+            os.replace(self.root / "server-key.pem.new", self.root / "server-key.pem")
+            os.replace(self.root / "server.pem.new", self.root / "server.pem")
+            rotated.append("server")
+        for name in chosen:
+            cert, key = pki.issue(ca, name)
+            creds_dir = self.root / "creds"
+            pki.write_key(creds_dir / f"{name}-key.pem.new", key)
+            pki.write_cert(creds_dir / f"{name}.pem.new", cert)
+            os.replace(creds_dir / f"{name}-key.pem.new", creds_dir / f"{name}-key.pem")
+            os.replace(creds_dir / f"{name}.pem.new", creds_dir / f"{name}.pem")
+            rotated.append(name)
+        return rotated
+
     def reload(self) -> bool:
         """Ask a running server of this fleet to re-read its config (SIGHUP); False if none runs."""
         try:

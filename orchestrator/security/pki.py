@@ -74,6 +74,18 @@ def make_ca(
     return cert, key
 
 
+def server_names(cert_path: Path) -> list[str]:
+    """The DNS names and IP addresses a server certificate was issued for (to issue its successor)."""
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    try:
+        alternative = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    names: list[str] = list(alternative.get_values_for_type(x509.DNSName))
+    names += [str(address) for address in alternative.get_values_for_type(x509.IPAddress)]
+    return names
+
+
 def issue(
     ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
     common_name: str,

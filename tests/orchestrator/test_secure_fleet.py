@@ -215,3 +215,47 @@ def test_a_secure_dev_fleet_runs_machines_and_deploys(tmp_path: Path) -> None:
             timeout=60,
         )
         assert plain.returncode != 0 and "Traceback" not in plain.stderr
+
+
+def _served_certificate(fleet: SecureFleet) -> bytes:
+    """The certificate nats-server presents now (NATS sends INFO in the clear, then TLS begins)."""
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(fleet.dir.root / "ca.pem"))
+    creds = fleet.dir.root / "creds"
+    context.load_cert_chain(str(creds / "ops-bob.pem"), str(creds / "ops-bob-key.pem"))
+    with socket.create_connection(("127.0.0.1", fleet.port), timeout=5) as raw:
+        raw.recv(4096)  # INFO {...}
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            served = tls.getpeercert(binary_form=True)
+    assert served is not None
+    return served
+
+
+def test_certificates_rotate_without_dropping_a_connection(fleet: SecureFleet) -> None:
+    import asyncio
+
+    from bus.connection import connect
+
+    before = _served_certificate(fleet)
+
+    async def main() -> tuple[int, bool]:
+        nc = await connect(fleet.url, "rotation-watch", creds=str(fleet.dir.creds("operator")))
+        try:
+            await nc.request("fauxmad.v1.api.workers.list", b"{}", timeout=10)
+            rotated = fleet.cli("operator", "fleet", "rotate", "--dir", str(fleet.dir.root))
+            assert rotated.returncode == 0 and "new certificates for server" in rotated.stdout, rotated.stderr
+            await asyncio.sleep(1.0)  # the SIGHUP reload
+            await nc.request("fauxmad.v1.api.workers.list", b"{}", timeout=10)  # the same connection still works
+            return nc.stats["reconnects"], nc.is_connected
+        finally:
+            await nc.close()
+
+    reconnects, connected = asyncio.run(main())
+    assert reconnects == 0 and connected
+    after = _served_certificate(fleet)
+    assert after != before, "new connections get the new server certificate"
+    listed = fleet.cli("ops-bob", "workers", "--json", "--nats", fleet.url)  # a client with its rotated certificate
+    assert listed.returncode == 0 and json.loads(listed.stdout), listed.stderr
+    unknown = fleet.cli("operator", "fleet", "rotate", "nobody", "--dir", str(fleet.dir.root))
+    assert unknown.returncode == 2 and "no identity nobody" in unknown.stderr
