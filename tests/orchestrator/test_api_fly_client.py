@@ -1,7 +1,8 @@
 """A client written against Fly's published spec drives the API unchanged but for its base URL.
 
-bravado builds its client at run time from `../shared/reference/fly-machines-openapi.json` (Fly's Swagger
-2.0 document): the operations, their parameters and their models come from the spec alone, and every
+bravado builds its client at run time from Fly's published Swagger 2.0 document (the contract in
+`../shared/reference/`, kept as `tests/orchestrator/reference/fly-machines-openapi.json` so a clone anywhere
+runs this test): the operations, their parameters and their models come from the spec alone, and every
 response is validated against Fly's schemas. Real fleet, real API process.
 """
 
@@ -18,7 +19,7 @@ from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.orchestrator.test_api import start_api
 
 bravado_client = pytest.importorskip("bravado.client", reason="bravado (the dev extra) builds the Fly client")
-SPEC = Path(__file__).resolve().parents[3] / "shared" / "reference" / "fly-machines-openapi.json"
+SPEC = Path(__file__).resolve().parent / "reference" / "fly-machines-openapi.json"
 
 
 @pytest.fixture(scope="module")
