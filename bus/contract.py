@@ -114,9 +114,24 @@ def json_schemas() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     return by_channel, components
 
 
+def _asyncapi_schema(node: Any) -> Any:
+    """msgspec writes OpenAPI's discriminator object (`{"propertyName", "mapping"}`); an AsyncAPI Schema
+    Object's `discriminator` is the property's name alone (the real parser refuses the object)."""
+    if isinstance(node, dict):
+        return {
+            key: value["propertyName"]
+            if key == "discriminator" and isinstance(value, dict)
+            else _asyncapi_schema(value)
+            for key, value in node.items()
+        }
+    if isinstance(node, list | tuple):
+        return type(node)(_asyncapi_schema(item) for item in node)
+    return node
+
+
 def asyncapi() -> dict[str, Any]:
     """The AsyncAPI 3.0 document of the whole NATS contract."""
-    schemas, components = json_schemas()
+    schemas, components = _asyncapi_schema(json_schemas())
     doc: dict[str, Any] = {
         "asyncapi": ASYNCAPI_VERSION,
         "info": {

@@ -1,12 +1,14 @@
 """The machine-readable contract: `fauxmad schema asyncapi` is a well-formed AsyncAPI 3.0 document whose
 schemas are valid JSON Schema 2020-12, and what a real fleet sends validates against them: a create's
 reply, a heartbeat, an event from the stream, an error reply, a list. `$SRV.INFO` names each endpoint's
-channels. (No AsyncAPI parser is installable here: npm is not on this machine and PyPI has none, so the
-document's structure is checked by hand below; its schemas by the reference validator, jsonschema.)"""
+channels. The document is checked by the reference AsyncAPI parser (npm's `@asyncapi/parser`, run by Node.js;
+`.ci/run` installs it into tests/bus/asyncapi) and its structure by hand below; its schemas by the reference
+JSON Schema validator, jsonschema."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,6 +34,24 @@ def fleet() -> Iterator[DevFleet]:
 def validator(doc: dict[str, Any], ref: dict[str, Any]) -> jsonschema.Draft202012Validator:
     schema = {**ref, "components": doc["components"]}
     return jsonschema.Draft202012Validator(schema)
+
+
+ASYNCAPI_CHECK = ROOT / "tests" / "bus" / "asyncapi"
+
+
+def test_the_reference_asyncapi_parser_accepts_the_document(tmp_path: Any) -> None:
+    node = shutil.which("node")
+    if node is None or not (ASYNCAPI_CHECK / "node_modules" / "@asyncapi" / "parser").is_dir():
+        pytest.skip("the AsyncAPI parser is not installed: `npm ci --prefix tests/bus/asyncapi` (Node.js >= 18)")
+    path = tmp_path / "asyncapi.json"
+    path.write_text(json.dumps(asyncapi()))
+    done = subprocess.run(
+        [node, "check.mjs", str(path)], capture_output=True, text=True, cwd=ASYNCAPI_CHECK, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["channels"] == len(channels()) and found["operations"] == len(channels())
+    assert f"{subjects.PREFIX}.worker.{{worker_id}}.machines.reserve" in found["addresses"]
 
 
 def test_the_document_is_asyncapi_3_and_every_schema_is_valid_json_schema() -> None:
