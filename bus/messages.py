@@ -480,6 +480,11 @@ class MachineIndexEntry(Reply):
     port: int | None = None  # addition: the machine's PORT, so the edge proxy can reach it
 
 
+# addition: a cordoned machine (Fly's machine cordon) carries this label in `config.metadata`; edge proxies
+# route no request to it and neither start nor stop it. Set in place, like any label (no restart).
+CORDONED_LABEL = "fauxmad_cordoned"
+
+
 # ---------------------------------------------------------------------------------------------------
 # Edge proxy signals (addition)
 

@@ -1,5 +1,9 @@
 """A machine's metadata (`config.metadata`): read from `get`, written by an `update` that changes only the
-labels, which the worker applies in place (the same instance, no restart)."""
+labels, which the worker applies in place (the same instance, no restart).
+
+A machine's cordon (Fly's `cordon`/`uncordon`: the proxy routes nothing to it) is one such label,
+`bus.messages.CORDONED_LABEL`: the routing index carries a machine's labels, so every edge proxy sees it
+from its KV watch, and nothing else in the fleet needs to know of it."""
 
 from __future__ import annotations
 
@@ -51,7 +55,19 @@ async def delete_metadata(request: web.Request) -> web.Response:
     return await _relabel(request, _key(request), None)
 
 
+async def cordon(request: web.Request) -> web.Response:
+    await _relabel(request, bus.CORDONED_LABEL, "true")
+    return json({"ok": True})
+
+
+async def uncordon(request: web.Request) -> web.Response:
+    await _relabel(request, bus.CORDONED_LABEL, None)
+    return json({"ok": True})
+
+
 def add_routes(app: web.Application, one: str) -> None:
     app.router.add_get(one + "/metadata", get_metadata)
     app.router.add_post(one + "/metadata/{key}", set_metadata)
     app.router.add_delete(one + "/metadata/{key}", delete_metadata)
+    app.router.add_post(one + "/cordon", cordon)
+    app.router.add_post(one + "/uncordon", uncordon)

@@ -110,6 +110,8 @@ def document() -> dict[str, Any]:
             "post": _op("Update a machine", body="UpdateMachineRequest", reply="FlyMachine", params=both),
             "delete": _op("Destroy a machine (?force=true or ?kill=true)", params=both),
         },
+        one + "/cordon": {"post": _op("Cordon: edge proxies route nothing to it", params=both)},
+        one + "/uncordon": {"post": _op("Uncordon", params=both)},
         one + "/start": {"post": _op("Start", params=both)},
         one + "/stop": {"post": _op("Stop", body="StopRequest", params=both)},
         one + "/restart": {"post": _op("Restart", params=both)},

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from bus.codec import decoder
-from bus.messages import MachineIndexEntry
+from bus.messages import CORDONED_LABEL, MachineIndexEntry
 from orchestrator.fleet.machines import MachineIndex
 from orchestrator.fleet.replica import KVReplica
 from orchestrator.fleet.workers import Registry
@@ -152,11 +152,11 @@ class RouteTable:
         return None
 
     def machines(self, app: str) -> list[MachineIndexEntry]:
-        """The app's machines on live workers, destroyed ones left out."""
+        """The app's machines on live workers, destroyed and cordoned ones left out."""
         if self._by_app is None:
             grouped: dict[str, list[MachineIndexEntry]] = {}
             for entry in self.index.by_app_all():
-                if entry.state != "destroyed":
+                if entry.state != "destroyed" and CORDONED_LABEL not in entry.metadata:
                     grouped.setdefault(entry.app, []).append(entry)
             self._by_app = grouped
         entries = self._by_app.get(app, [])

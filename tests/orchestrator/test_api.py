@@ -206,6 +206,11 @@ def test_apps_metadata_and_placements(api: Api) -> None:
     status, _ = api.call("DELETE", path + "/metadata/role")
     assert status == 204
     assert api.call("GET", path + "/metadata") == (200, {})
+    assert api.call("POST", path + "/cordon") == (200, {"ok": True})  # a bodyless POST, as Fly's clients send
+    status, labels = api.call("GET", path + "/metadata")
+    assert labels == {"fauxmad_cordoned": "true"} and api.call("GET", path)[1]["state"] == "started"
+    assert api.call("POST", path + "/uncordon") == (200, {"ok": True})
+    assert api.call("GET", path + "/metadata") == (200, {})
     status, bad = api.call("POST", path + "/metadata/bad%20key", {"value": "x"})
     assert status in (400, 404) and bad["error"]
     status, placed = api.call(

@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from bus.messages import CORDONED_LABEL
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats
@@ -111,6 +112,40 @@ def test_the_preferred_region_goes_first(proxy: kit.ProxyProcess, app) -> None: 
     preferring = arun(kit.get(proxy.port, f"{name}.localhost", headers={"fauxmad-prefer-region": "pxb"}))
     assert plain.json()["machine"] == near
     assert preferring.json()["machine"] == far
+
+
+def test_a_cordoned_machine_gets_no_request_until_uncordoned(proxy: kit.ProxyProcess, app, fleet: DevFleet) -> None:  # type: ignore[no-untyped-def]
+    name, (kept, cordoned) = app("auto_start = false", [("pxa", True), ("pxa", True)])
+
+    async def label(cordon: bool) -> None:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            got = await client.get(name, cordoned, events=False)
+            labels = {k: v for k, v in got.config.metadata.items() if k != CORDONED_LABEL}
+            if cordon:
+                labels[CORDONED_LABEL] = "true"
+            await client.update(name, cordoned, msgspec.structs.replace(got.config, metadata=labels))
+        finally:
+            await client.close()
+
+    async def served(host: str, n: int) -> set[str]:
+        client = kit.Client(proxy.port)
+        try:
+            return {(await client.request(host)).json()["machine"] for _ in range(n)}
+        finally:
+            await client.close()
+
+    host = f"{name}.localhost"
+    assert arun(served(host, 12)) == {kept, cordoned}  # ties at random: both serve
+    arun(label(True))
+    deadline = time.monotonic() + 5
+    while arun(served(host, 1)) != {kept} or arun(served(host, 12)) != {kept}:  # the proxy's KV watch catches up
+        assert time.monotonic() < deadline, "the cordoned machine still got requests"
+    assert state_of(fleet, name, cordoned) == "started"  # cordoned, not stopped: the same process goes on
+    arun(label(False))
+    deadline = time.monotonic() + 5
+    while cordoned not in arun(served(host, 12)):
+        assert time.monotonic() < deadline, "the uncordoned machine got no request"
 
 
 # ---------------------------------------------------------------------------------------------------
