@@ -88,6 +88,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     map_size: int = 8 * 1024 * 1024 * 1024
     secrets_key: str | None = None  # the fleet's secrets key (base64), else the credentials file's, else none
     image_cache_mb: int = 4096  # unpacked images kept on disk (least recently used go first)
+    # (uid, gid) machines run as (`--machine-user`), so they cannot read the worker's files: its
+    # credentials, its LMDB; None: the worker's own user
+    machine_user: tuple[int, int] | None = None
 
 
 class WorkerAgent:
@@ -124,6 +127,10 @@ class WorkerAgent:
         cfg = self.config
         data = Path(cfg.data_dir)
         data.mkdir(parents=True, exist_ok=True)
+        if cfg.machine_user is not None:  # machines pass through to their own directories, and see nothing else
+            for private in (data, data / "machines"):
+                private.mkdir(exist_ok=True)
+                private.chmod(0o711)
         self.nc = await connect(
             cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", agent=True, on_closed=self._on_bus_closed
         )
@@ -153,6 +160,7 @@ class WorkerAgent:
                 memory_mb=cfg.memory_mb,
                 data_dir=str(data),
                 backoff=cfg.backoff,
+                run_as=cfg.machine_user,
             ),
             self.store,
             self.committer,

@@ -65,12 +65,14 @@ async def run_check(
     timeout: float,
     env: dict[str, str],
     cwd: str,
+    run_as: tuple[int, int] | None = None,
 ) -> CheckResult:
-    """Run one check of `kind` ("tcp", "http" or "cmd"); never raises (except on cancellation)."""
+    """Run one check of `kind` ("tcp", "http" or "cmd"); never raises (except on cancellation). A cmd
+    check runs as the machine's user (`run_as`), like the machine."""
     if kind == "cmd":
         if not command:
             return _critical("cmd check needs a command")
-        return await _cmd(command, env, cwd, timeout)
+        return await _cmd(command, env, cwd, timeout, run_as)
     if kind not in ("tcp", "http"):
         return _critical(f"unknown check type {kind!r}")
     if port is None:
@@ -132,7 +134,10 @@ def _http_result(status_line: str) -> CheckResult:
     return _passing(status_line) if 200 <= code < 400 else _critical(status_line)
 
 
-async def _cmd(command: list[str], env: dict[str, str], cwd: str, timeout: float) -> CheckResult:
+async def _cmd(
+    command: list[str], env: dict[str, str], cwd: str, timeout: float, run_as: tuple[int, int] | None
+) -> CheckResult:
+    uid, gid = run_as if run_as is not None else (None, None)
     try:
         proc = await asyncio.create_subprocess_exec(
             *command,
@@ -142,6 +147,9 @@ async def _cmd(command: list[str], env: dict[str, str], cwd: str, timeout: float
             env=env,
             cwd=cwd,
             start_new_session=True,
+            user=uid,
+            group=gid,
+            extra_groups=None if run_as is None else [],
         )
     except Exception as exc:  # not found, not executable, bad cwd: all a critical result
         return _critical(f"cannot run {command[0]!r}: {_describe(exc)}")

@@ -25,10 +25,18 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True):
     cwd: str | None = None  # where `cmd` runs (`config.workdir`); None: `workdir`, the machine's own directory
     sandbox: str = "none"  # "bwrap": in namespaces of its own (workers/sandbox.py)
     image_root: str | None = None  # the unpacked image it runs in: shared, read-only in a sandbox
+    # (uid, gid) the workload runs as (the worker's --machine-user), None: the worker's own user
+    run_as: tuple[int, int] | None = None
+
+    @property
+    def home(self) -> str:
+        """The machine's writable directory: its own, or below it one the machine's user owns (the
+        machine's own holds the shim's files, which the workload must not be able to rewrite)."""
+        return self.workdir if self.run_as is None else f"{self.workdir}/home"
 
     @property
     def run_dir(self) -> str:
-        return self.cwd or self.workdir
+        return self.cwd or self.home
 
 
 class TaskHandle(msgspec.Struct, frozen=True, kw_only=True):

@@ -103,10 +103,11 @@ def make_request(
     cgroups: list[str],
     rlimit_as: int | None,
     sandbox: bool = False,
+    user: str = "",
 ) -> Request:
     args = shim.Args()
     args.workdir, args.cmd, args.env, args.cgroups, args.rlimit_as = workdir, list(cmd), dict(env), cgroups, rlimit_as
-    args.sandbox = sandbox
+    args.sandbox, args.user = sandbox, user
     return Request(args, cwd)
 
 
@@ -118,7 +119,8 @@ def encode_request(request: Request) -> bytes:
     args = request.args
     rlimit = "" if args.rlimit_as is None else str(args.rlimit_as)
     sandbox = "bwrap" if args.sandbox else ""
-    fields = [args.workdir, request.cwd, rlimit, sandbox, str(len(args.cgroups)), *args.cgroups, str(len(args.env))]
+    fields = [args.workdir, request.cwd, rlimit, sandbox, args.user, str(len(args.cgroups)), *args.cgroups]
+    fields.append(str(len(args.env)))
     fields += [f"{key}={value}" for key, value in args.env.items()]
     encoded = [os.fsencode(field) for field in (*fields, *args.cmd)]
     if any(FIELD_SEP in field for field in encoded):
@@ -133,14 +135,18 @@ def decode_request(data: bytes) -> Request:
     args.workdir, cwd, rlimit = fields[0], fields[1], fields[2]
     args.rlimit_as = int(rlimit) if rlimit else None
     args.sandbox = fields[3] == "bwrap"
-    n_cgroups = int(fields[4])
-    args.cgroups = fields[5 : 5 + n_cgroups]
-    at = 5 + n_cgroups
+    args.user = fields[4]
+    n_cgroups = int(fields[5])
+    args.cgroups = fields[6 : 6 + n_cgroups]
+    at = 6 + n_cgroups
     n_env = int(fields[at])
     for item in fields[at + 1 : at + 1 + n_env]:
         key, _, value = item.partition("=")
         args.env[key] = value
     args.cmd = fields[at + 1 + n_env :]
+    uid, colon, gid = args.user.partition(":")
+    if args.user and not (colon and uid.isdigit() and gid.isdigit()):
+        raise ValueError("malformed launch request: user must be UID:GID")
     if not args.workdir or not args.cmd or len(args.cgroups) != n_cgroups:
         raise ValueError("malformed launch request")
     return Request(args, cwd)

@@ -85,6 +85,7 @@ class ManagerConfig(msgspec.Struct, frozen=True, kw_only=True):
     backoff: Backoff = Backoff()
     check_host: str = "127.0.0.1"
     stop_timeout: float = 10.0
+    run_as: tuple[int, int] | None = None  # (uid, gid) of the worker's --machine-user
 
 
 class MachineManager:
@@ -353,10 +354,13 @@ class MachineManager:
         env = {key: os.environ[key] for key in ("PATH", "HOME", "LANG", "TZ") if key in os.environ}
         digest = machine.config.image
         image = self.images.ready(digest) if self.images is not None and digest and is_digest(digest) else None
-        if image is not None:  # its defaults, under the machine's own env; it writes to its own directory
-            env.update(image.manifest.env if image.manifest else {})
-            own = str(self.workdir(machine.id))
-            env.update({"HOME": own, "TMPDIR": own})
+        sandbox = machine.config.guest.sandbox
+        # a machine runs as the worker's --machine-user, but in a sandbox, whose mounts already hide the worker's files
+        run_as = self.config.run_as if sandbox == "none" else None
+        home = str(self.workdir(machine.id)) if run_as is None else str(self.workdir(machine.id) / "home")
+        if image is not None or run_as is not None:  # it writes to its own directory
+            env.update(image.manifest.env if image is not None and image.manifest else {})
+            env.update({"HOME": home, "TMPDIR": home})
         env.update(machine.config.env)
         env.update(self.secret_env(machine.app))
         env.update(
@@ -377,8 +381,9 @@ class MachineManager:
             memory_mb=machine.config.guest.memory_mb,
             cpus=machine.config.guest.cpus,
             cwd=str(image.workdir) if image is not None else machine.config.workdir,
-            sandbox=machine.config.guest.sandbox,
+            sandbox=sandbox,
             image_root=str(image.root) if image is not None else None,
+            run_as=run_as,
         )
 
     def _check_workdir(self, config: MachineConfig) -> None:

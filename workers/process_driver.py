@@ -82,8 +82,8 @@ EXEC_CANNOT_START = 127
 # argv: N, N cgroup directories, RLIMIT_AS bytes (0: none), then the command. Run as `python -I -S -c`.
 EXEC_LAUNCHER = """
 import os, signal, sys
-n = int(sys.argv[1])
-cgroups, rlimit, cmd = sys.argv[2 : 2 + n], int(sys.argv[2 + n]), sys.argv[3 + n :]
+user, n = sys.argv[1], int(sys.argv[2])
+cgroups, rlimit, cmd = sys.argv[3 : 3 + n], int(sys.argv[3 + n]), sys.argv[4 + n :]
 try:
     for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
@@ -97,6 +97,12 @@ try:
     if rlimit > 0:
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (rlimit, rlimit))
+    if user:
+        import warnings  # os.execvpe imports it, and the machine's user may not read the stdlib
+        uid, _, gid = user.partition(":")
+        os.setgroups([])
+        os.setgid(int(gid))
+        os.setuid(int(uid))
     os.execvpe(cmd[0], cmd, dict(os.environ))
 except FileNotFoundError:
     os.write(2, f"fauxmad exec: {cmd[0]}: command not found\\n".encode())
@@ -171,10 +177,18 @@ def _decode_wait(result: os.waitid_result) -> WaitStatus:
 
 
 def _shim_argv(
-    exe: str, cmd: list[str], workdir: str, cgroups: list[str], rlimit: int | None, sandbox: bool = False
+    exe: str,
+    cmd: list[str],
+    workdir: str,
+    cgroups: list[str],
+    rlimit: int | None,
+    sandbox: bool = False,
+    user: str = "",
 ) -> list[str]:
     """`exe -I -S shim.py ...`: isolated mode, no site: the shim must not depend on the environment."""
     argv = [exe, "-I", "-S", SHIM, "--workdir", workdir]
+    if user:
+        argv += ["--user", user]
     for cgroup in cgroups:
         argv += ["--cgroup", cgroup]
     if rlimit is not None:
@@ -197,6 +211,20 @@ def _command(spec: TaskSpec, workdir: Path, cwd: Path) -> list[str]:
             bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir)], readonly=[image], cwd=str(cwd)
         )
     return bwrap_argv(bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir), str(cwd)], cwd=str(cwd))
+
+
+def _user(spec: TaskSpec) -> str:
+    """The shim's `--user` for this machine: "UID:GID", or "" to run as the worker's own user."""
+    return "" if spec.run_as is None else f"{spec.run_as[0]}:{spec.run_as[1]}"
+
+
+def _make_home(spec: TaskSpec) -> None:
+    """The directory a machine run as another user writes to, owned by that user; the machine's own
+    directory (the shim's files, its logs) stays the worker's, and can be passed through but not listed."""
+    assert spec.run_as is not None
+    os.makedirs(spec.home, exist_ok=True)
+    os.chmod(spec.workdir, 0o711)
+    os.chown(spec.home, *spec.run_as)
 
 
 class ProcessDriver:
@@ -255,6 +283,9 @@ class ProcessDriver:
         it answers), else spawned directly."""
         cwd = Path(spec.run_dir).absolute()
         cmd, sandboxed = _command(spec, workdir, cwd), spec.sandbox != "none"
+        user = _user(spec)
+        if user:
+            _make_home(spec)
         request = make_request(
             workdir=str(workdir),
             cwd=str(cwd),
@@ -263,12 +294,13 @@ class ProcessDriver:
             cgroups=cgroups,
             rlimit_as=rlimit,
             sandbox=sandboxed,
+            user=user,
         )
         launched = await self._launcher.launch(request)
         if launched is not None:
             return launched
         prepare_workdir(str(workdir))
-        argv = _shim_argv(self.python, cmd, str(workdir), cgroups, rlimit, sandboxed)
+        argv = _shim_argv(self.python, cmd, str(workdir), cgroups, rlimit, sandboxed, user)
         proc = self._spawn(argv, spec.env, workdir, cwd)
         stat = _proc_stat(proc.pid)
         # Our own child cannot vanish before we reap it, so its stat is there (as a zombie at worst).
@@ -462,7 +494,7 @@ class ProcessDriver:
     async def exec(self, handle: TaskHandle, spec: TaskSpec, cmd: list[str], timeout: float) -> ExecReply:
         """Run `cmd` in the machine's environment, working directory and limits; see the module docstring."""
         rlimit = self.limits.rlimit_as(spec.memory_mb) or 0
-        argv = [self.python, "-I", "-S", "-c", EXEC_LAUNCHER, str(len(handle.cgroups)), *handle.cgroups]
+        argv = [self.python, "-I", "-S", "-c", EXEC_LAUNCHER, _user(spec), str(len(handle.cgroups)), *handle.cgroups]
         if spec.sandbox != "none":  # into the sandbox's namespaces (nsenter forks, so it joins the pid one too)
             sandbox = _read_pid(Path(handle.workdir) / CHILD_PID)
             if sandbox is not None:

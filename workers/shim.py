@@ -38,7 +38,10 @@ Key decisions:
   not the outer bwrap. bwrap's init reports a death by signal N as exit code 128 + N; the shim records
   it as the signal, as for a plain machine.
 
-Usage: shim.py --workdir DIR [--cgroup PATH]... [--rlimit-as BYTES] [--sandbox bwrap] -- CMD [ARG...]
+- With `--user UID:GID` the workload drops to that user (no supplementary groups) after joining its
+  cgroups and before exec: the worker's files (its credentials, its LMDB) are not readable to it.
+
+Usage: shim.py --workdir DIR [--cgroup PATH]... [--rlimit-as BYTES] [--sandbox bwrap] [--user UID:GID] -- CMD [ARG...]
 Run that way, the workload's environment is the shim's own environment; its cwd is the shim's cwd.
 """
 
@@ -63,6 +66,7 @@ class Args:
         self.cgroups: list[str] = []
         self.rlimit_as: int | None = None
         self.sandbox = False  # CMD is a bwrap command line (see the module docstring)
+        self.user = ""  # "UID:GID" the workload runs as; "": the shim's own
         self.cmd: list[str] = []
         self.env: dict[str, str] = {}
 
@@ -86,6 +90,8 @@ def parse_args(argv: list[str]) -> Args:
             args.rlimit_as = int(value)
         elif opt == "--sandbox":
             args.sandbox = value == "bwrap"
+        elif opt == "--user":
+            args.user = value
         else:
             raise ValueError(f"unknown option {opt}")
         i += 2
@@ -133,6 +139,16 @@ def join_cgroups(cgroups: list[str]) -> None:
             os.close(fd)
 
 
+def drop_to(user: str) -> None:
+    """Become UID:GID for good (groups first: once the uid is dropped it may no longer change them)."""
+    import warnings  # noqa: F401 - os.execvpe imports it, and the machine's user may not read the stdlib
+
+    uid, _, gid = user.partition(":")
+    os.setgroups([])
+    os.setgid(int(gid))
+    os.setuid(int(uid))
+
+
 def run_child(args: Args) -> None:
     """In the forked child: become the workload. Never returns."""
     try:
@@ -143,6 +159,8 @@ def run_child(args: Args) -> None:
             import resource
 
             resource.setrlimit(resource.RLIMIT_AS, (args.rlimit_as, args.rlimit_as))
+        if args.user:
+            drop_to(args.user)
         os.execvpe(args.cmd[0], args.cmd, args.env)
     except BaseException as exc:  # anything at all: the child must not fall back into the shim
         try:

@@ -192,6 +192,7 @@ class Store:
             map_async=False,
             readahead=False,
             max_readers=256,
+            mode=0o600,  # the op log holds every machine's config and env: the worker's alone
         )
         self.db_log = self.env.open_db(DB_LOG)
         self.db_machines = self.env.open_db(DB_MACHINES)

@@ -207,6 +207,7 @@ class Supervisor:
                 timeout=timeout,
                 env=spec.env,
                 cwd=spec.run_dir,
+                run_as=spec.run_as,
             )
             metrics.CHECKS.labels(result.status).inc()
             if result.status != last:

@@ -41,6 +41,43 @@ def host_memory_mb() -> int:
     return 1024
 
 
+def machine_user(value: str | None) -> tuple[int, int] | None:
+    """`--machine-user NAME`, `UID` or `UID:GID` as (uid, gid); a user name gives its primary group."""
+    if value is None:
+        return None
+    import pwd
+
+    name, _, group = value.partition(":")
+    try:
+        entry = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
+        uid, gid = entry.pw_uid, entry.pw_gid
+    except KeyError:
+        if not name.isdigit():
+            fail(f"--machine-user: no user {name!r} on this host", EXIT_USAGE)
+        uid, gid = int(name), int(name)  # a bare uid with no passwd entry: its own group
+    if group:
+        if not group.isdigit():
+            fail(f"--machine-user: the group in {value!r} must be a number (UID:GID)", EXIT_USAGE)
+        gid = int(group)
+    if uid == 0:
+        fail("--machine-user: machines must not run as root (uid 0)", EXIT_USAGE)
+    if os.geteuid() != 0:
+        fail("--machine-user needs the worker to run as root (it switches each machine to that user)", EXIT_USAGE)
+    return uid, gid
+
+
+def _check_searchable(data_dir: Path) -> None:
+    """Machines run as another user reach their directories under the data dir: every folder above it
+    must let others pass (o+x), or every machine would fail to start."""
+    for parent in data_dir.absolute().parents:
+        if parent.exists() and not parent.stat().st_mode & 0o001:
+            fail(
+                f"--machine-user: {parent} does not let others pass (chmod o+x), so machines could not "
+                "reach their directories under --data-dir (use a data dir such as /var/lib/fauxmad)",
+                EXIT_USAGE,
+            )
+
+
 def default_data_dir(worker_id: str) -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "fauxmad" / "workers" / worker_id
@@ -79,6 +116,13 @@ def worker(
     image_cache_mb: int = typer.Option(
         4096, "--image-cache-mb", min=1, help="disk for unpacked images (least recently used go first)"
     ),
+    run_machines_as: str | None = typer.Option(
+        None,
+        "--machine-user",
+        help="run machines as this user (NAME, UID or UID:GID; the worker runs as root), so they cannot read "
+        "the worker's credentials or data; sandboxed machines keep their namespaces' view",
+        show_default=False,
+    ),
     count: int = typer.Option(
         1,
         "--count",
@@ -109,6 +153,9 @@ def worker(
         typer.echo(f"no --nats given: started an embedded nats-server at {url}", err=True)
     root = data_dir or default_data_dir(wid)
     key = _read_secrets_key(secrets_key)
+    run_as = machine_user(run_machines_as)
+    if run_as is not None:
+        _check_searchable(root)
     ids = [wid] if count == 1 else [f"{wid}-{i:04d}" for i in range(count)]
     configs = [
         WorkerConfig(
@@ -124,6 +171,7 @@ def worker(
             map_size=(8 << 30) if count == 1 else (64 << 20),
             secrets_key=key,
             image_cache_mb=image_cache_mb,
+            machine_user=run_as,
         )
         for one in ids
     ]

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +34,7 @@ class SecureFleet:
         self.url = f"tls://127.0.0.1:{self.port}"
         self.dir = FleetDir(root / "fleet")
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.machine_user_data = root / "unused"
 
     def cli(self, identity: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if k not in ("FAUXMAD_NATS_URL", "FAUXMAD_CREDS")}
@@ -59,6 +62,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFleet]:
     secure = SecureFleet(tmp_path_factory.mktemp("secure-fleet"))
     secure.dir.init(port=secure.port)
     secure.dir.add_worker("sec-w1", "mad")
+    secure.dir.add_worker("sec-w2", "mus")  # runs its machines as `nobody` (--machine-user)
     secure.dir.add_user("broker-1", "broker")
     secure.dir.add_user("ci-web", "deployer", app="web")
     secure.dir.add_user("ops-bob", "viewer")
@@ -86,11 +90,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFleet]:
             *("worker", "--nats", secure.url, "--region", "mad", "--worker-id", "sec-w1"),
             *("--cpus", "4", "--memory-mb", "4096", "--data-dir", str(data)),
         )
+        secure.machine_user_data = Path(tempfile.mkdtemp(prefix="fauxmad-machine-user-"))  # /tmp lets others pass
+        secure.spawn(
+            "worker-sec-w2",
+            *("worker", "--nats", secure.url, "--region", "mus", "--worker-id", "sec-w2"),
+            *("--cpus", "4", "--memory-mb", "4096", "--data-dir", str(secure.machine_user_data)),
+            *("--machine-user", "nobody"),
+        )
         secure.spawn("broker-1", "broker", "--nats", secure.url)
         deadline = time.monotonic() + 30
         while True:
             listed = secure.cli("ops-bob", "workers", "--json", "--nats", secure.url)
-            if listed.returncode == 0 and json.loads(listed.stdout):
+            if listed.returncode == 0 and len(json.loads(listed.stdout)) == 2:
                 break
             assert time.monotonic() < deadline, f"no worker came up: {listed.stderr}"
             time.sleep(0.2)
@@ -104,6 +115,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFleet]:
             except subprocess.TimeoutExpired:
                 proc.kill()
         subprocess.run(["pkill", "-f", str(secure.root)], check=False)  # machines the worker left
+        subprocess.run(["pkill", "-f", str(secure.machine_user_data)], check=False)
+        shutil.rmtree(secure.machine_user_data, ignore_errors=True)
         server.terminate()
         server.wait(timeout=10)
 
@@ -142,6 +155,35 @@ def test_a_sandboxed_machine_has_no_way_to_the_workers_credentials(fleet: Secure
         assert seed not in looked.stdout + looked.stderr and "FAUXMAD_CREDS" not in looked.stdout
     finally:
         fleet.cli("ci-web", "machine", "destroy", machine_id, *base, "--force")
+
+
+def test_a_machine_runs_as_the_machine_user_and_cannot_read_the_workers_files(fleet: SecureFleet) -> None:
+    creds = fleet.dir.creds("worker-sec-w2")
+    seed = json.loads(creds.read_text())["seed"]
+    data = fleet.machine_user_data
+    base = ("-a", "web", "--nats", fleet.url)
+    run = fleet.cli(
+        "ci-web", "machine", "run", *base, "-r", "mus", "--json", "--", "sh", "-c", "id -u > uid; exec sleep 60"
+    )
+    assert run.returncode == 0, run.stderr
+    machine = json.loads(run.stdout)
+    assert machine["worker_id"] == "sec-w2"
+    try:
+        script = (
+            f'cat uid; id -u; echo "home=$HOME"; touch written && echo wrote; cat {creds}; ls {data}; '
+            f"cat {data}/lmdb/data.mdb | wc -c; ls {data}/machines; env"
+        )
+        looked = fleet.cli("ci-web", "machine", "exec", machine["id"], *base, "--", "sh", "-c", script)
+        out = looked.stdout + looked.stderr
+        lines = looked.stdout.splitlines()
+        nobody = str(pwd.getpwnam("nobody").pw_uid)
+        assert lines[:2] == [nobody, nobody], out  # the machine and an exec in it both run as nobody
+        assert lines[2] == f"home={data / 'machines' / machine['id'] / 'home'}", out
+        assert "wrote" in lines, out  # its own home is writable
+        assert out.count("Permission denied") >= 4, out  # credentials, data dir, LMDB, the machines' folder
+        assert seed not in out and "FAUXMAD_CREDS" not in out and "lock.mdb" not in out  # no listing of its data
+    finally:
+        fleet.cli("ci-web", "machine", "destroy", machine["id"], *base, "--force")
 
 
 def test_a_viewer_reads_and_cannot_create(fleet: SecureFleet) -> None:
