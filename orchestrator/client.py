@@ -90,9 +90,10 @@ class FleetClient:
         self.closed = asyncio.Event()  # set when a connection made by `connect` ends for good
 
     @classmethod
-    async def connect(cls, url: str, name: str = "fauxmad-cli") -> FleetClient:
+    async def connect(cls, url: str, name: str = "fauxmad-cli", *, creds: str | None = None) -> FleetClient:
+        """`creds`: a secure fleet's credentials file (default: `$FAUXMAD_CREDS`)."""
         closed = asyncio.Event()
-        client = cls(await connect(url, name, on_closed=lambda why: closed.set()))
+        client = cls(await connect(url, name, on_closed=lambda why: closed.set(), creds=creds))
         client.closed = closed
         return client
 

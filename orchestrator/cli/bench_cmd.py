@@ -195,6 +195,23 @@ def api(
     _finish(result, bench.report(result), output, json_out)
 
 
+@bench_app.command("secure")
+def secure(
+    creates: int = typer.Option(500, "--creates", "-n", min=1, max=100_000, help="measured creates on each fleet"),
+    workers: int = typer.Option(3, "--workers", min=1, max=50, help="workers in each fleet"),
+    warmup: int = typer.Option(50, "--warmup", min=0, help="creates on each fleet before measuring"),
+    output: Path = typer.Option(Path("bench-secure.json"), "--output", "-o", help=OUTPUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """What security costs a create: an open and a secure fleet (mutual TLS, an identity per process,
+    permissions enforced by nats-server) side by side, creates alternating between them."""
+    from orchestrator.bench import secure as bench
+
+    options = bench.SecureOptions(creates=creates, workers=workers, warmup=warmup)
+    result = _measure(lambda: bench.run_secure_bench(options, _progress))
+    _finish(result, bench.report(result), output, json_out)
+
+
 @bench_app.command("proxy")
 def proxy(
     requests: int = typer.Option(2000, "--requests", "-n", min=10, max=1_000_000, help="GETs each way, one at a time"),

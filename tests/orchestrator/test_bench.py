@@ -6,6 +6,7 @@ No timing is asserted anywhere: numbers belong in notes, not tests.
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,16 @@ def test_proxy_bench_on_a_real_fleet_and_proxy(tmp_path: Path) -> None:
     assert result.requests_per_second > 0
     text = plain(report(result))
     assert "GET through the proxy" in text and "first byte, machine suspended" in text
+
+
+@pytest.mark.timeout(180)
+def test_secure_bench_measures_an_open_and_a_secure_fleet_side_by_side() -> None:
+    from orchestrator.bench.secure import SecureOptions, report, run_secure_bench
+
+    progress: list[str] = []
+    result = run_secure_bench(SecureOptions(creates=6, workers=1, warmup=1), progress.append)
+    assert result.open_create.count == result.secure_create.count == 6
+    assert any("one secure (mutual TLS)" in line for line in progress)
+    text = plain(report(result))
+    assert "secure (mTLS + nkeys + permissions)" in text and "security adds" in text
+    assert os.environ.get("FAUXMAD_CREDS") is None  # the secure fleet put back the environment it changed
