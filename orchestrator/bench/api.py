@@ -2,7 +2,9 @@
 
 One run, one fleet: creates (reserve only, so process starts do not drown the difference) alternate
 between HTTP (through a `fauxmad api` process) and NATS (FleetClient), then gets at concurrency C
-through the API for requests per second. The API is its own process, as in production.
+through the API for requests per second. The API is its own process, as in production. The HTTP side
+uses the bench's raw keep-alive client (`http_client`, as the proxy bench does), as thin as nats-py on
+the NATS side, so the difference is the API and not a client library's framing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import uvloop
 
 from bus.messages import CreateRequest, Guest, MachineConfig
 from orchestrator.bench import BenchError
+from orchestrator.bench.http_client import Client
 from orchestrator.bench.report import Report, Table, host_info, latency_table
 from orchestrator.bench.stats import Latency, summarize
 from orchestrator.client import FleetClient
@@ -27,6 +30,8 @@ from orchestrator.devfleet import DevFleet, FleetSpec
 
 Progress = Callable[[str], None]
 CONFIG = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=1))
+HOST = "127.0.0.1"
+JSON_TYPE = {"content-type": "application/json"}
 BODY = {"region": "mad", "skip_launch": True, "config": {"init": {"cmd": ["sleep", "300"]}, "guest": {"memory_mb": 1}}}
 
 
@@ -66,20 +71,18 @@ async def _ready(http: aiohttp.ClientSession, base: str, proc: subprocess.Popen[
     raise BenchError("the API process never listened")
 
 
-async def _creates(
-    http: aiohttp.ClientSession, base: str, client: FleetClient, n: int
-) -> tuple[list[float], list[float], list[str]]:
+async def _creates(http: Client, client: FleetClient, n: int) -> tuple[list[float], list[float], list[str]]:
     via_http: list[float] = []
     via_nats: list[float] = []
     ids: list[str] = []
+    body = msgspec.json.encode(BODY)
     for _ in range(n):
         t0 = time.perf_counter()
-        async with http.post(base + "/v1/apps/bench/machines", json=BODY) as resp:
-            body = await resp.json()
-            if resp.status != 200:
-                raise BenchError(f"HTTP create: {resp.status} {body}")
+        resp = await http.request(HOST, "/v1/apps/bench/machines", method="POST", headers=JSON_TYPE, body=body)
         via_http.append(time.perf_counter() - t0)
-        ids.append(body["id"])
+        if resp.status != 200:
+            raise BenchError(f"HTTP create: {resp.status} {resp.body[:200]!r}")
+        ids.append(resp.json()["id"])
         t0 = time.perf_counter()
         machine = await client.create("bench", CreateRequest(region="mad", config=CONFIG, skip_launch=True))
         via_nats.append(time.perf_counter() - t0)
@@ -87,20 +90,21 @@ async def _creates(
     return via_http, via_nats, ids
 
 
-async def _gets(
-    http: aiohttp.ClientSession, base: str, ids: list[str], options: ApiOptions
-) -> tuple[list[float], float]:
+async def _gets(port: int, ids: list[str], options: ApiOptions) -> tuple[list[float], float]:
     samples: list[float] = []
     todo = iter(range(options.gets))
 
     async def one_client() -> None:
-        for i in todo:
-            t0 = time.perf_counter()
-            async with http.get(f"{base}/v1/apps/bench/machines/{ids[i % len(ids)]}") as resp:
-                await resp.read()
+        http = Client(port)
+        try:
+            for i in todo:
+                t0 = time.perf_counter()
+                resp = await http.request(HOST, f"/v1/apps/bench/machines/{ids[i % len(ids)]}")
                 if resp.status != 200:
                     raise BenchError(f"HTTP get: {resp.status}")
-            samples.append(time.perf_counter() - t0)
+                samples.append(time.perf_counter() - t0)
+        finally:
+            await http.close()
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one_client() for _ in range(options.concurrency)))
@@ -113,17 +117,18 @@ async def _measure(fleet: DevFleet, options: ApiOptions, progress: Progress) -> 
     cmd = [sys.executable, "-m", "orchestrator.cli", "api", "--listen", f"127.0.0.1:{port}", "--nats", fleet.url]
     proc = subprocess.Popen(cmd)
     client = await FleetClient.connect(fleet.url, "fauxmad-bench")
+    http = Client(port)
     try:
-        connector = aiohttp.TCPConnector(limit=options.concurrency)
-        async with aiohttp.ClientSession(connector=connector) as http:
-            await _ready(http, base, proc)
-            progress(f"{options.creates} creates each way, alternating HTTP and NATS")
-            via_http, via_nats, ids = await _creates(http, base, client, options.creates)
-            progress(f"{options.gets} gets through the API at concurrency {options.concurrency}")
-            samples, rate = await _gets(http, base, ids, options)
+        async with aiohttp.ClientSession() as session:
+            await _ready(session, base, proc)
+        progress(f"{options.creates} creates each way, alternating HTTP and NATS")
+        via_http, via_nats, ids = await _creates(http, client, options.creates)
+        progress(f"{options.gets} gets through the API at concurrency {options.concurrency}")
+        samples, rate = await _gets(port, ids, options)
         for machine_id in ids:
             await client.destroy("bench", machine_id, force=True)
     finally:
+        await http.close()
         await client.close()
         proc.terminate()
         proc.wait(10)

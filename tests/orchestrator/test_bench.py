@@ -175,3 +175,13 @@ def test_secure_bench_measures_an_open_and_a_secure_fleet_side_by_side() -> None
     text = plain(report(result))
     assert "secure (mTLS + nkeys + permissions)" in text and "security adds" in text
     assert os.environ.get("FAUXMAD_CREDS") is None  # the secure fleet put back the environment it changed
+
+
+@pytest.mark.timeout(180)
+def test_api_bench_on_a_real_fleet_and_api_process() -> None:
+    from orchestrator.bench.api import ApiOptions, report, run_api
+
+    result = run_api(ApiOptions(creates=5, gets=40, concurrency=4), lambda line: None)
+    assert result.http_create.count == result.nats_create.count == 5
+    assert result.http_get.count == 40 and result.gets_per_second > 0
+    assert "HTTP adds" in plain(report(result))
