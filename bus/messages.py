@@ -480,6 +480,22 @@ class MachineIndexEntry(Reply):
     port: int | None = None  # addition: the machine's PORT, so the edge proxy can reach it
 
 
+def index_entry(machine: Machine) -> MachineIndexEntry:
+    """A machine's routing index entry: what its worker writes, and what a broker or proxy that has just
+    placed or started it remembers until the index's watch catches up."""
+    return MachineIndexEntry(
+        id=machine.id,
+        worker_id=machine.worker_id,
+        region=machine.region,
+        app=machine.app,
+        state=machine.state,
+        name=machine.name,
+        version=machine.version,
+        metadata=dict(machine.config.metadata),
+        port=machine.port,
+    )
+
+
 # addition: a cordoned machine (Fly's machine cordon) carries this label in `config.metadata`; edge proxies
 # route no request to it and neither start nor stop it. Set in place, like any label (no restart).
 CORDONED_LABEL = "fauxmad_cordoned"

@@ -43,7 +43,7 @@ from nats.js.errors import NotFoundError
 
 from bus import subjects
 from bus.codec import encode
-from bus.messages import Machine, MachineEvent, MachineIndexEntry
+from bus.messages import Machine, MachineEvent, MachineIndexEntry, index_entry
 from workers.publisher import BatchPublisher, Message
 from workers.records import MachineRecord, StoredMachine
 
@@ -76,20 +76,6 @@ def record_events(events: Sequence[MachineEvent], seq: int) -> list[MachineEvent
     while start and events[start - 1].seq == seq:
         start -= 1
     return list(events[start:])
-
-
-def index_entry(machine: Machine) -> MachineIndexEntry:
-    return MachineIndexEntry(
-        id=machine.id,
-        worker_id=machine.worker_id,
-        region=machine.region,
-        app=machine.app,
-        state=machine.state,
-        name=machine.name,
-        version=machine.version,
-        metadata=dict(machine.config.metadata),
-        port=machine.port,
-    )
 
 
 class PendingEvent(NamedTuple):

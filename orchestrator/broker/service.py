@@ -38,7 +38,6 @@ from bus.messages import (
     LeaseRequest,
     ListRequest,
     Machine,
-    MachineIndexEntry,
     RegionsListRequest,
     RegionSummary,
     ReleaseRequest,
@@ -47,6 +46,7 @@ from bus.messages import (
     StartRequest,
     WorkerInfo,
     WorkersListRequest,
+    index_entry,
 )
 from bus.scatter import Scatterer
 from bus.service import Responder, call, request
@@ -166,16 +166,7 @@ class Broker:
             machine, outcome = await metrics.measured(
                 strategy, lambda: self.auction.place(app, req), lambda placed: placed[1]
             )
-        self.index.remember(
-            MachineIndexEntry(
-                id=machine.id,
-                worker_id=machine.worker_id,
-                region=machine.region,
-                app=app,
-                state=machine.state,
-                name=machine.name,
-            )
-        )
+        self.index.remember(index_entry(machine))
         if not req.skip_launch and machine.state == "created":  # a hedge, or a key's machine reserved earlier
             assert self.nc is not None
             machine = await call(

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import msgspec
 
 from bus.errors import FauxmadError
-from bus.messages import CreateRequest, Machine, MachineIndexEntry
+from bus.messages import CreateRequest, Machine, MachineIndexEntry, index_entry
 from orchestrator.client import FleetClient
 from orchestrator.proxy.routes import App, RouteTable
 from orchestrator.proxy.upstream import Pool, connect_when_up
@@ -28,20 +28,6 @@ CREATED_BY_KEY = "fauxmad_created_by"  # metadata of a machine the proxy created
 
 class WakeError(Exception):
     """A start or create for a request did not give a machine that accepts connections; the reason."""
-
-
-def _entry(machine: Machine) -> MachineIndexEntry:
-    return MachineIndexEntry(
-        id=machine.id,
-        worker_id=machine.worker_id,
-        region=machine.region,
-        app=machine.app,
-        state=machine.state,
-        name=machine.name,
-        version=machine.version,
-        metadata=dict(machine.config.metadata),
-        port=machine.port,
-    )
 
 
 class Waker:
@@ -105,7 +91,7 @@ class Waker:
     async def _ready(self, machine: Machine, kind: str) -> MachineIndexEntry:
         if machine.state != "started" or machine.port is None:
             raise WakeError(f"{machine.id} is {machine.state} after its {kind}")
-        entry = _entry(machine)
+        entry = index_entry(machine)
         self.routes.remember(entry)
         port = self.port_of(entry)
         conn = await connect_when_up((self.host, port), self.ready_timeout)
