@@ -25,6 +25,7 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True):
     cwd: str | None = None  # where `cmd` runs (`config.workdir`); None: `workdir`, the machine's own directory
     sandbox: str = "none"  # "bwrap": in namespaces of its own (workers/sandbox.py)
     image_root: str | None = None  # the unpacked image it runs in: shared, read-only in a sandbox
+    volumes: list[tuple[str, str]] = []  # (host directory, mount path): bound at the path in a sandbox
 
     @property
     def run_dir(self) -> str:

@@ -191,12 +191,21 @@ def _command(spec: TaskSpec, workdir: Path, cwd: Path) -> list[str]:
     bwrap = bwrap_path()
     if bwrap is None:
         raise FileNotFoundError(f"machine {spec.machine_id}: guest.sandbox 'bwrap' but bwrap is not installed")
+    binds = [(host, path) for host, path in spec.volumes]  # its volumes, read-write at their mount paths
     if spec.image_root is not None:  # the image is seen read-only; the machine writes to its own directory
         image = spec.image_root
         return bwrap_argv(
-            bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir)], readonly=[image], cwd=str(cwd)
+            bwrap,
+            spec.cmd,
+            hostname=spec.machine_id,
+            writable=[str(workdir)],
+            readonly=[image],
+            cwd=str(cwd),
+            binds=binds,
         )
-    return bwrap_argv(bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir), str(cwd)], cwd=str(cwd))
+    return bwrap_argv(
+        bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir), str(cwd)], cwd=str(cwd), binds=binds
+    )
 
 
 class ProcessDriver:

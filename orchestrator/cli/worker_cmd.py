@@ -76,6 +76,12 @@ def worker(
         show_default=False,
     ),
     metrics_listen: str | None = MetricsOption,
+    volume_capacity_gb: int = typer.Option(
+        0,
+        "--volume-capacity-gb",
+        min=0,
+        help="GB of volumes this worker may hold (sizes summed; 0: the data dir's free disk when it starts)",
+    ),
     image_cache_mb: int = typer.Option(
         4096, "--image-cache-mb", min=1, help="disk for unpacked images (least recently used go first)"
     ),
@@ -124,6 +130,7 @@ def worker(
             map_size=(8 << 30) if count == 1 else (64 << 20),
             secrets_key=key,
             image_cache_mb=image_cache_mb,
+            volume_capacity_gb=volume_capacity_gb or None,
         )
         for one in ids
     ]
