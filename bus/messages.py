@@ -285,10 +285,9 @@ class WorkerInfo(Reply):
     # addition: machines per app (what an offer's app_machines says), for placement from the replica
     app_machines: dict[str, int] = {}
     sandboxes: list[str] = []  # addition: as an offer's
-    # additions (README "Volumes"): the volumes' sizes it may hold and holds, and how it enforces a size
+    # additions (README "Volumes"): the volumes' sizes it may hold, and holds
     volume_capacity_gb: int = 0
     volume_used_gb: int = 0
-    volume_mode: str = ""
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -58,6 +58,20 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     secure: bool = os.environ.get(SECURE_ENV) == "1"
 
 
+def unmount_under(root: Path) -> int:
+    """Unmount (lazily) every mount point below `root`, deepest first; returns how many."""
+    prefix = str(root.resolve()) + "/"
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return 0
+    points = [line.split()[4].replace("\\040", " ") for line in lines if len(line.split()) > 4]
+    mine = sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True)
+    for point in mine:
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    return len(mine)
+
+
 class DevFleet:
     def __init__(self, spec: FleetSpec, *, progress: Callable[[str], None] = lambda line: None) -> None:
         self.spec = spec
@@ -376,6 +390,7 @@ class DevFleet:
             self.nats = None
         self._kill_untracked_children()
         if self._own_dir:
+            unmount_under(self.root)  # volumes' loop mounts (README "Volumes"): freed with their loop devices
             shutil.rmtree(self.root, ignore_errors=True)
         if self._creds_before is not None:  # put back what the secure suite mode changed
             (before,) = self._creds_before

@@ -69,7 +69,7 @@ from workers.secrets import SecretsCache
 from workers.store import Store
 from workers.supervision import Backoff
 from workers.tally import MachineTally
-from workers.volume_fs import VolumeFs, detect
+from workers.volume_fs import VolumeFs
 from workers.volumes import VolumeManager
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,6 @@ class WorkerAgent:
         """Volumes under `<data>/volumes`, with the backend this host allows (`workers.volume_fs.detect`)."""
         assert self.store is not None and self.committer is not None
         root = data / "volumes"
-        mode = await asyncio.to_thread(detect, str(root))
         capacity = self.config.volume_capacity_gb
         if capacity is None:
             capacity = max(1, shutil.disk_usage(data).free >> 30)
@@ -216,7 +215,7 @@ class WorkerAgent:
             capacity_gb=capacity,
             store=self.store,
             committer=self.committer,
-            fs=VolumeFs(root, mode),
+            fs=VolumeFs(root),
             js=js,
             snapshots=await snapshot_store(js),
             scratch=data,
@@ -379,7 +378,6 @@ class WorkerAgent:
             sandboxes=list(snap.sandboxes),
             volume_capacity_gb=self.volumes.capacity_gb if self.volumes else 0,
             volume_used_gb=self.volumes.held_gb() if self.volumes else 0,
-            volume_mode=self.volumes.fs.mode if self.volumes else "",
         )
 
     # ------------------------------------------------------------------------------------------

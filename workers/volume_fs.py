@@ -1,6 +1,8 @@
 """Where a volume's bytes live on the worker's host, and how its size is enforced.
 
-Two backends, chosen once when the worker starts (`detect`), reported on every volume (`size_limit`):
+Two backends, detected once per worker process when its first volume is made (`detect`: probing costs a
+mkfs and a mount, which a worker that never holds a volume should not pay), and kept with each volume
+(`size_limit`), so a volume is always handled the way it was made:
 
 - `loop` (the default wherever it works): each volume is a sparse file `<data>/volumes/<id>.img` of
   `size_gb` GiB holding an ext4 filesystem, loop-mounted at `<data>/volumes/<id>`. The kernel enforces
@@ -67,12 +69,14 @@ def detect(scratch: str) -> str:
 
 
 class VolumeFs:
-    """The volumes of one worker under `<data>/volumes`, with one backend (`mode`)."""
+    """The volumes of one worker under `<data>/volumes`; each call names the volume's backend (`mode`)."""
 
-    def __init__(self, root: Path, mode: str) -> None:
+    def __init__(self, root: Path) -> None:
         self.root = root
-        self.mode = mode
-        root.mkdir(parents=True, exist_ok=True)
+
+    def detect(self) -> str:
+        """The backend new volumes get on this host (probed on first use, then remembered)."""
+        return detect(str(self.root))
 
     def path(self, volume_id: str) -> Path:
         """Where the volume's files are (the mount point of its image, or its directory)."""
@@ -84,21 +88,21 @@ class VolumeFs:
     def mounted(self, volume_id: str) -> bool:
         return os.path.ismount(self.path(volume_id))
 
-    def make(self, volume_id: str, size_gb: int) -> None:
+    def make(self, volume_id: str, size_gb: int, mode: str) -> None:
         """A new, empty volume (whatever a crash left of an earlier try is replaced)."""
         self.remove(volume_id)
         self.path(volume_id).mkdir(parents=True)
-        if self.mode == "loop":
+        if mode == "loop":
             with self.image(volume_id).open("wb") as f:
                 f.truncate(size_gb * GIB)
             _run("mkfs.ext4", "-q", "-F", "-m", "0", "-E", "nodiscard", str(self.image(volume_id)))
-            self.ensure(volume_id, size_gb)
+            self.ensure(volume_id, size_gb, mode)
             with contextlib.suppress(OSError):
                 os.rmdir(self.path(volume_id) / "lost+found")  # the volume starts empty, as users expect
 
-    def ensure(self, volume_id: str, size_gb: int) -> None:
+    def ensure(self, volume_id: str, size_gb: int, mode: str) -> None:
         """Mounted, at its recorded size (after a restart, a crash mid-extend, a host reboot)."""
-        if self.mode != "loop":
+        if mode != "loop":
             self.path(volume_id).mkdir(parents=True, exist_ok=True)
             return
         image = self.image(volume_id)
@@ -111,13 +115,13 @@ class VolumeFs:
         if not self.mounted(volume_id):
             _run("mount", "-o", "loop", str(image), str(self.path(volume_id)))
         device = _run("findmnt", "-n", "-o", "SOURCE", "--mountpoint", str(self.path(volume_id))).strip()
-        block_size, blocks, _, _ = self.usage(volume_id)
+        block_size, blocks, _, _ = self.usage(volume_id, mode)
         if device and block_size * blocks < size_gb * GIB * 0.9:  # ext4 keeps a few % for itself
             _run("losetup", "-c", device)  # the loop device learns the file's new size
             _run("resize2fs", device)  # online grow of a mounted ext4
 
-    def extend(self, volume_id: str, size_gb: int) -> None:
-        self.ensure(volume_id, size_gb)
+    def extend(self, volume_id: str, size_gb: int, mode: str) -> None:
+        self.ensure(volume_id, size_gb, mode)
 
     def remove(self, volume_id: str) -> None:
         """Unmount and delete the volume's files; nothing there is fine."""
@@ -132,11 +136,11 @@ class VolumeFs:
         with contextlib.suppress(FileNotFoundError):
             self.image(volume_id).unlink()
 
-    def usage(self, volume_id: str) -> tuple[int, int, int, int]:
+    def usage(self, volume_id: str, mode: str) -> tuple[int, int, int, int]:
         """(block_size, blocks, blocks_free, blocks_avail): statvfs of a mounted image; for a plain
         directory its size in 4 KiB blocks is measured (blocks = used, nothing is known to be free)."""
         path = self.path(volume_id)
-        if self.mode == "loop" and self.mounted(volume_id):
+        if mode == "loop" and self.mounted(volume_id):
             st = os.statvfs(path)
             return st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail
         used = sum(entry.stat().st_blocks * 512 for entry in path.rglob("*") if entry.is_file()) if path.exists() else 0

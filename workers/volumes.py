@@ -73,6 +73,11 @@ def move(volume: Volume, to: str, now: float) -> None:
     volume.updated_at = iso(now)
 
 
+def _mode(volume: Volume) -> str:
+    """The backend a volume was made with (`workers.volume_fs`): an ext4 image is a loop mount."""
+    return "loop" if volume.size_limit == "loop" else "dir"
+
+
 def attach(tx: Tx, machine: Machine) -> None:
     """In a machine's reserve transaction: its volumes become `attached` to it, or the reserve fails."""
     for mount in machine.config.mounts:
@@ -137,11 +142,10 @@ class VolumeManager:
     # reads
 
     def view(self, volume: Volume) -> Volume:
-        out = msgspec.structs.replace(volume, size_limit="loop" if self.fs.mode == "loop" else "none")
-        out.fstype = "ext4" if self.fs.mode == "loop" else "dir"
+        out = msgspec.structs.replace(volume)
         if volume.state in VOLUME_READY:
             with contextlib.suppress(OSError):
-                out.block_size, out.blocks, out.blocks_free, out.blocks_avail = self.fs.usage(volume.id)
+                out.block_size, out.blocks, out.blocks_free, out.blocks_avail = self.fs.usage(volume.id, _mode(volume))
         return out
 
     def require(self, volume_id: str) -> Volume:
@@ -180,6 +184,7 @@ class VolumeManager:
                 f"snapshot {request.snapshot_id} is of a {source[0].size_gb} GB volume: size_gb must be at least that"
             )
         volume_id = request.id or new_volume_id()
+        mode = await asyncio.to_thread(self.fs.detect)
 
         def op(tx: Tx) -> tuple[Volume, bool]:
             held = tx.volume(volume_id)
@@ -208,6 +213,8 @@ class VolumeManager:
                 created_at=stamp,
                 updated_at=stamp,
                 snapshot_id=request.snapshot_id,
+                fstype="ext4" if mode == "loop" else "dir",
+                size_limit="loop" if mode == "loop" else "none",
             )
             return tx.put_volume(volume, "create"), True
 
@@ -222,7 +229,7 @@ class VolumeManager:
 
         Also how `recover` finishes a create cut short: `make` starts over from nothing."""
         try:
-            await asyncio.to_thread(self.fs.make, volume.id, volume.size_gb)
+            await asyncio.to_thread(self.fs.make, volume.id, volume.size_gb, _mode(volume))
             if volume.snapshot_id:
                 await self._restore(volume)
         except (VolumeFsError, NotFound, BadRequest, OSError) as exc:
@@ -262,7 +269,7 @@ class VolumeManager:
 
             volume = await self._commit(op)
             # after the commit: a worker killed here finds the new size in the log and `recover` grows it
-            await asyncio.to_thread(self.fs.extend, volume.id, volume.size_gb)
+            await asyncio.to_thread(self.fs.extend, volume.id, volume.size_gb, _mode(volume))
             return self.view(volume)
 
     async def destroy(self, request: VolumeIdRequest) -> Volume:
@@ -316,7 +323,7 @@ class VolumeManager:
                     await self._finish_destroy(volume.id)
                     outcome = "destroyed"
                 elif volume.state in VOLUME_READY:
-                    await asyncio.to_thread(self.fs.ensure, volume.id, volume.size_gb)
+                    await asyncio.to_thread(self.fs.ensure, volume.id, volume.size_gb, _mode(volume))
                     outcome = "mounted"
                 else:
                     continue
@@ -329,7 +336,7 @@ class VolumeManager:
     async def ready(self, volume_id: str) -> Path:
         """The host directory of a volume a machine is about to run with (mounted now if it was not)."""
         volume = self.require(volume_id)
-        await asyncio.to_thread(self.fs.ensure, volume.id, volume.size_gb)
+        await asyncio.to_thread(self.fs.ensure, volume.id, volume.size_gb, _mode(volume))
         return self.fs.path(volume_id)
 
     # ------------------------------------------------------------------------------------------
