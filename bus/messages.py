@@ -593,7 +593,7 @@ EMPTY_OK: frozenset[type[Request]] = frozenset({ListRequest})
 
 VolumeId = Annotated[str, msgspec.Meta(pattern=r"^vol_[0-9a-z]{16}$")]
 SnapshotId = Annotated[str, msgspec.Meta(pattern=r"^vs_[0-9a-z]{16}$")]
-SizeGb = Annotated[int, msgspec.Meta(ge=1, le=16384)]
+SizeGb = Annotated[int, msgspec.Meta(ge=1, le=500)]  # Fly's largest volume
 VolumeState = Literal["creating", "created", "attached", "destroying", "destroyed"]
 
 

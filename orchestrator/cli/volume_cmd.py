@@ -89,7 +89,7 @@ def create(
     region: str = typer.Option(
         ..., "--region", "-r", help="its region (a worker there gets it)", callback=check_region
     ),
-    size_gb: int = typer.Option(1, "--size-gb", "-s", min=1, max=16384, help="its size in GB (enforced)"),
+    size_gb: int = typer.Option(1, "--size-gb", "-s", min=1, max=500, help="its size in GB (enforced)"),
     snapshot: str | None = typer.Option(
         None, "--snapshot", help="restore this snapshot (vs_...) into it, from any worker", callback=_snapshot_id
     ),
@@ -138,7 +138,7 @@ def show(
 def extend(
     volume_id: str = VolumeArgument,
     app: str = AppOption,
-    size_gb: int = typer.Option(..., "--size-gb", "-s", min=1, max=16384, help="the new size in GB (only grows)"),
+    size_gb: int = typer.Option(..., "--size-gb", "-s", min=1, max=500, help="the new size in GB (only grows)"),
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
 ) -> None:
