@@ -7,7 +7,8 @@ mkfs and a mount, which a worker that never holds a volume should not pay), and 
 - `loop` (the default wherever it works): each volume is a sparse file `<data>/volumes/<id>.img` of
   `size_gb` GiB holding an ext4 filesystem, loop-mounted at `<data>/volumes/<id>`. The kernel enforces
   the size (a write past it is ENOSPC), a sparse file costs only what is written, and extending is a
-  `truncate` plus an online `resize2fs`. It needs root (mount, losetup) and `mkfs.ext4`; `detect`
+  `truncate` plus `resize2fs` (online; where the kernel refuses that, at the next start of the machine
+  using it, or at once if none does). It needs root (mount, losetup) and `mkfs.ext4`; `detect`
   proves it works by making, mounting and unmounting a small image rather than guessing from the uid.
 - `dir` (the fallback): a plain directory. The size is not enforced by the kernel (no loop devices,
   and a project quota would need the data dir's filesystem mounted with `prjquota`, which a worker
@@ -30,19 +31,19 @@ import tempfile
 from pathlib import Path
 
 GIB = 1 << 30
-TOOLS = ("mkfs.ext4", "mount", "umount", "losetup", "resize2fs", "findmnt")
+TOOLS = ("mkfs.ext4", "mount", "umount", "losetup", "resize2fs", "e2fsck", "findmnt")
 
 
 class VolumeFsError(Exception):
     """The host could not do what the volume needs (the message says which command and why)."""
 
 
-def _run(*argv: str) -> str:
+def _run(*argv: str, ok: tuple[int, ...] = (0,)) -> str:
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise VolumeFsError(f"{argv[0]}: {exc}") from None
-    if done.returncode != 0:
+    if done.returncode not in ok:
         raise VolumeFsError(f"{' '.join(argv[:2])}: {(done.stderr or done.stdout).strip()[:300]}")
     return done.stdout
 
@@ -100,11 +101,14 @@ class VolumeFs:
             with contextlib.suppress(OSError):
                 os.rmdir(self.path(volume_id) / "lost+found")  # the volume starts empty, as users expect
 
-    def ensure(self, volume_id: str, size_gb: int, mode: str) -> None:
-        """Mounted, at its recorded size (after a restart, a crash mid-extend, a host reboot)."""
+    def ensure(self, volume_id: str, size_gb: int, mode: str, *, offline_ok: bool = True) -> bool:
+        """Mounted, at its recorded size (after a restart, a crash mid-extend, a host reboot); True if the
+        filesystem has that size now. Growing tries online first (`resize2fs` on the mounted device); where
+        the kernel refuses that (some containers do), it unmounts, grows and mounts again, but only with
+        `offline_ok` (nothing uses the volume): else the growth waits for the next start of its machine."""
         if mode != "loop":
             self.path(volume_id).mkdir(parents=True, exist_ok=True)
-            return
+            return True
         image = self.image(volume_id)
         if not image.exists():
             raise VolumeFsError(f"volume {volume_id}: its image {image} is missing")
@@ -114,14 +118,29 @@ class VolumeFs:
         self.path(volume_id).mkdir(parents=True, exist_ok=True)
         if not self.mounted(volume_id):
             _run("mount", "-o", "loop", str(image), str(self.path(volume_id)))
+        if self._fs_bytes(volume_id, mode) >= size_gb * GIB * 0.9:  # ext4 keeps a few % for itself
+            return True
         device = _run("findmnt", "-n", "-o", "SOURCE", "--mountpoint", str(self.path(volume_id))).strip()
-        block_size, blocks, _, _ = self.usage(volume_id, mode)
-        if device and block_size * blocks < size_gb * GIB * 0.9:  # ext4 keeps a few % for itself
+        try:
             _run("losetup", "-c", device)  # the loop device learns the file's new size
             _run("resize2fs", device)  # online grow of a mounted ext4
+            return True
+        except VolumeFsError:
+            if not offline_ok:
+                return False
+        _run("umount", str(self.path(volume_id)))
+        _run("e2fsck", "-f", "-p", str(image), ok=(0, 1))  # 1: it fixed something
+        _run("resize2fs", str(image))
+        _run("mount", "-o", "loop", str(image), str(self.path(volume_id)))
+        return True
 
-    def extend(self, volume_id: str, size_gb: int, mode: str) -> None:
-        self.ensure(volume_id, size_gb, mode)
+    def _fs_bytes(self, volume_id: str, mode: str) -> int:
+        block_size, blocks, _, _ = self.usage(volume_id, mode)
+        return block_size * blocks
+
+    def extend(self, volume_id: str, size_gb: int, mode: str, *, in_use: bool) -> bool:
+        """Grow to `size_gb`; False if it must wait for the machine using it to start again."""
+        return self.ensure(volume_id, size_gb, mode, offline_ok=not in_use)
 
     def remove(self, volume_id: str) -> None:
         """Unmount and delete the volume's files; nothing there is fine."""

@@ -269,7 +269,10 @@ class VolumeManager:
 
             volume = await self._commit(op)
             # after the commit: a worker killed here finds the new size in the log and `recover` grows it
-            await asyncio.to_thread(self.fs.extend, volume.id, volume.size_gb, _mode(volume))
+            in_use = volume.state == "attached"
+            if not await asyncio.to_thread(self.fs.extend, volume.id, volume.size_gb, _mode(volume), in_use=in_use):
+                log.info("volume %s: grows to %d GB when machine %s starts again", volume.id, volume.size_gb,
+                         volume.attached_machine_id)  # fmt: skip
             return self.view(volume)
 
     async def destroy(self, request: VolumeIdRequest) -> Volume:
@@ -323,7 +326,10 @@ class VolumeManager:
                     await self._finish_destroy(volume.id)
                     outcome = "destroyed"
                 elif volume.state in VOLUME_READY:
-                    await asyncio.to_thread(self.fs.ensure, volume.id, volume.size_gb, _mode(volume))
+                    offline_ok = volume.state != "attached"  # its machine may be running (re-adopted)
+                    await asyncio.to_thread(
+                        self.fs.ensure, volume.id, volume.size_gb, _mode(volume), offline_ok=offline_ok
+                    )
                     outcome = "mounted"
                 else:
                     continue
