@@ -239,5 +239,5 @@ class ExtendVolumeRequest(Body):
 
 
 class ExtendVolumeResponse(msgspec.Struct, kw_only=True):
-    needs_restart: bool = False  # an ext4 image grows online: a machine using it sees the new size at once
+    needs_restart: bool = False  # true: the kernel refused an online grow; it grows when its machine starts
     volume: Volume

@@ -52,7 +52,9 @@ async def extend_volume(request: web.Request) -> web.Response:
     vid = volume_id(request)
     req = await body(request, types.ExtendVolumeRequest)
     volume = await _ask(request, "extend", bus.VolumeExtendRequest(id=vid, size_gb=req.size_gb), bus.Volume, 90)
-    return json(types.ExtendVolumeResponse(needs_restart=False, volume=volume))
+    # the worker grows it online where the kernel lets it; else it grows when its machine starts again
+    grown = volume.size_limit != "loop" or volume.blocks * volume.block_size >= volume.size_gb * 0.9 * (1 << 30)
+    return json(types.ExtendVolumeResponse(needs_restart=not grown, volume=volume))
 
 
 async def destroy_volume(request: web.Request) -> web.Response:
