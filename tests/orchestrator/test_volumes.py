@@ -295,3 +295,59 @@ def test_readme_volumes_block_runs_verbatim(fleet: DevFleet) -> None:
         capture_output=True, text=True, env=env, timeout=180, cwd=str(ROOT),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_http_api_speaks_fly_volumes(fleet: DevFleet) -> None:
+    import urllib.error
+    import urllib.request
+
+    from tests.orchestrator.test_api import start_api
+
+    proc, base = start_api(fleet.url)
+
+    def call(method: str, path: str, payload: object | None = None) -> tuple[int, object]:
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(
+            base + path, data=data, method=method, headers={"content-type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+    try:
+        # what flyctl sends, fields fauxmad does not act on included
+        status, volume = call("POST", "/v1/apps/httpvol/volumes", {
+            "name": "data", "region": REGION, "size_gb": 1, "encrypted": True, "require_unique_zone": False,
+            "snapshot_retention": 5, "fstype": "ext4"})  # fmt: skip
+        assert status == 200, volume
+        assert isinstance(volume, dict) and volume["state"] == "created" and volume["size_gb"] == 1
+        vid = volume["id"]
+        assert call("GET", f"/v1/apps/httpvol/volumes/{vid}")[1]["zone"] == volume["worker_id"]  # type: ignore[index]
+        assert [v["id"] for v in call("GET", "/v1/apps/httpvol/volumes")[1]] == [vid]  # type: ignore[union-attr]
+        status, machine = call("POST", "/v1/apps/httpvol/machines", {
+            "region": REGION, "config": {"init": {"exec": ["sleep", "600"]}, "guest": {"cpus": 1, "memory_mb": 64},
+                                         "mounts": [{"volume": vid, "path": "/data"}]}})  # fmt: skip
+        assert status == 200, machine
+        assert machine["worker_id"] == volume["worker_id"]  # type: ignore[index]
+        assert machine["config"]["mounts"] == [{"volume": vid, "path": "/data"}]  # type: ignore[index]
+        status, busy = call("DELETE", f"/v1/apps/httpvol/volumes/{vid}")
+        assert status == 409 and "attached" in busy["error"], busy  # type: ignore[index]
+        status, extended = call("PUT", f"/v1/apps/httpvol/volumes/{vid}/extend", {"size_gb": 2})
+        assert status == 200 and extended["volume"]["size_gb"] == 2, extended  # type: ignore[index]
+        assert isinstance(extended["needs_restart"], bool)  # type: ignore[index]
+        status, snap = call("POST", f"/v1/apps/httpvol/volumes/{vid}/snapshots")
+        assert status == 200 and snap["volume_id"] == vid, snap  # type: ignore[index]
+        listed = call("GET", f"/v1/apps/httpvol/volumes/{vid}/snapshots")[1]
+        assert [s["id"] for s in listed] == [snap["id"]]  # type: ignore[index, union-attr]
+        assert call("GET", "/v1/apps/httpvol/volumes/vol_nope")[0] == 404
+        assert call("POST", "/v1/apps/httpvol/volumes", {"name": "x", "region": REGION, "size_gb": 0})[0] == 400
+        status, full = call("POST", "/v1/apps/httpvol/volumes", {"name": "x", "region": "nowhere"})
+        assert status == 503 and full["status"] == "insufficient_capacity"  # type: ignore[index]
+        assert call("DELETE", f"/v1/apps/httpvol/machines/{machine['id']}?force=true")[0] == 200  # type: ignore[index]
+        status, gone = call("DELETE", f"/v1/apps/httpvol/volumes/{vid}")
+        assert status == 200 and gone["state"] == "destroyed"  # type: ignore[index]
+    finally:
+        proc.terminate()
+        proc.wait(10)
