@@ -208,6 +208,19 @@ def _command(spec: TaskSpec, workdir: Path, cwd: Path) -> list[str]:
     )
 
 
+async def _sandbox_ready(pid_file: Path, paths: list[str], wait: float = 5.0) -> int | None:
+    """The sandbox's pid once bwrap has reported it and (seen through its root) bound its volumes: an exec
+    right after a start must not run beside the sandbox, nor in it before its mounts are there."""
+    deadline = time.monotonic() + wait
+    while True:
+        pid = _read_pid(pid_file)
+        if pid is not None and all(os.path.exists(f"/proc/{pid}/root{path}") for path in paths):
+            return pid
+        if time.monotonic() > deadline:
+            return pid
+        await asyncio.sleep(0.01)
+
+
 class ProcessDriver:
     """Runs each machine as a process tree under a shim; see the module docstring."""
 
@@ -472,10 +485,22 @@ class ProcessDriver:
         """Run `cmd` in the machine's environment, working directory and limits; see the module docstring."""
         rlimit = self.limits.rlimit_as(spec.memory_mb) or 0
         argv = [self.python, "-I", "-S", "-c", EXEC_LAUNCHER, str(len(handle.cgroups)), *handle.cgroups]
-        if spec.sandbox != "none":  # into the sandbox's namespaces (nsenter forks, so it joins the pid one too)
-            sandbox = _read_pid(Path(handle.workdir) / CHILD_PID)
+        if spec.sandbox != "none":  # into its namespaces and its root (nsenter forks, so it joins the pid one too)
+            sandbox = await _sandbox_ready(Path(handle.workdir) / CHILD_PID, [path for _, path in spec.volumes])
             if sandbox is not None:
-                cmd = ["nsenter", "-t", str(sandbox), "-p", "-m", "-i", "-u", f"--wd={spec.run_dir}", "--", *cmd]
+                cmd = [
+                    "nsenter",
+                    "-t",
+                    str(sandbox),
+                    "-p",
+                    "-m",
+                    "-i",
+                    "-u",
+                    "-r",
+                    "-w",
+                    "--",
+                    *cmd,
+                ]  # -w: its cwd, run_dir
         proc = await asyncio.create_subprocess_exec(
             *argv,
             str(rlimit),

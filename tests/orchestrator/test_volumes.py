@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -158,6 +159,24 @@ def test_a_snapshot_restores_on_another_worker_with_its_data_intact(fleet: DevFl
     source, restored = with_client(fleet, main)
     assert tree_digest(host_dir(fleet, restored)) == tree_digest(host_dir(fleet, source))
     assert os.readlink(host_dir(fleet, restored) / "link") == "notes.txt"
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_sandboxed_machine_sees_its_volume_at_its_path(fleet: DevFleet) -> None:
+    async def main(c: FleetClient) -> tuple[Volume, str]:
+        volume = await c.volume_create("boxed", REGION, "data", 1)
+        config = msgspec.structs.replace(
+            mounted(volume, path="/srv/data"), guest=Guest(cpus=1, memory_mb=64, sandbox="bwrap")
+        )
+        m = await c.create("boxed", CreateRequest(region=REGION, config=config))
+        script = 'echo written-inside > /srv/data/f && echo "$FAUXMAD_VOLUME_PATH" && ls /srv'
+        out = await c.exec("boxed", m.id, ["sh", "-c", script])
+        await c.destroy("boxed", m.id, force=True)
+        return volume, out.stdout + out.stderr
+
+    volume, stdout = with_client(fleet, main)
+    assert stdout == "/srv/data\ndata\n"
+    assert (host_dir(fleet, volume) / "f").read_text() == "written-inside\n"
 
 
 def test_illegal_transitions_are_409_on_the_worker_and_through_the_brokers(fleet: DevFleet) -> None:
