@@ -20,8 +20,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import secrets
-import string
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -36,6 +34,7 @@ from nats.js.object_store import ObjectStore
 
 from bus import subjects
 from bus.errors import BadRequest, Conflict, NoCapacity, NotFound
+from bus.ids import new_snapshot_id, new_volume_id
 from bus.messages import (
     Machine,
     Volume,
@@ -54,16 +53,6 @@ from workers.volume_fs import VolumeFs, VolumeFsError
 from workers.volume_lifecycle import VOLUME_HOLDS, VOLUME_READY, check_volume_transition
 
 log = logging.getLogger(__name__)
-
-_ALPHABET = string.digits + string.ascii_lowercase
-
-
-def new_volume_id() -> str:
-    return "vol_" + "".join(secrets.choice(_ALPHABET) for _ in range(16))
-
-
-def new_snapshot_id() -> str:
-    return "vs_" + "".join(secrets.choice(_ALPHABET) for _ in range(16))
 
 
 def move(volume: Volume, to: str, now: float) -> None:

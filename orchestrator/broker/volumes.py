@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-import secrets
-import string
 from typing import Any
 
 from nats.aio.client import Client
@@ -27,6 +25,7 @@ from nats.js.object_store import ObjectStore
 from bus import subjects
 from bus.codec import decode, encode
 from bus.errors import BadRequest, FauxmadError, NoCapacity, NotFound, Unreachable
+from bus.ids import new_volume_id
 from bus.messages import (
     API_VOLUME_REQUESTS,
     VOLUME_EMPTY_OK,
@@ -46,14 +45,8 @@ from orchestrator.fleet.workers import Registry
 
 log = logging.getLogger(__name__)
 
-_ALPHABET = string.digits + string.ascii_lowercase
-FORWARDED_VOLUME_VERBS = frozenset({"get", "extend", "destroy", "snapshot"})
 # a create restores a whole snapshot, and a snapshot uploads one: give them time (their size is the user's)
 SLOW_VERBS = {"create": 600.0, "snapshot": 600.0}
-
-
-def new_volume_id() -> str:
-    return "vol_" + "".join(secrets.choice(_ALPHABET) for _ in range(16))
 
 
 class Volumes:
