@@ -34,6 +34,7 @@ from bus.images import Images
 from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, revoked_tokens_bucket
 from bus.messages import DestroyRequest, ListRequest
 from bus.secrets import new_private_key, secrets_bucket
+from bus.volumes import snapshot_store, volumes_bucket
 from orchestrator.security.fleetdir import FleetDir
 
 SECURE_ENV = "FAUXMAD_DEV_SECURE"
@@ -194,6 +195,8 @@ class DevFleet:
             await ensure_audit_stream(nc.jetstream())
             await revoked_tokens_bucket(nc.jetstream())
             await Images.open(nc.jetstream())
+            await snapshot_store(nc.jetstream())
+            await volumes_bucket(nc.jetstream())
         finally:
             await nc.close()
 
