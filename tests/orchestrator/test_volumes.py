@@ -370,3 +370,34 @@ def test_the_http_api_speaks_fly_volumes(fleet: DevFleet) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_malformed_volume_requests_get_4xx_and_change_nothing(fleet: DevFleet) -> None:
+    from bus.messages import API_VOLUME_REQUESTS, WORKER_VOLUME_REQUESTS
+
+    bad = [
+        b"{", b"[]", b"null", b'"x"', b"\xff\xfe", b'{"id": 5}', b'{"id": "vol_0123456789abcdef", "nope": 1}',
+        b'{"id": "' + b"v" * 100_000 + b'"}', b'{"id": "vol_0123456789abcdef", "size_gb": -1}',
+        b'{"id": "vol_0123456789abcdef", "size_gb": 1e308}', b'{"region": "a.b", "name": "x"}',
+        b'{"app": "a", "region": "r", "name": "../../etc", "size_gb": 1}', b'{"snapshot_id": "vs_../../x"}',
+    ]  # fmt: skip
+
+    async def main(c: FleetClient) -> None:
+        before = await c.volume_list("fuzz", include_destroyed=True)
+        nc = await connect_nats(fleet.url)
+        try:
+            targets = [(f"fauxmad.v1.worker.{fleet.worker_ids[0]}.volumes.{v}", v) for v in WORKER_VOLUME_REQUESTS]
+            targets += [(f"fauxmad.v1.api.apps.fuzz.volumes.{v}", v) for v in API_VOLUME_REQUESTS]
+            targets += [(f"fauxmad.v1.worker.{fleet.worker_ids[0]}.volumes.nosuchverb", "?")]
+            for subject, verb in targets:
+                for payload in bad:
+                    reply = await nc.request(subject, payload, timeout=10)
+                    code = int((reply.headers or {}).get("Nats-Service-Error-Code", 200))
+                    if verb == "list" and code == 200:
+                        continue  # `null`/`{}`-like bodies of a list are an empty query
+                    assert 400 <= code < 500, (subject, payload[:80], code, reply.data[:200])
+        finally:
+            await nc.close()
+        assert await c.volume_list("fuzz", include_destroyed=True) == before == []
+
+    with_client(fleet, main)
