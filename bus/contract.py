@@ -86,6 +86,41 @@ def channels() -> list[Channel]:
         Channel("audit", f"{P}.audit.{{app}}", "A mutating HTTP API request (stream FAUXMAD_AUDIT).",
                 m.AuditRecord, None, ("app",)),
     ]  # fmt: skip
+    return out + volume_channels()
+
+
+def _volume_reply(verb: str) -> Any:
+    return {"list": list[m.Volume], "snapshot": m.VolumeSnapshot, "snapshots": list[m.VolumeSnapshot]}.get(
+        verb, m.Volume
+    )
+
+
+def volume_channels() -> list[Channel]:
+    """The volume verbs (README "Volumes"): a worker's own, and the brokers' per app."""
+    out = [
+        Channel(
+            f"worker_volumes_{verb}",
+            f"{P}.worker.{{worker_id}}.volumes.{verb}",
+            f"A worker's `{verb}` of one of its volumes (a volume lives on one worker).",
+            kind,
+            _volume_reply(verb),
+            ("worker_id",),
+        )
+        for verb, kind in m.WORKER_VOLUME_REQUESTS.items()
+    ]
+    out += [
+        Channel(
+            f"api_volumes_{verb}",
+            f"{P}.api.apps.{{app}}.volumes.{verb}",
+            f"The brokers' volume `{verb}` (queue group `brokers`)"
+            + (": forwarded to the volume's worker." if verb in m.WORKER_VOLUME_REQUESTS and verb != "create"
+               and verb != "list" else "."),
+            kind,
+            _volume_reply(verb),
+            ("app",),
+        )
+        for verb, kind in m.API_VOLUME_REQUESTS.items()
+    ]  # fmt: skip
     return out
 
 

@@ -27,18 +27,18 @@ from pathlib import Path
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, ObjectStoreConfig, StorageType
-from nats.js.errors import BadRequestError, NotFoundError, ObjectNotFoundError
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import NotFoundError, ObjectNotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus import subjects
 from bus.jetstream import bind_or_create_kv
+from bus.objects import bind_or_create_store, read_chunks
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 TAG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}:[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 MAX_ARCHIVE = 2 << 30  # 2 GiB
-PULL_BATCH = 64  # chunks (128 KiB each) per fetch
 
 
 class ImageError(Exception):
@@ -126,17 +126,7 @@ def unpack(data: bytes, digest: str, into: Path) -> None:
 
 
 async def image_store(js: JetStreamContext) -> ObjectStore:
-    try:
-        return await js.object_store(subjects.IMAGES_STORE)
-    except (NotFoundError, BadRequestError):
-        pass
-    try:
-        return await js.create_object_store(
-            subjects.IMAGES_STORE,
-            ObjectStoreConfig(description="image archives, named by their sha256 digest", storage=StorageType.FILE),
-        )
-    except BadRequestError:
-        return await js.object_store(subjects.IMAGES_STORE)
+    return await bind_or_create_store(js, subjects.IMAGES_STORE, "image archives, named by their sha256 digest")
 
 
 async def tags_bucket(js: JetStreamContext) -> KeyValue:
@@ -223,30 +213,14 @@ class Images:
         return data
 
     async def _read(self, name: str) -> bytes:
-        """The object's bytes, fetched 64 chunks a request by a pull consumer on its chunks' subject.
-
-        Not `ObjectStore.get`: it grows a bytes object chunk by chunk (quadratic: 8 MB/s for 50 MB here),
-        or hops to a thread per chunk with `writeinto`, and an ordered push consumer paces itself with flow
-        control (both about 40 MB/s); this is 145-213 MB/s. Our digest check replaces the store's."""
+        """The object's bytes, by `bus.objects.read_chunks` (our digest check replaces the store's)."""
         try:
             info = await self.store.get_info(name)
         except ObjectNotFoundError:
             raise ImageError(f"no image {name} in the fleet's store") from None
-        size = info.size or 0
-        if size == 0 or not info.nuid:
-            return b""
         buffer = bytearray()
-        sub = await self.js.pull_subscribe(
-            f"$O.{subjects.IMAGES_STORE}.C.{info.nuid}",
-            stream=f"OBJ_{subjects.IMAGES_STORE}",
-            config=ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=30.0),
-        )
-        try:
-            while len(buffer) < size:
-                for msg in await sub.fetch(batch=PULL_BATCH, timeout=10):
-                    buffer += msg.data
-        finally:
-            await sub.unsubscribe()
+        async for chunk in read_chunks(self.js, subjects.IMAGES_STORE, info):
+            buffer += chunk
         return bytes(buffer)
 
     async def list(self) -> list[ImageManifest]:

@@ -12,7 +12,7 @@ import re
 
 from bus.codec import clip
 from bus.errors import BadRequest
-from bus.messages import API_REQUESTS, WORKER_REQUESTS
+from bus.messages import API_REQUESTS, API_VOLUME_REQUESTS, WORKER_REQUESTS, WORKER_VOLUME_REQUESTS
 
 PREFIX = "fauxmad.v1"
 
@@ -24,6 +24,8 @@ IMAGES_STORE = "fauxmad_images"
 IMAGE_TAGS_BUCKET = "fauxmad_image_tags"  # image manifests and tags
 REVOKED_TOKENS_BUCKET = "fauxmad_revoked_tokens"  # ids of revoked HTTP API tokens (value: when and why)
 AUDIT_STREAM = "FAUXMAD_AUDIT"
+VOLUMES_BUCKET = "fauxmad_volumes"  # routing index: volume id -> worker, app, region, state (README "Volumes")
+SNAPSHOTS_STORE = "fauxmad_volume_snapshots"  # volume snapshots: objects named by snapshot id
 EVENTS_STREAM = "FAUXMAD_EVENTS"
 LOGS_STREAM = "FAUXMAD_LOGS"
 
@@ -33,6 +35,8 @@ WORKER_SERVICE = "fauxmad-worker"
 
 WORKER_VERBS = tuple(WORKER_REQUESTS)
 API_VERBS = tuple(API_REQUESTS)
+WORKER_VOLUME_VERBS = tuple(WORKER_VOLUME_REQUESTS)
+API_VOLUME_VERBS = tuple(API_VOLUME_REQUESTS)
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -75,6 +79,23 @@ def worker_info(worker_id: str) -> str:
 
 def worker_cordon(worker_id: str, cordon: bool) -> str:
     return f"{worker_prefix(worker_id)}.{'cordon' if cordon else 'uncordon'}"
+
+
+def worker_volumes(worker_id: str, verb: str) -> str:
+    """A worker's volume verbs (README "Volumes"): `create`, `list`, `get`, `extend`, `destroy`, `snapshot`."""
+    return f"{worker_prefix(worker_id)}.volumes.{verb}"
+
+
+def worker_volumes_wildcard(worker_id: str) -> str:
+    return f"{worker_prefix(worker_id)}.volumes.*"
+
+
+def api_volumes(app: str, verb: str) -> str:
+    """The brokers' volume verbs for an app (queue group `brokers`)."""
+    return f"{PREFIX}.api.apps.{check_token('app', app)}.volumes.{verb}"
+
+
+API_VOLUMES_WILDCARD = f"{PREFIX}.api.apps.*.volumes.*"
 
 
 def api_machines(app: str, verb: str) -> str:
@@ -150,6 +171,6 @@ def parse_verb(subject: str) -> str:
 
 
 def parse_api_app(subject: str) -> str:
-    """The `<app>` token of `fauxmad.v1.api.apps.<app>.machines.<verb>`."""
+    """The `<app>` token of `fauxmad.v1.api.apps.<app>.machines.<verb>` (or `.volumes.<verb>`)."""
     parts = subject.split(".")
     return parts[4] if len(parts) == 7 else ""

@@ -39,6 +39,12 @@ from bus.messages import (
     StopRequest,
     SuspendRequest,
     UpdateRequest,
+    Volume,
+    VolumeApiCreateRequest,
+    VolumeApiListRequest,
+    VolumeExtendRequest,
+    VolumeIdRequest,
+    VolumeSnapshot,
     WaitRequest,
     WorkerInfo,
     WorkersListRequest,
@@ -289,3 +295,38 @@ class FleetClient:
             reader.cancel()
             raise ConnectionLost("the connection to NATS was lost")
         return reader.result()
+
+    # ------------------------------------------------------------------------------------------
+    # volumes (README "Volumes"): the brokers' `fauxmad.v1.api.apps.<app>.volumes.<verb>`
+
+    async def volume_create(
+        self, app: str, region: str, name: str, size_gb: int = 1, *, snapshot_id: str | None = None
+    ) -> Volume:
+        req = VolumeApiCreateRequest(region=region, name=name, size_gb=size_gb, snapshot_id=snapshot_id)
+        return await call(self.nc, subjects.api_volumes(app, "create"), req, Volume, timeout=self.timeout + 600)
+
+    async def volume_list(self, app: str, *, include_destroyed: bool = False) -> builtins.list[Volume]:
+        req = VolumeApiListRequest(include_destroyed=include_destroyed)
+        return await call(self.nc, subjects.api_volumes(app, "list"), req, builtins.list[Volume], timeout=self.timeout)
+
+    async def volume_get(self, app: str, volume_id: str) -> Volume:
+        req = VolumeIdRequest(id=volume_id)
+        return await call(self.nc, subjects.api_volumes(app, "get"), req, Volume, timeout=self.timeout)
+
+    async def volume_extend(self, app: str, volume_id: str, size_gb: int) -> Volume:
+        req = VolumeExtendRequest(id=volume_id, size_gb=size_gb)
+        return await call(self.nc, subjects.api_volumes(app, "extend"), req, Volume, timeout=self.timeout + 60)
+
+    async def volume_destroy(self, app: str, volume_id: str) -> Volume:
+        req = VolumeIdRequest(id=volume_id)
+        return await call(self.nc, subjects.api_volumes(app, "destroy"), req, Volume, timeout=self.timeout + 60)
+
+    async def volume_snapshot(self, app: str, volume_id: str) -> VolumeSnapshot:
+        req = VolumeIdRequest(id=volume_id)
+        subject = subjects.api_volumes(app, "snapshot")
+        return await call(self.nc, subject, req, VolumeSnapshot, timeout=self.timeout + 600)
+
+    async def volume_snapshots(self, app: str, volume_id: str) -> builtins.list[VolumeSnapshot]:
+        req = VolumeIdRequest(id=volume_id)
+        subject = subjects.api_volumes(app, "snapshots")
+        return await call(self.nc, subject, req, builtins.list[VolumeSnapshot], timeout=self.timeout)

@@ -34,6 +34,7 @@ from bus.images import Images
 from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, revoked_tokens_bucket
 from bus.messages import DestroyRequest, ListRequest
 from bus.secrets import new_private_key, secrets_bucket
+from bus.volumes import snapshot_store, volumes_bucket
 from orchestrator.security.fleetdir import FleetDir
 
 SECURE_ENV = "FAUXMAD_DEV_SECURE"
@@ -56,6 +57,20 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # the same setup a production fleet gets (orchestrator/security): mutual TLS, an identity per process;
     # $FAUXMAD_DEV_SECURE=1 makes it the default (to run the test suite against secure fleets)
     secure: bool = os.environ.get(SECURE_ENV) == "1"
+
+
+def unmount_under(root: Path) -> int:
+    """Unmount (lazily) every mount point below `root`, deepest first; returns how many."""
+    prefix = str(root.resolve()) + "/"
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return 0
+    points = [line.split()[4].replace("\\040", " ") for line in lines if len(line.split()) > 4]
+    mine = sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True)
+    for point in mine:
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+    return len(mine)
 
 
 class DevFleet:
@@ -180,6 +195,8 @@ class DevFleet:
             await ensure_audit_stream(nc.jetstream())
             await revoked_tokens_bucket(nc.jetstream())
             await Images.open(nc.jetstream())
+            await snapshot_store(nc.jetstream())
+            await volumes_bucket(nc.jetstream())
         finally:
             await nc.close()
 
@@ -376,6 +393,7 @@ class DevFleet:
             self.nats = None
         self._kill_untracked_children()
         if self._own_dir:
+            unmount_under(self.root)  # volumes' loop mounts (README "Volumes"): freed with their loop devices
             shutil.rmtree(self.root, ignore_errors=True)
         if self._creds_before is not None:  # put back what the secure suite mode changed
             (before,) = self._creds_before

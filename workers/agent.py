@@ -20,6 +20,7 @@ import contextlib
 import inspect
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,9 @@ from bus.images import ImageManifest, Images, image_store, is_digest, tags_bucke
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
     EMPTY_OK,
+    VOLUME_EMPTY_OK,
     WORKER_REQUESTS,
+    WORKER_VOLUME_REQUESTS,
     CordonRequest,
     InfoRequest,
     LogLine,
@@ -50,6 +53,7 @@ from bus.messages import (
 )
 from bus.secrets import load_private_key, secrets_bucket
 from bus.service import Responder
+from bus.volumes import snapshot_store
 from workers import metrics, sandbox
 from workers.commit import GroupCommitter
 from workers.images import ImageCache
@@ -60,11 +64,13 @@ from workers.machines import MachineManager, ManagerConfig
 from workers.offers import Backpressure, Snapshot, answer_offer
 from workers.outbox import Outbox
 from workers.process_driver import ProcessDriver
-from workers.records import ImageRecord, LogRecord, MachineRecord, WorkerState
+from workers.records import ImageRecord, LogRecord, MachineRecord, VolumeRecord, WorkerState
 from workers.secrets import SecretsCache
 from workers.store import Store
 from workers.supervision import Backoff
 from workers.tally import MachineTally
+from workers.volume_fs import VolumeFs
+from workers.volumes import VolumeManager
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +97,7 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (uid, gid) machines run as (`--machine-user`), so they cannot read the worker's files: its
     # credentials, its LMDB; None: the worker's own user
     machine_user: tuple[int, int] | None = None
+    volume_capacity_gb: int | None = None  # volumes' sizes this worker may hold; None: the data dir's free disk
 
 
 class WorkerAgent:
@@ -120,6 +127,7 @@ class WorkerAgent:
         self._beat_pending = False
         self.tally = MachineTally()
         self.image_cache: ImageCache | None = None
+        self.volumes: VolumeManager | None = None
         self._states_seen: set[str] = set()  # for the per-state gauge
 
     # ------------------------------------------------------------------------------------------
@@ -152,6 +160,7 @@ class WorkerAgent:
         self.image_cache = ImageCache(
             data / "images", quota_bytes=cfg.image_cache_mb << 20, fetch=fetch, in_use=self._images_in_use
         )
+        volumes = self.volumes = await self._volume_manager(js, data)
         self.manager = MachineManager(
             ManagerConfig(
                 worker_id=cfg.worker_id,
@@ -169,6 +178,7 @@ class WorkerAgent:
             on_launch=self._follow_logs,
             secret_env=self.secrets.env_for,
             images=self.image_cache,
+            volumes=self.volumes,
         )
         self._images = frozenset(self.store.images())
         # derived from LMDB at start and kept in step by _on_commit: info() must not scan every machine
@@ -179,7 +189,10 @@ class WorkerAgent:
             worker_id=cfg.worker_id,
             connected=lambda: self.nc is not None and self.nc.is_connected,
         )
+        volumes_recovered = await volumes.recover()  # before machines: theirs must be mounted
         self.resumed = await self.manager.readopt()
+        if volumes_recovered:
+            log.info("worker %s: volumes %s", cfg.worker_id, volumes_recovered)
         for stored in self.store.machines():
             if stored.machine.state == "started":
                 self.follower.follow(
@@ -196,6 +209,27 @@ class WorkerAgent:
         # events queued in memory when the worker last stopped may never have reached the stream
         self._tasks.append(self.outbox.republish(self.store.machines()))
         log.info("worker %s in %s up: resumed %s, limits %s", cfg.worker_id, cfg.region, self.resumed, self.limits_mode)
+
+    async def _volume_manager(self, js: Any, data: Path) -> VolumeManager:
+        """Volumes under `<data>/volumes`, with the backend this host allows (`workers.volume_fs.detect`)."""
+        assert self.store is not None and self.committer is not None
+        root = data / "volumes"
+        capacity = self.config.volume_capacity_gb
+        if capacity is None:
+            capacity = max(1, shutil.disk_usage(data).free >> 30)
+        manager = VolumeManager(
+            worker_id=self.config.worker_id,
+            region=self.config.region,
+            capacity_gb=capacity,
+            store=self.store,
+            committer=self.committer,
+            fs=VolumeFs(root),
+            js=js,
+            snapshots=await snapshot_store(js),
+            scratch=data,
+        )
+        manager.on_commit = self._on_commit
+        return manager
 
     async def _subscribe(self) -> None:
         assert self.nc is not None
@@ -217,14 +251,18 @@ class WorkerAgent:
         )
         endpoints = {
             "machines": (subjects.worker_machines_wildcard(cfg.worker_id), self._on_machines),
+            "volumes": (subjects.worker_volumes_wildcard(cfg.worker_id), self._on_volumes),
             "offer": (subjects.worker_offer(cfg.worker_id), self._on_offer),
             "info": (subjects.worker_info(cfg.worker_id), self._on_info),
             "cordon": (subjects.worker_cordon(cfg.worker_id, True), self._on_cordon),
             "uncordon": (subjects.worker_cordon(cfg.worker_id, False), self._on_cordon),
         }
-        machine_channels = [f"worker_machines_{verb}" for verb in WORKER_REQUESTS]
+        described_by = {
+            "machines": [f"worker_machines_{verb}" for verb in WORKER_REQUESTS],
+            "volumes": [f"worker_volumes_{verb}" for verb in WORKER_VOLUME_REQUESTS],
+        }
         for name, (subject, handler) in endpoints.items():
-            described = machine_channels if name == "machines" else [f"worker_{name}"]
+            described = described_by.get(name, [f"worker_{name}"])
             await self._service.add_endpoint(
                 EndpointConfig(
                     name=name,
@@ -295,6 +333,16 @@ class WorkerAgent:
             self.follower.unfollow(result.id)
         return result
 
+    async def _on_volumes(self, subject: str, data: bytes) -> Any:
+        """`worker.<id>.volumes.<verb>`: every verb is the volume manager's method of that name."""
+        verb = subjects.parse_verb(subject)
+        kind = WORKER_VOLUME_REQUESTS.get(verb)
+        if kind is None:
+            raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.WORKER_VOLUME_VERBS)}")
+        request = decode(kind, data, empty_ok=kind in VOLUME_EMPTY_OK)
+        answer = getattr(self.volumes, verb)(request)
+        return await answer if inspect.isawaitable(answer) else answer
+
     async def _on_info(self, subject: str, data: bytes) -> Any:
         decode(InfoRequest, data, empty_ok=True)
         return self.info()
@@ -336,6 +384,8 @@ class WorkerAgent:
             log_seq=self.store.last_seq,
             app_machines=dict(snap.app_machines),
             sandboxes=list(snap.sandboxes),
+            volume_capacity_gb=self.volumes.capacity_gb if self.volumes else 0,
+            volume_used_gb=self.volumes.held_gb() if self.volumes else 0,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -354,6 +404,8 @@ class WorkerAgent:
                     self.follower.unfollow(machine.id)
             elif isinstance(record, ImageRecord):
                 self._images = self._images | {record.image}
+            elif isinstance(record, VolumeRecord):
+                self._beat_soon()  # the registry's volume numbers (the brokers place volumes from them)
 
     def _follow_logs(self, machine: Machine) -> None:
         """Before a process is spawned: follow its files from their current end, so no line is missed."""

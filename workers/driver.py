@@ -27,6 +27,7 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True):
     image_root: str | None = None  # the unpacked image it runs in: shared, read-only in a sandbox
     # (uid, gid) the workload runs as (the worker's --machine-user), None: the worker's own user
     run_as: tuple[int, int] | None = None
+    volumes: list[tuple[str, str]] = []  # (host directory, mount path): bound at the path in a sandbox
 
     @property
     def home(self) -> str:

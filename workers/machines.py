@@ -65,6 +65,7 @@ from workers.signals import parse_signal
 from workers.store import Store, Tx
 from workers.supervision import Backoff
 from workers.supervisor import Supervisor
+from workers.volumes import VolumeManager, attach, detach
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class MachineManager:
         on_launch: Callable[[Machine], None] = lambda machine: None,
         secret_env: Callable[[str], dict[str, str]] = lambda app: {},
         images: ImageCache | None = None,
+        volumes: VolumeManager | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
@@ -108,6 +110,7 @@ class MachineManager:
         self.on_launch = on_launch  # right before a process is spawned (the agent follows its logs from there)
         self.secret_env = secret_env  # the app's secrets in clear, for the environment only (workers/secrets.py)
         self.images = images  # machines whose config.image is a digest run in their unpacked image
+        self.volumes = volumes  # machines with config.mounts run with those volumes (README "Volumes")
         self.clock = clock
         self.inflight = 0
         self.recorder = Recorder(committer, on_commit=on_commit, clock=clock)
@@ -247,6 +250,7 @@ class MachineManager:
                 return held, False  # the same reservation again (a broker's retry or probe): answer with it
             self._check_room(tx, request, machine_id)
             stored = self._new_record(request, machine_id, port, tx.now)
+            attach(tx, stored.machine)  # its volumes are its own from this commit on, or nothing is reserved
             if request.launch:
                 self.recorder.event(stored, "starting", source="user", reason="start requested")
                 stored.desired = "started"
@@ -373,6 +377,12 @@ class MachineManager:
                 "FAUXMAD_INSTANCE_ID": machine.instance_id,
             }
         )
+        volumes = volume_paths(self.volumes, machine)
+        for index, (host, path) in enumerate(volumes):  # a sandbox has it at its path; else the host's directory
+            seen = path if sandbox != "none" else host
+            if index == 0:
+                env["FAUXMAD_VOLUME_PATH"] = seen
+            env[f"FAUXMAD_VOLUME_{index}"] = seen
         return TaskSpec(
             machine_id=machine.id,
             cmd=list(machine.config.cmd),
@@ -384,6 +394,7 @@ class MachineManager:
             sandbox=sandbox,
             image_root=str(image.root) if image is not None else None,
             run_as=run_as,
+            volumes=volumes,
         )
 
     def _check_workdir(self, config: MachineConfig) -> None:
@@ -402,6 +413,10 @@ class MachineManager:
         pulled = None
         try:
             pulled = await self._image_for(stored.machine.config.image)
+            for mount in stored.machine.config.mounts:  # mounted (again, after a host reboot) before it runs
+                if self.volumes is None:
+                    raise RuntimeError("this worker has no volumes")
+                await self.volumes.ready(mount.volume)
             handle = await self.driver.start(self.task_spec(stored))
         except Exception as exc:
             log.warning("machine %s: could not start: %r", machine_id, exc)
@@ -590,6 +605,7 @@ class MachineManager:
             current.machine.lease = None
             current.machine.checks = {}
             self.recorder.event(current, "destroyed", reason="destroyed")
+            detach(tx, current.machine)  # in the same commit: its volumes are free once it is gone
             return tx.put_machine(current, "destroyed")
 
         result: StoredMachine = await self.recorder.commit(op)
@@ -614,6 +630,8 @@ class MachineManager:
                 state = stored.machine.state
                 if state in ("destroying", "destroyed", "stopping", "replacing"):
                     raise Conflict(f"machine {request.id} is {state}; it cannot be updated now")
+                if request.config.mounts != stored.machine.config.mounts:
+                    raise BadRequest("config.mounts cannot change in an update: a volume stays with its machine")
                 old, new = stored.machine.config.guest, request.config.guest
                 usage = tx.usage()
                 if usage.cpus - old.cpus + new.cpus > self.config.cpus or (
@@ -678,6 +696,13 @@ class MachineManager:
     async def close(self) -> None:
         """Stop watching (machines keep running: a worker restart must not kill them)."""
         await self.supervisor.close()
+
+
+def volume_paths(volumes: VolumeManager | None, machine: Machine) -> list[tuple[str, str]]:
+    """(host directory, mount path) of each of the machine's volumes."""
+    if volumes is None:
+        return []
+    return [(str(volumes.host_path(m.volume)), m.path) for m in machine.config.mounts]
 
 
 def only_labels_differ(old: MachineConfig, new: MachineConfig) -> bool:

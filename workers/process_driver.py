@@ -205,12 +205,34 @@ def _command(spec: TaskSpec, workdir: Path, cwd: Path) -> list[str]:
     bwrap = bwrap_path()
     if bwrap is None:
         raise FileNotFoundError(f"machine {spec.machine_id}: guest.sandbox 'bwrap' but bwrap is not installed")
+    binds = [(host, path) for host, path in spec.volumes]  # its volumes, read-write at their mount paths
     if spec.image_root is not None:  # the image is seen read-only; the machine writes to its own directory
         image = spec.image_root
         return bwrap_argv(
-            bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir)], readonly=[image], cwd=str(cwd)
+            bwrap,
+            spec.cmd,
+            hostname=spec.machine_id,
+            writable=[str(workdir)],
+            readonly=[image],
+            cwd=str(cwd),
+            binds=binds,
         )
-    return bwrap_argv(bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir), str(cwd)], cwd=str(cwd))
+    return bwrap_argv(
+        bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir), str(cwd)], cwd=str(cwd), binds=binds
+    )
+
+
+async def _sandbox_ready(pid_file: Path, paths: list[str], wait: float = 5.0) -> int | None:
+    """The sandbox's pid once bwrap has reported it and (seen through its root) bound its volumes: an exec
+    right after a start must not run beside the sandbox, nor in it before its mounts are there."""
+    deadline = time.monotonic() + wait
+    while True:
+        pid = _read_pid(pid_file)
+        if pid is not None and all(os.path.exists(f"/proc/{pid}/root{path}") for path in paths):
+            return pid
+        if time.monotonic() > deadline:
+            return pid
+        await asyncio.sleep(0.01)
 
 
 def _user(spec: TaskSpec) -> str:
@@ -225,6 +247,8 @@ def _make_home(spec: TaskSpec) -> None:
     os.makedirs(spec.home, exist_ok=True)
     os.chmod(spec.workdir, 0o711)
     os.chown(spec.home, *spec.run_as)
+    for host, _ in spec.volumes:  # its volumes' roots are its own too
+        os.chown(host, *spec.run_as)
 
 
 class ProcessDriver:
@@ -495,10 +519,22 @@ class ProcessDriver:
         """Run `cmd` in the machine's environment, working directory and limits; see the module docstring."""
         rlimit = self.limits.rlimit_as(spec.memory_mb) or 0
         argv = [self.python, "-I", "-S", "-c", EXEC_LAUNCHER, _user(spec), str(len(handle.cgroups)), *handle.cgroups]
-        if spec.sandbox != "none":  # into the sandbox's namespaces (nsenter forks, so it joins the pid one too)
-            sandbox = _read_pid(Path(handle.workdir) / CHILD_PID)
+        if spec.sandbox != "none":  # into its namespaces and its root (nsenter forks, so it joins the pid one too)
+            sandbox = await _sandbox_ready(Path(handle.workdir) / CHILD_PID, [path for _, path in spec.volumes])
             if sandbox is not None:
-                cmd = ["nsenter", "-t", str(sandbox), "-p", "-m", "-i", "-u", f"--wd={spec.run_dir}", "--", *cmd]
+                cmd = [
+                    "nsenter",
+                    "-t",
+                    str(sandbox),
+                    "-p",
+                    "-m",
+                    "-i",
+                    "-u",
+                    "-r",
+                    "-w",
+                    "--",
+                    *cmd,
+                ]  # -w: its cwd, run_dir
         proc = await asyncio.create_subprocess_exec(
             *argv,
             str(rlimit),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.messages import Machine, MachineEvent, Resources
+from bus.messages import Machine, MachineEvent, Resources, Volume
 from workers.driver import TaskHandle
 
 EVENTS_KEPT = 20
@@ -66,4 +66,13 @@ class ImageRecord(msgspec.Struct, tag="image", kw_only=True):
     image: str
 
 
-LogRecord = MachineRecord | WorkerRecord | ImageRecord
+class VolumeRecord(msgspec.Struct, tag="volume", kw_only=True):
+    """A volume's new value (README "Volumes"): created, attached, detached, extended, destroyed."""
+
+    seq: int
+    at: float
+    op: str
+    volume: Volume
+
+
+LogRecord = MachineRecord | WorkerRecord | ImageRecord | VolumeRecord

@@ -13,6 +13,7 @@ What a sandboxed machine sees (`bwrap_argv`):
 - its own directories read-write at the same paths (the machine's workdir with its logs and status
   files, and the directory it runs in), a private /tmp, a fresh /proc (only its own processes) and
   a minimal /dev;
+- its volumes read-write at their mount paths (`config.mounts`);
 - its machine id as host name; the rest of its root (bwrap's tmpfs) is read-only.
 
 Signals and exit codes. `--new-session` puts the sandbox (bwrap's little init and the workload) in a
@@ -81,11 +82,14 @@ def bwrap_argv(
     readonly: Sequence[str] = (),
     root_dirs: Sequence[str] = ROOT_DIRS,
     etc_files: Sequence[str] = ETC_FILES,
+    binds: Sequence[tuple[str, str]] = (),
 ) -> list[str]:
     """The command line that runs `cmd` in a sandbox: see the module docstring for what it sees.
 
     `writable` are host directories bound read-write at the same paths (they must exist); `cwd` is where
-    `cmd` starts (one of them, or below one). Pure but for looking at which root directories are symlinks.
+    `cmd` starts (one of them, or below one). `binds` are (host directory, path inside) pairs bound
+    read-write: a machine's volumes at their mount paths. Pure but for looking at which root directories are
+    symlinks.
     """
     argv = [bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--new-session", "--hostname", hostname]
     argv += ["--ro-bind", "/usr", "/usr"]
@@ -102,5 +106,7 @@ def bwrap_argv(
         argv += ["--bind", path, path]
     for path in dict.fromkeys(readonly):  # an image: shared by machines, written by none
         argv += ["--ro-bind", path, path]
+    for host, inside in binds:  # volumes (README "Volumes"): bwrap makes the mount point in its own root
+        argv += ["--bind", host, inside]
     argv += ["--remount-ro", "/", "--chdir", cwd, "--", *cmd]  # the sandbox's own root: read-only too
     return argv

@@ -2,7 +2,8 @@
 
 Layout (one place owns it): sub-database `log` maps an 8-byte big-endian sequence number to a
 record; `machines` maps a machine id to its `StoredMachine`; `idempotency` maps an idempotency key
-to a machine id; `images` maps an image name to the last time it was used; `meta` holds `usage`
+to a machine id; `images` maps an image name to the last time it was used; `volumes` maps a volume id
+to its `Volume` (README "Volumes"); `meta` holds `usage`
 (resources held) and `worker` (cordon state). Every change appends one log record and updates the
 derived tables in the same write transaction, so they can never disagree, and `rebuild` recomputes
 them from the log alone to prove it.
@@ -30,6 +31,7 @@ import lmdb
 import msgspec
 
 from bus.errors import NotFound
+from bus.messages import Volume
 from workers.lifecycle import HOLDS_RESOURCES
 from workers.records import (
     EVENTS_KEPT,
@@ -38,6 +40,7 @@ from workers.records import (
     MachineRecord,
     StoredMachine,
     Usage,
+    VolumeRecord,
     WorkerRecord,
     WorkerState,
 )
@@ -49,6 +52,7 @@ DB_MACHINES = b"machines"
 DB_IDEMPOTENCY = b"idempotency"
 DB_IMAGES = b"images"
 DB_META = b"meta"
+DB_VOLUMES = b"volumes"
 KEY_USAGE = b"usage"
 KEY_WORKER = b"worker"
 
@@ -58,6 +62,7 @@ _record_decoder = msgspec.json.Decoder(LogRecord)
 _machine_decoder = msgspec.json.Decoder(StoredMachine)
 _usage_decoder = msgspec.json.Decoder(Usage)
 _worker_decoder = msgspec.json.Decoder(WorkerState)
+_volume_decoder = msgspec.json.Decoder(Volume)
 
 
 def seq_key(seq: int) -> bytes:
@@ -72,6 +77,7 @@ class Tables(msgspec.Struct, kw_only=True):
     images: dict[str, float]
     usage: Usage
     worker: WorkerState
+    volumes: dict[str, Volume] = {}
 
 
 class Tx:
@@ -139,6 +145,30 @@ class Tx:
         self._append(make)
         self._txn.put(KEY_WORKER, _encoder.encode(state), db=self._store.db_meta)
 
+    def volume(self, volume_id: str) -> Volume | None:
+        raw = self._txn.get(volume_id.encode(), db=self._store.db_volumes)
+        return None if raw is None else _volume_decoder.decode(raw)
+
+    def require_volume(self, volume_id: str) -> Volume:
+        volume = self.volume(volume_id)
+        if volume is None:
+            raise NotFound(f"volume {volume_id} not found on this worker")
+        return volume
+
+    def volumes(self) -> list[Volume]:
+        return [_volume_decoder.decode(value) for _, value in self._txn.cursor(db=self._store.db_volumes)]
+
+    def put_volume(self, volume: Volume, op: str) -> Volume:
+        """Write `volume` (its version becomes this record's sequence): one log record, one table row."""
+
+        def make(seq: int) -> LogRecord:
+            volume.version = seq
+            return VolumeRecord(seq=seq, at=self.now, op=op, volume=volume)
+
+        self._append(make)
+        self._txn.put(volume.id.encode(), _encoder.encode(volume), db=self._store.db_volumes)
+        return volume
+
     def touch_image(self, image: str) -> None:
         if self._txn.get(image.encode(), db=self._store.db_images) is None:
             self._append(lambda seq: ImageRecord(seq=seq, at=self.now, op="image_cached", image=image))
@@ -199,6 +229,7 @@ class Store:
         self.db_idempotency = self.env.open_db(DB_IDEMPOTENCY)
         self.db_images = self.env.open_db(DB_IMAGES)
         self.db_meta = self.env.open_db(DB_META)
+        self.db_volumes = self.env.open_db(DB_VOLUMES)
         self._seq = self._load_last_seq()
 
     def _load_last_seq(self) -> int:
@@ -254,6 +285,15 @@ class Store:
             raw = txn.get(KEY_WORKER, db=self.db_meta)
             return WorkerState() if raw is None else _worker_decoder.decode(raw)
 
+    def volume(self, volume_id: str) -> Volume | None:
+        with self.env.begin() as txn:
+            raw = txn.get(volume_id.encode(), db=self.db_volumes)
+            return None if raw is None else _volume_decoder.decode(raw)
+
+    def volumes(self) -> list[Volume]:
+        with self.env.begin() as txn:
+            return [_volume_decoder.decode(value) for _, value in txn.cursor(db=self.db_volumes)]
+
     def images(self) -> list[str]:
         with self.env.begin() as txn:
             return [key.decode() for key, _ in txn.cursor(db=self.db_images)]
@@ -277,7 +317,9 @@ class Store:
             images = {k.decode(): float(msgspec.json.decode(v)) for k, v in txn.cursor(db=self.db_images)}
             raw_usage = txn.get(KEY_USAGE, db=self.db_meta)
             raw_worker = txn.get(KEY_WORKER, db=self.db_meta)
+            volumes = {k.decode(): _volume_decoder.decode(v) for k, v in txn.cursor(db=self.db_volumes)}
         return Tables(
+            volumes=volumes,
             machines=machines,
             idempotency=idem,
             images=images,
@@ -289,6 +331,7 @@ class Store:
         """Recompute every derived table from the op log alone (it does not touch the live tables)."""
         machines: dict[str, StoredMachine] = {}
         images: dict[str, float] = {}
+        volumes: dict[str, Volume] = {}
         worker = WorkerState()
         for record in self.log():
             match record:
@@ -298,6 +341,8 @@ class Store:
                     worker = state
                 case ImageRecord(image=image, at=at):
                     images.setdefault(image, at)
+                case VolumeRecord(volume=volume):
+                    volumes[volume.id] = volume
         usage = Usage()
         idem: dict[str, str] = {}
         for stored in machines.values():
@@ -307,7 +352,7 @@ class Store:
                 usage.cpus += stored.machine.config.guest.cpus
                 usage.memory_mb += stored.machine.config.guest.memory_mb
                 usage.machines += 1
-        return Tables(machines=machines, idempotency=idem, images=images, usage=usage, worker=worker)
+        return Tables(machines=machines, idempotency=idem, images=images, usage=usage, worker=worker, volumes=volumes)
 
     def compact(self, *, keep_last: int, destroyed_retention: float, limit: int = 50_000) -> int:
         """Drop superseded log records older than the newest `keep_last`; return how many went.
@@ -345,6 +390,9 @@ class Store:
             return record.seq != latest_worker
         if isinstance(record, ImageRecord):
             return False
+        if isinstance(record, VolumeRecord):  # the latest record of a volume stays (destroyed ones too)
+            raw_volume = txn.get(record.volume.id.encode(), db=self.db_volumes)
+            return raw_volume is None or _volume_decoder.decode(raw_volume).version != record.seq
         machine = record.stored.machine
         raw = txn.get(machine.id.encode(), db=self.db_machines)
         if raw is None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from bus.messages import Volume, VolumeSnapshot
 from orchestrator.api import types
 
 _BODIES = [
@@ -23,6 +24,11 @@ _BODIES = [
     types.MetadataValue,
     types.PlacementsRequest,
     types.PlacementsResponse,
+    types.CreateVolumeRequest,
+    types.ExtendVolumeRequest,
+    types.ExtendVolumeResponse,
+    Volume,
+    VolumeSnapshot,
 ]
 _BY_NAME: dict[str, Any] = {kind.__name__: kind for kind in _BODIES}
 _NONCE = {"name": "fly-machine-lease-nonce", "in": "header", "required": True, "schema": {"type": "string"}}
@@ -34,6 +40,12 @@ _APP = {
     "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,64}$"},
 }
 _ID = {"name": "machine_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_VOLUME = {
+    "name": "volume_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": r"^vol_[0-9a-z]{16}$"},
+}
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -118,6 +130,7 @@ def document() -> dict[str, Any]:
         one + "/signal": {"post": _op("Signal", body="SignalRequest", params=both)},
         one + "/wait": {"get": _op("Wait for a state", params=wait_params)},
         one + "/events": {"get": _op("Events", params=both, reply={"type": "array", "items": _ref("FlyMachineEvent")})},
+        **_volume_paths(),
         one + "/lease": {
             "get": _op("Get the lease", params=both),
             "post": _op("Acquire a lease", body="LeaseRequest", params=both),
@@ -129,6 +142,32 @@ def document() -> dict[str, Any]:
         "info": {"title": "fauxmad Machines API (Fly-compatible)", "version": "1"},
         "paths": paths,
         "components": {"schemas": components},
+    }
+
+
+def _volume_paths() -> dict[str, Any]:
+    v = "/v1/apps/{app_name}/volumes"
+    one = v + "/{volume_id}"
+    both = [_APP, _VOLUME]
+    snapshots = {"type": "array", "items": _ref("VolumeSnapshot")}
+    return {
+        v: {
+            "get": _op("List volumes", params=[_APP], reply={"type": "array", "items": _ref("Volume")}),
+            "post": _op(
+                "Create a volume (snapshot_id: restore it)", body="CreateVolumeRequest", reply="Volume", params=[_APP]
+            ),
+        },
+        one: {
+            "get": _op("Get a volume", params=both, reply="Volume"),
+            "delete": _op("Destroy a volume", params=both, reply="Volume"),
+        },
+        one + "/extend": {
+            "put": _op("Extend a volume", body="ExtendVolumeRequest", reply="ExtendVolumeResponse", params=both)
+        },
+        one + "/snapshots": {
+            "get": _op("List a volume's snapshots", params=both, reply=snapshots),
+            "post": _op("Snapshot a volume (fauxmad answers with the snapshot)", params=both, reply="VolumeSnapshot"),
+        },
     }
 
 

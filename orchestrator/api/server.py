@@ -19,7 +19,7 @@ from bus import subjects
 from bus.errors import FauxmadError
 from bus.messages import Machine, seconds
 from bus.service import call
-from orchestrator.api import apps, metadata, metrics, placements, types
+from orchestrator.api import apps, metadata, metrics, placements, types, volumes
 from orchestrator.api.auth import Auth, guard
 from orchestrator.api.errors import error_response, from_bus
 from orchestrator.api.http import MAX_BODY, NC, ClientError, app_name, ask, body, flag, json, machine_id, nonce
@@ -229,6 +229,7 @@ def build(nc: Client, *, auth: Auth | None = None) -> web.Application:
     apps.add_routes(app)
     metadata.add_routes(app, one)
     placements.add_routes(app)
+    volumes.add_routes(app)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/docs", docs)
     return app

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from bus.messages import Guest, Machine, MachineConfig, MachineEvent, RestartPolicy, State
+from bus.messages import Guest, Machine, MachineConfig, MachineEvent, Mount, RestartPolicy, State, Volume
 
 
 class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -40,6 +40,19 @@ class FlyRestart(Body):
     max_retries: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
 
 
+VolumeIdText = Annotated[str, msgspec.Meta(pattern=r"^vol_[0-9a-z]{16}$")]
+SnapshotIdText = Annotated[str, msgspec.Meta(pattern=r"^vs_[0-9a-z]{16}$")]
+MountPath = Annotated[str, msgspec.Meta(pattern=r"^/[^\x00]*$", max_length=4096)]
+
+
+class FlyMount(Body):
+    """A volume the machine mounts at `path` (it then runs on the volume's worker)."""
+
+    volume: VolumeIdText
+    path: MountPath
+    name: str | None = None  # Fly's volume name; accepted, the id is what counts
+
+
 class FlyMachineConfig(Body):
     image: str | None = None
     init: FlyInit = msgspec.field(default_factory=FlyInit)
@@ -48,6 +61,7 @@ class FlyMachineConfig(Body):
     restart: FlyRestart = msgspec.field(default_factory=FlyRestart)
     metadata: dict[str, str] = {}
     auto_destroy: bool = False
+    mounts: list[FlyMount] = []
 
 
 class CreateMachineRequest(Body):
@@ -121,6 +135,7 @@ def to_config(config: FlyMachineConfig) -> MachineConfig:
         restart=RestartPolicy(policy=config.restart.policy, max_retries=config.restart.max_retries),
         metadata=config.metadata,
         auto_destroy=config.auto_destroy,
+        mounts=[Mount(volume=m.volume, path=m.path) for m in config.mounts],
     )
 
 
@@ -133,6 +148,7 @@ def from_config(config: MachineConfig) -> FlyMachineConfig:
         restart=FlyRestart(policy=config.restart.policy, max_retries=config.restart.max_retries),
         metadata=dict(config.metadata),
         auto_destroy=config.auto_destroy,
+        mounts=[FlyMount(volume=m.volume, path=m.path) for m in config.mounts],
     )
 
 
@@ -198,3 +214,30 @@ class RegionPlacement(msgspec.Struct, kw_only=True):
 
 class PlacementsResponse(msgspec.Struct, kw_only=True):
     regions: list[RegionPlacement]
+
+
+# ---------------------------------------------------------------------------------------------------
+# volumes (README "Volumes"): the response is the bus's `Volume`, whose fields are Fly's plus extensions
+
+
+class CreateVolumeRequest(Body):
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")]
+    region: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    size_gb: Annotated[int, msgspec.Meta(ge=1, le=500)] = 1
+    snapshot_id: SnapshotIdText | None = None  # restore that snapshot into the new volume (on any worker)
+    # sent by Fly's clients; accepted and not acted on (README "Volumes": no encryption, no zones here)
+    encrypted: bool = False
+    fstype: Literal["ext4"] | None = None
+    require_unique_zone: bool = False
+    snapshot_retention: Annotated[int, msgspec.Meta(ge=1, le=60)] | None = None
+    compute: FlyGuest | None = None
+    machines_only: bool = False
+
+
+class ExtendVolumeRequest(Body):
+    size_gb: Annotated[int, msgspec.Meta(ge=1, le=500)]
+
+
+class ExtendVolumeResponse(msgspec.Struct, kw_only=True):
+    needs_restart: bool = False  # true: the kernel refused an online grow; it grows when its machine starts
+    volume: Volume

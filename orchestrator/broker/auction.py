@@ -91,6 +91,23 @@ class OutcomeUnknown(DeadlineExceeded):
         self.machine_id = machine_id
 
 
+class NoRoomOnVolumeHost(NoCapacity):
+    """The create mounts a volume and the volume's worker cannot take the machine (Fly's volume-scoped
+    capacity error): other workers may have room, but the machine must run where its volume is."""
+
+
+async def _no_volume(app: str, request: CreateRequest) -> tuple[str, str] | None:
+    return None
+
+
+def volume_host_message(volume: tuple[str, str], outcome: Outcome) -> str:
+    volume_id, worker_id = volume
+    reasons = [r.reason for r in outcome.ranking.rejected if r.worker_id == worker_id]
+    reasons += [a.outcome for a in outcome.attempts if a.worker_id == worker_id]
+    detail = "; ".join(reasons[:3]) or "it did not offer"
+    return f"no room on the volume's host: volume {volume_id} is on worker {worker_id} ({detail})"
+
+
 class Attempt(msgspec.Struct, kw_only=True):
     worker_id: str
     outcome: str
@@ -189,6 +206,8 @@ class Auction:
         self.picks = Picks(clock=time.perf_counter, window=max(0.25, 2 * config.deadline))
         self._scatters: dict[tuple[str, bytes], asyncio.Future[_Scatter]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        # (volume id, worker) of the volume a create mounts, or None: the broker looks it up (README "Volumes")
+        self.volume_host: Callable[[str, CreateRequest], Awaitable[tuple[str, str] | None]] = _no_volume
 
     # ------------------------------------------------------------------------------------------
     async def rank(
@@ -202,8 +221,11 @@ class Auction:
         avoid: frozenset[str] = frozenset(),
         away: frozenset[str] = frozenset(),
         preset: str | None = None,
+        volume: tuple[str, str] | None = None,
     ) -> Outcome:
         request = OfferRequest(app=app, region=region, guest=guest, image=image)
+        if volume is not None and strategy == "p2c":
+            strategy = "scatter"  # two sampled workers would rarely include the volume's: ask the region
         config = with_preset(self.config.placement, preset)
         started = time.perf_counter()
         shared = 1
@@ -234,7 +256,7 @@ class Auction:
                 for reply in scatter.replies
             ]
             considered, asked, shared = live, sorted(live), scatter.shared
-        ranking = rank(request, replies, considered, config, tie_break=self.rng, avoid=avoid, away=away)
+        ranking = rank(request, replies, considered, config, tie_break=self.rng, avoid=avoid, away=away, volume=volume)
         if sampled is not None and not ranking.candidates:
             # Neither sampled worker can take it, but the region may have room: one full look before a 503.
             # (`fauxmad sim`: without this, p2c refused 0.9% of 100,000 creates while their region had room.)
@@ -330,6 +352,7 @@ class Auction:
             cpu_kind=request.config.guest.cpu_kind,
             sandbox=request.config.guest.sandbox,
         )
+        volume = await self.volume_host(app, request)
         outcome = await self.rank(
             app,
             request.region,
@@ -339,6 +362,7 @@ class Auction:
             avoid=frozenset(request.avoid_workers),
             away=frozenset(request.prefer_away),
             preset=request.placement_preset,
+            volume=volume,
         )
         # one leg: the worker starts what it reserves, except for a hedge (the loser would start for nothing)
         launch = not request.skip_launch and strategy != "hedged"
@@ -348,6 +372,8 @@ class Auction:
             machine = await self._reserve_hedged(candidates, reserve, outcome, before_reserve)
         else:
             machine = await self._reserve_in_order(candidates, reserve, outcome, before_reserve)
+        if machine is None and volume is not None:
+            raise NoRoomOnVolumeHost(volume_host_message(volume, outcome))
         if machine is None:
             raise NoCapacity(self._no_capacity_message(request.region, outcome))
         outcome.winner = machine.worker_id

@@ -30,6 +30,7 @@ from bus.ids import new_machine_id
 from bus.jetstream import FleetConfig, ensure_fleet_resources
 from bus.messages import (
     API_REQUESTS,
+    API_VOLUME_REQUESTS,
     BROKER_REQUESTS,
     CreateRequest,
     ExecRequest,
@@ -50,9 +51,11 @@ from bus.messages import (
 )
 from bus.scatter import Scatterer
 from bus.service import Responder, call, request
+from bus.volumes import snapshot_store, volumes_bucket
 from orchestrator.broker import metrics
 from orchestrator.broker.auction import Auction, AuctionConfig, Outcome, OutcomeUnknown
 from orchestrator.broker.idempotency import Claim, Idempotency
+from orchestrator.broker.volumes import Volumes
 from orchestrator.fleet.machines import MachineIndex
 from orchestrator.fleet.workers import Registry
 
@@ -97,6 +100,9 @@ class Broker:
         await self.scatterer.start()
         self.auction = Auction(self.nc, self.scatterer, self.registry, self.config.auction)
         self.idempotency = Idempotency(kv.idempotency, self.id)
+        js = self.nc.jetstream()
+        self.volumes = Volumes(self.nc, self.registry, await volumes_bucket(js), await snapshot_store(js))
+        self.auction.volume_host = self.volumes.volume_host  # a create that mounts a volume goes to its worker
         self.responder = Responder(self.nc, self.id)
         self._service = await add_service(
             self.nc,
@@ -118,6 +124,12 @@ class Broker:
                 subjects.API_MACHINES_WILDCARD,
                 self._on_machines,
                 [f"api_machines_{v}" for v in API_REQUESTS],
+            ),
+            (
+                "volumes",
+                subjects.API_VOLUMES_WILDCARD,
+                self.volumes.handle,
+                [f"api_volumes_{v}" for v in API_VOLUME_REQUESTS],
             ),
             ("regions", subjects.API_REGIONS_LIST, self._on_regions, ["regions_list"]),
             ("workers", subjects.API_WORKERS_LIST, self._on_workers, ["workers_list"]),

@@ -99,6 +99,9 @@ def _register() -> None:
     from orchestrator.cli import image_cmd, token_cmd
 
     app.add_typer(image_cmd.image_app, name="image")
+    from orchestrator.cli import volume_cmd
+
+    app.add_typer(volume_cmd.volume_app, name="volume")
     from orchestrator.cli import schema_cmd
 
     app.add_typer(schema_cmd.schema_app, name="schema")

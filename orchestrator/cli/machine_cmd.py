@@ -93,6 +93,9 @@ def run_machine(
     ),
     restart: str = typer.Option("on-failure", "--restart", help="restart policy: no, always, on-failure"),
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),
+    volume: list[str] = typer.Option(
+        [], "--volume", "-v", help="VOLUME_ID:/path, repeatable: mount it (the machine runs on its worker)"
+    ),
     name: str | None = typer.Option(None, "--name", help="a name for the machine"),
     image: str | None = typer.Option(
         None, "--image", help="name:tag or sha256:... of an image in the fleet's store (see `fauxmad image`)"
@@ -112,12 +115,19 @@ def run_machine(
     No shell runs CMD: to use `$PORT` (the port the worker gave the machine), start one yourself,
     e.g. `-- sh -c 'exec python3 -m http.server "$PORT"'`.
     """
-    from bus.messages import CreateRequest, Guest, MachineConfig, RestartPolicy
+    from bus.messages import CreateRequest, Guest, MachineConfig, Mount, RestartPolicy
 
+    mounts = []
+    for item in volume:
+        volume_id, sep, path = item.partition(":")
+        if not sep:
+            fail(f"--volume {item!r}: use VOLUME_ID:/path", EXIT_USAGE)
+        mounts.append(Mount(volume=volume_id, path=path))
     try:
         config = MachineConfig(
             cmd=cmd,
             env=_parse_env(env),
+            mounts=mounts,
             image=image,
             guest=Guest(cpus=cpus, memory_mb=memory_mb, sandbox=sandbox),  # type: ignore[arg-type]
             restart=RestartPolicy(policy=restart),  # type: ignore[arg-type]

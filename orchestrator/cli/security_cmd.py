@@ -15,6 +15,7 @@ from bus.errors import BadRequest
 from bus.images import Images
 from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, revoked_tokens_bucket
 from bus.secrets import secrets_bucket
+from bus.volumes import snapshot_store, volumes_bucket
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import EXIT_USAGE, JsonOption, NatsOption, fail, with_connected
 from orchestrator.security.fleetdir import FleetDir, FleetDirError
@@ -118,6 +119,8 @@ def prepare(nats: str | None = NatsOption) -> None:
         await ensure_audit_stream(nc.jetstream())
         await revoked_tokens_bucket(nc.jetstream())
         await Images.open(nc.jetstream())  # the images store and its tags bucket
+        await snapshot_store(nc.jetstream())  # volumes (README "Volumes"): snapshots and the routing index
+        await volumes_bucket(nc.jetstream())
 
     with_connected(nats, lambda url: connect(url, "fauxmad-prepare"), ensure)
     console.print("the fleet's streams and buckets are in place")

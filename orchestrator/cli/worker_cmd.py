@@ -113,6 +113,12 @@ def worker(
         show_default=False,
     ),
     metrics_listen: str | None = MetricsOption,
+    volume_capacity_gb: int = typer.Option(
+        0,
+        "--volume-capacity-gb",
+        min=0,
+        help="GB of volumes this worker may hold (sizes summed; 0: the data dir's free disk when it starts)",
+    ),
     image_cache_mb: int = typer.Option(
         4096, "--image-cache-mb", min=1, help="disk for unpacked images (least recently used go first)"
     ),
@@ -172,6 +178,7 @@ def worker(
             secrets_key=key,
             image_cache_mb=image_cache_mb,
             machine_user=run_as,
+            volume_capacity_gb=volume_capacity_gb or None,
         )
         for one in ids
     ]

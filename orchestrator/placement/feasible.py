@@ -38,6 +38,13 @@ def not_avoided(request: Ask, offer: Offer) -> str | None:
     return None
 
 
+def on_volume_host(request: Ask, offer: Offer) -> str | None:
+    """A machine that mounts a volume runs where the volume's bytes are (README "Volumes")."""
+    if request.volume is not None and offer.worker_id != request.volume[1]:
+        return f"volume {request.volume[0]} is on worker {request.volume[1]}"
+    return None
+
+
 def consistent_numbers(request: Ask, offer: Offer) -> str | None:
     """Numbers the scorers can trust: capacity > 0, 0 <= free <= capacity, a finite load >= 0."""
     for name, capacity, free in (
@@ -77,6 +84,7 @@ def has_sandbox(request: Ask, offer: Offer) -> str | None:
 FILTERS: tuple[tuple[str, Filter], ...] = (
     ("region", same_region),
     ("avoid", not_avoided),
+    ("volume", on_volume_host),
     ("consistent", consistent_numbers),
     ("cpus", enough_cpus),
     ("memory", enough_memory),

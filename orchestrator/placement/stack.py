@@ -8,8 +8,10 @@ worker exactly once, in this order, and each step says why it comes where it doe
    to filter or score, and the broker must not wait for it (immediate-or-cancel).
 2. Declines. The worker's own word is the authority on itself (cordoned, overloaded, full), so its
    reason is kept verbatim and nothing else is checked.
-3. Region, then the create's own hard rule (`avoid`). The contract's rule (never place a machine for
-   R elsewhere) and the caller's go before everything that only asks "how well".
+3. Region, then the create's own hard rules (`avoid`, and `volume`: the host of a volume it mounts).
+   The contract's rule (never place a machine for R elsewhere) and the caller's go before everything
+   that only asks "how well"; `volume` before the fit checks, so the volume's host being full reads as
+   that host's cpus or memory, and the create's error can say "no room on the volume's host".
 4. Consistency, then fit. The numbers are checked before they are used: the fit checks and the
    scorers can then trust capacity > 0 and 0 <= free <= capacity.
 5. Scores, only for feasible offers: they are the costly part, and a score of a worker that cannot
@@ -80,13 +82,14 @@ def rank(
     tie_break: random.Random | None = None,
     avoid: AbstractSet[str] = frozenset(),
     away: AbstractSet[str] = frozenset(),
+    volume: tuple[str, str] | None = None,
 ) -> Ranking:
     """Judge every worker of the auction once and order the feasible ones, best first.
 
     `avoid`: workers the create must not get (filter `avoid`); `away`: workers it would rather not get
     (scorer `away`). See `ask.py`.
     """
-    ask = Ask.of(request, avoid=avoid, away=away)
+    ask = Ask.of(request, avoid=avoid, away=away, volume=volume)
     answers = _first_reply_per_worker(replies)
     rejected = [Rejection(worker_id=w, reason=NO_ANSWER, filter="deadline") for w in live_workers - answers.keys()]
     candidates: list[Candidate] = []

@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from bus.messages import Check, Guest, MachineConfig, Preset, RestartPolicy, Token, seconds
+from bus.messages import Check, Guest, MachineConfig, Mount, Preset, RestartPolicy, Token, seconds
 from orchestrator.reconcile.http_service import HttpService
 
 RELEASE_KEY = "fauxmad_release"
@@ -94,6 +94,7 @@ class AppSpec(_Strict, frozen=True):
     deploy: DeploySpec = msgspec.field(default_factory=DeploySpec)
     placement: PlacementSpec = msgspec.field(default_factory=PlacementSpec)
     http_service: HttpService | None = None  # read by `fauxmad proxy` only (README "The edge proxy")
+    mounts: list[Mount] = []  # `[[mounts]] volume = "vol_...", path = "/data"` (README "Volumes")
 
     def __post_init__(self) -> None:
         if not self.regions:
@@ -108,6 +109,8 @@ class AppSpec(_Strict, frozen=True):
             raise ValueError("missing required key `cmd` (or an `image`/`build` whose manifest has one)")
         if any(not part for part in self.cmd[:1]):
             raise ValueError("`cmd`: the program must not be empty")
+        if self.mounts and (sum(self.regions.values()) > 1 or self.deploy.spares):
+            raise ValueError("[[mounts]]: a volume attaches to one machine: use one region with count 1 and no spares")
 
     def machine_config(
         self, release: int, role: str, standby_of: str | None = None, replaces: str | None = None
@@ -126,6 +129,7 @@ class AppSpec(_Strict, frozen=True):
             checks=dict(self.checks),
             metadata=metadata,
             standbys=[standby_of] if standby_of else [],
+            mounts=list(self.mounts),
         )
 
 

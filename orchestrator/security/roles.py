@@ -43,6 +43,8 @@ FLEET_STREAMS = (
     f"OBJ_{subjects.IMAGES_STORE}",
     f"KV_{subjects.IMAGE_TAGS_BUCKET}",
     f"KV_{SECRETS_BUCKET}",
+    f"OBJ_{subjects.SNAPSHOTS_STORE}",
+    f"KV_{subjects.VOLUMES_BUCKET}",
 )
 READ_ONLY_VERBS = ("list", "get", "wait")
 
@@ -102,6 +104,7 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.kv_put(subjects.WORKERS_BUCKET, f"{region}.{worker_id}"),
                 subjects.kv_put(subjects.MACHINES_BUCKET, "*"),
                 subjects.kv_put(SECRETS_BUCKET, PUBLIC_KEY),
+                f"$O.{subjects.SNAPSHOTS_STORE}.>",  # its volumes' snapshots (README "Volumes")
                 *read_streams(),
             ),
             subscribe=(f"{P}.worker.{worker_id}.>", f"{P}.offers.{region}", "$SRV.>", inbox),
@@ -113,6 +116,7 @@ def permissions(identity: Identity) -> Permissions:
                 f"{P}.offers.*",
                 f"{P}.worker.*.>",
                 subjects.kv_put(subjects.IDEMPOTENCY_BUCKET, ">"),
+                subjects.kv_put(subjects.VOLUMES_BUCKET, "*"),
                 *read_streams(),
             ),
             subscribe=(f"{P}.api.>", "$SRV.>", inbox),
@@ -139,6 +143,7 @@ def permissions(identity: Identity) -> Permissions:
         return Permissions(
             publish=(
                 *(f"{P}.api.apps.*.machines.{verb}" for verb in READ_ONLY_VERBS),
+                *(f"{P}.api.apps.*.volumes.{verb}" for verb in ("list", "get", "snapshots")),
                 subjects.API_REGIONS_LIST,
                 subjects.API_WORKERS_LIST,
                 *read_streams(),

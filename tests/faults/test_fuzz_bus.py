@@ -129,7 +129,7 @@ def config() -> dict[str, Any]:
         "metadata": {"k": "v"},
         "standbys": ["0123456789abcd"],
         "auto_destroy": False,
-        "mounts": [{"volume": "v", "path": "/p"}],
+        "mounts": [{"volume": "vol_0123456789abcdef", "path": "/p"}],
     }
 
 

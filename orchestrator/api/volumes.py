@@ -1,0 +1,83 @@
+"""Fly's volume paths (`/v1/apps/{app}/volumes...`), each one request on the brokers' volume subjects.
+
+A volume's id in a path that is not one (`vol_` and 16 characters) is a 404, as a machine id is.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from bus import messages as bus
+from bus import subjects
+from bus.service import call
+from orchestrator.api import types
+from orchestrator.api.http import NC, ClientError, app_name, body, json
+
+T = TypeVar("T")
+_VOLUME_ID = re.compile(r"^vol_[0-9a-z]{16}$")
+
+
+def volume_id(request: web.Request) -> str:
+    value = request.match_info["volume_id"]
+    if not _VOLUME_ID.match(value):
+        raise ClientError(404, f"volume {value!r} not found")
+    return value
+
+
+async def _ask(request: web.Request, verb: str, payload: Any, kind: type[T], timeout: float = 30.0) -> T:
+    return await call(request.app[NC], subjects.api_volumes(app_name(request), verb), payload, kind, timeout=timeout)
+
+
+async def list_volumes(request: web.Request) -> web.Response:
+    return json(await _ask(request, "list", bus.VolumeApiListRequest(), list[bus.Volume]))
+
+
+async def create_volume(request: web.Request) -> web.Response:
+    app_name(request)
+    req = await body(request, types.CreateVolumeRequest)
+    create = bus.VolumeApiCreateRequest(
+        region=req.region, name=req.name, size_gb=req.size_gb, snapshot_id=req.snapshot_id
+    )
+    return json(await _ask(request, "create", create, bus.Volume, timeout=620))
+
+
+async def get_volume(request: web.Request) -> web.Response:
+    return json(await _ask(request, "get", bus.VolumeIdRequest(id=volume_id(request)), bus.Volume))
+
+
+async def extend_volume(request: web.Request) -> web.Response:
+    vid = volume_id(request)
+    req = await body(request, types.ExtendVolumeRequest)
+    volume = await _ask(request, "extend", bus.VolumeExtendRequest(id=vid, size_gb=req.size_gb), bus.Volume, 90)
+    # the worker grows it online where the kernel lets it; else it grows when its machine starts again
+    grown = volume.size_limit != "loop" or volume.blocks * volume.block_size >= volume.size_gb * 0.9 * (1 << 30)
+    return json(types.ExtendVolumeResponse(needs_restart=not grown, volume=volume))
+
+
+async def destroy_volume(request: web.Request) -> web.Response:
+    return json(await _ask(request, "destroy", bus.VolumeIdRequest(id=volume_id(request)), bus.Volume, 90))
+
+
+async def list_snapshots(request: web.Request) -> web.Response:
+    found = await _ask(request, "snapshots", bus.VolumeIdRequest(id=volume_id(request)), list[bus.VolumeSnapshot])
+    return json(found)
+
+
+async def create_snapshot(request: web.Request) -> web.Response:
+    snap = await _ask(request, "snapshot", bus.VolumeIdRequest(id=volume_id(request)), bus.VolumeSnapshot, 620)
+    return json(snap)
+
+
+def add_routes(app: web.Application) -> None:
+    v = "/v1/apps/{app_name}/volumes"
+    one = v + "/{volume_id}"
+    app.router.add_get(v, list_volumes)
+    app.router.add_post(v, create_volume)
+    app.router.add_get(one, get_volume)
+    app.router.add_delete(one, destroy_volume)
+    app.router.add_put(one + "/extend", extend_volume)
+    app.router.add_get(one + "/snapshots", list_snapshots)
+    app.router.add_post(one + "/snapshots", create_snapshot)
