@@ -631,7 +631,7 @@ class MachineManager:
                 if state in ("destroying", "destroyed", "stopping", "replacing"):
                     raise Conflict(f"machine {request.id} is {state}; it cannot be updated now")
                 if request.config.mounts != stored.machine.config.mounts:
-                    raise BadRequest("config.mounts cannot change in an update: a volume stays with its machine")
+                    raise Conflict("config.mounts cannot change in an update: a volume stays with its machine")
                 old, new = stored.machine.config.guest, request.config.guest
                 usage = tx.usage()
                 if usage.cpus - old.cpus + new.cpus > self.config.cpus or (

@@ -29,6 +29,7 @@ from aiohttp import web
 from nats.aio.client import Client
 
 from bus import subjects
+from bus.errors import BadRequest
 from bus.messages import AuditRecord
 from orchestrator.api.errors import error_response
 from orchestrator.fleet.replica import KVReplica
@@ -120,7 +121,7 @@ def guard(auth: Auth, nc: Client) -> Any:
         )
         try:
             subject = subjects.audit(app or None)
-        except ValueError:
+        except BadRequest:
             subject = subjects.audit(None)  # a malformed app name: the request was refused; record it anyway
         try:
             await js.publish(subject, msgspec.json.encode(record), timeout=AUDIT_TIMEOUT)

@@ -9,6 +9,7 @@ from aiohttp import web
 from nats.aio.client import Client
 
 from bus import subjects
+from bus.errors import BadRequest
 from bus.messages import MACHINE_ID, Machine
 from bus.service import call
 
@@ -48,7 +49,7 @@ def app_name(request: web.Request) -> str:
     value = request.match_info["app_name"]
     try:
         return subjects.check_token("app", value)
-    except ValueError as exc:
+    except BadRequest as exc:
         raise ClientError(400, str(exc)) from None
 
 

@@ -31,7 +31,12 @@ _BODIES = [
     VolumeSnapshot,
 ]
 _BY_NAME: dict[str, Any] = {kind.__name__: kind for kind in _BODIES}
-_NONCE = {"name": "fly-machine-lease-nonce", "in": "header", "required": True, "schema": {"type": "string"}}
+_NONCE = {
+    "name": "fly-machine-lease-nonce",
+    "in": "header",
+    "required": True,
+    "schema": {"type": "string", "minLength": 1},
+}
 _STRINGS = {"type": "object", "additionalProperties": {"type": "string"}}
 _APP = {
     "name": "app_name",
@@ -137,11 +142,37 @@ def document() -> dict[str, Any]:
             "delete": _op("Release a lease", params=[*both, _NONCE]),
         },
     }
+    _link(paths, m, "post", one, "machine_id")
+    _link(paths, "/v1/apps/{app_name}/volumes", "post", "/v1/apps/{app_name}/volumes/{volume_id}", "volume_id")
     return {
         "openapi": "3.1.0",
         "info": {"title": "fauxmad Machines API (Fly-compatible)", "version": "1"},
         "paths": paths,
         "components": {"schemas": components},
+    }
+
+
+def _operation_id(method: str, path: str) -> str:
+    """`post /v1/apps/{app_name}/machines/{machine_id}/stop` -> `post_apps_app_name_machines_machine_id_stop`."""
+    return method + "_" + path.removeprefix("/v1/").replace("{", "").replace("}", "").replace("/", "_")
+
+
+def _link(paths: dict[str, Any], producer: str, method: str, prefix: str, param: str) -> None:
+    """Name every operation, and link what `method producer` makes (its body's `id`) to every operation on
+    `prefix...`: what a client does next with the machine or volume it made (OpenAPI links; schemathesis
+    follows them in its stateful test)."""
+    for path, operations in paths.items():
+        for verb, operation in operations.items():
+            operation.setdefault("operationId", _operation_id(verb, path))
+    created = paths[producer][method]["responses"]["200"]
+    created["links"] = {
+        operation["operationId"]: {
+            "operationId": operation["operationId"],
+            "parameters": {"app_name": "$request.path.app_name", param: "$response.body#/id"},
+        }
+        for path, operations in paths.items()
+        if path.startswith(prefix)
+        for operation in operations.values()
     }
 
 

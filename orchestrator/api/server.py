@@ -26,6 +26,7 @@ from orchestrator.api.http import MAX_BODY, NC, ClientError, app_name, ask, body
 from orchestrator.api.openapi import DOCS_HTML, document
 
 WAIT_MAX = 60.0
+STOP_TIMEOUT_MAX = 86400.0  # what the worker's stop takes at most, in seconds
 WAIT_STATES = frozenset({"created", "started", "stopped", "destroyed", "failed"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -82,7 +83,7 @@ async def stop_machine(request: web.Request) -> web.Response:
     mid = machine_id(request)
     req = await body(request, types.StopRequest)
     try:
-        timeout = seconds(req.timeout)
+        timeout = min(seconds(req.timeout), STOP_TIMEOUT_MAX)  # "9000h" waits a day at most
     except ValueError as exc:
         raise ClientError(400, str(exc)) from None
     stop = bus.StopRequest(id=mid, signal=req.signal, timeout=timeout, lease_nonce=nonce(request))

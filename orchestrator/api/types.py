@@ -6,6 +6,7 @@ the document cannot drift from what the server accepts.
 
 from __future__ import annotations
 
+import signal
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -82,13 +83,19 @@ class UpdateMachineRequest(Body):
 Duration = Annotated[str, msgspec.Meta(pattern=r"^\d{1,9}(\.\d{1,9})?(ms|s|m|h|d)$")]
 
 
+# what the document offers for a signal: the host's signal names (the workers also take `TERM`, `term` and
+# numbers, as flyctl may send them); a name outside the list is a 400 from the worker
+SIGNAL_NAMES = sorted(s.name for s in signal.Signals)
+SignalName = Annotated[str, msgspec.Meta(min_length=1, max_length=16, extra_json_schema={"enum": SIGNAL_NAMES})]
+
+
 class StopRequest(Body):
-    signal: str = "SIGTERM"
+    signal: SignalName = "SIGTERM"
     timeout: Annotated[float, msgspec.Meta(ge=0, le=86400)] | Duration = 10.0
 
 
 class SignalRequest(Body):
-    signal: Annotated[str, msgspec.Meta(min_length=1, max_length=16)]
+    signal: SignalName
 
 
 class LeaseRequest(Body):

@@ -150,6 +150,7 @@ def test_lease_refuses_a_mutation_without_its_nonce(api: Api) -> None:
         ("POST", "/v1/apps/web/machines/0123456789abcd/signal", b"{}", 400),
         ("DELETE", "/v1/apps/web/machines/0123456789abcd/lease", None, 400),
         ("GET", "/v1/apps/bad.app/machines", None, 400),
+        ("POST", "/v1/apps/bad.app/machines", b"{}", 400),  # a write is audited: its bad app name too (was a 500)
     ],
 )
 def test_bad_requests_are_4xx_with_the_error_body(
