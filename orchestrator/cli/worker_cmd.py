@@ -79,6 +79,12 @@ def worker(
     image_cache_mb: int = typer.Option(
         4096, "--image-cache-mb", min=1, help="disk for unpacked images (least recently used go first)"
     ),
+    job_slots: int = typer.Option(
+        0, "--job-slots", min=0, help="background jobs run at once [default: one per cpu offered]", show_default=False
+    ),
+    jobs_ack_wait: float = typer.Option(
+        6.0, "--jobs-ack-wait", min=0.5, help="seconds before a job taken by a silent worker goes to another"
+    ),
     count: int = typer.Option(
         1,
         "--count",
@@ -124,6 +130,8 @@ def worker(
             map_size=(8 << 30) if count == 1 else (64 << 20),
             secrets_key=key,
             image_cache_mb=image_cache_mb,
+            job_slots=job_slots,
+            jobs_ack_wait=jobs_ack_wait,
         )
         for one in ids
     ]
