@@ -14,6 +14,7 @@ from nats.aio.client import Client
 
 from bus import subjects
 from bus.codec import decode
+from bus.connection import connect
 from bus.errors import DeadlineExceeded
 from bus.jobs import TERMINAL, Job, JobIdRequest, JobListRequest, JobSubmitReply, JobSubmitRequest
 from bus.service import call
@@ -24,6 +25,13 @@ SUBMIT_TIMEOUT = 30.0
 class JobsClient:
     def __init__(self, nc: Client) -> None:
         self.nc = nc
+
+    @classmethod
+    async def connect(cls, url: str, name: str = "fauxmad-jobs") -> JobsClient:
+        return cls(await connect(url, name))
+
+    async def close(self) -> None:
+        await self.nc.close()
 
     async def submit(self, region: str, request: JobSubmitRequest) -> list[Job]:
         timeout = SUBMIT_TIMEOUT + request.count / 100
