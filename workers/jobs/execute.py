@@ -91,7 +91,7 @@ class MachineExecutor:
             cmd = [self.killer, "-s", "KILL", f"{job.timeout + 0.5:g}", *cmd]
         return MachineConfig(
             cmd=cmd,
-            env=dict(job.env),
+            env={**job.env, "FAUXMAD_JOB_ID": job.id, "FAUXMAD_JOB_ATTEMPT": str(attempt)},
             guest=Guest(cpus=job.cpus, memory_mb=job.memory_mb),
             restart=RestartPolicy(policy="no"),
             auto_destroy=True,
