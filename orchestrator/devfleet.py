@@ -53,6 +53,7 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat: float = 1.0
     data_dir: str | None = None
     fsync: bool = True
+    nats_sync: bool = True  # False: nats-server's default flush (benchmarks only: see `fauxmad bench jobs`)
     # the same setup a production fleet gets (orchestrator/security): mutual TLS, an identity per process;
     # $FAUXMAD_DEV_SECURE=1 makes it the default (to run the test suite against secure fleets)
     secure: bool = os.environ.get(SECURE_ENV) == "1"
@@ -137,7 +138,13 @@ class DevFleet:
         try:
             config = self._secure_setup() if spec.secure else None
             port = self.security_port if config else spec.port
-            self.nats = EmbeddedNats(port=port, store_dir=self.root / "nats", name="fauxmad-dev", config_file=config)
+            self.nats = EmbeddedNats(
+                port=port,
+                store_dir=self.root / "nats",
+                name="fauxmad-dev",
+                config_file=config,
+                sync_always=self.spec.nats_sync,
+            )
             try:
                 self.nats.start()
             except Unreachable as exc:

@@ -5,8 +5,9 @@ each, a trivial command (`true`) run as a child process per task, output capture
 - throughput: one burst of `tasks` submitted at once, timed from the submit to the last task finished;
 - scheduling delay with free capacity: `samples` tasks submitted one at a time, each waited for, timed
   from the submit (the client's clock) to the task taken by a worker and to its process running.
-fauxmad's NATS is its dev fleet's: every JetStream write flushed to disk (`sync_interval: always`);
-Redis runs as `redis-server --save '' --appendonly no` (no disk at all), so the comparison favours it.
+fauxmad's NATS is its dev fleet's: every JetStream write flushed to disk (`sync_interval: always`), unless
+`nats_sync` is off (NATS's default: flushed every two minutes); Redis runs as `redis-server --save ''
+--appendonly no` (no disk at all), so the comparison favours it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class JobsBenchOptions(msgspec.Struct, frozen=True, kw_only=True):
     runner: str = "process"  # fauxmad's: "process" (the fast path) or "machine"
     cmd: list[str] = msgspec.field(default_factory=lambda: ["true"])
     baselines: bool = True
+    nats_sync: bool = True  # every JetStream write flushed before its ack (what fauxmad ships); False: NATS's default
     timeout: float = 600.0
 
 
@@ -107,13 +109,20 @@ async def _fauxmad(url: str, options: JobsBenchOptions) -> SystemResult:
         await batch(min(50, options.tasks))  # warm up: every worker has run tasks
         free = [(await batch(1))[1][0] for _ in range(options.samples)]
         start, burst = await batch(options.tasks)
-        return result_of(f"fauxmad ({options.runner})", options.tasks, start, burst, free)
+        durability = "" if options.nats_sync else ", NATS default sync"
+        return result_of(f"fauxmad ({options.runner}{durability})", options.tasks, start, burst, free)
     finally:
         await client.close()
 
 
 def measure_fauxmad(options: JobsBenchOptions, progress: Callable[[str], None]) -> SystemResult:
-    spec = FleetSpec(regions=[REGION], workers_per_region=options.workers, cpus=options.slots, brokers=1)
+    spec = FleetSpec(
+        regions=[REGION],
+        workers_per_region=options.workers,
+        cpus=options.slots,
+        brokers=1,
+        nats_sync=options.nats_sync,
+    )
     with DevFleet(spec, progress=progress) as fleet:
         progress(f"fauxmad: {options.samples} tasks one at a time, then {options.tasks} at once")
         return uvloop.run(_fauxmad(fleet.url, options))

@@ -241,6 +241,9 @@ def jobs(
     slots: int = typer.Option(4, "--slots", min=1, max=256, help="tasks at a time per worker"),
     runner: str = typer.Option("process", "--runner", help="fauxmad's: process (the fast path) or machine"),
     baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="also Redis BLPOP and arq"),
+    nats_sync: bool = typer.Option(
+        True, "--nats-sync/--no-nats-sync", help="fauxmad's NATS flushes every write (as shipped), or NATS's default"
+    ),
     output: Path = typer.Option(Path("bench-jobs.json"), "--output", "-o", help=OUTPUT_HELP),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -252,7 +255,13 @@ def jobs(
     if runner not in ("process", "machine"):
         fail(f"invalid --runner {runner!r}: use process or machine", EXIT_USAGE)
     options = bench.JobsBenchOptions(
-        tasks=tasks, samples=samples, workers=workers, slots=slots, runner=runner, baselines=baselines
+        tasks=tasks,
+        samples=samples,
+        workers=workers,
+        slots=slots,
+        runner=runner,
+        baselines=baselines,
+        nats_sync=nats_sync,
     )
     result = _measure(lambda: bench.run_jobs_bench(options, _progress))
     for line in result.skipped:

@@ -267,3 +267,29 @@ def test_bad_submits_are_400(
         assert code == "400", body
         assert body["error"]["code"] == 400  # type: ignore[index]
     assert unknown[0] == "404"
+
+
+def test_cancel_and_timeout_kill_a_fast_path_process(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str]
+) -> None:
+    region, app = unique("r"), unique("a")
+    worker_factory(region, cpus=2)
+
+    async def scenario() -> tuple[Job, Job]:
+        jobs = await client(nats_url)
+        try:
+            (slow,) = await jobs.submit(region, JobSubmitRequest(app=app, cmd=["sleep", "60"], runner="process"))
+            request = JobSubmitRequest(app=app, cmd=["sleep", "60"], runner="process", timeout=0.5, max_attempts=1)
+            (late,) = await jobs.submit(region, request)
+            await _until(jobs, app, slow.id, "running")
+            await jobs.cancel(app, slow.id)
+            done = await jobs.wait(app, [slow.id, late.id], 20.0)
+            return done[slow.id], done[late.id]
+        finally:
+            await jobs.close()
+
+    started = time.monotonic()
+    cancelled, timed_out = arun(scenario())
+    assert cancelled.state == "cancelled" and cancelled.attempts[-1].signal == 9
+    assert timed_out.state == "failed" and timed_out.reason.endswith("timed out after 0.5s: dead-lettered")
+    assert time.monotonic() - started < 30  # neither waited for its sleep

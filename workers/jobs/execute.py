@@ -6,8 +6,9 @@ policy `no` (retries are the queue's, and may land on another worker) and `auto_
 itself when done, even if the worker is gone by then; its command runs under `timeout -s KILL`, so an
 attempt orphaned by a dead worker ends by its deadline (the fence a redelivery waits for).
 
-`ProcessExecutor` is the fast path: the command is the worker's child in a session of its own, with
-`setpriv --pdeathsig KILL`, so it dies with its worker; no machine record, no shim, no LMDB commit.
+`ProcessExecutor` is the fast path: the command is the worker's child (`posix_spawn`, see `spawn`) in a
+session of its own, under `setpriv --pdeathsig KILL`, so it dies with its worker; no machine record, no
+shim, no LMDB commit. It runs in the worker's working directory.
 Either way the outcome is the exit status and the last `OUTPUT_KEEP` characters of stdout and stderr.
 """
 
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +27,7 @@ import msgspec
 from bus.errors import FauxmadError
 from bus.jobs import OUTPUT_KEEP, Job
 from bus.messages import DestroyRequest, Guest, MachineConfig, ReserveRequest, RestartPolicy
+from workers.jobs.spawn import spawn
 from workers.machines import MachineManager
 
 Started = Callable[[str | None], None]  # told when the attempt's process runs (with its machine id)
@@ -134,45 +135,27 @@ class MachineExecutor:
 class ProcessExecutor:
     """The fast path: see the module docstring."""
 
-    def __init__(self, base_env: dict[str, str], workdir: Path) -> None:
+    def __init__(self, base_env: dict[str, str]) -> None:
         self.base_env = base_env
-        self.workdir = workdir
         self.setpriv = shutil.which("setpriv")
 
     async def run(self, job: Job, attempt: int, cancel: asyncio.Event, started: Started) -> Outcome:
         env = {**self.base_env, **job.env, "FAUXMAD_JOB_ID": job.id, "FAUXMAD_JOB_ATTEMPT": str(attempt)}
-        cmd = [self.setpriv, "--pdeathsig", "KILL", "--", *job.cmd] if self.setpriv else list(job.cmd)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        argv = [self.setpriv, "--pdeathsig", "KILL", "--", *job.cmd] if self.setpriv else list(job.cmd)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd,
-                env=env,
-                cwd=str(self.workdir),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
+            running = asyncio.ensure_future(spawn(argv, env, job.timeout, cancel))
+            await asyncio.sleep(0)  # spawned (posix_spawn returns once the child exec'd)
+            started(None)
+            ended = await running
         except OSError as exc:
             return Outcome(exit_code=127, error=f"cannot run {job.cmd[0]!r}: {exc.strerror or exc}")
-        started(None)
-        output = asyncio.ensure_future(proc.communicate())
-        how = await _until(output, cancel, job.timeout)
-        if how != "done":
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(BaseException):
-                await output
-        ok = output.done() and not output.cancelled() and output.exception() is None
-        out, err = output.result() if ok else (b"", b"")
-        code = proc.returncode
         return Outcome(
-            exit_code=code if code is not None and code >= 0 else None,
-            signal=-code if code is not None and code < 0 else None,
-            stdout=tail_text(out),
-            stderr=tail_text(err),
-            timed_out=how == "timeout",
-            cancelled=how == "cancelled",
+            exit_code=ended.exit_code,
+            signal=ended.signal,
+            stdout=tail_text(ended.stdout),
+            stderr=tail_text(ended.stderr),
+            timed_out=ended.how == "timeout",
+            cancelled=ended.how == "cancelled",
         )
 
 

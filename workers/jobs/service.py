@@ -69,8 +69,7 @@ class JobsService:
         executors: dict[str, Executor] = {
             "machine": MachineExecutor(self.manager, self.region),
             "process": ProcessExecutor(
-                {**base_env(), "FAUXMAD_WORKER_ID": self.worker_id, "FAUXMAD_REGION": self.region},
-                self.data_dir / "jobs",
+                {**base_env(), "FAUXMAD_WORKER_ID": self.worker_id, "FAUXMAD_REGION": self.region}
             ),
         }
         self.runner = JobRunner(
