@@ -293,3 +293,36 @@ def test_cancel_and_timeout_kill_a_fast_path_process(
     assert cancelled.state == "cancelled" and cancelled.attempts[-1].signal == 9
     assert timed_out.state == "failed" and timed_out.reason.endswith("timed out after 0.5s: dead-lettered")
     assert time.monotonic() - started < 30  # neither waited for its sleep
+
+
+def test_a_worker_restarted_mid_task_gets_its_machine_job_run_again_after_the_fence(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    region, app = unique("r"), unique("a")
+    worker = worker_factory(region, cpus=1, extra=FAST_ACK_WAIT)
+    runs = tmp_path / "runs.txt"
+    cmd = [
+        "sh",
+        "-c",
+        f'echo "start $FAUXMAD_JOB_ATTEMPT $(date +%s.%N)" >> {runs}; sleep 1; echo "end $FAUXMAD_JOB_ATTEMPT $(date +%s.%N)" >> {runs}',
+    ]
+
+    async def scenario() -> Job:
+        jobs = await client(nats_url)
+        try:
+            (job,) = await jobs.submit(region, JobSubmitRequest(app=app, cmd=cmd, timeout=3.0))
+            await _until(jobs, app, job.id, "running")
+            await _until_machine(jobs, app, job.id)
+            worker.kill9()  # type: ignore[attr-defined]
+            await asyncio.to_thread(worker.start)  # type: ignore[attr-defined]  # the same id beats again, job forgotten
+            return (await jobs.wait(app, [job.id], 60.0))[job.id]
+        finally:
+            await jobs.close()
+
+    job = arun(scenario())
+    assert job.state == "succeeded" and job.attempt == 2
+    assert [a.outcome for a in job.attempts] == ["lost", "succeeded"]
+    assert job.attempts[1].claimed_at >= job.attempts[0].claimed_at + 3.0 + 1.0  # the orphan's fence
+    events = [line.split() for line in runs.read_text().splitlines()]
+    spans = {attempt: [float(t) for kind, a, t in events if a == attempt] for attempt in ("1", "2")}
+    assert len(spans["2"]) == 2 and (len(spans["1"]) < 2 or spans["1"][1] <= spans["2"][0])  # never at once

@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from bus import subjects
 from bus.codec import decode, encode
 from bus.errors import FauxmadError
+from bus.jetstream import WORKER_TTL
 from bus.jobs import Job, JobTask, event_of, retry_delay
 from bus.messages import WorkerInfo
 from workers.jobs import outcome as moves
@@ -85,7 +86,9 @@ class JobRunner:
         if not entry.value:
             return False
         info = decode(WorkerInfo, entry.value)
-        return bool(self.clock() - info.heartbeat_at < 3 * 1.0 + 1.0)
+        # beating, and the same process that claimed it (a worker restarted since has forgotten it)
+        fresh = self.clock() - info.heartbeat_at < WORKER_TTL + 1.0
+        return fresh and (job.claimed_at is None or info.started_at < job.claimed_at)
 
     async def handle(self, msg: Any) -> None:
         try:

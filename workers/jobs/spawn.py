@@ -99,12 +99,14 @@ async def spawn(argv: list[str], env: Mapping[str, str], timeout: float, cancel:
         done, _ = await asyncio.wait({exited, cancelled}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if exited not in done:
             how = "cancelled" if cancel.is_set() else "timeout"
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+            _kill(pid)
             await exited
         # the pipes end when every process holding them does; a grandchild may keep one open: do not wait for it
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(t.done for t in tails)), 1.0)
+    except BaseException:  # cancelled (the worker stops): the child goes too, and is reaped below
+        _kill(pid)
+        raise
     finally:
         cancelled.cancel()
         loop.remove_reader(pidfd)
@@ -120,3 +122,9 @@ async def spawn(argv: list[str], env: Mapping[str, str], timeout: float, cancel:
         stderr=bytes(tails[1].data),
         how=how,
     )
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL the child's process group (its session: `setsid`)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
