@@ -78,7 +78,7 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
 
 @job_app.command("submit", context_settings={"allow_interspersed_args": False})
 def submit(
-    cmd: list[str] = typer.Argument(None, help="the command to run, after -- (default: the spec's [jobs] cmd)"),
+    cmd: list[str] = typer.Argument(None, help="the command to run, after -- (default: the spec's jobs.cmd)"),
     app: str | None = typer.Option(None, "--app", "-a", help="the app [default: the spec's]", callback=check_app),
     region: str | None = typer.Option(None, "--region", "-r", help="the region to run it in", callback=check_region),
     count: int = typer.Option(1, "--count", "-n", min=1, max=10_000, help="how many jobs to submit at once"),
@@ -91,7 +91,7 @@ def submit(
         None, "--runner", help="machine (default: a machine that destroys itself) or process (the fast path)"
     ),
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),
-    spec_path: Path | None = typer.Option(None, "--config", "-c", help="an app spec whose [jobs] gives defaults"),
+    spec_path: Path | None = typer.Option(None, "--config", "-c", help="an app spec whose jobs table gives defaults"),
     wait: bool = typer.Option(False, "--wait", "-w", help="wait until every job has finished (exit 1 if any failed)"),
     wait_timeout: float = typer.Option(3600.0, "--wait-timeout", min=0, help="with --wait: give up after this long"),
     nats: str | None = NatsOption,

@@ -68,3 +68,25 @@ def test_keyed_ids_are_stable_and_distinct() -> None:
     assert ids == keyed_job_ids("a", "k", 3) and len(set(ids)) == 3
     assert ids != keyed_job_ids("b", "k", 3)
     assert retry_delay(1) == 0.5 and retry_delay(3) == 2.0 and retry_delay(30) == 30.0
+
+
+def test_a_spec_jobs_table_gives_defaults_and_options_win() -> None:
+    import pytest
+
+    from orchestrator.jobs.spec import SubmitOptions, submit_request
+    from orchestrator.reconcile.spec import SpecError, parse_spec
+
+    spec = parse_spec(
+        'app = "thumbs"\ncmd = ["serve"]\nenv = {A = "1"}\n[regions]\nmad = 1\n'
+        '[jobs]\nregion = "mad"\ncmd = ["python3", "thumb.py"]\ntimeout = "10m"\nmax_attempts = 5\nrunner = "process"\n'
+    )
+    region, request = submit_request(SubmitOptions(count=2), spec)
+    assert region == "mad" and request.app == "thumbs" and request.cmd == ["python3", "thumb.py"]
+    assert request.timeout == 600.0 and request.max_attempts == 5 and request.runner == "process"
+    assert request.env == {"A": "1"} and request.count == 2
+    region, request = submit_request(SubmitOptions(region="syd", cmd=["true"], max_attempts=1, env={"A": "2"}), spec)
+    assert region == "syd" and request.cmd == ["true"] and request.max_attempts == 1 and request.env == {"A": "2"}
+    with pytest.raises(ValueError, match="no region"):
+        submit_request(SubmitOptions(app="x", cmd=["true"]), None)
+    with pytest.raises(SpecError, match=r"jobs\.retries"):
+        parse_spec('app = "a"\ncmd = ["x"]\n[regions]\nmad = 1\n[jobs]\nretries = 3\n')
