@@ -94,15 +94,15 @@ def channels() -> list[Channel]:
 def job_channels() -> list[Channel]:
     """Background jobs (an addition, README "Background jobs")."""
     return [
-        Channel("jobs_submit", f"{P}.jobs.submit.{{region}}",
+        Channel("jobs_submit", f"{P}.api.apps.{{app}}.jobs.submit.{{region}}",
                 "Submit jobs to a region's work queue (its workers, queue group `jobs`).", j.JobSubmitRequest,
-                j.JobSubmitReply, ("region",)),
-        Channel("jobs_status", subjects.JOBS_STATUS, "One job's record (any worker, queue group `jobs`).",
-                j.JobIdRequest, j.Job),
-        Channel("jobs_list", subjects.JOBS_LIST, "An app's jobs, newest first (any worker).", j.JobListRequest,
-                list[j.Job]),
-        Channel("jobs_cancel", subjects.JOBS_CANCEL, "Cancel a job: queued at once, running on its worker.",
-                j.JobIdRequest, j.Job),
+                j.JobSubmitReply, ("app", "region")),
+        Channel("jobs_status", f"{P}.api.apps.{{app}}.jobs.status",
+                "One job's record (any worker, queue group `jobs`).", j.JobIdRequest, j.Job, ("app",)),
+        Channel("jobs_list", f"{P}.api.apps.{{app}}.jobs.list", "An app's jobs, newest first (any worker).",
+                j.JobListRequest, list[j.Job], ("app",)),
+        Channel("jobs_cancel", f"{P}.api.apps.{{app}}.jobs.cancel",
+                "Cancel a job: queued at once, running on its worker.", j.JobIdRequest, j.Job, ("app",)),
         Channel("worker_jobs_cancel", f"{P}.worker.{{worker_id}}.jobs.cancel",
                 "Kill the attempt of a job running on this worker (sent by the job desk's cancel).", j.JobIdRequest,
                 m.Ack, ("worker_id",)),

@@ -365,6 +365,8 @@ async def ensure_jobs_resources(js: JetStreamContext, region: str, *, ack_wait: 
     )
     try:
         await js.consumer_info(stream, subjects.JOBS_CONSUMER)
+    except TimeoutError:
+        raise _cannot_create(f"{stream} (its consumer {subjects.JOBS_CONSUMER})") from None
     except NotFoundError:
         with contextlib.suppress(BadRequestError):  # created meanwhile by another worker
             await js.add_consumer(

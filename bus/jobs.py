@@ -38,7 +38,7 @@ def keyed_job_ids(app: str, key: str, count: int) -> list[str]:
 
 
 class JobSubmitRequest(Request):
-    """`fauxmad.v1.jobs.submit.<region>`: `count` jobs running `cmd` (each its own id and record)."""
+    """`fauxmad.v1.api.apps.<app>.jobs.submit.<region>`: `count` jobs running `cmd` (each its own id and record)."""
 
     app: Token
     cmd: Annotated[list[str], msgspec.Meta(min_length=1, max_length=4096)]
@@ -69,14 +69,14 @@ class JobSubmitRequest(Request):
 
 
 class JobIdRequest(Request):
-    """`fauxmad.v1.jobs.status` and `fauxmad.v1.jobs.cancel`: one job of one app."""
+    """`fauxmad.v1.api.apps.<app>.jobs.status` and `.cancel`: one job of the app (`app` must be the subject's)."""
 
     app: Token
     id: JobId
 
 
 class JobListRequest(Request):
-    """`fauxmad.v1.jobs.list`: an app's jobs, newest first."""
+    """`fauxmad.v1.api.apps.<app>.jobs.list`: the app's jobs, newest first."""
 
     app: Token
     state: JobState | None = None
@@ -156,7 +156,7 @@ class JobEvent(Reply):
     at: float = 0.0
 
 
-# `fauxmad.v1.jobs.<verb>` (any worker, queue group `jobs`) and `fauxmad.v1.jobs.submit.<region>` (that
+# `fauxmad.v1.api.apps.<app>.jobs.<verb>` (any worker, queue group `jobs`) and `...jobs.submit.<region>` (that
 # region's workers, queue group `jobs`): each verb's payload, listed once.
 JOB_REQUESTS: dict[str, type[Request]] = {
     "submit": JobSubmitRequest,

@@ -152,15 +152,33 @@ JOBS_DEAD_STREAM = "FAUXMAD_JOBS_DEAD"
 JOB_EVENTS_STREAM = "FAUXMAD_JOB_EVENTS"
 JOBS_QUEUE = "jobs"  # the queue group of the job subjects
 JOBS_CONSUMER = "workers"  # the one durable pull consumer of each region's work queue
-JOBS_STATUS = f"{PREFIX}.jobs.status"
-JOBS_LIST = f"{PREFIX}.jobs.list"
-JOBS_CANCEL = f"{PREFIX}.jobs.cancel"
+JOB_VERBS = ("status", "list", "cancel")  # `fauxmad.v1.api.apps.<app>.jobs.<verb>`, besides `submit.<region>`
 JOBS_DEAD_ALL = f"{PREFIX}.jobs.dead.>"
 JOB_EVENTS_ALL = f"{PREFIX}.jobs.events.>"
 
 
-def jobs_submit(region: str) -> str:
-    return f"{PREFIX}.jobs.submit.{check_token('region', region)}"
+def api_jobs(app: str, verb: str) -> str:
+    """`fauxmad.v1.api.apps.<app>.jobs.<verb>`: status, list, cancel (any worker answers)."""
+    return f"{PREFIX}.api.apps.{check_token('app', app)}.jobs.{verb}"
+
+
+def api_jobs_wildcard(verb: str) -> str:
+    return f"{PREFIX}.api.apps.*.jobs.{verb}"
+
+
+def api_jobs_submit(app: str, region: str) -> str:
+    """`fauxmad.v1.api.apps.<app>.jobs.submit.<region>`: answered by that region's workers."""
+    return f"{api_jobs(app, 'submit')}.{check_token('region', region)}"
+
+
+def api_jobs_submit_wildcard(region: str) -> str:
+    return f"{api_jobs_wildcard('submit')}.{check_token('region', region)}"
+
+
+def parse_jobs_app(subject: str) -> str:
+    """The `<app>` token of `fauxmad.v1.api.apps.<app>.jobs...`."""
+    parts = subject.split(".")
+    return parts[4] if len(parts) >= 7 else ""
 
 
 def jobs_queue(region: str) -> str:

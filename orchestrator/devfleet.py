@@ -31,7 +31,7 @@ from bus.credentials import CREDS_ENV
 from bus.embedded import EmbeddedNats, free_port
 from bus.errors import Unreachable
 from bus.images import Images
-from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, revoked_tokens_bucket
+from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, ensure_jobs_resources, revoked_tokens_bucket
 from bus.messages import DestroyRequest, ListRequest
 from bus.secrets import new_private_key, secrets_bucket
 from orchestrator.security.fleetdir import FleetDir
@@ -187,6 +187,8 @@ class DevFleet:
             await ensure_audit_stream(nc.jetstream())
             await revoked_tokens_bucket(nc.jetstream())
             await Images.open(nc.jetstream())
+            for region in self.spec.regions:
+                await ensure_jobs_resources(nc.jetstream(), region)
         finally:
             await nc.close()
 

@@ -247,7 +247,12 @@ class WorkerAgent:
             ack_wait=cfg.jobs_ack_wait,
         )
         self.responder = Responder(self.nc, f"worker {cfg.worker_id}")
-        await self.jobs.start(self.responder)
+        try:
+            await self.jobs.start(self.responder)
+        except (FauxmadError, TimeoutError) as exc:  # a secure fleet whose operator did not prepare this region
+            log.warning("worker %s: background jobs off: %s", cfg.worker_id, getattr(exc, "message", repr(exc)))
+            await self.jobs.close()
+            self.jobs = None
 
     # ------------------------------------------------------------------------------------------
     # handlers: (subject, data) -> Struct

@@ -35,20 +35,22 @@ class JobsClient:
 
     async def submit(self, region: str, request: JobSubmitRequest) -> list[Job]:
         timeout = SUBMIT_TIMEOUT + request.count / 100
-        reply = await call(self.nc, subjects.jobs_submit(region), request, JobSubmitReply, timeout=timeout)
+        reply = await call(
+            self.nc, subjects.api_jobs_submit(request.app, region), request, JobSubmitReply, timeout=timeout
+        )
         return reply.jobs
 
     async def status(self, app: str, job_id: str) -> Job:
-        return await call(self.nc, subjects.JOBS_STATUS, JobIdRequest(app=app, id=job_id), Job)
+        return await call(self.nc, subjects.api_jobs(app, "status"), JobIdRequest(app=app, id=job_id), Job)
 
     async def list(
         self, app: str, *, state: str | None = None, region: str | None = None, limit: int = 1000
     ) -> list[Job]:
         request = JobListRequest(app=app, state=state, region=region, limit=limit)  # type: ignore[arg-type]
-        return await call(self.nc, subjects.JOBS_LIST, request, list[Job], timeout=30.0)
+        return await call(self.nc, subjects.api_jobs(app, "list"), request, list[Job], timeout=30.0)
 
     async def cancel(self, app: str, job_id: str) -> Job:
-        return await call(self.nc, subjects.JOBS_CANCEL, JobIdRequest(app=app, id=job_id), Job)
+        return await call(self.nc, subjects.api_jobs(app, "cancel"), JobIdRequest(app=app, id=job_id), Job)
 
     async def wait(self, app: str, job_ids: builtins.list[str], timeout: float) -> dict[str, Job]:
         """Every job's record once it is succeeded, failed or cancelled; 504 when `timeout` passes first."""

@@ -244,17 +244,24 @@ def test_bad_submits_are_400(
         nc = await connect_nats(nats_url)
         try:
             out = []
-            asked = [(subjects.jobs_submit(region), payload) for payload in BAD_SUBMITS]
+            asked = [(subjects.api_jobs_submit("a", region), payload) for payload in BAD_SUBMITS]
             asked += [
                 (subject, payload)
                 for payload in BAD_SUBMITS[:2]
-                for subject in (subjects.JOBS_STATUS, subjects.JOBS_CANCEL)
+                for subject in (subjects.api_jobs("a", "status"), subjects.api_jobs("a", "cancel"))
             ]
-            asked += [(subjects.JOBS_STATUS, b'{"app": "a", "id": "j123"}'), (subjects.JOBS_LIST, b'{"state": "x"}')]
+            asked += [
+                (subjects.api_jobs("a", "status"), b'{"app": "a", "id": "j123"}'),
+                (subjects.api_jobs("a", "list"), b'{"state": "x"}'),
+                (subjects.api_jobs("a", "list"), b'{"app": "b"}'),  # another app than the subject's
+                (subjects.api_jobs_submit("b", region), b'{"app": "a", "cmd": ["true"]}'),
+            ]
             for subject, data in asked:
                 msg = await nc.request(subject, data, timeout=5)
                 out.append(((msg.headers or {}).get("Nats-Service-Error-Code", "200"), msgspec.json.decode(msg.data)))
-            unknown = await nc.request(subjects.JOBS_STATUS, b'{"app": "a", "id": "j00000000000000f"}', timeout=5)
+            unknown = await nc.request(
+                subjects.api_jobs("a", "status"), b'{"app": "a", "id": "j00000000000000f"}', timeout=5
+            )
             out.append(
                 ((unknown.headers or {}).get("Nats-Service-Error-Code", "200"), msgspec.json.decode(unknown.data))
             )

@@ -31,14 +31,16 @@ def test_job_replies_and_events_validate(
         nc = await connect_nats(nats_url)
         try:
             made = json.loads(
-                (await nc.request(subjects.jobs_submit(region), json.dumps(submit).encode(), timeout=10)).data
+                (await nc.request(subjects.api_jobs_submit(app, region), json.dumps(submit).encode(), timeout=10)).data
             )
             job_id = made["jobs"][0]["id"]
             js = nc.jetstream()
             sub = await js.subscribe(subjects.job_events_filter(app), ordered_consumer=True)
             events = [json.loads((await sub.next_msg(timeout=10)).data) for _ in range(3)]
-            status = await nc.request(subjects.JOBS_STATUS, json.dumps({"app": app, "id": job_id}).encode(), timeout=5)
-            listed = await nc.request(subjects.JOBS_LIST, json.dumps({"app": app}).encode(), timeout=5)
+            status = await nc.request(
+                subjects.api_jobs(app, "status"), json.dumps({"app": app, "id": job_id}).encode(), timeout=5
+            )
+            listed = await nc.request(subjects.api_jobs(app, "list"), json.dumps({"app": app}).encode(), timeout=5)
             return {"made": made, "events": events, "status": json.loads(status.data), "list": json.loads(listed.data)}
         finally:
             await nc.close()

@@ -1,11 +1,12 @@
 """The job desk: `submit`, `status`, `list` and `cancel`, answered by workers (queue group `jobs`).
 
-A submit reaches the workers of its region (`fauxmad.v1.jobs.submit.<region>`); status, list and cancel
-any worker (`fauxmad.v1.jobs.<verb>`): the records are in KV `fauxmad_jobs`, readable from anywhere. A
-submit stores each job's record (`queued`) before it publishes the job to the region's work queue, and
-answers only once JetStream has acknowledged both: an answered submit is never lost. With an
-idempotency key the jobs' ids come from the key, and the record's create is the claim: the same key
-again answers with the same jobs (a different request under it is a 409), never runs them twice.
+A submit reaches the workers of its region (`fauxmad.v1.api.apps.<app>.jobs.submit.<region>`); status,
+list and cancel any worker (`fauxmad.v1.api.apps.<app>.jobs.<verb>`): the records are in KV
+`fauxmad_jobs`, readable from anywhere. The payload's app must be the subject's. A submit stores each
+job's record (`queued`) before it publishes the job to the region's work queue, and answers only once
+JetStream has acknowledged both: an answered submit is never lost. With an idempotency key the jobs'
+ids come from the key, and the record's create is the claim: the same key again answers with the same
+jobs (a different request under it is a 409), never runs them twice.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from nats.aio.client import Client
 
 from bus import subjects
 from bus.codec import decode, encode
-from bus.errors import Conflict, Unreachable
+from bus.errors import BadRequest, Conflict, Unreachable
 from bus.jobs import (
     Job,
     JobIdRequest,
@@ -98,7 +100,7 @@ class JobDesk:
         )
 
     async def submit(self, subject: str, data: bytes) -> JobSubmitReply:
-        req = decode(JobSubmitRequest, data)
+        req = same_app(subject, decode(JobSubmitRequest, data))
         stored = await asyncio.gather(*(self._store(job) for job in self.new_jobs(req)))
         fresh = [job for job, publish in stored if publish]
         try:
@@ -110,11 +112,11 @@ class JobDesk:
         return JobSubmitReply(jobs=[job for job, _ in stored])
 
     async def status(self, subject: str, data: bytes) -> Job:
-        req = decode(JobIdRequest, data)
+        req = same_app(subject, decode(JobIdRequest, data))
         return await self.records.get(req.app, req.id)
 
     async def list(self, subject: str, data: bytes) -> list[Job]:
-        req = decode(JobListRequest, data)
+        req = same_app(subject, decode(JobListRequest, data))
         jobs = [
             job
             for job in await self.records.list(req.app)
@@ -124,7 +126,7 @@ class JobDesk:
         return jobs[: req.limit]
 
     async def cancel(self, subject: str, data: bytes) -> Job:
-        req = decode(JobIdRequest, data)
+        req = same_app(subject, decode(JobIdRequest, data))
         now = self.clock()
         job, changed = await self.records.change(req.app, req.id, lambda j: moves.cancel_requested(j, now=now))
         if changed:
@@ -135,3 +137,14 @@ class JobDesk:
                 await request(self.nc, subjects.worker_job_cancel(job.worker_id), encode(req), timeout=2.0)
             job = await self.records.get(req.app, req.id)
         return job
+
+
+R = TypeVar("R", JobSubmitRequest, JobIdRequest, JobListRequest)
+
+
+def same_app(subject: str, request: R) -> R:
+    """The payload's app must be the subject's: permissions (a deployer's) are granted by subject."""
+    named = subjects.parse_jobs_app(subject)
+    if request.app != named:
+        raise BadRequest(f"app {request.app!r} in the payload, but {named!r} in the subject")
+    return request

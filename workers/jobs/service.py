@@ -83,10 +83,10 @@ class JobsService:
         )
         desk = JobDesk(self.nc, records, region=self.region, emit=self.runner.emit)
         routes = [
-            (subjects.jobs_submit(self.region), desk.submit),
-            (subjects.JOBS_STATUS, desk.status),
-            (subjects.JOBS_LIST, desk.list),
-            (subjects.JOBS_CANCEL, desk.cancel),
+            (subjects.api_jobs_submit_wildcard(self.region), desk.submit),
+            (subjects.api_jobs_wildcard("status"), desk.status),
+            (subjects.api_jobs_wildcard("list"), desk.list),
+            (subjects.api_jobs_wildcard("cancel"), desk.cancel),
         ]
         for subject, handler in routes:
             cb = responder.for_subscription(handler)
