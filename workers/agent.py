@@ -181,7 +181,7 @@ class WorkerAgent:
                 self.follower.follow(
                     stored.machine.id, stored.machine.app, self.manager.workdir(stored.machine.id), from_offset_now=True
                 )
-        await self._start_jobs(data)  # before the info endpoint answers: a ready worker takes jobs
+        await self._start_jobs()  # before the info endpoint answers: a ready worker takes jobs
         await self._subscribe()
         await self._heartbeat_once()
         self._tasks += [
@@ -231,7 +231,7 @@ class WorkerAgent:
             )
         await self.nc.flush()
 
-    async def _start_jobs(self, data: Path) -> None:
+    async def _start_jobs(self) -> None:
         """Background jobs (workers/jobs): this region's job desk, and pulls bounded by free slots."""
         assert self.nc is not None and self.store is not None and self.manager is not None
         cfg, store = self.config, self.store
@@ -243,7 +243,6 @@ class WorkerAgent:
             slots=cfg.job_slots or cfg.cpus,
             free_cpus=lambda: cfg.cpus - store.usage().cpus,
             workers_kv=self._kv.workers,
-            data_dir=data,
             ack_wait=cfg.jobs_ack_wait,
         )
         self.responder = Responder(self.nc, f"worker {cfg.worker_id}")

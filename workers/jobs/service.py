@@ -8,9 +8,7 @@ than are free when it arrives goes back to the queue (not an attempt) for anothe
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
@@ -41,7 +39,6 @@ class JobsService:
         slots: int,
         free_cpus: Callable[[], int],
         workers_kv: Any,
-        data_dir: Path,
         ack_wait: float = JOBS_ACK_WAIT,
     ) -> None:
         self.nc = nc
@@ -51,7 +48,6 @@ class JobsService:
         self.max_slots = slots
         self.free_cpus = free_cpus
         self.workers_kv = workers_kv
-        self.data_dir = data_dir
         self.ack_wait = ack_wait
         self.subs: list[Any] = []
         self.puller: Puller | None = None
@@ -116,7 +112,3 @@ class JobsService:
                 await sub.unsubscribe()
         if self.puller is not None:
             await self.puller.close()
-
-
-def default_slots() -> int:
-    return os.cpu_count() or 1
