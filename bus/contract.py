@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from bus import jobs as j
 from bus import messages as m
 from bus import subjects
 
@@ -86,6 +87,7 @@ def channels() -> list[Channel]:
         Channel("audit", f"{P}.audit.{{app}}", "A mutating HTTP API request (stream FAUXMAD_AUDIT).",
                 m.AuditRecord, None, ("app",)),
     ]  # fmt: skip
+    out += job_channels()
     return out + volume_channels()
 
 
@@ -122,6 +124,32 @@ def volume_channels() -> list[Channel]:
         for verb, kind in m.API_VOLUME_REQUESTS.items()
     ]  # fmt: skip
     return out
+
+
+def job_channels() -> list[Channel]:
+    """Background jobs (an addition, README "Background jobs")."""
+    return [
+        Channel("jobs_submit", f"{P}.api.apps.{{app}}.jobs.submit.{{region}}",
+                "Submit jobs to a region's work queue (its workers, queue group `jobs`).", j.JobSubmitRequest,
+                j.JobSubmitReply, ("app", "region")),
+        Channel("jobs_status", f"{P}.api.apps.{{app}}.jobs.status",
+                "One job's record (any worker, queue group `jobs`).", j.JobIdRequest, j.Job, ("app",)),
+        Channel("jobs_list", f"{P}.api.apps.{{app}}.jobs.list", "An app's jobs, newest first (any worker).",
+                j.JobListRequest, list[j.Job], ("app",)),
+        Channel("jobs_cancel", f"{P}.api.apps.{{app}}.jobs.cancel",
+                "Cancel a job: queued at once, running on its worker.", j.JobIdRequest, j.Job, ("app",)),
+        Channel("worker_jobs_cancel", f"{P}.worker.{{worker_id}}.jobs.cancel",
+                "Kill the attempt of a job running on this worker (sent by the job desk's cancel).", j.JobIdRequest,
+                m.Ack, ("worker_id",)),
+        Channel("jobs_queue", f"{P}.jobs.queue.{{region}}",
+                "A region's work queue (stream FAUXMAD_JOBS_<region>, consumer `workers`): which job to run.",
+                j.JobTask, None, ("region",)),
+        Channel("jobs_dead", f"{P}.jobs.dead.{{region}}.{{app}}",
+                "A job that failed every attempt: its final record (stream FAUXMAD_JOBS_DEAD).", j.Job, None,
+                ("region", "app")),
+        Channel("job_events", f"{P}.jobs.events.{{region}}.{{app}}.{{job_id}}",
+                "Every job state change (stream FAUXMAD_JOB_EVENTS).", j.JobEvent, None, ("region", "app", "job_id")),
+    ]  # fmt: skip
 
 
 def _name(kind: Any) -> str:

@@ -65,6 +65,7 @@ class EmbeddedNats:
         name: str = "fauxmad-dev",
         log_file: str | Path | None = None,
         config_file: str | Path | None = None,
+        sync_always: bool = True,
     ) -> None:
         """`config_file`: run with that config (a secure fleet's, `orchestrator.security`: TLS required, so the
         URL is `tls://`) instead of the JetStream-only one written here."""
@@ -76,6 +77,7 @@ class EmbeddedNats:
         self.log_file = Path(log_file) if log_file else self.store_dir / "nats-server.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.config_file = Path(config_file) if config_file else None
+        self.sync_always = sync_always  # False: nats-server's default (flush every 2 min), for benchmarks only
 
     @property
     def url(self) -> str:
@@ -90,7 +92,9 @@ class EmbeddedNats:
                 # every JetStream write is flushed before it is acknowledged: by default nats-server acknowledges
                 # first and writes later, so a kill -9 of the server loses acknowledged claims, index entries and
                 # events (one server has no replica to recover them from)
-                f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir))}\n  sync_interval: always\n}}\n"
+                f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir))}\n"
+                + ("  sync_interval: always\n" if self.sync_always else "")
+                + "}\n"
             )
         args = [
             binary,

@@ -16,6 +16,7 @@ works the same way with `$FAUXMAD_LOGS_MAX_AGE` and `$FAUXMAD_LOGS_MAX_BYTES` (d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping
@@ -301,3 +302,82 @@ async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: St
     if current.max_age != limits.max_age or current.max_bytes != limits.max_bytes:
         current.max_age, current.max_bytes = limits.max_age, limits.max_bytes
         await js.update_stream(current)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Background jobs (addition, README "Background jobs")
+
+JOBS_ACK_WAIT = 6.0  # a taken job not acked or renewed for this long is given to another worker
+JOBS_DEAD_MAX_AGE = 30 * 24 * 3600.0
+JOB_EVENTS_MAX_AGE = 24 * 3600.0
+
+
+class JobsResources(msgspec.Struct, frozen=True):
+    kv: Any  # KV `fauxmad_jobs`
+    stream: str  # the region's work-queue stream
+
+
+async def ensure_jobs_resources(js: JetStreamContext, region: str, *, ack_wait: float = JOBS_ACK_WAIT) -> JobsResources:
+    """KV `fauxmad_jobs`, the dead letters and job events streams, and region `region`'s work queue with its
+    one durable pull consumer (`workers`): created if missing, bound otherwise."""
+    from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy
+
+    kv = await bind_or_create_kv(
+        js,
+        KeyValueConfig(
+            bucket=subjects.JOBS_BUCKET,
+            history=1,
+            storage=StorageType.FILE,
+            description="background jobs: one record per job (state, attempts, exit status, output)",
+        ),
+    )
+    await _limited_stream(
+        js,
+        StreamConfig(
+            name=subjects.JOBS_DEAD_STREAM,
+            subjects=[subjects.JOBS_DEAD_ALL],
+            storage=StorageType.FILE,
+            description="jobs that failed every attempt (dead letters): their final record",
+        ),
+        StreamLimits(max_age=JOBS_DEAD_MAX_AGE, max_bytes=1 << 30, explicit=False),
+    )
+    await _limited_stream(
+        js,
+        StreamConfig(
+            name=subjects.JOB_EVENTS_STREAM,
+            subjects=[subjects.JOB_EVENTS_ALL],
+            storage=StorageType.FILE,
+            description="every job state change",
+        ),
+        StreamLimits(max_age=JOB_EVENTS_MAX_AGE, max_bytes=256 << 20, explicit=False),
+    )
+    stream = subjects.jobs_stream(region)
+    await _limited_stream(
+        js,
+        StreamConfig(
+            name=stream,
+            subjects=[subjects.jobs_queue(region)],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            description=f"the work queue of region {region}: a message per job until a worker acks it",
+        ),
+        StreamLimits(max_age=0.0, max_bytes=-1, explicit=False),
+    )
+    try:
+        await js.consumer_info(stream, subjects.JOBS_CONSUMER)
+    except TimeoutError:
+        raise _cannot_create(f"{stream} (its consumer {subjects.JOBS_CONSUMER})") from None
+    except NotFoundError:
+        with contextlib.suppress(BadRequestError):  # created meanwhile by another worker
+            await js.add_consumer(
+                stream,
+                ConsumerConfig(
+                    durable_name=subjects.JOBS_CONSUMER,
+                    ack_policy=AckPolicy.EXPLICIT,
+                    ack_wait=ack_wait,
+                    max_deliver=-1,
+                    max_ack_pending=-1,
+                    max_waiting=4096,
+                ),
+            )
+    return JobsResources(kv=kv, stream=stream)

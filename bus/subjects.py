@@ -165,6 +165,74 @@ def worker_key(region: str, worker_id: str) -> str:
     return f"{region}.{worker_id}"
 
 
+# ---------------------------------------------------------------------------------------------------
+# Background jobs (addition, README "Background jobs")
+
+JOBS_BUCKET = "fauxmad_jobs"  # key `<app>.<job id>`: the job's record
+JOBS_DEAD_STREAM = "FAUXMAD_JOBS_DEAD"
+JOB_EVENTS_STREAM = "FAUXMAD_JOB_EVENTS"
+JOBS_QUEUE = "jobs"  # the queue group of the job subjects
+JOBS_CONSUMER = "workers"  # the one durable pull consumer of each region's work queue
+JOB_VERBS = ("status", "list", "cancel")  # `fauxmad.v1.api.apps.<app>.jobs.<verb>`, besides `submit.<region>`
+JOBS_DEAD_ALL = f"{PREFIX}.jobs.dead.>"
+JOB_EVENTS_ALL = f"{PREFIX}.jobs.events.>"
+
+
+def api_jobs(app: str, verb: str) -> str:
+    """`fauxmad.v1.api.apps.<app>.jobs.<verb>`: status, list, cancel (any worker answers)."""
+    return f"{PREFIX}.api.apps.{check_token('app', app)}.jobs.{verb}"
+
+
+def api_jobs_wildcard(verb: str) -> str:
+    return f"{PREFIX}.api.apps.*.jobs.{verb}"
+
+
+def api_jobs_submit(app: str, region: str) -> str:
+    """`fauxmad.v1.api.apps.<app>.jobs.submit.<region>`: answered by that region's workers."""
+    return f"{api_jobs(app, 'submit')}.{check_token('region', region)}"
+
+
+def api_jobs_submit_wildcard(region: str) -> str:
+    return f"{api_jobs_wildcard('submit')}.{check_token('region', region)}"
+
+
+def parse_jobs_app(subject: str) -> str:
+    """The `<app>` token of `fauxmad.v1.api.apps.<app>.jobs...`."""
+    parts = subject.split(".")
+    return parts[4] if len(parts) >= 7 else ""
+
+
+def jobs_queue(region: str) -> str:
+    """The subject of region `region`'s work queue (what its stream keeps)."""
+    return f"{PREFIX}.jobs.queue.{check_token('region', region)}"
+
+
+def jobs_stream(region: str) -> str:
+    """The work-queue stream of a region: `FAUXMAD_JOBS_<region>`."""
+    return f"FAUXMAD_JOBS_{check_token('region', region)}"
+
+
+def jobs_dead(region: str, app: str) -> str:
+    return f"{PREFIX}.jobs.dead.{check_token('region', region)}.{check_token('app', app)}"
+
+
+def job_events(region: str, app: str, job_id: str) -> str:
+    return f"{PREFIX}.jobs.events.{region}.{app}.{job_id}"
+
+
+def job_events_filter(app: str | None = None) -> str:
+    return f"{PREFIX}.jobs.events.*.{check_token('app', app) if app else '*'}.*"
+
+
+def worker_job_cancel(worker_id: str) -> str:
+    """Where a cancel reaches the worker running the job."""
+    return f"{worker_prefix(worker_id)}.jobs.cancel"
+
+
+def job_key(app: str, job_id: str) -> str:
+    return f"{app}.{job_id}"
+
+
 def parse_verb(subject: str) -> str:
     """The last token of a request subject: the verb the caller asked for."""
     return subject.rsplit(".", 1)[-1]

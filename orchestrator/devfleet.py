@@ -31,7 +31,7 @@ from bus.credentials import CREDS_ENV
 from bus.embedded import EmbeddedNats, free_port
 from bus.errors import Unreachable
 from bus.images import Images
-from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, revoked_tokens_bucket
+from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, ensure_jobs_resources, revoked_tokens_bucket
 from bus.messages import DestroyRequest, ListRequest
 from bus.secrets import new_private_key, secrets_bucket
 from bus.volumes import snapshot_store, volumes_bucket
@@ -54,6 +54,7 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat: float = 1.0
     data_dir: str | None = None
     fsync: bool = True
+    nats_sync: bool = True  # False: nats-server's default flush (benchmarks only: see `fauxmad bench jobs`)
     # the same setup a production fleet gets (orchestrator/security): mutual TLS, an identity per process;
     # $FAUXMAD_DEV_SECURE=1 makes it the default (to run the test suite against secure fleets)
     secure: bool = os.environ.get(SECURE_ENV) == "1"
@@ -152,7 +153,13 @@ class DevFleet:
         try:
             config = self._secure_setup() if spec.secure else None
             port = self.security_port if config else spec.port
-            self.nats = EmbeddedNats(port=port, store_dir=self.root / "nats", name="fauxmad-dev", config_file=config)
+            self.nats = EmbeddedNats(
+                port=port,
+                store_dir=self.root / "nats",
+                name="fauxmad-dev",
+                config_file=config,
+                sync_always=self.spec.nats_sync,
+            )
             try:
                 self.nats.start()
             except Unreachable as exc:
@@ -197,6 +204,8 @@ class DevFleet:
             await Images.open(nc.jetstream())
             await snapshot_store(nc.jetstream())
             await volumes_bucket(nc.jetstream())
+            for region in self.spec.regions:
+                await ensure_jobs_resources(nc.jetstream(), region)
         finally:
             await nc.close()
 

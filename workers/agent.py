@@ -37,7 +37,7 @@ from bus.connection import connect
 from bus.contract import endpoint_metadata
 from bus.errors import BadRequest, FauxmadError, Unreachable
 from bus.images import ImageManifest, Images, image_store, is_digest, tags_bucket
-from bus.jetstream import FleetConfig, ensure_fleet_resources
+from bus.jetstream import JOBS_ACK_WAIT, FleetConfig, ensure_fleet_resources
 from bus.messages import (
     EMPTY_OK,
     VOLUME_EMPTY_OK,
@@ -57,6 +57,7 @@ from bus.volumes import snapshot_store
 from workers import metrics, sandbox
 from workers.commit import GroupCommitter
 from workers.images import ImageCache
+from workers.jobs.service import JobsService
 from workers.lifecycle import PROCESS_STATES
 from workers.limits import auto_detect
 from workers.logs import LogFollower
@@ -98,6 +99,8 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # credentials, its LMDB; None: the worker's own user
     machine_user: tuple[int, int] | None = None
     volume_capacity_gb: int | None = None  # volumes' sizes this worker may hold; None: the data dir's free disk
+    job_slots: int = 0  # background jobs held at once (0: one per cpu); see workers/jobs
+    jobs_ack_wait: float = JOBS_ACK_WAIT
 
 
 class WorkerAgent:
@@ -129,6 +132,7 @@ class WorkerAgent:
         self.image_cache: ImageCache | None = None
         self.volumes: VolumeManager | None = None
         self._states_seen: set[str] = set()  # for the per-state gauge
+        self.jobs: JobsService | None = None
 
     # ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -198,6 +202,7 @@ class WorkerAgent:
                 self.follower.follow(
                     stored.machine.id, stored.machine.app, self.manager.workdir(stored.machine.id), from_offset_now=True
                 )
+        await self._start_jobs()  # before the info endpoint answers: a ready worker takes jobs
         await self._subscribe()
         await self._heartbeat_once()
         self._tasks += [
@@ -234,7 +239,6 @@ class WorkerAgent:
     async def _subscribe(self) -> None:
         assert self.nc is not None
         cfg = self.config
-        self.responder = Responder(self.nc, f"worker {cfg.worker_id}")
         self._subs.append(
             await self.nc.subscribe(
                 subjects.offers(cfg.region), cb=self.responder.for_subscription(self._on_offer, inline=True)
@@ -272,6 +276,28 @@ class WorkerAgent:
                 )
             )
         await self.nc.flush()
+
+    async def _start_jobs(self) -> None:
+        """Background jobs (workers/jobs): this region's job desk, and pulls bounded by free slots."""
+        assert self.nc is not None and self.store is not None and self.manager is not None
+        cfg, store = self.config, self.store
+        self.jobs = JobsService(
+            self.nc,
+            self.manager,
+            worker_id=cfg.worker_id,
+            region=cfg.region,
+            slots=cfg.job_slots or cfg.cpus,
+            free_cpus=lambda: cfg.cpus - store.usage().cpus,
+            workers_kv=self._kv.workers,
+            ack_wait=cfg.jobs_ack_wait,
+        )
+        self.responder = Responder(self.nc, f"worker {cfg.worker_id}")
+        try:
+            await self.jobs.start(self.responder)
+        except (FauxmadError, TimeoutError) as exc:  # a secure fleet whose operator did not prepare this region
+            log.warning("worker %s: background jobs off: %s", cfg.worker_id, getattr(exc, "message", repr(exc)))
+            await self.jobs.close()
+            self.jobs = None
 
     # ------------------------------------------------------------------------------------------
     # handlers: (subject, data) -> Struct
@@ -402,6 +428,8 @@ class WorkerAgent:
                     self._beat_soon()
                 if machine.state in ("stopped", "failed", "destroyed"):
                     self.follower.unfollow(machine.id)
+                if machine.state == "destroyed" and self.jobs is not None:
+                    self.jobs.wake()
             elif isinstance(record, ImageRecord):
                 self._images = self._images | {record.image}
             elif isinstance(record, VolumeRecord):
@@ -494,11 +522,16 @@ class WorkerAgent:
         log.error("worker %s: %s; exiting so that the supervisor restarts it", self.config.worker_id, reason)
         self._stopped.set()
 
+    async def _close_jobs(self) -> None:
+        if self.jobs is not None:
+            await self.jobs.close()
+
     async def close(self) -> None:
         """Stop serving, promptly: every step is bounded, and machines are left running."""
         if self.outbox is not None and self.nc is not None and self.nc.is_connected:
             await _bounded(self.outbox.flush(), 2.0)  # what the last commits changed
         self._closing = True
+        await _bounded(self._close_jobs(), 3.0)
         for task in self._tasks:
             task.cancel()
         await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), 2.0)

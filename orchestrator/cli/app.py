@@ -132,6 +132,9 @@ def _register() -> None:
     from orchestrator.cli import logs_cmd
 
     app.command("logs")(logs_cmd.logs)
+    from orchestrator.cli import job_cmd  # background jobs (README "Background jobs")
+
+    app.add_typer(job_cmd.job_app, name="job")
 
 
 _register()

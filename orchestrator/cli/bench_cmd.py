@@ -248,3 +248,39 @@ def peer(
     options = bench.PeerOptions(count=count, warmup=warmup, workers=workers, ray_cpus=ray_cpus)
     result = _measure(lambda: bench.run_peer(options, _progress))
     _finish(result, bench.report(result), output, json_out)
+
+
+@bench_app.command("jobs")
+def jobs(
+    tasks: int = typer.Option(1000, "--tasks", "-n", min=1, max=10_000, help="tasks in the throughput burst"),
+    samples: int = typer.Option(200, "--samples", min=1, max=10_000, help="tasks one at a time (free capacity)"),
+    workers: int = typer.Option(4, "--workers", min=1, max=64, help="worker processes, for every system"),
+    slots: int = typer.Option(4, "--slots", min=1, max=256, help="tasks at a time per worker"),
+    runner: str = typer.Option("process", "--runner", help="fauxmad's: process (the fast path) or machine"),
+    baselines: bool = typer.Option(True, "--baselines/--no-baselines", help="also Redis BLPOP and arq"),
+    nats_sync: bool = typer.Option(
+        True, "--nats-sync/--no-nats-sync", help="fauxmad's NATS flushes every write (as shipped), or NATS's default"
+    ),
+    output: Path = typer.Option(Path("bench-jobs.json"), "--output", "-o", help=OUTPUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Background jobs: tasks/s and scheduling delay p50/p99, fauxmad beside Redis BLPOP (the seed's
+    baseline) and arq, one after the other in one run. The baselines need redis-server (Debian) and the
+    `jobs-bench` extra; without them they are skipped, with a line saying so."""
+    from orchestrator.bench import jobs as bench
+
+    if runner not in ("process", "machine"):
+        fail(f"invalid --runner {runner!r}: use process or machine", EXIT_USAGE)
+    options = bench.JobsBenchOptions(
+        tasks=tasks,
+        samples=samples,
+        workers=workers,
+        slots=slots,
+        runner=runner,
+        baselines=baselines,
+        nats_sync=nats_sync,
+    )
+    result = _measure(lambda: bench.run_jobs_bench(options, _progress))
+    for line in result.skipped:
+        _stderr.print(Text(f"note: {line}", style="yellow"))
+    _finish(result, bench.jobs_report(result), output, json_out)

@@ -13,11 +13,19 @@ import typer
 from bus.connection import connect
 from bus.errors import BadRequest
 from bus.images import Images
-from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, revoked_tokens_bucket
+from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, ensure_jobs_resources, revoked_tokens_bucket
 from bus.secrets import secrets_bucket
 from bus.volumes import snapshot_store, volumes_bucket
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import EXIT_USAGE, JsonOption, NatsOption, fail, with_connected
+from orchestrator.cli.runtime import (
+    EXIT_USAGE,
+    JsonOption,
+    NatsOption,
+    check_regions,
+    fail,
+    split_names,
+    with_connected,
+)
 from orchestrator.security.fleetdir import FleetDir, FleetDirError
 from orchestrator.security.roles import ROLES
 
@@ -109,11 +117,21 @@ def reload(directory: str = DIR_OPTION) -> None:
     console.print("nats-server reloaded")
 
 
-def prepare(nats: str | None = NatsOption) -> None:
+def prepare(
+    nats: str | None = NatsOption,
+    regions: str | None = typer.Option(
+        None,
+        "--regions",
+        help="also the background jobs' work queue of each region (comma-separated)",
+        callback=check_regions,
+    ),
+) -> None:
     """Create the fleet's streams and buckets. Every process does this at start on an open fleet; in a
     secure one only the operator may create them (the others bind), so run this once with its credentials."""
 
     async def ensure(nc: Any) -> None:
+        for region in split_names("region", regions or ""):
+            await ensure_jobs_resources(nc.jetstream(), region)
         await ensure_fleet_resources(nc.jetstream())
         await secrets_bucket(nc.jetstream())
         await ensure_audit_stream(nc.jetstream())

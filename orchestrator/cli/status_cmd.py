@@ -11,6 +11,7 @@ import contextlib
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import typer
@@ -77,7 +78,7 @@ def status(
     if app is not None and not result.known:
         note(f"no app {app!r} in the view: nothing has ever run under that name")
     if json_out:
-        print_json(snap.status_json(str(path)))
+        print_json({**snap.status_json(str(path)), "jobs": result.jobs})
         return 0
     if snap.regions:
         console.print(regions_table(snap.regions))
@@ -86,7 +87,25 @@ def status(
     if snap.workers:
         console.print(workers_table(snap.workers, time.time()))
     console.print(machines_table(snap.machines) if snap.machines else "no machines" + (f" in app {app}" if app else ""))
+    if result.jobs:
+        console.print(jobs_table(result.jobs))
     return 0
+
+
+def jobs_table(counts: list[Any]) -> Any:
+    """Background jobs by app and region: how many in each state (README "Background jobs")."""
+    from rich.table import Table
+
+    states = ("queued", "running", "succeeded", "failed", "cancelled")
+    rows: dict[tuple[str, str], dict[str, int]] = {}
+    for count in counts:
+        rows.setdefault((count.app, count.region), {})[count.state] = count.count
+    table = Table(title="jobs", title_justify="left", header_style="bold", box=None)
+    for column in ("APP", "REGION", *(state.upper() for state in states)):
+        table.add_column(column, no_wrap=True)
+    for (app_name, region), by_state in sorted(rows.items()):
+        table.add_row(app_name, region, *(str(by_state.get(state, 0)) for state in states))
+    return table
 
 
 class Collected(msgspec.Struct, frozen=True):
@@ -94,6 +113,7 @@ class Collected(msgspec.Struct, frozen=True):
     caught_up: bool
     known: bool  # the app (if one was asked for) has ever had an event
     rebuilt: str | None
+    jobs: list[Any] = []  # JobCount: background jobs by app, region and state
 
 
 async def _collect(url: str, path: Path, app: str | None, include_destroyed: bool, rebuild: bool) -> Collected:
@@ -104,7 +124,36 @@ async def _collect(url: str, path: Path, app: str | None, include_destroyed: boo
         snap = view.snapshot(time.time(), app=app, include_destroyed=include_destroyed, events=0)
         known = app is None or view.known_app(app)
         rebuilt = follower.rebuilt or ("asked for (--rebuild)" if rebuild else None)
-        return Collected(snapshot=snap, caught_up=caught_up, known=known, rebuilt=rebuilt)
+        jobs = await _job_counts(url, app)
+        return Collected(snapshot=snap, caught_up=caught_up, known=known or bool(jobs), rebuilt=rebuilt, jobs=jobs)
+
+
+async def _job_counts(url: str, app: str | None) -> list[Any]:
+    from orchestrator.client import FleetClient
+    from orchestrator.jobs.view import job_counts
+
+    client = await FleetClient.connect(url, "fauxmad-status")
+    try:
+        return await job_counts(client.nc, app)
+    finally:
+        await client.close()
+
+
+def _emit_job_event(json_out: bool) -> Any:
+    from datetime import datetime
+
+    def emit(stream_seq: int, event: Any) -> None:
+        if json_out:
+            line = msgspec.json.encode({**msgspec.structs.asdict(event), "stream_seq": stream_seq}).decode()
+        else:
+            at = datetime.fromtimestamp(event.at).strftime("%H:%M:%S.%f")[:-3]
+            where = f"{event.region}/{event.worker_id or '-'}"
+            line = f"{at}  {stream_seq:>6}  {where}  {event.app}  {event.id}  {event.state}  #{event.attempt}"
+            line += f"  {event.reason}"
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    return emit
 
 
 def events(
@@ -114,10 +163,11 @@ def events(
     ),
     since: str | None = typer.Option(None, "--since", help=f"start at: {SINCE_HELP}"),
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing events as they happen (Ctrl-C stops)"),
+    jobs: bool = typer.Option(False, "--jobs", help="background jobs' state changes (stream FAUXMAD_JOB_EVENTS)"),
     nats: str | None = NatsOption,
     json_out: bool = typer.Option(False, "--json", help="one JSON object per line"),
 ) -> int:
-    """Machine events from the stream FAUXMAD_EVENTS, oldest first."""
+    """Machine events from the stream FAUXMAD_EVENTS (with --jobs: job events), oldest first."""
     from bus.messages import MachineEvent
     from orchestrator.client import FleetClient
 
@@ -139,6 +189,10 @@ def events(
     query = EventQuery(app=app, machine_id=machine, since=start, follow=follow)
 
     async def read(client: FleetClient) -> int:
+        if jobs:
+            from orchestrator.jobs.view import read_job_events
+
+            return await read_job_events(client.nc, app, start, follow, _emit_job_event(json_out))
         return await client.events(query, emit)
 
     count = 0

@@ -129,6 +129,12 @@ def worker(
         "the worker's credentials or data; sandboxed machines keep their namespaces' view",
         show_default=False,
     ),
+    job_slots: int = typer.Option(
+        0, "--job-slots", min=0, help="background jobs run at once [default: one per cpu offered]", show_default=False
+    ),
+    jobs_ack_wait: float = typer.Option(
+        6.0, "--jobs-ack-wait", min=0.5, help="seconds before a job taken by a silent worker goes to another"
+    ),
     count: int = typer.Option(
         1,
         "--count",
@@ -179,6 +185,8 @@ def worker(
             image_cache_mb=image_cache_mb,
             machine_user=run_as,
             volume_capacity_gb=volume_capacity_gb or None,
+            job_slots=job_slots,
+            jobs_ack_wait=jobs_ack_wait,
         )
         for one in ids
     ]

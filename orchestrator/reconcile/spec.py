@@ -80,6 +80,24 @@ class PlacementSpec(_Strict, frozen=True):
     preset: Preset | None = None  # the brokers' named policies (placement/config.py PRESETS); None: their own curves
 
 
+class JobsSpec(_Strict, frozen=True):
+    """`[jobs]`: the defaults of `fauxmad job submit -c fauxmad.toml` for this app (README "Background jobs")."""
+
+    region: Token | None = None
+    cmd: list[str] = []  # default: the app's `cmd`
+    cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
+    timeout: float | str = "1h"
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    runner: Literal["machine", "process"] = "machine"
+
+    def __post_init__(self) -> None:
+        try:
+            seconds(self.timeout)
+        except ValueError as exc:
+            raise ValueError(f"timeout: {exc}") from None
+
+
 class AppSpec(_Strict, frozen=True):
     app: Token
     cmd: list[str] = []  # required unless an image (or `build`) gives a default command
@@ -95,6 +113,7 @@ class AppSpec(_Strict, frozen=True):
     placement: PlacementSpec = msgspec.field(default_factory=PlacementSpec)
     http_service: HttpService | None = None  # read by `fauxmad proxy` only (README "The edge proxy")
     mounts: list[Mount] = []  # `[[mounts]] volume = "vol_...", path = "/data"` (README "Volumes")
+    jobs: JobsSpec | None = None  # read by `fauxmad job submit -c` only (README "Background jobs")
 
     def __post_init__(self) -> None:
         if not self.regions:

@@ -45,6 +45,8 @@ FLEET_STREAMS = (
     f"KV_{SECRETS_BUCKET}",
     f"OBJ_{subjects.SNAPSHOTS_STORE}",
     f"KV_{subjects.VOLUMES_BUCKET}",
+    f"KV_{subjects.JOBS_BUCKET}",  # background jobs' records (`fauxmad job wait` watches them)
+    subjects.JOB_EVENTS_STREAM,
 )
 READ_ONLY_VERBS = ("list", "get", "wait")
 
@@ -106,8 +108,16 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.kv_put(SECRETS_BUCKET, PUBLIC_KEY),
                 f"$O.{subjects.SNAPSHOTS_STORE}.>",  # its volumes' snapshots (README "Volumes")
                 *read_streams(),
+                *_worker_jobs_publish(region),
             ),
-            subscribe=(f"{P}.worker.{worker_id}.>", f"{P}.offers.{region}", "$SRV.>", inbox),
+            subscribe=(
+                f"{P}.worker.{worker_id}.>",
+                f"{P}.offers.{region}",
+                "$SRV.>",
+                inbox,
+                subjects.api_jobs_submit_wildcard(region),
+                *(subjects.api_jobs_wildcard(verb) for verb in subjects.JOB_VERBS),
+            ),
             allow_responses=True,
         )
     if role == "broker":
@@ -144,6 +154,8 @@ def permissions(identity: Identity) -> Permissions:
             publish=(
                 *(f"{P}.api.apps.*.machines.{verb}" for verb in READ_ONLY_VERBS),
                 *(f"{P}.api.apps.*.volumes.{verb}" for verb in ("list", "get", "snapshots")),
+                subjects.api_jobs_wildcard("status"),
+                subjects.api_jobs_wildcard("list"),
                 subjects.API_REGIONS_LIST,
                 subjects.API_WORKERS_LIST,
                 *read_streams(),
@@ -158,3 +170,17 @@ def _required(identity: Identity, field: str) -> str:
     if not value:
         raise ValueError(f"role {identity.role} needs --{field.replace('_', '-')}")
     return str(value)
+
+
+def _worker_jobs_publish(region: str) -> tuple[str, ...]:
+    """Background jobs: the worker's desk fills its region's queue and keeps the records; its runner pulls
+    from that queue, acks, dead-letters and publishes job events for its region; a cancel may ask the
+    worker running the job."""
+    return (
+        subjects.jobs_queue(region),
+        f"{P}.jobs.dead.{region}.>",
+        f"{P}.jobs.events.{region}.>",
+        f"{P}.worker.*.jobs.cancel",
+        subjects.kv_put(subjects.JOBS_BUCKET, ">"),
+        *read_streams((subjects.jobs_stream(region), subjects.JOBS_DEAD_STREAM)),
+    )

@@ -66,23 +66,35 @@ EmitEvent = Callable[[int, MachineEvent], None]
 
 async def read_events(nc: Client, query: EventQuery, emit: EmitEvent) -> int:
     """Call `emit(stream_seq, event)` for each matching event, oldest first; returns how many."""
+    await ensure_fleet_resources(nc.jetstream())
+
+    def handle(stream_seq: int, data: bytes) -> bool:
+        event = decode_event(data)
+        if event is not None:
+            emit(stream_seq, event)
+        return event is not None
+
+    subject = subjects.events_filter(query.app, query.machine_id)
+    return await replay(nc, subjects.EVENTS_STREAM, subject, query.since, query.follow, handle)
+
+
+async def replay(
+    nc: Client, stream: str, subject: str, since: float | None, follow: bool, handle: Callable[[int, bytes], bool]
+) -> int:
+    """Hand each stored message of `stream` matching `subject` to `handle(stream_seq, data)` (True: it counted),
+    oldest first, from `since`; without `follow`, stop at the last one that matched when it started."""
     js = nc.jetstream()
-    await ensure_fleet_resources(js)
     queue: asyncio.Queue[Msg] = asyncio.Queue()
 
     async def on_msg(msg: Msg) -> None:
         queue.put_nowait(msg)
 
     sub = await js.subscribe(
-        subjects.events_filter(query.app, query.machine_id),
-        stream=subjects.EVENTS_STREAM,
-        cb=on_msg,
-        ordered_consumer=True,
-        config=start_config(query.since, time.time()),
+        subject, stream=stream, cb=on_msg, ordered_consumer=True, config=start_config(since, time.time())
     )
     count = 0
     try:
-        if not query.follow:
+        if not follow:
             info = await sub.consumer_info()
             delivered = info.delivered.consumer_seq if info.delivered else 0
             if info.num_pending == 0 and delivered == 0 and queue.empty():
@@ -90,11 +102,9 @@ async def read_events(nc: Client, query: EventQuery, emit: EmitEvent) -> int:
         while True:
             msg = await queue.get()
             meta = msg.metadata
-            event = decode_event(msg.data)
-            if event is not None:
-                emit(meta.sequence.stream, event)
+            if handle(meta.sequence.stream, msg.data):
                 count += 1
-            if not query.follow and meta.num_pending == 0:
+            if not follow and meta.num_pending == 0:
                 return count
     finally:
         with contextlib.suppress(Exception):

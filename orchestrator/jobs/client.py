@@ -1,0 +1,89 @@
+"""A typed client for background jobs: one request per documented subject, plus `wait` on KV `fauxmad_jobs`.
+
+`wait` watches the job records themselves (a KV watcher on `<app>.<id>` keys), so it learns of the end
+of each job the moment it is written, without polling any worker.
+"""
+
+from __future__ import annotations
+
+import builtins
+import time
+from typing import Any
+
+from nats.aio.client import Client
+
+from bus import subjects
+from bus.codec import decode
+from bus.connection import connect
+from bus.errors import DeadlineExceeded
+from bus.jobs import TERMINAL, Job, JobIdRequest, JobListRequest, JobSubmitReply, JobSubmitRequest
+from bus.service import call
+
+SUBMIT_TIMEOUT = 30.0
+
+
+class JobsClient:
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+
+    @classmethod
+    async def connect(cls, url: str, name: str = "fauxmad-jobs") -> JobsClient:
+        return cls(await connect(url, name))
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+    async def submit(self, region: str, request: JobSubmitRequest) -> list[Job]:
+        timeout = SUBMIT_TIMEOUT + request.count / 100
+        reply = await call(
+            self.nc, subjects.api_jobs_submit(request.app, region), request, JobSubmitReply, timeout=timeout
+        )
+        return reply.jobs
+
+    async def status(self, app: str, job_id: str) -> Job:
+        return await call(self.nc, subjects.api_jobs(app, "status"), JobIdRequest(app=app, id=job_id), Job)
+
+    async def list(
+        self, app: str, *, state: str | None = None, region: str | None = None, limit: int = 1000
+    ) -> list[Job]:
+        request = JobListRequest(app=app, state=state, region=region, limit=limit)  # type: ignore[arg-type]
+        return await call(self.nc, subjects.api_jobs(app, "list"), request, list[Job], timeout=30.0)
+
+    async def cancel(self, app: str, job_id: str) -> Job:
+        return await call(self.nc, subjects.api_jobs(app, "cancel"), JobIdRequest(app=app, id=job_id), Job)
+
+    async def wait(self, app: str, job_ids: builtins.list[str], timeout: float) -> dict[str, Job]:
+        """Every job's record once it is succeeded, failed or cancelled; 504 when `timeout` passes first."""
+        kv = await self.nc.jetstream().key_value(subjects.JOBS_BUCKET)
+        wanted = set(job_ids)
+        done: dict[str, Job] = {}
+        keys = subjects.job_key(app, job_ids[0]) if len(job_ids) == 1 else f"{subjects.check_token('app', app)}.*"
+        watcher: Any = await kv.watch(keys)
+        deadline = time.monotonic() + timeout
+        try:
+            while wanted - done.keys():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded(
+                        f"{len(wanted - done.keys())} of {len(wanted)} jobs not finished within {timeout:g}s"
+                    )
+                entry = await _next(watcher, left)
+                if entry is None or not entry.value:
+                    continue
+                job = decode(Job, entry.value)
+                if job.id in wanted and job.state in TERMINAL:
+                    done[job.id] = job
+        finally:
+            await watcher.stop()
+        return done
+
+
+async def _next(watcher: Any, timeout: float) -> Any:
+    try:
+        return await watcher.updates(timeout=min(timeout, 5.0))
+    except TimeoutError:
+        return None
+    except Exception as exc:
+        if type(exc).__name__ == "TimeoutError":
+            return None
+        raise

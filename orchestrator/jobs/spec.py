@@ -1,0 +1,58 @@
+"""A job submit from the command line's options and, with `-c fauxmad.toml`, the app's `[jobs]` defaults.
+
+Options given win over the spec; the spec's `[jobs]` wins over the app's own `cmd`, `env` and `guest`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from bus.jobs import JobSubmitRequest
+from bus.messages import seconds
+from orchestrator.reconcile.spec import AppSpec, JobsSpec
+
+
+class SubmitOptions(msgspec.Struct, kw_only=True):
+    app: str | None = None
+    region: str | None = None
+    cmd: list[str] = []
+    env: dict[str, str] = {}
+    count: int = 1
+    cpus: int | None = None
+    memory_mb: int | None = None
+    timeout: str | None = None
+    max_attempts: int | None = None
+    idempotency_key: str | None = None
+    runner: str | None = None
+
+
+def submit_request(options: SubmitOptions, spec: AppSpec | None) -> tuple[str, JobSubmitRequest]:
+    """(the region, the request); ValueError (one line) for anything missing or invalid."""
+    jobs = (spec.jobs if spec is not None else None) or JobsSpec()
+    app = options.app or (spec.app if spec is not None else None)
+    if not app:
+        raise ValueError("no app: pass --app, or -c with an app spec")
+    region = options.region or jobs.region
+    if not region:
+        raise ValueError("no region: pass --region, or set `region` under [jobs] in the spec")
+    cmd = options.cmd or jobs.cmd or (list(spec.cmd) if spec is not None else [])
+    if not cmd:
+        raise ValueError("no command: give it after --, or set `cmd` under [jobs] in the spec")
+    env = {**(spec.env if spec is not None else {}), **options.env}
+    raw = {
+        "app": app,
+        "cmd": cmd,
+        "env": env,
+        "count": options.count,
+        "cpus": options.cpus or jobs.cpus,
+        "memory_mb": options.memory_mb or jobs.memory_mb,
+        "timeout": seconds(options.timeout) if options.timeout else seconds(jobs.timeout),
+        "max_attempts": options.max_attempts or jobs.max_attempts,
+        "runner": options.runner or jobs.runner,
+    }
+    if options.idempotency_key is not None:
+        raw["idempotency_key"] = options.idempotency_key
+    try:
+        return region, msgspec.convert(raw, JobSubmitRequest)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid job: {exc}") from None

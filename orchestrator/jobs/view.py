@@ -1,0 +1,66 @@
+"""Jobs in the fleet's views: counts by app, region and state for `fauxmad status`, and the job events
+history (stream `FAUXMAD_JOB_EVENTS`) for `fauxmad events --jobs`.
+
+The counts are read from the records in KV `fauxmad_jobs` (one watcher over the app's keys, or all), not
+from the machine view's SQLite file: a job's record is its truth, and each is one key.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.js.errors import BucketNotFoundError, NotFoundError
+
+from bus import subjects
+from bus.codec import decode
+from bus.jobs import Job, JobEvent
+from orchestrator.view.history import replay
+
+
+class JobCount(msgspec.Struct, frozen=True):
+    app: str
+    region: str
+    state: str
+    count: int
+
+
+async def job_counts(nc: Client, app: str | None = None) -> list[JobCount]:
+    """How many jobs each app has in each region and state (empty when no job was ever submitted)."""
+    try:
+        kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
+    except (BucketNotFoundError, NotFoundError):
+        return []
+    watcher: Any = await kv.watch(f"{subjects.check_token('app', app)}.*" if app else ">", ignore_deletes=True)
+    counts: Counter[tuple[str, str, str]] = Counter()
+    try:
+        while (entry := await watcher.updates(timeout=10.0)) is not None:
+            if entry.value:
+                job = decode(Job, entry.value)
+                counts[(job.app, job.region, job.state)] += 1
+    finally:
+        await watcher.stop()
+    return [JobCount(app=a, region=r, state=s, count=n) for (a, r, s), n in sorted(counts.items())]
+
+
+async def read_job_events(
+    nc: Client, app: str | None, since: float | None, follow: bool, emit: Callable[[int, JobEvent], None]
+) -> int:
+    """Each job event (of `app`, or all), oldest first; see `orchestrator.view.history.replay`."""
+    try:
+        await nc.jetstream().stream_info(subjects.JOB_EVENTS_STREAM)
+    except NotFoundError:
+        return 0
+
+    def handle(stream_seq: int, data: bytes) -> bool:
+        try:
+            event = decode(JobEvent, data)
+        except Exception:
+            return False  # a malformed publish is skipped, as in the machine events
+        emit(stream_seq, event)
+        return True
+
+    return await replay(nc, subjects.JOB_EVENTS_STREAM, subjects.job_events_filter(app), since, follow, handle)

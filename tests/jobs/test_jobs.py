@@ -1,0 +1,335 @@
+"""Background jobs with real nats-server and real worker processes: exactly once, kill -9, cancel,
+retries and dead letters, idempotent submits, and 400s for bad submits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from bus import subjects
+from bus.errors import Conflict
+from bus.jobs import Job, JobSubmitRequest
+from tests.helpers import RawClient, arun, connect_nats
+from tests.jobs.kit import client, overlapping, submit_and_wait
+
+FAST_ACK_WAIT = ["--jobs-ack-wait", "2"]
+
+
+def appender(path: Path) -> list[str]:
+    """A task that leaves one line per run: `<job id>:<attempt>`."""
+    return ["sh", "-c", f'echo "$FAUXMAD_JOB_ID:$FAUXMAD_JOB_ATTEMPT" >> {path}']
+
+
+def test_a_thousand_short_tasks_complete_exactly_once(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    region, app = unique("r"), unique("a")
+    for _ in range(4):
+        worker_factory(region, cpus=4)
+    runs = tmp_path / "runs.txt"
+    started = time.perf_counter()
+    jobs = arun(submit_and_wait(nats_url, region, app=app, cmd=appender(runs), count=1000, runner="process"))
+    took = time.perf_counter() - started
+    assert Counter(job.state for job in jobs) == {"succeeded": 1000}
+    assert all(job.attempt == 1 and len(job.attempts) == 1 for job in jobs)
+    lines = runs.read_text().split()
+    assert len(lines) == 1000 and {line.split(":")[0] for line in lines} == {job.id for job in jobs}
+    assert len({job.worker_id for job in jobs}) == 4  # late binding spread them over the region
+    print(f"1000 tasks in {took:.1f}s")
+
+
+def test_a_job_runs_as_a_machine_that_destroys_itself(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    region, app = unique("r"), unique("a")
+    worker = worker_factory(region, cpus=2)
+    jobs = arun(submit_and_wait(nats_url, region, app=app, cmd=["sh", "-c", "echo out; echo err >&2"], count=10))
+    assert {job.state for job in jobs} == {"succeeded"}
+    assert all(job.stdout == "out\n" and job.stderr == "err\n" and job.machine_id for job in jobs)
+
+    async def machines() -> list[dict[str, object]]:
+        nc = await connect_nats(nats_url)
+        try:
+            raw = RawClient(nc, worker.worker_id)  # type: ignore[attr-defined]
+            for _ in range(100):  # the last one destroys itself just after its job is recorded
+                listed = await raw.ok("list", {"app": app, "include_destroyed": True})
+                if all(m["state"] == "destroyed" for m in listed):
+                    return listed  # type: ignore[no-any-return]
+                await asyncio.sleep(0.05)
+            return listed  # type: ignore[no-any-return]
+        finally:
+            await nc.close()
+
+    listed = arun(machines())
+    assert {m["id"] for m in listed} == {job.machine_id for job in jobs}
+    assert {m["state"] for m in listed} == {"destroyed"}
+    assert all(m["config"]["metadata"]["fauxmad_job"] in {job.id for job in jobs} for m in listed)  # type: ignore[index]
+
+
+def test_kill9_of_workers_mid_run_loses_none(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    region, app = unique("r"), unique("a")
+    workers = [worker_factory(region, cpus=4, extra=FAST_ACK_WAIT) for _ in range(4)]
+    runs = tmp_path / "runs.txt"
+    cmd = ["sh", "-c", f'sleep 0.3; echo "$FAUXMAD_JOB_ID:$FAUXMAD_JOB_ATTEMPT" >> {runs}']
+
+    async def scenario() -> list[Job]:
+        jobs = await client(nats_url)
+        try:
+            submitted = await jobs.submit(region, JobSubmitRequest(app=app, cmd=cmd, count=120, runner="process"))
+            await asyncio.sleep(1.0)  # every worker is mid-task now
+            for victim in workers[:2]:
+                victim.kill9()  # type: ignore[attr-defined]
+            done = await jobs.wait(app, [job.id for job in submitted], 90.0)
+            return [done[job.id] for job in submitted]
+        finally:
+            await jobs.close()
+
+    jobs = arun(scenario())
+    assert Counter(job.state for job in jobs) == {"succeeded": 120}
+    ran = Counter(line.split(":")[0] for line in runs.read_text().split())
+    assert set(ran) == {job.id for job in jobs}  # none lost
+    redelivered = [job for job in jobs if job.attempt > 1]
+    assert redelivered, "the killed workers held tasks: they must have been run again"
+    assert all(job.attempts[0].outcome == "lost" for job in redelivered)
+    assert not any(overlapping(job) for job in jobs)  # never two attempts at once
+    killed = {w.worker_id for w in workers[:2]}  # type: ignore[attr-defined]
+    assert all(job.worker_id not in killed for job in redelivered)
+
+
+def test_cancel_reaches_queued_and_running_jobs(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str]
+) -> None:
+    region, app = unique("r"), unique("a")
+    worker_factory(region, cpus=1)
+
+    async def scenario() -> tuple[Job, Job, list[dict[str, object]]]:
+        jobs = await client(nats_url)
+        try:
+            first, second = await jobs.submit(region, JobSubmitRequest(app=app, cmd=["sleep", "60"], count=2))
+            running = await _until(jobs, app, first.id, "running")  # one slot: the second waits in the queue
+            assert running.machine_id or await _until_machine(jobs, app, first.id)
+            queued = await jobs.status(app, second.id)
+            assert queued.state == "queued"
+            cancelled_queued = await jobs.cancel(app, second.id)
+            await jobs.cancel(app, first.id)
+            cancelled_running = (await jobs.wait(app, [first.id], 20.0))[first.id]
+            raw = RawClient(jobs.nc, cancelled_running.worker_id or "")
+            listed = await raw.ok("list", {"app": app, "include_destroyed": True})
+            return cancelled_queued, cancelled_running, listed
+        finally:
+            await jobs.close()
+
+    queued, running, machines = arun(scenario())
+    assert queued.state == "cancelled" and queued.attempt == 0
+    assert running.state == "cancelled" and running.attempts[-1].outcome == "cancelled"
+    assert [m["state"] for m in machines] == ["destroyed"]  # the running attempt's machine was killed
+
+
+async def _until(jobs: object, app: str, job_id: str, state: str, timeout: float = 20.0) -> Job:
+    deadline = time.monotonic() + timeout
+    while True:
+        job: Job = await jobs.status(app, job_id)  # type: ignore[attr-defined]
+        if job.state == state or time.monotonic() > deadline:
+            return job
+        await asyncio.sleep(0.05)
+
+
+async def _until_machine(jobs: object, app: str, job_id: str) -> str | None:
+    for _ in range(200):
+        job: Job = await jobs.status(app, job_id)  # type: ignore[attr-defined]
+        if job.machine_id:
+            return job.machine_id
+        await asyncio.sleep(0.05)
+    return None
+
+
+def test_failures_are_retried_with_backoff_then_dead_lettered(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str]
+) -> None:
+    region, app = unique("r"), unique("a")
+    worker_factory(region, cpus=2)
+    flaky = ["sh", "-c", 'test "$FAUXMAD_JOB_ATTEMPT" -ge 2']  # fails once, then succeeds
+    recovered, dead = arun(
+        _two(
+            submit_and_wait(nats_url, region, app=app, cmd=flaky, max_attempts=3),
+            submit_and_wait(nats_url, region, app=app, cmd=["sh", "-c", "echo no >&2; exit 3"], max_attempts=3),
+        )
+    )
+    (job,) = recovered
+    assert job.state == "succeeded" and job.attempt == 2
+    assert [a.outcome for a in job.attempts] == ["failed", "succeeded"]
+    (failed,) = dead
+    assert failed.state == "failed" and failed.dead_lettered and failed.attempt == 3
+    assert [a.exit_code for a in failed.attempts] == [3, 3, 3] and failed.stderr == "no\n"
+    gaps = [b.claimed_at - (a.finished_at or 0) for a, b in zip(failed.attempts, failed.attempts[1:], strict=False)]
+    assert gaps[0] >= 0.45 and gaps[1] >= 0.95  # back-off: 0.5 s, then 1 s
+
+    async def dead_letter() -> Job:
+        nc = await connect_nats(nats_url)
+        try:
+            js = nc.jetstream()
+            msg = await js.get_last_msg(subjects.JOBS_DEAD_STREAM, subjects.jobs_dead(region, app))
+            return msgspec.json.decode(msg.data, type=Job)
+        finally:
+            await nc.close()
+
+    letter = arun(dead_letter())
+    assert letter.id == failed.id and letter.state == "failed"
+
+
+async def _two(a: object, b: object) -> tuple[list[Job], list[Job]]:
+    return await asyncio.gather(a, b)  # type: ignore[return-value]
+
+
+def test_an_idempotency_key_makes_a_submit_exactly_once(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    region, app = unique("r"), unique("a")
+    worker_factory(region, cpus=2)
+    runs = tmp_path / "runs.txt"
+
+    async def scenario() -> tuple[list[Job], list[Job], Exception | None]:
+        jobs = await client(nats_url)
+        try:
+            request = JobSubmitRequest(app=app, cmd=appender(runs), count=3, idempotency_key="nightly-1")
+            first = await jobs.submit(region, request)
+            await jobs.wait(app, [job.id for job in first], 30.0)
+            again = await jobs.submit(region, request)  # after they ran: the same jobs, not run again
+            try:
+                await jobs.submit(region, msgspec.structs.replace(request, cmd=["true"]))
+            except Conflict as exc:
+                return first, again, exc
+            return first, again, None
+        finally:
+            await jobs.close()
+
+    first, again, refused = arun(scenario())
+    assert [job.id for job in again] == [job.id for job in first]
+    assert {job.state for job in again} == {"succeeded"}
+    assert refused is not None  # the same key for another request: 409
+    time.sleep(0.5)
+    assert len(runs.read_text().split()) == 3
+
+
+BAD_SUBMITS = [
+    b"not json",
+    b"{}",
+    b'{"app": "a", "cmd": []}',
+    b'{"app": "a", "cmd": ["true"], "count": 0}',
+    b'{"app": "a b", "cmd": ["true"]}',
+    b'{"app": "a", "cmd": ["true"], "max_attempts": 0}',
+    b'{"app": "a", "cmd": ["true"], "timeout": -1}',
+    b'{"app": "a", "cmd": ["true"], "runner": "vm"}',
+    b'{"app": "a", "cmd": ["true"], "surprise": 1}',
+    b'{"app": "a", "cmd": [""]}',
+    b'{"app": "a", "cmd": ["true"], "count": 10001}',
+    b"\xff\xfe",
+]
+
+
+def test_bad_submits_are_400(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str]
+) -> None:
+    region = unique("r")
+    worker_factory(region, cpus=1)
+
+    async def ask() -> list[tuple[str, dict[str, object]]]:
+        nc = await connect_nats(nats_url)
+        try:
+            out = []
+            asked = [(subjects.api_jobs_submit("a", region), payload) for payload in BAD_SUBMITS]
+            asked += [
+                (subject, payload)
+                for payload in BAD_SUBMITS[:2]
+                for subject in (subjects.api_jobs("a", "status"), subjects.api_jobs("a", "cancel"))
+            ]
+            asked += [
+                (subjects.api_jobs("a", "status"), b'{"app": "a", "id": "j123"}'),
+                (subjects.api_jobs("a", "list"), b'{"state": "x"}'),
+                (subjects.api_jobs("a", "list"), b'{"app": "b"}'),  # another app than the subject's
+                (subjects.api_jobs_submit("b", region), b'{"app": "a", "cmd": ["true"]}'),
+            ]
+            for subject, data in asked:
+                msg = await nc.request(subject, data, timeout=5)
+                out.append(((msg.headers or {}).get("Nats-Service-Error-Code", "200"), msgspec.json.decode(msg.data)))
+            unknown = await nc.request(
+                subjects.api_jobs("a", "status"), b'{"app": "a", "id": "j00000000000000f"}', timeout=5
+            )
+            out.append(
+                ((unknown.headers or {}).get("Nats-Service-Error-Code", "200"), msgspec.json.decode(unknown.data))
+            )
+            return out
+        finally:
+            await nc.close()
+
+    *bad, unknown = arun(ask())
+    for code, body in bad:
+        assert code == "400", body
+        assert body["error"]["code"] == 400  # type: ignore[index]
+    assert unknown[0] == "404"
+
+
+def test_cancel_and_timeout_kill_a_fast_path_process(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str]
+) -> None:
+    region, app = unique("r"), unique("a")
+    worker_factory(region, cpus=2)
+
+    async def scenario() -> tuple[Job, Job]:
+        jobs = await client(nats_url)
+        try:
+            (slow,) = await jobs.submit(region, JobSubmitRequest(app=app, cmd=["sleep", "60"], runner="process"))
+            request = JobSubmitRequest(app=app, cmd=["sleep", "60"], runner="process", timeout=0.5, max_attempts=1)
+            (late,) = await jobs.submit(region, request)
+            await _until(jobs, app, slow.id, "running")
+            await jobs.cancel(app, slow.id)
+            done = await jobs.wait(app, [slow.id, late.id], 20.0)
+            return done[slow.id], done[late.id]
+        finally:
+            await jobs.close()
+
+    started = time.monotonic()
+    cancelled, timed_out = arun(scenario())
+    assert cancelled.state == "cancelled" and cancelled.attempts[-1].signal == 9
+    assert timed_out.state == "failed" and timed_out.reason.endswith("timed out after 0.5s: dead-lettered")
+    assert time.monotonic() - started < 30  # neither waited for its sleep
+
+
+def test_a_worker_restarted_mid_task_gets_its_machine_job_run_again_after_the_fence(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    region, app = unique("r"), unique("a")
+    worker = worker_factory(region, cpus=1, extra=FAST_ACK_WAIT)
+    runs = tmp_path / "runs.txt"
+    cmd = [
+        "sh",
+        "-c",
+        f'echo "start $FAUXMAD_JOB_ATTEMPT $(date +%s.%N)" >> {runs}; sleep 1; echo "end $FAUXMAD_JOB_ATTEMPT $(date +%s.%N)" >> {runs}',
+    ]
+
+    async def scenario() -> Job:
+        jobs = await client(nats_url)
+        try:
+            (job,) = await jobs.submit(region, JobSubmitRequest(app=app, cmd=cmd, timeout=3.0))
+            await _until(jobs, app, job.id, "running")
+            await _until_machine(jobs, app, job.id)
+            worker.kill9()  # type: ignore[attr-defined]
+            await asyncio.to_thread(worker.start)  # type: ignore[attr-defined]  # the same id beats again, job forgotten
+            return (await jobs.wait(app, [job.id], 60.0))[job.id]
+        finally:
+            await jobs.close()
+
+    job = arun(scenario())
+    assert job.state == "succeeded" and job.attempt == 2
+    assert [a.outcome for a in job.attempts] == ["lost", "succeeded"]
+    assert job.attempts[1].claimed_at >= job.attempts[0].claimed_at + 3.0 + 1.0  # the orphan's fence
+    events = [line.split() for line in runs.read_text().splitlines()]
+    spans = {attempt: [float(t) for kind, a, t in events if a == attempt] for attempt in ("1", "2")}
+    assert len(spans["2"]) == 2 and (len(spans["1"]) < 2 or spans["1"][1] <= spans["2"][0])  # never at once

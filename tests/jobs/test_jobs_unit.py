@@ -1,0 +1,92 @@
+"""The pure parts of jobs: what a worker does with a delivered message, and how a record moves on."""
+
+from __future__ import annotations
+
+from bus.jobs import Job, keyed_job_ids, retry_delay
+from workers.jobs import outcome as moves
+from workers.jobs.execute import Outcome
+from workers.jobs.take import decide
+
+
+def job(**fields: object) -> Job:
+    base: dict[str, object] = {"id": "j0123456789abcde", "app": "a", "region": "r", "state": "queued", "cmd": ["true"]}
+    return Job(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_a_queued_job_runs_and_a_finished_one_is_dropped() -> None:
+    assert decide(job(), 7, 100.0, holder_alive=False).action == "run"
+    assert decide(job(state="succeeded", queue_seq=7), 7, 100.0, holder_alive=False).action == "drop"
+    assert decide(None, 7, 100.0, holder_alive=False).action == "drop"
+
+
+def test_a_stray_copy_is_dropped_and_a_retry_waits_for_its_backoff() -> None:
+    assert decide(job(queue_seq=3), 7, 100.0, holder_alive=False).action == "drop"
+    later = decide(job(queue_seq=7, retry_at=102.0), 7, 100.0, holder_alive=False)
+    assert later.action == "later" and later.delay == 2.0
+
+
+def test_a_redelivery_waits_while_the_holder_lives_and_then_for_the_orphan_fence() -> None:
+    held = job(state="running", queue_seq=7, worker_id="w1", claimed_at=90.0, timeout=20.0, attempt=1)
+    assert decide(held, 7, 100.0, holder_alive=True).action == "later"
+    fenced = decide(held, 7, 100.0, holder_alive=False)  # a machine may run until 90 + 20 + 1
+    assert fenced.action == "later" and fenced.delay == 11.0
+    taken = decide(held, 7, 112.0, holder_alive=False)
+    assert taken.action == "run" and taken.lost_worker == "w1"
+    process = job(state="running", queue_seq=7, worker_id="w1", claimed_at=90.0, runner="process", attempt=1)
+    assert decide(process, 7, 100.0, holder_alive=False).action == "run"  # it died with its worker
+
+
+def test_claims_count_attempts_and_mark_the_lost_one() -> None:
+    first = moves.claimed(job(), worker_id="w1", seq=7, now=1.0, lost_worker=None)
+    assert first is not None and first.attempt == 1 and first.state == "running"
+    assert moves.claimed(first, worker_id="w2", seq=7, now=2.0, lost_worker=None) is None  # held by w1
+    second = moves.claimed(first, worker_id="w2", seq=7, now=9.0, lost_worker="w1")
+    assert second is not None and second.attempt == 2
+    assert [a.outcome for a in second.attempts] == ["lost", "running"]
+
+
+def test_failures_retry_with_backoff_then_dead_letter() -> None:
+    running = moves.claimed(job(max_attempts=2), worker_id="w1", seq=7, now=1.0, lost_worker=None)
+    assert running is not None
+    retry = moves.finished(running, worker_id="w1", attempt=1, outcome=Outcome(exit_code=3), now=2.0)
+    assert retry is not None and retry.state == "queued" and retry.retry_at == 2.0 + retry_delay(1)
+    again = moves.claimed(retry, worker_id="w2", seq=7, now=3.0, lost_worker=None)
+    assert again is not None
+    dead = moves.finished(again, worker_id="w2", attempt=2, outcome=Outcome(exit_code=3), now=4.0)
+    assert dead is not None and dead.state == "failed" and dead.dead_lettered
+    assert moves.finished(dead, worker_id="w2", attempt=2, outcome=Outcome(exit_code=0), now=5.0) is None
+
+
+def test_cancel_of_a_queued_job_is_at_once_and_of_a_running_one_a_request() -> None:
+    assert moves.cancel_requested(job(), now=1.0).state == "cancelled"  # type: ignore[union-attr]
+    marked = moves.cancel_requested(job(state="running", worker_id="w1"), now=1.0)
+    assert marked is not None and marked.state == "running" and marked.cancel_requested
+
+
+def test_keyed_ids_are_stable_and_distinct() -> None:
+    ids = keyed_job_ids("a", "k", 3)
+    assert ids == keyed_job_ids("a", "k", 3) and len(set(ids)) == 3
+    assert ids != keyed_job_ids("b", "k", 3)
+    assert retry_delay(1) == 0.5 and retry_delay(3) == 2.0 and retry_delay(30) == 30.0
+
+
+def test_a_spec_jobs_table_gives_defaults_and_options_win() -> None:
+    import pytest
+
+    from orchestrator.jobs.spec import SubmitOptions, submit_request
+    from orchestrator.reconcile.spec import SpecError, parse_spec
+
+    spec = parse_spec(
+        'app = "thumbs"\ncmd = ["serve"]\nenv = {A = "1"}\n[regions]\nmad = 1\n'
+        '[jobs]\nregion = "mad"\ncmd = ["python3", "thumb.py"]\ntimeout = "10m"\nmax_attempts = 5\nrunner = "process"\n'
+    )
+    region, request = submit_request(SubmitOptions(count=2), spec)
+    assert region == "mad" and request.app == "thumbs" and request.cmd == ["python3", "thumb.py"]
+    assert request.timeout == 600.0 and request.max_attempts == 5 and request.runner == "process"
+    assert request.env == {"A": "1"} and request.count == 2
+    region, request = submit_request(SubmitOptions(region="syd", cmd=["true"], max_attempts=1, env={"A": "2"}), spec)
+    assert region == "syd" and request.cmd == ["true"] and request.max_attempts == 1 and request.env == {"A": "2"}
+    with pytest.raises(ValueError, match="no region"):
+        submit_request(SubmitOptions(app="x", cmd=["true"]), None)
+    with pytest.raises(SpecError, match=r"jobs\.retries"):
+        parse_spec('app = "a"\ncmd = ["x"]\n[regions]\nmad = 1\n[jobs]\nretries = 3\n')

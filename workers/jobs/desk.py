@@ -1,0 +1,150 @@
+"""The job desk: `submit`, `status`, `list` and `cancel`, answered by workers (queue group `jobs`).
+
+A submit reaches the workers of its region (`fauxmad.v1.api.apps.<app>.jobs.submit.<region>`); status,
+list and cancel any worker (`fauxmad.v1.api.apps.<app>.jobs.<verb>`): the records are in KV
+`fauxmad_jobs`, readable from anywhere. The payload's app must be the subject's. A submit stores each
+job's record (`queued`) before it publishes the job to the region's work queue, and answers only once
+JetStream has acknowledged both: an answered submit is never lost. With an idempotency key the jobs'
+ids come from the key, and the record's create is the claim: the same key again answers with the same
+jobs (a different request under it is a 409), never runs them twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from nats.aio.client import Client
+
+from bus import subjects
+from bus.codec import decode, encode
+from bus.errors import BadRequest, Conflict, Unreachable
+from bus.jobs import (
+    Job,
+    JobIdRequest,
+    JobListRequest,
+    JobSubmitReply,
+    JobSubmitRequest,
+    JobTask,
+    keyed_job_ids,
+    new_job_id,
+)
+from bus.service import request
+from workers.jobs import outcome as moves
+from workers.jobs.records import JobRecords
+
+
+class JobDesk:
+    def __init__(
+        self,
+        nc: Client,
+        records: JobRecords,
+        *,
+        region: str,
+        emit: Callable[[Job], None],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.records = records
+        self.region = region
+        self.emit = emit
+        self.clock = clock
+
+    def new_jobs(self, req: JobSubmitRequest) -> list[Job]:
+        key = req.idempotency_key
+        ids = keyed_job_ids(req.app, key, req.count) if key else [new_job_id() for _ in range(req.count)]
+        now = self.clock()
+        fingerprint = req.fingerprint()
+        return [
+            Job(
+                id=job_id,
+                app=req.app,
+                region=self.region,
+                state="queued",
+                cmd=list(req.cmd),
+                env=dict(req.env),
+                cpus=req.cpus,
+                memory_mb=req.memory_mb,
+                timeout=req.timeout,
+                max_attempts=req.max_attempts,
+                runner=req.runner,
+                submitted_at=now,
+                idempotency_key=key,
+                fingerprint=fingerprint,
+                index=index,
+                reason="submitted",
+            )
+            for index, job_id in enumerate(ids)
+        ]
+
+    async def _store(self, job: Job) -> tuple[Job, bool]:
+        """(the record, whether it must be published): a keyed job already stored is published again only
+        while no worker ever took it (the queue's `Nats-Msg-Id` de-duplicates a publish that did land)."""
+        created = await self.records.create(job)
+        if created is not None:
+            return created, True
+        existing = await self.records.get(job.app, job.id)
+        if existing.fingerprint != job.fingerprint:
+            raise Conflict(f"idempotency key {job.idempotency_key!r} was used for a different submit")
+        return existing, existing.state == "queued" and existing.attempt == 0
+
+    async def _publish(self, job: Job) -> None:
+        await self.js.publish(
+            subjects.jobs_queue(self.region),
+            encode(JobTask(id=job.id, app=job.app)),
+            headers={"Nats-Msg-Id": job.id},
+        )
+
+    async def submit(self, subject: str, data: bytes) -> JobSubmitReply:
+        req = same_app(subject, decode(JobSubmitRequest, data))
+        stored = await asyncio.gather(*(self._store(job) for job in self.new_jobs(req)))
+        fresh = [job for job, publish in stored if publish]
+        try:
+            await asyncio.gather(*(self._publish(job) for job in fresh))
+        except Exception as exc:
+            raise Unreachable(f"the work queue of {self.region} did not take the jobs: {exc!r}") from None
+        for job in fresh:
+            self.emit(job)
+        return JobSubmitReply(jobs=[job for job, _ in stored])
+
+    async def status(self, subject: str, data: bytes) -> Job:
+        req = same_app(subject, decode(JobIdRequest, data))
+        return await self.records.get(req.app, req.id)
+
+    async def list(self, subject: str, data: bytes) -> list[Job]:
+        req = same_app(subject, decode(JobListRequest, data))
+        jobs = [
+            job
+            for job in await self.records.list(req.app)
+            if (req.state is None or job.state == req.state) and (req.region is None or job.region == req.region)
+        ]
+        jobs.sort(key=lambda job: (-job.submitted_at, job.index, job.id))
+        return jobs[: req.limit]
+
+    async def cancel(self, subject: str, data: bytes) -> Job:
+        req = same_app(subject, decode(JobIdRequest, data))
+        now = self.clock()
+        job, changed = await self.records.change(req.app, req.id, lambda j: moves.cancel_requested(j, now=now))
+        if changed:
+            self.emit(job)
+        if job.state == "running" and job.worker_id:
+            # the worker running it kills it and records `cancelled`; a gone worker's redelivery does
+            with contextlib.suppress(Unreachable):
+                await request(self.nc, subjects.worker_job_cancel(job.worker_id), encode(req), timeout=2.0)
+            job = await self.records.get(req.app, req.id)
+        return job
+
+
+R = TypeVar("R", JobSubmitRequest, JobIdRequest, JobListRequest)
+
+
+def same_app(subject: str, request: R) -> R:
+    """The payload's app must be the subject's: permissions (a deployer's) are granted by subject."""
+    named = subjects.parse_jobs_app(subject)
+    if request.app != named:
+        raise BadRequest(f"app {request.app!r} in the payload, but {named!r} in the subject")
+    return request

@@ -1,0 +1,130 @@
+"""Late binding and backpressure in one: pull requests on the region's work queue, never more
+outstanding than this worker's free slots.
+
+A worker asks the queue's consumer for `batch = free slots - running - already asked for` messages,
+each pull request on a reply subject of its own (`<inbox>.<n>`), so the status that ends a request
+(408 expired, 409) says which one ended; messages fill the requests in the order they were made. A
+message is bound to this worker only when it arrives, and it arrives only because a slot was free: no
+worker holds a queue of its own, so a job never waits behind another on a busy worker while an idle one
+is free. A full worker asks for nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from nats.aio.client import Client
+
+log = logging.getLogger(__name__)
+
+STATUS = "Status"
+
+
+class Puller:
+    def __init__(
+        self,
+        nc: Client,
+        stream: str,
+        consumer: str,
+        *,
+        slots: Callable[[], int],
+        handle: Callable[[Any], Coroutine[Any, Any, None]],
+        expires: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.nc = nc
+        self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self.slots = slots
+        self.handle = handle
+        self.expires = expires
+        self.clock = clock
+        self.inbox = ""
+        self.requests: dict[str, tuple[int, float]] = {}  # request -> (messages still due, asked at)
+        self.in_flight = 0
+        self._ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sub: Any = None
+        self._loop: asyncio.Task[None] | None = None
+
+    @property
+    def outstanding(self) -> int:
+        return sum(due for due, _ in self.requests.values())
+
+    async def start(self) -> None:
+        self.inbox = self.nc.new_inbox()
+        self._sub = await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_message)
+        self._loop = asyncio.create_task(self._run())
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._top_up()
+            except Exception:
+                log.debug("pull request not sent", exc_info=True)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+
+    async def _top_up(self) -> None:
+        now = self.clock()
+        for request, (_, asked_at) in list(self.requests.items()):
+            if now - asked_at > self.expires + 1.0:  # its end never came (a reconnect): stop counting it
+                self.requests.pop(request, None)
+        want = self.slots() - self.in_flight - self.outstanding
+        if want <= 0 or not self.nc.is_connected:
+            return
+        request = str(next(self._ids))
+        self.requests[request] = (want, now)
+        body = {"batch": want, "expires": int(self.expires * 1e9)}
+        await self.nc.publish(self.next_subject, json.dumps(body).encode(), reply=f"{self.inbox}.{request}")
+
+    async def _on_message(self, msg: Any) -> None:
+        status = (msg.headers or {}).get(STATUS)
+        if status is not None and not msg.data:
+            if status != "100":  # 408 expired, 409 and the like: this request (named by the subject) is over
+                self.requests.pop(msg.subject.rsplit(".", 1)[-1], None)
+                self._wake.set()
+            return
+        # a job message carries its own subject, not the request's: the server answers pull requests in the
+        # order they came, so it is the oldest open request's
+        oldest = next(iter(self.requests), None)
+        if oldest is not None:
+            due, asked_at = self.requests[oldest]
+            if due <= 1:
+                del self.requests[oldest]
+            else:
+                self.requests[oldest] = (due - 1, asked_at)
+        self.in_flight += 1
+        task: asyncio.Task[None] = asyncio.create_task(self.handle(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        self.in_flight -= 1
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Stop asking; attempts running here are left to end (their machines destroy themselves)."""
+        if self._loop is not None:
+            self._loop.cancel()
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                log.debug("unsubscribe failed", exc_info=True)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=2.0)

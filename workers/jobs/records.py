@@ -1,0 +1,91 @@
+"""Job records in KV `fauxmad_jobs`: read, create, and change with compare-and-set.
+
+Every change is a pure function of the record as read (`Change`), retried on a revision conflict, so a
+cancel and the worker running the job never overwrite each other: whichever writes second re-reads and
+decides again. NATS types stop here: callers get `Job` Structs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from bus import subjects
+from bus.codec import decode, encode
+from bus.errors import Conflict, NotFound
+from bus.jobs import Job
+
+Change = Callable[[Job], Job | None]  # the new record, or None to leave it as it is
+
+CAS_TRIES = 20
+
+
+class JobRecords:
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+
+    async def read(self, app: str, job_id: str) -> tuple[Job, int] | None:
+        try:
+            entry = await self.kv.get(subjects.job_key(app, job_id))
+        except KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        return decode(Job, entry.value), entry.revision
+
+    async def get(self, app: str, job_id: str) -> Job:
+        found = await self.read(app, job_id)
+        if found is None:
+            raise NotFound(f"job {job_id} of app {app} not found")
+        return found[0]
+
+    async def create(self, job: Job) -> Job | None:
+        """Store a new record; None if one is there already (a keyed submit sent again)."""
+        try:
+            await self.kv.create(subjects.job_key(job.app, job.id), encode(job))
+        except KeyWrongLastSequenceError:
+            return None
+        return job
+
+    async def change(self, app: str, job_id: str, change: Change) -> tuple[Job, bool]:
+        """Apply `change` to the record with compare-and-set; (the record now, whether this call changed it)."""
+        job, changed, _ = await self.change_from(app, job_id, change)
+        return job, changed
+
+    async def change_from(
+        self, app: str, job_id: str, change: Change, known: tuple[Job, int] | None = None
+    ) -> tuple[Job, bool, int]:
+        """`change`, starting from `known` (a record and its revision, saving a read when it is current);
+        (the record now, whether this call changed it, its revision)."""
+        for _ in range(CAS_TRIES):
+            found = known or await self.read(app, job_id)
+            known = None
+            if found is None:
+                raise NotFound(f"job {job_id} of app {app} not found")
+            job, revision = found
+            new = change(job)
+            if new is None:
+                return job, False, revision
+            try:
+                revision = await self.kv.update(subjects.job_key(app, job_id), encode(new), last=revision)
+            except KeyWrongLastSequenceError:
+                continue
+            return new, True, revision
+        raise Conflict(f"job {job_id}: its record kept changing under {CAS_TRIES} tries")
+
+    async def list(self, app: str) -> list[Job]:
+        """Every record of `app`: one watcher over `<app>.*` that ends after the current values."""
+        watcher = await self.kv.watch(f"{subjects.check_token('app', app)}.*", ignore_deletes=True)
+        jobs = []
+        try:
+            while True:
+                entry = await watcher.updates(timeout=5.0)
+                if entry is None:
+                    break
+                if entry.value:
+                    jobs.append(decode(Job, entry.value))
+        finally:
+            await watcher.stop()
+        return jobs
