@@ -33,7 +33,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus import subjects
-from bus.jetstream import bind_or_create_kv
+from bus.jetstream import bind_or_create_kv, place_at_home
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 TAG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}:[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
@@ -133,7 +133,9 @@ async def image_store(js: JetStreamContext) -> ObjectStore:
     try:
         return await js.create_object_store(
             subjects.IMAGES_STORE,
-            ObjectStoreConfig(description="image archives, named by their sha256 digest", storage=StorageType.FILE),
+            place_at_home(
+                ObjectStoreConfig(description="image archives, named by their sha256 digest", storage=StorageType.FILE)
+            ),
         )
     except BadRequestError:
         return await js.object_store(subjects.IMAGES_STORE)
