@@ -178,7 +178,9 @@ def test_kill_9_of_one_server_under_create_load_loses_no_acknowledged_create(fle
     arun(load())
     sc.restart(victim)
     reconnect = times["reconnected"] - times["killed"]
-    print(f"\nkilled {victim}: {len(acked)} creates acknowledged; client reconnect {reconnect:.2f}s; failed attempts: {failures}")
+    print(
+        f"\nkilled {victim}: {len(acked)} creates acknowledged; client reconnect {reconnect:.2f}s; failed attempts: {failures}"
+    )
 
     async def check() -> tuple[set[str], list[Machine]]:
         client = await FleetClient.connect(fleet.region_url("syd"))
