@@ -56,3 +56,18 @@ def test_the_layout_is_additive_one_server_unless_told() -> None:
     assert layout.events_stream("syd") == "FAUXMAD_EVENTS_syd"
     with pytest.raises(ValueError, match="1, 3 or 5"):
         from_env({"FAUXMAD_SUPERCLUSTER": "mad", "FAUXMAD_REPLICAS": "2"})
+
+
+def test_roles_in_a_supercluster_name_the_regions_own_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.security.roles import Identity, permissions
+
+    worker = Identity(name="syd-w1", role="worker", worker_id="syd-w1", region="syd")
+    single = permissions(worker).publish
+    assert "$KV.fauxmad_workers.syd.syd-w1" in single  # one server: as before
+    monkeypatch.setenv("FAUXMAD_SUPERCLUSTER", "mad,syd")
+    publish = permissions(worker).publish
+    assert "$KV.fauxmad_workers_syd.syd.syd-w1" in publish and "$KV.fauxmad_machines_syd.*" in publish
+    assert "$KV.fauxmad_workers_mad.syd.syd-w1" not in publish  # never into another region's bucket
+    assert "$JS.API.DIRECT.GET.KV_fauxmad_machines_mad" in publish  # reads every region's
+    broker = permissions(Identity(name="b", role="broker")).publish
+    assert {"$KV.fauxmad_idempotency_mad.>", "$KV.fauxmad_idempotency_syd.>"} <= set(broker)
