@@ -183,7 +183,9 @@ def test_kill_9_of_one_server_under_create_load_loses_no_acknowledged_create(fle
     )
 
     async def check() -> tuple[set[str], list[Machine]]:
-        client = await FleetClient.connect(fleet.region_url("syd"))
+        # the others' URLs: a client of the server just restarted may find no broker for a moment (its routes'
+        # interest is still arriving), which says nothing about what was stored
+        client = await FleetClient.connect(",".join(others))
         try:
             for machine_id in acked.values():
                 await client.get("load", machine_id, events=False)  # found through the (R3) routing index
@@ -196,15 +198,16 @@ def test_kill_9_of_one_server_under_create_load_loses_no_acknowledged_create(fle
     assert {m.id for m in listed} == ids  # every acknowledged create is there, and nothing else
 
 
-def _partition(fleet: DevFleet, tmp_path: Path, app: str, region: str, cut_seconds: float) -> None:
-    """Run `app` in every region; cut `region` off for `cut_seconds` while it places and fails over inside."""
+def _partition(fleet: DevFleet, tmp_path: Path, app: str, region: str, cut_seconds: float, regions: list[str]) -> None:
+    """Run `app` in `regions`; cut `region` off for `cut_seconds` while it places and fails over inside."""
     assert fleet.supercluster is not None
-    spec = write_spec(tmp_path / "fauxmad.toml", app, regions="mad = 1\nsyd = 1\ngru = 1", spares=1)
+    counts = "\n".join(f"{r} = 1" for r in regions)
+    spec = write_spec(tmp_path / "fauxmad.toml", app, regions=counts, spares=1)
     result = fauxmad(fleet, "deploy", "-c", str(spec))
     assert result.returncode == 0, result.stdout + result.stderr
-    wait_for(lambda: len(spares(machines(fleet, app))) == 3, 30, "a spare per region")
+    wait_for(lambda: len(spares(machines(fleet, app))) == len(regions), 30, "a spare per region")
     before = started(machines(fleet, app))
-    outside = [r for r in REGIONS if r != region]
+    outside = [r for r in regions if r != region]
     ((primary, worker),) = before[region]
     sleep = MachineConfig(cmd=["sleep", "60"], guest=Guest(cpus=1, memory_mb=16))
 
@@ -248,7 +251,7 @@ def _partition(fleet: DevFleet, tmp_path: Path, app: str, region: str, cut_secon
     assert after[region] == during[region] and after[region][0][0] != primary  # the failover inside, and only it
     for other in outside:
         assert after[other] == before[other]  # nothing moved outside the cut region
-    assert sum(len(ids) for ids in after.values()) == 3  # one started copy per instance
+    assert sum(len(ids) for ids in after.values()) == len(regions)  # one started copy per instance
     for other in outside:  # the other regions' operators never acted on the cut region
         log = (fleet.root / "logs" / f"operator-{other}.log").read_text()
         assert f"{app} {region}:" not in log, log[-2000:]
@@ -257,9 +260,10 @@ def _partition(fleet: DevFleet, tmp_path: Path, app: str, region: str, cut_secon
 def test_a_region_cut_off_keeps_placing_and_failing_over_and_nothing_moves_after_the_heal(
     fleet: DevFleet, tmp_path: Path
 ) -> None:
-    _partition(fleet, tmp_path, "cut", "syd", CI_CUT_SECONDS)
+    _partition(fleet, tmp_path, "cut", "syd", CI_CUT_SECONDS, REGIONS)
 
 
 @pytest.mark.skipif(not SLOW, reason="the issue's 30-second cut: FAUXMAD_SLOW_TESTS=1 runs it")
 def test_a_region_cut_off_for_30_seconds(fleet: DevFleet, tmp_path: Path) -> None:
-    _partition(fleet, tmp_path, "cut30", "gru", 30.0)
+    # syd lost a host in the test before: this app runs where two workers are left for a primary and its spare
+    _partition(fleet, tmp_path, "cut30", "gru", 30.0, ["mad", "gru"])
