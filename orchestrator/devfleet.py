@@ -54,6 +54,10 @@ def _supercluster_default() -> int:
 ROOT = Path(__file__).resolve().parent.parent
 
 
+async def _quiet(exc: Exception) -> None:
+    pass
+
+
 class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     regions: list[str] = msgspec.field(default_factory=lambda: ["mad", "syd", "gru"])
     workers_per_region: int = 3
@@ -101,7 +105,8 @@ class DevFleet:
     async def _connect(self, **options: Any) -> Any:
         """A raw connection to this fleet for the fleet's own chores (as the operator when secure)."""
         if self.security is None:
-            return await nats.connect(servers(self.url), **options)
+            # quiet: nats-py logs every server of a list it could not reach (after a Ctrl-C, all of them)
+            return await nats.connect(servers(self.url), **{"error_cb": _quiet, **options})
         creds, base = credentials.load(self.security.creds("operator"))
         return await nats.connect(self.url, **options, **creds.connect_options(base))
 
