@@ -256,9 +256,7 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
             idempotency=RegionalKV({r: kvs[2] for r, kvs in regional.items()}, own),
             layout=layout,
         )
-    workers, machines, idempotency = await _state_buckets(js, config, layout, None)
-    apps = await _apps_bucket(js, config)
-    await _limited_stream(
+    events = await _limited_stream(
         js,
         StreamConfig(
             name=subjects.EVENTS_STREAM,
@@ -268,8 +266,20 @@ async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | Non
         ),
         events_limits(config),
     )
+    if events.sources and not events.subjects:  # made by a supercluster's processes: never add one-server buckets
+        raise Unreachable(
+            f"this fleet is a supercluster ({subjects.EVENTS_STREAM} sources its regions' events): set"
+            f" ${layouts.SUPERCLUSTER_ENV} to its regions, e.g. {','.join(_source_regions(events))}"
+        )
+    workers, machines, idempotency = await _state_buckets(js, config, layout, None)
+    apps = await _apps_bucket(js, config)
     await ensure_logs_stream(js, config)
     return FleetKV(workers=workers, machines=machines, apps=apps, idempotency=idempotency)
+
+
+def _source_regions(events: StreamConfig) -> list[str]:
+    prefix = f"{subjects.EVENTS_STREAM}_"
+    return [src.name.removeprefix(prefix) for src in events.sources or [] if src.name.startswith(prefix)]
 
 
 def _storage(config: FleetConfig) -> StorageType:
@@ -428,8 +438,9 @@ async def revoked_tokens_bucket(js: JetStreamContext) -> KeyValue:
     )
 
 
-async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: StreamLimits) -> None:
-    """Create `stream` with `limits`; if it exists, apply them only when they were configured."""
+async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: StreamLimits) -> StreamConfig:
+    """Create `stream` with `limits`; if it exists, apply them only when they were configured. Returns the
+    stream's config (the one found, or the one created)."""
     assert stream.name is not None
     if stream.placement is None:
         layout = layouts.from_env()
@@ -441,13 +452,14 @@ async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: St
     except NotFoundError:
         try:
             await js.add_stream(stream)
-            return
+            return stream
         except BadRequestError:  # created meanwhile by another process
             current = (await js.stream_info(stream.name)).config
         except TimeoutError:
             raise _cannot_create(stream.name) from None
     if not limits.explicit:
-        return  # exists with other limits, and nobody asked for these: leave it as it is
+        return current  # exists with other limits, and nobody asked for these: leave it as it is
     if current.max_age != limits.max_age or current.max_bytes != limits.max_bytes:
         current.max_age, current.max_bytes = limits.max_age, limits.max_bytes
         await js.update_stream(current)
+    return current

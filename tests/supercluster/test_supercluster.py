@@ -16,8 +16,12 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.js.errors import BucketNotFoundError
 
 from bus.connection import servers
+from bus.errors import Unreachable
+from bus.jetstream import FleetConfig, ensure_fleet_resources
+from bus.layout import Layout
 from bus.messages import CreateRequest, Guest, Machine, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
@@ -102,6 +106,21 @@ def test_a_region_s_state_lives_in_its_own_cluster(fleet: DevFleet) -> None:
     placed = arun(go())
     for name, (cluster, replicas) in placed.items():
         assert name.endswith(cluster) and replicas == 3, (name, cluster, replicas)
+
+
+def test_a_process_told_nothing_about_the_supercluster_refuses_to_add_one_server_buckets(fleet: DevFleet) -> None:
+    async def go() -> str:
+        nc = await nats.connect(servers(fleet.url))
+        try:
+            with pytest.raises(Unreachable) as caught:
+                await ensure_fleet_resources(nc.jetstream(), FleetConfig(layout=Layout()))  # as if unset
+            with pytest.raises(BucketNotFoundError):
+                await nc.jetstream().key_value("fauxmad_workers")  # nothing was created on the way
+            return caught.value.message
+        finally:
+            await nc.close()
+
+    assert "set $FAUXMAD_SUPERCLUSTER to its regions, e.g. mad,syd,gru" in arun(go())
 
 
 def test_deploy_across_three_regions(fleet: DevFleet, tmp_path: Path) -> None:
