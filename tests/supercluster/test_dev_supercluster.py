@@ -48,7 +48,7 @@ def test_the_light_dev_supercluster_runs_as_written(tmp_path: Path) -> None:
         ]
         exports = dict(h.removeprefix("export ").split("=", 1) for h in hints if h.startswith("export "))
         assert exports["FAUXMAD_SUPERCLUSTER"] == "mad,syd,gru"
-        for line in [h for h in hints if not h.startswith("export ")] + ["fauxmad regions"]:
+        for line in [h for h in hints if not h.startswith("export ")] + ["fauxmad status", "fauxmad regions"]:
             result = subprocess.run(
                 ["bash", "-c", line],
                 capture_output=True,
