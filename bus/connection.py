@@ -81,6 +81,11 @@ class _SslCloseNoise(logging.Filter):
 logging.getLogger("asyncio").addFilter(_SslCloseNoise())
 
 
+def servers(url: str) -> list[str]:
+    """The server URLs in `url`: one, or several comma-separated (a region's cluster in a supercluster)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
 def default_url() -> str | None:
     return os.environ.get(DEFAULT_URL_ENV) or None
 
@@ -135,7 +140,7 @@ async def connect(
     bound = None if agent else 4 * timeout + 2
     try:
         connecting = nats.connect(
-            servers=[url],
+            servers=servers(url),
             name=name,
             connect_timeout=timeout,
             allow_reconnect=True,

@@ -66,9 +66,11 @@ class EmbeddedNats:
         log_file: str | Path | None = None,
         config_file: str | Path | None = None,
         sync_always: bool = True,
+        tls: bool | None = None,
     ) -> None:
         """`config_file`: run with that config (a secure fleet's, `orchestrator.security`: TLS required, so the
-        URL is `tls://`) instead of the JetStream-only one written here."""
+        URL is `tls://`) instead of the JetStream-only one written here; `tls=False`: that config is an open one
+        (a supercluster server's, `bus.supercluster`)."""
         self.host = host
         self.port = port or free_port(host)
         self._own_store = store_dir is None
@@ -78,10 +80,11 @@ class EmbeddedNats:
         self.process: subprocess.Popen[bytes] | None = None
         self.config_file = Path(config_file) if config_file else None
         self.sync_always = sync_always  # False: nats-server's default (flush every 2 min), for benchmarks only
+        self.tls = self.config_file is not None if tls is None else tls
 
     @property
     def url(self) -> str:
-        return f"{'tls' if self.config_file else 'nats'}://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         binary = find_binary()

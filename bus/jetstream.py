@@ -9,6 +9,12 @@ field, else `$FAUXMAD_EVENTS_MAX_AGE` (`7d`, `12h`, seconds) and `$FAUXMAD_EVENT
 (`1GiB`, `512MB`, bytes). Limits given either way are applied to an existing stream too; a process
 that was given none leaves the stream's limits as they are (defaults: 7 days, 1 GiB).
 
+In a supercluster (`bus.layout`: `$FAUXMAD_SUPERCLUSTER`) each region gets its own workers, machines and
+idempotency buckets and its own events stream, placed in its cluster and replicated inside it; the fleet
+keeps one `FAUXMAD_EVENTS`, which sources every region's events (a stream with sources keeps pulling what
+a region wrote while it was cut off once it is back, so the fleet-wide log is late, never missing); the
+fleet-wide buckets and streams (apps, images, logs, audit, tokens, secrets) live in the home region.
+
 The logs stream (`FAUXMAD_LOGS`, every `fauxmad.v1.logs.<app>.<machine>` line the workers publish)
 works the same way with `$FAUXMAD_LOGS_MAX_AGE` and `$FAUXMAD_LOGS_MAX_BYTES` (defaults: 1 day,
 256 MiB), and refuses a message above `LOGS_MAX_MSG_SIZE`: workers clip lines well below it.
@@ -24,12 +30,14 @@ from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, KeyValueConfig, Placement, StorageType, StreamConfig, StreamSource
 from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
+from bus import layout as layouts
 from bus import subjects
 from bus.errors import Unreachable
+from bus.layout import Layout
 from bus.messages import seconds
 
 HEARTBEAT_INTERVAL = 1.0
@@ -77,6 +85,11 @@ class FleetConfig(msgspec.Struct, kw_only=True):
     logs_max_age: float | None = None
     logs_max_bytes: int | None = None
     storage: str = "file"
+    layout: Layout | None = None  # None: from the environment (`bus.layout.from_env`)
+    region: str | None = None  # this process's own region (a worker's; a broker's or operator's if it has one)
+
+    def resolved_layout(self) -> Layout:
+        return self.layout if self.layout is not None else layouts.from_env()
 
 
 def parse_size(text: str) -> int:
@@ -161,17 +174,31 @@ class FleetKV(msgspec.Struct, frozen=True):
     machines: Any
     apps: Any
     idempotency: Any
+    layout: Layout = Layout()
+
+
+def place_at_home(config: Any) -> Any:
+    """In a supercluster, put a fleet-wide bucket's or object store's config (one with no placement yet) in the
+    home region's cluster, replicated as the layout says; on one server leave it as it is. Returns `config`."""
+    layout = layouts.from_env()
+    if layout.supercluster and config.placement is None:
+        config.placement = Placement(cluster=layout.home)
+        config.replicas = layout.replicas
+    return config
 
 
 async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
     """Bind to the bucket, creating it only if it is not there: in a secure fleet only an operator may
     create streams (a worker's or broker's create would be refused), and binding needs read access only."""
     assert config.bucket is not None
+    place_at_home(config)
     try:
         return await js.key_value(config.bucket)
     except (NotFoundError, BucketNotFoundError):
         pass
     try:
+        if config.placement is not None:
+            return await _create_placed_kv(js, config)
         return await js.create_key_value(config)
     except BadRequestError:
         # created meanwhile by another process, with a different config (an older layout): bind to it
@@ -180,61 +207,190 @@ async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig) -> Key
         raise _cannot_create(f"KV_{config.bucket}") from None
 
 
+async def _create_placed_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    """A KV bucket in the cluster `config.placement` names: nats-py's `create_key_value` leaves placement out of
+    the stream it creates (the stream would land wherever the request did), so the stream is made here with
+    the settings nats-py gives a bucket, plus the placement, and then bound as a bucket."""
+    assert config.bucket is not None
+    marker_ttl = config.limit_marker_ttl if config.limit_marker_ttl and config.limit_marker_ttl > 0 else None
+    await js.add_stream(
+        StreamConfig(
+            name=f"KV_{config.bucket}",
+            description=config.description,
+            subjects=[subjects.kv_put(config.bucket, ">")],
+            allow_direct=config.direct,
+            allow_rollup_hdrs=True,
+            allow_msg_ttl=True,
+            deny_delete=True,
+            discard=DiscardPolicy.NEW,
+            duplicate_window=min(120.0, config.ttl) if config.ttl else 120.0,
+            max_age=config.ttl,
+            max_bytes=config.max_bytes,
+            max_consumers=-1,
+            max_msg_size=config.max_value_size,
+            max_msgs=-1,
+            max_msgs_per_subject=config.history,
+            num_replicas=config.replicas,
+            storage=config.storage,
+            placement=config.placement,
+            subject_delete_marker_ttl=marker_ttl,
+        )
+    )
+    return await js.key_value(config.bucket)
+
+
 async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | None = None) -> FleetKV:
     config = config or FleetConfig()
-    storage = StorageType.MEMORY if config.storage == "memory" else StorageType.FILE
-    ttl = 3 * config.heartbeat_interval
-    workers = await bind_or_create_kv(
-        js,
-        KeyValueConfig(
-            bucket=subjects.WORKERS_BUCKET,
-            ttl=ttl,
-            limit_marker_ttl=ttl,
-            history=1,
-            storage=storage,
-            description="worker heartbeats: capacity, usage, images, cordon",
-        ),
-    )
-    machines = await bind_or_create_kv(
-        js,
-        KeyValueConfig(
-            bucket=subjects.MACHINES_BUCKET,
-            history=1,
-            storage=storage,
-            description="routing index: machine id -> worker, region, app, state",
-        ),
-    )
-    apps = await bind_or_create_kv(
-        js,
-        KeyValueConfig(
-            bucket=subjects.APPS_BUCKET,
-            history=16,
-            storage=storage,
-            description="desired state: app specs and releases",
-        ),
-    )
-    idempotency = await bind_or_create_kv(
-        js,
-        KeyValueConfig(
-            bucket=subjects.IDEMPOTENCY_BUCKET,
-            ttl=24 * 3600.0,
-            history=1,
-            storage=storage,
-            description="create idempotency keys: claimed by one broker, answered with one machine",
-        ),
-    )
-    await _limited_stream(
+    layout = config.resolved_layout()
+    if layout.supercluster:
+        from bus.regional import RegionalKV
+
+        regional = {region: await _region_resources(js, config, layout, region) for region in layout.regions}
+        apps = await _apps_bucket(js, config)
+        await _fleet_events(js, config, layout)
+        await ensure_logs_stream(js, config)
+        own = config.region
+        return FleetKV(
+            workers=RegionalKV({r: kvs[0] for r, kvs in regional.items()}, own),
+            machines=RegionalKV({r: kvs[1] for r, kvs in regional.items()}, own),
+            apps=apps,
+            idempotency=RegionalKV({r: kvs[2] for r, kvs in regional.items()}, own),
+            layout=layout,
+        )
+    events = await _limited_stream(
         js,
         StreamConfig(
             name=subjects.EVENTS_STREAM,
             subjects=[subjects.EVENTS_ALL],
-            storage=storage,
+            storage=_storage(config),
             description="every machine state transition, from every worker",
         ),
         events_limits(config),
     )
+    if events.sources and not events.subjects:  # made by a supercluster's processes: never add one-server buckets
+        raise Unreachable(
+            f"this fleet is a supercluster ({subjects.EVENTS_STREAM} sources its regions' events): set"
+            f" ${layouts.SUPERCLUSTER_ENV} to its regions, e.g. {','.join(_source_regions(events))}"
+        )
+    workers, machines, idempotency = await _state_buckets(js, config, layout, None)
+    apps = await _apps_bucket(js, config)
     await ensure_logs_stream(js, config)
     return FleetKV(workers=workers, machines=machines, apps=apps, idempotency=idempotency)
+
+
+def _source_regions(events: StreamConfig) -> list[str]:
+    prefix = f"{subjects.EVENTS_STREAM}_"
+    return [src.name.removeprefix(prefix) for src in events.sources or [] if src.name.startswith(prefix)]
+
+
+def _storage(config: FleetConfig) -> StorageType:
+    return StorageType.MEMORY if config.storage == "memory" else StorageType.FILE
+
+
+def _in_region(kv: KeyValueConfig, layout: Layout, region: str | None) -> KeyValueConfig:
+    if region is not None:
+        kv.placement, kv.replicas, kv.direct = Placement(cluster=region), layout.replicas, True
+    return kv
+
+
+async def _state_buckets(
+    js: JetStreamContext, config: FleetConfig, layout: Layout, region: str | None
+) -> tuple[KeyValue, KeyValue, KeyValue]:
+    """The heartbeats, routing index and idempotency buckets: the fleet's (`region=None`) or one region's."""
+    storage = _storage(config)
+    ttl = 3 * config.heartbeat_interval
+    where = f" of region {region}" if region else ""
+    workers = await bind_or_create_kv(
+        js,
+        _in_region(
+            KeyValueConfig(
+                bucket=layout.workers_bucket(region) if region else subjects.WORKERS_BUCKET,
+                ttl=ttl,
+                limit_marker_ttl=ttl,
+                history=1,
+                storage=storage,
+                description=f"worker heartbeats{where}: capacity, usage, images, cordon",
+            ),
+            layout,
+            region,
+        ),
+    )
+    machines = await bind_or_create_kv(
+        js,
+        _in_region(
+            KeyValueConfig(
+                bucket=layout.machines_bucket(region) if region else subjects.MACHINES_BUCKET,
+                history=1,
+                storage=storage,
+                description=f"routing index{where}: machine id -> worker, region, app, state",
+            ),
+            layout,
+            region,
+        ),
+    )
+    idempotency = await bind_or_create_kv(
+        js,
+        _in_region(
+            KeyValueConfig(
+                bucket=layout.idempotency_bucket(region) if region else subjects.IDEMPOTENCY_BUCKET,
+                ttl=24 * 3600.0,
+                history=1,
+                storage=storage,
+                description=f"create idempotency keys{where}: claimed by one broker, answered with one machine",
+            ),
+            layout,
+            region,
+        ),
+    )
+    return workers, machines, idempotency
+
+
+async def _region_resources(
+    js: JetStreamContext, config: FleetConfig, layout: Layout, region: str
+) -> tuple[KeyValue, KeyValue, KeyValue]:
+    """One region's own state, in its own cluster: three buckets and its events stream."""
+    buckets = await _state_buckets(js, config, layout, region)
+    await _limited_stream(
+        js,
+        StreamConfig(
+            name=layout.events_stream(region),
+            subjects=[subjects.events_of_region(region)],
+            storage=_storage(config),
+            placement=Placement(cluster=region),
+            num_replicas=layout.replicas,
+            description=f"every machine state transition in region {region}",
+        ),
+        events_limits(config),
+    )
+    return buckets
+
+
+async def _fleet_events(js: JetStreamContext, config: FleetConfig, layout: Layout) -> None:
+    """`FAUXMAD_EVENTS` of a supercluster: no subjects of its own, every region's events stream as a source."""
+    await _limited_stream(
+        js,
+        StreamConfig(
+            name=subjects.EVENTS_STREAM,
+            sources=[StreamSource(name=layout.events_stream(region)) for region in layout.regions],
+            storage=_storage(config),
+            placement=Placement(cluster=layout.home),
+            num_replicas=layout.replicas,
+            description="every machine state transition, sourced from every region's events stream",
+        ),
+        events_limits(config),
+    )
+
+
+async def _apps_bucket(js: JetStreamContext, config: FleetConfig) -> KeyValue:
+    return await bind_or_create_kv(
+        js,
+        KeyValueConfig(
+            bucket=subjects.APPS_BUCKET,
+            history=16,
+            storage=_storage(config),
+            description="desired state: app specs and releases",
+        ),
+    )
 
 
 async def ensure_logs_stream(js: JetStreamContext, config: FleetConfig | None = None) -> None:
@@ -283,25 +439,31 @@ async def revoked_tokens_bucket(js: JetStreamContext) -> KeyValue:
     )
 
 
-async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: StreamLimits) -> None:
-    """Create `stream` with `limits`; if it exists, apply them only when they were configured."""
+async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: StreamLimits) -> StreamConfig:
+    """Create `stream` with `limits`; if it exists, apply them only when they were configured. Returns the
+    stream's config (the one found, or the one created)."""
     assert stream.name is not None
+    if stream.placement is None:
+        layout = layouts.from_env()
+        if layout.supercluster:
+            stream.placement, stream.num_replicas = Placement(cluster=layout.home), layout.replicas
     stream.max_age, stream.max_bytes = limits.max_age, limits.max_bytes
     try:  # look before creating: in a secure fleet only an operator may create (see `bind_or_create_kv`)
         current = (await js.stream_info(stream.name)).config
     except NotFoundError:
         try:
             await js.add_stream(stream)
-            return
+            return stream
         except BadRequestError:  # created meanwhile by another process
             current = (await js.stream_info(stream.name)).config
         except TimeoutError:
             raise _cannot_create(stream.name) from None
     if not limits.explicit:
-        return  # exists with other limits, and nobody asked for these: leave it as it is
+        return current  # exists with other limits, and nobody asked for these: leave it as it is
     if current.max_age != limits.max_age or current.max_bytes != limits.max_bytes:
         current.max_age, current.max_bytes = limits.max_age, limits.max_bytes
         await js.update_stream(current)
+    return current
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -458,6 +458,9 @@ class RegionSummary(Reply):
     capacity: Resources
     used: Resources
     machines: int
+    # in a supercluster: False when the region's cluster does not answer (cut off, or down: from outside the two
+    # look the same, so nothing of it is moved); an addition to the contract, absent (true) on one server
+    reachable: bool = True
 
 
 class InfoRequest(Request):

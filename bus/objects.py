@@ -15,6 +15,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, ObjectInfo, ObjectStoreConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.object_store import ObjectStore
 
+from bus.jetstream import place_at_home
+
 PULL_BATCH = 64  # chunks (128 KiB each) per fetch
 
 
@@ -25,9 +27,8 @@ async def bind_or_create_store(js: JetStreamContext, bucket: str, description: s
     except (NotFoundError, BadRequestError):
         pass
     try:
-        return await js.create_object_store(
-            bucket, ObjectStoreConfig(description=description, storage=StorageType.FILE)
-        )
+        config = place_at_home(ObjectStoreConfig(description=description, storage=StorageType.FILE))
+        return await js.create_object_store(bucket, config)
     except BadRequestError:
         return await js.object_store(bucket)
 

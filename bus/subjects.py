@@ -242,3 +242,16 @@ def parse_api_app(subject: str) -> str:
     """The `<app>` token of `fauxmad.v1.api.apps.<app>.machines.<verb>` (or `.volumes.<verb>`)."""
     parts = subject.split(".")
     return parts[4] if len(parts) == 7 else ""
+
+
+# -- supercluster additions (README "Beyond one server: a supercluster") ---------------------------------------
+
+
+def regional(name: str, region: str) -> str:
+    """A region's own bucket or stream in a supercluster: the contract's name with `_<region>` appended."""
+    return f"{name}_{check_token('region', region)}"
+
+
+def events_of_region(region: str) -> str:
+    """Every event of one region (what that region's events stream captures)."""
+    return f"{PREFIX}.events.{check_token('region', region)}.>"

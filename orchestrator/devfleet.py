@@ -27,18 +27,36 @@ import nats
 
 from bus import credentials, subjects
 from bus.codec import encode
+from bus.connection import servers
 from bus.credentials import CREDS_ENV
 from bus.embedded import EmbeddedNats, free_port
 from bus.errors import Unreachable
 from bus.images import Images
 from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, ensure_jobs_resources, revoked_tokens_bucket
+from bus.layout import REPLICAS_ENV
+from bus.layout import SUPERCLUSTER_ENV as SUPERCLUSTER_LAYOUT_ENV
 from bus.messages import DestroyRequest, ListRequest
 from bus.secrets import new_private_key, secrets_bucket
+from bus.supercluster import LoopbackSupercluster
 from bus.volumes import snapshot_store, volumes_bucket
 from orchestrator.security.fleetdir import FleetDir
 
 SECURE_ENV = "FAUXMAD_DEV_SECURE"
+# `$FAUXMAD_DEV_SUPERCLUSTER=N`: dev fleets run as a supercluster of N servers per region (to run the test suite
+# on one, as $FAUXMAD_DEV_SECURE does for secure fleets)
+SUPERCLUSTER_ENV = "FAUXMAD_DEV_SUPERCLUSTER"
+
+
+def _supercluster_default() -> int:
+    text = os.environ.get(SUPERCLUSTER_ENV, "").strip()
+    return int(text) if text.isdigit() else 0
+
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+async def _quiet(exc: Exception) -> None:
+    pass
 
 
 class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,6 +76,10 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # the same setup a production fleet gets (orchestrator/security): mutual TLS, an identity per process;
     # $FAUXMAD_DEV_SECURE=1 makes it the default (to run the test suite against secure fleets)
     secure: bool = os.environ.get(SECURE_ENV) == "1"
+    # servers per region of a supercluster (README "Beyond one server"): 0 = one nats-server (the default);
+    # 3 = the deployed layout (R3 inside each region); 1 = the same shape, lighter
+    supercluster: int = msgspec.field(default_factory=_supercluster_default)
+    operators: bool = False  # start `fauxmad reconcile --watch` (one per region in a supercluster)
 
 
 def unmount_under(root: Path) -> int:
@@ -82,6 +104,8 @@ class DevFleet:
         self._own_dir = spec.data_dir is None
         self.root = Path(spec.data_dir) if spec.data_dir else Path(tempfile.mkdtemp(prefix="fauxmad-dev-"))
         self.nats: EmbeddedNats | None = None
+        self.supercluster: LoopbackSupercluster | None = None
+        self._layout_before: dict[str, str | None] | None = None  # the layout variables before this fleet set them
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.worker_ids: list[str] = []
         self.commands: dict[str, list[str]] = {}
@@ -97,14 +121,22 @@ class DevFleet:
     async def _connect(self, **options: Any) -> Any:
         """A raw connection to this fleet for the fleet's own chores (as the operator when secure)."""
         if self.security is None:
-            return await nats.connect(self.url, **options)
+            # quiet: nats-py logs every server of a list it could not reach (after a Ctrl-C, all of them)
+            return await nats.connect(servers(self.url), **{"error_cb": _quiet, **options})
         creds, base = credentials.load(self.security.creds("operator"))
         return await nats.connect(self.url, **options, **creds.connect_options(base))
 
     @property
     def url(self) -> str:
+        """Where clients connect: the server, or in a supercluster the first region's servers."""
+        if self.supercluster is not None:
+            return self.supercluster.urls(self.spec.regions[0])
         assert self.nats is not None
         return self.nats.url
+
+    def region_url(self, region: str) -> str:
+        """The servers of `region` (comma-separated), or the one server."""
+        return self.supercluster.urls(region) if self.supercluster is not None else self.url
 
     @property
     def expected_workers(self) -> int:
@@ -151,6 +183,11 @@ class DevFleet:
         data directory if it is this fleet's own, and raise."""
         spec = self.spec
         try:
+            if spec.supercluster:
+                self._start_supercluster()
+                self._start_processes()
+                self._wait_ready(timeout)
+                return self
             config = self._secure_setup() if spec.secure else None
             port = self.security_port if config else spec.port
             self.nats = EmbeddedNats(
@@ -176,6 +213,39 @@ class DevFleet:
             self.stop()
             raise
         return self
+
+    def _start_supercluster(self) -> None:
+        """A cluster per region on loopback, joined by gateways (relayed, so a region can be cut off); the layout
+        variables set for this process and every process of the fleet; the fleet's buckets and streams made."""
+        spec = self.spec
+        if spec.secure:
+            raise ValueError("a dev supercluster is open (no TLS yet): leave out --secure")
+        self.supercluster = LoopbackSupercluster(spec.regions, spec.supercluster, root=self.root / "nats", relays=True)
+        self.supercluster.start()
+        self.progress(
+            f"{len(spec.regions)} NATS clusters of {spec.supercluster} server(s) joined by gateways: "
+            + "; ".join(f"{r} at {self.region_url(r)}" for r in spec.regions)
+        )
+        self._layout_before = {name: os.environ.get(name) for name in (SUPERCLUSTER_LAYOUT_ENV, REPLICAS_ENV)}
+        os.environ[SUPERCLUSTER_LAYOUT_ENV] = ",".join(spec.regions)
+        os.environ[REPLICAS_ENV] = str(min(3, spec.supercluster))
+        asyncio.run(self._prepare_supercluster())
+
+    async def _prepare_supercluster(self, timeout: float = 60.0) -> None:
+        """Create the fleet's buckets and streams once JetStream has elected its leaders (a few seconds)."""
+        assert self.supercluster is not None
+        await self.supercluster.jetstream_ready(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await self._prepare()
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    raise Unreachable(
+                        f"the supercluster's JetStream did not come up within {timeout:g}s: {exc!r}"
+                    ) from None
+                await asyncio.sleep(0.5)
 
     def _secure_setup(self) -> Path:
         """A secure fleet's directory (CA, certificates, users) with an identity for every process to come."""
@@ -245,7 +315,7 @@ class DevFleet:
                 args = [
                     "worker",
                     "--nats",
-                    self.url,
+                    self.region_url(region),
                     "--region",
                     region,
                     "--worker-id",
@@ -266,22 +336,24 @@ class DevFleet:
                 if not spec.fsync:
                     args += ["--no-fsync"]
                 self._spawn(f"worker-{base}", args)
-        for i in range(spec.brokers):
-            self._spawn(
-                f"broker-{i + 1}",
-                [
-                    "broker",
-                    "--nats",
-                    self.url,
-                    "--name",
-                    f"broker-{i + 1}",
-                    "--deadline-ms",
-                    str(spec.deadline_ms),
-                    "--strategy",
-                    spec.strategy,
-                ],
-            )
-        self.progress(f"{self.expected_workers} workers in {', '.join(spec.regions)} and {spec.brokers} broker(s)")
+        # one set of brokers (and an operator) for the fleet, or in a supercluster per region, connected to it
+        agent_regions: list[str | None] = list(spec.regions) if self.supercluster is not None else [None]
+        for scope in agent_regions:
+            where = ["--nats", self.region_url(scope), "--region", scope] if scope else ["--nats", self.url]
+            for i in range(spec.brokers):
+                name = f"broker-{scope}-{i + 1}" if scope else f"broker-{i + 1}"
+                args = ["broker", *where, "--name", name, "--deadline-ms", str(spec.deadline_ms)]
+                self._spawn(name, [*args, "--strategy", spec.strategy])
+            if spec.operators:
+                self._spawn(f"operator-{scope}" if scope else "operator", ["reconcile", "--watch", *where])
+        self.progress(
+            f"{self.expected_workers} workers in {', '.join(spec.regions)} and {self.expected_brokers} broker(s)"
+            + (f", an operator {'per region' if self.supercluster else ''}".rstrip() if spec.operators else "")
+        )
+
+    @property
+    def expected_brokers(self) -> int:
+        return self.spec.brokers * (len(self.spec.regions) if self.spec.supercluster else 1)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -311,7 +383,7 @@ class DevFleet:
                     tail = (self.root / "logs" / f"{name}.log").read_text(errors="replace")[-1500:]
                     raise Unreachable(f"{name} exited with code {proc.returncode}: {tail.strip()}")
             workers, brokers = asyncio.run(counts())
-            if workers >= self.expected_workers and brokers >= self.spec.brokers:
+            if workers >= self.expected_workers and brokers >= self.expected_brokers:
                 return
             time.sleep(0.1)
         raise Unreachable(f"the fleet did not come up within {timeout:g}s (see {self.root / 'logs'})")
@@ -381,7 +453,9 @@ class DevFleet:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
 
     def stop(self) -> None:
-        nats_alive = self.nats is not None and self.nats.process is not None and self.nats.process.poll() is None
+        nats_alive = (self.nats is not None and self.nats.process is not None and self.nats.process.poll() is None) or (
+            self.supercluster is not None
+        )
         if nats_alive and self.processes:
             destroyed = self.destroy_all_machines()
             if destroyed:
@@ -400,6 +474,10 @@ class DevFleet:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        if self.supercluster is not None:
+            self.supercluster.stop()
+            self.supercluster = None
+        self._restore_layout_env()
         self._kill_untracked_children()
         if self._own_dir:
             unmount_under(self.root)  # volumes' loop mounts (README "Volumes"): freed with their loop devices
@@ -411,6 +489,15 @@ class DevFleet:
             else:
                 os.environ[CREDS_ENV] = before
             self._creds_before = None
+
+    def _restore_layout_env(self) -> None:
+        """Put back the layout variables a supercluster fleet set for its lifetime."""
+        for name, before in (self._layout_before or {}).items():
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+        self._layout_before = None
 
     def __enter__(self) -> DevFleet:
         return self.start()

@@ -147,10 +147,18 @@ class WorkerAgent:
             cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", agent=True, on_closed=self._on_bus_closed
         )
         js = self.nc.jetstream()
-        self._kv = await ensure_fleet_resources(js, FleetConfig(heartbeat_interval=cfg.heartbeat_interval))
+        self._kv = await ensure_fleet_resources(
+            js, FleetConfig(heartbeat_interval=cfg.heartbeat_interval, region=cfg.region)
+        )
         self.secrets = SecretsCache(_secrets_key(cfg))
         await self.secrets.start(await secrets_bucket(js))
-        self.outbox = Outbox(self.nc, worker_id=cfg.worker_id)
+        layout = self._kv.layout  # in a supercluster: this region's own index bucket and events stream
+        self.outbox = Outbox(
+            self.nc,
+            worker_id=cfg.worker_id,
+            index_bucket=layout.machines_bucket(cfg.region),
+            events_stream=layout.events_stream(cfg.region),
+        )
         self.store = Store(data / "lmdb", sync=cfg.fsync, map_size=cfg.map_size)
         self.committer = GroupCommitter(self.store)
         limits = auto_detect(cfg.worker_id)
@@ -474,7 +482,8 @@ class WorkerAgent:
         if acked:
             await self._kv.workers.put(key, encode(info))
         elif self.nc is not None and self.nc.is_connected:
-            await self.nc.publish(subjects.kv_put(subjects.WORKERS_BUCKET, key), encode(info))
+            bucket = self._kv.layout.workers_bucket(self.config.region)
+            await self.nc.publish(subjects.kv_put(bucket, key), encode(info))
 
     async def _heartbeat_once(self, *, acked: bool = True) -> None:
         try:

@@ -97,6 +97,7 @@ class Outbox:
         *,
         worker_id: str,
         index_bucket: str = subjects.MACHINES_BUCKET,
+        events_stream: str = subjects.EVENTS_STREAM,
         batch: int = 256,
         timeout: float = 3.0,
         retry_min: float = 0.05,
@@ -106,6 +107,7 @@ class Outbox:
         self._js = nc.jetstream(timeout=timeout)  # for the start-up lookups
         self._publisher = BatchPublisher(nc, timeout=timeout)
         self._index_bucket = index_bucket
+        self._events_stream = events_stream
         self.worker_id = worker_id
         self.batch = batch
         self.timeout = timeout
@@ -170,7 +172,7 @@ class Outbox:
     async def _stream_has(self, subject: str) -> tuple[int, float]:
         """`(log seq, n)` of the last event on `subject` in the stream; `(0, -1)` for none or unknown."""
         try:
-            msg = await asyncio.wait_for(self._js.get_last_msg(subjects.EVENTS_STREAM, subject), self.timeout)
+            msg = await asyncio.wait_for(self._js.get_last_msg(self._events_stream, subject), self.timeout)
         except NotFoundError:
             return 0, -1
         except Exception:

@@ -36,7 +36,7 @@ def secure():  # a secure fleet's credentials file (bus/credentials.py), read as
     return {"tls": context, "nkeys_seed_str": creds["seed"], "inbox_prefix": creds["inbox_prefix"]}
 
 async def main():
-    nc = await nats.connect(sys.argv[1], name="fauxmad-bench-echo", **secure())
+    nc = await nats.connect(sys.argv[1].split(","), name="fauxmad-bench-echo", **secure())
     async def echo(msg):
         await nc.publish(msg.reply, msg.data)
     await nc.subscribe(sys.argv[2], cb=echo)

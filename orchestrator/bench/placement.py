@@ -1,5 +1,10 @@
 """Placement: create latency and throughput on a fleet of N workers, with the bus round trip beside it.
 
+With `supercluster=N` the fleet is a loopback supercluster (a NATS cluster of N servers per region, joined
+by gateways: README "Beyond one server"), and each region's creates go through clients connected to that
+region's own servers, as its processes are; `run_comparison` measures one server and then the supercluster
+with the same options, in the same run.
+
 `run_placement` starts its own fleet (unless given a NATS URL): embedded NATS, worker processes with
 room for everything (so nothing is refused for capacity), one or more brokers. It creates machines at
 a fixed concurrency through `FleetClient` (the CLI's client), reserve only (`skip_launch`) or started
@@ -43,6 +48,7 @@ class PlacementOptions(msgspec.Struct, frozen=True, kw_only=True):
     workers_per_process: int = 0  # 0: 1 up to 16 workers per region, else about 8 processes
     nats: str | None = None  # measure that fleet instead of starting one
     echo_count: int = 500
+    supercluster: int = 0  # servers per region of a loopback supercluster; 0: one nats-server
 
     @property
     def region_names(self) -> list[str]:
@@ -61,6 +67,7 @@ class CreateRun(msgspec.Struct, kw_only=True):
 
 
 class PlacementResult(msgspec.Struct, kw_only=True):
+    layout: str
     strategy: str
     workers_per_region: int
     regions: int
@@ -90,20 +97,29 @@ def fleet_spec(options: PlacementOptions) -> FleetSpec:
         workers_per_process=per_process,
         strategy=options.strategy,
         heartbeat=1.0 if workers <= 100 else 2.0,
+        supercluster=options.supercluster,
     )
 
 
 @contextlib.contextmanager
 def fleet_url(options: PlacementOptions, progress: Callable[[str], None]) -> Iterator[str]:
     """The NATS URL to measure: `options.nats`, or a fleet of our own, stopped (machines destroyed) after."""
+    with fleet_urls(options, progress) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def fleet_urls(options: PlacementOptions, progress: Callable[[str], None]) -> Iterator[tuple[str, dict[str, str]]]:
+    """`fleet_url`, with each region's own URL beside it (in a supercluster; else every region's is the one)."""
     if options.nats is not None:
-        yield options.nats
+        yield options.nats, dict.fromkeys(options.region_names, options.nats)
         return
     total = options.workers * options.regions
-    progress(f"starting {total} workers and {options.brokers} broker(s)")
+    where = f" on a supercluster of {options.supercluster} server(s) per region" if options.supercluster else ""
+    progress(f"starting {total} workers and {options.brokers} broker(s){where}")
     fleet = DevFleet(fleet_spec(options)).start(timeout=300)
     try:
-        yield fleet.url
+        yield fleet.url, {region: fleet.region_url(region) for region in options.region_names}
     finally:
         progress("stopping the fleet")
         fleet.stop()
@@ -118,17 +134,30 @@ def machine_config(start: bool) -> MachineConfig:
 
 
 async def measure_creates(
-    url: str, regions: list[str], *, count: int, concurrency: int, strategy: str, start: bool
+    url: str,
+    regions: list[str],
+    *,
+    count: int,
+    concurrency: int,
+    strategy: str,
+    start: bool,
+    region_urls: dict[str, str] | None = None,
 ) -> CreateRun:
-    """`count` creates, `concurrency` in flight, round robin over `regions`."""
-    clients = [await FleetClient.connect(url, name="fauxmad-bench") for _ in range(min(concurrency, MAX_CLIENTS))]
+    """`count` creates, `concurrency` in flight, round robin over `regions`; with `region_urls`, a region's
+    creates go through clients connected to that region's URL."""
+    urls = region_urls or dict.fromkeys(regions, url)
+    per = min(concurrency, MAX_CLIENTS)
+    clients = {
+        region: [await FleetClient.connect(urls[region], name="fauxmad-bench") for _ in range(per)]
+        for region in dict.fromkeys(regions)
+    }
     config = machine_config(start)
     run = CreateRun(samples=[], refused=0, errors=0, wall_s=0.0)
     todo = iter(range(count))
 
     async def creator(index: int) -> None:
-        client = clients[index % len(clients)]
         for i in todo:  # shared: each creator takes the next number
+            client = clients[regions[i % len(regions)]][index % per]
             request = CreateRequest(
                 region=regions[i % len(regions)],
                 config=config,
@@ -151,8 +180,9 @@ async def measure_creates(
         await asyncio.gather(*[creator(i) for i in range(concurrency)])
     finally:
         run.wall_s = time.perf_counter() - began
-        for client in clients:
-            await client.close()
+        for group in clients.values():
+            for client in group:
+                await client.close()
     return run
 
 
@@ -160,7 +190,7 @@ def run_placement(options: PlacementOptions, progress: Callable[[str], None] = l
     """Warm up, measure the creates, then the bus round trip (on the same event loop), and summarize."""
     regions = options.region_names
     with (
-        fleet_url(options, progress) as url,
+        fleet_urls(options, progress) as (url, region_urls),
         EchoResponder(url) as echo,
         asyncio.Runner(loop_factory=uvloop.new_event_loop) as loop,
     ):
@@ -173,6 +203,7 @@ def run_placement(options: PlacementOptions, progress: Callable[[str], None] = l
                 concurrency=options.concurrency,
                 strategy=options.strategy,
                 start=options.start,
+                region_urls=region_urls,
             )
 
         if options.warmup:
@@ -184,6 +215,7 @@ def run_placement(options: PlacementOptions, progress: Callable[[str], None] = l
         rtt = loop.run(echo.measure(options.echo_count))
     create = summarize(run.samples)
     return PlacementResult(
+        layout=f"supercluster, {options.supercluster} server(s) per region" if options.supercluster else "one server",
         strategy=options.strategy,
         workers_per_region=options.workers,
         regions=options.regions,
@@ -204,8 +236,8 @@ def run_placement(options: PlacementOptions, progress: Callable[[str], None] = l
 def report(result: PlacementResult) -> Report:
     what = "create+start" if result.start else "create (reserve)"
     title = (
-        f"placement: {result.strategy}, {result.workers_per_region} workers x {result.regions} region(s), "
-        f"concurrency {result.concurrency}"
+        f"placement on {result.layout}: {result.strategy}, {result.workers_per_region} workers x {result.regions}"
+        f" region(s), concurrency {result.concurrency}"
     )
     notes = [
         f"throughput {result.throughput_per_s:.0f}/s, {result.refused} refused, {result.errors} errors",
@@ -218,3 +250,24 @@ def report(result: PlacementResult) -> Report:
         notes.append(f"first refusal: {result.first_refusal}")
     table = latency_table(title, [(what, result.create), ("bus round trip (echo, other process)", result.bus_rtt)])
     return Report(tables=(table,), notes=tuple(notes))
+
+
+class PlacementComparison(msgspec.Struct, kw_only=True):
+    """The same measurement on one server and on a supercluster, one after the other."""
+
+    one_server: PlacementResult
+    supercluster: PlacementResult
+
+
+def run_comparison(
+    options: PlacementOptions, progress: Callable[[str], None] = lambda line: None
+) -> PlacementComparison:
+    """`run_placement` on one server, then on a supercluster of `options.supercluster` servers per region."""
+    assert options.supercluster > 0 and options.nats is None
+    one = run_placement(msgspec.structs.replace(options, supercluster=0), progress)
+    return PlacementComparison(one_server=one, supercluster=run_placement(options, progress))
+
+
+def comparison_report(result: PlacementComparison) -> Report:
+    one, sc = report(result.one_server), report(result.supercluster)
+    return Report(tables=(*one.tables, *sc.tables), notes=(*one.notes, *sc.notes))

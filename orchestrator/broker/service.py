@@ -73,10 +73,14 @@ def fingerprint(req: CreateRequest) -> str:
     return hashlib.sha256(encode(same)).hexdigest()[:32]
 
 
+REGION_PROBE_TIMEOUT = 0.5  # seconds a supercluster's region has to answer `regions.list`'s probe
+
+
 class BrokerConfig(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str
     auction: AuctionConfig = msgspec.field(default_factory=AuctionConfig)
     name: str = ""
+    region: str | None = None  # in a supercluster, the region whose cluster this broker connects to
 
 
 class Broker:
@@ -93,7 +97,7 @@ class Broker:
 
     async def start(self) -> None:
         self.nc = await connect(self.config.nats_url, f"fauxmad-{self.id}", agent=True, on_closed=self._on_bus_closed)
-        kv = await ensure_fleet_resources(self.nc.jetstream(), FleetConfig())
+        kv = await ensure_fleet_resources(self.nc.jetstream(), FleetConfig(region=self.config.region))
         await self.registry.start(kv.workers)
         await self.index.start(kv.machines)
         self.scatterer = Scatterer(self.nc)
@@ -103,6 +107,9 @@ class Broker:
         js = self.nc.jetstream()
         self.volumes = Volumes(self.nc, self.registry, await volumes_bucket(js), await snapshot_store(js))
         self.auction.volume_host = self.volumes.volume_host  # a create that mounts a volume goes to its worker
+        self._layout = kv.layout
+        self._regional_claims = kv.idempotency if kv.layout.supercluster else None
+        self._claims_of: dict[str, Idempotency] = {}
         self.responder = Responder(self.nc, self.id)
         self._service = await add_service(
             self.nc,
@@ -192,9 +199,19 @@ class Broker:
             machine.explain = outcome.explain()
         return machine
 
+    def _claims(self, region: str) -> Idempotency:
+        """Where a create's idempotency claim lives: the fleet's bucket, or in a supercluster its region's own
+        (so a region cut off from the others keeps placing idempotently)."""
+        if self._regional_claims is None or region not in self._regional_claims.buckets:
+            return self.idempotency
+        if region not in self._claims_of:
+            self._claims_of[region] = Idempotency(self._regional_claims.region(region), self.id)
+        return self._claims_of[region]
+
     async def _place_once(self, app: str, req: CreateRequest, key: str) -> tuple[Machine, Outcome | None, bool]:
         """Place under an idempotency claim; the last item says whether this call placed the machine."""
-        ticket = await self.idempotency.claim(app, key, fingerprint(req), new_machine_id())
+        claims = self._claims(req.region)
+        ticket = await claims.claim(app, key, fingerprint(req), new_machine_id())
         claim = ticket.claim
         if ticket.done:
             assert claim.machine_id is not None and claim.worker_id is not None
@@ -204,7 +221,7 @@ class Broker:
         current = [claim]  # the claim as last written: `tried` grows before each reserve
 
         async def record(worker_id: str) -> None:
-            current[0] = await self.idempotency.trying(app, key, current[0], worker_id)
+            current[0] = await claims.trying(app, key, current[0], worker_id)
 
         try:
             found = None
@@ -214,18 +231,18 @@ class Broker:
                 (found, None)
                 if found is not None
                 else await self.auction.place(
-                    app, req, machine_id, not_after=claim.at + self.idempotency.stale_after, before_reserve=record
+                    app, req, machine_id, not_after=claim.at + claims.stale_after, before_reserve=record
                 )
             )
         except OutcomeUnknown as exc:
-            await self.idempotency.uncertain(app, key, current[0], exc.workers)
+            await claims.uncertain(app, key, current[0], exc.workers)
             raise
         except (NoCapacity, BadRequest, Conflict, NotFound):
-            await self.idempotency.release(app, key)  # refused everywhere it was tried: nothing is held
+            await claims.release(app, key)  # refused everywhere it was tried: nothing is held
             raise
         # anything else (a lost connection, a cancellation): a reserve may be in flight, so the claim stays
         # for a taker, who asks every worker it tried before placing
-        await self.idempotency.done(app, key, current[0], placed[0].worker_id)
+        await claims.done(app, key, current[0], placed[0].worker_id)
         return placed[0], placed[1], True
 
     async def _find(self, app: str, req: CreateRequest, previous: Claim) -> Machine | None:
@@ -298,7 +315,29 @@ class Broker:
             s.used.cpus += info.used.cpus
             s.used.memory_mb += info.used.memory_mb
             s.machines += info.machines
+        if self._layout.supercluster:
+            await self._mark_unreachable(summaries)
         return [summaries[r] for r in sorted(summaries)]
+
+    async def _mark_unreachable(self, summaries: dict[str, RegionSummary]) -> None:
+        """Every region of a supercluster, each said reachable or not: whether its heartbeats stream answers."""
+        assert self.nc is not None
+        js = self.nc.jetstream(timeout=REGION_PROBE_TIMEOUT)
+
+        async def answers(region: str) -> bool:
+            try:
+                await js.stream_info(f"KV_{self._layout.workers_bucket(region)}")
+                return True
+            except Exception:
+                return False
+
+        regions = list(self._layout.regions)
+        for region, ok in zip(regions, await asyncio.gather(*(answers(r) for r in regions)), strict=True):
+            s = summaries.setdefault(
+                region,
+                RegionSummary(region=region, workers=0, cordoned=0, capacity=Resources(), used=Resources(), machines=0),
+            )
+            s.reachable = ok
 
     async def _on_workers(self, subject: str, data: bytes) -> builtins.list[WorkerInfo]:
         req = decode(WorkersListRequest, data, empty_ok=True)

@@ -91,6 +91,14 @@ def placement(
         help="logical workers per worker process [default: 1 up to 16 workers]",
     ),
     echo_count: int = typer.Option(500, "--echo-count", min=1, help="bus round trips to measure"),
+    supercluster: int = typer.Option(
+        0,
+        "--supercluster",
+        min=0,
+        max=5,
+        help="N > 0: measure on one server, then on a loopback supercluster of N servers per region (each region's"
+        " creates through its own servers), in the same run",
+    ),
     nats: str | None = nats_option("; given: use that fleet"),
     output: Path = typer.Option(Path("bench-placement.json"), "--output", "-o", help=OUTPUT_HELP),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
@@ -113,7 +121,14 @@ def placement(
         workers_per_process=per_process,
         nats=nats,
         echo_count=echo_count,
+        supercluster=supercluster,
     )
+    if supercluster:
+        if nats is not None:
+            fail("--supercluster starts its own fleets: leave out --nats", EXIT_USAGE)
+        compared = _measure(lambda: bench.run_comparison(options, _progress))
+        _finish(compared, bench.comparison_report(compared), output, json_out)
+        return
     result = _measure(lambda: bench.run_placement(options, _progress))
     _finish(result, bench.report(result), output, json_out)
 

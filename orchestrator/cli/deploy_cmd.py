@@ -33,6 +33,7 @@ from orchestrator.cli.runtime import (
     NatsOption,
     WorkerIdArgument,
     check_app,
+    check_region,
     check_regions,
     check_worker_id,
     checked,
@@ -416,12 +417,21 @@ def reconcile(
     config: Path | None = typer.Option(None, "--config", "-c", help="an app spec: deploy it if it is new"),
     app: str | None = typer.Option(None, "--app", "-a", help="only this app", callback=check_app),
     watch: bool = typer.Option(False, "--watch", "-w", help="keep converging as things change (the operator)"),
+    region: str | None = typer.Option(
+        None,
+        "--region",
+        "-r",
+        help="act on this region's machines only (a supercluster runs one operator per region)",
+        callback=check_region,
+    ),
     nats: str | None = NatsOption,
 ) -> None:
     """Bring apps to their current release: once, or continuously with --watch (all apps by default).
 
     The operator reacts to worker heartbeats expiring (spares start), machines' events and new
-    releases; a timer is only a backstop.
+    releases; a timer is only a backstop. With --region it plans, starts and fails over in that region
+    only, and keeps going on the last release it saw when the app specs do not answer (README "Beyond one
+    server: a supercluster").
     """
     spec = _spec(config) if config is not None else None
     names = [spec.app] if spec is not None else [app] if app else None
@@ -448,7 +458,7 @@ def reconcile(
             failed += not result.ok
         return 1 if failed else 0
 
-    code = with_reconciler(nats, go)
+    code = with_connected(nats, lambda url: Reconciler.connect(url, region=region), go)
     if code:
         raise typer.Exit(code)
 

@@ -153,6 +153,15 @@ def dev(
     secure: bool = typer.Option(
         False, "--secure", help="mutual TLS and an identity with least privilege per process (README 'Security')"
     ),
+    supercluster: bool = typer.Option(
+        False,
+        "--supercluster",
+        help="a NATS cluster per region joined by gateways, a broker and an operator per region, each process"
+        " connected to its own region (README 'Beyond one server')",
+    ),
+    servers_per_region: int = typer.Option(
+        3, "--servers-per-region", min=1, max=5, help="with --supercluster: nats-servers per region (R3 needs 3)"
+    ),
 ) -> None:
     """A local fleet in the foreground: NATS, workers per region (real processes) and a broker. Ctrl-C stops all."""
     import msgspec
@@ -160,14 +169,26 @@ def dev(
     from orchestrator.devfleet import DevFleet
 
     spec = msgspec.structs.replace(_fleet_spec(regions_csv, workers_per_region, cpus, memory_mb, port), secure=secure)
+    if supercluster:
+        if secure:
+            fail("--supercluster runs an open dev supercluster: leave out --secure")
+        if port is not None:
+            fail("--supercluster picks free ports for its servers: leave out --port")
+        spec = msgspec.structs.replace(spec, supercluster=servers_per_region, operators=True)
     if port is not None and not _port_free(port):
         fail(f"port {port} is in use: choose another --port, or leave --port out for a free one")
     fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
     with _fleet_lifetime(fleet):
         _start(fleet, "starting the fleet")
         console.print(f"\n[bold green]fleet up[/]: NATS at [bold]{fleet.url}[/]\n")
+        if fleet.supercluster is not None:
+            for region in spec.regions:
+                console.print(f"  {region}: {fleet.region_url(region)}", soft_wrap=True, markup=False, highlight=False)
+            console.print("  (any region's URL reaches every region; a process connects to its own)\n")
         console.print("try, in another terminal:")
         exports = [f"export {DEFAULT_URL_ENV}={fleet.url}"]
+        if fleet.supercluster is not None:
+            exports.append(f"export FAUXMAD_SUPERCLUSTER={','.join(spec.regions)}")
         if fleet.operator_creds:
             exports.append(f"export FAUXMAD_CREDS={fleet.operator_creds}")
         for line in (

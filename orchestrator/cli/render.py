@@ -77,7 +77,7 @@ def regions_table(regions: list[RegionSummary]) -> Table:
     for r in regions:
         workers = f"{r.workers}" + (f" ({r.cordoned} cordoned)" if r.cordoned else "")
         table.add_row(
-            r.region,
+            r.region if r.reachable else f"{r.region} [red](unreachable)[/]",
             workers,
             f"{bar(r.used.cpus, r.capacity.cpus)} {r.used.cpus}/{r.capacity.cpus}",
             f"{bar(r.used.memory_mb, r.capacity.memory_mb)} {pct(r.used.memory_mb, r.capacity.memory_mb)}",

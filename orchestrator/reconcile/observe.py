@@ -167,12 +167,16 @@ class Observer:
         unhealthy_since: Mapping[str, float] | None = None,
         no_room_for_spares: frozenset[str] = frozenset(),
         exits_since: float | None = None,
+        only_region: str | None = None,
     ) -> Observed:
-        entries = self.index.by_app(app)
+        """`only_region`: an operator of one region observes that region's machines and workers only."""
+        entries = [e for e in self.index.by_app(app) if only_region is None or e.region == only_region]
         wanted = set(regions) | {e.region for e in entries}
         alive = self.registry.workers()
         live = {w.worker_id for w in alive}
-        workers = [w.worker_id for w in alive if w.region in wanted]
+        workers = [
+            w.worker_id for w in alive if w.region in wanted and (only_region is None or w.region == only_region)
+        ]
 
         async def ask(worker_id: str) -> builtins.list[Machine] | None:
             try:

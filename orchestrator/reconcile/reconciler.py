@@ -53,6 +53,8 @@ from orchestrator.reconcile.spec import SPARE, AppSpec
 
 log = logging.getLogger(__name__)
 
+DESIRED_TIMEOUT = 5.0  # seconds the operator waits for the desired state before using the last it read
+DESIRED_RETRY = 5.0  # seconds it then uses the last one without asking
 NO_ROOM_BACKOFF = 10.0  # seconds before trying again to place a spare in a region that had no room
 
 
@@ -137,8 +139,15 @@ class Reconciler:
         poll: float = 0.25,
         backstop: float = 5.0,
         debounce: float = 0.02,
+        region: str | None = None,
     ) -> None:
         self.bus = bus
+        # an operator of one region (a supercluster runs one per region): it plans and acts on that region's
+        # machines only, so a region cut off from the others is failed over by its own operator and by nobody else
+        self.region = region
+        self._last_desired: dict[str, Desired] = {}
+        self._known_apps: list[str] = []
+        self._desired_quiet_until = 0.0
         self.machines = machines
         self.clock = clock  # when things happen: releases, health deadlines, the planner's `now`
         self.timer = timer  # how long a loop has run: deploy timeouts, drain deadlines
@@ -162,7 +171,7 @@ class Reconciler:
     async def connect(cls, url: str, **options: Any) -> Reconciler:
         """A reconciler over NATS at `url`, following the fleet (its replicas current, woken by changes)."""
         nc = await connect(url, "fauxmad-reconciler")
-        kv = await ensure_fleet_resources(nc.jetstream(), FleetConfig())
+        kv = await ensure_fleet_resources(nc.jetstream(), FleetConfig(region=options.get("region")))
         reconciler = cls(NatsBus(nc), FleetClient(nc, timeout=15.0), KVReleaseStore(kv.apps), **options)
         await reconciler._follow(nc, kv)
         return reconciler
@@ -258,6 +267,9 @@ class Reconciler:
         app = desired.app
         loop = self.loops.setdefault(app, AppLoop())
         now = self.clock()
+        if self.region is not None and desired.spec is not None:  # this region's count only
+            counts = {r: n for r, n in desired.spec.regions.items() if r == self.region}
+            desired = msgspec.structs.replace(desired, spec=msgspec.structs.replace(desired.spec, regions=counts))
         regions = list(desired.spec.regions) if desired.spec else []
         observed = await self.observer.observe(
             app,
@@ -265,6 +277,7 @@ class Reconciler:
             unhealthy_since=loop.unhealthy_since,
             no_room_for_spares=loop.spares_blocked(now),
             exits_since=exits_since,
+            only_region=self.region,
         )
         result = plan(desired, observed, now)
         loop.unhealthy_since = {i: loop.unhealthy_since.get(i, now) for i in result.unready}
@@ -608,9 +621,9 @@ class Reconciler:
         """The operator: step every app whenever anything changes, until `stop` is set."""
         while not stop.is_set():
             busy = False
-            for app in apps if apps is not None else await self.releases.apps():
+            for app in apps if apps is not None else await self._apps():
                 try:
-                    desired = await self.desired(app)
+                    desired = await self._desired_or_last(app)
                     if desired is None:
                         continue
                     result, _ = await self.step(desired)
@@ -623,6 +636,38 @@ class Reconciler:
             await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
             for task in (waiter, stopper):
                 task.cancel()
+
+    async def _apps(self) -> list[str]:
+        """The apps with releases; the last list seen while the desired state does not answer (a supercluster's
+        region cut off from the home region, which keeps it)."""
+        if self.timer() < self._desired_quiet_until:
+            return self._known_apps
+        try:
+            self._known_apps = await asyncio.wait_for(self.releases.apps(), DESIRED_TIMEOUT)
+        except Exception as exc:
+            self._desired_quiet_until = self.timer() + DESIRED_RETRY
+            log.info("the app list did not answer (%r): using the last one seen", exc)
+        return self._known_apps
+
+    async def _desired_or_last(self, app: str) -> Desired | None:
+        """`desired(app)`, or the last one read while the desired state does not answer: a region cut off from
+        the home region keeps converging to the release it last saw (it cannot see a newer one anyway). After a
+        read that did not answer, the last one is used at once for `DESIRED_RETRY` seconds: a pass is not held
+        up by a timeout each time."""
+        last = self._last_desired.get(app)
+        if last is not None and self.timer() < self._desired_quiet_until:
+            return last
+        try:
+            desired = await asyncio.wait_for(self.desired(app), DESIRED_TIMEOUT)
+        except Exception as exc:
+            self._desired_quiet_until = self.timer() + DESIRED_RETRY
+            if last is None:
+                raise
+            log.info("the desired state of %s did not answer (%r): converging to release %d", app, exc, last.release)
+            return last
+        if desired is not None:
+            self._last_desired[app] = desired
+        return desired
 
     # ------------------------------------------------------------------------------------------
     async def destroy_app(self, app: str, timeout: float = 120.0) -> Converged:

@@ -18,6 +18,11 @@ Replies: an identity that answers requests (`worker`, `broker`) may publish to t
 request it received (`allow_responses`), and nothing else on inboxes. Every identity has its own inbox
 prefix (`_INBOX.<name>`) and may subscribe only below it, so no one reads another's replies.
 
+In a supercluster (`$FAUXMAD_SUPERCLUSTER` set where the users file is rendered) each region's own buckets and
+events stream (`bus.layout`) are added beside the fleet's: a worker writes its heartbeat and index entries
+into its own region's buckets, a broker keeps claims in every region's idempotency bucket, and everyone who
+reads the fleet's streams reads the regions' too.
+
 Known limits (see the README's security section): the routing index is keyed by machine id and the log
 subjects carry no worker id, so a worker's writes there cannot be narrowed to its own machines by subject.
 """
@@ -29,6 +34,7 @@ from typing import Literal
 import msgspec
 
 from bus import subjects
+from bus.layout import Layout, from_env
 from bus.secrets import PUBLIC_KEY, SECRETS_BUCKET
 
 Role = Literal["worker", "broker", "operator", "deployer", "viewer"]
@@ -71,10 +77,25 @@ class Identity(msgspec.Struct, frozen=True, kw_only=True):
         return f"_INBOX.{self.name}"
 
 
+def regional_streams(layout: Layout) -> tuple[str, ...]:
+    """The streams of every region of a supercluster (none on one server)."""
+    return tuple(
+        name
+        for region in layout.regions
+        for name in (
+            f"KV_{layout.workers_bucket(region)}",
+            f"KV_{layout.machines_bucket(region)}",
+            f"KV_{layout.idempotency_bucket(region)}",
+            layout.events_stream(region),
+        )
+    )
+
+
 def read_streams(streams: tuple[str, ...] = FLEET_STREAMS) -> tuple[str, ...]:
-    """JetStream's read side for `streams`: info, message gets, and consumers (KV watches, stream reads)."""
+    """JetStream's read side for `streams` (and in a supercluster, the regions' own): info, message gets, and
+    consumers (KV watches, stream reads)."""
     allowed = ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.LIST"]
-    for stream in streams:
+    for stream in (*streams, *regional_streams(from_env())):
         allowed += [
             f"$JS.API.STREAM.INFO.{stream}",
             f"$JS.API.STREAM.MSG.GET.{stream}",
@@ -93,6 +114,7 @@ def read_streams(streams: tuple[str, ...] = FLEET_STREAMS) -> tuple[str, ...]:
 
 def permissions(identity: Identity) -> Permissions:
     """The server-side permissions of `identity` (raises ValueError when a binding it needs is missing)."""
+    layout = from_env()
     inbox = f"{identity.inbox_prefix}.>"
     role = identity.role
     if role == "operator":
@@ -103,8 +125,8 @@ def permissions(identity: Identity) -> Permissions:
             publish=(
                 f"{P}.events.{region}.{worker_id}.>",
                 f"{P}.logs.>",
-                subjects.kv_put(subjects.WORKERS_BUCKET, f"{region}.{worker_id}"),
-                subjects.kv_put(subjects.MACHINES_BUCKET, "*"),
+                subjects.kv_put(layout.workers_bucket(region), f"{region}.{worker_id}"),
+                subjects.kv_put(layout.machines_bucket(region), "*"),
                 subjects.kv_put(SECRETS_BUCKET, PUBLIC_KEY),
                 f"$O.{subjects.SNAPSHOTS_STORE}.>",  # its volumes' snapshots (README "Volumes")
                 *read_streams(),
@@ -127,6 +149,7 @@ def permissions(identity: Identity) -> Permissions:
                 f"{P}.worker.*.>",
                 subjects.kv_put(subjects.IDEMPOTENCY_BUCKET, ">"),
                 subjects.kv_put(subjects.VOLUMES_BUCKET, "*"),
+                *(subjects.kv_put(layout.idempotency_bucket(r), ">") for r in layout.regions),
                 *read_streams(),
             ),
             subscribe=(f"{P}.api.>", "$SRV.>", inbox),

@@ -1,0 +1,288 @@
+"""A loopback supercluster (3 regions x 3 nats-servers, R3 inside each region) with workers, a broker and an
+operator per region, each connected to its own region: deploys, a server killed under load, a region cut off.
+
+One fleet for the module (it takes a while to start on a small machine). The cut is a real TCP partition of
+the region's gateways (`bus.gateway_relay`): its routes and clients stay up. The CI cut lasts a few seconds;
+`FAUXMAD_SLOW_TESTS=1` also runs the issue's 30-second cut (on another region).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.js.errors import BucketNotFoundError
+
+from bus.connection import servers
+from bus.errors import Unreachable
+from bus.jetstream import FleetConfig, ensure_fleet_resources
+from bus.layout import Layout
+from bus.messages import CreateRequest, Guest, Machine, MachineConfig
+from orchestrator.client import FleetClient
+from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.helpers import arun
+from tests.orchestrator.test_reconcile import fauxmad, machines, primaries, spares, wait_for, write_spec
+
+REGIONS = ["mad", "syd", "gru"]
+SLOW = os.environ.get("FAUXMAD_SLOW_TESTS") == "1"
+CI_CUT_SECONDS = 6.0
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[DevFleet]:
+    spec = FleetSpec(
+        regions=REGIONS, workers_per_region=2, cpus=512, memory_mb=65536, supercluster=3, operators=True, heartbeat=0.5
+    )
+    with DevFleet(spec, progress=print) as running:
+        yield running
+
+
+def in_region(fleet: DevFleet, region: str, fn: object) -> object:
+    """Run `fn(client)` with a client connected to `region`'s own servers."""
+
+    async def go() -> object:
+        client = await FleetClient.connect(fleet.region_url(region))
+        try:
+            return await fn(client)  # type: ignore[operator]
+        finally:
+            await client.close()
+
+    return arun(go())
+
+
+def started(found: list[Machine]) -> dict[str, list[tuple[str, str]]]:
+    """Started primaries by region: (machine id, worker id)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for m in primaries(found):
+        if m.state == "started":
+            out.setdefault(m.region, []).append((m.id, m.worker_id))
+    return {region: sorted(ids) for region, ids in out.items()}
+
+
+def test_every_process_connects_to_its_own_region_and_the_cli_reaches_every_region(fleet: DevFleet) -> None:
+    assert fleet.supercluster is not None
+    for name, args in fleet.commands.items():
+        if "--region" in args:
+            region = args[args.index("--region") + 1]
+            assert args[args.index("--nats") + 1] == fleet.region_url(region), name
+    sleep = MachineConfig(cmd=["sleep", "60"], guest=Guest(cpus=1, memory_mb=32))
+
+    async def from_syd(client: FleetClient) -> list[Machine]:
+        return [await client.create("reach", CreateRequest(region=r, config=sleep, skip_launch=True)) for r in REGIONS]
+
+    placed = in_region(fleet, "syd", from_syd)
+    assert [m.region for m in placed] == REGIONS  # type: ignore[attr-defined]
+    assert all(m.worker_id.startswith(m.region) for m in placed)  # type: ignore[attr-defined]
+    regions = in_region(fleet, "gru", lambda c: c.regions())
+    assert {r.region: (r.workers, r.reachable) for r in regions} == {r: (2, True) for r in REGIONS}  # type: ignore[attr-defined]
+
+
+def test_a_region_s_state_lives_in_its_own_cluster(fleet: DevFleet) -> None:
+    async def go() -> dict[str, tuple[str, int]]:
+        nc = await nats.connect(servers(fleet.url))
+        try:
+            js = nc.jetstream()
+            out = {}
+            for region in REGIONS:
+                for name in (
+                    f"KV_fauxmad_workers_{region}",
+                    f"KV_fauxmad_machines_{region}",
+                    f"FAUXMAD_EVENTS_{region}",
+                ):
+                    info = await js.stream_info(name)
+                    assert info.cluster is not None
+                    out[name] = (info.cluster.name, info.config.num_replicas)
+            fleet_events = await js.stream_info("FAUXMAD_EVENTS")
+            assert {s.name for s in fleet_events.config.sources or []} == {f"FAUXMAD_EVENTS_{r}" for r in REGIONS}
+            return out
+        finally:
+            await nc.close()
+
+    placed = arun(go())
+    for name, (cluster, replicas) in placed.items():
+        assert name.endswith(cluster) and replicas == 3, (name, cluster, replicas)
+
+
+def test_a_process_told_nothing_about_the_supercluster_refuses_to_add_one_server_buckets(fleet: DevFleet) -> None:
+    async def go() -> str:
+        nc = await nats.connect(servers(fleet.url))
+        try:
+            with pytest.raises(Unreachable) as caught:
+                await ensure_fleet_resources(nc.jetstream(), FleetConfig(layout=Layout()))  # as if unset
+            with pytest.raises(BucketNotFoundError):
+                await nc.jetstream().key_value("fauxmad_workers")  # nothing was created on the way
+            return caught.value.message
+        finally:
+            await nc.close()
+
+    assert "set $FAUXMAD_SUPERCLUSTER to its regions, e.g. mad,syd,gru" in arun(go())
+
+
+def test_deploy_across_three_regions(fleet: DevFleet, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path / "fauxmad.toml", "three", regions="mad = 1\nsyd = 1\ngru = 1", spares=1)
+    result = fauxmad(fleet, "deploy", "-c", str(spec))
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = machines(fleet, "three")
+    assert {r: len(ids) for r, ids in started(found).items()} == {"mad": 1, "syd": 1, "gru": 1}
+
+
+async def _leader(fleet: DevFleet, stream: str) -> str:
+    nc = await nats.connect(servers(fleet.url))
+    try:
+        info = await nc.jetstream().stream_info(stream)
+        assert info.cluster is not None and info.cluster.leader is not None
+        return info.cluster.leader
+    finally:
+        await nc.close()
+
+
+def test_kill_9_of_one_server_under_create_load_loses_no_acknowledged_create(fleet: DevFleet) -> None:
+    assert fleet.supercluster is not None
+    sc = fleet.supercluster
+    victim = arun(_leader(fleet, "KV_fauxmad_machines_syd"))  # the server leading syd's routing index
+    victim_url = f"nats://127.0.0.1:{sc.server(victim).port}"
+    others = [u for u in servers(fleet.region_url("syd")) if u != victim_url]
+    config = MachineConfig(cmd=["sleep", "60"], guest=Guest(cpus=1, memory_mb=16))
+    acked: dict[str, str] = {}  # idempotency key -> machine id
+    failures: dict[str, int] = {}
+    times: dict[str, float] = {}
+
+    async def load() -> None:
+        async def reconnected() -> None:
+            times.setdefault("reconnected", time.perf_counter())
+
+        watcher = await nats.connect(
+            servers=[victim_url, *others],
+            dont_randomize=True,
+            reconnect_time_wait=0.25,
+            max_reconnect_attempts=-1,
+            reconnected_cb=reconnected,
+        )
+        client = await FleetClient.connect(fleet.region_url("syd"))
+        stop = time.perf_counter() + 6.0
+
+        async def creator(n: int) -> None:
+            i = 0
+            while time.perf_counter() < stop:
+                key = f"load-{n}-{i}"
+                for _ in range(20):  # the same key until it is acknowledged: never a second machine
+                    try:
+                        m = await client.create(
+                            "load", CreateRequest(region="syd", config=config, skip_launch=True, idempotency_key=key)
+                        )
+                        acked[key] = m.id
+                        break
+                    except Exception as exc:
+                        why = f"{type(exc).__name__}: {str(exc)[:80]}"
+                        failures[why] = failures.get(why, 0) + 1
+                        await asyncio.sleep(0.1)
+                i += 1
+
+        async def killer() -> None:
+            await asyncio.sleep(2.0)
+            times["killed"] = time.perf_counter()
+            await asyncio.to_thread(sc.kill, victim)
+
+        try:
+            await asyncio.gather(killer(), *(creator(n) for n in range(4)))
+        finally:
+            await client.close()
+            await watcher.close()
+
+    arun(load())
+    sc.restart(victim)
+    reconnect = times["reconnected"] - times["killed"]
+    print(
+        f"\nkilled {victim}: {len(acked)} creates acknowledged; client reconnect {reconnect:.2f}s; failed attempts: {failures}"
+    )
+
+    async def check() -> tuple[set[str], list[Machine]]:
+        # the others' URLs: a client of the server just restarted may find no broker for a moment (its routes'
+        # interest is still arriving), which says nothing about what was stored
+        client = await FleetClient.connect(",".join(others))
+        try:
+            for machine_id in acked.values():
+                await client.get("load", machine_id, events=False)  # found through the (R3) routing index
+            return set(acked.values()), await client.list("load")
+        finally:
+            await client.close()
+
+    ids, listed = arun(check())
+    assert len(ids) == len(acked)  # one machine per key
+    assert {m.id for m in listed} == ids  # every acknowledged create is there, and nothing else
+
+
+def _partition(fleet: DevFleet, tmp_path: Path, app: str, region: str, cut_seconds: float, regions: list[str]) -> None:
+    """Run `app` in `regions`; cut `region` off for `cut_seconds` while it places and fails over inside."""
+    assert fleet.supercluster is not None
+    counts = "\n".join(f"{r} = 1" for r in regions)
+    spec = write_spec(tmp_path / "fauxmad.toml", app, regions=counts, spares=1)
+    result = fauxmad(fleet, "deploy", "-c", str(spec))
+    assert result.returncode == 0, result.stdout + result.stderr
+    wait_for(lambda: len(spares(machines(fleet, app))) == len(regions), 30, "a spare per region")
+    before = started(machines(fleet, app))
+    outside = [r for r in regions if r != region]
+    ((primary, worker),) = before[region]
+    sleep = MachineConfig(cmd=["sleep", "60"], guest=Guest(cpus=1, memory_mb=16))
+
+    fleet.supercluster.cut(region)
+    cut_at = time.perf_counter()
+    # the others see it as unreachable (not as empty), and keep their own machines as they were
+    wait_for(
+        lambda: not {r.region: r.reachable for r in in_region(fleet, outside[0], lambda c: c.regions())}[region],  # type: ignore[attr-defined]
+        15,
+        f"{outside[0]} to see {region} unreachable",
+    )
+    # inside, it keeps placing...
+    placed = in_region(fleet, region, lambda c: c.create("inside", CreateRequest(region=region, config=sleep)))
+    assert placed.region == region and placed.state in ("created", "starting", "started")  # type: ignore[attr-defined]
+    # ...and failing over: its primary's host dies, its own operator starts the spare on another worker
+    fleet.kill_host(worker)
+
+    def failed_over() -> bool:
+        found = in_region(fleet, region, lambda c: c.list(app))
+        now = started([m for m in found if m.region == region])  # type: ignore[union-attr]
+        return bool(now.get(region)) and now[region][0][1] != worker
+
+    try:
+        took = wait_for(failed_over, 30, f"{region}'s operator to fail over inside the cut")
+    except AssertionError:
+        print((fleet.root / "logs" / f"operator-{region}.log").read_text()[-5000:])
+        print((fleet.root / "logs" / f"broker-{region}-1.log").read_text()[-3000:])
+        raise
+    print(f"\n{region} failed over inside the cut in {took:.1f}s after its primary's host died")
+    during = started([m for m in in_region(fleet, region, lambda c: c.list(app)) if m.region == region])  # type: ignore[union-attr]
+    time.sleep(max(0.0, cut_seconds - (time.perf_counter() - cut_at)))
+    fleet.supercluster.heal(region)
+
+    wait_for(
+        lambda: {r.region: r.reachable for r in in_region(fleet, outside[0], lambda c: c.regions())}[region],  # type: ignore[attr-defined]
+        30,
+        f"{outside[0]} to see {region} again",
+    )
+    time.sleep(3.0)  # long enough for anyone who would move something to have done it
+    after = started(machines(fleet, app))
+    assert after[region] == during[region] and after[region][0][0] != primary  # the failover inside, and only it
+    for other in outside:
+        assert after[other] == before[other]  # nothing moved outside the cut region
+    assert sum(len(ids) for ids in after.values()) == len(regions)  # one started copy per instance
+    for other in outside:  # the other regions' operators never acted on the cut region
+        log = (fleet.root / "logs" / f"operator-{other}.log").read_text()
+        assert f"{app} {region}:" not in log, log[-2000:]
+
+
+def test_a_region_cut_off_keeps_placing_and_failing_over_and_nothing_moves_after_the_heal(
+    fleet: DevFleet, tmp_path: Path
+) -> None:
+    _partition(fleet, tmp_path, "cut", "syd", CI_CUT_SECONDS, REGIONS)
+
+
+@pytest.mark.skipif(not SLOW, reason="the issue's 30-second cut: FAUXMAD_SLOW_TESTS=1 runs it")
+def test_a_region_cut_off_for_30_seconds(fleet: DevFleet, tmp_path: Path) -> None:
+    # syd lost a host in the test before: this app runs where two workers are left for a primary and its spare
+    _partition(fleet, tmp_path, "cut30", "gru", 30.0, ["mad", "gru"])
