@@ -6,7 +6,7 @@ python := env_var_or_default("PYTHON", "python3")
 
 # run the whole test suite (real nats-server, real worker processes)
 test *args:
-    {{python}} -m pytest -q {{args}}
+    {{python}} -m pytest -q --durations=25 {{args}}
 
 # ruff (lint and format), mypy, and the layering contracts (import-linter)
 lint:

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from collections.abc import Coroutine
 from typing import Any, Literal
 
@@ -134,10 +135,20 @@ def _http_result(status_line: str) -> CheckResult:
     return _passing(status_line) if 200 <= code < 400 else _critical(status_line)
 
 
+DROP_TO_USER = """
+import os, sys, warnings
+os.setgroups([])
+os.setgid(int(sys.argv[2]))
+os.setuid(int(sys.argv[1]))
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
+
+
 async def _cmd(
     command: list[str], env: dict[str, str], cwd: str, timeout: float, run_as: tuple[int, int] | None
 ) -> CheckResult:
-    uid, gid = run_as if run_as is not None else (None, None)
+    if run_as is not None:  # uvloop's subprocess takes no user/group: a tiny interpreter drops them, then execs
+        command = [sys.executable, "-I", "-S", "-c", DROP_TO_USER, str(run_as[0]), str(run_as[1]), *command]
     try:
         proc = await asyncio.create_subprocess_exec(
             *command,
@@ -147,9 +158,6 @@ async def _cmd(
             env=env,
             cwd=cwd,
             start_new_session=True,
-            user=uid,
-            group=gid,
-            extra_groups=None if run_as is None else [],
         )
     except Exception as exc:  # not found, not executable, bad cwd: all a critical result
         return _critical(f"cannot run {command[0]!r}: {_describe(exc)}")

@@ -139,7 +139,8 @@ def test_health_check_status_follows_the_service(worker_factory: Callable[..., W
                 if await statuses() == expected:
                     return
                 await asyncio.sleep(0.1)
-            raise AssertionError(f"checks stayed {await statuses()}, wanted {expected}")
+            got = await raw.ok("get", {"id": m["id"]})
+            raise AssertionError(f"checks stayed {await statuses()}, wanted {expected}: {got['checks']}")
 
         await until({"http": "passing", "flag": "critical"})
         flag.write_text("ok")

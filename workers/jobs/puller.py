@@ -22,6 +22,7 @@ from typing import Any
 
 from nats.aio.client import Client
 
+REFUSED_BACKOFF = 1.0  # seconds before asking again after a pull request was refused
 log = logging.getLogger(__name__)
 
 STATUS = "Status"
@@ -50,6 +51,7 @@ class Puller:
         self.in_flight = 0
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
+        self._quiet_until = 0.0  # after a refused pull request, ask again only then
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sub: Any = None
         self._loop: asyncio.Task[None] | None = None
@@ -82,7 +84,7 @@ class Puller:
             if now - asked_at > self.expires + 1.0:  # its end never came (a reconnect): stop counting it
                 self.requests.pop(request, None)
         want = self.slots() - self.in_flight - self.outstanding
-        if want <= 0 or not self.nc.is_connected:
+        if want <= 0 or not self.nc.is_connected or now < self._quiet_until:
             return
         request = str(next(self._ids))
         self.requests[request] = (want, now)
@@ -94,7 +96,10 @@ class Puller:
         if status is not None and not msg.data:
             if status != "100":  # 408 expired, 409 and the like: this request (named by the subject) is over
                 self.requests.pop(msg.subject.rsplit(".", 1)[-1], None)
-                self._wake.set()
+                if status == "408":  # it expired as asked: ask again at once
+                    self._wake.set()
+                else:  # refused (503: the queue's stream out of reach, as in a region cut): not in a tight loop
+                    self._quiet_until = self.clock() + REFUSED_BACKOFF
             return
         # a job message carries its own subject, not the request's: the server answers pull requests in the
         # order they came, so it is the oldest open request's
