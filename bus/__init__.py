@@ -5,3 +5,7 @@ names (`subjects`), the message types and their one decoder each (`messages`, `c
 contract (`errors`, `service`), and the plumbing every process needs (`connection`, `scatter`,
 `embedded`, `jetstream`). It imports neither `workers` nor `orchestrator`, nor any CLI library.
 """
+
+from bus import lazy_aiohttp
+
+lazy_aiohttp.defer()

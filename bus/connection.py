@@ -23,6 +23,7 @@ import nats
 from nats.aio.client import Client
 
 from bus import credentials
+from bus.audit import SIGNER_ATTRIBUTE, RequestSigner
 from bus.errors import Forbidden, Unreachable
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,16 @@ async def _quiet_error(exc: Exception) -> None:
     log.debug("nats: %r", exc)
 
 
+def _identity(url: str, creds: str | None) -> tuple[dict[str, Any], Refusals | None, RequestSigner | None]:
+    """A secure connection's connect options, its refusals watch and its request signer (none for an open
+    one). $FAUXMAD_CREDS is for secure (tls://) fleets: a plain URL given alongside it is an open fleet."""
+    creds_path = creds or (credentials.default_path() if url.startswith("tls://") else None)
+    if not creds_path:
+        return {}, None, None
+    identity, base = credentials.load(creds_path)
+    return identity.connect_options(base), Refusals(), RequestSigner(identity.seed, identity.name)
+
+
 async def connect(
     url: str,
     name: str,
@@ -110,14 +121,7 @@ async def connect(
     credentials file (`bus.credentials`): the connection is then that identity, over mutual TLS.
     """
     client: Client | None = None
-    secure: dict[str, Any] = {}
-    refusals: Refusals | None = None
-    # $FAUXMAD_CREDS is for secure (tls://) fleets: a plain URL given alongside it is an open fleet
-    creds_path = creds or (credentials.default_path() if url.startswith("tls://") else None)
-    if creds_path:
-        identity, base = credentials.load(creds_path)
-        secure = identity.connect_options(base)
-        refusals = Refusals()
+    secure, refusals, signing = _identity(url, creds)
 
     errors: list[str] = []
 
@@ -156,6 +160,8 @@ async def connect(
         client = await asyncio.wait_for(connecting, bound)
         if refusals is not None:
             setattr(client, REFUSALS_ATTRIBUTE, refusals)
+        if signing is not None:
+            setattr(client, SIGNER_ATTRIBUTE, signing)  # its API requests name it to the audit trail
         return client
     except TimeoutError:
         hint = "" if secure else f" (a secure fleet needs its credentials: {credentials.CREDS_ENV})"

@@ -22,7 +22,9 @@ works the same way with `$FAUXMAD_LOGS_MAX_AGE` and `$FAUXMAD_LOGS_MAX_BYTES` (d
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -31,7 +33,7 @@ from typing import Any
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, KeyValueConfig, Placement, StorageType, StreamConfig, StreamSource
-from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from bus import layout as layouts
@@ -39,6 +41,10 @@ from bus import subjects
 from bus.errors import Unreachable
 from bus.layout import Layout
 from bus.messages import seconds
+
+log = logging.getLogger(__name__)
+
+OTHER_REGION_WAIT = 3.0  # seconds a process waits for a region not its own before binding it unseen
 
 HEARTBEAT_INTERVAL = 1.0
 WORKER_TTL = 3 * HEARTBEAT_INTERVAL
@@ -193,7 +199,7 @@ async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig) -> Key
     assert config.bucket is not None
     place_at_home(config)
     try:
-        return await js.key_value(config.bucket)
+        return await _bind_kv(js, config.bucket)
     except (NotFoundError, BucketNotFoundError):
         pass
     try:
@@ -202,9 +208,25 @@ async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig) -> Key
         return await js.create_key_value(config)
     except BadRequestError:
         # created meanwhile by another process, with a different config (an older layout): bind to it
-        return await js.key_value(config.bucket)
+        return await _bind_kv(js, config.bucket)
     except TimeoutError:
         raise _cannot_create(f"KV_{config.bucket}") from None
+
+
+async def _bind_kv(js: JetStreamContext, bucket: str) -> KeyValue:
+    """`js.key_value(bucket)`, with a stream that cannot answer now said in one line (Unreachable): after a
+    server of its cluster dies, a replicated stream has no leader until the others elect one (nats-server's raft
+    takes 4 to 9 s), and a bucket that is not there at all stays NotFound for the caller to create."""
+    try:
+        return await js.key_value(bucket)
+    except (NotFoundError, BucketNotFoundError):
+        raise
+    except (TimeoutError, APIError) as exc:
+        why = "no answer" if isinstance(exc, TimeoutError) else (exc.description or f"error {exc.err_code}")
+        raise Unreachable(
+            f"the fleet's stream KV_{bucket} cannot answer now ({why}): its cluster may be electing a leader after"
+            " losing a server; try again in a few seconds"
+        ) from None
 
 
 async def _create_placed_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
@@ -239,13 +261,22 @@ async def _create_placed_kv(js: JetStreamContext, config: KeyValueConfig) -> Key
     return await js.key_value(config.bucket)
 
 
-async def ensure_fleet_resources(js: JetStreamContext, config: FleetConfig | None = None) -> FleetKV:
+async def ensure_fleet_resources(
+    js: JetStreamContext, config: FleetConfig | None = None, *, every_region: bool = False
+) -> FleetKV:
+    """Bind the fleet's buckets and streams, creating the missing ones.
+
+    In a supercluster, this process's own region (`config.region`) must answer, and so must every region with
+    `every_region=True` (setting a fleet up: `fauxmad fleet prepare`, a dev fleet's start). Another region that
+    cannot answer now (cut off, or electing its streams' leaders after losing a server) is bound without a
+    round trip and read as soon as it answers (`bus.regional`), so one region's outage never stops a process
+    from starting elsewhere."""
     config = config or FleetConfig()
     layout = config.resolved_layout()
     if layout.supercluster:
         from bus.regional import RegionalKV
 
-        regional = {region: await _region_resources(js, config, layout, region) for region in layout.regions}
+        regional = await _regions(js, config, layout, every_region)
         apps = await _apps_bucket(js, config)
         await _fleet_events(js, config, layout)
         await ensure_logs_stream(js, config)
@@ -345,6 +376,44 @@ async def _state_buckets(
     return workers, machines, idempotency
 
 
+async def _regions(
+    js: JetStreamContext, config: FleetConfig, layout: Layout, every_region: bool
+) -> dict[str, tuple[KeyValue, KeyValue, KeyValue]]:
+    """Every region's three buckets, the regions asked at once (in a real supercluster each is a WAN away)."""
+
+    failed: list[Exception] = []
+
+    async def one(region: str) -> tuple[KeyValue, KeyValue, KeyValue]:
+        if every_region or region == config.region:
+            return await _region_resources(js, config, layout, region)
+        try:
+            return await asyncio.wait_for(_region_resources(js, config, layout, region), OTHER_REGION_WAIT)
+        except (Unreachable, TimeoutError, APIError) as exc:
+            failed.append(exc)
+            why = getattr(exc, "message", None) or getattr(exc, "description", None) or "no answer"
+            log.warning("region %s's streams do not answer now (%s): reading them as soon as they do", region, why)
+            return _unseen_region(js, layout, region)
+
+    found = await asyncio.gather(*(one(region) for region in layout.regions))
+    if len(failed) == len(layout.regions):  # not one region's outage: JetStream itself, or missing permissions
+        first = failed[0]
+        raise first if isinstance(first, Unreachable) else Unreachable(f"no region's streams answer: {first!r}")
+    return dict(zip(layout.regions, found, strict=True))
+
+
+def _unseen_region(js: JetStreamContext, layout: Layout, region: str) -> tuple[KeyValue, KeyValue, KeyValue]:
+    """A region's buckets bound without asking its cluster (made as `_state_buckets` makes them: direct gets)."""
+
+    def bound(bucket: str) -> KeyValue:
+        return KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=True)
+
+    return (
+        bound(layout.workers_bucket(region)),
+        bound(layout.machines_bucket(region)),
+        bound(layout.idempotency_bucket(region)),
+    )
+
+
 async def _region_resources(
     js: JetStreamContext, config: FleetConfig, layout: Layout, region: str
 ) -> tuple[KeyValue, KeyValue, KeyValue]:
@@ -420,7 +489,7 @@ async def ensure_audit_stream(js: JetStreamContext) -> None:
             name=subjects.AUDIT_STREAM,
             subjects=[subjects.AUDIT_ALL],
             storage=StorageType.FILE,
-            description="every mutating request made through the HTTP API, with the identity that made it",
+            description="every mutating API request (HTTP or NATS), with the identity that made it",
         ),
         StreamLimits(max_age=AUDIT_MAX_AGE, max_bytes=1 << 30, explicit=False),
     )

@@ -535,10 +535,13 @@ class ProxyUnreachable(Reply):
 
 
 class AuditRecord(Reply):
-    """Stream `FAUXMAD_AUDIT`, subject `fauxmad.v1.audit.<app>`: one mutating HTTP API request."""
+    """Stream `FAUXMAD_AUDIT`, subject `fauxmad.v1.audit.<app>`: one mutating API request, over HTTP (`method`
+    is the HTTP method, `path` the URL path) or over NATS (`method` "NATS", `path` the subject)."""
 
     at: float
-    identity: str  # "token:<id>" (caveats in `scope`), "static-token", "anonymous" (open API), "refused"
+    # HTTP: "token:<id>" (caveats in `scope`), "static-token", "anonymous" (open API), "refused";
+    # NATS: "nkey:<public key>" (a signed request, `bus.audit`), "unsigned"
+    identity: str
     method: str
     path: str
     status: int
@@ -546,6 +549,7 @@ class AuditRecord(Reply):
     app: str = ""
     remote: str = ""
     request_id: str = ""
+    name: str = ""  # NATS: the name the signing identity gives itself (its credentials' name)
 
 
 # ---------------------------------------------------------------------------------------------------

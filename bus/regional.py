@@ -13,8 +13,10 @@ where it lives keeps a region's view of itself independent of the others, and a 
 answer is known to be unreachable rather than taken for empty.
 
 A region unreachable when a watch starts is watched as soon as it answers (tried again every few
-seconds); meanwhile the merged watch reports its initial values as in without it. nats-py's ordered
-consumers recreate themselves after a partition heals, so a running watch resumes where it stopped.
+seconds); meanwhile the merged watch reports its initial values as in without it. When no region answers,
+the watch waits on (up to `NONE_ANSWERED_LIMIT`) for the first: that is JetStream pausing, not a region out.
+nats-py's ordered consumers recreate themselves after a partition heals, so a running watch resumes where it
+stopped.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from nats.js.kv import KeyValue
 log = logging.getLogger(__name__)
 
 RETRY_WATCH = 3.0
+NONE_ANSWERED_LIMIT = 20.0  # seconds a watch waits for its first region's initial values when none answered
 
 
 class MergedWatch:
@@ -39,6 +42,7 @@ class MergedWatch:
     def __init__(self, buckets: Mapping[str, KeyValue], initial_timeout: float) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending = set(buckets)
+        self._first_answered = asyncio.Event()
         self._initial_timeout = initial_timeout
         self._watchers: dict[str, Any] = {}
         self._tasks = [asyncio.create_task(self._follow(region, kv)) for region, kv in buckets.items()]
@@ -47,6 +51,11 @@ class MergedWatch:
 
     async def _initial_deadline(self) -> None:
         await asyncio.sleep(self._initial_timeout)
+        # no region at all answered yet: that is JetStream itself pausing (its meta leader, which every new
+        # watch needs, being elected again after its server died: 4 to 9 s), not one region out; an empty
+        # view would read as "no workers anywhere", so wait on for the first region (bounded)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._first_answered.wait(), NONE_ANSWERED_LIMIT - self._initial_timeout)
         if self._pending:
             log.warning(
                 "regions %s did not answer: following them as soon as they do", ", ".join(sorted(self._pending))
@@ -56,6 +65,7 @@ class MergedWatch:
 
     def _initial_done(self, region: str) -> None:
         if region in self._pending:
+            self._first_answered.set()
             self._pending.discard(region)
             if not self._pending:
                 self._timer.cancel()

@@ -23,6 +23,7 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from bus.audit import REFUSED, RequestAudit, mutating, signer_of
 from bus.codec import clip, decode, decoder, encode
 from bus.connection import Refusals, refusals_of
 from bus.errors import FauxmadError, Forbidden, InternalError, Unanswered, Unreachable, error_for_code
@@ -72,9 +73,12 @@ class Responder:
     never wait can answer inline (`inline=True`), which saves a task switch on hot paths.
     """
 
-    def __init__(self, nc: Client, name: str) -> None:
+    def __init__(self, nc: Client, name: str, *, audit: RequestAudit | None = None) -> None:
+        """`audit`: identify the signer of every mutating request first (a bad signature is a 403) and record
+        the request with its outcome in the audit trail before its reply goes out (`bus.audit`)."""
         self._nc = nc
         self._name = name
+        self._audit = audit
         self._tasks: set[asyncio.Task[None]] = set()
         self.requests = 0
         self.errors = 0
@@ -94,7 +98,7 @@ class Responder:
                 if reply_to:
                     await nc.publish(reply_to, data, headers=headers)
 
-            answer = self._answer(handler, msg.subject, msg.data, reply)
+            answer = self._answer(handler, msg.subject, msg.data, reply, msg.headers)
             if inline:
                 await answer
             else:
@@ -110,28 +114,38 @@ class Responder:
                 with contextlib.suppress(ValueError):  # no reply subject: a plain publish
                     await request.respond(data, headers=headers)
 
-            self._spawn(self._answer(handler, request.subject, request.data, reply))
+            self._spawn(self._answer(handler, request.subject, request.data, reply, request.headers))
 
         return on_request
 
-    async def _answer(self, handler: Handler, subject: str, data: bytes, reply: ReplyFn) -> None:
+    async def _answer(
+        self, handler: Handler, subject: str, data: bytes, reply: ReplyFn, headers: dict[str, str] | None = None
+    ) -> None:
         self.requests += 1
+        audit = self._audit if self._audit is not None and mutating(subject) else None
+        caller = REFUSED  # until the signature checks out
         try:
-            result = await handler(subject, data)
-            payload = result if isinstance(result, bytes) else encode(result)
-            await reply(payload, None)
+            if audit is not None:
+                caller = audit.identify(subject, data, headers)
+            body = await answer(handler, subject, data, self._name)
+            if audit is not None:
+                await audit.record(subject, caller, 200)
+                audit = None  # recorded: a failure of the reply itself is not a second request
+            await reply(body, None)
             return
         except FauxmadError as err:
             failure = err
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # the edge: anything unexpected is a 500, never a crash
+        except Exception as exc:  # the reply itself failed: say so, as for a handler's own failure
             log.exception("%s: unexpected error on %s", self._name, subject)
             failure = InternalError(f"internal error: {exc!r}")
         self.errors += 1
-        body, headers = error_payload(failure.code, failure.message)
+        if audit is not None:
+            await audit.record(subject, caller, failure.code)
+        body, error_headers = error_payload(failure.code, failure.message)
         try:
-            await reply(body, headers)
+            await reply(body, error_headers)
         except Exception:
             log.exception("%s: could not send error reply", self._name)
 
@@ -142,6 +156,20 @@ class Responder:
     def cancel_all(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+
+
+async def answer(handler: Handler, subject: str, data: bytes, name: str) -> bytes:
+    """`handler`'s answer to a request, as the bytes of its reply: a `FauxmadError` it raises is raised as is,
+    anything else unexpected becomes an `InternalError` (a 500, never a crash). A `Responder` sends the result
+    over NATS; a broker embedded in the HTTP API (`Broker.answer`) hands it back in process."""
+    try:
+        result = await handler(subject, data)
+        return result if isinstance(result, bytes) else encode(result)
+    except (FauxmadError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # the edge: anything unexpected is a 500, never a crash
+        log.exception("%s: unexpected error on %s", name, subject)
+        raise InternalError(f"internal error: {exc!r}") from None
 
 
 def raise_for_reply(msg: Msg) -> None:
@@ -166,12 +194,14 @@ def raise_for_reply(msg: Msg) -> None:
 async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) -> Msg:
     """Send a request; raise `FauxmadError` for an error reply, `Unreachable` if nobody answers."""
     data = payload if isinstance(payload, bytes) else encode(payload)
+    signer = signer_of(nc)
+    headers = signer.headers(subject, data) if signer is not None and mutating(subject) else None
     try:
         refusals = refusals_of(nc)
         if refusals is None:
-            msg = await nc.request(subject, data, timeout=timeout)
+            msg = await nc.request(subject, data, timeout=timeout, headers=headers)
         else:
-            msg = await _request_or_refusal(nc, refusals, subject, data, timeout)
+            msg = await _request_or_refusal(nc, refusals, subject, data, timeout, headers)
     except NoRespondersError:
         raise Unreachable(f"nobody answers on {subject}") from None
     except NatsTimeout:
@@ -182,10 +212,12 @@ async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) 
     return msg
 
 
-async def _request_or_refusal(nc: Client, refusals: Refusals, subject: str, data: bytes, timeout: float) -> Msg:
+async def _request_or_refusal(
+    nc: Client, refusals: Refusals, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None
+) -> Msg:
     """A request on a secure connection: the reply, or `Forbidden` the moment the server refuses the publish."""
     refused = refusals.watch(subject)
-    asked: asyncio.Future[Msg] = asyncio.ensure_future(nc.request(subject, data, timeout=timeout))
+    asked: asyncio.Future[Msg] = asyncio.ensure_future(nc.request(subject, data, timeout=timeout, headers=headers))
     either: set[asyncio.Future[Any]] = {asked, refused}
     try:
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)

@@ -196,12 +196,6 @@ def api_jobs_submit_wildcard(region: str) -> str:
     return f"{api_jobs_wildcard('submit')}.{check_token('region', region)}"
 
 
-def parse_jobs_app(subject: str) -> str:
-    """The `<app>` token of `fauxmad.v1.api.apps.<app>.jobs...`."""
-    parts = subject.split(".")
-    return parts[4] if len(parts) >= 7 else ""
-
-
 def jobs_queue(region: str) -> str:
     """The subject of region `region`'s work queue (what its stream keeps)."""
     return f"{PREFIX}.jobs.queue.{check_token('region', region)}"
@@ -239,9 +233,10 @@ def parse_verb(subject: str) -> str:
 
 
 def parse_api_app(subject: str) -> str:
-    """The `<app>` token of `fauxmad.v1.api.apps.<app>.machines.<verb>` (or `.volumes.<verb>`)."""
+    """The `<app>` token of `fauxmad.v1.api.apps.<app>.machines.<verb>` (or `.volumes.<verb>`, `.jobs.<verb>`,
+    `.jobs.submit.<region>`); empty for a subject of no app."""
     parts = subject.split(".")
-    return parts[4] if len(parts) == 7 else ""
+    return parts[4] if len(parts) >= 7 and parts[3] == "apps" else ""
 
 
 # -- supercluster additions (README "Beyond one server: a supercluster") ---------------------------------------
@@ -255,3 +250,14 @@ def regional(name: str, region: str) -> str:
 def events_of_region(region: str) -> str:
     """Every event of one region (what that region's events stream captures)."""
     return f"{PREFIX}.events.{check_token('region', region)}.>"
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard matching of a concrete `subject` against `pattern`: `*` is one token, a final `>` the rest."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(have) == len(want)

@@ -21,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import msgspec
 import nats
@@ -172,8 +174,14 @@ class LoopbackSupercluster:
         root: str | Path | None = None,
         relays: bool = False,
         host: str = "127.0.0.1",
+        secure_dir: str | Path | None = None,
     ) -> None:
+        """`secure_dir`: a secure fleet's directory (`fauxmad fleet init`: CA, server certificate, users.conf):
+        every server then requires mutual TLS and those users from clients, as the deployed files do; set
+        `connect_options` (the operator's) before `start` so this object's own checks can connect."""
         self._own_root = root is None
+        self.secure_dir = Path(secure_dir).absolute() if secure_dir is not None else None
+        self.connect_options: dict[str, Any] = {}
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="fauxmad-sc-"))
         self.host = host
         self.relay: GatewayRelay | None = GatewayRelay(host) if relays else None
@@ -204,7 +212,8 @@ class LoopbackSupercluster:
 
     def urls(self, region: str) -> str:
         """The client URLs of `region`'s servers, comma-separated (what `--nats` takes)."""
-        return ",".join(f"nats://{s.host}:{s.client_port}" for s in self.topology.of(region))
+        scheme = "tls" if self.secure_dir is not None else "nats"
+        return ",".join(f"{scheme}://{s.host}:{s.client_port}" for s in self.topology.of(region))
 
     def server(self, name: str) -> EmbeddedNats:
         return self.servers[name]
@@ -217,8 +226,17 @@ class LoopbackSupercluster:
                 directory = self.root / address.name
                 directory.mkdir(parents=True, exist_ok=True)
                 config = directory / "nats-server.conf"
+                secure = self.secure_dir
                 config.write_text(
-                    render_config(self.topology, address, store_dir=str(directory / "js"), listen_host=self.host)
+                    render_config(
+                        self.topology,
+                        address,
+                        store_dir=str(directory / "js"),
+                        listen_host=self.host,
+                        # nats-server joins an include's path to the config's directory, even an absolute one
+                        secure_include=os.path.relpath(secure / "users.conf", directory) if secure else None,
+                        fleet_dir=str(secure) if secure else "",
+                    )
                 )
                 server = EmbeddedNats(
                     port=address.client_port,
@@ -226,7 +244,7 @@ class LoopbackSupercluster:
                     store_dir=directory,
                     name=address.name,
                     config_file=config,
-                    tls=False,
+                    tls=secure is not None,
                 )
                 self.servers[address.name] = server.start(timeout)
         except BaseException:
@@ -238,7 +256,7 @@ class LoopbackSupercluster:
         """Return once JetStream answers in every region (its meta leader elected: a few seconds after start)."""
         deadline = time.monotonic() + timeout
         for region in self.regions:
-            nc = await nats.connect(self.urls(region).split(","))
+            nc = await nats.connect(self.urls(region).split(","), **self.connect_options)
             try:
                 while True:
                     with contextlib.suppress(Exception):

@@ -154,6 +154,26 @@ class FleetClient:
         request = ResumeRequest(id=machine_id)
         return await call(self.nc, subjects.api_machines(app, "resume"), request, Machine, timeout=self.timeout)
 
+    async def wake_on(self, worker_id: str, machine_id: str, verb: str) -> Machine:
+        """`start` or `resume` asked of the machine's worker itself, as fly-proxy asks flyd: an edge proxy knows
+        the worker from its route table, so the broker's hop (a lookup of the same routing index) is saved on the
+        path of a held request. The worker checks leases and state exactly as it does for a broker."""
+        if verb == "resume":
+            return await call(
+                self.nc,
+                subjects.worker_machines(worker_id, "resume"),
+                ResumeRequest(id=machine_id),
+                Machine,
+                timeout=self.timeout,
+            )
+        return await call(
+            self.nc,
+            subjects.worker_machines(worker_id, "start"),
+            StartRequest(id=machine_id),
+            Machine,
+            timeout=self.timeout + 20,
+        )
+
     async def destroy(self, app: str, machine_id: str, *, force: bool = False) -> Machine:
         return await call(
             self.nc,

@@ -53,6 +53,7 @@ def _supercluster_default() -> int:
 
 
 ROOT = Path(__file__).resolve().parent.parent
+DESTROY_ALL_WITHIN = 30.0  # seconds a fleet's stop spends destroying machines politely (the rest are killed)
 
 
 async def _quiet(exc: Exception) -> None:
@@ -123,8 +124,13 @@ class DevFleet:
         if self.security is None:
             # quiet: nats-py logs every server of a list it could not reach (after a Ctrl-C, all of them)
             return await nats.connect(servers(self.url), **{"error_cb": _quiet, **options})
+        return await nats.connect(servers(self.url), **{"error_cb": _quiet, **options, **self._operator_options()})
+
+    def _operator_options(self) -> dict[str, Any]:
+        """nats-py's connect options of a secure fleet's operator identity (TLS files, nkey)."""
+        assert self.security is not None
         creds, base = credentials.load(self.security.creds("operator"))
-        return await nats.connect(self.url, **options, **creds.connect_options(base))
+        return creds.connect_options(base)
 
     @property
     def url(self) -> str:
@@ -204,9 +210,7 @@ class DevFleet:
             self.progress(f"nats-server with JetStream at {self.url}" + (" (mutual TLS, nkey users)" if config else ""))
             if config:
                 asyncio.run(self._prepare())
-                if os.environ.get(SECURE_ENV) == "1":  # the suite in secure mode: its clients act as the operator
-                    self._creds_before = (os.environ.get(CREDS_ENV),)
-                    os.environ[CREDS_ENV] = str(self.operator_creds)
+                self._act_as_operator()
             self._start_processes()
             self._wait_ready(timeout)
         except BaseException:
@@ -218,18 +222,28 @@ class DevFleet:
         """A cluster per region on loopback, joined by gateways (relayed, so a region can be cut off); the layout
         variables set for this process and every process of the fleet; the fleet's buckets and streams made."""
         spec = self.spec
-        if spec.secure:
-            raise ValueError("a dev supercluster is open (no TLS yet): leave out --secure")
-        self.supercluster = LoopbackSupercluster(spec.regions, spec.supercluster, root=self.root / "nats", relays=True)
-        self.supercluster.start()
-        self.progress(
-            f"{len(spec.regions)} NATS clusters of {spec.supercluster} server(s) joined by gateways: "
-            + "; ".join(f"{r} at {self.region_url(r)}" for r in spec.regions)
+        self.supercluster = LoopbackSupercluster(
+            spec.regions,
+            spec.supercluster,
+            root=self.root / "nats",
+            relays=True,
+            secure_dir=self.root / "secure" if spec.secure else None,
         )
         self._layout_before = {name: os.environ.get(name) for name in (SUPERCLUSTER_LAYOUT_ENV, REPLICAS_ENV)}
         os.environ[SUPERCLUSTER_LAYOUT_ENV] = ",".join(spec.regions)
         os.environ[REPLICAS_ENV] = str(min(3, spec.supercluster))
+        if spec.secure:  # identities after the layout is set: a worker's permissions name its region's buckets
+            self._secure_setup(url=self.supercluster.urls(spec.regions[0]))
+            self.supercluster.connect_options = self._operator_options()
+        self.supercluster.start()
+        self.progress(
+            f"{len(spec.regions)} NATS clusters of {spec.supercluster} server(s) joined by gateways"
+            + (" (mutual TLS, nkey users)" if spec.secure else "")
+            + ": "
+            + "; ".join(f"{r} at {self.region_url(r)}" for r in spec.regions)
+        )
         asyncio.run(self._prepare_supercluster())
+        self._act_as_operator()
 
     async def _prepare_supercluster(self, timeout: float = 60.0) -> None:
         """Create the fleet's buckets and streams once JetStream has elected its leaders (a few seconds)."""
@@ -247,27 +261,39 @@ class DevFleet:
                     ) from None
                 await asyncio.sleep(0.5)
 
-    def _secure_setup(self) -> Path:
-        """A secure fleet's directory (CA, certificates, users) with an identity for every process to come."""
+    def _secure_setup(self, url: str | None = None) -> Path:
+        """A secure fleet's directory (CA, certificates, users) with an identity for every process to come;
+        `url`: the servers the credentials name (a supercluster's first region), else the one server's."""
         spec = self.spec
         if spec.workers_per_process > 1:
             raise ValueError("a secure dev fleet runs one worker per process (each worker is an identity)")
         self.security_port = spec.port or free_port()
         self.security = FleetDir(self.root / "secure")
-        self.security.init(port=self.security_port)
+        self.security.init(port=self.security_port, url=url)
         for region in spec.regions:
             for n in range(spec.workers_per_region):
                 worker_id = f"{region}-w{n + 1}"
                 self._creds[f"worker-{worker_id}"] = str(self.security.add_worker(worker_id, region))
-        for i in range(spec.brokers):
-            self._creds[f"broker-{i + 1}"] = str(self.security.add_user(f"broker-{i + 1}", "broker"))
+        scopes = [f"{region}-" for region in spec.regions] if spec.supercluster else [""]
+        for scope in scopes:  # a supercluster's brokers are per region (`broker-mad-1`)
+            for i in range(spec.brokers):
+                name = f"broker-{scope}{i + 1}"
+                self._creds[name] = str(self.security.add_user(name, "broker"))
+            # the operator process (`fauxmad reconcile --watch`) acts as the fleet's operator identity
+            self._creds[f"operator-{scope}".rstrip("-")] = str(self.security.creds("operator"))
         return self.security.config
+
+    def _act_as_operator(self) -> None:
+        """The suite in secure mode: its clients (this process's and the CLIs it runs) act as the operator."""
+        if self.security is not None and os.environ.get(SECURE_ENV) == "1":
+            self._creds_before = (os.environ.get(CREDS_ENV),)
+            os.environ[CREDS_ENV] = str(self.operator_creds)
 
     async def _prepare(self) -> None:
         """Create the fleet's streams and buckets as the operator: in a secure fleet the others only bind."""
         nc = await self._connect()
         try:
-            await ensure_fleet_resources(nc.jetstream())
+            await ensure_fleet_resources(nc.jetstream(), every_region=True)
             await secrets_bucket(nc.jetstream())
             await ensure_audit_stream(nc.jetstream())
             await revoked_tokens_bucket(nc.jetstream())
@@ -330,6 +356,8 @@ class DevFleet:
                     str(spec.heartbeat),
                     "--secrets-key",
                     str(secrets_key),
+                    "--max-load",  # simulated hosts on one kernel: its load average is none of theirs
+                    "0",
                 ]
                 if count > 1:
                     args += ["--count", str(count)]
@@ -392,10 +420,20 @@ class DevFleet:
     def destroy_all_machines(self) -> int:
         """Destroy every machine on every worker of this fleet (workers leave machines running on exit)."""
 
-        async def run() -> int:
+        destroyed = 0
+
+        async def destroy(nc: Any, worker_id: str, machine_id: str, limit: asyncio.Semaphore) -> None:
+            nonlocal destroyed
+            async with limit:
+                with contextlib.suppress(Exception):
+                    request = encode(DestroyRequest(id=machine_id, force=True))
+                    await nc.request(subjects.worker_machines(worker_id, "destroy"), request, timeout=10)
+                    destroyed += 1
+
+        async def run() -> None:
             # fail fast: after a Ctrl-C the whole process group (nats-server too) may be gone already
             nc = await self._connect(connect_timeout=1, allow_reconnect=False)
-            destroyed = 0
+            limit = asyncio.Semaphore(32)  # hundreds of machines after a load test: not one after another
             try:
                 for worker_id in self.worker_ids:
                     try:
@@ -405,22 +443,14 @@ class DevFleet:
                         machines = msgspec.json.decode(msg.data) if not msg.headers else []
                     except Exception:
                         continue
-                    for m in machines:
-                        with contextlib.suppress(Exception):
-                            await nc.request(
-                                subjects.worker_machines(worker_id, "destroy"),
-                                encode(DestroyRequest(id=m["id"], force=True)),
-                                timeout=10,
-                            )
-                            destroyed += 1
+                    await asyncio.gather(*(destroy(nc, worker_id, m["id"], limit) for m in machines))
             finally:
                 await nc.close()
-            return destroyed
 
-        try:
-            return asyncio.run(run())
-        except Exception:
-            return 0
+        # bounded: what is left is killed by `_kill_leftover_machines` when the workers are gone
+        with contextlib.suppress(Exception):
+            asyncio.run(asyncio.wait_for(run(), DESTROY_ALL_WITHIN))
+        return destroyed
 
     def _kill_untracked_children(self) -> None:
         """Our own children that name this fleet's directory but were never recorded: a Ctrl-C that landed
@@ -453,6 +483,17 @@ class DevFleet:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
 
     def stop(self) -> None:
+        try:
+            self._stop_processes()
+        finally:  # even when interrupted (a test's timeout): the environment this process shares goes back
+            self._restore_layout_env()
+            self._restore_creds_env()
+        self._kill_untracked_children()
+        if self._own_dir:
+            unmount_under(self.root)  # volumes' loop mounts (README "Volumes"): freed with their loop devices
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _stop_processes(self) -> None:
         nats_alive = (self.nats is not None and self.nats.process is not None and self.nats.process.poll() is None) or (
             self.supercluster is not None
         )
@@ -477,11 +518,8 @@ class DevFleet:
         if self.supercluster is not None:
             self.supercluster.stop()
             self.supercluster = None
-        self._restore_layout_env()
-        self._kill_untracked_children()
-        if self._own_dir:
-            unmount_under(self.root)  # volumes' loop mounts (README "Volumes"): freed with their loop devices
-            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _restore_creds_env(self) -> None:
         if self._creds_before is not None:  # put back what the secure suite mode changed
             (before,) = self._creds_before
             if before is None:

@@ -28,12 +28,13 @@ async def connect_nats(url: str, **options: Any) -> Any:
     """`nats.connect` for tests: as the identity in $FAUXMAD_CREDS when set (the suite against secure dev
     fleets, `FAUXMAD_DEV_SECURE=1`), else plain."""
     from bus import credentials
+    from bus.connection import servers
 
     path = credentials.default_path()
     if path and url.startswith("tls://"):
         creds, base = credentials.load(path)
         options = {**creds.connect_options(base), **options}
-    return await nats.connect(url, **options)
+    return await nats.connect(servers(url), **options)
 
 
 def kill_machines_of(worker_id: str) -> int:
@@ -99,6 +100,8 @@ class WorkerProcess:
             str(self.data_dir),
             "--restart-backoff",
             "0.1",
+            "--max-load",  # the test workers share this host's kernel: see Backpressure
+            "0",
             *self.extra,
         ]
         env = dict(os.environ, FAUXMAD_LOG="1", PYTHONPATH=str(ROOT))
@@ -182,3 +185,19 @@ def pid_alive(pid: int) -> bool:
         return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+async def audit_records(nc: Any, app: str) -> list[Any]:
+    """Every record of `app` in the audit stream (`bus.messages.AuditRecord`), read over `nc`."""
+    from bus import subjects
+    from bus.messages import AuditRecord
+
+    sub = await nc.jetstream().subscribe(subjects.audit(app), ordered_consumer=True)
+    found: list[AuditRecord] = []
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=1.0)
+        except TimeoutError:
+            await sub.unsubscribe()
+            return found
+        found.append(msgspec.json.decode(msg.data, type=AuditRecord))

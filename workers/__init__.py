@@ -4,3 +4,5 @@
 state machine; `driver`/`process_driver`/`shim` run machines as processes that outlive the agent;
 `supervisor` applies restart policies and health checks; `agent` wires it all to the bus.
 """
+
+import bus  # noqa: F401  (first: it defers the aiohttp that nats-py imports and never uses)

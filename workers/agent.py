@@ -32,6 +32,7 @@ from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from bus import credentials, subjects
+from bus.audit import AuditTrail, RequestAudit
 from bus.codec import decode, encode
 from bus.connection import connect
 from bus.contract import endpoint_metadata
@@ -59,7 +60,7 @@ from workers.commit import GroupCommitter
 from workers.images import ImageCache
 from workers.jobs.service import JobsService
 from workers.lifecycle import PROCESS_STATES
-from workers.limits import auto_detect
+from workers.limits import auto_detect, slow_migration_hint
 from workers.logs import LogFollower
 from workers.machines import MachineManager, ManagerConfig
 from workers.offers import Backpressure, Snapshot, answer_offer
@@ -163,6 +164,9 @@ class WorkerAgent:
         self.committer = GroupCommitter(self.store)
         limits = auto_detect(cfg.worker_id)
         self.limits_mode = limits.describe()
+        hint = slow_migration_hint() if limits.describe() != "rlimit" else None
+        if hint is not None:
+            log.warning("worker %s: %s", cfg.worker_id, hint)
         driver = self.driver = ProcessDriver(limits)
         images = Images(js, await image_store(js), await tags_bucket(js))
 
@@ -299,7 +303,10 @@ class WorkerAgent:
             workers_kv=self._kv.workers,
             ack_wait=cfg.jobs_ack_wait,
         )
-        self.responder = Responder(self.nc, f"worker {cfg.worker_id}")
+        # its API requests (background jobs' submit and cancel) are recorded in the audit trail, as a broker's
+        self.trail = AuditTrail(self.nc)
+        await self.trail.make_stream_if_open()
+        self.responder = Responder(self.nc, f"worker {cfg.worker_id}", audit=RequestAudit(self.trail))
         try:
             await self.jobs.start(self.responder)
         except (FauxmadError, TimeoutError) as exc:  # a secure fleet whose operator did not prepare this region
@@ -550,6 +557,7 @@ class WorkerAgent:
             await _bounded(sub.unsubscribe(), 1.0)
         if hasattr(self, "responder"):
             await _bounded(self.responder.drain(), 3.0)  # answer what is in flight
+            await self.trail.drain()
             self.responder.cancel_all()
         if self.manager is not None:
             await _bounded(self.manager.close(), 2.0)

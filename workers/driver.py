@@ -86,6 +86,7 @@ class TaskState(msgspec.Struct, frozen=True, kw_only=True):
     child_pid: int | None = None
     rss_bytes: int | None = None
     exit: ExitStatus | None = None
+    stopped: bool = False  # the workload is in a job-control stop (SIGSTOP): a suspended machine's process
 
 
 class Driver(Protocol):

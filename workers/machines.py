@@ -46,6 +46,7 @@ from bus.messages import (
     ResumeRequest,
     SignalRequest,
     StartRequest,
+    State,
     StopRequest,
     SuspendRequest,
     UpdateRequest,
@@ -113,6 +114,9 @@ class MachineManager:
         self.volumes = volumes  # machines with config.mounts run with those volumes (README "Volumes")
         self.clock = clock
         self.inflight = 0
+        # resumes answered, their records being made: reads show these machines `started` already, as the
+        # resume's answer did (read your writes), and the task is kept from the garbage collector
+        self._resuming: dict[str, asyncio.Task[None]] = {}
         self.recorder = Recorder(committer, on_commit=on_commit, clock=clock)
         self.supervisor = Supervisor(
             self, self.recorder, store, driver, backoff=config.backoff, check_host=config.check_host
@@ -121,8 +125,15 @@ class MachineManager:
     # ------------------------------------------------------------------------------------------
     # reads
 
+    def _state(self, machine: Machine) -> State:
+        """The state reads show: a resumed machine is `started` from its answer on; its record follows
+        within milliseconds."""
+        if machine.id in self._resuming and machine.state in ("suspended", "suspending"):
+            return "started"
+        return machine.state
+
     def view(self, stored: StoredMachine, *, events: bool = False) -> Machine:
-        machine = msgspec.structs.replace(stored.machine)
+        machine = msgspec.structs.replace(stored.machine, state=self._state(stored.machine))
         if events:
             machine.events = list(reversed(stored.events))
         return machine
@@ -147,7 +158,7 @@ class MachineManager:
             machine = stored.machine
             if request.app and machine.app != request.app:
                 continue
-            if request.state and machine.state != request.state:
+            if request.state and self._state(machine) != request.state:
                 continue
             if machine.state == "destroyed" and not request.include_destroyed and request.state != "destroyed":
                 continue
@@ -529,28 +540,54 @@ class MachineManager:
         return await self.recorder.commit(frozen)
 
     async def resume(self, request: ResumeRequest) -> Machine:
-        async with self._lock(request.id):
+        """SIGCONT, answer `started`, then record it. The answer does not wait for the record (an fsync'd
+        commit, most of a resume's time: an edge proxy holds a request on it): the kernel already holds the
+        fact, and a worker that dies before the record finds a `suspended` machine whose process runs and
+        records it `started` (workers/resume.py: for a suspended machine the process's word wins). The
+        machine's lock is held until the record is made, so whatever comes next sees `started`."""
+        lock = self._lock(request.id)
+        await lock.acquire()
+        handed_over = False  # to the task that records the resume, which releases the lock when done
+        try:
             stored = self.require(request.id)
             self._check_lease(stored, request.lease_nonce, self.clock())
             if stored.machine.state == "started":
                 return self.view(stored)
             if stored.machine.state not in ("suspended", "suspending") or stored.handle is None:
                 raise Conflict(f"machine {request.id} is {stored.machine.state}; only a suspended machine resumes")
-            # continue first, then record: a worker that dies in between finds `suspended` and a running
-            # process, and its restart freezes it again (the store's word wins), so no state is ever a lie
             await self.driver.signal(stored.handle, signals.SIGCONT)
+            answer = msgspec.structs.replace(self.view(stored), state="started")
+            self._resuming[request.id] = asyncio.create_task(self._record_resume(request.id, lock))
+            handed_over = True
+            return answer
+        finally:
+            if not handed_over:
+                lock.release()
 
-            def thawed(tx: Tx) -> StoredMachine:
-                current = tx.require(request.id)
-                if current.machine.state in ("suspended", "suspending"):
-                    self.recorder.event(current, "started", source="user", reason="resumed (SIGCONT)")
-                    return tx.put_machine(current, "resume")
-                return current
+    async def _record_resume(self, machine_id: str, lock: asyncio.Lock) -> None:
+        try:
+            await self.record_resumed(machine_id, "resumed (SIGCONT)")
+        except Exception:
+            log.exception("machine %s: resumed, but recording it failed (a restart records it)", machine_id)
+        finally:
+            self._resuming.pop(machine_id, None)
+            lock.release()
 
-            stored = await self.recorder.commit(thawed)
-            if stored.machine.state == "started":
-                self.supervisor.start_checks(stored)
-            return self.view(stored)
+    async def record_resumed(self, machine_id: str, reason: str) -> StoredMachine:
+        """Record a suspended machine whose process was continued as `started`, and resume its checks (the
+        caller holds the machine's lock): after a resume, and by a restart that finds one it did not record."""
+
+        def thawed(tx: Tx) -> StoredMachine:
+            current = tx.require(machine_id)
+            if current.machine.state in ("suspended", "suspending"):
+                self.recorder.event(current, "started", source="user", reason=reason)
+                return tx.put_machine(current, "resume")
+            return current
+
+        stored = await self.recorder.commit(thawed)
+        if stored.machine.state == "started":
+            self.supervisor.start_checks(stored)
+        return stored
 
     async def exec(self, request: ExecRequest) -> ExecReply:
         """Run a command in a started machine's environment, working directory and limits (no state change)."""

@@ -29,7 +29,11 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Backpressure(msgspec.Struct, frozen=True, kw_only=True):
-    """Thresholds past which a worker declines: too many launches in flight, or a busy host."""
+    """Thresholds past which a worker declines: too many launches in flight, or a busy host.
+
+    `max_load` is the 1-minute load average per cpu; 0 turns the check off. A dev fleet turns it off: its
+    simulated hosts share one kernel, whose load average is none of theirs (and counts threads waiting on
+    disk), so every one of them would decline at once and leave no better host to place on."""
 
     max_inflight: int = 64
     max_load: float = 8.0
@@ -45,7 +49,7 @@ def answer_offer(request: OfferRequest, me: Snapshot, limits: Backpressure) -> O
         return decline("cordoned")
     if me.inflight >= limits.max_inflight:
         return decline(f"overloaded: {me.inflight} launches in flight")
-    if me.load >= limits.max_load:
+    if limits.max_load and me.load >= limits.max_load:
         return decline(f"overloaded: load {me.load:.2f} per cpu")
     if request.guest.cpus > free.cpus:
         return decline(f"insufficient cpus: needs {request.guest.cpus}, {free.cpus} free")

@@ -583,12 +583,22 @@ class ProcessDriver:
         workload = _read_pid(Path(handle.workdir) / CHILD_PID)
         if running:
             rss = self._rss(workload) if workload is not None else None
-            return TaskState(running=True, pid=handle.pid, child_pid=workload, rss_bytes=rss)
+            stopped = workload is not None and self._stopped(workload)
+            return TaskState(running=True, pid=handle.pid, child_pid=workload, rss_bytes=rss, stopped=stopped)
         # Ended but not yet waited for: a missing exit.json reads as lost here (`wait` may know better
         # if the shim was our child and never started the workload).
         record = _read_record(handle) or _ExitRecord(lost=True)
         exit_status = self._to_status(handle, record)
         return TaskState(running=False, pid=handle.pid, child_pid=workload, exit=exit_status)
+
+    @staticmethod
+    def _stopped(pid: int) -> bool:
+        """Is `pid` in a job-control stop? (`/proc/<pid>/stat`'s state, after the command name's parenthesis.)"""
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rpartition(b")")[2].split()[0] == b"T"
+        except (OSError, IndexError):
+            return False
 
     @staticmethod
     def _rss(pid: int) -> int | None:

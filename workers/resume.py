@@ -4,7 +4,8 @@ A worker may die at any point of any verb; its machines' processes outlive it (t
 them). At start-up each machine in a process state is settled by what the store says it was doing
 and whether its process still runs: a destroy or an update cut short is finished, a running process
 is watched again, and one that ended while the worker was down gets its exit handled like any other.
-It asks the machine manager (`Host`) only for its parts, to launch a process and to finish a destroy.
+It asks the machine manager (`Host`) only for its parts, to launch a process, to finish a destroy or a
+suspend, and to record a resume it answered but did not record.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Host(Protocol):
     async def finish_destroy(self, stored: StoredMachine) -> StoredMachine: ...
 
     async def freeze(self, stored: StoredMachine) -> StoredMachine: ...
+
+    async def record_resumed(self, machine_id: str, reason: str) -> StoredMachine: ...
 
 
 async def resume_in_flight(host: Host, *, stop_timeout: float) -> dict[str, int]:
@@ -92,12 +95,22 @@ async def _resume_one(host: Host, stored: StoredMachine, stop_timeout: float) ->
         elif state == "suspending":  # frozen or not when we died: freeze it and record it
             async with recorder.lock(machine_id):
                 await host.freeze(stored)
-        elif state == "suspended":  # a resume cut short may have continued it: the store's word wins
-            await driver.signal(handle, signals.SIGSTOP)
+        elif state == "suspended":
+            if not driver.inspect(handle).stopped:  # a resume answered before its record: the process's word wins
+                return await _record_resumed(host, stored)
+            await driver.signal(handle, signals.SIGSTOP)  # stopped already; again, in case a thread was not yet
         return "adopted"
     status = await driver.wait(handle)  # ended while we were down: the shim left its status
     await supervisor.on_exit(machine_id, handle, status)
     return "exited"
+
+
+async def _record_resumed(host: Host, stored: StoredMachine) -> str:
+    """A machine recorded `suspended` whose process runs: a resume continued it (and answered) before the
+    worker died, so it is `started`, as its caller was told (workers/machines.py `resume`)."""
+    async with host.recorder.lock(stored.machine.id):
+        await host.record_resumed(stored.machine.id, "resumed (SIGCONT) before the worker restarted")
+    return "resumed"
 
 
 async def _settle_without_process(recorder: Recorder, stored: StoredMachine) -> str:

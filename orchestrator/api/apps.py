@@ -11,14 +11,13 @@ from aiohttp import web
 from bus import messages as bus
 from bus import subjects
 from bus.messages import Machine, WorkerInfo
-from bus.service import call
 from orchestrator.api import types
-from orchestrator.api.http import NC, app_name, body, json
+from orchestrator.api.http import BROKERS, app_name, body, json
 
 
 async def _counts(request: web.Request) -> dict[str, int]:
-    workers = await call(
-        request.app[NC], subjects.API_WORKERS_LIST, bus.WorkersListRequest(), builtins.list[WorkerInfo], timeout=10
+    workers = await request.app[BROKERS].call(
+        subjects.API_WORKERS_LIST, bus.WorkersListRequest(), builtins.list[WorkerInfo], timeout=10
     )
     counts: dict[str, int] = {}
     for worker in workers:
@@ -49,11 +48,13 @@ async def get_app(request: web.Request) -> web.Response:
 
 async def delete_app(request: web.Request) -> web.Response:
     name = app_name(request)
-    nc = request.app[NC]
-    found = await call(nc, subjects.api_machines(name, "list"), bus.ListRequest(), builtins.list[Machine], timeout=10)
+    brokers = request.app[BROKERS]
+    found = await brokers.call(
+        subjects.api_machines(name, "list"), bus.ListRequest(), builtins.list[Machine], timeout=10
+    )
     for machine in found:
         destroy = bus.DestroyRequest(id=machine.id, force=True)
-        await call(nc, subjects.api_machines(name, "destroy"), destroy, Machine, timeout=25)
+        await brokers.call(subjects.api_machines(name, "destroy"), destroy, Machine, timeout=25)
     return web.Response(status=202)
 
 

@@ -10,9 +10,13 @@ Revocations live in KV `fauxmad_revoked_tokens`; every API process keeps a repli
 revocation holds on every process within the watch's delay (milliseconds), without a call per request.
 
 Every mutating request (any method but GET and HEAD), allowed or refused, is recorded in the stream
-`FAUXMAD_AUDIT` with the identity that made it, after its outcome is known, and before the response
-goes out: a change the caller saw acknowledged is in the audit trail (a failed audit write is logged
-and counted; it does not undo the change).
+`FAUXMAD_AUDIT` with the identity that made it, after its outcome is known: the record is handed to the
+NATS connection before the response goes out, and its stream acknowledgement is awaited beside the
+response rather than before it (`AuditTrail`). Waiting for the ack first cost every write 0.85 ms at
+p50 (an fsync'd JetStream write) and bought little: a failed audit write is logged either way and never
+undoes the change. An API process stopped by SIGTERM or SIGINT waits for its records' acks first
+(`AuditTrail.drain`); only a kill -9 in the fraction of a millisecond between a response and the
+connection's next write can lose a record.
 """
 
 from __future__ import annotations
@@ -26,10 +30,8 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from nats.aio.client import Client
 
-from bus import subjects
-from bus.errors import BadRequest
+from bus.audit import AuditTrail, audit_subject
 from bus.messages import AuditRecord
 from orchestrator.api.errors import error_response
 from orchestrator.fleet.replica import KVReplica
@@ -39,7 +41,6 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 READS = frozenset({"GET", "HEAD"})
-AUDIT_TIMEOUT = 2.0
 
 
 class RevokedTokens(KVReplica):
@@ -102,9 +103,8 @@ class Auth:
         return Caller(f"token:{token.id}", list(token.caveats))
 
 
-def guard(auth: Auth, nc: Client) -> Any:
+def guard(auth: Auth, trail: AuditTrail) -> Any:
     """The middleware: identify the caller of every `/v1` request, refuse it or run it, audit any write."""
-    js = nc.jetstream()
 
     async def audit(request: web.Request, caller: Caller, status: int) -> None:
         app = request.match_info.get("app_name", "")
@@ -119,14 +119,7 @@ def guard(auth: Auth, nc: Client) -> Any:
             remote=request.remote or "",
             request_id=request.headers.get("fly-request-id", "") or secrets.token_hex(8),
         )
-        try:
-            subject = subjects.audit(app or None)
-        except BadRequest:
-            subject = subjects.audit(None)  # a malformed app name: the request was refused; record it anyway
-        try:
-            await js.publish(subject, msgspec.json.encode(record), timeout=AUDIT_TIMEOUT)
-        except Exception as exc:
-            log.error("audit: could not record %s %s by %s: %s", request.method, request.path, caller.identity, exc)
+        await trail.record(audit_subject(app), record)  # a malformed app name: refused, recorded as the fleet's
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -13,9 +13,8 @@ from bus import messages as bus
 from bus import subjects
 from bus.codec import decode
 from bus.messages import RegionSummary, WorkerInfo
-from bus.service import call, request
 from orchestrator.api import types
-from orchestrator.api.http import NC, body, json
+from orchestrator.api.http import BROKERS, body, json
 
 
 def _room(workers: list[WorkerInfo], guest: types.FlyGuest) -> int:
@@ -31,21 +30,21 @@ def _room(workers: list[WorkerInfo], guest: types.FlyGuest) -> int:
 
 async def placements(req_: web.Request) -> web.Response:
     req = await body(req_, types.PlacementsRequest)
-    nc = req_.app[NC]
+    brokers = req_.app[BROKERS]
     if req.region is None:
-        known = await call(nc, subjects.API_REGIONS_LIST, b"", builtins.list[RegionSummary], timeout=10)
+        known = await brokers.call(subjects.API_REGIONS_LIST, b"", builtins.list[RegionSummary], timeout=10)
         regions = [r.region for r in known]
     else:
         regions = req.region.split(",")
     out = []
     guest = bus.OfferGuest(cpus=req.compute.cpus, memory_mb=req.compute.memory_mb, cpu_kind=req.compute.cpu_kind)
     for region in regions:
-        workers = await call(
-            nc, subjects.API_WORKERS_LIST, bus.WorkersListRequest(region=region), list[WorkerInfo], timeout=10
+        workers = await brokers.call(
+            subjects.API_WORKERS_LIST, bus.WorkersListRequest(region=region), list[WorkerInfo], timeout=10
         )
         simulate = bus.SimulateRequest(app=req.app, region=region, guest=guest)
-        msg = await request(nc, subjects.API_PLACEMENTS_SIMULATE, simulate, timeout=10)
-        explain: dict[str, Any] = decode(dict[str, Any], msg.data)  # type: ignore[arg-type]
+        answer = await brokers.raw(subjects.API_PLACEMENTS_SIMULATE, simulate, timeout=10)
+        explain: dict[str, Any] = decode(dict[str, Any], answer)  # type: ignore[arg-type]
         count = min(req.count, _room(workers, req.compute))
         out.append(types.RegionPlacement(region=region, count=count, explain=explain))
     return json(types.PlacementsResponse(regions=out))

@@ -1,17 +1,25 @@
-"""Serve the API: connect to NATS, build the application, listen until cancelled."""
+"""Serve the API: connect to NATS, start the embedded broker, build the application, listen until SIGTERM or
+SIGINT (or cancelled, or the broker's connection ends for good: then exit non-zero for the supervisor).
+
+On the way out the server closes its listener and waits for the audit records still being acknowledged
+(`AuditTrail.drain`), then closes the NATS connection, which flushes what it still holds."""
 
 from __future__ import annotations
 
 import asyncio
+import secrets
+import signal
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import start_http_server
 
 from bus.connection import connect
+from bus.errors import Unreachable
 from bus.jetstream import ensure_audit_stream, revoked_tokens_bucket
 from orchestrator.api.auth import Auth, RevokedTokens
 from orchestrator.api.server import build
+from orchestrator.broker.service import Broker, BrokerConfig
 from orchestrator.security.tokens import KEY_BYTES
 
 
@@ -52,13 +60,21 @@ async def serve(
     if root_key is not None:
         await revoked.start(await revoked_tokens_bucket(js))
     auth = Auth(static_token=token, root_key=root_key, revoked=revoked)
-    runner = web.AppRunner(build(nc, auth=auth), access_log=None)
+    broker = Broker(BrokerConfig(nats_url=nats_url, name=f"api-{secrets.token_hex(4)}"))
+    await broker.start(serve=False)  # placements happen here, as Fly's flaps does them (orchestrator.api.http)
+    runner = web.AppRunner(build(nc, auth=auth, broker=broker), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stop as a whole: the audit records' acks are awaited first
+        loop.add_signal_handler(sig, broker.request_stop)
     try:
-        await asyncio.Event().wait()
+        await broker.run_forever()  # until a signal, or the embedded broker's connection is gone for good
     finally:
         await runner.cleanup()
         await revoked.close()
+        await broker.close()
         await nc.close()
+    if broker.bus_lost:
+        raise Unreachable(f"the API's broker stopped: {broker.bus_lost}")

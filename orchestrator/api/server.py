@@ -16,13 +16,27 @@ from nats.aio.client import Client
 
 from bus import messages as bus
 from bus import subjects
+from bus.audit import AuditTrail
 from bus.errors import FauxmadError
 from bus.messages import Machine, seconds
-from bus.service import call
 from orchestrator.api import apps, metadata, metrics, placements, types, volumes
 from orchestrator.api.auth import Auth, guard
 from orchestrator.api.errors import error_response, from_bus
-from orchestrator.api.http import MAX_BODY, NC, ClientError, app_name, ask, body, flag, json, machine_id, nonce
+from orchestrator.api.http import (
+    BROKERS,
+    MAX_BODY,
+    NC,
+    Answering,
+    Brokers,
+    ClientError,
+    app_name,
+    ask,
+    body,
+    flag,
+    json,
+    machine_id,
+    nonce,
+)
 from orchestrator.api.openapi import DOCS_HTML, document
 
 WAIT_MAX = 60.0
@@ -36,8 +50,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 async def list_machines(request: web.Request) -> web.Response:
-    found = await call(
-        request.app[NC], subjects.api_machines(app_name(request), "list"), bus.ListRequest(), list[Machine], timeout=10
+    found = await request.app[BROKERS].call(
+        subjects.api_machines(app_name(request), "list"), bus.ListRequest(), list[Machine], timeout=10
     )
     return json([types.machine(m) for m in found])
 
@@ -163,7 +177,7 @@ async def acquire_lease(request: web.Request) -> web.Response:
     req = await body(request, types.LeaseRequest)
     lease = bus.LeaseRequest(id=mid, ttl=req.ttl, holder=req.description, nonce=nonce(request))
     subject = subjects.api_machines(app_name(request), "lease")
-    held = await call(request.app[NC], subject, lease, bus.Lease, timeout=10)
+    held = await request.app[BROKERS].call(subject, lease, bus.Lease, timeout=10)
     return json(_lease(held))
 
 
@@ -173,7 +187,7 @@ async def release_lease(request: web.Request) -> web.Response:
     if given is None:
         raise ClientError(400, "releasing a lease needs its nonce in the fly-machine-lease-nonce header")
     subject = subjects.api_machines(app_name(request), "release")
-    await call(request.app[NC], subject, bus.ReleaseRequest(id=mid, nonce=given), dict[str, Any], timeout=10)
+    await request.app[BROKERS].call(subject, bus.ReleaseRequest(id=mid, nonce=given), dict[str, Any], timeout=10)
     return json({"ok": True})
 
 
@@ -206,11 +220,15 @@ def _errors() -> Any:
     return middleware
 
 
-def build(nc: Client, *, auth: Auth | None = None) -> web.Application:
-    """The application; `auth` says what a `/v1` request must carry (default: nothing, an open API)."""
-    middlewares = [metrics.measure, guard(auth or Auth(), nc), _errors()]
+def build(nc: Client, *, auth: Auth | None = None, broker: Answering | None = None) -> web.Application:
+    """The application; `auth` says what a `/v1` request must carry (default: nothing, an open API); `broker`
+    answers the API's requests in this process (default: the brokers, over NATS)."""
+    trail = AuditTrail(nc)
+    middlewares = [metrics.measure, guard(auth or Auth(), trail), _errors()]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
+    app.on_cleanup.append(lambda _: trail.drain())
     app[NC] = nc
+    app[BROKERS] = Brokers(nc, broker)
     m = "/v1/apps/{app_name}/machines"
     one = m + "/{machine_id}"
     app.router.add_get(m, list_machines)

@@ -12,9 +12,8 @@ from aiohttp import web
 
 from bus import messages as bus
 from bus import subjects
-from bus.service import call
 from orchestrator.api import types
-from orchestrator.api.http import NC, ClientError, app_name, body, json
+from orchestrator.api.http import BROKERS, ClientError, app_name, body, json
 
 T = TypeVar("T")
 _VOLUME_ID = re.compile(r"^vol_[0-9a-z]{16}$")
@@ -28,7 +27,8 @@ def volume_id(request: web.Request) -> str:
 
 
 async def _ask(request: web.Request, verb: str, payload: Any, kind: type[T], timeout: float = 30.0) -> T:
-    return await call(request.app[NC], subjects.api_volumes(app_name(request), verb), payload, kind, timeout=timeout)
+    subject = subjects.api_volumes(app_name(request), verb)
+    return await request.app[BROKERS].call(subject, payload, kind, timeout=timeout)
 
 
 async def list_volumes(request: web.Request) -> web.Response:

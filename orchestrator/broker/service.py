@@ -22,6 +22,7 @@ from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from bus import subjects
+from bus.audit import AuditTrail, RequestAudit
 from bus.codec import decode, encode
 from bus.connection import connect
 from bus.contract import endpoint_metadata
@@ -50,7 +51,7 @@ from bus.messages import (
     index_entry,
 )
 from bus.scatter import Scatterer
-from bus.service import Responder, call, request
+from bus.service import Handler, Responder, answer, call, request
 from bus.volumes import snapshot_store, volumes_bucket
 from orchestrator.broker import metrics
 from orchestrator.broker.auction import Auction, AuctionConfig, Outcome, OutcomeUnknown
@@ -95,7 +96,9 @@ class Broker:
         self._closing = False
         self.bus_lost: str | None = None  # why the bus connection ended for good, if it did
 
-    async def start(self) -> None:
+    async def start(self, *, serve: bool = True) -> None:
+        """Connect, follow the fleet's replicas and, with `serve`, answer the API subjects over NATS. Without it
+        the broker answers only in its own process (`answer`): the HTTP API embeds one that way."""
         self.nc = await connect(self.config.nats_url, f"fauxmad-{self.id}", agent=True, on_closed=self._on_bus_closed)
         kv = await ensure_fleet_resources(self.nc.jetstream(), FleetConfig(region=self.config.region))
         await self.registry.start(kv.workers)
@@ -110,22 +113,10 @@ class Broker:
         self._layout = kv.layout
         self._regional_claims = kv.idempotency if kv.layout.supercluster else None
         self._claims_of: dict[str, Idempotency] = {}
-        self.responder = Responder(self.nc, self.id)
-        self._service = await add_service(
-            self.nc,
-            ServiceConfig(
-                name=subjects.BROKER_SERVICE,
-                version=VERSION,
-                queue_group=subjects.BROKER_QUEUE,
-                description="fauxmad broker: region auctions that fill or fail at once",
-                metadata={
-                    "broker_id": self.id,
-                    "strategy": self.config.auction.strategy,
-                    "deadline_ms": f"{self.config.auction.deadline * 1000:g}",
-                },
-            ),
-        )
-        for name, subject, handler, described in (
+        self.trail = AuditTrail(self.nc)
+        await self.trail.make_stream_if_open()
+        self.responder = Responder(self.nc, self.id, audit=RequestAudit(self.trail))
+        self._endpoints: tuple[tuple[str, str, Handler, list[str]], ...] = (
             (
                 "machines",
                 subjects.API_MACHINES_WILDCARD,
@@ -141,7 +132,24 @@ class Broker:
             ("regions", subjects.API_REGIONS_LIST, self._on_regions, ["regions_list"]),
             ("workers", subjects.API_WORKERS_LIST, self._on_workers, ["workers_list"]),
             ("simulate", subjects.API_PLACEMENTS_SIMULATE, self._on_simulate, ["placements_simulate"]),
-        ):
+        )
+        if not serve:
+            return
+        self._service = await add_service(
+            self.nc,
+            ServiceConfig(
+                name=subjects.BROKER_SERVICE,
+                version=VERSION,
+                queue_group=subjects.BROKER_QUEUE,
+                description="fauxmad broker: region auctions that fill or fail at once",
+                metadata={
+                    "broker_id": self.id,
+                    "strategy": self.config.auction.strategy,
+                    "deadline_ms": f"{self.config.auction.deadline * 1000:g}",
+                },
+            ),
+        )
+        for name, subject, handler, described in self._endpoints:
             await self._service.add_endpoint(
                 EndpointConfig(
                     name=name,
@@ -151,6 +159,14 @@ class Broker:
                 )
             )
         await self.nc.flush()
+
+    async def answer(self, subject: str, data: bytes) -> bytes:
+        """What this broker answers to a request on `subject`, in this process: the reply's bytes, or the
+        `FauxmadError` its NATS reply would carry (anything else unexpected is an `InternalError`, as there)."""
+        for _, pattern, handler, _ in self._endpoints:
+            if subjects.matches(pattern, subject):
+                return await answer(handler, subject, data, self.id)
+        raise Unreachable(f"nobody answers on {subject}")
 
     # ------------------------------------------------------------------------------------------
     async def _on_machines(self, subject: str, data: bytes) -> Any:
@@ -379,6 +395,7 @@ class Broker:
                 await self._service.stop()
         if hasattr(self, "responder"):
             await self.responder.drain(2.0)
+            await self.trail.drain()
         await self.registry.close()
         await self.index.close()
         if self.nc is not None:

@@ -23,7 +23,7 @@ def api(
     metrics_listen: str | None = typer.Option(None, "--metrics-listen", help="HOST:PORT for Prometheus /metrics"),
     nats: str | None = NatsOption,
 ) -> None:
-    """Serve Fly's Machines API (`/v1/apps/...`) over HTTP, each request one request to the brokers."""
+    """Serve Fly's Machines API (`/v1/apps/...`) over HTTP, with a broker of its own: creates are placed here."""
     from orchestrator.api.run import read_root_key, read_token, serve
     from orchestrator.proxy.run import parse_listen
 

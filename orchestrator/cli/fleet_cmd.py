@@ -170,8 +170,6 @@ def dev(
 
     spec = msgspec.structs.replace(_fleet_spec(regions_csv, workers_per_region, cpus, memory_mb, port), secure=secure)
     if supercluster:
-        if secure:
-            fail("--supercluster runs an open dev supercluster: leave out --secure")
         if port is not None:
             fail("--supercluster picks free ports for its servers: leave out --port")
         spec = msgspec.structs.replace(spec, supercluster=servers_per_region, operators=True)

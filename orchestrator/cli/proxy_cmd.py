@@ -34,6 +34,9 @@ def proxy(
     head_timeout: float = typer.Option(
         10.0, "--head-timeout", min=0.1, help="seconds a client has to send a whole request head (else 408)"
     ),
+    response_timeout: float = typer.Option(
+        60.0, "--response-timeout", min=0.1, help="seconds a machine has to begin its response (else 504)"
+    ),
     nats: str | None = NatsOption,
 ) -> None:
     """Route HTTP requests for <app>.<domain> to the app's machines; start or create them inside a request."""
@@ -52,6 +55,7 @@ def proxy(
         latency=_latency(latency),
         queue_timeout=queue_timeout,
         head_timeout=head_timeout,
+        response_timeout=response_timeout,
     )
     url = nats_url(nats)
     assert url is not None

@@ -132,7 +132,7 @@ def prepare(
     async def ensure(nc: Any) -> None:
         for region in split_names("region", regions or ""):
             await ensure_jobs_resources(nc.jetstream(), region)
-        await ensure_fleet_resources(nc.jetstream())
+        await ensure_fleet_resources(nc.jetstream(), every_region=True)
         await secrets_bucket(nc.jetstream())
         await ensure_audit_stream(nc.jetstream())
         await revoked_tokens_bucket(nc.jetstream())

@@ -132,6 +132,13 @@ def worker(
     job_slots: int = typer.Option(
         0, "--job-slots", min=0, help="background jobs run at once [default: one per cpu offered]", show_default=False
     ),
+    max_load: float = typer.Option(
+        8.0,
+        "--max-load",
+        min=0.0,
+        help="decline offers while the 1-minute load average per cpu is at least this (0: never; a dev fleet, "
+        "whose simulated hosts share one kernel, uses 0)",
+    ),
     jobs_ack_wait: float = typer.Option(
         6.0, "--jobs-ack-wait", min=0.5, help="seconds before a job taken by a silent worker goes to another"
     ),
@@ -153,6 +160,7 @@ def worker(
     if ctx.invoked_subcommand is not None:
         return  # `fauxmad worker drain ...`: the options above belong to running an agent
     from workers.agent import WorkerConfig, run_workers  # imported here: other commands start faster
+    from workers.offers import Backpressure
     from workers.supervision import Backoff
 
     serve_metrics(metrics_listen)
@@ -179,6 +187,7 @@ def worker(
             data_dir=str(root if count == 1 else root / one),
             heartbeat_interval=heartbeat,
             backoff=Backoff(base=restart_backoff),
+            backpressure=Backpressure(max_load=max_load),
             fsync=not no_fsync,
             map_size=(8 << 30) if count == 1 else (64 << 20),
             secrets_key=key,

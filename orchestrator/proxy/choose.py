@@ -68,6 +68,8 @@ def region_order(regions: Iterable[str], own: str, prefer: str | None, latency: 
 
 
 def _least_loaded(machines: Sequence[Candidate], rng: random.Random) -> Candidate:
+    if len(machines) == 1:
+        return machines[0]
     low = min(m.load for m in machines)
     tied = [m for m in machines if m.load == low]
     return tied[0] if len(tied) == 1 else tied[rng.randrange(len(tied))]
@@ -83,11 +85,15 @@ def choose(
     """`order` from `region_order` (it may name regions without machines: auto_create can fill them);
     `avoid`: machines that failed this request already, or refused connections lately."""
     by_region: dict[str, list[Candidate]] = {}
+    started: dict[str, list[Candidate]] = {}
     for machine in candidates:
         if machine.id not in avoid:
             by_region.setdefault(machine.region, []).append(machine)
-    regions = list(order) + sorted(set(by_region) - set(order))
-    started = {r: [m for m in by_region.get(r, []) if m.state == "started"] for r in regions}
+            if machine.state == "started":
+                started.setdefault(machine.region, []).append(machine)
+    regions = list(order)
+    if not by_region.keys() <= set(regions):
+        regions += sorted(set(by_region) - set(order))
     decision: Decision | None = _under(started, regions, policy.soft_limit, rng)
     if decision is None and policy.auto_start:
         decision = _startable(by_region, regions)
@@ -107,7 +113,10 @@ def _under(
 ) -> Route | None:
     """The least loaded started machine under `limit` in the nearest region that has one."""
     for region in regions:
-        under = [m for m in started[region] if m.load < limit]
+        machines = started.get(region)
+        if not machines:
+            continue
+        under = [m for m in machines if m.load < limit]
         if under:
             return Route(_least_loaded(under, rng).id)
     return None

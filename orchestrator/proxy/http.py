@@ -10,6 +10,7 @@ lengths, whitespace before a colon: 400). Parsing does no I/O and is tested by f
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import NamedTuple
 
 MAX_HEAD = 32 * 1024  # bytes of request line and headers; more is a 431
@@ -54,13 +55,18 @@ class Head(NamedTuple):
         return out
 
 
+# A field name is a token (RFC 9110 5.1): no whitespace (before the colon, a smuggling vector), no separators.
+_FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
 def _headers(lines: list[bytes]) -> list[tuple[bytes, bytes]]:
     if len(lines) > MAX_HEADERS:
         raise HttpError(431, f"more than {MAX_HEADERS} header fields")
     headers = []
+    field = _FIELD_NAME.fullmatch
     for line in lines:
         name, colon, value = line.partition(b":")
-        if not colon or not name or name != name.strip() or b" " in name or b"\t" in name:
+        if not colon or field(name) is None:
             raise HttpError(400, "malformed header field")
         headers.append((name.lower(), value.strip()))
     return headers
@@ -117,10 +123,27 @@ def response_has_body(method: bytes, status: int) -> bool:
     return not (method == b"HEAD" or status in (204, 304) or 100 <= status < 200)
 
 
+_HOSTS: dict[tuple[bytes, str], str | None] = {}  # split_host's answers: the same few hosts come on every request
+
+
 def split_host(host: bytes | None, domain: str) -> str | None:
     """The app a Host header names under `domain` (`sandwich.localhost:8080` -> `sandwich`), or None."""
     if not host:
         return None
+    key = (host, domain)
+    try:
+        return _HOSTS[key]
+    except KeyError:
+        pass
+    app = _split_host(host, domain)
+    if len(host) <= 256:  # made-up hosts grow it to 4,096 short keys at most
+        if len(_HOSTS) >= 4096:
+            _HOSTS.clear()
+        _HOSTS[key] = app
+    return app
+
+
+def _split_host(host: bytes, domain: str) -> str | None:
     try:
         text = host.decode("ascii").lower()
     except UnicodeDecodeError:

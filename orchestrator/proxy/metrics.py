@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -46,9 +47,19 @@ class ProxyMetrics:
             registry=self.registry,
         )
 
+        # each label set's counter and histogram, looked up once: `labels()` costs more than the count itself
+        self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
     def observe(self, app: str, region: str, status: int, seconds: float) -> None:
-        self.requests.labels(app, region, str(status)).inc()
-        self.latency.labels(app).observe(seconds)
+        key = (app, region, status)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                self.requests.labels(app, region, str(status)),
+                self.latency.labels(app),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,7 @@ from orchestrator.reconcile.spec import AppSpec
 
 log = logging.getLogger(__name__)
 DEFAULT_SERVICE = HttpService()
+LIVE_FOR = 0.1  # seconds a region's live workers are reused between requests (heartbeats expire in seconds)
 
 
 class _Head(msgspec.Struct):
@@ -55,8 +56,10 @@ class AppsReplica(KVReplica):
         super().__init__()
         self._heads: dict[str, int] = {}
         self._releases: dict[tuple[str, int], AppSpec] = {}
+        self._current: dict[str, App] = {}  # `current`'s answers until the next change
 
     def apply(self, key: str, value: bytes | None) -> None:
+        self._current.clear()
         parts = key.split(".")
         if len(parts) == 2 and parts[1] == "current":
             head = None
@@ -85,6 +88,14 @@ class AppsReplica(KVReplica):
         return sorted(self._heads)
 
     def current(self, app: str) -> App | None:
+        found = self._current.get(app)
+        if found is None:
+            found = self._read(app)
+            if found is not None:  # unknown names are not kept: a client can make up any number
+                self._current[app] = found
+        return found
+
+    def _read(self, app: str) -> App | None:
         version = self._heads.get(app)
         if version is None:
             return None
@@ -122,6 +133,7 @@ class RouteTable:
         self.registry = registry or Registry()
         self.apps = AppsReplica()
         self._by_app: dict[str, list[MachineIndexEntry]] | None = None
+        self._live: dict[str, tuple[float, set[str]]] = {}  # region -> (when, its live workers)
         self.index.on_change = self._changed
 
     def _changed(self, key: str) -> None:
@@ -160,13 +172,13 @@ class RouteTable:
                     grouped.setdefault(entry.app, []).append(entry)
             self._by_app = grouped
         entries = self._by_app.get(app, [])
-        live: dict[str, set[str]] = {}
+        now = self.registry.clock()
         out = []
         for entry in entries:
-            ids = live.get(entry.region)
-            if ids is None:
-                ids = live[entry.region] = self.registry.live_ids(entry.region)
-            if entry.worker_id in ids:
+            held = self._live.get(entry.region)
+            if held is None or now - held[0] > LIVE_FOR:
+                held = self._live[entry.region] = (now, self.registry.live_ids(entry.region))
+            if entry.worker_id in held[1]:
                 out.append(entry)
         return out
 

@@ -102,6 +102,7 @@ async def run_proxy(
         await stop.wait()
         idle_task.cancel()
         server.close()
+        await proxy.deadlines.close()
         if admin_server is not None:
             admin_server.close()
     finally:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import secrets
@@ -29,7 +30,9 @@ import msgspec
 from bus import subjects
 from bus.messages import ProxyUnreachable
 from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Route, Start, Wait, choose, region_order
+from orchestrator.proxy.deadlines import Deadlines, Watch
 from orchestrator.proxy.http import (
+    CHUNK,
     HOP_BY_HOP,
     MAX_HEAD,
     Framing,
@@ -100,10 +103,12 @@ class Exchange:
         "responded",
         "safe",
         "status",
+        "watch",
     )
 
-    def __init__(self, head: Head, request_id: str) -> None:
+    def __init__(self, head: Head, request_id: str, watch: Watch) -> None:
         self.head = head
+        self.watch = watch  # the connection's deadline (the response head's wait)
         self.request_id = request_id
         self.app = ""
         self.machine: str | None = None
@@ -141,6 +146,9 @@ class Proxy:
         self._bad: dict[str, float] = {}
         self._freed: dict[str, asyncio.Event] = {}
         self._queued: dict[str, int] = {}
+        self._orders: dict[tuple[frozenset[str], str | None], list[str]] = {}
+        self._policies: dict[str, tuple[App, Policy]] = {}
+        self.deadlines = Deadlines(clock)
 
     # ------------------------------------------------------------------------------------------
     # the connection
@@ -149,38 +157,44 @@ class Proxy:
         peer = writer.get_extra_info("peername")
         client_ip = peer[0] if isinstance(peer, tuple) else ""
         held: list[str] = []  # concurrency type `connections`: the machine this connection holds
+        watch = self.deadlines.watch()
         try:
             first = True
             while True:
                 timeout = self.config.head_timeout if first else self.config.keepalive_timeout
-                data = await self._read_head(reader, writer, timeout, first)
+                data = await self._read_head(reader, writer, timeout, first, watch)
                 if data is None:
                     return
                 first = False
-                if not await self._one(data, reader, writer, client_ip, held):
+                if not await self._one(data, reader, writer, client_ip, held, watch):
                     return
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
         finally:
+            self.deadlines.forget(watch)
             for machine_id in held:
                 self._release(machine_id)
             with contextlib.suppress(Exception):
                 writer.close()
 
     async def _read_head(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float, first: bool
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float, first: bool, watch: Watch
     ) -> bytes | None:
+        watch.arm(timeout)  # no timer per read (asyncio.timeout's): this is the hot path
         try:
-            async with asyncio.timeout(timeout):  # no task per read, unlike wait_for: this is the hot path
-                return await reader.readuntil(b"\r\n\r\n")
+            return await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError:
             return None
         except asyncio.LimitOverrunError:
             writer.write(error_response(431, f"request head over {MAX_HEAD} bytes", _request_id()))
-        except TimeoutError:
+        except asyncio.CancelledError:
+            if not watch.expired():
+                raise
             if not first:  # an idle keep-alive connection: just close it
                 return None
             writer.write(error_response(408, "the request head did not arrive in time", _request_id()))
+        finally:
+            watch.disarm()
         with contextlib.suppress(Exception):
             await writer.drain()
         return None
@@ -192,6 +206,7 @@ class Proxy:
         writer: asyncio.StreamWriter,
         client_ip: str,
         held: list[str],
+        watch: Watch,
     ) -> bool:
         """Serve one request; True when the client connection stays open for the next."""
         began = self.clock()
@@ -199,7 +214,7 @@ class Proxy:
         ex: Exchange | None = None
         try:
             head = parse_request_head(data)
-            ex = Exchange(head, request_id)
+            ex = Exchange(head, request_id, watch)
             await self._serve(ex, reader, writer, client_ip, held)
             return ex.client_keep
         except (HttpError, Refused) as exc:
@@ -299,13 +314,19 @@ class Proxy:
         ]
 
     def _avoided(self) -> set[str]:
+        if not self._bad:
+            return _NONE
         now = self.clock()
         for machine_id, until in list(self._bad.items()):
             if until <= now:
                 del self._bad[machine_id]
         return set(self._bad)
 
-    async def _pick(self, app: App, prefer: str | None, avoid: set[str], deadline: float) -> str:
+    def _policy(self, app: App) -> Policy:
+        """The app's choice policy, made once per release the route table holds (`App` is replaced on change)."""
+        held = self._policies.get(app.name)
+        if held is not None and held[0] is app:
+            return held[1]
         service = app.service
         can_wake = self.waker is not None
         policy = Policy(
@@ -315,13 +336,19 @@ class Proxy:
             auto_create=service.auto_create and can_wake and app.spec is not None,
             max_per_region=service.max_per_region,
         )
+        self._policies[app.name] = (app, policy)
+        return policy
+
+    async def _pick(self, app: App, prefer: str | None, avoid: set[str], deadline: float) -> str:
+        policy = self._policy(app)
         while True:
             candidates = self._candidates(app)
             regions = {c.region for c in candidates}
             if policy.auto_create:
                 regions.update(self.routes.regions())
-            order = region_order(regions, self.config.region, prefer, self.config.latency)
-            decision = choose(candidates, policy, order, self.rng, avoid | self._avoided())
+            order = self._region_order(regions, prefer)
+            bad = self._avoided()
+            decision = choose(candidates, policy, order, self.rng, avoid | bad if bad else avoid)
             match decision:
                 case Route(machine_id):
                     if await self._started(machine_id):
@@ -347,6 +374,16 @@ class Proxy:
                     if late is None:
                         raise Refused(502, f"no machine of {app.name} could take this request ({why})")
                     return late
+
+    def _region_order(self, regions: set[str], prefer: str | None) -> list[str]:
+        """`region_order`, remembered: the same few region sets come up on every request."""
+        key = (frozenset(regions), prefer)
+        order = self._orders.get(key)
+        if order is None:
+            if len(self._orders) > 1024:
+                self._orders.clear()
+            order = self._orders[key] = region_order(regions, self.config.region, prefer, self.config.latency)
+        return order
 
     async def _started(self, machine_id: str) -> bool:
         """Wait for this proxy's start of the machine, if one is in flight; False if it failed."""
@@ -497,15 +534,19 @@ class Proxy:
         self, ex: Exchange, conn: Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upgrade: bool
     ) -> None:
         head = ex.head
+        ex.watch.arm(self.config.response_timeout)
         try:
-            async with asyncio.timeout(self.config.response_timeout):
-                data = await conn.reader.readuntil(b"\r\n\r\n")
-        except TimeoutError:
+            data = await conn.reader.readuntil(b"\r\n\r\n")
+        except asyncio.CancelledError:
+            if not ex.watch.expired():
+                raise
             raise Refused(
                 504, f"machine {ex.machine} did not answer within {self.config.response_timeout:g}s"
             ) from None
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
             raise _Upstream(f"{ex.machine} closed the connection ({type(exc).__name__})", resend=False) from None
+        finally:
+            ex.watch.disarm()
         response = parse_response_head(data)
         status = int(response.first)
         while 100 <= status < 200 and status != 101:  # interim responses (100 Continue): pass on, read on
@@ -526,9 +567,15 @@ class Proxy:
             upstream_keep = upstream_keep and b"keep-alive" in response.tokens(b"connection")
         if framing.length < 0:
             ex.client_keep = False
-        ex.responded = True
-        writer.write(_client_head(response, ex, machine=ex.machine or ""))
-        await relay_body(conn.reader, writer, framing)
+        client_head = _client_head(response, ex, machine=ex.machine or "")
+        if not framing.chunked and 0 < framing.length <= CHUNK:  # a small body: head and body in one send
+            body = await conn.reader.readexactly(framing.length)
+            ex.responded = True
+            writer.write(client_head + body)
+        else:
+            ex.responded = True
+            writer.write(client_head)
+            await relay_body(conn.reader, writer, framing)
         if upstream_keep:
             self.pool.put(conn)
         else:
@@ -537,8 +584,14 @@ class Proxy:
             await writer.drain()
 
 
+_NONE: set[str] = set()  # no machine avoided (never changed)
+_REQUEST_IDS = itertools.count(1)
+_ID_PREFIX = secrets.token_hex(4)  # this process's: ids from many proxies do not collide
+
+
 def _request_id() -> str:
-    return secrets.token_hex(8)
+    """16 hex digits, unique per proxy process: a random prefix and a count (a token per request cost more)."""
+    return f"{_ID_PREFIX}{next(_REQUEST_IDS) & 0xFFFFFFFF:08x}"
 
 
 def _dropped(head: Head, upgrade: bool) -> set[bytes]:

@@ -1,12 +1,13 @@
-"""Machines started or created inside a request (autostart, scale from zero), through the brokers.
+"""Machines started or created inside a request (autostart, scale from zero).
 
 A request that finds no started machine under its soft limit resumes a suspended one (`resume`: the
-process continues where it was frozen) or starts a stopped one (`start` on
-`fauxmad.v1.api.apps.<app>.machines.start`), or, with `auto_create`, creates one in a region that may have
-another (`create`, which the broker starts in the same leg); it is then held until the machine accepts a
-TCP connection, and that connection serves it. One start per machine and one create per app and region
-are in flight at a time: a burst of requests shares them. Until the index's watch catches up, the start's
-reply is the table's entry for the machine.
+process continues where it was frozen) or starts a stopped one (`start`), asking the machine's worker
+directly (`fauxmad.v1.worker.<id>.machines.<verb>`, the worker the route table names, as fly-proxy asks
+flyd; through a broker only for a machine the table does not know yet), or, with `auto_create`, creates one
+through the brokers in a region that may have another (`create`, which the broker starts in the same leg);
+it is then held until the machine accepts a TCP connection, and that connection serves it. One start per
+machine and one create per app and region are in flight at a time: a burst of requests shares them. Until
+the index's watch catches up, the start's reply is the table's entry for the machine.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ class Waker:
         entry = self.routes.entry(machine_id)
         kind = "resume" if entry is not None and entry.state in ("suspended", "suspending") else "start"
         try:
-            if kind == "resume":
+            if entry is not None and entry.worker_id:
+                machine = await self.client.wake_on(entry.worker_id, machine_id, kind)
+            elif kind == "resume":
                 machine = await self.client.resume(app, machine_id)
             else:
                 machine = await self.client.start(app, machine_id)

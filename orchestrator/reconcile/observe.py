@@ -29,6 +29,8 @@ from orchestrator.reconcile.ports import Bus
 
 log = logging.getLogger(__name__)
 
+INITIAL_VALUES_WITHIN = 25.0  # seconds the replicas may take to fill (see `Observer.start`)
+
 
 def health(machine: Machine) -> tuple[bool, str]:
     """Started with every configured check passing; otherwise why not, in a few words."""
@@ -106,9 +108,14 @@ class Observer:
         self.index.on_change = on_change
 
     async def start(self, kv: FleetKV) -> None:
-        """Fill the replicas from the KV and keep them current (a unit test `apply`s updates instead)."""
-        await self.registry.start(kv.workers)
-        await self.index.start(kv.machines)
+        """Fill the replicas from the KV and keep them current (a unit test `apply`s updates instead).
+
+        Waits past the replicas' usual 5 s: a watch's initial values come as soon as every region answers, or
+        after 4 s without the regions that do not, but while no region answers (JetStream electing its meta
+        leader again, `bus.regional`) up to 20 s; an empty registry taken for the fleet would tell a deploy
+        that no region has a live worker."""
+        await self.registry.start(kv.workers, timeout=INITIAL_VALUES_WITHIN)
+        await self.index.start(kv.machines, timeout=INITIAL_VALUES_WITHIN)
 
     async def close(self) -> None:
         await self.registry.close()

@@ -48,7 +48,7 @@ from orchestrator.reconcile.over_nats import KVReleaseStore, NatsBus
 from orchestrator.reconcile.plan import Create, Desired, Destroy, Failure, Plan, Update, plan, summarize
 from orchestrator.reconcile.ports import Bus, Clock, MachinesApi, ReleaseStore
 from orchestrator.reconcile.preview import Planned, planned, problems, simulate
-from orchestrator.reconcile.releases import Head, Release, Releases
+from orchestrator.reconcile.releases import Head, Release, Releases, WatchedReleases
 from orchestrator.reconcile.spec import SPARE, AppSpec
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,16 @@ PlanHook = Callable[[str, Plan], None]
 ResultHook = Callable[[str, Result], None]
 
 
+def desired_from(app: str, head: Head | None, release: Release | None) -> Desired | None:
+    """What `app` should run, from its head and the release the head names: None without a head (or, from the
+    apps watch, while that release has not arrived), release 0 while the app is being destroyed."""
+    if head is None:
+        return None
+    if head.destroyed or head.version == 0:
+        return Desired(app=app, release=0, spec=None)
+    return Desired(app=app, release=release.version, spec=release.spec) if release is not None else None
+
+
 class Reconciler:
     def __init__(
         self,
@@ -146,7 +156,8 @@ class Reconciler:
         # machines only, so a region cut off from the others is failed over by its own operator and by nobody else
         self.region = region
         self._last_desired: dict[str, Desired] = {}
-        self._known_apps: list[str] = []
+        self._known_apps: set[str] = set()  # the last app list read
+        self._watched = WatchedReleases()  # what the apps watch showed: the fallback while the bucket does not answer
         self._desired_quiet_until = 0.0
         self.machines = machines
         self.clock = clock  # when things happen: releases, health deadlines, the planner's `now`
@@ -218,7 +229,9 @@ class Reconciler:
         task.add_done_callback(self._tasks.remove)
 
     async def _follow_apps(self) -> None:
-        async for _ in self._apps_watch:
+        async for entry in self._apps_watch:
+            if entry is not None:
+                self._watched.apply(entry.key, entry.value if entry.operation is None else None)
             self._wake.set()
 
     def _on_change(self, key: str) -> None:
@@ -252,12 +265,9 @@ class Reconciler:
     # ------------------------------------------------------------------------------------------
     async def desired(self, app: str) -> Desired | None:
         head = await self.releases.head(app)
-        if head is None:
-            return None
-        if head.destroyed or head.version == 0:
-            return Desired(app=app, release=0, spec=None)
-        release = await self.releases.get(app, head.version)
-        return Desired(app=app, release=release.version, spec=release.spec)
+        if head is None or head.destroyed or head.version == 0:
+            return desired_from(app, head, None)  # no release to read
+        return desired_from(app, head, await self.releases.get(app, head.version))
 
     async def step(self, desired: Desired, exits_since: float | None = None) -> tuple[Plan, list[Result]]:
         """One pass: observe, plan, execute. Returns the plan and what became of its actions.
@@ -629,7 +639,7 @@ class Reconciler:
                     result, _ = await self.step(desired)
                     busy = busy or bool(result.actions or result.waiting)
                 except Exception as exc:
-                    log.info("reconcile %s: %s (will look again)", app, exc)
+                    log.warning("reconcile %s: %s (will look again)", app, exc)
                     busy = True
             waiter = asyncio.create_task(self.wait_for_change(self.poll if busy else self.backstop))
             stopper = asyncio.create_task(stop.wait())
@@ -638,23 +648,24 @@ class Reconciler:
                 task.cancel()
 
     async def _apps(self) -> list[str]:
-        """The apps with releases; the last list seen while the desired state does not answer (a supercluster's
-        region cut off from the home region, which keeps it)."""
-        if self.timer() < self._desired_quiet_until:
-            return self._known_apps
-        try:
-            self._known_apps = await asyncio.wait_for(self.releases.apps(), DESIRED_TIMEOUT)
-        except Exception as exc:
-            self._desired_quiet_until = self.timer() + DESIRED_RETRY
-            log.info("the app list did not answer (%r): using the last one seen", exc)
-        return self._known_apps
+        """The apps with releases; while the desired state does not answer (a supercluster's region cut off from
+        the home region, which keeps it), the last list seen and the apps the apps watch brought since."""
+        if self.timer() >= self._desired_quiet_until:
+            try:
+                self._known_apps = set(await asyncio.wait_for(self.releases.apps(), DESIRED_TIMEOUT))
+                return sorted(self._known_apps)
+            except Exception as exc:
+                self._desired_quiet_until = self.timer() + DESIRED_RETRY
+                log.warning("the app list did not answer (%r): using the last one seen", exc)
+        return sorted(self._known_apps | self._watched.apps())
 
     async def _desired_or_last(self, app: str) -> Desired | None:
         """`desired(app)`, or the last one read while the desired state does not answer: a region cut off from
         the home region keeps converging to the release it last saw (it cannot see a newer one anyway). After a
         read that did not answer, the last one is used at once for `DESIRED_RETRY` seconds: a pass is not held
-        up by a timeout each time."""
-        last = self._last_desired.get(app)
+        up by a timeout each time. The apps watch's view goes before the last read: it is at least as new, and an
+        operator whose reads failed from its start (its JetStream still electing when the cut began) has no other."""
+        last = self._watched_desired(app) or self._last_desired.get(app)
         if last is not None and self.timer() < self._desired_quiet_until:
             return last
         try:
@@ -668,6 +679,10 @@ class Reconciler:
         if desired is not None:
             self._last_desired[app] = desired
         return desired
+
+    def _watched_desired(self, app: str) -> Desired | None:
+        head = self._watched.head(app)
+        return desired_from(app, head, self._watched.release(app, head.version) if head is not None else None)
 
     # ------------------------------------------------------------------------------------------
     async def destroy_app(self, app: str, timeout: float = 120.0) -> Converged:

@@ -20,10 +20,19 @@ import msgspec
 
 from bus.codec import decoder, encode
 from bus.errors import Conflict, NotFound
+from bus.subjects import matches
 from orchestrator.reconcile.ports import Clock, ReleaseStore
 from orchestrator.reconcile.spec import AppSpec
 
 Status = Literal["running", "complete", "failed", "rolled_back"]
+
+
+def app_of_key(key: str) -> str | None:
+    """The app a key of the apps bucket belongs to, when it says the app has releases (its `current` pointer or
+    a release), else None."""
+    if matches("*.current", key) or matches("*.releases.*", key):
+        return key.split(".", 1)[0]
+    return None
 
 
 class Release(msgspec.Struct, kw_only=True):
@@ -47,23 +56,51 @@ class Head(msgspec.Struct, kw_only=True):
     updated_at: float = 0.0
 
 
-def subject_matches(pattern: str, key: str) -> bool:
-    """NATS wildcard matching: `*` is one token, a final `>` one or more."""
-    want, have = pattern.split("."), key.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(have) == len(want)
-
-
 def _release_key(app: str, version: int) -> str:
     return f"{app}.releases.{version}"
 
 
 def _head_key(app: str) -> str:
     return f"{app}.current"
+
+
+class WatchedReleases:
+    """What the apps bucket's watch has shown: each app's head and releases, decoded as they arrive.
+
+    An operator reads the desired state from the bucket, and falls back on this when the bucket does not
+    answer: a supercluster region cut off from the home region (which keeps the bucket) still knows every app
+    deployed before the cut and the release it should run, even when its own reads failed until then."""
+
+    def __init__(self) -> None:
+        self._heads: dict[str, Head] = {}
+        self._releases: dict[tuple[str, int], Release] = {}
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        """One watch entry (`value=None`: deleted or purged). Values that do not decode are ignored."""
+        app, _, rest = key.partition(".")
+        try:
+            if rest == "current":
+                if value is None:
+                    self._heads.pop(app, None)
+                else:
+                    self._heads[app] = decoder(Head).decode(value)
+            elif matches("releases.*", rest) and rest.split(".")[1].isdigit():
+                version = int(rest.split(".")[1])
+                if value is None:
+                    self._releases.pop((app, version), None)
+                else:
+                    self._releases[(app, version)] = decoder(Release).decode(value)
+        except msgspec.DecodeError:
+            return
+
+    def apps(self) -> set[str]:
+        return set(self._heads) | {app for app, _ in self._releases}
+
+    def head(self, app: str) -> Head | None:
+        return self._heads.get(app)
+
+    def release(self, app: str, version: int) -> Release | None:
+        return self._releases.get((app, version))
 
 
 class Releases:
@@ -73,14 +110,11 @@ class Releases:
 
     async def _keys(self, pattern: str) -> list[str]:
         # filtered at this end: nats-py's server-side key filters return nothing with some servers
-        return [key for key in await self.kv.keys() if subject_matches(pattern, key)]
+        return [key for key in await self.kv.keys() if matches(pattern, key)]
 
     async def apps(self) -> list[str]:
         """Apps with a current release or any release at all (a first deploy that failed leaves no current)."""
-        keys = await self._keys(">")
-        return sorted(
-            {k.split(".", 1)[0] for k in keys if subject_matches("*.current", k) or subject_matches("*.releases.*", k)}
-        )
+        return sorted({app for app in map(app_of_key, await self._keys(">")) if app is not None})
 
     async def list(self, app: str) -> list[Release]:
         out = []

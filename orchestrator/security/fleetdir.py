@@ -22,6 +22,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from types import ModuleType
 
 import msgspec
 import nkeys
@@ -29,11 +30,18 @@ import nkeys
 from bus import credentials
 from bus.secrets import new_private_key
 from bus.subjects import check_token
-from orchestrator.security import pki
 from orchestrator.security.roles import Identity, Permissions, Role, permissions
 
 IDENTITIES = "identities.json"
 OPERATOR = "operator"
+
+
+def _pki() -> ModuleType:
+    """The certificate maker, imported only by the commands that make certificates: `cryptography`'s
+    x509 costs every `fauxmad` call about 55 ms otherwise (this module is imported by the CLI's runtime)."""
+    from orchestrator.security import pki
+
+    return pki
 
 
 class FleetDirError(Exception):
@@ -58,13 +66,18 @@ class FleetDir:
         return self.root / "creds" / f"{name}.json"
 
     # -- init --------------------------------------------------------------------------------------
-    def init(self, *, host: str = "127.0.0.1", port: int = 4222, server_names: tuple[str, ...] = ()) -> Path:
-        """Make the CA, the server's certificate and config, and the operator's credentials."""
+    def init(
+        self, *, host: str = "127.0.0.1", port: int = 4222, server_names: tuple[str, ...] = (), url: str | None = None
+    ) -> Path:
+        """Make the CA, the server's certificate and config, and the operator's credentials. `url`: what the
+        credentials name as the fleet's (several comma-separated servers: a region's cluster); default
+        `tls://HOST:PORT`."""
         if (self.root / IDENTITIES).exists():
             raise FleetDirError(f"{self.root} already holds a fleet ({IDENTITIES}); use add-worker / add-user")
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "creds").mkdir(exist_ok=True)
         (self.root / "jetstream").mkdir(exist_ok=True)
+        pki = _pki()
         ca = pki.make_ca()
         pki.write_cert(self.root / "ca.pem", ca[0])
         pki.write_key(self.root / "ca-key.pem", ca[1])
@@ -72,7 +85,7 @@ class FleetDir:
         server = pki.issue(ca, "nats-server", server_names=names, client=False)
         pki.write_cert(self.root / "server.pem", server[0])
         pki.write_key(self.root / "server-key.pem", server[1])
-        (self.root / "url").write_text(f"tls://{host}:{port}\n")
+        (self.root / "url").write_text(f"{url or f'tls://{host}:{port}'}\n")
         _write_private(self.root / "secrets.key", (new_private_key() + "\n").encode())
         self.config.write_text(self._render_config(host, port))
         self._save([])
@@ -121,6 +134,7 @@ class FleetDir:
         permissions(identity)  # a missing binding is refused before anything is written
         seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
         public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+        pki = _pki()
         ca = pki.load_ca(self.root / "ca.pem", self.root / "ca-key.pem")
         cert, key = pki.issue(ca, identity.name)
         creds_dir = self.root / "creds"
@@ -174,6 +188,7 @@ class FleetDir:
         has keep going (their TLS sessions are set up). Old client certificates stay valid until they
         expire (same CA), so processes pick up their new files at their next start, not all at once.
         Returns what was rotated ("server" included)."""
+        pki = _pki()
         ca = pki.load_ca(self.root / "ca.pem", self.root / "ca-key.pem")
         known = {entry.identity.name for entry in self.entries()}
         chosen = sorted(known) if names is None else names

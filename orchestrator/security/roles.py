@@ -6,9 +6,10 @@ not listed is refused, and the server drops the message), built here from the co
 
 - `worker` (one per host, bound to its id and region): answers only its own `worker.<id>.>` subjects and
   its own region's offers; publishes events only under `events.<region>.<id>.>` and writes only its own
-  heartbeat key; reads the streams it republishes into.
+  heartbeat key; records the job requests it answers in the audit stream; reads the streams it republishes
+  into.
 - `broker`: answers the API (`api.>`); asks workers (`offers.*`, `worker.*.>`); keeps idempotency claims;
-  reads the fleet's buckets and streams.
+  records the requests it answers in the audit stream; reads the fleet's buckets and streams.
 - `operator`: everything, JetStream administration included.
 - `deployer` (bound to one app): that app's API subjects and its releases, the fleet-wide read-only
   queries, reading events and logs.
@@ -129,6 +130,7 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.kv_put(layout.machines_bucket(region), "*"),
                 subjects.kv_put(SECRETS_BUCKET, PUBLIC_KEY),
                 f"$O.{subjects.SNAPSHOTS_STORE}.>",  # its volumes' snapshots (README "Volumes")
+                subjects.AUDIT_ALL,  # the audit records of the job requests it answers (`bus.audit`)
                 *read_streams(),
                 *_worker_jobs_publish(region),
             ),
@@ -150,6 +152,7 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.kv_put(subjects.IDEMPOTENCY_BUCKET, ">"),
                 subjects.kv_put(subjects.VOLUMES_BUCKET, "*"),
                 *(subjects.kv_put(layout.idempotency_bucket(r), ">") for r in layout.regions),
+                subjects.AUDIT_ALL,  # the audit records of the requests it answers (`bus.audit`)
                 *read_streams(),
             ),
             subscribe=(f"{P}.api.>", "$SRV.>", inbox),

@@ -14,7 +14,8 @@ import msgspec
 from bus import subjects
 from bus.errors import Conflict
 from bus.jobs import Job, JobSubmitRequest
-from tests.helpers import RawClient, arun, connect_nats
+from bus.messages import AuditRecord
+from tests.helpers import RawClient, arun, audit_records, connect_nats
 from tests.jobs.kit import client, overlapping, submit_and_wait
 
 FAST_ACK_WAIT = ["--jobs-ack-wait", "2"]
@@ -216,6 +217,18 @@ def test_an_idempotency_key_makes_a_submit_exactly_once(
     assert refused is not None  # the same key for another request: 409
     time.sleep(0.5)
     assert len(runs.read_text().split()) == 3
+    # each submit is in the audit trail, by the worker that answered it (an open fleet's clients: unsigned)
+    recorded = [(r.path, r.identity, r.status) for r in arun(audit_records_at(nats_url, app))]
+    submit = subjects.api_jobs_submit(app, region)
+    assert recorded == [(submit, "unsigned", 200), (submit, "unsigned", 200), (submit, "unsigned", 409)]
+
+
+async def audit_records_at(nats_url: str, app: str) -> list[AuditRecord]:
+    nc = await connect_nats(nats_url)
+    try:
+        return await audit_records(nc, app)
+    finally:
+        await nc.close()
 
 
 BAD_SUBMITS = [
@@ -231,6 +244,8 @@ BAD_SUBMITS = [
     b'{"app": "a", "cmd": [""]}',
     b'{"app": "a", "cmd": ["true"], "count": 10001}',
     b"\xff\xfe",
+    # valid, but its answer (every job, in one message) would be over the server's 1 MB max_payload
+    b'{"app": "a", "cmd": ["sh", "-c", "' + b"x" * 2000 + b'"], "count": 1000}',
 ]
 
 
@@ -259,6 +274,8 @@ def test_bad_submits_are_400(
             for subject, data in asked:
                 msg = await nc.request(subject, data, timeout=5)
                 out.append(((msg.headers or {}).get("Nats-Service-Error-Code", "200"), msgspec.json.decode(msg.data)))
+            listed = await nc.request(subjects.api_jobs("a", "list"), b'{"app": "a"}', timeout=5)
+            out.append(("jobs of app a", {"count": len(msgspec.json.decode(listed.data))}))
             unknown = await nc.request(
                 subjects.api_jobs("a", "status"), b'{"app": "a", "id": "j00000000000000f"}', timeout=5
             )
@@ -270,6 +287,8 @@ def test_bad_submits_are_400(
             await nc.close()
 
     *bad, unknown = arun(ask())
+    *bad, (_, made) = bad
+    assert made == {"count": 0}  # app a has no jobs at all: the refused submits wrote nothing
     for code, body in bad:
         assert code == "400", body
         assert body["error"]["code"] == 400  # type: ignore[index]

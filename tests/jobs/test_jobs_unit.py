@@ -17,6 +17,11 @@ def test_a_queued_job_runs_and_a_finished_one_is_dropped() -> None:
     assert decide(job(), 7, 100.0, holder_alive=False).action == "run"
     assert decide(job(state="succeeded", queue_seq=7), 7, 100.0, holder_alive=False).action == "drop"
     assert decide(None, 7, 100.0, holder_alive=False).action == "drop"
+    # a message a moment ahead of its record (a submit writes both side by side): asked for again, sooner first
+    first = decide(None, 7, 100.0, holder_alive=False, age=0.001, deliveries=1)
+    again = decide(None, 7, 100.0, holder_alive=False, age=1.0, deliveries=6)
+    assert first.action == again.action == "later" and 0 < first.delay < again.delay <= 0.25
+    assert decide(None, 7, 100.0, holder_alive=False, age=31.0, deliveries=90).action == "drop"
 
 
 def test_a_stray_copy_is_dropped_and_a_retry_waits_for_its_backoff() -> None:

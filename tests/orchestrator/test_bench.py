@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -159,7 +160,14 @@ def test_proxy_bench_on_a_real_fleet_and_proxy(tmp_path: Path) -> None:
     assert result.errors == 0
     assert result.direct.count == result.proxied.count == 50
     assert result.after_resume.count == result.after_start.count == 2
-    assert result.requests_per_second > 0
+    assert result.tiny_after_resume is not None and result.tiny_after_resume.count == 2
+    assert result.tiny_after_create is not None and result.tiny_after_create.count == 2
+    if shutil.which("cc"):  # the compiled app's wakes, where the host can build it
+        assert result.native_after_start is not None and result.native_after_create is not None
+        assert result.native_after_start.count == result.native_after_create.count == 2
+    assert result.requests_per_second > 0 and result.throughput.proxy_cpu_us_per_request > 0
+    assert result.throughput.load_generator == ("wrk" if shutil.which("wrk") else "asyncio client")
+    assert result.throughput.upstream == ("examples/echo/tiny.c" if shutil.which("cc") else "examples/echo/app.py")
     text = plain(report(result))
     assert "GET through the proxy" in text and "first byte, machine suspended" in text
 

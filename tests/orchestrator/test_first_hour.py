@@ -40,7 +40,7 @@ from bus.errors import (
     Unreachable,
 )
 from bus.messages import Check, CreateRequest, Guest, MachineConfig
-from orchestrator.cli.app import app, exit_code_for, lift_global_options, main
+from orchestrator.cli.app import app, exit_code_for, lift_global_options, main, report
 from orchestrator.cli.fleet_cmd import HELLO_CMD, hello_hint
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
@@ -389,8 +389,17 @@ def test_exit_code_table_and_the_bug_edge(capsys: pytest.CaptureFixture[str]) ->
     try:
         assert main(["boom-for-test"]) == 70
     finally:
-        app.registered_commands.pop()
+        app.registered_commands = [c for c in app.registered_commands if c.callback is not boom]
     assert "unexpected error: RuntimeError('a bug') (set FAUXMAD_DEBUG=1" in capsys.readouterr().err
+
+
+def test_a_nats_request_without_an_answer_is_one_line_and_exit_3(capsys: pytest.CaptureFixture[str]) -> None:
+    import nats.errors
+
+    assert report(nats.errors.TimeoutError()) == 3  # not the bug edge: JetStream said nothing in time
+    assert capsys.readouterr().err == (
+        "fauxmad: NATS did not answer in time (a server down, or electing a leader?): try again\n"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def processes(fresh_nats: EmbeddedNats, tmp_path: Path) -> Iterator[tuple[str, i
         subprocess.Popen(
             [
                 *[*cli, "worker", "--nats", url, "--region", "met", "--worker-id", "met-w1", "--cpus", "4"],
-                *["--memory-mb", "2048", "--data-dir", str(tmp_path / "w")],
+                *["--memory-mb", "2048", "--data-dir", str(tmp_path / "w"), "--max-load", "0"],
                 *["--metrics-listen", f"127.0.0.1:{worker_port}"],
             ],
             env=env,

@@ -101,7 +101,12 @@ def test_unknown_apps_and_bad_hosts_are_answered_by_the_proxy(proxy: kit.ProxyPr
 
 def test_an_app_with_no_started_machine_and_no_autostart_is_a_502_saying_why(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
     name, _ = app("auto_start = false", [("pxa", False)])
-    response = arun(kit.get(proxy.port, f"{name}.localhost"))
+    deadline = time.monotonic() + 10.0
+    while True:  # the proxy learns of the stopped machine from the routing index's watch, a moment after its create
+        response = arun(kit.get(proxy.port, f"{name}.localhost"))
+        if b"it has no machines" not in response.body or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert response.status == 502
     assert response.body.decode().startswith(f"no machine of {name} could take this request (none is started")
 
@@ -480,3 +485,16 @@ def test_a_host_killed_mid_load_fails_no_get_and_is_signalled(proxy: kit.ProxyPr
     statuses, signals = arun(main())
     assert statuses == [200] * 300
     assert signals and signals[0]["machine_id"] == ids[0] and signals[0]["worker_id"] == victim
+
+
+def test_a_machine_slower_than_the_response_timeout_gets_a_504_and_the_proxy_serves_on(
+    fleet: DevFleet, app, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    name, _ = app(placed=[("pxa", True)])
+    quick = kit.ProxyProcess(fleet.url, "pxa", tmp_path, "--response-timeout", "0.5")
+    try:
+        slow = arun(kit.get(quick.port, f"{name}.localhost", "/slow?ms=3000"))  # it would answer 200 at 3 s
+        assert slow.status == 504 and b"did not answer within 0.5s" in slow.body
+        assert arun(kit.get(quick.port, f"{name}.localhost")).status == 200
+    finally:
+        quick.stop()

@@ -124,3 +124,54 @@ def test_body_framing_refuses_what_could_smuggle_a_request() -> None:
         body_framing(two, request=True)
     chunked = parse_request_head(b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n")
     assert body_framing(chunked, request=True).chunked
+
+
+def test_a_deadline_cancels_only_its_own_wait_and_the_task_goes_on() -> None:
+    import asyncio
+
+    from orchestrator.proxy.deadlines import Deadlines
+
+    now = [0.0]
+    deadlines = Deadlines(lambda: now[0], every=3600)  # swept by hand below
+
+    async def handler(outcomes: list[str]) -> None:
+        watch = deadlines.watch()
+        for timeout in (5.0, 5.0):
+            watch.arm(timeout)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if not watch.expired():
+                    outcomes.append("cancelled")
+                    raise
+                outcomes.append("timed out")
+            finally:
+                watch.disarm()
+        await asyncio.sleep(0)  # the task is not left cancelling: it awaits again
+        outcomes.append("went on")
+        deadlines.forget(watch)
+
+    async def main() -> tuple[list[str], list[str]]:
+        first: list[str] = []
+        task = asyncio.create_task(handler(first))
+        await asyncio.sleep(0)
+        deadlines.sweep()  # not yet due
+        await asyncio.sleep(0)
+        assert first == []
+        now[0] = 5.0
+        deadlines.sweep()
+        await asyncio.sleep(0)
+        assert first == ["timed out"]
+        now[0] = 10.0
+        deadlines.sweep()
+        await task
+        second: list[str] = []
+        other = asyncio.create_task(handler(second))
+        await asyncio.sleep(0)
+        other.cancel()  # a cancellation that is not a deadline's stays one
+        with pytest.raises(asyncio.CancelledError):
+            await other
+        await deadlines.close()
+        return first, second
+
+    assert asyncio.run(main()) == (["timed out", "timed out", "went on"], ["cancelled"])

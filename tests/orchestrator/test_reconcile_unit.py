@@ -17,7 +17,7 @@ from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.observe import health
 from orchestrator.reconcile.plan import Desired
 from orchestrator.reconcile.reconciler import CannotDeploy, Reconciler
-from orchestrator.reconcile.releases import Releases
+from orchestrator.reconcile.releases import Head, Release, Releases, WatchedReleases
 from orchestrator.reconcile.spec import RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, PlacementSpec
 from tests.helpers import arun
 from tests.orchestrator.memory_fleet import FakeClock, MemoryFleet, MemoryStore
@@ -192,3 +192,19 @@ def test_two_deployers_never_claim_one_release_number() -> None:
 
     assert (one.version, two.version) == (1, 2)
     assert arun(first.get("web", 2)).spec.env["VERSION"] == "v2"
+
+
+def test_the_apps_watch_keeps_heads_and_releases_for_when_the_bucket_does_not_answer() -> None:
+    watched = WatchedReleases()
+    release = Release(app="web", version=2, spec=app_spec())
+    watched.apply("web.releases.2", msgspec.json.encode(release))
+    watched.apply("web.current", msgspec.json.encode(Head(app="web", version=2)))
+    watched.apply("web.releases.x", b"{}")  # not a release key: ignored
+    watched.apply("api.current", b"not json")  # a value that does not decode: ignored
+    assert watched.apps() == {"web"}
+    assert watched.head("web") == Head(app="web", version=2)
+    assert watched.release("web", 2) == release
+    watched.apply("web.current", None)  # deleted or purged
+    assert watched.head("web") is None and watched.apps() == {"web"}  # its release is still there
+    watched.apply("web.releases.2", None)
+    assert watched.apps() == set()

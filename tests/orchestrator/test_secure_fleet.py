@@ -88,14 +88,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFleet]:
         secure.spawn(
             "worker-sec-w1",
             *("worker", "--nats", secure.url, "--region", "mad", "--worker-id", "sec-w1"),
-            *("--cpus", "4", "--memory-mb", "4096", "--data-dir", str(data)),
+            *("--cpus", "4", "--memory-mb", "4096", "--data-dir", str(data), "--max-load", "0"),
         )
         secure.machine_user_data = Path(tempfile.mkdtemp(prefix="fauxmad-machine-user-"))  # /tmp lets others pass
         secure.spawn(
             "worker-sec-w2",
             *("worker", "--nats", secure.url, "--region", "mus", "--worker-id", "sec-w2"),
             *("--cpus", "4", "--memory-mb", "4096", "--data-dir", str(secure.machine_user_data)),
-            *("--machine-user", "nobody"),
+            *("--machine-user", "nobody", "--max-load", "0"),
         )
         secure.spawn("broker-1", "broker", "--nats", secure.url)
         deadline = time.monotonic() + 30
@@ -301,3 +301,74 @@ def test_certificates_rotate_without_dropping_a_connection(fleet: SecureFleet) -
     assert listed.returncode == 0 and json.loads(listed.stdout), listed.stderr
     unknown = fleet.cli("operator", "fleet", "rotate", "nobody", "--dir", str(fleet.dir.root))
     assert unknown.returncode == 2 and "no identity nobody" in unknown.stderr
+
+
+def test_every_mutating_nats_request_is_audited_with_the_identity_that_signed_it(fleet: SecureFleet) -> None:
+    import asyncio
+
+    import msgspec
+    import nats
+    import nkeys
+
+    from bus import credentials
+    from bus.audit import RequestSigner
+    from bus.errors import Forbidden
+    from bus.messages import AuditRecord, CreateRequest, Guest, MachineConfig
+    from bus.service import raise_for_reply
+    from tests.helpers import audit_records
+
+    run = fleet.cli(
+        "ci-web", "machine", "run", "-a", "web", "-r", "mad", "--json", "--nats", fleet.url, "--", "sleep", "60"
+    )
+    assert run.returncode == 0, run.stderr
+    machine_id = json.loads(run.stdout)["id"]
+    listed = fleet.cli("ops-bob", "machine", "list", "-a", "web", "--json", "--nats", fleet.url)
+    assert listed.returncode == 0, listed.stderr
+    destroyed = fleet.cli("ci-web", "machine", "destroy", machine_id, "-a", "web", "--force", "--nats", fleet.url)
+    assert destroyed.returncode == 0, destroyed.stderr
+    before = fleet.cli("ops-bob", "machine", "list", "-a", "web", "--json", "--nats", fleet.url)
+    web, _ = credentials.load(fleet.dir.creds("ci-web"))
+    web_key = nkeys.from_seed(web.seed.encode()).public_key.decode()
+    create = "fauxmad.v1.api.apps.web.machines.create"
+    payload = msgspec.json.encode(
+        CreateRequest(region="mad", config=MachineConfig(cmd=["sleep", "60"], guest=Guest(cpus=1, memory_mb=16)))
+    )
+
+    async def connect(name: str) -> nats.NATS:
+        creds, base = credentials.load(fleet.dir.creds(name))
+        return await nats.connect(fleet.url, **creds.connect_options(base))
+
+    async def refused(headers: dict[str, str], data: bytes) -> str:
+        nc = await connect("ci-web")
+        try:
+            with pytest.raises(Forbidden) as caught:
+                raise_for_reply(await nc.request(create, data, timeout=10, headers=headers))
+            return caught.value.message
+        finally:
+            await nc.close()
+
+    # signed by another key while naming ci-web's; ci-web's own signature over another payload; a stale one
+    stranger = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+    forged = {**RequestSigner(stranger, "ci-web").headers(create, payload), "Fauxmad-Identity": web_key}
+    altered = RequestSigner(web.seed, "ci-web").headers(create, b'{"region":"mad"}')
+    stale = RequestSigner(web.seed, "ci-web", clock=lambda: time.time() - 600).headers(create, payload)
+    assert "does not verify" in asyncio.run(refused(forged, payload))
+    assert "does not verify" in asyncio.run(refused(altered, payload))
+    assert "signed 600s ago" in asyncio.run(refused(stale, payload))
+    again = fleet.cli("ops-bob", "machine", "list", "-a", "web", "--json", "--nats", fleet.url)
+    assert json.loads(again.stdout) == json.loads(before.stdout)  # the refused creates made nothing
+
+    async def records() -> list[AuditRecord]:
+        nc = await connect("operator")
+        try:
+            return await audit_records(nc, "web")
+        finally:
+            await nc.close()
+
+    nats_records = [r for r in asyncio.run(records()) if r.method == "NATS"]
+    by_path = {(r.path.rsplit(".", 1)[1], r.identity, r.status) for r in nats_records}
+    assert ("create", f"nkey:{web_key}", 200) in by_path
+    assert ("destroy", f"nkey:{web_key}", 200) in by_path
+    assert [r.status for r in nats_records if r.identity == "refused"] == [403, 403, 403]
+    assert {r.name for r in nats_records if r.identity == f"nkey:{web_key}"} == {"ci-web"}
+    assert not [r for r in nats_records if r.path.endswith((".list", ".get"))]  # reads are not recorded

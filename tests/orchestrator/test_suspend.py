@@ -50,6 +50,18 @@ def test_suspend_freezes_resume_continues_and_both_survive_a_worker_kill(fleet: 
         finally:
             await client.close()
 
+    async def resume_then_read(machine_id: str) -> tuple[str, str, list[str]]:
+        """A resume, then at once a get and a list: reads show what the resume answered (its record is
+        made after the answer)."""
+        client = await FleetClient.connect(fleet.url)
+        try:
+            resumed = await client.resume(APP, machine_id)
+            got = await client.get(APP, machine_id)
+            listed = [m.state for m in await client.list(APP) if m.id == machine_id]
+            return resumed.state, got.state, listed
+        finally:
+            await client.close()
+
     async def create() -> str:
         client = await FleetClient.connect(fleet.url)
         try:
@@ -85,10 +97,12 @@ def test_suspend_freezes_resume_continues_and_both_survive_a_worker_kill(fleet: 
     assert state == "suspended" and not grows(out)
 
     started = time.perf_counter()
-    assert arun(call("resume", machine_id)) == "started"
+    assert arun(resume_then_read(machine_id)) == ("started", "started", ["started"])
     took = time.perf_counter() - started
     assert grows(out)
-    print(f"\nresume through broker and worker (a CLI-sized client, connect included): {took * 1000:.1f} ms")
+    print(
+        f"\nresume, get and list through broker and worker (a CLI-sized client, connect included): {took * 1000:.1f} ms"
+    )
 
     # a suspended machine stops like a started one (its stop signal is not left waiting in a frozen process)
     env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
@@ -123,3 +137,46 @@ async def _events(fleet: DevFleet, machine_id: str) -> list[str]:
         return [e.status for e in reversed(machine.events) if e.type == "transition"]  # oldest first
     finally:
         await client.close()
+
+
+def test_a_suspended_machine_continued_while_its_worker_was_down_is_recorded_started(
+    fleet: DevFleet, tmp_path: Path
+) -> None:
+    """What a worker killed between a resume's answer and its record finds: `suspended` in its log, a process
+    that runs. The process's word wins (the caller was told `started`): recorded `started`, not frozen again."""
+    out = tmp_path / "ticks"
+    script = f"while true; do echo tick >> {out}; sleep 0.02; done"
+    config = MachineConfig(cmd=["sh", "-c", script], guest=Guest(cpus=1, memory_mb=64))
+
+    async def call(verb: str, *args: object, **options: object) -> object:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            return await getattr(client, verb)(APP, *args, **options)
+        finally:
+            await client.close()
+
+    machine_id = arun(call("create", CreateRequest(region="sus", config=config))).id  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while not out.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert arun(call("suspend", machine_id)).state == "suspended" and not grows(out)  # type: ignore[attr-defined]
+
+    worker = f"worker-{fleet.worker_ids[0]}"
+    fleet.kill(worker)
+    leader = int(
+        subprocess.run(["pgrep", "-f", f"echo tick >> {out}"], capture_output=True, text=True).stdout.split()[0]
+    )
+    os.killpg(os.getpgid(leader), 18)  # SIGCONT, as the resume did before the worker died
+    assert grows(out)
+    fleet.respawn(worker)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            state = arun(call("get", machine_id, events=False)).state  # type: ignore[attr-defined]
+            break
+        except Exception:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert state == "started" and grows(out)  # not frozen again
+    assert arun(call("stop", machine_id)).state == "stopped"  # type: ignore[attr-defined]

@@ -1,5 +1,6 @@
-"""`fauxmad dev --supercluster` as the README shows it: its lighter line run verbatim, then the hints it prints
-(every command from a shell in the first region, reaching the fleet), then Ctrl-C stops everything."""
+"""`fauxmad dev --supercluster` as the README shows it: its lighter lines (open, then secure) run verbatim, then
+the hints each prints (every command from a shell in the first region, reaching the fleet), then Ctrl-C stops
+everything."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ def readme_lines() -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_the_light_dev_supercluster_runs_as_written(tmp_path: Path) -> None:
-    full, light = readme_lines()
-    assert full.startswith("fauxmad dev --supercluster ")
+@pytest.mark.parametrize("which", ["open", "secure"])
+def test_the_light_dev_supercluster_runs_as_written(tmp_path: Path, which: str) -> None:
+    full, open_light, secure_light = readme_lines()
+    assert full.startswith("fauxmad dev --supercluster ") and "--secure" in secure_light
+    light = open_light if which == "open" else secure_light
     env = shell_env(FAUXMAD_HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "config"))
     dev = subprocess.Popen(
         ["bash", "-c", f"exec {light}"],
@@ -40,7 +43,8 @@ def test_the_light_dev_supercluster_runs_as_written(tmp_path: Path) -> None:
     try:
         seen = read_until(output, r"Ctrl-C stops everything", 150)
         transcript.append(seen.rstrip())
-        assert re.search(r"mad: nats://127\.0\.0\.1:\d+\n", seen) and "an operator per region" in seen
+        scheme = "tls" if which == "secure" else "nats"
+        assert re.search(rf"mad: {scheme}://127\.0\.0\.1:\d+\n", seen) and "an operator per region" in seen
         hints = [
             line.strip()
             for line in seen.split("try, in another terminal:", 1)[1].splitlines()
@@ -48,6 +52,13 @@ def test_the_light_dev_supercluster_runs_as_written(tmp_path: Path) -> None:
         ]
         exports = dict(h.removeprefix("export ").split("=", 1) for h in hints if h.startswith("export "))
         assert exports["FAUXMAD_SUPERCLUSTER"] == "mad,syd,gru"
+        if which == "secure":  # without the operator's credentials the fleet refuses, in one line
+            bare = {k: v for k, v in exports.items() if k != "FAUXMAD_CREDS"}
+            refused = subprocess.run(
+                ["bash", "-c", "fauxmad workers"], capture_output=True, text=True, timeout=60, env=dict(env, **bare)
+            )
+            assert refused.returncode != 0 and "is a secure fleet: set FAUXMAD_CREDS" in refused.stderr
+            assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
         for line in [h for h in hints if not h.startswith("export ")] + ["fauxmad status", "fauxmad regions"]:
             result = subprocess.run(
                 ["bash", "-c", line],

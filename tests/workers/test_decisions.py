@@ -118,3 +118,12 @@ def test_offers(me: Snapshot, guest: dict[str, int], reason: str | None) -> None
         assert reply.free == Resources(cpus=1, memory_mb=512) and reply.image_cached  # type: ignore[union-attr]
     else:
         assert reply.reason.startswith(reason)  # type: ignore[union-attr]
+
+
+def test_a_max_load_of_zero_never_declines_for_load_but_still_ranks_by_it() -> None:
+    from bus.messages import OfferGuest
+
+    request = OfferRequest(app="a", region="mad", guest=OfferGuest(cpus=1), image="img:1")
+    reply = answer_offer(request, _me(load=40.0), Backpressure(max_load=0))
+    assert reply.__class__.__name__ == "Offer" and reply.load == 40.0  # type: ignore[union-attr]
+    assert answer_offer(request, _me(inflight=64), Backpressure(max_load=0)).reason.startswith("overloaded")  # type: ignore[union-attr]

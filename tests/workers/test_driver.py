@@ -23,7 +23,7 @@ import msgspec
 import pytest
 
 from workers.driver import ExitStatus, TaskHandle, TaskSpec
-from workers.limits import Cgroup2Limits, Limits, RlimitLimits, auto_detect
+from workers.limits import Cgroup2Limits, Limits, RlimitLimits, auto_detect, slow_migration_hint
 from workers.process_driver import ProcessDriver
 
 T = TypeVar("T")
@@ -540,3 +540,13 @@ def test_cgroup2_files_on_a_plain_directory(tmp_path: Path) -> None:
     assert limits.oom_killed([cgroup], None)
     with pytest.raises(ValueError):
         limits.prepare("../escape", 32, 1)
+
+
+def test_a_cgroup2_mount_without_favordynmods_gets_a_one_line_hint(tmp_path: Path) -> None:
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text("41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw,nsdelegate\n")
+    hint = slow_migration_hint(str(mountinfo))
+    assert hint is not None and "mount -o remount,favordynmods /sys/fs/cgroup/unified" in hint and "\n" not in hint
+    mountinfo.write_text("41 31 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw,nsdelegate,favordynmods\n")
+    assert slow_migration_hint(str(mountinfo)) is None
+    assert slow_migration_hint(str(tmp_path / "no-such-file")) is None  # no cgroup2: nothing to say

@@ -3,8 +3,9 @@
 A submit reaches the workers of its region (`fauxmad.v1.api.apps.<app>.jobs.submit.<region>`); status,
 list and cancel any worker (`fauxmad.v1.api.apps.<app>.jobs.<verb>`): the records are in KV
 `fauxmad_jobs`, readable from anywhere. The payload's app must be the subject's. A submit stores each
-job's record (`queued`) before it publishes the job to the region's work queue, and answers only once
-JetStream has acknowledged both: an answered submit is never lost. With an idempotency key the jobs'
+job's record (`queued`) and publishes the job to the region's work queue, side by side for new ids (a worker
+that gets the message first waits for the record), and answers only once JetStream has acknowledged both:
+an answered submit is never lost. With an idempotency key the jobs'
 ids come from the key, and the record's create is the claim: the same key again answers with the same
 jobs (a different request under it is a 409), never runs them twice.
 """
@@ -101,15 +102,42 @@ class JobDesk:
 
     async def submit(self, subject: str, data: bytes) -> JobSubmitReply:
         req = same_app(subject, decode(JobSubmitRequest, data))
-        stored = await asyncio.gather(*(self._store(job) for job in self.new_jobs(req)))
-        fresh = [job for job, publish in stored if publish]
+        jobs = self.new_jobs(req)
+        self._answer_fits(jobs)
+        if req.idempotency_key is None:
+            # new ids: no record can be there, so the record and the message are written side by side (a
+            # worker given the message first waits for the record: workers/jobs/take.py, RECORD_GRACE)
+            await asyncio.gather(*(self._create(job) for job in jobs), self._publish_all(jobs))
+            stored = [(job, True) for job in jobs]
+        else:  # the record's create is the key's claim: it decides whether the jobs are published
+            stored = list(await asyncio.gather(*(self._store(job) for job in jobs)))
+            await self._publish_all([job for job, publish in stored if publish])
+        for job, published in stored:
+            if published:
+                self.emit(job)
+        return JobSubmitReply(jobs=[job for job, _ in stored])
+
+    def _answer_fits(self, jobs: list[Job]) -> None:
+        """Refuse, before anything is written, a submit whose answer (every job, in one NATS message) would not
+        fit in the server's max_payload: the jobs would be queued and their submitter told nothing of them."""
+        limit = int(self.nc.max_payload * 0.9)  # the jobs' records differ a little in size: a margin
+        each = len(encode(jobs[0])) + 1
+        if each * len(jobs) > limit:
+            raise BadRequest(
+                f"count {len(jobs)} is too many for one submit with this command and environment: the answer"
+                f" lists every job (about {each * len(jobs)} bytes), over what one NATS message of this fleet"
+                f" carries; submit at most {max(1, limit // each)} at a time"
+            )
+
+    async def _create(self, job: Job) -> None:
+        if await self.records.create(job) is None:  # pragma: no cover - a random id taken twice
+            raise Conflict(f"job id {job.id} is taken")
+
+    async def _publish_all(self, jobs: list[Job]) -> None:
         try:
-            await asyncio.gather(*(self._publish(job) for job in fresh))
+            await asyncio.gather(*(self._publish(job) for job in jobs))
         except Exception as exc:
             raise Unreachable(f"the work queue of {self.region} did not take the jobs: {exc!r}") from None
-        for job in fresh:
-            self.emit(job)
-        return JobSubmitReply(jobs=[job for job, _ in stored])
 
     async def status(self, subject: str, data: bytes) -> Job:
         req = same_app(subject, decode(JobIdRequest, data))
@@ -144,7 +172,7 @@ R = TypeVar("R", JobSubmitRequest, JobIdRequest, JobListRequest)
 
 def same_app(subject: str, request: R) -> R:
     """The payload's app must be the subject's: permissions (a deployer's) are granted by subject."""
-    named = subjects.parse_jobs_app(subject)
+    named = subjects.parse_api_app(subject)
     if request.app != named:
         raise BadRequest(f"app {request.app!r} in the payload, but {named!r} in the subject")
     return request

@@ -28,7 +28,7 @@ from bus.messages import WorkerInfo
 from workers.jobs import outcome as moves
 from workers.jobs.execute import Executor, Outcome
 from workers.jobs.records import JobRecords
-from workers.jobs.take import decide
+from workers.jobs.take import RECORD_GRACE, decide
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +104,15 @@ class JobRunner:
         except FauxmadError:
             await msg.term()  # not a job: never deliver it again
             return
-        seq = msg.metadata.sequence.stream
+        meta = msg.metadata
+        seq = meta.sequence.stream
         found = await self.records.read(task.app, task.id)
         job = found[0] if found else None
-        take = decide(job, seq, self.clock(), holder_alive=await self._holder_alive(job))
+        now = self.clock()
+        age = now - meta.timestamp.timestamp() if meta.timestamp is not None else RECORD_GRACE
+        take = decide(
+            job, seq, now, holder_alive=await self._holder_alive(job), age=age, deliveries=meta.num_delivered or 1
+        )
         if take.action == "drop":
             await msg.ack()
         elif take.action == "later":

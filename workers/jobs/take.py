@@ -15,6 +15,11 @@ from bus.jobs import TERMINAL, Job
 
 TakeAction = Literal["run", "drop", "later", "cancel"]
 
+# A submit without an idempotency key stores the record and publishes the message at once (two flushed
+# writes side by side, not one after the other), so a message may arrive a moment before its record: it
+# is asked for again while it is younger than this, then taken for one whose submit failed.
+RECORD_GRACE = 30.0
+
 
 class Take(msgspec.Struct, frozen=True):
     action: TakeAction  # run it; drop the message (ack, nothing to do); later (nak with `delay`); cancel it
@@ -23,10 +28,15 @@ class Take(msgspec.Struct, frozen=True):
     lost_worker: str | None = None  # a redelivery: the worker that held it before (its attempt is marked lost)
 
 
-def decide(job: Job | None, seq: int, now: float, *, holder_alive: bool) -> Take:
+def decide(
+    job: Job | None, seq: int, now: float, *, holder_alive: bool, age: float = RECORD_GRACE, deliveries: int = 1
+) -> Take:
     """`seq`: the stream sequence of the delivered message; `holder_alive`: the worker named in a running
-    record still beats (asked only for a redelivery)."""
+    record still beats (asked only for a redelivery); `age`: seconds since the message was published;
+    `deliveries`: how many times it was delivered, this one included."""
     if job is None:
+        if age < RECORD_GRACE:  # its record is being stored: ask again soon, then less often
+            return Take("later", "its record is not stored yet", delay=min(0.25, 0.002 * 2 ** min(deliveries, 8)))
         return Take("drop", "no record: the submit that published it failed")
     if job.state in TERMINAL:
         return Take("drop", f"already {job.state}")
