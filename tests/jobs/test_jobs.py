@@ -352,3 +352,59 @@ def test_a_worker_restarted_mid_task_gets_its_machine_job_run_again_after_the_fe
     events = [line.split() for line in runs.read_text().splitlines()]
     spans = {attempt: [float(t) for kind, a, t in events if a == attempt] for attempt in ("1", "2")}
     assert len(spans["2"]) == 2 and (len(spans["1"]) < 2 or spans["1"][1] <= spans["2"][0])  # never at once
+
+
+def test_a_fast_path_process_dies_with_its_worker_and_the_reaper_with_it(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    """A `process` attempt is the worker's child in a session of its own: kill -9 of the worker must end it
+    (the worker's reaper sees its pipe close), or the redelivery would run beside it."""
+    region, app = unique("r"), unique("a")
+    victim = worker_factory(region, cpus=1)
+    pid_file = tmp_path / "job.pid"
+    cmd = ["sh", "-c", f"echo $$ > {pid_file}; exec sleep 60"]
+
+    async def start() -> None:
+        jobs = await client(nats_url)
+        try:
+            await jobs.submit(region, JobSubmitRequest(app=app, cmd=cmd, runner="process"))
+        finally:
+            await jobs.close()
+
+    arun(start())
+    deadline = time.monotonic() + 20
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job_pid = int(pid_file.read_text())
+    reapers = _reapers_of(victim.proc.pid)  # type: ignore[attr-defined]
+    assert len(reapers) == 1 and _alive(job_pid)
+    victim.kill9()  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 5
+    while (_alive(job_pid) or any(_alive(r) for r in reapers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(job_pid), "the job outlived its worker"
+    assert not any(_alive(r) for r in reapers), "the reaper outlived its worker"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, waiting for whoever reaps it, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _reapers_of(worker_pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == worker_pid and b"-S\0-c\0" in cmdline:
+            found.append(int(entry.name))
+    return found

@@ -95,3 +95,25 @@ def test_a_spec_jobs_table_gives_defaults_and_options_win() -> None:
         submit_request(SubmitOptions(app="x", cmd=["true"]), None)
     with pytest.raises(SpecError, match=r"jobs\.retries"):
         parse_spec('app = "a"\ncmd = ["x"]\n[regions]\nmad = 1\n[jobs]\nretries = 3\n')
+
+
+def test_a_short_attempt_is_claimed_and_finished_in_one_write_unless_the_record_moved_on() -> None:
+    queued = job()
+
+    def claim(j: Job) -> Job | None:
+        return moves.claimed(j, worker_id="w1", seq=7, now=1.0, lost_worker=None)
+
+    done = moves.settled(queued, claim=claim, worker_id="w1", attempt=1, outcome=Outcome(exit_code=0), now=2.0)
+    assert done is not None and done.state == "succeeded" and done.queue_seq == 7
+    assert [(a.attempt, a.worker_id, a.claimed_at, a.outcome) for a in done.attempts] == [(1, "w1", 1.0, "succeeded")]
+    # its claim was written meanwhile (it ran past CLAIM_AFTER): finished from there, not claimed twice
+    running = claim(queued)
+    assert running is not None
+    again = moves.settled(running, claim=None, worker_id="w1", attempt=1, outcome=Outcome(exit_code=0), now=2.0)
+    assert again is not None and len(again.attempts) == 1 and again.state == "succeeded"
+    # cancelled before the claim was written: the outcome is dropped
+    cancelled = moves.cancel_requested(queued, now=1.5)
+    assert cancelled is not None
+    assert (
+        moves.settled(cancelled, claim=claim, worker_id="w1", attempt=1, outcome=Outcome(exit_code=0), now=2.0) is None
+    )

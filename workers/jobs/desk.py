@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from nats.aio.client import Client
@@ -45,7 +45,7 @@ class JobDesk:
         records: JobRecords,
         *,
         region: str,
-        emit: Callable[[Job], None],
+        emit: Callable[[Job], Awaitable[None]],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.nc = nc
@@ -114,7 +114,7 @@ class JobDesk:
             await self._publish_all([job for job, publish in stored if publish])
         for job, published in stored:
             if published:
-                self.emit(job)
+                await self.emit(job)
         return JobSubmitReply(jobs=[job for job, _ in stored])
 
     def _answer_fits(self, jobs: list[Job]) -> None:
@@ -158,7 +158,7 @@ class JobDesk:
         now = self.clock()
         job, changed = await self.records.change(req.app, req.id, lambda j: moves.cancel_requested(j, now=now))
         if changed:
-            self.emit(job)
+            await self.emit(job)
         if job.state == "running" and job.worker_id:
             # the worker running it kills it and records `cancelled`; a gone worker's redelivery does
             with contextlib.suppress(Unreachable):

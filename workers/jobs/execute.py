@@ -7,8 +7,8 @@ itself when done, even if the worker is gone by then; its command runs under `ti
 attempt orphaned by a dead worker ends by its deadline (the fence a redelivery waits for).
 
 `ProcessExecutor` is the fast path: the command is the worker's child (`posix_spawn`, see `spawn`) in a
-session of its own, under `setpriv --pdeathsig KILL`, so it dies with its worker; no machine record, no
-shim, no LMDB commit. It runs in the worker's working directory.
+session of its own, listed with the worker's reaper (`reaper`), so it dies with its worker; no machine
+record, no shim, no LMDB commit. It runs in the worker's working directory.
 Either way the outcome is the exit status and the last `OUTPUT_KEEP` characters of stdout and stderr.
 """
 
@@ -27,7 +27,8 @@ import msgspec
 from bus.errors import FauxmadError
 from bus.jobs import OUTPUT_KEEP, Job
 from bus.messages import DestroyRequest, Guest, MachineConfig, ReserveRequest, RestartPolicy
-from workers.jobs.spawn import spawn
+from workers.jobs.reaper import Reaper
+from workers.jobs.spawn import Cancel, spawn
 from workers.machines import MachineManager
 
 Started = Callable[[str | None], None]  # told when the attempt's process runs (with its machine id)
@@ -51,7 +52,7 @@ class Outcome(msgspec.Struct, kw_only=True):
 
 
 class Executor(Protocol):
-    async def run(self, job: Job, attempt: int, cancel: asyncio.Event, started: Started) -> Outcome: ...
+    async def run(self, job: Job, attempt: int, cancel: Cancel, started: Started) -> Outcome: ...
 
 
 def tail_text(data: bytes, keep: int = OUTPUT_KEEP) -> str:
@@ -68,7 +69,7 @@ def read_tail(path: Path, keep: int = OUTPUT_KEEP) -> str:
         return ""
 
 
-async def _until(task: asyncio.Future[Any], cancel: asyncio.Event, timeout: float) -> str:
+async def _until(task: asyncio.Future[Any], cancel: Cancel, timeout: float) -> str:
     """`done`, `cancelled` or `timeout`: whichever comes first."""
     cancelled = asyncio.ensure_future(cancel.wait())
     try:
@@ -99,7 +100,7 @@ class MachineExecutor:
             metadata={"fauxmad_job": job.id, "fauxmad_attempt": str(attempt)},
         )
 
-    async def run(self, job: Job, attempt: int, cancel: asyncio.Event, started: Started) -> Outcome:
+    async def run(self, job: Job, attempt: int, cancel: Cancel, started: Started) -> Outcome:
         manager = self.manager
         request = ReserveRequest(app=job.app, region=self.region, config=self.config(job, attempt), launch=True)
         try:
@@ -135,18 +136,14 @@ class MachineExecutor:
 class ProcessExecutor:
     """The fast path: see the module docstring."""
 
-    def __init__(self, base_env: dict[str, str]) -> None:
+    def __init__(self, base_env: dict[str, str], reaper: Reaper) -> None:
         self.base_env = base_env
-        self.setpriv = shutil.which("setpriv")
+        self.reaper = reaper
 
-    async def run(self, job: Job, attempt: int, cancel: asyncio.Event, started: Started) -> Outcome:
+    async def run(self, job: Job, attempt: int, cancel: Cancel, started: Started) -> Outcome:
         env = {**self.base_env, **job.env, "FAUXMAD_JOB_ID": job.id, "FAUXMAD_JOB_ATTEMPT": str(attempt)}
-        argv = [self.setpriv, "--pdeathsig", "KILL", "--", *job.cmd] if self.setpriv else list(job.cmd)
         try:
-            running = asyncio.ensure_future(spawn(argv, env, job.timeout, cancel))
-            await asyncio.sleep(0)  # spawned (posix_spawn returns once the child exec'd)
-            started(None)
-            ended = await running
+            ended = await spawn(list(job.cmd), env, job.timeout, cancel, self.reaper, lambda: started(None))
         except OSError as exc:
             return Outcome(exit_code=127, error=f"cannot run {job.cmd[0]!r}: {exc.strerror or exc}")
         return Outcome(

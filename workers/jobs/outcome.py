@@ -6,10 +6,14 @@ take after this one was presumed lost): then nothing is written, and the caller 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from bus.jobs import TERMINAL, Job, JobAttempt, retry_delay
 from workers.jobs.execute import Outcome
+
+Claim = Callable[[Job], Job | None]  # `claimed` with its arguments bound
 
 
 def claimed(job: Job, *, worker_id: str, seq: int, now: float, lost_worker: str | None) -> Job | None:
@@ -126,6 +130,17 @@ def finished(job: Job, *, worker_id: str, attempt: int, outcome: Outcome, now: f
         reason=f"attempt {attempt} of {job.max_attempts} {reason}: dead-lettered",
         **common,  # type: ignore[arg-type]
     )
+
+
+def settled(job: Job, *, claim: Claim | None, worker_id: str, attempt: int, outcome: Outcome, now: float) -> Job | None:
+    """`finished`, for an attempt whose claim may not be written yet (`claim`: the claim it would write; see
+    `runner.CLAIM_AFTER`): a record still as the attempt found it is claimed and finished in one write."""
+    if not _mine(job, worker_id, attempt):
+        taken = claim(job) if claim is not None else None
+        if taken is None or not _mine(taken, worker_id, attempt):
+            return None  # it moved on meanwhile (a cancel, another worker): this run's outcome is dropped
+        job = taken
+    return finished(job, worker_id=worker_id, attempt=attempt, outcome=outcome, now=now)
 
 
 def cancelled_before_run(job: Job, *, now: float) -> Job | None:

@@ -12,7 +12,6 @@ is free. A full worker asks for nothing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -23,6 +22,7 @@ from typing import Any
 from nats.aio.client import Client
 
 REFUSED_BACKOFF = 1.0  # seconds before asking again after a pull request was refused
+LOOK_EVERY = 0.5  # seconds between top-ups when nothing wakes the loop
 log = logging.getLogger(__name__)
 
 STATUS = "Status"
@@ -55,6 +55,7 @@ class Puller:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sub: Any = None
         self._loop: asyncio.Task[None] | None = None
+        self._ticker: asyncio.TimerHandle | None = None
 
     @property
     def outstanding(self) -> int:
@@ -69,14 +70,24 @@ class Puller:
         self._wake.set()
 
     async def _run(self) -> None:
-        while True:
-            try:
-                await self._top_up()
-            except Exception:
-                log.debug("pull request not sent", exc_info=True)
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+        """Top up whenever woken (a message done, a request ended), and at least every `LOOK_EVERY` (to drop
+        requests whose end never came): one timer for the loop, not one per wake."""
+        self._tick()
+        try:
+            while True:
+                try:
+                    await self._top_up()
+                except Exception:
+                    log.debug("pull request not sent", exc_info=True)
+                self._wake.clear()
+                await self._wake.wait()
+        finally:
+            if self._ticker is not None:
+                self._ticker.cancel()
+
+    def _tick(self) -> None:
+        self._wake.set()
+        self._ticker = asyncio.get_running_loop().call_later(LOOK_EVERY, self._tick)
 
     async def _top_up(self) -> None:
         now = self.clock()

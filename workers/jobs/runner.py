@@ -1,17 +1,18 @@
 """One delivered job message, carried through one attempt: decide, claim, run, record, then ack.
 
-Order is what makes it safe. The record is claimed (compare-and-set) before anything runs, so two
-workers never both run an attempt; the outcome is recorded before the ack, so a worker killed between
-the two leaves a record that says what happened, and the redelivery is dropped (so a plain ack, not a
-confirmed one, is enough). While it runs, the
-message is renewed (`+WPI`, then a flush: the server has it) every third of the ack wait: a slow task
-is never redelivered. A worker that cannot renew (cut off from NATS) for most of the ack wait kills its
-attempt and walks away without recording or acking: the redelivery elsewhere is then the only run.
+Order is what makes it safe. The record decides whether to run (`take`), and every write to it is a
+compare-and-set, so a cancel and a worker never overwrite each other. A machine attempt is claimed in the
+record before it starts; a `process` attempt, which dies with its worker, is claimed only if it still runs
+after `guard.CLAIM_AFTER` (a short one is claimed and finished in one write). The outcome is recorded
+before the ack, so a worker killed between the two leaves a record that says what happened, and the
+redelivery is dropped (so a plain ack, not a confirmed one, is enough). While it runs, the `Guard` renews
+the message, so a slow task is never redelivered, and ends an attempt that lost its hold on the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -27,7 +28,9 @@ from bus.jobs import Job, JobTask, event_of, retry_delay
 from bus.messages import WorkerInfo
 from workers.jobs import outcome as moves
 from workers.jobs.execute import Executor, Outcome
+from workers.jobs.guard import Guard
 from workers.jobs.records import JobRecords
+from workers.jobs.spawn import Cancel
 from workers.jobs.take import RECORD_GRACE, decide
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,7 @@ class JobRunner:
         self.workers_kv = workers_kv
         self.ack_wait = ack_wait
         self.clock = clock
-        self.cancels: dict[str, asyncio.Event] = {}
+        self.cancels: dict[str, Cancel] = {}
         self.ran = 0
 
     def cancel(self, job_id: str) -> bool:
@@ -66,13 +69,13 @@ class JobRunner:
         event.set()
         return True
 
-    def emit(self, job: Job) -> None:
-        """The job's new state on its events subject (a core publish: the record is the truth)."""
+    async def emit(self, job: Job) -> None:
+        """The job's new state on its events subject (a core publish: the record is the truth; awaited, not a
+        task of its own: it only appends to the connection's buffer)."""
         if not self.nc.is_connected:
             return
-        subject = subjects.job_events(job.region, job.app, job.id)
-        task = asyncio.ensure_future(self.nc.publish(subject, encode(event_of(job, self.clock()))))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        with contextlib.suppress(Exception):
+            await self.nc.publish(subjects.job_events(job.region, job.app, job.id), encode(event_of(job, self.clock())))
 
     async def _holder_alive(self, job: Job | None) -> bool:
         if job is None or job.state != "running" or not job.worker_id:
@@ -123,7 +126,7 @@ class JobRunner:
                 task.app, task.id, lambda j: moves.cancelled_before_run(j, now=now)
             )
             if changed:
-                self.emit(job)
+                await self.emit(job)
             await msg.ack()
         else:
             await self._run(msg, task, seq, take.lost_worker, found)
@@ -132,20 +135,39 @@ class JobRunner:
         self, msg: Any, task: JobTask, seq: int, lost_worker: str | None, read: tuple[Job, int] | None
     ) -> None:
         now = self.clock()
-        job, changed, revision = await self.records.change_from(
-            task.app,
-            task.id,
-            lambda j: moves.claimed(j, worker_id=self.worker_id, seq=seq, now=now, lost_worker=lost_worker),
-            read,
-        )
-        if not changed:
-            await msg.nak(delay=0.05)  # it moved on meanwhile: the next delivery decides again
-            return
-        self.emit(job)
+
+        def claim(j: Job) -> Job | None:
+            return moves.claimed(j, worker_id=self.worker_id, seq=seq, now=now, lost_worker=lost_worker)
+
+        known: tuple[Job, int] | None
+        deferred = read is not None and read[0].runner == "process"
+        if deferred:  # the fast path: run at once, claim in the record only if it still runs later (guard)
+            assert read is not None
+            taken, known = claim(read[0]), read
+            if taken is None:
+                await msg.nak(delay=0.05)
+                return
+            job = taken
+        else:  # a machine may outlive this worker: its claim is written before it starts
+            job, changed, revision = await self.records.change_from(task.app, task.id, claim, read)
+            if not changed:
+                await msg.nak(delay=0.05)  # it moved on meanwhile: the next delivery decides again
+                return
+            known = (job, revision)
+        await self.emit(job)  # `running` on the events subject at once, even where the record says so later
         attempt = job.attempt
-        cancel = self.cancels[job.id] = asyncio.Event()
-        fenced = asyncio.Event()
-        renew = asyncio.create_task(self._renew(msg, cancel, fenced))
+        cancel = self.cancels[job.id] = Cancel()
+        guard = Guard(
+            records=self.records,
+            nc=self.nc,
+            msg=msg,
+            job=job,
+            known=known,
+            claim=claim if deferred else None,
+            cancel=cancel,
+            ack_wait=self.ack_wait,
+            clock=self.clock,
+        )
         marks: list[asyncio.Task[tuple[Job, bool, int]]] = []
         began: list[float] = []
 
@@ -160,14 +182,24 @@ class JobRunner:
             def change(j: Job) -> Job | None:
                 return moves.running(j, worker_id=self.worker_id, attempt=attempt, machine_id=machine_id, now=at)
 
-            marks.append(asyncio.create_task(self.records.change_from(job.app, job.id, change, (job, revision))))
+            marks.append(asyncio.create_task(self.records.change_from(job.app, job.id, change, known)))
 
         try:
             outcome = await self.executors[job.runner].run(job, attempt, cancel, started)
         finally:
-            renew.cancel()
+            await guard.stop()
             self.cancels.pop(job.id, None)
-        known: tuple[Job, int] | None = (job, revision)
+        known = await self._marked(marks, guard.known)
+        self.ran += 1
+        if guard.fenced:
+            log.warning("job %s: lost its hold on the queue; attempt %d abandoned", job.id, attempt)
+            return
+        outcome.started_at = began[0] if began else None
+        await self._record(msg, job, attempt, outcome, known, guard.claim)
+
+    async def _marked(
+        self, marks: list[asyncio.Task[tuple[Job, bool, int]]], known: tuple[Job, int] | None
+    ) -> tuple[Job, int] | None:
         for mark_task in marks:
             try:
                 marked, ok, marked_revision = await mark_task
@@ -176,15 +208,18 @@ class JobRunner:
                 continue
             known = (marked, marked_revision)
             if ok:
-                self.emit(marked)
-        self.ran += 1
-        if fenced.is_set():
-            log.warning("job %s: lost its hold on the queue; attempt %d abandoned", job.id, attempt)
-            return
-        outcome.started_at = began[0] if began else None
-        await self._record(msg, job, attempt, outcome, known)
+                await self.emit(marked)
+        return known
 
-    async def _record(self, msg: Any, job: Job, attempt: int, outcome: Outcome, known: tuple[Job, int] | None) -> None:
+    async def _record(
+        self,
+        msg: Any,
+        job: Job,
+        attempt: int,
+        outcome: Outcome,
+        known: tuple[Job, int] | None,
+        claim: moves.Claim | None,
+    ) -> None:
         if outcome.no_room:
             new, ok = await self.records.change(
                 job.app,
@@ -194,16 +229,15 @@ class JobRunner:
             await msg.nak(delay=0.2)
             return
         now = self.clock()
-        new, ok, _ = await self.records.change_from(
-            job.app,
-            job.id,
-            lambda j: moves.finished(j, worker_id=self.worker_id, attempt=attempt, outcome=outcome, now=now),
-            known,
-        )
+
+        def settle(j: Job) -> Job | None:
+            return moves.settled(j, claim=claim, worker_id=self.worker_id, attempt=attempt, outcome=outcome, now=now)
+
+        new, ok, _ = await self.records.change_from(job.app, job.id, settle, known)
         if not ok:
             await msg.nak(delay=0.05)
             return
-        self.emit(new)
+        await self.emit(new)
         if new.state == "queued":
             await msg.nak(delay=retry_delay(attempt))
             return
@@ -211,18 +245,3 @@ class JobRunner:
             await self.js.publish(subjects.jobs_dead(new.region, new.app), encode(new))
         # a plain ack: if it is lost, the redelivery finds the record finished and is dropped
         await msg.ack()
-
-    async def _renew(self, msg: Any, cancel: asyncio.Event, fenced: asyncio.Event) -> None:
-        confirmed = self.clock()
-        every = self.ack_wait / 3
-        while True:
-            await asyncio.sleep(every)
-            try:
-                await msg.in_progress()
-                await self.nc.flush(timeout=max(1, round(every)))
-                confirmed = self.clock()
-            except Exception:
-                if self.clock() - confirmed > self.ack_wait * 0.6:
-                    fenced.set()
-                    cancel.set()
-                    return

@@ -23,6 +23,7 @@ from bus.service import Responder
 from workers.jobs.desk import JobDesk
 from workers.jobs.execute import Executor, MachineExecutor, ProcessExecutor, base_env
 from workers.jobs.puller import Puller
+from workers.jobs.reaper import Reaper
 from workers.jobs.records import JobRecords
 from workers.jobs.runner import JobRunner
 from workers.machines import MachineManager
@@ -52,6 +53,7 @@ class JobsService:
         self.subs: list[Any] = []
         self.puller: Puller | None = None
         self.runner: JobRunner | None = None
+        self.reaper = Reaper()  # its watcher starts with the first `process` attempt
 
     def slots(self) -> int:
         """Jobs this worker may hold now: its slots, but no more than its cpus not held by other machines."""
@@ -65,7 +67,7 @@ class JobsService:
         executors: dict[str, Executor] = {
             "machine": MachineExecutor(self.manager, self.region),
             "process": ProcessExecutor(
-                {**base_env(), "FAUXMAD_WORKER_ID": self.worker_id, "FAUXMAD_REGION": self.region}
+                {**base_env(), "FAUXMAD_WORKER_ID": self.worker_id, "FAUXMAD_REGION": self.region}, self.reaper
             ),
         }
         self.runner = JobRunner(
@@ -112,3 +114,4 @@ class JobsService:
                 await sub.unsubscribe()
         if self.puller is not None:
             await self.puller.close()
+        self.reaper.close()
