@@ -3,7 +3,8 @@
 Workers and the orchestrator never import each other; they meet here. This package owns the subject
 names (`subjects`), the message types and their one decoder each (`messages`, `codec`), the error
 contract (`errors`, `service`), and the plumbing every process needs (`connection`, `scatter`,
-`embedded`, `jetstream`). It imports neither `workers` nor `orchestrator`, nor any CLI library.
+`embedded`, `jetstream`, and `jsfast` for JetStream requests made per job). It imports neither `workers`
+nor `orchestrator`, nor any CLI library.
 """
 
 from bus import lazy_aiohttp

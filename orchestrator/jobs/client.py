@@ -10,6 +10,7 @@ import builtins
 import time
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client
 
 from bus import subjects
@@ -20,6 +21,13 @@ from bus.jobs import TERMINAL, Job, JobIdRequest, JobListRequest, JobSubmitReply
 from bus.service import call
 
 SUBMIT_TIMEOUT = 30.0
+
+
+class JobHead(msgspec.Struct):
+    """The two fields of a record `wait` looks at first."""
+
+    id: str
+    state: str
 
 
 class JobsClient:
@@ -70,9 +78,9 @@ class JobsClient:
                 entry = await _next(watcher, left)
                 if entry is None or not entry.value:
                     continue
-                job = decode(Job, entry.value)
-                if job.id in wanted and job.state in TERMINAL:
-                    done[job.id] = job
+                head = decode(JobHead, entry.value)  # most updates are not an end: read the whole record once
+                if head.id in wanted and head.state in TERMINAL:
+                    done[head.id] = decode(Job, entry.value)
         finally:
             await watcher.stop()
         return done

@@ -33,6 +33,7 @@ from bus.jobs import (
     keyed_job_ids,
     new_job_id,
 )
+from bus.jsfast import FastJetStream
 from bus.service import request
 from workers.jobs import outcome as moves
 from workers.jobs.records import JobRecords
@@ -43,13 +44,14 @@ class JobDesk:
         self,
         nc: Client,
         records: JobRecords,
+        fast: FastJetStream,
         *,
         region: str,
         emit: Callable[[Job], Awaitable[None]],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.nc = nc
-        self.js = nc.jetstream()
+        self.fast = fast
         self.records = records
         self.region = region
         self.emit = emit
@@ -94,7 +96,7 @@ class JobDesk:
         return existing, existing.state == "queued" and existing.attempt == 0
 
     async def _publish(self, job: Job) -> None:
-        await self.js.publish(
+        await self.fast.publish(
             subjects.jobs_queue(self.region),
             encode(JobTask(id=job.id, app=job.app)),
             headers={"Nats-Msg-Id": job.id},

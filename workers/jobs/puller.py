@@ -6,7 +6,8 @@ each pull request on a reply subject of its own (`<inbox>.<n>`), so the status t
 (408 expired, 409) says which one ended; messages fill the requests in the order they were made. A
 message is bound to this worker only when it arrives, and it arrives only because a slot was free: no
 worker holds a queue of its own, so a job never waits behind another on a busy worker while an idle one
-is free. A full worker asks for nothing.
+is free. A full worker asks for nothing. A slot is free again as soon as its job's process has ended
+(`handle` is given a `release`), not once the outcome is written: the next job is asked for meanwhile.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Puller:
         consumer: str,
         *,
         slots: Callable[[], int],
-        handle: Callable[[Any], Coroutine[Any, Any, None]],
+        handle: Callable[[Any, Callable[[], None]], Coroutine[Any, Any, None]],
         expires: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -122,14 +123,19 @@ class Puller:
             else:
                 self.requests[oldest] = (due - 1, asked_at)
         self.in_flight += 1
-        task: asyncio.Task[None] = asyncio.create_task(self.handle(msg))
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
+        held = [True]
 
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        self.in_flight -= 1
-        self._wake.set()
+        def release() -> None:
+            """The slot is free again: the job's process ended (its outcome may still be being written)."""
+            if held[0]:
+                held[0] = False
+                self.in_flight -= 1
+                self._wake.set()
+
+        task: asyncio.Task[None] = asyncio.create_task(self.handle(msg, release))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: release())
 
     async def close(self) -> None:
         """Stop asking; attempts running here are left to end (their machines destroy themselves)."""

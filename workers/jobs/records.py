@@ -2,7 +2,8 @@
 
 Every change is a pure function of the record as read (`Change`), retried on a revision conflict, so a
 cancel and the worker running the job never overwrite each other: whichever writes second re-reads and
-decides again. NATS types stop here: callers get `Job` Structs.
+decides again. Reads and writes go through `bus.jsfast` (they are made for every job); listing watches the
+bucket through nats-py. NATS types stop here: callers get `Job` Structs.
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-
 from bus import subjects
 from bus.codec import decode, encode
 from bus.errors import Conflict, NotFound
 from bus.jobs import Job
+from bus.jsfast import FastKV, LostRace
 
 Change = Callable[[Job], Job | None]  # the new record, or None to leave it as it is
 
@@ -23,17 +23,17 @@ CAS_TRIES = 20
 
 
 class JobRecords:
-    def __init__(self, kv: Any) -> None:
+    def __init__(self, kv: Any, fast: FastKV) -> None:
+        """`kv`: nats-py's handle of the bucket (for `list`); `fast`: the same bucket's reads and writes."""
         self.kv = kv
+        self.fast = fast
 
     async def read(self, app: str, job_id: str) -> tuple[Job, int] | None:
-        try:
-            entry = await self.kv.get(subjects.job_key(app, job_id))
-        except KeyNotFoundError:
+        found = await self.fast.get(subjects.job_key(app, job_id))
+        if found is None:
             return None
-        if entry.value is None:
-            return None
-        return decode(Job, entry.value), entry.revision
+        value, revision = found
+        return decode(Job, value), revision
 
     async def get(self, app: str, job_id: str) -> Job:
         found = await self.read(app, job_id)
@@ -43,9 +43,7 @@ class JobRecords:
 
     async def create(self, job: Job) -> Job | None:
         """Store a new record; None if one is there already (a keyed submit sent again)."""
-        try:
-            await self.kv.create(subjects.job_key(job.app, job.id), encode(job))
-        except KeyWrongLastSequenceError:
+        if await self.fast.create(subjects.job_key(job.app, job.id), encode(job)) is None:
             return None
         return job
 
@@ -69,8 +67,8 @@ class JobRecords:
             if new is None:
                 return job, False, revision
             try:
-                revision = await self.kv.update(subjects.job_key(app, job_id), encode(new), last=revision)
-            except KeyWrongLastSequenceError:
+                revision = await self.fast.update(subjects.job_key(app, job_id), encode(new), last=revision)
+            except LostRace:
                 continue
             return new, True, revision
         raise Conflict(f"job {job_id}: its record kept changing under {CAS_TRIES} tries")

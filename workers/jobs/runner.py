@@ -93,15 +93,16 @@ class JobRunner:
         fresh = self.clock() - info.heartbeat_at < WORKER_TTL + 1.0
         return fresh and (job.claimed_at is None or info.started_at < job.claimed_at)
 
-    async def handle(self, msg: Any) -> None:
+    async def handle(self, msg: Any, release: Callable[[], None] = lambda: None) -> None:
+        """Carry one delivered message through; `release` frees its slot once its process has ended."""
         try:
-            await self._handle(msg)
+            await self._handle(msg, release)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.warning("job message on %s: not handled (it will be delivered again)", msg.subject, exc_info=True)
 
-    async def _handle(self, msg: Any) -> None:
+    async def _handle(self, msg: Any, release: Callable[[], None]) -> None:
         try:
             task = decode(JobTask, msg.data)
         except FauxmadError:
@@ -129,10 +130,16 @@ class JobRunner:
                 await self.emit(job)
             await msg.ack()
         else:
-            await self._run(msg, task, seq, take.lost_worker, found)
+            await self._run(msg, task, seq, take.lost_worker, found, release)
 
     async def _run(
-        self, msg: Any, task: JobTask, seq: int, lost_worker: str | None, read: tuple[Job, int] | None
+        self,
+        msg: Any,
+        task: JobTask,
+        seq: int,
+        lost_worker: str | None,
+        read: tuple[Job, int] | None,
+        release: Callable[[], None],
     ) -> None:
         now = self.clock()
 
@@ -187,6 +194,7 @@ class JobRunner:
         try:
             outcome = await self.executors[job.runner].run(job, attempt, cancel, started)
         finally:
+            release()
             await guard.stop()
             self.cancels.pop(job.id, None)
         known = await self._marked(marks, guard.known)

@@ -18,6 +18,7 @@ from bus.codec import decode
 from bus.errors import NotFound
 from bus.jetstream import JOBS_ACK_WAIT, ensure_jobs_resources
 from bus.jobs import JobIdRequest
+from bus.jsfast import FastJetStream, FastKV
 from bus.messages import Ack
 from bus.service import Responder
 from workers.jobs.desk import JobDesk
@@ -63,7 +64,8 @@ class JobsService:
 
     async def start(self, responder: Responder) -> None:
         resources = await ensure_jobs_resources(self.nc.jetstream(), self.region, ack_wait=self.ack_wait)
-        records = JobRecords(resources.kv)
+        fast = await FastJetStream(self.nc).start()
+        records = JobRecords(resources.kv, FastKV(fast, subjects.JOBS_BUCKET))
         executors: dict[str, Executor] = {
             "machine": MachineExecutor(self.manager, self.region),
             "process": ProcessExecutor(
@@ -79,7 +81,7 @@ class JobsService:
             workers_kv=self.workers_kv,
             ack_wait=self.ack_wait,
         )
-        desk = JobDesk(self.nc, records, region=self.region, emit=self.runner.emit)
+        desk = JobDesk(self.nc, records, fast, region=self.region, emit=self.runner.emit)
         routes = [
             (subjects.api_jobs_submit_wildcard(self.region), desk.submit),
             (subjects.api_jobs_wildcard("status"), desk.status),
