@@ -32,7 +32,7 @@ from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, KeyValueConfig, Placement, StorageType, StreamConfig, StreamSource
+from nats.js.api import DiscardPolicy, KeyValueConfig, PersistMode, Placement, StorageType, StreamConfig, StreamSource
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -516,6 +516,8 @@ async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: St
         layout = layouts.from_env()
         if layout.supercluster:
             stream.placement, stream.num_replicas = Placement(cluster=layout.home), layout.replicas
+    if (stream.num_replicas or 1) > 1:
+        stream.persist_mode = None  # nats-server persists a replicated stream through its raft log, never async
     stream.max_age, stream.max_bytes = limits.max_age, limits.max_bytes
     try:  # look before creating: in a secure fleet only an operator may create (see `bind_or_create_kv`)
         current = (await js.stream_info(stream.name)).config
@@ -579,6 +581,9 @@ async def ensure_jobs_resources(js: JetStreamContext, region: str, *, ack_wait: 
             subjects=[subjects.JOB_EVENTS_ALL],
             storage=StorageType.FILE,
             description="every job state change",
+            # job events are core publishes (nobody is told they were stored; the records are the truth), so
+            # the stream need not flush each one to disk before the next: three flushes less per job
+            persist_mode=PersistMode.ASYNC,
         ),
         StreamLimits(max_age=JOB_EVENTS_MAX_AGE, max_bytes=256 << 20, explicit=False),
     )
