@@ -6,8 +6,8 @@ of each job the moment it is written, without polling any worker.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
-import time
 from typing import Any
 
 import msgspec
@@ -67,31 +67,20 @@ class JobsClient:
         done: dict[str, Job] = {}
         keys = subjects.job_key(app, job_ids[0]) if len(job_ids) == 1 else f"{subjects.check_token('app', app)}.*"
         watcher: Any = await kv.watch(keys)
-        deadline = time.monotonic() + timeout
         try:
-            while wanted - done.keys():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DeadlineExceeded(
-                        f"{len(wanted - done.keys())} of {len(wanted)} jobs not finished within {timeout:g}s"
-                    )
-                entry = await _next(watcher, left)
-                if entry is None or not entry.value:
-                    continue
-                head = decode(JobHead, entry.value)  # most updates are not an end: read the whole record once
-                if head.id in wanted and head.state in TERMINAL:
-                    done[head.id] = decode(Job, entry.value)
+            async with asyncio.timeout(timeout):  # one deadline for the whole wait, not a timer per update
+                async for entry in watcher:
+                    if entry is None or not entry.value:
+                        continue  # the end of the values there were, or a delete
+                    head = decode(JobHead, entry.value)  # most updates are not an end: read the whole record once
+                    if head.id in wanted and head.state in TERMINAL:
+                        done[head.id] = decode(Job, entry.value)
+                        if not wanted - done.keys():
+                            break
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"{len(wanted - done.keys())} of {len(wanted)} jobs not finished within {timeout:g}s"
+            ) from None
         finally:
             await watcher.stop()
         return done
-
-
-async def _next(watcher: Any, timeout: float) -> Any:
-    try:
-        return await watcher.updates(timeout=min(timeout, 5.0))
-    except TimeoutError:
-        return None
-    except Exception as exc:
-        if type(exc).__name__ == "TimeoutError":
-            return None
-        raise

@@ -66,6 +66,11 @@ def test_the_job_commands(
     events = cli(nats_url, tmp_path, "events", "--jobs", "-a", app, "--json")
     states = [json.loads(line)["state"] for line in events.stdout.splitlines()]
     assert states.count("queued") == 3 and states.count("succeeded") == 2 and states.count("failed") == 1
+    slow = cli(nats_url, tmp_path, "job", "submit", "-a", app, "-r", region, "--", "sleep", "30").stdout.strip()
+    late = cli(nats_url, tmp_path, "job", "wait", slow, "-a", app, "--timeout", "1")
+    assert late.returncode != 0 and late.stderr.count("\n") == 1, late.stderr
+    assert "1 of 1 jobs not finished within 1s" in late.stderr
+    assert cli(nats_url, tmp_path, "job", "cancel", slow, "-a", app).returncode == 0
 
 
 def test_bad_job_arguments_are_one_line_and_exit_2(nats_url: str, tmp_path: Path) -> None:
