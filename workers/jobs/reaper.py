@@ -61,9 +61,7 @@ class Reaper:
 
     def _watcher(self) -> subprocess.Popen[bytes]:
         proc = self._proc
-        if proc is None or proc.poll() is not None:
-            if proc is not None:
-                log.warning("the job reaper (pid %d) is gone: starting another", proc.pid)
+        if proc is None:
             proc = self._proc = subprocess.Popen(
                 [self.python, "-S", "-c", WATCHER],
                 stdin=subprocess.PIPE,
@@ -87,8 +85,10 @@ class Reaper:
             try:
                 self._send(proc, text)
                 return
-            except OSError:  # it died since we looked: the next round starts another
-                with contextlib.suppress(OSError):
+            except OSError:  # it is gone (EPIPE: nobody reads the pipe): the next round starts another
+                log.warning("the job reaper (pid %d) is gone: starting another", proc.pid)
+                self._proc = None
+                with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                     proc.wait(1.0)
         log.error("the job reaper cannot be started: job processes may outlive this worker")
 
