@@ -47,6 +47,9 @@ class Pool:
         reader, writer = await asyncio.open_connection(*address, limit=64 * 1024)
         return Conn(address, reader, writer)
 
+    def has_idle(self, address: Address) -> bool:
+        return bool(self._idle.get(address))
+
     def put(self, conn: Conn) -> None:
         idle = self._idle.setdefault(conn.address, [])
         if len(idle) >= MAX_IDLE_PER_MACHINE or conn.writer.is_closing():

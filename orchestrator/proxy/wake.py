@@ -97,6 +97,12 @@ class Waker:
         entry = index_entry(machine)
         self.routes.remember(entry)
         port = self.port_of(entry)
+        if kind == "resume" and self.pool.has_idle((self.host, port)):
+            # it listened before it was frozen, and connections kept from then are served again now: a new
+            # connection would prove nothing (the kernel queues connects to a frozen process) and cost the
+            # app an accept (and a fork, for an app with a process per connection) on the held request
+            self.on_woken(machine.app, kind)
+            return entry
         conn = await connect_when_up((self.host, port), self.ready_timeout)
         if conn is None:
             raise WakeError(f"{machine.id} did not accept connections on port {port} within {self.ready_timeout:g}s")
