@@ -47,16 +47,22 @@ def on_volume_host(request: Ask, offer: Offer) -> str | None:
 
 def consistent_numbers(request: Ask, offer: Offer) -> str | None:
     """Numbers the scorers can trust: capacity > 0, 0 <= free <= capacity, a finite load >= 0."""
-    for name, capacity, free in (
-        ("cpus", offer.capacity.cpus, offer.free.cpus),
-        ("memory", offer.capacity.memory_mb, offer.free.memory_mb),
-    ):
-        if capacity <= 0:
-            return f"inconsistent offer: {name} capacity is {capacity}"
-        if not 0 <= free <= capacity:
-            return f"inconsistent offer: {name} free {free} is outside [0, capacity {capacity}]"
+    capacity, free = offer.capacity, offer.free
+    reason = _inconsistent("cpus", capacity.cpus, free.cpus) or _inconsistent(
+        "memory", capacity.memory_mb, free.memory_mb
+    )
+    if reason is not None:
+        return reason
     if not (math.isfinite(offer.load) and offer.load >= 0):
         return f"inconsistent offer: load is {offer.load}"
+    return None
+
+
+def _inconsistent(name: str, capacity: int, free: int) -> str | None:
+    if capacity <= 0:
+        return f"inconsistent offer: {name} capacity is {capacity}"
+    if not 0 <= free <= capacity:
+        return f"inconsistent offer: {name} free {free} is outside [0, capacity {capacity}]"
     return None
 
 

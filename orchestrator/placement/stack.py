@@ -109,20 +109,18 @@ def rank(
 
 def judge(request: Ask, reply: Offer | Decline, config: PlacementConfig) -> Candidate | Rejection:
     """One worker's verdict: steps 2 to 5 of the chain described above."""
-    match reply:
-        case Decline(worker_id=worker_id, reason=reason):
-            return Rejection(worker_id=worker_id, reason=reason or "declined", filter="declined")
-        case Offer():
-            failure = first_failure(request, reply)
-            if failure is not None:
-                return Rejection(worker_id=reply.worker_id, reason=failure[1], filter=failure[0])
-            scores = subscores(request, reply, config)
-            return Candidate(
-                worker_id=reply.worker_id,
-                total=round(sum(scores.values()), TOTAL_DIGITS),
-                subscores=scores,
-                free_after=free_after(request, reply),
-            )
+    if isinstance(reply, Decline):
+        return Rejection(worker_id=reply.worker_id, reason=reply.reason or "declined", filter="declined")
+    failure = first_failure(request, reply)
+    if failure is not None:
+        return Rejection(worker_id=reply.worker_id, reason=failure[1], filter=failure[0])
+    scores = subscores(request, reply, config)
+    return Candidate(
+        worker_id=reply.worker_id,
+        total=round(sum(scores.values()), TOTAL_DIGITS),
+        subscores=scores,
+        free_after=free_after(request, reply),
+    )
 
 
 def _first_reply_per_worker(replies: Iterable[Offer | Decline]) -> dict[str, Offer | Decline]:
@@ -136,5 +134,7 @@ def _best_first(candidates: list[Candidate], tie_break: random.Random | None) ->
     # `candidates` arrive sorted by worker id, so seeded draws are reproducible.
     if tie_break is None:
         return sorted(candidates, key=lambda c: (-c.total, -c.free_after.memory_mb, c.worker_id))
-    draws = {c.worker_id: tie_break.random() for c in candidates}
-    return sorted(candidates, key=lambda c: (-c.total, -c.free_after.memory_mb, draws[c.worker_id]))
+    draw = tie_break.random  # drawn in worker id order, as the candidates come
+    keyed = [(-c.total, -c.free_after.memory_mb, draw(), c) for c in candidates]
+    keyed.sort(key=lambda k: k[:3])
+    return [k[3] for k in keyed]

@@ -29,12 +29,9 @@ def _request(arrival: Arrival) -> OfferRequest:
 
 
 def _ranked(arrival: Arrival, asked: list[SimWorker], config: PlacementConfig, rng: random.Random) -> SimWorker | None:
-    offers = [w.offer(arrival.app) for w in asked]
-    ranking = rank(_request(arrival), offers, {w.worker_id for w in asked}, config, tie_break=rng)
-    if not ranking.candidates:
-        return None
-    best = ranking.candidates[0].worker_id
-    return next(w for w in asked if w.worker_id == best)
+    by_id = {w.worker_id: w for w in asked}
+    ranking = rank(_request(arrival), [w.offer(arrival.app) for w in asked], by_id.keys(), config, tie_break=rng)
+    return by_id[ranking.candidates[0].worker_id] if ranking.candidates else None
 
 
 def scatter(config: PlacementConfig) -> Placer:
