@@ -38,7 +38,10 @@ from orchestrator.reconcile.ports import Bus, MachinesApi
 
 log = logging.getLogger(__name__)
 
-LEASE_TTL = 120.0
+# A machine's lease lasts LEASE_TTL and is renewed every third of it while its action runs: an action may take
+# a stop timeout and more, yet a reconciler killed mid-action (kill -9: no `finally`) holds its machines from the
+# next one for LEASE_TTL at the most. It was a flat 120 s: the next `fauxmad reconcile` waited out two minutes.
+LEASE_TTL = 15.0
 
 
 class Result(msgspec.Struct, kw_only=True):
@@ -150,19 +153,35 @@ class Executor:
             await self._call(worker, "update", UpdateRequest(id=machine_id, config=action.config, lease_nonce=nonce))
             await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
 
+    async def _lease(self, worker_id: str, machine_id: str, nonce: str | None = None) -> Lease:
+        """Take the machine's lease, or with `nonce` extend the one held (the worker keeps the nonce)."""
+        return await self.bus.call(
+            subjects.worker_machines(worker_id, "lease"),
+            LeaseRequest(id=machine_id, ttl=LEASE_TTL, holder=self.holder, nonce=nonce),
+            Lease,
+            timeout=5,
+        )
+
+    async def _renew(self, worker_id: str, machine_id: str, nonce: str) -> None:
+        """Keep the lease while the action runs. A renewal that fails is tried again at the next turn; if the
+        lease lapses meanwhile and another reconciler takes it, this one's verbs get 409s (the next pass decides)."""
+        while True:
+            await asyncio.sleep(LEASE_TTL / 3)
+            try:
+                await self._lease(worker_id, machine_id, nonce)
+            except FauxmadError as exc:
+                log.info("lease of %s not renewed: %s", machine_id, exc.message)
+
     async def _call(self, worker_id: str, verb: str, request: msgspec.Struct, timeout: float = 30.0) -> Machine:
         return await self.bus.call(subjects.worker_machines(worker_id, verb), request, Machine, timeout=timeout)
 
     async def _leased(self, worker_id: str, machine_id: str, work: Callable[[str], Awaitable[None]]) -> None:
-        lease = await self.bus.call(
-            subjects.worker_machines(worker_id, "lease"),
-            LeaseRequest(id=machine_id, ttl=LEASE_TTL, holder=self.holder),
-            Lease,
-            timeout=5,
-        )
+        lease = await self._lease(worker_id, machine_id)
+        renewing = asyncio.create_task(self._renew(worker_id, machine_id, lease.nonce))
         try:
             await work(lease.nonce)
         finally:
+            renewing.cancel()
             with contextlib.suppress(Exception):  # a destroyed machine has no lease to release
                 await self.bus.call(
                     subjects.worker_machines(worker_id, "release"),

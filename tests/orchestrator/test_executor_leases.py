@@ -1,0 +1,66 @@
+"""The executor's leases against a real worker: kept for as long as a long action runs (renewed), so a short
+TTL is safe; and a reconciler that dies holding one (no release) blocks the next one for one TTL only."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from orchestrator.reconcile import executor as executor_module
+from orchestrator.reconcile.executor import Executor
+from orchestrator.reconcile.over_nats import NatsBus
+from orchestrator.reconcile.plan import Start, Stop
+from tests.helpers import RawClient, arun, connect_nats
+
+TTL = 0.6  # seconds: the test's stand-in for LEASE_TTL
+DEAF = ["sh", "-c", "trap '' TERM; while true; do sleep 0.1; done"]  # takes its whole stop timeout to stop
+
+
+def test_a_long_action_keeps_its_lease_and_a_dead_holders_lease_lapses_after_one_ttl(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(executor_module, "LEASE_TTL", TTL)
+    worker = worker_factory(unique("r"))
+    worker_id: str = worker.worker_id  # type: ignore[attr-defined]
+    region: str = worker.region  # type: ignore[attr-defined]
+
+    async def scenario() -> tuple[list[int], list[int], float]:
+        nc = await connect_nats(nats_url)
+        raw = RawClient(nc, worker_id)
+        try:
+            machine = await raw.ok("reserve", {"app": "a", "region": region, "config": {"cmd": DEAF}, "launch": True})
+            await raw.wait_state(machine["id"], "started")
+            executor = Executor(NatsBus(nc), machines=None, holder="deploy", stop_timeout=4 * TTL)  # type: ignore[arg-type]
+            stop = Stop(id=machine["id"], region=region, worker_id=worker_id)
+            stopping = asyncio.create_task(executor.apply("a", (stop,)))
+            while ((await raw.ok("get", {"id": machine["id"]})).get("lease") or {}).get("holder") != "deploy":
+                await asyncio.sleep(0.01)
+            refused = []  # another reconciler asks for the lease while the stop runs, past several TTLs
+            while not stopping.done():
+                code, _ = await raw.send("lease", {"id": machine["id"], "ttl": TTL, "holder": "other"})
+                refused.append(code)
+                await asyncio.sleep(TTL / 4)
+            (result,) = await stopping
+            assert result.ok, result.error
+            # a reconciler killed holding the lease (nothing releases it): the next one gets the machine one TTL on
+            dead = await raw.ok("lease", {"id": machine["id"], "ttl": TTL, "holder": "killed"})
+            assert dead["holder"] == "killed"
+            began = time.monotonic()
+            start = Start(id=machine["id"], region=region, worker_id=worker_id)
+            codes = []
+            while True:
+                (result,) = await executor.apply("a", (start,))
+                codes.append(result.code if not result.ok else 200)
+                if result.ok:
+                    return refused, codes, time.monotonic() - began
+                await asyncio.sleep(TTL / 4)
+        finally:
+            await nc.close()
+
+    refused, codes, waited = arun(scenario())
+    assert len(refused) >= 8 and set(refused) == {409}, refused  # the lease was renewed the whole time
+    assert codes[0] == 409 and codes[-1] == 200, codes
+    assert waited < 4 * TTL, waited
