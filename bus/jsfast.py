@@ -26,6 +26,7 @@ from nats.aio.client import Client
 from bus.errors import Unreachable
 
 WRONG_LAST_SEQUENCE = 10071  # JSStreamWrongLastSequenceErrCode: a compare-and-set lost
+NO_MESSAGE = 10037  # JSNoMessageFoundErr: the key has no message (a 404 like a missing stream's, 10059)
 EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 NO_RESPONDERS = "503"
 
@@ -126,17 +127,20 @@ class FastKV:
     def subject(self, key: str) -> str:
         return f"$KV.{self.bucket}.{key}"
 
-    async def get(self, key: str) -> tuple[bytes, int] | None:
-        """(value, revision), or None when there is no value (never written, or deleted)."""
+    async def _last(self, key: str) -> _Stored | None:
+        """The key's last message (a value, or a delete or purge marker), None if it never had one."""
         query = msgspec.json.encode({"last_by_subj": self.subject(key)})
         got = _got.decode((await self.js.request(self._get_subject, query)).data)
-        if got.message is None:
-            if got.error is not None and got.error.code != 404:
-                raise Unreachable(f"{self._get_subject}: {got.error.description or f'error {got.error.err_code}'}")
+        if got.message is None and got.error is not None and got.error.err_code != NO_MESSAGE:
+            raise Unreachable(f"{self._get_subject}: {got.error.description or f'error {got.error.err_code}'}")
+        return got.message
+
+    async def get(self, key: str) -> tuple[bytes, int] | None:
+        """(value, revision), or None when there is no value (never written, or deleted)."""
+        last = await self._last(key)
+        if last is None or _is_marker(last):
             return None
-        if got.message.hdrs is not None and b"KV-Operation" in got.message.hdrs:
-            return None  # a delete or purge marker
-        return got.message.data, got.message.seq
+        return last.data, last.seq
 
     async def update(self, key: str, value: bytes, last: int) -> int:
         """Write `value` if the record's revision is still `last` (0: if it has none); its new revision.
@@ -150,14 +154,17 @@ class FastKV:
             return await self.update(key, value, 0)
         except LostRace:
             pass
-        if await self.get(key) is not None:
+        last = await self._last(key)
+        if last is not None and not _is_marker(last):
             return None
-        found = await self.js.request(self._get_subject, msgspec.json.encode({"last_by_subj": self.subject(key)}))
-        marker = _got.decode(found.data).message  # a delete marker holds the revision to write over
-        try:
-            return await self.update(key, value, marker.seq if marker is not None else 0)
+        try:  # a delete marker holds the revision to write over
+            return await self.update(key, value, last.seq if last is not None else 0)
         except LostRace:
             return None
+
+
+def _is_marker(stored: _Stored) -> bool:
+    return stored.hdrs is not None and b"KV-Operation" in stored.hdrs
 
 
 def _expire(waiter: asyncio.Future[Any]) -> None:
