@@ -30,14 +30,12 @@ def free_after(request: Ask, offer: Offer) -> Resources:
 
 
 def cpu(request: Ask, offer: Offer, config: PlacementConfig) -> float:
-    capacity = offer.capacity.cpus  # `utilization_after`, written out: this runs for every offer of every auction
-    used = (capacity - offer.free.cpus + request.guest.cpus) / capacity
+    used = utilization_after(offer.capacity.cpus, offer.free.cpus, request.guest.cpus)
     return config.cpu_weight * interpolate(config.cpu_curve, used)
 
 
 def memory(request: Ask, offer: Offer, config: PlacementConfig) -> float:
-    capacity = offer.capacity.memory_mb
-    used = (capacity - offer.free.memory_mb + request.guest.memory_mb) / capacity
+    used = utilization_after(offer.capacity.memory_mb, offer.free.memory_mb, request.guest.memory_mb)
     return config.memory_weight * interpolate(config.memory_curve, used)
 
 

@@ -64,8 +64,7 @@ class _Tail:
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
         self.loop, self.fd = loop, fd
         self.data = bytearray()
-        self.done: asyncio.Future[None] | None = None
-        self.closed = False
+        self.done = loop.create_future()
         os.set_blocking(fd, False)
         loop.add_reader(fd, self._read)
 
@@ -85,27 +84,18 @@ class _Tail:
 
     def drain(self) -> bool:
         """Read what is there now; True once at EOF (closed)."""
-        while not self.closed:
+        while not self.done.done():
             before = len(self.data)
             self._read()
-            if not self.closed and len(self.data) == before:
+            if not self.done.done() and len(self.data) == before:
                 return False  # nothing more for now: someone still holds the pipe open
         return True
 
-    def ended(self) -> asyncio.Future[None]:
-        if self.done is None:
-            self.done = self.loop.create_future()
-            if self.closed:
-                self.done.set_result(None)
-        return self.done
-
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
+        if not self.done.done():
             self.loop.remove_reader(self.fd)
             os.close(self.fd)
-            if self.done is not None and not self.done.done():
-                self.done.set_result(None)
+            self.done.set_result(None)
 
 
 async def spawn(
@@ -147,7 +137,7 @@ async def spawn(
         if not all([tail.drain() for tail in tails]):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(GRANDCHILD_GRACE):
-                    await asyncio.gather(*(tail.ended() for tail in tails))
+                    await asyncio.gather(*(tail.done for tail in tails))
     except BaseException:  # cancelled (the worker stops): the child goes too, and is reaped below
         _kill(pid)
         raise
