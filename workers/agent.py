@@ -161,6 +161,9 @@ class WorkerAgent:
             events_stream=layout.events_stream(cfg.region),
         )
         self.store = Store(data / "lmdb", sync=cfg.fsync, map_size=cfg.map_size)
+        # before anything of this run commits: what the last run's outbox held in memory may never have
+        # reached the stream (deliveries wait for the look-ups, and resumed machines commit below)
+        self._tasks.append(self.outbox.republish(self.store.machines()))
         self.committer = GroupCommitter(self.store)
         limits = auto_detect(cfg.worker_id)
         self.limits_mode = limits.describe()
@@ -223,8 +226,6 @@ class WorkerAgent:
             asyncio.create_task(self.follower.run()),
             asyncio.create_task(self._compact_loop()),
         ]
-        # events queued in memory when the worker last stopped may never have reached the stream
-        self._tasks.append(self.outbox.republish(self.store.machines()))
         log.info("worker %s in %s up: resumed %s, limits %s", cfg.worker_id, cfg.region, self.resumed, self.limits_mode)
 
     async def _volume_manager(self, js: Any, data: Path) -> VolumeManager:

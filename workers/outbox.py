@@ -22,8 +22,11 @@ outage of any length both copies converge on the log.
 - A round that delivered nothing waits before the next; one that delivered some goes on at once,
   so an item NATS keeps refusing holds up nothing but itself.
 - One warning when deliveries start failing, one info line when they flow again: never one per item.
-- On start, `republish` queues every machine's index entry and its newest events, unless the stream
-  already has them: events queued in memory when the worker died are not lost for good.
+- On start, before this run commits anything, `republish` queues every machine's index entry and
+  every event of its log that the stream lacks (those after the last one the stream has for that
+  machine): events queued in memory when the worker died are not lost for good, however many records
+  they span. Deliveries wait for those look-ups, so that no commit of this run reaches the stream
+  first and hides the gap behind it; the restored events go out ahead of this run's.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 KV_OPERATION_HEADER = "KV-Operation"
+NOTHING = (0, -1)  # the stream has no event of the machine
 
 
 def event_msg_id(worker_id: str, machine_id: str, seq: int, n: int) -> str:
@@ -67,6 +71,15 @@ def parse_msg_id(msg_id: str) -> tuple[int, int] | None:
         return int(parts[1]), int(parts[2])
     except ValueError:
         return None
+
+
+def with_n(events: Sequence[MachineEvent]) -> list[tuple[int, MachineEvent]]:
+    """`(n, event)` for a run of a machine's events: `n` is the event's place in its record."""
+    out: list[tuple[int, MachineEvent]] = []
+    for event in events:
+        n = out[-1][0] + 1 if out and out[-1][1].seq == event.seq else 0
+        out.append((n, event))
+    return out
 
 
 def record_events(events: Sequence[MachineEvent], seq: int) -> list[MachineEvent]:
@@ -116,6 +129,8 @@ class Outbox:
         self._events: deque[PendingEvent] = deque()
         self._index: dict[str, MachineIndexEntry] = {}  # insertion ordered; the newest entry per machine
         self._wake = asyncio.Event()
+        self._looked_up = asyncio.Event()  # cleared while `republish` asks the stream what it has
+        self._looked_up.set()
         self._failing_since: float | None = None
         self._delivered_while_failing = 0
         self.delivered = 0  # events and index entries acknowledged, since start
@@ -136,61 +151,80 @@ class Outbox:
         self._wake.set()
 
     def _queue_events(self, machine: Machine, numbered: Iterable[tuple[int, MachineEvent]]) -> None:
-        subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
-        for n, event in numbered:
-            msg_id = event_msg_id(self.worker_id, machine.id, event.seq, n)
-            self._events.append(PendingEvent(subject, encode(event), {MSG_ID_HEADER: msg_id}))
+        self._events.extend(self._pending(machine, numbered))
         self._wake.set()
 
-    def republish(self, machines: list[StoredMachine], lookups: int = 64) -> asyncio.Task[None]:
-        """At start: every machine's index entry now, and its newest events, where the stream lacks them,
-        from the task returned (the caller keeps and cancels it).
+    def _pending(self, machine: Machine, numbered: Iterable[tuple[int, MachineEvent]]) -> list[PendingEvent]:
+        """`(n, event)` pairs as messages, each with its `Nats-Msg-Id`."""
+        subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
+        return [
+            PendingEvent(
+                subject, encode(event), {MSG_ID_HEADER: event_msg_id(self.worker_id, machine.id, event.seq, n)}
+            )
+            for n, event in numbered
+        ]
 
-        The index entries are queued before this returns, with no await between reading `machines`
-        and queueing them, so a commit can never be overtaken by an older entry. The stream is asked
-        for each machine's last event before republishing, so a restart long after the duplicate
-        window still adds nothing that is there; when it cannot say, publish and let the window drop it.
+    def republish(self, machines: list[StoredMachine], lookups: int = 64) -> asyncio.Task[None]:
+        """At start, before any commit of this run: every machine's index entry now, and the events of
+        its log that the stream lacks, from the task returned (the caller keeps and cancels it).
+
+        The index entries are queued before this returns, so no commit can be overtaken by an older
+        entry. For the events the stream is asked for each machine's last one, and what the log has
+        after it is queued ahead of anything this run committed meanwhile; deliveries wait until every
+        machine was looked up, since a newer event delivered first would hide the gap behind it. So a
+        restart long after the duplicate window adds nothing that is there, and loses nothing that is
+        not. Where the stream cannot say, only the newest record goes again, and the window drops it if
+        it is there; so does it where the stream has nothing of the machine (its history aged out: what
+        is older than the stream keeps does not come back).
         """
         for stored in machines:
             self.index(stored.machine)
-        newest = [
-            (stored.machine, record_events(stored.events, stored.events[-1].seq))
-            for stored in machines
-            if stored.events
-        ]
+        logs = [(stored.machine, list(stored.events)) for stored in machines if stored.events]
+        self._looked_up.clear()
 
-        async def one(machine: Machine, group: list[MachineEvent]) -> None:
+        async def missing(machine: Machine, events: list[MachineEvent]) -> list[PendingEvent]:
             have = await self._stream_has(subjects.events(machine.region, machine.worker_id, machine.app, machine.id))
-            self._queue_events(machine, ((n, event) for n, event in enumerate(group) if (event.seq, n) > have))
+            if have is None or have == NOTHING:  # unknown, or aged out of the stream: the newest record only
+                return self._pending(machine, enumerate(record_events(events, events[-1].seq)))
+            return self._pending(machine, [(n, event) for n, event in with_n(events) if (event.seq, n) > have])
 
-        async def events() -> None:
-            for start in range(0, len(newest), lookups):
-                await asyncio.gather(*(one(machine, group) for machine, group in newest[start : start + lookups]))
+        async def look_up() -> None:
+            restored: list[PendingEvent] = []
+            try:
+                for start in range(0, len(logs), lookups):
+                    groups = await asyncio.gather(
+                        *(missing(machine, events) for machine, events in logs[start : start + lookups])
+                    )
+                    restored.extend(pending for group in groups for pending in group)
+                self._events.extendleft(reversed(restored))
+            finally:
+                self._looked_up.set()
+                self._wake.set()
 
-        return asyncio.create_task(events())
+        return asyncio.create_task(look_up())
 
-    async def _stream_has(self, subject: str) -> tuple[int, float]:
-        """`(log seq, n)` of the last event on `subject` in the stream; `(0, -1)` for none or unknown."""
+    async def _stream_has(self, subject: str) -> tuple[int, float] | None:
+        """`(log seq, n)` of the last event on `subject` in the stream; NOTHING for none, None for unknown."""
         try:
             msg = await asyncio.wait_for(self._js.get_last_msg(self._events_stream, subject), self.timeout)
         except NotFoundError:
-            return 0, -1
+            return NOTHING
         except Exception:
             log.debug("outbox: could not look up %s in the events stream", subject, exc_info=True)
-            return 0, -1
+            return None
         parsed = parse_msg_id((msg.headers or {}).get(MSG_ID_HEADER, ""))
         if parsed is not None:
             return parsed
         try:  # published before events carried an id: the whole record counts as there
             return msgspec.json.decode(msg.data or b"{}", type=_Seq).seq, math.inf
         except msgspec.DecodeError:
-            return 0, -1
+            return None
 
     # delivering -------------------------------------------------------------------------------
     async def run(self) -> None:
         delay = self.retry_min
         while True:
-            if not self.pending:
+            if not self.pending or not self._looked_up.is_set():
                 self._wake.clear()
                 await self._wake.wait()
                 continue

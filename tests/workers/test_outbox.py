@@ -23,7 +23,7 @@ from bus.embedded import EmbeddedNats, free_port
 from bus.jetstream import ensure_fleet_resources
 from bus.messages import Machine, MachineConfig, MachineEvent
 from tests.helpers import RawClient, WorkerProcess, arun
-from workers.outbox import Outbox, event_msg_id, parse_msg_id, record_events
+from workers.outbox import Outbox, event_msg_id, parse_msg_id, record_events, with_n
 from workers.records import MachineRecord, StoredMachine
 
 STREAM = "FAUXMAD_EVENTS"
@@ -117,8 +117,10 @@ async def converge(url: str, worker: WorkerProcess, ids: list[str], within: floa
         await nc.close()
 
 
-async def place(url: str, worker: WorkerProcess, cmds: list[list[str]]) -> list[str]:
-    """Reserve and start one machine per command (restart policy `no`); their ids."""
+async def place(
+    url: str, worker: WorkerProcess, cmds: list[list[str]], restart: dict[str, Any] | None = None
+) -> list[str]:
+    """Reserve and start one machine per command (restart policy `no` unless given); their ids."""
     nc = await nats.connect(url)
     try:
         raw = RawClient(nc, worker.worker_id)
@@ -130,7 +132,7 @@ async def place(url: str, worker: WorkerProcess, cmds: list[list[str]]) -> list[
                     "app": "outage",
                     "region": worker.region,
                     "name": f"m{i}",
-                    "config": {"cmd": cmd, "restart": {"policy": "no"}},
+                    "config": {"cmd": cmd, "restart": restart or {"policy": "no"}},
                 },
             )
             await raw.ok("start", {"id": machine["id"]})
@@ -199,6 +201,35 @@ def test_a_worker_that_dies_during_the_outage_republishes_on_start(
     seen, took = arun(converge(server.url, worker, ids, within=8))
     print(f"converged {took:.2f}s after the worker restarted")
     assert [seen.machines[mid]["state"] for mid in ids] == ["failed", "stopped"]
+
+
+def test_every_record_the_dead_worker_held_comes_back_not_only_the_newest(
+    crashable_nats: EmbeddedNats, worker_factory: Callable[..., WorkerProcess]
+) -> None:
+    """While NATS is away the machine fails, is restarted and fails again: several records, all held in
+    the outbox's memory when the worker is killed. On start every one of them reaches the stream, in
+    log order (a republish of the newest record alone left a gap in the history for good)."""
+    server = crashable_nats
+    worker = worker_factory(url=server.url)
+    fails_fast = ["sh", "-c", "sleep 1; exit 3"]
+    ids = arun(place(server.url, worker, [fails_fast], restart={"policy": "on-failure", "max_retries": 1}))
+    arun(converge(server.url, worker, ids, within=5))
+
+    server.kill()
+    time.sleep(4.5)  # fails, restarts after the backoff, fails again: failed for good
+    worker.kill9()
+    server.start()
+    worker.start()
+
+    seen, took = arun(converge(server.url, worker, ids, within=8))
+    print(f"converged {took:.2f}s after the worker restarted")
+    machine = seen.machines[ids[0]]
+    assert machine["state"] == "failed"
+    records = {e["seq"] for e in machine["events"]}
+    in_stream = [(e["seq"], e["type"], e["status"]) for _, e in seen.stream]
+    assert in_stream == sorted(in_stream, key=lambda key: key[0])  # log order
+    assert len([e for _, e in seen.stream if e["type"] == "exit"]) == 2
+    assert len(records) >= 5  # created, starting, started, then at least two records during the outage
 
 
 def test_worker_restarts_add_no_duplicates_and_restore_a_lost_newest_event(
@@ -319,5 +350,7 @@ def test_record_events_are_the_tail_with_the_record_sequence() -> None:
     assert [e.type for e in record_events(events, 9)] == ["exit", "transition"]
     assert record_events(events, 4) == []  # superseded: not the tail
     assert record_events([], 1) == []
+    assert [n for n, _ in with_n(events)] == [0, 0, 1]  # an exit and its state share record 9
+    assert with_n([]) == []
     assert parse_msg_id(event_msg_id("w1", "0123456789abcd", 42, 1)) == (42, 1)
     assert parse_msg_id("nonsense") is None
