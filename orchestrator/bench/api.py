@@ -10,7 +10,6 @@ the NATS side, so the difference is the API and not a client library's framing.
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import msgspec
 import uvloop
 
 from bus.messages import CreateRequest, Guest, MachineConfig
+from bus.ports import free_port
 from orchestrator.bench import BenchError
 from orchestrator.bench.http_client import Client
 from orchestrator.bench.report import Report, Table, host_info, latency_table
@@ -49,13 +49,6 @@ class ApiResult(msgspec.Struct, kw_only=True):
     gets_per_second: float
     http_get: Latency
     host: dict[str, object]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def _ready(http: aiohttp.ClientSession, base: str, proc: subprocess.Popen[bytes]) -> None:
@@ -112,7 +105,7 @@ async def _gets(port: int, ids: list[str], options: ApiOptions) -> tuple[list[fl
 
 
 async def _measure(fleet: DevFleet, options: ApiOptions, progress: Progress) -> ApiResult:
-    port = _port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "orchestrator.cli", "api", "--listen", f"127.0.0.1:{port}", "--nats", fleet.url]
     proc = subprocess.Popen(cmd)

@@ -31,6 +31,7 @@ import msgspec
 from bus.connection import connect
 from bus.jetstream import ensure_fleet_resources
 from bus.messages import CreateRequest
+from bus.ports import free_port
 from orchestrator.bench import BenchError
 from orchestrator.bench.http_client import Client
 from orchestrator.bench.report import LATENCY_ALIGN, LATENCY_COLUMNS, Report, Table
@@ -87,16 +88,8 @@ class ProxyResult(msgspec.Struct, kw_only=True):
     native_after_create: Latency | None = None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _start_proxy(url: str, log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "orchestrator.cli", "proxy", "--listen", f"127.0.0.1:{port}", "--region", REGION]
     with log.open("ab") as out:
         proc = subprocess.Popen([*argv, "--nats", url], stdout=out, stderr=out, env=dict(os.environ))

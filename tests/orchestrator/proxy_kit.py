@@ -7,7 +7,6 @@ sent: status, headers, body, and whether the connection stayed open.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from typing import Any
 from bus.connection import connect
 from bus.jetstream import ensure_fleet_resources
 from bus.messages import CreateRequest, Machine
+from bus.ports import free_port
 from orchestrator.bench.http_client import Client, Response
 from orchestrator.client import FleetClient
 from orchestrator.proxy.upstream import connect_when_up
@@ -26,12 +26,6 @@ from orchestrator.reconcile.spec import PRIMARY, SPARE, AppSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 ECHO = ROOT / "examples" / "echo" / "app.py"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ProxyProcess:

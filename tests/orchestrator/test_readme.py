@@ -39,6 +39,9 @@ def shell_env(**extra: str) -> dict[str, str]:
     return dict(env, PATH=path, PYTHONPATH=str(ROOT), COLUMNS="120", **extra)
 
 
+ENDED = "\x00the output ended\x00"  # put by `lines_of` after the last line (compared by identity)
+
+
 def lines_of(proc: subprocess.Popen[str]) -> queue.Queue[str]:
     """The process's output lines as they come (a thread reads: select on a buffered pipe can miss them)."""
     out: queue.Queue[str] = queue.Queue()
@@ -47,19 +50,25 @@ def lines_of(proc: subprocess.Popen[str]) -> queue.Queue[str]:
         assert proc.stdout is not None
         for line in proc.stdout:
             out.put(line)
+        out.put(ENDED)
 
     threading.Thread(target=pump, daemon=True).start()
     return out
 
 
 def read_until(lines: queue.Queue[str], pattern: str, timeout: float) -> str:
+    """The output up to `pattern`; fails once `timeout` passes, or at once when the output ends without it."""
     seen = ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            seen += lines.get(timeout=0.2)
+            line = lines.get(timeout=0.2)
         except queue.Empty:
             continue
+        if line is ENDED:
+            lines.put(ENDED)  # for the next reader too
+            raise AssertionError(f"no {pattern!r}: the output ended; saw:\n{seen}")
+        seen += line
         if re.search(pattern, seen):
             return seen
     raise AssertionError(f"no {pattern!r} within {timeout}s; saw:\n{seen}")

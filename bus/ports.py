@@ -1,0 +1,61 @@
+"""Free TCP ports for servers this host starts: nats-servers (tests, `fauxmad dev`), machines' `PORT`.
+
+The port the kernel gives for `bind(0)` comes from the ephemeral range, the same range every outgoing
+connection's local port comes from. A port picked that way, released, and bound by a server a moment later
+can be taken meanwhile by any connection this host opens: a supercluster picks 27 ports and then starts its
+servers one after another, and the routes and gateways of the first servers took a port picked for a later
+one (CI saw a nats-server exit at start). So the port is a random one below that range, that binds now,
+and that this process has not handed out recently; `bind(0)` only where the range leaves no room below it.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import socket
+from pathlib import Path
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LINUX_DEFAULT_LOW = 32768
+LOWEST_PICKED = 10_000  # below this, the ports that well-known services listen on
+RECENT = 4096  # ports handed out lately, not handed out again: the servers they are for may not listen yet
+TRIES = 200
+
+_recent: dict[int, None] = {}  # insertion ordered: the oldest goes first
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, that no outgoing connection will take, not handed out lately."""
+    low = _ephemeral_low()
+    if low - LOWEST_PICKED > 2 * RECENT:
+        for _ in range(TRIES):
+            port = random.randint(LOWEST_PICKED, low - 1)
+            if port not in _recent and _binds(host, port):
+                _remember(port)
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@functools.cache
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return LINUX_DEFAULT_LOW
+
+
+def _binds(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _remember(port: int) -> None:
+    _recent[port] = None
+    if len(_recent) > RECENT:
+        del _recent[next(iter(_recent))]
