@@ -25,8 +25,9 @@ outage of any length both copies converge on the log.
 - On start, before this run commits anything, `republish` queues every machine's index entry and
   every event of its log that the stream lacks (those after the last one the stream has for that
   machine): events queued in memory when the worker died are not lost for good, however many records
-  they span. Deliveries wait for those look-ups, so that no commit of this run reaches the stream
-  first and hides the gap behind it; the restored events go out ahead of this run's.
+  they span (for a machine the stream has nothing of, those younger than the stream's max age). Deliveries
+  wait for those look-ups, so that no commit of this run reaches the stream first and hides the gap behind
+  it; the restored events go out ahead of this run's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -54,7 +55,8 @@ log = logging.getLogger(__name__)
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 KV_OPERATION_HEADER = "KV-Operation"
-NOTHING = (0, -1)  # the stream has no event of the machine
+NOTHING = (0, -1.0)  # the stream has no event of the machine (compared by identity)
+Have = tuple[int, float] | None  # (log seq, n) of the stream's last event of a machine; None: unknown
 
 
 def event_msg_id(worker_id: str, machine_id: str, seq: int, n: int) -> str:
@@ -80,6 +82,23 @@ def with_n(events: Sequence[MachineEvent]) -> list[tuple[int, MachineEvent]]:
         n = out[-1][0] + 1 if out and out[-1][1].seq == event.seq else 0
         out.append((n, event))
     return out
+
+
+def missing(
+    numbered: list[tuple[int, MachineEvent]], have: Have, kept_since: float | None
+) -> list[tuple[int, MachineEvent]]:
+    """Which of a machine's `(n, event)`s the stream lacks, given its last one there (`have`) and the oldest
+    time it keeps (`kept_since`, epoch seconds; None: unknown). Nothing there: never delivered, or aged out,
+    so what is younger than the stream keeps. Unknown: the newest record, which the duplicate window drops
+    if it is there."""
+    if have is NOTHING:
+        if kept_since is not None:
+            return [(n, event) for n, event in numbered if event.timestamp >= kept_since * 1000]
+        have = None
+    if have is None:
+        newest = numbered[-1][1].seq if numbered else 0
+        return [(n, event) for n, event in numbered if event.seq == newest]
+    return [(n, event) for n, event in numbered if (event.seq, n) > have]
 
 
 def record_events(events: Sequence[MachineEvent], seq: int) -> list[MachineEvent]:
@@ -115,6 +134,7 @@ class Outbox:
         timeout: float = 3.0,
         retry_min: float = 0.05,
         retry_max: float = 1.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._nc = nc
         self._js = nc.jetstream(timeout=timeout)  # for the start-up lookups
@@ -126,6 +146,7 @@ class Outbox:
         self.timeout = timeout
         self.retry_min = retry_min
         self.retry_max = retry_max
+        self.clock = clock  # epoch seconds: compared with the events' timestamps
         self._events: deque[PendingEvent] = deque()
         self._index: dict[str, MachineIndexEntry] = {}  # insertion ordered; the newest entry per machine
         self._wake = asyncio.Event()
@@ -173,27 +194,26 @@ class Outbox:
         after it is queued ahead of anything this run committed meanwhile; deliveries wait until every
         machine was looked up, since a newer event delivered first would hide the gap behind it. So a
         restart long after the duplicate window adds nothing that is there, and loses nothing that is
-        not. Where the stream cannot say, only the newest record goes again, and the window drops it if
-        it is there; so does it where the stream has nothing of the machine (its history aged out: what
-        is older than the stream keeps does not come back).
+        not. Where the stream has nothing of a machine (never delivered, or aged out), every event younger
+        than the stream's max age goes; where it cannot say, only the newest record goes again, and the
+        window drops it if it is there (`missing`).
         """
         for stored in machines:
             self.index(stored.machine)
         logs = [(stored.machine, list(stored.events)) for stored in machines if stored.events]
         self._looked_up.clear()
 
-        async def missing(machine: Machine, events: list[MachineEvent]) -> list[PendingEvent]:
+        async def one(machine: Machine, events: list[MachineEvent], kept_since: float | None) -> list[PendingEvent]:
             have = await self._stream_has(subjects.events(machine.region, machine.worker_id, machine.app, machine.id))
-            if have is None or have == NOTHING:  # unknown, or aged out of the stream: the newest record only
-                return self._pending(machine, enumerate(record_events(events, events[-1].seq)))
-            return self._pending(machine, [(n, event) for n, event in with_n(events) if (event.seq, n) > have])
+            return self._pending(machine, missing(with_n(events), have, kept_since))
 
         async def look_up() -> None:
             restored: list[PendingEvent] = []
             try:
+                kept_since = await self._kept_since()
                 for start in range(0, len(logs), lookups):
                     groups = await asyncio.gather(
-                        *(missing(machine, events) for machine, events in logs[start : start + lookups])
+                        *(one(machine, events, kept_since) for machine, events in logs[start : start + lookups])
                     )
                     restored.extend(pending for group in groups for pending in group)
                 self._events.extendleft(reversed(restored))
@@ -203,7 +223,17 @@ class Outbox:
 
         return asyncio.create_task(look_up())
 
-    async def _stream_has(self, subject: str) -> tuple[int, float] | None:
+    async def _kept_since(self) -> float | None:
+        """The oldest time (epoch seconds) of what the events stream still keeps: 0 without a limit, None unknown."""
+        try:
+            info = await asyncio.wait_for(self._js.stream_info(self._events_stream), self.timeout)
+        except Exception:
+            log.debug("outbox: could not read the events stream's limits", exc_info=True)
+            return None
+        max_age = info.config.max_age or 0.0
+        return self.clock() - max_age if max_age else 0.0
+
+    async def _stream_has(self, subject: str) -> Have:
         """`(log seq, n)` of the last event on `subject` in the stream; NOTHING for none, None for unknown."""
         try:
             msg = await asyncio.wait_for(self._js.get_last_msg(self._events_stream, subject), self.timeout)

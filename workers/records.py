@@ -16,6 +16,19 @@ from workers.driver import TaskHandle
 EVENTS_KEPT = 20
 
 
+def newest_events(events: list[MachineEvent], keep: int = EVENTS_KEPT) -> list[MachineEvent]:
+    """The newest `keep` events at most, whole records only: a record cut in two (an exit kept without the
+    state it settled in) would leave its second half numbered as if it were all of it (`Nats-Msg-Id`'s n)."""
+    start = len(events) - keep
+    if start <= 0:
+        return events
+    first = events[start].seq
+    if first != 0 and events[start - 1].seq == first:
+        while start < len(events) and events[start].seq == first:
+            start += 1
+    return events[start:]
+
+
 class StoredMachine(msgspec.Struct, kw_only=True):
     """A machine as the worker keeps it: the API view plus what only the worker needs."""
 

@@ -34,7 +34,6 @@ from bus.errors import NotFound
 from bus.messages import Volume
 from workers.lifecycle import HOLDS_RESOURCES
 from workers.records import (
-    EVENTS_KEPT,
     ImageRecord,
     LogRecord,
     MachineRecord,
@@ -43,6 +42,7 @@ from workers.records import (
     VolumeRecord,
     WorkerRecord,
     WorkerState,
+    newest_events,
 )
 
 T = TypeVar("T")
@@ -126,7 +126,7 @@ class Tx:
 
         def make(seq: int) -> LogRecord:
             stored.machine.version = seq
-            stored.events = stored.events[-EVENTS_KEPT:]
+            stored.events = newest_events(stored.events)
             for event in reversed(stored.events):  # every event this record adds (an exit, then a state)
                 if event.seq != 0:
                     break

@@ -23,8 +23,8 @@ from bus.embedded import EmbeddedNats, free_port
 from bus.jetstream import ensure_fleet_resources
 from bus.messages import Machine, MachineConfig, MachineEvent
 from tests.helpers import RawClient, WorkerProcess, arun
-from workers.outbox import Outbox, event_msg_id, parse_msg_id, record_events, with_n
-from workers.records import MachineRecord, StoredMachine
+from workers.outbox import NOTHING, Outbox, event_msg_id, missing, parse_msg_id, record_events, with_n
+from workers.records import MachineRecord, StoredMachine, newest_events
 
 STREAM = "FAUXMAD_EVENTS"
 EXITS_SOON = ["sh", "-c", "sleep 1.5; exit 3"]  # exits by itself while NATS is down: failed
@@ -354,3 +354,83 @@ def test_record_events_are_the_tail_with_the_record_sequence() -> None:
     assert with_n([]) == []
     assert parse_msg_id(event_msg_id("w1", "0123456789abcd", 42, 1)) == (42, 1)
     assert parse_msg_id("nonsense") is None
+
+
+def test_a_machine_keeps_its_newest_events_in_whole_records() -> None:
+    exit_then_state = [MachineEvent(type="exit", seq=9), MachineEvent(status="failed", seq=9)]
+    events = [MachineEvent(status="started", seq=4), *exit_then_state, *[MachineEvent(seq=10 + i) for i in range(19)]]
+    kept = newest_events(events)  # the 20th newest is record 9's state: without its exit it is not kept
+    assert [e.seq for e in kept] == list(range(10, 29)) and len(kept) == 19
+    assert newest_events(events[3:]) == events[3:]  # 19 events: nothing to drop
+    fits = [*exit_then_state, *[MachineEvent(seq=10 + i) for i in range(18)]]
+    assert newest_events(fits) == fits  # 20 exactly
+    unsealed = [*events[:-2], MachineEvent(type="exit"), MachineEvent(status="stopped")]  # seq 0: being added
+    assert newest_events(unsealed)[-2:] == unsealed[-2:]
+
+
+def test_what_the_stream_lacks_of_a_machine() -> None:
+    now_ms = 1_000_000.0 * 1000
+    events = with_n(
+        [
+            MachineEvent(status="started", seq=4, timestamp=now_ms - 9000),
+            MachineEvent(type="exit", seq=9, timestamp=now_ms - 5000),
+            MachineEvent(status="failed", seq=9, timestamp=now_ms - 5000),
+        ]
+    )
+    keys = lambda chosen: [(e.seq, n) for n, e in chosen]  # noqa: E731
+    assert keys(missing(events, (9, 0), None)) == [(9, 1)]  # after the last one there
+    assert keys(missing(events, (4, 0), None)) == [(9, 0), (9, 1)]
+    assert keys(missing(events, (9, 1), None)) == []
+    assert keys(missing(events, None, 0.0)) == [(9, 0), (9, 1)]  # unknown: the newest record
+    assert keys(missing(events, NOTHING, None)) == [(9, 0), (9, 1)]  # nothing there, limits unknown: the same
+    assert keys(missing(events, NOTHING, 0.0)) == [(4, 0), (9, 0), (9, 1)]  # nothing there, no age limit: all
+    assert keys(missing(events, NOTHING, 1_000_000.0 - 7)) == [(9, 0), (9, 1)]  # younger than the max age
+
+
+def test_a_machine_the_stream_has_nothing_of_gets_what_the_stream_would_keep(
+    nats_url: str, unique: Callable[[str], str]
+) -> None:
+    """In-process outbox, real nats-server: a machine whose every event was lost with its worker (created
+    just before a kill -9) gets them all back; one whose history aged out of the stream does not."""
+    worker_id, region = unique("w"), unique("r")
+    now = time.time()
+
+    def stored(name: str, ages: list[float]) -> StoredMachine:
+        machine = Machine(
+            id=f"{name:0>14}",
+            name=name,
+            app="lost",
+            region=region,
+            worker_id=worker_id,
+            state="started",
+            config=MachineConfig(),
+            instance_id="i",
+            created_at="",
+            updated_at="",
+            version=len(ages),
+        )
+        events = [
+            MachineEvent(status=f"s{seq}", seq=seq, timestamp=(now - age) * 1000, machine_id=machine.id)
+            for seq, age in enumerate(ages, start=1)
+        ]
+        return StoredMachine(machine=machine, events=events)
+
+    async def main() -> dict[str, list[str]]:
+        nc = await nats.connect(nats_url)
+        await ensure_fleet_resources(nc.jetstream())  # FAUXMAD_EVENTS keeps 7 days
+        outbox = Outbox(nc, worker_id=worker_id)
+        week = 7 * 24 * 3600
+        await outbox.republish([stored("fresh", [30, 20, 10]), stored("aged", [week + 60, week + 30, 10])])
+        task = asyncio.create_task(outbox.run())
+        while outbox.pending:
+            await asyncio.sleep(0.05)
+        task.cancel()
+        js = nc.jetstream()
+        found: dict[str, list[str]] = {}
+        for _, event in await stream_events(js, worker_id):
+            found.setdefault(event["machine_id"], []).append(event["status"])
+        await nc.close()
+        return found
+
+    found = arun(main())
+    assert found == {f"{'fresh':0>14}": ["s1", "s2", "s3"], f"{'aged':0>14}": ["s3"]}
