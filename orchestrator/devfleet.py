@@ -29,13 +29,14 @@ from bus import credentials, subjects
 from bus.codec import encode
 from bus.connection import servers
 from bus.credentials import CREDS_ENV
-from bus.embedded import EmbeddedNats, free_port
+from bus.embedded import EmbeddedNats
 from bus.errors import Unreachable
 from bus.images import Images
 from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, ensure_jobs_resources, revoked_tokens_bucket
 from bus.layout import REPLICAS_ENV
 from bus.layout import SUPERCLUSTER_ENV as SUPERCLUSTER_LAYOUT_ENV
 from bus.messages import DestroyRequest, ListRequest
+from bus.ports import free_port
 from bus.secrets import new_private_key, secrets_bucket
 from bus.supercluster import LoopbackSupercluster
 from bus.volumes import snapshot_store, volumes_bucket

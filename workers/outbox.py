@@ -200,7 +200,7 @@ class Outbox:
         """
         for stored in machines:
             self.index(stored.machine)
-        logs = [(stored.machine, list(stored.events)) for stored in machines if stored.events]
+        logs = [(stored.machine, stored.events) for stored in machines if stored.events]
         self._looked_up.clear()
 
         async def one(machine: Machine, events: list[MachineEvent], kept_since: float | None) -> list[PendingEvent]:

@@ -28,8 +28,8 @@ from typing import Any
 import msgspec
 import uvloop
 
-from bus.embedded import free_port
 from bus.jobs import JobSubmitRequest
+from bus.ports import free_port
 from orchestrator.bench.report import Report, Table, host_info, latency_table
 from orchestrator.bench.stats import Latency, summarize
 from orchestrator.devfleet import ROOT, DevFleet, FleetSpec

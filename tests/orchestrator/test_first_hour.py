@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from bus.embedded import EmbeddedNats, free_port
+from bus.embedded import EmbeddedNats
 from bus.errors import (
     BadRequest,
     Conflict,
@@ -40,6 +40,7 @@ from bus.errors import (
     Unreachable,
 )
 from bus.messages import Check, CreateRequest, Guest, MachineConfig
+from bus.ports import free_port
 from orchestrator.cli.app import app, exit_code_for, lift_global_options, main, report
 from orchestrator.cli.fleet_cmd import HELLO_CMD, hello_hint
 from orchestrator.client import FleetClient

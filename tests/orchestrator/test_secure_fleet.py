@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from bus.embedded import find_binary, free_port
+from bus.embedded import find_binary
+from bus.ports import free_port
 from orchestrator.security.fleetdir import FleetDir
 from tests.helpers import ROOT
 

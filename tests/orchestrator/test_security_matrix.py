@@ -25,7 +25,8 @@ import pytest
 from nats.aio.client import Client
 
 from bus import credentials
-from bus.embedded import find_binary, free_port
+from bus.embedded import find_binary
+from bus.ports import free_port
 from orchestrator.security.fleetdir import FleetDir
 from tests.helpers import ROOT, arun
 

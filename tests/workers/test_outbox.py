@@ -19,9 +19,10 @@ import nats
 import pytest
 from nats.js.errors import NotFoundError
 
-from bus.embedded import EmbeddedNats, free_port
+from bus.embedded import EmbeddedNats
 from bus.jetstream import ensure_fleet_resources
 from bus.messages import Machine, MachineConfig, MachineEvent
+from bus.ports import free_port
 from tests.helpers import RawClient, WorkerProcess, arun
 from workers.outbox import NOTHING, Outbox, event_msg_id, missing, parse_msg_id, record_events, with_n
 from workers.records import MachineRecord, StoredMachine, newest_events
