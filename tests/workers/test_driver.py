@@ -281,6 +281,35 @@ def test_signal_reaches_the_workload(driver: ProcessDriver, tasks: Tasks, tmp_pa
     assert "got usr1" in handle.stdout_path.read_text()
 
 
+def proc_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_workload_once_signalled_is_held_until_it_ends(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
+    """A suspend's SIGSTOP finds the workload from child.pid; the resume's SIGCONT reuses what it found (a
+    pidfd, not the files), and once the workload has ended nothing is signalled any more."""
+    handle = start(driver, tasks, make_spec(tmp_path, ["sleep", "30"]))
+    pid_file = Path(handle.workdir) / "child.pid"
+    wait_until(lambda: read_pid(pid_file) is not None)
+    workload = read_pid(pid_file)
+    assert workload is not None
+
+    async def go() -> ExitStatus:
+        await driver.signal(handle, signal.SIGSTOP)
+        wait_until(lambda: proc_state(workload) == "T")
+        pid_file.rename(pid_file.with_name("child.pid.away"))  # the next signal cannot read it
+        await driver.signal(handle, signal.SIGCONT)
+        wait_until(lambda: proc_state(workload) == "S")
+        pid_file.with_name("child.pid.away").rename(pid_file)
+        os.killpg(workload, signal.SIGKILL)
+        ended = await asyncio.wait_for(driver.wait(handle), 10)
+        await driver.signal(handle, signal.SIGTERM)  # ended: no error, no signal to a pid that may be reused
+        return ended
+
+    assert run(go()).signal == signal.SIGKILL
+    assert driver._workloads == {}, "the pidfd of an ended workload is closed"
+
+
 def test_destroy_stops_removes_cgroups_and_keeps_logs(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sh", "-c", "echo hello; exec sleep 30"]))
     wait_until(lambda: handle.stdout_path.read_text() == "hello\n")
