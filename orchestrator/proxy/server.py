@@ -89,6 +89,10 @@ class _Upstream(Exception):
         self.resend = resend
 
 
+class _ResumeFailed(Exception):
+    """The resume a request was sent ahead of failed: the machine never read it; the reason."""
+
+
 class Exchange:
     """One request as it goes: what the handler needs to finish it and to account for it."""
 
@@ -103,6 +107,7 @@ class Exchange:
         "responded",
         "safe",
         "status",
+        "waking",
         "watch",
     )
 
@@ -118,6 +123,7 @@ class Exchange:
         self.client_keep = False
         self.framing = Framing(False, 0)
         self.safe = False  # idempotent and without a body: it may be sent twice
+        self.waking: asyncio.Future[Any] | None = None  # the resume this request was sent ahead of
 
 
 class Proxy:
@@ -272,11 +278,12 @@ class Proxy:
         avoid: set[str] = set()
         deadline = self.clock() + self.config.queue_timeout
         for attempt in range(ATTEMPTS):
+            ex.waking = None  # a failed attempt's resume is not this one's
             if sticky and held:
                 machine_id = held[0]
             else:
                 machine_id = await self._pick(
-                    app, prefer.decode("ascii", "replace") if prefer else None, avoid, deadline
+                    app, prefer.decode("ascii", "replace") if prefer else None, avoid, deadline, ex
                 )
                 self.loads[machine_id] = self.loads.get(machine_id, 0) + 1
                 if sticky:
@@ -284,17 +291,24 @@ class Proxy:
             try:
                 await self._forward(ex, app, machine_id, reader, writer, client_ip, upgrade, fresh=attempt > 0)
                 return
-            except _Upstream as failure:
-                self._failed(app, machine_id, str(failure))
+            except (_Upstream, _ResumeFailed) as failure:
                 avoid.add(machine_id)
                 if sticky and held:
                     held.pop()
                     self._release(machine_id)
-                if not (failure.resend or safe) or attempt == ATTEMPTS - 1:
+                if not self._may_retry(app, machine_id, failure, safe) or attempt == ATTEMPTS - 1:
                     raise Refused(502, f"no machine of {app.name} could take this request ({failure})") from None
             finally:
                 if not sticky:
                     self._release(machine_id)
+
+    def _may_retry(self, app: App, machine_id: str, failure: _Upstream | _ResumeFailed, safe: bool) -> bool:
+        """Account for a machine that failed a request; whether the request may go to another."""
+        if isinstance(failure, _ResumeFailed):  # as a resume that failed before the request went
+            log.warning("proxy: %s", failure)
+            return True
+        self._failed(app, machine_id, str(failure))
+        return failure.resend or safe
 
     # ------------------------------------------------------------------------------------------
     # choosing
@@ -339,7 +353,7 @@ class Proxy:
         self._policies[app.name] = (app, policy)
         return policy
 
-    async def _pick(self, app: App, prefer: str | None, avoid: set[str], deadline: float) -> str:
+    async def _pick(self, app: App, prefer: str | None, avoid: set[str], deadline: float, ex: Exchange) -> str:
         policy = self._policy(app)
         while True:
             candidates = self._candidates(app)
@@ -355,12 +369,9 @@ class Proxy:
                         return machine_id
                     avoid.add(machine_id)
                 case Start(machine_id):
-                    assert self.waker is not None
-                    try:
-                        return (await self.waker.start(app.name, machine_id)).id
-                    except WakeError as exc:
-                        log.warning("proxy: %s", exc)
-                        avoid.add(machine_id)
+                    if await self._woken(app, machine_id, ex):
+                        return machine_id
+                    avoid.add(machine_id)
                 case Create(region):
                     assert self.waker is not None
                     try:
@@ -374,6 +385,39 @@ class Proxy:
                     if late is None:
                         raise Refused(502, f"no machine of {app.name} could take this request ({why})")
                     return late
+
+    async def _woken(self, app: App, machine_id: str, ex: Exchange) -> bool:
+        """Start or resume a machine for this request; False if that failed (logged)."""
+        assert self.waker is not None
+        if ex.safe and (waking := self._resume_ahead(app, machine_id)) is not None:
+            ex.waking = waking
+            return True
+        try:
+            await self.waker.start(app.name, machine_id)
+        except WakeError as exc:
+            log.warning("proxy: %s", exc)
+            return False
+        return True
+
+    def _resume_ahead(self, app: App, machine_id: str) -> asyncio.Future[Any] | None:
+        """Resume a suspended machine while its request is already on the way (None: not this way).
+
+        A frozen process's sockets still queue what is written to them: the request goes on a connection
+        kept from before the machine was frozen as soon as the resume is asked for, and the machine reads
+        it the moment it continues. The first byte then waits for the resume's signal, not for its answer
+        to travel back and a request to travel after it (two legs through NATS to a core gone idle: about a
+        millisecond). Only for a request that may be sent twice (`Exchange.safe`): if the resume fails, the
+        connection is closed and the request goes elsewhere, and a machine continued later may still read
+        it once."""
+        assert self.waker is not None
+        entry = self.routes.entry(machine_id)
+        if entry is None or entry.state not in ("suspended", "suspending") or machine_id in self.waker.starting:
+            return None
+        if not self.pool.has_idle((self.config.machine_host, self._port(app, entry))):
+            return None  # never reached before it was frozen: its start must show it listens first
+        waking = self.waker.begin(app.name, machine_id)
+        waking.add_done_callback(_retrieved)
+        return waking
 
     def _region_order(self, regions: set[str], prefer: str | None) -> list[str]:
         """`region_order`, remembered: the same few region sets come up on every request."""
@@ -492,7 +536,7 @@ class Proxy:
             return
         except _Upstream:
             conn.close()
-            if not (conn.reused and ex.safe):
+            if not (conn.reused and ex.safe) or ex.waking is not None:
                 raise
         except BaseException:
             conn.close()
@@ -536,7 +580,7 @@ class Proxy:
         head = ex.head
         ex.watch.arm(self.config.response_timeout)
         try:
-            data = await conn.reader.readuntil(b"\r\n\r\n")
+            data = await (self._head_once_resumed(ex, conn) if ex.waking else conn.reader.readuntil(b"\r\n\r\n"))
         except asyncio.CancelledError:
             if not ex.watch.expired():
                 raise
@@ -582,6 +626,31 @@ class Proxy:
             conn.close()
         if writer.transport.get_write_buffer_size():
             await writer.drain()
+
+    @staticmethod
+    async def _head_once_resumed(ex: Exchange, conn: Conn) -> bytes:
+        """The response head of a request sent ahead of its machine's resume (`_resume_ahead`); `_ResumeFailed`
+        if the resume fails first (the machine stays frozen and would never answer)."""
+        waking = ex.waking
+        assert waking is not None
+        head = asyncio.ensure_future(conn.reader.readuntil(b"\r\n\r\n"))
+        try:
+            await asyncio.wait((head, waking), return_when=asyncio.FIRST_COMPLETED)
+            if waking.done():
+                failure = waking.exception()
+                if failure is not None and not (head.done() and head.exception() is None):
+                    raise _ResumeFailed(str(failure))
+                ex.waking = None  # resumed: what follows is an ordinary exchange
+            return await head
+        finally:
+            head.cancel()
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """A resume run ahead of its request: its failure is the request's (`_head_once_resumed`), never logged
+    by asyncio as unretrieved when the answer came first."""
+    if not future.cancelled():
+        future.exception()
 
 
 _NONE: set[str] = set()  # no machine avoided (never changed)

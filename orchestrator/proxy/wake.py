@@ -52,11 +52,15 @@ class Waker:
         self._creating: dict[tuple[str, str], asyncio.Future[MachineIndexEntry]] = {}
 
     async def start(self, app: str, machine_id: str) -> MachineIndexEntry:
+        return await asyncio.shield(self.begin(app, machine_id))
+
+    def begin(self, app: str, machine_id: str) -> asyncio.Future[MachineIndexEntry]:
+        """The machine's start (or resume), begun now or the one in flight: never cancel it, others share it."""
         pending = self.starting.get(machine_id)
         if pending is None:
             pending = self.starting[machine_id] = asyncio.ensure_future(self._start(app, machine_id))
             pending.add_done_callback(lambda _: self.starting.pop(machine_id, None))
-        return await asyncio.shield(pending)
+        return pending
 
     async def create(self, app: App, region: str) -> MachineIndexEntry:
         key = (app.name, region)

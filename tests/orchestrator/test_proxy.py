@@ -18,7 +18,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus.messages import CORDONED_LABEL
+from bus import subjects
+from bus.messages import CORDONED_LABEL, Lease, LeaseRequest
+from bus.service import call
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats
@@ -306,6 +308,35 @@ def test_idle_machines_are_suspended_and_a_request_resumes_the_same_process(
     seen, took, after = arun(main())
     assert seen[-1] == "suspended" and after == "started"
     print(f"\nfirst byte after resume from suspend: {took * 1000:.1f} ms")
+
+
+def test_a_refused_resume_sends_the_request_to_another_machine_at_once(
+    proxy: kit.ProxyProcess, app, fleet: DevFleet
+) -> None:  # type: ignore[no-untyped-def]
+    """A GET goes to a suspended machine as its resume is asked for (on a connection kept from before); when
+    the worker refuses the resume (a lease held by someone else), the request is not left in the frozen
+    machine's socket: the proxy starts the other machine and that one answers."""
+    name, (frozen_id, spare_id) = app("", [("pxa", True), ("pxa", False)])
+
+    async def main() -> tuple[kit.Response, float, str]:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            assert (await kit.get(proxy.port, f"{name}.localhost")).json()["machine"] == frozen_id
+            await client.suspend(name, frozen_id)
+            lease = LeaseRequest(id=frozen_id, ttl=60, holder="a test")
+            await call(client.nc, subjects.api_machines(name, "lease"), lease, Lease)
+            await asyncio.sleep(0.3)  # the proxy's replica of the index sees it suspended
+            started = time.perf_counter()
+            served = await asyncio.wait_for(kit.get(proxy.port, f"{name}.localhost"), 20)
+            took = time.perf_counter() - started
+            return served, took, (await client.get(name, frozen_id, events=False)).state
+        finally:
+            await client.close()
+
+    served, took, frozen_state = arun(main())
+    assert served.status == 200 and served.json()["machine"] == spare_id, served.body
+    assert frozen_state == "suspended"
+    print(f"\nserved by the spare after the refused resume in {took * 1000:.1f} ms")
 
 
 # ---------------------------------------------------------------------------------------------------
