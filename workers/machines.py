@@ -740,7 +740,10 @@ class MachineManager:
         return await resume_in_flight(self, stop_timeout=self.config.stop_timeout)
 
     async def close(self) -> None:
-        """Stop watching (machines keep running: a worker restart must not kill them)."""
+        """Make the records of resumes already answered (`RESUME_RECORD_DELAY` away), then stop watching
+        (machines keep running: a worker restart must not kill them)."""
+        if self._resuming:
+            await asyncio.gather(*self._resuming.values(), return_exceptions=True)
         await self.supervisor.close()
 
 

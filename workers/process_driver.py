@@ -30,7 +30,9 @@ Key decisions:
   Right after `start` the shim may not have forked yet; `signal` then waits (a few ms, bounded) for
   `child.pid` rather than losing the signal.
 - A signal is only sent while `exit.json` does not exist: until then the shim holds the workload's
-  pid (as a zombie at worst), so it cannot have been reused by an unrelated process.
+  pid (as a zombie at worst), so it cannot have been reused by an unrelated process. Once signalled, the
+  workload is held by a pidfd (checked to be the shim's session's, or the sandbox's own), and the next
+  signal only asks that pidfd whether the process still runs: a resume after a suspend skips the files.
 - `start` returns as soon as the shim exists (a few ms): it does not wait for the workload's exec.
 - `exec` runs a command beside the workload, with its environment, working directory and limits (it
   joins the machine's cgroups, or gets its RLIMIT_AS) through a few lines of stdlib Python that then
@@ -518,11 +520,18 @@ class ProcessDriver:
         return found
 
     def _hold_workload(self, key: tuple[int, int], handle: TaskHandle, workload: int) -> None:
+        """Hold the workload by a pidfd once the process behind it is known to be this task's: in the shim's
+        session (a sandbox is a session of its own, named by its pid) and started after the shim. A sandbox's
+        pid is reaped by bwrap, not the shim, so `exit.json` being absent does not prove it by itself."""
+        if key in self._workloads:
+            return
         try:
             pidfd = os.pidfd_open(workload)
         except OSError:  # gone already, or no pidfd in this kernel: the files are read each time
             return
-        if handle.status_path.exists():  # it ended between the read and the open: the pid may be another's
+        stat = _proc_stat(workload)
+        ours = stat is not None and stat.session in (handle.pid, workload) and stat.start_ticks >= handle.start_ticks
+        if not ours or _ended(pidfd) or handle.status_path.exists():
             os.close(pidfd)
             return
         self._workloads[key] = (workload, pidfd)

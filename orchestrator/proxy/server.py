@@ -54,6 +54,9 @@ from orchestrator.proxy.wake import WakeError, Waker
 log = logging.getLogger(__name__)
 
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"PUT", b"DELETE", b"TRACE"})
+# sent ahead of a resume (`Proxy._resume_ahead`): a request a frozen machine may still read much later must
+# change nothing; an idempotent PUT or DELETE read after newer writes would undo them
+AHEAD = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 ATTEMPTS = 4
 
 
@@ -389,7 +392,7 @@ class Proxy:
     async def _woken(self, app: App, machine_id: str, ex: Exchange) -> bool:
         """Start or resume a machine for this request; False if that failed (logged)."""
         assert self.waker is not None
-        if ex.safe and (waking := self._resume_ahead(app, machine_id)) is not None:
+        if ex.safe and ex.head.first in AHEAD and (waking := self._resume_ahead(app, machine_id)) is not None:
             ex.waking = waking
             return True
         try:
@@ -406,17 +409,16 @@ class Proxy:
         kept from before the machine was frozen as soon as the resume is asked for, and the machine reads
         it the moment it continues. The first byte then waits for the resume's signal, not for its answer
         to travel back and a request to travel after it (two legs through NATS to a core gone idle: about a
-        millisecond). Only for a request that may be sent twice (`Exchange.safe`): if the resume fails, the
-        connection is closed and the request goes elsewhere, and a machine continued later may still read
-        it once."""
+        millisecond). Only for a request that changes nothing (`AHEAD`): if the resume fails, the connection
+        is closed and the request goes elsewhere, and a machine continued later may still read it once."""
         assert self.waker is not None
         entry = self.routes.entry(machine_id)
         if entry is None or entry.state not in ("suspended", "suspending") or machine_id in self.waker.starting:
             return None
         if not self.pool.has_idle((self.config.machine_host, self._port(app, entry))):
-            return None  # never reached before it was frozen: its start must show it listens first
-        waking = self.waker.begin(app.name, machine_id)
-        waking.add_done_callback(_retrieved)
+            return None  # no connection open from before it was frozen: its resume must show it listens first
+        waking = self.waker.begin(app.name, machine_id, ahead=True)
+        waking.add_done_callback(_mark_retrieved)
         return waking
 
     def _region_order(self, regions: set[str], prefer: str | None) -> list[str]:
@@ -536,7 +538,9 @@ class Proxy:
             return
         except _Upstream:
             conn.close()
-            if not (conn.reused and ex.safe) or ex.waking is not None:
+            if ex.waking is not None:  # the kept connection failed before the resume answered: wait for it
+                await self._resumed(ex)
+            if not (conn.reused and ex.safe):
                 raise
         except BaseException:
             conn.close()
@@ -628,6 +632,17 @@ class Proxy:
             await writer.drain()
 
     @staticmethod
+    async def _resumed(ex: Exchange) -> None:
+        """Wait for the resume the request went ahead of; `_ResumeFailed` if it failed."""
+        waking = ex.waking
+        assert waking is not None
+        ex.waking = None
+        try:
+            await asyncio.shield(waking)
+        except WakeError as exc:
+            raise _ResumeFailed(str(exc)) from None
+
+    @staticmethod
     async def _head_once_resumed(ex: Exchange, conn: Conn) -> bytes:
         """The response head of a request sent ahead of its machine's resume (`_resume_ahead`); `_ResumeFailed`
         if the resume fails first (the machine stays frozen and would never answer)."""
@@ -637,16 +652,16 @@ class Proxy:
         try:
             await asyncio.wait((head, waking), return_when=asyncio.FIRST_COMPLETED)
             if waking.done():
-                failure = waking.exception()
+                failure = asyncio.CancelledError() if waking.cancelled() else waking.exception()
                 if failure is not None and not (head.done() and head.exception() is None):
-                    raise _ResumeFailed(str(failure))
+                    raise _ResumeFailed(str(failure) or "the resume was cancelled")
                 ex.waking = None  # resumed: what follows is an ordinary exchange
             return await head
         finally:
             head.cancel()
 
 
-def _retrieved(future: asyncio.Future[Any]) -> None:
+def _mark_retrieved(future: asyncio.Future[Any]) -> None:
     """A resume run ahead of its request: its failure is the request's (`_head_once_resumed`), never logged
     by asyncio as unretrieved when the answer came first."""
     if not future.cancelled():

@@ -48,7 +48,11 @@ class Pool:
         return Conn(address, reader, writer)
 
     def has_idle(self, address: Address) -> bool:
-        return bool(self._idle.get(address))
+        """Whether a kept connection to `address` is open (those the machine closed meanwhile are dropped)."""
+        idle = self._idle.get(address)
+        while idle and (idle[-1].reader.at_eof() or idle[-1].writer.is_closing()):
+            idle.pop().close()
+        return bool(idle)
 
     def put(self, conn: Conn) -> None:
         idle = self._idle.setdefault(conn.address, [])

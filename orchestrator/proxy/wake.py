@@ -54,11 +54,13 @@ class Waker:
     async def start(self, app: str, machine_id: str) -> MachineIndexEntry:
         return await asyncio.shield(self.begin(app, machine_id))
 
-    def begin(self, app: str, machine_id: str) -> asyncio.Future[MachineIndexEntry]:
-        """The machine's start (or resume), begun now or the one in flight: never cancel it, others share it."""
+    def begin(self, app: str, machine_id: str, *, ahead: bool = False) -> asyncio.Future[MachineIndexEntry]:
+        """The machine's start (or resume), begun now or the one in flight: never cancel it, others share it.
+        `ahead`: a request went to the suspended machine on a kept connection (`Proxy._resume_ahead`), and its
+        answer will show the machine serves: no connection is opened to show it."""
         pending = self.starting.get(machine_id)
         if pending is None:
-            pending = self.starting[machine_id] = asyncio.ensure_future(self._start(app, machine_id))
+            pending = self.starting[machine_id] = asyncio.ensure_future(self._start(app, machine_id, ahead))
             pending.add_done_callback(lambda _: self.starting.pop(machine_id, None))
         return pending
 
@@ -70,7 +72,7 @@ class Waker:
             pending.add_done_callback(lambda _: self._creating.pop(key, None))
         return await asyncio.shield(pending)
 
-    async def _start(self, app: str, machine_id: str) -> MachineIndexEntry:
+    async def _start(self, app: str, machine_id: str, ahead: bool = False) -> MachineIndexEntry:
         entry = self.routes.entry(machine_id)
         kind = "resume" if entry is not None and entry.state in ("suspended", "suspending") else "start"
         try:
@@ -82,7 +84,7 @@ class Waker:
                 machine = await self.client.start(app, machine_id)
         except (FauxmadError, TimeoutError) as exc:
             raise WakeError(f"{'resuming' if kind == 'resume' else 'starting'} {machine_id} failed: {exc}") from None
-        return await self._ready(machine, kind)
+        return await self._ready(machine, kind, ahead)
 
     async def _create(self, app: App, region: str) -> MachineIndexEntry:
         if app.spec is None:
@@ -95,13 +97,13 @@ class Waker:
             raise WakeError(f"creating a machine in {region} failed: {exc}") from None
         return await self._ready(machine, "create")
 
-    async def _ready(self, machine: Machine, kind: str) -> MachineIndexEntry:
+    async def _ready(self, machine: Machine, kind: str, ahead: bool = False) -> MachineIndexEntry:
         if machine.state != "started" or machine.port is None:
             raise WakeError(f"{machine.id} is {machine.state} after its {kind}")
         entry = index_entry(machine)
         self.routes.remember(entry)
         port = self.port_of(entry)
-        if kind == "resume" and self.pool.has_idle((self.host, port)):
+        if kind == "resume" and (ahead or self.pool.has_idle((self.host, port))):
             # it listened before it was frozen, and connections kept from then are served again now: a new
             # connection would prove nothing (the kernel queues connects to a frozen process) and cost the
             # app an accept (and a fork, for an app with a process per connection) on the held request

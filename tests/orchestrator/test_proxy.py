@@ -339,6 +339,75 @@ def test_a_refused_resume_sends_the_request_to_another_machine_at_once(
     print(f"\nserved by the spare after the refused resume in {took * 1000:.1f} ms")
 
 
+# An app that, when it is continued, drops every connection it kept (unread: a reset), as an app whose idle
+# timers fire first after a long freeze would. One thread, blocked in select(): a SIGCONT runs the handler
+# before anything queued is read.
+DROPS_KEPT_ON_CONTINUE = """
+import os, select, signal, socket, struct
+listener = socket.create_server(("127.0.0.1", int(os.environ["PORT"])))
+kept = {}
+def drop_kept(*_):
+    for conn in list(kept):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+        del kept[conn]
+signal.signal(signal.SIGCONT, drop_kept)
+while True:
+    try:
+        ready = select.select([listener, *kept], [], [])[0]
+    except (OSError, ValueError):  # a connection dropped while select() waited on it
+        continue
+    for sock in ready:
+        if sock is listener:
+            kept[listener.accept()[0]] = b""
+            continue
+        data = sock.recv(65536)
+        if not data:
+            sock.close()
+            del kept[sock]
+            continue
+        kept[sock] += data
+        while b"\\r\\n\\r\\n" in kept[sock]:
+            kept[sock] = kept[sock].partition(b"\\r\\n\\r\\n")[2]
+            body = str(os.getpid()).encode()
+            sock.sendall(b"HTTP/1.1 200 OK\\r\\ncontent-length: %d\\r\\n\\r\\n" % len(body) + body)
+"""
+
+
+def test_a_kept_connection_the_resumed_machine_drops_is_retried_on_a_new_one(
+    proxy: kit.ProxyProcess, fleet: DevFleet, unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    """The request went ahead of the resume on a kept connection, and the machine, once continued, reset
+    that connection before reading it: the proxy waits for the resume and sends the request again on a new
+    connection to the same machine (it is safe to), instead of counting the machine as unreachable."""
+    script = tmp_path / "drops_kept.py"
+    script.write_text(DROPS_KEPT_ON_CONTINUE)
+    name = unique("web")
+    spec = kit.parse_spec(
+        f'app = "{name}"\ncmd = ["python3", "-S", "{script}"]\n[guest]\nmemory_mb = 64\n[regions]\npxa = 1\n'
+        "[http_service]\n"
+    )
+    release = arun(kit.publish(fleet.url, spec))
+    (machine,) = arun(kit.machines(fleet.url, spec, release, [("pxa", True)]))
+
+    async def main() -> tuple[kit.Response, kit.Response, str]:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            first = await kit.get(proxy.port, f"{name}.localhost")  # the proxy keeps this connection
+            await client.suspend(name, machine.id)
+            await asyncio.sleep(0.3)  # the proxy's replica of the index sees it suspended
+            again = await asyncio.wait_for(kit.get(proxy.port, f"{name}.localhost"), 20)
+            return first, again, (await client.get(name, machine.id, events=False)).state
+        finally:
+            await client.close()
+
+    first, again, state = arun(main())
+    assert first.status == 200
+    assert again.status == 200, again.body
+    assert again.body == first.body, "the same process answered"
+    assert state == "started"
+
+
 # ---------------------------------------------------------------------------------------------------
 # bodies, upgrades, malformed requests
 
