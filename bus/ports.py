@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import random
 import socket
+from collections.abc import Container
 from pathlib import Path
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -24,18 +25,23 @@ TRIES = 200
 _recent: dict[int, None] = {}  # insertion ordered: the oldest goes first
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, that no outgoing connection will take, not handed out lately."""
+def free_port(host: str = "127.0.0.1", held: Container[int] = ()) -> int:
+    """A port nothing listens on now, that no outgoing connection will take, not handed out lately, and not
+    in `held` (ports the caller has given to servers that do not listen now: a worker's stopped machines)."""
     low = _ephemeral_low()
     if low - LOWEST_PICKED > 2 * RECENT:
         for _ in range(TRIES):
             port = random.randint(LOWEST_PICKED, low - 1)
-            if port not in _recent and _binds(host, port):
+            if port not in _recent and port not in held and _binds(host, port):
                 _remember(port)
                 return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    for _ in range(TRIES):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in held:
+            break
+    return port
 
 
 @functools.cache

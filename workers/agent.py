@@ -196,6 +196,7 @@ class WorkerAgent:
             on_commit=self._on_commit,
             on_launch=self._follow_logs,
             secret_env=self.secrets.env_for,
+            held_ports=lambda: self.tally.ports,
             images=self.image_cache,
             volumes=self.volumes,
         )

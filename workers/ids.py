@@ -11,6 +11,7 @@ import functools
 import math
 import os
 import time
+from collections.abc import Container
 
 from bus.ports import free_port
 
@@ -44,6 +45,7 @@ def _second(seconds: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
-def pick_port() -> int:
-    """A machine's `PORT`: below the ephemeral range, so no connection this host opens takes it (bus.ports)."""
-    return free_port("127.0.0.1")
+def pick_port(held: Container[int] = ()) -> int:
+    """A machine's `PORT`: below the ephemeral range, so no connection this host opens takes it (bus.ports),
+    and none of `held`, the ports of this worker's machines (a stopped one binds its port again when started)."""
+    return free_port("127.0.0.1", held)

@@ -20,7 +20,7 @@ import os
 import secrets
 import signal as signals
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -106,6 +106,7 @@ class MachineManager:
         on_commit: CommitHook = lambda records: None,
         on_launch: Callable[[Machine], None] = lambda machine: None,
         secret_env: Callable[[str], dict[str, str]] = lambda app: {},
+        held_ports: Callable[[], Container[int]] = lambda: (),
         images: ImageCache | None = None,
         volumes: VolumeManager | None = None,
         clock: Callable[[], float] = time.time,
@@ -115,6 +116,7 @@ class MachineManager:
         self.driver = driver
         self.on_launch = on_launch  # right before a process is spawned (the agent follows its logs from there)
         self.secret_env = secret_env  # the app's secrets in clear, for the environment only (workers/secrets.py)
+        self.held_ports = held_ports  # ports of this worker's machines not destroyed: a create passes them over
         self.images = images  # machines whose config.image is a digest run in their unpacked image
         self.volumes = volumes  # machines with config.mounts run with those volumes (README "Volumes")
         self.clock = clock
@@ -252,7 +254,7 @@ class MachineManager:
         except sandbox.SandboxUnavailable as exc:  # a refusal: the broker moves on to a worker that has it
             raise NoCapacity(str(exc)) from None
         machine_id = request.id or new_machine_id()
-        port = pick_port()
+        port = pick_port(self.held_ports())
 
         def op(tx: Tx) -> tuple[StoredMachine, bool]:
             if request.idempotency_key:

@@ -30,3 +30,12 @@ def test_a_port_something_listens_on_or_handed_out_lately_is_passed_over(monkeyp
         draws = iter([held, lately, held, free])
         monkeypatch.setattr(ports.random, "randint", lambda low, high: next(draws))
         assert ports.free_port() == free  # the listened-on port and the recent one were both drawn first
+
+
+def test_a_port_the_caller_holds_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    ports._recent.clear()
+    held, free = ports.free_port(), ports.free_port()
+    ports._recent.clear()
+    draws = iter([held, free])
+    monkeypatch.setattr(ports.random, "randint", lambda low, high: next(draws))
+    assert ports.free_port(held={held}) == free  # a stopped machine's port: nothing listens on it now
