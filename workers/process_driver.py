@@ -51,6 +51,7 @@ import signal as signals
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -641,12 +642,16 @@ class ProcessDriver:
 
     @staticmethod
     def _stopped(pid: int) -> bool:
-        """Is `pid` in a job-control stop? (`/proc/<pid>/stat`'s state, after the command name's parenthesis.)"""
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                return f.read().rpartition(b")")[2].split()[0] == b"T"
-        except (OSError, IndexError):
+        """Is the process group `pid` leads in a job-control stop? Its leader's state says so (`T`), except
+        while the leader waits in vfork() for a child the stop caught before its exec (dash starts every
+        command that way): the leader is then `D`, and the members decide (`group_stopped`)."""
+        fields = proc_stat_fields(pid)
+        if not fields:
             return False
+        leader = fields[0].decode()
+        if leader != "D":
+            return leader == "T"
+        return group_stopped(_group_states(pid))
 
     @staticmethod
     def _rss(pid: int) -> int | None:
@@ -671,6 +676,25 @@ class ProcessDriver:
         """The handle's shim is running: same pid, same start time, and not a zombie."""
         stat = _proc_stat(handle.pid)
         return stat is not None and stat.start_ticks == handle.start_ticks and stat.state not in ("Z", "X")
+
+
+def group_stopped(states: Iterable[str]) -> bool:
+    """Whether a process group whose members are in `states` (from /proc) is in a job-control stop: one is
+    stopped (`T`) and none runs or sleeps (`R`, `S`); a member in `D` may be a parent waiting in vfork()
+    for a stopped child, so it decides nothing, and neither do zombies."""
+    seen = set(states)
+    return "T" in seen and not seen & {"R", "S"}
+
+
+def _group_states(pgid: int) -> list[str]:
+    """The states of the processes in group `pgid` (a scan of /proc: only when the leader is in `D`)."""
+    states = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = proc_stat_fields(int(entry))
+            if fields and len(fields) > 2 and int(fields[2]) == pgid:
+                states.append(fields[0].decode())
+    return states
 
 
 def _ended(pidfd: int) -> bool:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 
 from workers.driver import ExitStatus, TaskHandle, TaskSpec
 from workers.limits import Cgroup2Limits, Limits, RlimitLimits, auto_detect, slow_migration_hint
-from workers.process_driver import ProcessDriver
+from workers.process_driver import ProcessDriver, group_stopped
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -237,6 +238,39 @@ def test_inspect_running_and_ended(driver: ProcessDriver, tasks: Tasks, tmp_path
     ended = driver.inspect(handle)
     assert not ended.running
     assert ended.exit is not None and ended.exit.signal == signal.SIGTERM
+
+
+# The leader vforks a child that the group's stop catches before its exec (as dash runs every command):
+# the leader then waits in vfork(), in state D, while the group is stopped.
+VFORK_CAUGHT = r"""
+#include <signal.h>
+#include <unistd.h>
+int main(void) {
+    if (vfork() == 0) { kill(getpid(), SIGSTOP); _exit(0); }
+    for (;;) pause();
+}
+"""
+
+
+def test_a_group_stopped_while_its_leader_waits_in_vfork_is_stopped(
+    driver: ProcessDriver, tasks: Tasks, tmp_path: Path
+) -> None:
+    """A worker restarted under a suspended machine asks whether it is still stopped; a leader waiting in
+    vfork() for a stopped child is `D`, not `T`, and the machine was taken for resumed (seen in CI with dash)."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler (cc) to build the vfork workload")
+    source, binary = tmp_path / "vfork.c", tmp_path / "vfork"
+    source.write_text(VFORK_CAUGHT)
+    subprocess.run([compiler, "-O2", "-o", str(binary), str(source)], check=True)
+    handle = start(driver, tasks, make_spec(tmp_path, [str(binary)]))
+    wait_until(lambda: read_pid(Path(handle.workdir) / "child.pid") is not None)
+    leader = read_pid(Path(handle.workdir) / "child.pid")
+    assert leader is not None
+    wait_until(lambda: proc_state(leader) == "D")
+    assert driver.inspect(handle).stopped
+    assert group_stopped(["D", "T"]) and group_stopped(["T", "Z"])
+    assert not group_stopped(["D", "T", "S"]) and not group_stopped(["D"]) and not group_stopped(["S", "R"])
 
 
 # ---------------------------------------------------------------------------------------------------
