@@ -645,12 +645,11 @@ class ProcessDriver:
         """Is the process group `pid` leads in a job-control stop? Its leader's state says so (`T`), except
         while the leader waits in vfork() for a child the stop caught before its exec (dash starts every
         command that way): the leader is then `D`, and the members decide (`group_stopped`)."""
-        fields = proc_stat_fields(pid)
-        if not fields:
+        leader = _proc_stat(pid)
+        if leader is None:
             return False
-        leader = fields[0].decode()
-        if leader != "D":
-            return leader == "T"
+        if leader.state != "D":
+            return leader.state == "T"
         return group_stopped(_group_states(pid))
 
     @staticmethod

@@ -30,6 +30,10 @@ class Conn:
         with contextlib.suppress(Exception):
             self.writer.close()
 
+    def closed(self) -> bool:
+        """Closed by the machine (end of file read) or by us."""
+        return self.reader.at_eof() or self.writer.is_closing()
+
 
 class Pool:
     def __init__(self) -> None:
@@ -39,7 +43,7 @@ class Pool:
         idle = self._idle.get(address)
         while idle and not fresh:
             conn = idle.pop()
-            if conn.reader.at_eof() or conn.writer.is_closing():
+            if conn.closed():
                 conn.close()
                 continue
             conn.reused = True
@@ -50,7 +54,7 @@ class Pool:
     def has_idle(self, address: Address) -> bool:
         """Whether a kept connection to `address` is open (those the machine closed meanwhile are dropped)."""
         idle = self._idle.get(address)
-        while idle and (idle[-1].reader.at_eof() or idle[-1].writer.is_closing()):
+        while idle and idle[-1].closed():
             idle.pop().close()
         return bool(idle)
 
