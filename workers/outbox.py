@@ -203,20 +203,39 @@ class Outbox:
         logs = [(stored.machine, stored.events) for stored in machines if stored.events]
         self._looked_up.clear()
 
-        async def one(machine: Machine, events: list[MachineEvent], kept_since: float | None) -> list[PendingEvent]:
+        async def one(
+            machine: Machine, events: list[MachineEvent], kept_since: float | None
+        ) -> tuple[Have, list[PendingEvent]]:
             have = await self._stream_has(subjects.events(machine.region, machine.worker_id, machine.app, machine.id))
-            return self._pending(machine, missing(with_n(events), have, kept_since))
+            return have, self._pending(machine, missing(with_n(events), have, kept_since))
 
         async def look_up() -> None:
             restored: list[PendingEvent] = []
+            unknown = lacking = 0
             try:
                 kept_since = await self._kept_since()
                 for start in range(0, len(logs), lookups):
-                    groups = await asyncio.gather(
+                    looked = await asyncio.gather(
                         *(one(machine, events, kept_since) for machine, events in logs[start : start + lookups])
                     )
-                    restored.extend(pending for group in groups for pending in group)
+                    for have, pending in looked:
+                        restored.extend(pending)
+                        unknown += have is None
+                        lacking += bool(pending)
                 self._events.extendleft(reversed(restored))
+                if restored:
+                    log.info(
+                        "outbox: the events stream lacked %d event(s) of %d machine(s): restored, ahead of this run's",
+                        len(restored),
+                        lacking,
+                    )
+                if unknown:
+                    log.warning(
+                        "outbox: %d of %d machines could not be looked up in the events stream: their newest record"
+                        " goes again (the duplicate window drops it if it is there)",
+                        unknown,
+                        len(logs),
+                    )
             finally:
                 self._looked_up.set()
                 self._wake.set()

@@ -112,7 +112,8 @@ async def converge(url: str, worker: WorkerProcess, ids: list[str], within: floa
             if not trouble:
                 return seen, time.monotonic() - started
             if time.monotonic() - started > within:
-                raise AssertionError(f"not converged within {within}s: {trouble}")
+                log = worker.log_path.read_text(errors="replace")[-3000:]
+                raise AssertionError(f"not converged within {within}s: {trouble}\nworker log:\n{log}")
             await asyncio.sleep(0.2)
     finally:
         await nc.close()
@@ -238,12 +239,12 @@ def test_worker_restarts_add_no_duplicates_and_restore_a_lost_newest_event(
 ) -> None:
     server = crashable_nats
     worker = worker_factory(url=server.url)
-    ids = arun(place(server.url, worker, [SLEEPER, SLEEPER]))
-    before, _ = arun(converge(server.url, worker, ids, within=5))
 
     async def shrink_duplicate_window() -> None:
         # the republish must not rely on the stream's duplicate window (2 minutes by default): a worker
-        # restarted later than that must not double anything either
+        # restarted later than that must not double anything either. Shrunk before any event is stored:
+        # nats-server (2.15.1) may keep ids stored just before a shrink for the old window (1 in ~150 here),
+        # and the id of the event deleted below would then drop its restored copy as a duplicate
         nc = await nats.connect(server.url)
         js = nc.jetstream()
         config = (await js.stream_info(STREAM)).config
@@ -252,6 +253,8 @@ def test_worker_restarts_add_no_duplicates_and_restore_a_lost_newest_event(
         await nc.close()
 
     arun(shrink_duplicate_window())
+    ids = arun(place(server.url, worker, [SLEEPER, SLEEPER]))
+    before, _ = arun(converge(server.url, worker, ids, within=5))
     time.sleep(1)
     worker.terminate()
     worker.start()
