@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import signal as signals
 from collections import defaultdict
-from typing import Protocol
+from typing import Literal, Protocol
 
-from workers.driver import Driver
+from workers.driver import Driver, TaskHandle, TaskState
 from workers.lifecycle import PROCESS_STATES
 from workers.recorder import Recorder
 from workers.records import StoredMachine
@@ -96,13 +96,30 @@ async def _resume_one(host: Host, stored: StoredMachine, stop_timeout: float) ->
             async with recorder.lock(machine_id):
                 await host.freeze(stored)
         elif state == "suspended":
-            if not driver.inspect(handle).stopped:  # a resume answered before its record: the process's word wins
-                return await _record_resumed(host, stored)
-            await driver.signal(handle, signals.SIGSTOP)  # stopped already; again, in case a thread was not yet
+            return await _readopt_suspended(host, stored, handle)
         return "adopted"
     status = await driver.wait(handle)  # ended while we were down: the shim left its status
     await supervisor.on_exit(machine_id, handle, status)
     return "exited"
+
+
+async def _readopt_suspended(host: Host, stored: StoredMachine, handle: TaskHandle) -> str:
+    found = suspended_found(host.driver.inspect(handle))
+    if found == "resumed":  # a resume answered before its record: the process's word wins
+        return await _record_resumed(host, stored)
+    if found == "frozen":  # stopped already; again, in case a thread was not yet
+        await host.driver.signal(handle, signals.SIGSTOP)
+    # "ended": it died since `recover`; its exit arrives through the watcher, from `suspended`
+    return "adopted"
+
+
+def suspended_found(task: TaskState) -> Literal["resumed", "frozen", "ended"]:
+    """What a machine recorded `suspended` turns out to be on a worker's start: its process continued (a
+    resume answered, not recorded), still frozen, or ended meanwhile (then it never ran again: not
+    `started`, only its exit is recorded)."""
+    if not task.running:
+        return "ended"
+    return "frozen" if task.stopped else "resumed"
 
 
 async def _record_resumed(host: Host, stored: StoredMachine) -> str:

@@ -6,9 +6,10 @@ import pytest
 
 from bus.errors import Conflict
 from bus.messages import OfferRequest, Resources, RestartPolicy
-from workers.driver import ExitStatus
+from workers.driver import ExitStatus, TaskState
 from workers.lifecycle import LEGAL, check_transition
 from workers.offers import Backpressure, Snapshot, answer_offer
+from workers.resume import suspended_found
 from workers.supervision import Backoff, after_exit
 
 OK = ExitStatus(exit_code=0)
@@ -127,3 +128,17 @@ def test_a_max_load_of_zero_never_declines_for_load_but_still_ranks_by_it() -> N
     reply = answer_offer(request, _me(load=40.0), Backpressure(max_load=0))
     assert reply.__class__.__name__ == "Offer" and reply.load == 40.0  # type: ignore[union-attr]
     assert answer_offer(request, _me(inflight=64), Backpressure(max_load=0)).reason.startswith("overloaded")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("task", "found"),
+    [
+        (TaskState(running=True, pid=10, stopped=True), "frozen"),
+        (TaskState(running=True, pid=10, stopped=False), "resumed"),
+        # died between the worker's `recover` and its look: not recorded `started` before its exit
+        (TaskState(running=False, pid=10, stopped=False), "ended"),
+        (TaskState(running=False, pid=10, stopped=True), "ended"),
+    ],
+)
+def test_a_suspended_machine_on_restart(task: TaskState, found: str) -> None:
+    assert suspended_found(task) == found
