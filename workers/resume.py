@@ -115,8 +115,8 @@ async def _readopt_suspended(host: Host, stored: StoredMachine, handle: TaskHand
 
 def suspended_found(task: TaskState) -> Literal["resumed", "frozen", "ended"]:
     """What a machine recorded `suspended` turns out to be on a worker's start: its process continued (a
-    resume answered, not recorded), still frozen, or ended meanwhile (then it never ran again: not
-    `started`, only its exit is recorded)."""
+    resume answered, not recorded), still frozen, or ended meanwhile. An ended one is not recorded
+    `started` first: whether it ran again before it ended cannot be told, and its exit is the fact."""
     if not task.running:
         return "ended"
     return "frozen" if task.stopped else "resumed"

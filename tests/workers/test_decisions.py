@@ -135,7 +135,7 @@ def test_a_max_load_of_zero_never_declines_for_load_but_still_ranks_by_it() -> N
     [
         (TaskState(running=True, pid=10, stopped=True), "frozen"),
         (TaskState(running=True, pid=10, stopped=False), "resumed"),
-        # died between the worker's `recover` and its look: not recorded `started` before its exit
+        # ended between the worker's `recover` and its look: only its exit is recorded, not `started` first
         (TaskState(running=False, pid=10, stopped=False), "ended"),
         (TaskState(running=False, pid=10, stopped=True), "ended"),
     ],
