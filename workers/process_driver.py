@@ -137,17 +137,23 @@ WaitStatus = tuple[int | None, int | None]
 class _ProcStat(NamedTuple):
     state: str
     parent: int
+    group: int
     session: int
     start_ticks: int
 
+    def in_session_of(self, handle: TaskHandle, pid: int) -> bool:
+        """Whether process `pid` (whose stat this is) is the task's workload: in its shim's session, or a
+        session of its own (a sandbox: its id is the pid in `child.pid`)."""
+        return self.session in (handle.pid, pid)
+
 
 def _proc_stat(pid: int) -> _ProcStat | None:
-    """State, parent, session and start time of a process from /proc/<pid>/stat, None if there is none."""
+    """State, parent, group, session and start time of a process from /proc/<pid>/stat, None if there is none."""
     fields = proc_stat_fields(pid)
     if fields is None:
         return None
-    # fields[0] is field 3 (state); ppid is field 4, session field 6, starttime field 22.
-    return _ProcStat(fields[0].decode(), int(fields[1]), int(fields[3]), int(fields[19]))
+    # fields[0] is field 3 (state); ppid is field 4, pgrp field 5, session field 6, starttime field 22.
+    return _ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
 
 
 def _read_pid(path: Path) -> int | None:
@@ -477,8 +483,7 @@ class ProcessDriver:
             # The shim died under a running workload that nobody can watch any more. Kill it, so that
             # what we report (it ended) is true; the session check guards against a reused pid.
             stat = _proc_stat(workload)
-            # (a sandbox is a session of its own: its id is the pid in child.pid)
-            if stat is not None and stat.session in (handle.pid, workload):
+            if stat is not None and stat.in_session_of(handle, workload):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(workload, signals.SIGKILL)
         return _ExitRecord(lost=True, finished_at=now)
@@ -531,7 +536,7 @@ class ProcessDriver:
         except OSError:  # gone already, or no pidfd in this kernel: the files are read each time
             return
         stat = _proc_stat(workload)
-        ours = stat is not None and stat.session in (handle.pid, workload) and stat.start_ticks >= handle.start_ticks
+        ours = stat is not None and stat.in_session_of(handle, workload) and stat.start_ticks >= handle.start_ticks
         if not ours or _ended(pidfd) or handle.status_path.exists():
             os.close(pidfd)
             return
@@ -689,10 +694,8 @@ def _group_states(pgid: int) -> list[str]:
     """The states of the processes in group `pgid` (a scan of /proc: only when the leader is in `D`)."""
     states = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = proc_stat_fields(int(entry))
-            if fields and len(fields) > 2 and int(fields[2]) == pgid:
-                states.append(fields[0].decode())
+        if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None and stat.group == pgid:
+            states.append(stat.state)
     return states
 
 
