@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -151,6 +152,16 @@ class WorkerProcess:
     def cleanup(self) -> None:
         self.kill9()
         kill_machines_of(self.worker_id)
+
+
+async def wait_output(worker: WorkerProcess, machine_id: str, text: str, timeout: float = 10.0) -> None:
+    """Until a machine's stdout holds `text`: `started` means its process exists, not that it has run its
+    first line (a workload that arms a SIGTERM trap must be waited for before a stop can test the trap)."""
+    stdout = worker.data_dir / "machines" / machine_id / "stdout.log"
+    deadline = time.monotonic() + timeout
+    while not (stdout.exists() and text.encode() in stdout.read_bytes()):
+        assert time.monotonic() < deadline, f"machine {machine_id} never printed {text!r} ({stdout})"
+        await asyncio.sleep(0.01)
 
 
 class RawClient:

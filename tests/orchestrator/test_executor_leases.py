@@ -13,10 +13,12 @@ from orchestrator.reconcile import executor as executor_module
 from orchestrator.reconcile.executor import Executor
 from orchestrator.reconcile.over_nats import NatsBus
 from orchestrator.reconcile.plan import Start, Stop
-from tests.helpers import RawClient, arun, connect_nats
+from tests.helpers import RawClient, arun, connect_nats, wait_output
 
 TTL = 0.6  # seconds: the test's stand-in for LEASE_TTL
-DEAF = ["sh", "-c", "trap '' TERM; while true; do sleep 0.1; done"]  # takes its whole stop timeout to stop
+# Takes its whole stop timeout to stop, once armed: `started` means the process exists, not that it has run
+# its first line, so a stop sent before the trap is set kills it at once (it did, on a fast host, every time).
+DEAF = ["sh", "-c", "trap '' TERM; echo armed; while true; do sleep 0.1; done"]
 
 
 def test_a_long_action_keeps_its_lease_and_a_dead_holders_lease_lapses_after_one_ttl(
@@ -33,6 +35,7 @@ def test_a_long_action_keeps_its_lease_and_a_dead_holders_lease_lapses_after_one
         try:
             machine = await raw.ok("reserve", {"app": "a", "region": region, "config": {"cmd": DEAF}, "launch": True})
             await raw.wait_state(machine["id"], "started")
+            await wait_output(worker, machine["id"], "armed")  # type: ignore[arg-type]
             executor = Executor(NatsBus(nc), machines=None, holder="deploy", stop_timeout=4 * TTL)  # type: ignore[arg-type]
             stop = Stop(id=machine["id"], region=region, worker_id=worker_id)
             stopping = asyncio.create_task(executor.apply("a", (stop,)))

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import nats
 
-from tests.helpers import RawClient, WorkerProcess, arun, pid_alive
+from tests.helpers import RawClient, WorkerProcess, arun, pid_alive, wait_output
 
 
 def test_kill9_keeps_machines_and_every_acknowledged_reservation(worker_factory: Callable[..., WorkerProcess]) -> None:
@@ -100,9 +100,15 @@ def test_restart_resumes_a_stop_that_was_in_flight(worker_factory: Callable[...,
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
         m = await raw.ok(
-            "reserve", {"app": "k", "region": worker.region, "config": {"cmd": ["sh", "-c", "trap '' TERM; sleep 120"]}}
+            "reserve",
+            {
+                "app": "k",
+                "region": worker.region,
+                "config": {"cmd": ["sh", "-c", "trap '' TERM; echo armed; sleep 120"]},
+            },
         )
         await raw.ok("start", {"id": m["id"]})
+        await wait_output(worker, m["id"], "armed")
         # a TERM-ignoring process: the stop waits for its timeout, and the worker dies meanwhile
         stopping = asyncio.create_task(raw.send("stop", {"id": m["id"], "timeout": 30}, timeout=40))
         await raw.wait_state(m["id"], "stopping")
