@@ -84,6 +84,8 @@ def channels() -> list[Channel]:
                 m.LogLine, None, ("app", "machine_id")),
         Channel("proxy_unreachable", f"{P}.proxy.unreachable.{{app}}.{{machine_id}}",
                 "An edge proxy could not reach a machine.", m.ProxyUnreachable, None, ("app", "machine_id")),
+        Channel("proxy_activity", f"{P}.proxy.activity.{{app}}",
+                "The machines an edge proxy served lately (shared idleness).", m.ProxyActivity, None, ("app",)),
         Channel("audit", f"{P}.audit.{{app}}", "A mutating HTTP API request (stream FAUXMAD_AUDIT).",
                 m.AuditRecord, None, ("app",)),
     ]  # fmt: skip

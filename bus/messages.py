@@ -515,6 +515,16 @@ CORDONED_LABEL = "fauxmad_cordoned"
 # Edge proxy signals (addition)
 
 
+class ProxyActivity(Reply):
+    """`fauxmad.v1.proxy.activity.<app>`: the machines one edge proxy served (or holds a request on) since its
+    last report, sent once an autostop round (every second) when there are any. Every proxy counts them as
+    used, so a machine busy only through another proxy is not stopped as idle."""
+
+    proxy: str  # the sender's id, so it skips its own reports
+    app: str
+    machines: list[str]
+
+
 class ProxyUnreachable(Reply):
     """`fauxmad.v1.proxy.unreachable.<app>.<machine_id>`: a machine refused or dropped a proxy's connection.
 

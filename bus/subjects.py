@@ -147,6 +147,14 @@ def proxy_unreachable(app: str, machine_id: str) -> str:
 PROXY_UNREACHABLE_ALL = f"{PREFIX}.proxy.unreachable.>"
 
 
+def proxy_activity(app: str) -> str:
+    """Where each edge proxy says which of an app's machines it served lately (README "The edge proxy")."""
+    return f"{PREFIX}.proxy.activity.{check_token('app', app)}"
+
+
+PROXY_ACTIVITY_ALL = f"{PREFIX}.proxy.activity.*"
+
+
 def audit(app: str | None) -> str:
     """`fauxmad.v1.audit.<app>` (`_fleet` for requests outside an app): one record per mutating request."""
     return f"{PREFIX}.audit.{check_token('app', app) if app else '_fleet'}"

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bus.messages import Machine, RegionSummary, WorkerInfo
+from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
 
 console = Console()
 
@@ -47,6 +48,18 @@ def machines_table(machines: list[Machine], title: str | None = None) -> Table:
             row += [m.name, " ".join(m.config.cmd)[:60]]
         table.add_row(*row)
     return table
+
+
+def made_by(machine: Machine) -> str | None:
+    """Who made the machine and why (`reconcile.ownership`'s labels), from its `created` event when it is among
+    the events shown, else from its config; None for a machine made by hand with no such label."""
+    created = [e.metadata for e in machine.events or [] if e.type == "transition" and e.status == "created"]
+    for labels in [*created, machine.config.metadata]:
+        who = (labels or {}).get(CREATED_BY_KEY)
+        if who:
+            why = (labels or {}).get(CREATED_FOR_KEY)
+            return f"{who} ({why})" if why else who
+    return None
 
 
 def mem(mb: int) -> str:

@@ -34,7 +34,8 @@ class Policy(NamedTuple):
     hard_limit: int
     auto_start: bool
     auto_create: bool
-    max_per_region: int
+    max_per_region: int  # machines auto_create may make a region have (`ownership.RegionRange.most`) …
+    most_in: Mapping[str, int] = {}  # … unless the region is listed here (a release's count may be larger)
 
 
 class Route(NamedTuple):
@@ -100,7 +101,7 @@ def choose(
     if decision is None:
         decision = _under(started, regions, policy.hard_limit, rng)
     if decision is None and policy.auto_create:
-        decision = _room(by_region, order, policy.max_per_region)
+        decision = _room(by_region, order, policy)
     if decision is not None:
         return decision
     if any(started.values()):
@@ -133,9 +134,9 @@ def _startable(by_region: Mapping[str, list[Candidate]], regions: Sequence[str])
     return None
 
 
-def _room(by_region: Mapping[str, list[Candidate]], order: Sequence[str], most: int) -> Create | None:
+def _room(by_region: Mapping[str, list[Candidate]], order: Sequence[str], policy: Policy) -> Create | None:
     for region in order:
-        if len(by_region.get(region, [])) < most:
+        if len(by_region.get(region, [])) < policy.most_in.get(region, policy.max_per_region):
             return Create(region)
     return None
 

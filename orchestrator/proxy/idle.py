@@ -1,24 +1,27 @@
 """Autostop: machines no request has used for `idle_timeout` are stopped (or suspended, with `auto_stop =
 "suspend"`: frozen with their memory, resumed by the next request in milliseconds), keeping
-`min_machines_running`.
+`min_machines_running` started in each region (the floor `reconcile.ownership` sets for the operator too,
+which then leaves the machines stopped here alone).
 
 Beyond Fly (which stops one machine per region every few minutes): every idle machine past its timeout
-goes at once, farthest region first, so the ones kept are the nearest. Idle means idle for this proxy:
-no request in flight through it and none finished within the timeout, counted from when it last served
-or from when this proxy first saw it started. The choice is a pure function; the loop around it only
-asks the brokers to stop. With several proxies, each judges by its own traffic (README "The edge proxy").
+goes at once, farthest region first. Idle means idle for every proxy: no request in flight through this
+one and none finished within the timeout, counted from when it last served or from when this proxy first
+saw it started, and no other proxy said it served the machine meanwhile (`Activity`: each proxy publishes,
+once a round, the machines it used since the last one). The choice is a pure function; the loop around it
+only asks the brokers to stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from bus.errors import FauxmadError
 from orchestrator.client import FleetClient
 from orchestrator.proxy.choose import Candidate, region_order
 from orchestrator.proxy.routes import RouteTable
+from orchestrator.reconcile.ownership import RUNS
 
 log = logging.getLogger(__name__)
 
@@ -28,19 +31,22 @@ def idle_victims(
     last_used: Mapping[str, float],
     now: float,
     idle_seconds: float,
-    min_running: int,
+    may_stop: Callable[[str, int], int],
     order: Sequence[str],
 ) -> list[str]:
-    """The started machines to stop: idle (no load, unused for `idle_seconds`), at most as many as leaves
-    `min_running` started, farthest region (in `order`) first, then by id."""
-    started = [m for m in machines if m.state == "started"]
-    budget = len(started) - min_running
-    if budget <= 0:
-        return []
+    """The started machines to stop: idle (no load, unused for `idle_seconds`), in each region at most
+    `may_stop(region, running)` of them (`RegionRange.to_stop`), farthest region (in `order`) first, then by id."""
     rank = {region: i for i, region in enumerate(order)}
-    idle = [m for m in started if m.load == 0 and now - last_used.get(m.id, now) >= idle_seconds]
-    idle.sort(key=lambda m: (-rank.get(m.region, len(rank)), m.id))
-    return [m.id for m in idle[:budget]]
+    victims: list[Candidate] = []
+    for region in sorted({m.region for m in machines}):
+        here = [m for m in machines if m.region == region]
+        budget = may_stop(region, sum(1 for m in here if m.state in RUNS))
+        idle = [
+            m for m in here if m.state == "started" and m.load == 0 and now - last_used.get(m.id, now) >= idle_seconds
+        ]
+        victims += sorted(idle, key=lambda m: m.id)[: max(budget, 0)]
+    victims.sort(key=lambda m: (-rank.get(m.region, len(rank)), m.id))
+    return [m.id for m in victims]
 
 
 class IdleStopper:
@@ -56,6 +62,7 @@ class IdleStopper:
         clock: Callable[[], float],
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         on_stopped: Callable[[str], None] = lambda app: None,
+        share: Callable[[str, list[str]], None] | None = None,
     ) -> None:
         self.routes = routes
         self.client = client
@@ -66,6 +73,22 @@ class IdleStopper:
         self.clock = clock
         self.sleep = sleep
         self.on_stopped = on_stopped
+        self.share = share  # tells the other proxies which of an app's machines this one used since the last round
+        self.peer_used: dict[str, float] = {}  # machine id -> when another proxy last said it used it
+        self._reported = clock()
+
+    def heard(self, machines: Iterable[str]) -> None:
+        """Another proxy used these machines lately: they are not idle."""
+        now = self.clock()
+        for machine_id in machines:
+            self.peer_used[machine_id] = now
+
+    def _report(self, app: str, machines: Sequence[Candidate], since: float) -> None:
+        if self.share is None:
+            return
+        used = [m.id for m in machines if m.load > 0 or self.last_used.get(m.id, since) > since]
+        if used:
+            self.share(app, used)
 
     async def run(self, interval: float = 1.0) -> None:
         while True:
@@ -78,19 +101,22 @@ class IdleStopper:
     async def once(self) -> list[str]:
         """One round over every app whose service says `auto_stop`; returns the machines stopped."""
         now = self.clock()
+        since, self._reported = self._reported, now
         stopped: list[str] = []
         for name in self.routes.apps.names():
             app = self.routes.app(name)
             if app is None or app.service.auto_stop == "off":
                 continue
             machines = [Candidate(m.id, m.region, m.state, self.loads.get(m.id, 0)) for m in self.routes.machines(name)]
+            self._report(name, machines, since)
             for m in machines:
                 if m.state == "started":
                     self.last_used.setdefault(m.id, now)  # first seen started: the clock starts now
             order = region_order({m.region for m in machines}, self.region, None, self.latency)
-            victims = idle_victims(
-                machines, self.last_used, now, app.service.idle_seconds, app.service.min_machines_running, order
-            )
+            used = {**self.last_used}
+            for machine_id, at in self.peer_used.items():
+                used[machine_id] = max(at, used.get(machine_id, at))
+            victims = idle_victims(machines, used, now, app.service.idle_seconds, app.may_stop, order)
             for machine_id in victims:
                 try:
                     if app.service.auto_stop == "suspend":
@@ -101,6 +127,7 @@ class IdleStopper:
                     log.warning("proxy: %s idle %s failed: %s", app.service.auto_stop, machine_id, exc)
                     continue
                 self.last_used.pop(machine_id, None)
+                self.peer_used.pop(machine_id, None)
                 stopped.append(machine_id)
                 self.on_stopped(name)
         return stopped

@@ -23,6 +23,7 @@ from orchestrator.fleet.machines import MachineIndex
 from orchestrator.fleet.replica import KVReplica
 from orchestrator.fleet.workers import Registry
 from orchestrator.reconcile.http_service import HttpService
+from orchestrator.reconcile.ownership import RegionRange, region_range
 from orchestrator.reconcile.spec import AppSpec
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,14 @@ class App(msgspec.Struct, frozen=True):
     service: HttpService
     release: int = 0
     spec: AppSpec | None = None
+
+    def region_range(self, region: str) -> RegionRange:
+        """How far this proxy may go in `region`: the rule the operator follows too (`reconcile.ownership`)."""
+        return region_range(self.spec.regions.get(region, 0) if self.spec else 0, self.service)
+
+    def may_stop(self, region: str, running: int) -> int:
+        """How many idle machines autostop may stop in `region` while `running` of them run."""
+        return self.region_range(region).to_stop(running)
 
 
 class AppsReplica(KVReplica):

@@ -10,13 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import time
 
 import msgspec
+from nats.aio.msg import Msg
 
+from bus import subjects
 from bus.connection import connect
 from bus.jetstream import ensure_fleet_resources
+from bus.messages import ProxyActivity
 from orchestrator.client import FleetClient
 from orchestrator.proxy.http import MAX_HEAD
 from orchestrator.proxy.idle import IdleStopper
@@ -27,6 +31,7 @@ from orchestrator.proxy.upstream import Pool
 from orchestrator.proxy.wake import Waker
 
 log = logging.getLogger(__name__)
+decode_activity = msgspec.json.Decoder(ProxyActivity).decode
 
 
 class Listen(msgspec.Struct, frozen=True):
@@ -76,6 +81,21 @@ async def run_proxy(
             future.add_done_callback(sending.discard)
 
         proxy = Proxy(config, routes, waker, pool=pool, metrics=metrics, publish=publish)
+        me = f"proxy-{secrets.token_hex(4)}"
+
+        def share(app: str, machines: list[str]) -> None:
+            publish(
+                subjects.proxy_activity(app), msgspec.json.encode(ProxyActivity(proxy=me, app=app, machines=machines))
+            )
+
+        async def on_activity(msg: Msg) -> None:
+            try:
+                report = decode_activity(msg.data)
+            except msgspec.ValidationError:
+                return  # a plain publish has nobody to answer: a malformed report is dropped
+            if report.proxy != me:
+                stopper.heard(report.machines)
+
         stopper = IdleStopper(
             routes,
             client,
@@ -85,7 +105,9 @@ async def run_proxy(
             latency=config.latency,
             clock=time.monotonic,
             on_stopped=lambda app: metrics.stopped.labels(app).inc(),
+            share=share,
         )
+        await nc.subscribe(subjects.PROXY_ACTIVITY_ALL, cb=on_activity)
         server = await asyncio.start_server(proxy.handle, listen.host, listen.port, limit=MAX_HEAD, backlog=1024)
         admin_server = await serve_admin(metrics, admin.host, admin.port) if admin is not None else None
         idle_task = asyncio.ensure_future(stopper.run(autostop_interval))

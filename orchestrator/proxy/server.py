@@ -351,7 +351,8 @@ class Proxy:
             hard_limit=service.concurrency.hard_limit,
             auto_start=service.auto_start and can_wake,
             auto_create=service.auto_create and can_wake and app.spec is not None,
-            max_per_region=service.max_per_region,
+            max_per_region=app.region_range("").most,  # a region the release does not name
+            most_in={region: app.region_range(region).most for region in (app.spec.regions if app.spec else ())},
         )
         self._policies[app.name] = (app, policy)
         return policy

@@ -22,9 +22,8 @@ from bus.messages import CreateRequest, Machine, MachineIndexEntry, index_entry
 from orchestrator.client import FleetClient
 from orchestrator.proxy.routes import App, RouteTable
 from orchestrator.proxy.upstream import Pool, connect_when_up
+from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
 from orchestrator.reconcile.spec import PRIMARY
-
-CREATED_BY_KEY = "fauxmad_created_by"  # metadata of a machine the proxy created: "proxy"
 
 
 class WakeError(Exception):
@@ -90,7 +89,8 @@ class Waker:
         if app.spec is None:
             raise WakeError(f"{app.name} has no release to create a machine from")
         config = app.spec.machine_config(app.release, PRIMARY)
-        config = msgspec.structs.replace(config, metadata={**config.metadata, CREATED_BY_KEY: "proxy"})
+        origin = {CREATED_BY_KEY: "proxy", CREATED_FOR_KEY: f"a request found no machine to serve it in {region}"}
+        config = msgspec.structs.replace(config, metadata={**config.metadata, **origin})
         try:
             machine = await self.client.create(app.name, CreateRequest(region=region, config=config))
         except (FauxmadError, TimeoutError) as exc:

@@ -33,6 +33,7 @@ from bus.messages import (
     StopRequest,
     UpdateRequest,
 )
+from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, MAX_REASON
 from orchestrator.reconcile.plan import Action, Create, Destroy, MachineAction, Promote, Start, Stop, Update
 from orchestrator.reconcile.ports import Bus, MachinesApi
 
@@ -119,9 +120,11 @@ class Executor:
 
     async def _create(self, app: str, action: Create) -> Machine:
         # one auction: `avoid_workers` is a filter of the chain, `prefer_away` a penalty (see placement/ask.py)
+        origin = {CREATED_BY_KEY: action.made_by, CREATED_FOR_KEY: action.reason[:MAX_REASON]}
+        config = msgspec.structs.replace(action.config, metadata={**action.config.metadata, **origin})
         request = CreateRequest(
             region=action.region,
-            config=action.config,
+            config=config,
             skip_launch=not action.start,
             avoid_workers=list(action.avoid_workers),
             prefer_away=list(action.prefer_away),
@@ -151,7 +154,8 @@ class Executor:
             )
         elif isinstance(action, Promote):
             await self._call(worker, "update", UpdateRequest(id=machine_id, config=action.config, lease_nonce=nonce))
-            await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
+            if action.start:
+                await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
 
     async def _lease(self, worker_id: str, machine_id: str, nonce: str | None = None) -> Lease:
         """Take the machine's lease, or with `nonce` extend the one held (the worker keeps the nonce)."""

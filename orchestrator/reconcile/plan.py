@@ -9,6 +9,10 @@ budget) is part of the answer, and so are failures (a release that never got hea
 Roles live in machine metadata: `fauxmad_role` is `primary` (should run) or `spare` (created, not
 started, on another worker than its primary, `standbys = [primary id]`); `fauxmad_replaces` marks a
 machine that took over from another one (a lost host, a drained worker).
+
+With an `[http_service]` that lets the edge proxy stop or create machines, a region's desired state is a
+range (`ownership.region_range`): the planner creates up to the count, destroys only past what the edge
+may add, and, when the edge decides which machines run, starts resting ones only below the floor.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from bus.messages import ExitInfo, MachineConfig, Preset
+from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, RUNS, region_range
 from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
 
 RUNNING = ("started", "starting")
@@ -87,6 +92,7 @@ class Create(msgspec.Struct, frozen=True, kw_only=True, tag="create"):
     prefer_away: tuple[str, ...] = ()  # not on these while another worker has room (spreading primaries)
     placement_preset: Preset | None = None  # the spec's `[placement] preset`, for the brokers' chain
     reason: str = ""
+    made_by: str = "deploy"  # why it exists, kept in its metadata (ownership.CREATED_BY_KEY): deploy, failover, …
 
     @property
     def role(self) -> str:
@@ -116,9 +122,11 @@ class Update(MachineAction, frozen=True, kw_only=True, tag="update"):
 
 
 class Promote(MachineAction, frozen=True, kw_only=True, tag="promote"):
-    """Relabel a spare as the primary that replaces a lost one, then start it."""
+    """Relabel a spare as the primary that replaces a lost one, then start it (unless the lost one rested
+    and the edge decides what runs: then it takes over stopped, and the edge starts it for traffic)."""
 
     config: MachineConfig
+    start: bool = True
 
 
 class Destroy(MachineAction, frozen=True, kw_only=True, tag="destroy"):
@@ -171,6 +179,12 @@ def strip_labels(config: MachineConfig) -> MachineConfig:
     return msgspec.structs.replace(config, metadata={}, standbys=[])
 
 
+def keep_origin(m: Member, config: MachineConfig) -> MachineConfig:
+    """`config` with `m`'s record of who made it and why, which a new release's labels would drop."""
+    origin = {k: v for k, v in m.config.metadata.items() if k in (CREATED_BY_KEY, CREATED_FOR_KEY)}
+    return msgspec.structs.replace(config, metadata={**config.metadata, **origin}) if origin else config
+
+
 def _created_order(m: Member) -> tuple[str, str]:
     return (m.created_at, m.id)
 
@@ -195,6 +209,8 @@ class _RegionPlanner:
         self.lost = lost
         self.canary_phase = canary_phase
         self.count = self.spec.regions.get(region, 0) if self.spec else 0
+        self.range = region_range(self.count, self.spec.http_service if self.spec else None)
+        self.running = sum(1 for m in self.members if m.state in RUNS)  # any role: the edge counts them all
         self.release = str(desired.release)
         self.want = strip_labels(self.spec.machine_config(desired.release, PRIMARY)) if self.spec else None
         self.actions: list[Action] = []
@@ -241,6 +257,10 @@ class _RegionPlanner:
             metadata[REPLACES_KEY] = replaces
         return msgspec.structs.replace(m.config, metadata=metadata, standbys=[standby_of] if standby_of else [])
 
+    def edge_rests(self, m: Member) -> bool:
+        """`m` is not running, and whether it runs is the edge's call (it starts it for the next request)."""
+        return self.range.edge_runs and m.state not in RUNS
+
     # -- the steps -------------------------------------------------------------------------------
     def plan(self) -> RegionStatus:
         live_primaries = [m for m in self.members if m.role != SPARE]
@@ -274,6 +294,8 @@ class _RegionPlanner:
                 (s for s in spares if s.standby_of == lost.id and s.id not in self.touched),
                 key=lambda s: (s.state not in RUNNING, s.worker_id in self.observed.cordoned, s.id),
             )
+            # the replacement runs if the lost one did, or always when the operator decides what runs
+            start = lost.state in RUNS or not self.range.edge_runs
             if candidates:
                 spare = candidates[0]
                 config = self.labels(spare, PRIMARY, None, lost.id)
@@ -283,6 +305,7 @@ class _RegionPlanner:
                         region=self.region,
                         worker_id=spare.worker_id,
                         config=config,
+                        start=start,
                         reason=f"worker {lost.worker_id} of primary {lost.id} is lost",
                     )
                 )
@@ -291,8 +314,9 @@ class _RegionPlanner:
                     Create(
                         region=self.region,
                         config=self.config_for(PRIMARY, replaces=lost.id),
-                        start=True,
+                        start=start,
                         reason=f"worker {lost.worker_id} of primary {lost.id} is lost and it has no spare",
+                        made_by="failover",
                     )
                 )
         return len(self.actions) - before
@@ -305,7 +329,7 @@ class _RegionPlanner:
             successor = replaced_by.get(m.id)
             if successor is None:
                 kept.append(m)
-            elif m.state in RUNNING and not self.ready(successor):
+            elif m.state in RUNNING and not self.ready(successor) and not self.edge_rests(successor):
                 self.waiting.append(f"{self.region}: {successor.id} to be healthy before {m.id} stops")
             elif m.state in RUNNING:
                 self.add(Stop(id=m.id, region=self.region, worker_id=m.worker_id, reason=f"replaced by {successor.id}"))
@@ -335,6 +359,7 @@ class _RegionPlanner:
                             start=True,
                             avoid_workers=(m.worker_id,),
                             reason=f"worker {m.worker_id} is cordoned: moving {m.id}",
+                            made_by="drain",
                         )
                     )
         return kept
@@ -356,19 +381,20 @@ class _RegionPlanner:
                         reason=f"{self.region} has {have} of {self.count} machines",
                     )
                 )
-        elif have > self.count:
+        elif self.range.too_many(have):  # past the count, the edge's auto_create may have added some
             newest_first = sorted(counted, key=_created_order, reverse=True)
             disposable = sorted(
                 newest_first, key=lambda m: (m.worker_id not in self.observed.cordoned, self.current(m), self.ready(m))
             )
-            extras = disposable[: have - self.count]
+            extras = disposable[: self.range.too_many(have)]
+            most = f" (the edge may add up to {self.range.most})" if self.range.most > self.count else ""
             for m in extras:
                 self.add(
                     Destroy(
                         id=m.id,
                         region=self.region,
                         worker_id=m.worker_id,
-                        reason=f"{self.region} wants {self.count}, has {have}",
+                        reason=f"{self.region} wants {self.count}{most}, has {have}",
                     )
                 )
             gone = {m.id for m in extras}
@@ -399,7 +425,7 @@ class _RegionPlanner:
                     region=self.region,
                     worker_id=m.worker_id,
                     restarts=m.state in RUNNING,
-                    config=self.config_for(PRIMARY, replaces=m.replaces),
+                    config=keep_origin(m, self.config_for(PRIMARY, replaces=m.replaces)),
                     reason=f"deploy v{self.release}",
                 )
             )
@@ -410,6 +436,9 @@ class _RegionPlanner:
         """The outdated primaries, and how many current ones are not ready yet (the deploy's in-flight)."""
         outdated: list[Member] = []
         in_flight = 0
+        resting = [m for m in kept if m.id not in self.touched and self.current(m) and m.state in RESTING]
+        resting = [m for m in resting if self.crashed(m) is None]
+        starts = {m.id for m in sorted(resting, key=lambda m: m.id)[: self.range.to_start(self.running, len(resting))]}
         for m in kept:
             if m.id in self.touched:
                 continue
@@ -431,8 +460,13 @@ class _RegionPlanner:
             crash = self.crashed(m)
             if crash is not None:
                 self.failures.append(crash)
-            elif m.state in RESTING:
-                self.add(Start(id=m.id, region=self.region, worker_id=m.worker_id, reason=f"a primary is {m.state}"))
+            elif m.id in starts:
+                why = f"a primary is {m.state}"
+                if self.range.edge_runs:
+                    why += f" and {self.region} runs {self.running} of the {self.range.keep_running} kept running"
+                self.add(Start(id=m.id, region=self.region, worker_id=m.worker_id, reason=why))
+            elif crash is None and self.edge_rests(m):
+                continue  # resting by the edge's choice: not waited for
             if not self.ready(m):
                 in_flight += 1
                 self.unready.append(m.id)
@@ -512,6 +546,10 @@ class _RegionPlanner:
             if s.role != SPARE or s.id in self.touched or s.standby_of in waiting_for_failover:
                 continue  # spares of a lost primary wait for its failover
             owner = primaries.get(s.standby_of or "")
+            if s.state in RUNNING and self.range.edge_runs:
+                if owner is not None and s.worker_id != owner.worker_id:
+                    mine[owner.id].append(s)  # the edge started it for traffic, and stops it when idle
+                continue
             if s.state in RUNNING:
                 self.add(
                     Stop(
@@ -538,7 +576,7 @@ class _RegionPlanner:
                 region=self.region,
                 worker_id=machine.worker_id,
                 restarts=False,
-                config=self.config_for(SPARE, standby_of=p.id),
+                config=keep_origin(machine, self.config_for(SPARE, standby_of=p.id)),
                 reason=reason,
             ),
             spare=True,
@@ -564,6 +602,7 @@ class _RegionPlanner:
                         start=False,
                         avoid_workers=tuple(sorted(taken)),
                         reason=f"spare for {p.id}",
+                        made_by="spare",
                     ),
                     spare=True,
                 )

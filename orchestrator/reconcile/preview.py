@@ -111,7 +111,9 @@ def _starts(action: Action) -> bool:
         return action.start
     if isinstance(action, Update):
         return action.restarts
-    return isinstance(action, Start | Promote)
+    if isinstance(action, Promote):
+        return action.start
+    return isinstance(action, Start)
 
 
 def _walk(desired: Desired, observed: Observed, now: float, max_steps: int) -> Iterator[tuple[Plan, dict[str, Member]]]:
@@ -156,7 +158,8 @@ def _apply(world: dict[str, Member], action: MachineAction) -> dict[str, Member]
     elif isinstance(action, Stop):
         out[m.id] = msgspec.structs.replace(m, state="stopped", healthy=False)
     elif isinstance(action, Promote):
-        out[m.id] = msgspec.structs.replace(m, config=action.config, state="started", healthy=True)
+        state = "started" if action.start else m.state
+        out[m.id] = msgspec.structs.replace(m, config=action.config, state=state, healthy=action.start)
     elif isinstance(action, Update):
         state = "started" if m.state in RUNNING else m.state
         out[m.id] = msgspec.structs.replace(m, config=action.config, state=state, healthy=True)

@@ -87,9 +87,10 @@ def test_idle_victims_keep_min_running_and_the_nearest() -> None:
         Candidate("c", "lhr", "started", 1),
     ]
     used = {"a": 0.0, "b": 0.0, "c": 0.0}
-    assert idle_victims(machines, used, 100.0, 60.0, 1, ORDER) == ["b", "a"]
-    assert idle_victims(machines, used, 100.0, 60.0, 2, ORDER) == ["b"]
-    assert idle_victims(machines, {"a": 90.0, "b": 90.0}, 100.0, 60.0, 0, ORDER) == []
+    everyone = lambda region, running: running  # noqa: E731  (no floor: every idle one may go)
+    assert idle_victims(machines, used, 100.0, 60.0, everyone, ORDER) == ["b", "a"]
+    assert idle_victims(machines, used, 100.0, 60.0, lambda r, n: 0 if r == "mad" else n, ORDER) == ["b"]
+    assert idle_victims(machines, {"a": 90.0, "b": 90.0}, 100.0, 60.0, everyone, ORDER) == []
 
 
 def test_a_request_head_parses_and_hosts_name_apps() -> None:
