@@ -9,8 +9,16 @@ format, the digest and the store's names live here, in the bus.
 - The archive is an object named by its digest in the object store `fauxmad_images` (JetStream
   chunks it); its manifest (`ImageManifest`: digest, size, created, cmd, env, workdir) and the tags
   (`name:tag` -> digest) are keys of KV `fauxmad_image_tags`: `m.<hex>` and `t.<name>.<tag>`.
-- Whoever reads an archive checks its sha256 against the digest it asked for: a store that answers
-  other bytes (damaged, or overwritten) is refused with `ImageError`, never unpacked.
+- Content addressing holds end to end: a push hashes the archive and refuses bytes that are not the
+  manifest's digest (nothing stored, no manifest, no tag moved); an object counts as present only when the
+  store's own SHA-256 of it (`ObjectInfo.digest`, `bus.objects.stored_digest`) is that digest, so a
+  damaged object is replaced by the next good push; whoever reads an archive checks its sha256 against the
+  digest it asked for: a store that answers other bytes is refused with `ImageError`, never unpacked.
+- Every door that takes an image reference (the CLI's `machine run`/`update`, a deploy's `image =`, the
+  HTTP API's `config.image`, a job's `image`) goes through `resolve_image`: one rule for what a reference
+  is (`name:tag` or `sha256:<hex>` of an image in the store), one error (`ImageError`, naming the
+  reference), and the pinned digest with the manifest's defaults (the command a machine or job runs when it
+  is given none, its env and workdir).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from nats.js.object_store import ObjectStore
 
 from bus import subjects
 from bus.jetstream import bind_or_create_kv
-from bus.objects import bind_or_create_store, read_chunks
+from bus.objects import bind_or_create_store, read_chunks, stored_digest
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 TAG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}:[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
@@ -54,6 +62,16 @@ class ImageManifest(msgspec.Struct, kw_only=True, omit_defaults=True):
     workdir: str = ""  # relative to the image's root: where `cmd` runs
     source: str = ""  # what it was built from (a directory, an OCI layout)
     tags: list[str] = []
+
+
+class ResolvedImage(msgspec.Struct, frozen=True, kw_only=True):
+    """What a reference names: the digest to pin, and its manifest's defaults."""
+
+    reference: str  # as the user gave it
+    digest: str
+    cmd: list[str] = []
+    env: dict[str, str] = {}
+    workdir: str = ""
 
 
 def is_digest(reference: str | None) -> bool:
@@ -163,16 +181,22 @@ class Images:
         return cls(js, await image_store(js), await tags_bucket(js))
 
     async def push(self, data: bytes, manifest: ImageManifest, tags: list[str]) -> ImageManifest:
-        """Store the archive (unless the store has it already) and its manifest; point `tags` at it."""
+        """Store the archive (unless the store holds it, verified) and its manifest; point `tags` at it.
+
+        Bytes that do not hash to the manifest's digest are refused before anything is written."""
         for tag in tags:
             check_tag(tag)
-        try:
-            info = await self.store.get_info(manifest.digest)
-            present = info is not None and info.size == len(data) and not info.deleted
-        except ObjectNotFoundError:
-            present = False
-        if not present:
-            await self.store.put(manifest.digest, data)
+        actual = digest_of(data)
+        if actual != manifest.digest:
+            raise ImageError(
+                f"image {manifest.digest}: the archive's bytes hash to {actual}: refused (damaged or tampered);"
+                " nothing was stored and no tag moved"
+            )
+        manifest = msgspec.structs.replace(manifest, size=len(data))
+        if not await self.present(manifest.digest):
+            info = await self.store.put(manifest.digest, data)
+            if stored_digest(info) != manifest.digest:  # what the store hashed is not what we hashed
+                raise ImageError(f"image {manifest.digest}: the store took other bytes ({stored_digest(info)})")
         known = await self.manifest(manifest.digest)
         merged = sorted(set(tags) | set(known.tags if known else []))
         manifest = msgspec.structs.replace(manifest, tags=merged)
@@ -181,19 +205,19 @@ class Images:
             await self.tags.put(_tag_key(tag), manifest.digest.encode())
         return manifest
 
+    async def present(self, digest: str) -> bool:
+        """Whether the store holds `digest`'s object whole: the SHA-256 the store recorded for it is `digest`
+        (a size that matches proves nothing: an object damaged in place, or put under that name with other
+        bytes, keeps it)."""
+        try:
+            info = await self.store.get_info(digest)
+        except (ObjectNotFoundError, NotFoundError):
+            return False
+        return info is not None and not info.deleted and stored_digest(info) == digest
+
     async def resolve(self, reference: str) -> str:
         """A digest for `name:tag` or a digest; `ImageError` if there is no such image."""
-        if is_digest(reference):
-            if await self.manifest(reference) is None:
-                raise ImageError(f"no image {reference} in the fleet's store (fauxmad image ls)")
-            return reference
-        try:
-            entry = await self.tags.get(_tag_key(reference))
-        except (NotFoundError, KeyError):
-            entry = None
-        if entry is None or not entry.value:
-            raise ImageError(f"no image tagged {reference} (fauxmad image ls)")
-        return str(entry.value.decode())
+        return (await resolve_image(self, reference)).digest
 
     async def manifest(self, digest: str) -> ImageManifest | None:
         try:
@@ -256,3 +280,38 @@ class Images:
         with contextlib.suppress(ObjectNotFoundError):
             await self.store.delete(digest)
         return manifest
+
+
+def _reference_problem(reference: str) -> str:
+    if not reference:
+        return "an empty image reference"
+    return f"image {reference!r} is not a reference to the fleet's store: use name:tag or sha256:<64 hex digits>"
+
+
+async def resolve_image(source: Images | JetStreamContext, reference: str) -> ResolvedImage:
+    """The one resolver every door uses: `reference` (`name:tag` or a `sha256:` digest) to the digest to pin
+    and its manifest's command, env and workdir. `ImageError` naming the reference when it is malformed,
+    no tag has that name, or the store has no such image (a tag whose manifest is gone counts as none).
+
+    It reads the tags bucket only (one or two KV gets): whether the archive itself is whole is checked by
+    whoever pulls it (a worker hashes what it unpacks), since a store can be damaged after any door looked."""
+    images = source if isinstance(source, Images) else await Images.open(source)
+    if is_digest(reference):
+        digest = reference
+    elif TAG.match(reference):
+        try:
+            entry = await images.tags.get(_tag_key(reference))
+        except (NotFoundError, KeyError):
+            entry = None
+        if entry is None or not entry.value:
+            raise ImageError(f"no image tagged {reference} in the fleet's store (fauxmad image ls)")
+        digest = entry.value.decode()
+    else:
+        raise ImageError(_reference_problem(reference))
+    manifest = await images.manifest(digest)
+    if manifest is None:
+        what = f"image {reference} ({digest})" if digest != reference else f"image {reference}"
+        raise ImageError(f"no {what} in the fleet's store (fauxmad image ls)")
+    return ResolvedImage(
+        reference=reference, digest=digest, cmd=list(manifest.cmd), env=dict(manifest.env), workdir=manifest.workdir
+    )

@@ -4,10 +4,16 @@ nats-py's `ObjectStore.get` grows a bytes object chunk by chunk (quadratic: 8 MB
 hops to a thread per chunk; an ordered push consumer paces itself with flow control (about 40 MB/s).
 `read_chunks` instead fetches an object's chunks 64 a request with a pull consumer on their subject
 (145-213 MB/s), and hands each chunk to the caller, so a large object can go straight to a file.
+
+`stored_digest` reads the SHA-256 the writer's client recorded in the object's info (`SHA-256=<base64>`)
+as fauxmad writes digests (`sha256:<hex>`): images and snapshots are named or described by the digest of
+their bytes, and comparing the two tells, without reading the object, whether the store holds those bytes.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import AsyncIterator
 
 from nats.js import JetStreamContext
@@ -18,6 +24,20 @@ from nats.js.object_store import ObjectStore
 from bus.jetstream import place_at_home
 
 PULL_BATCH = 64  # chunks (128 KiB each) per fetch
+DIGEST_PREFIX = "SHA-256="
+
+
+def stored_digest(info: ObjectInfo | None) -> str | None:
+    """`sha256:<hex>` of the object's bytes as its info records them, or None when it records none we read."""
+    raw = info.digest if info is not None else None
+    if not raw or not raw.upper().startswith(DIGEST_PREFIX):
+        return None
+    encoded = raw[len(DIGEST_PREFIX) :]
+    try:
+        value = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
+    except (binascii.Error, ValueError):
+        return None
+    return "sha256:" + value.hex() if len(value) == 32 else None
 
 
 async def bind_or_create_store(js: JetStreamContext, bucket: str, description: str) -> ObjectStore:

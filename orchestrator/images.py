@@ -2,7 +2,8 @@
 
 A release stores the spec it ran; pinning the digest there (not the tag, not the directory) is what makes
 a rollback restore the exact bytes, and lets every worker check what it pulls against it. A spec without
-a `cmd` takes the image's (its manifest's) default command.
+a `cmd` takes the image's (its manifest's) default command. `image =` goes through `bus.images.resolve_image`,
+the resolver the CLI, the HTTP API and jobs use too, so a reference means the same thing at every door.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import msgspec
 from nats.js import JetStreamContext
 
-from bus.images import ImageError, Images, build_archive, is_digest, manifest_for
+from bus.images import ImageError, Images, build_archive, is_digest, manifest_for, resolve_image
 from orchestrator.reconcile.spec import AppSpec
 
 
@@ -28,14 +29,14 @@ async def pin_image(js: JetStreamContext, spec: AppSpec, say: Callable[[str], No
         tag = f"{spec.app}:{manifest.digest[7:19]}"
         pushed = await images.push(data, manifest, [tag])
         say(f"built {spec.build} into {pushed.digest} ({len(data) / 1e6:.2f} MB, tagged {tag})")
-        digest = pushed.digest
+        reference = pushed.digest
     else:
         assert spec.image is not None
-        digest = await images.resolve(spec.image)
-        if not is_digest(spec.image):
-            say(f"image {spec.image} is {digest}")
-    found = await images.manifest(digest)
-    cmd = list(spec.cmd) or (list(found.cmd) if found is not None else [])
+        reference = spec.image
+    resolved = await resolve_image(images, reference)
+    if spec.build is None and not is_digest(spec.image):
+        say(f"image {spec.image} is {resolved.digest}")
+    cmd = list(spec.cmd) or resolved.cmd
     if not cmd:
-        raise ImageError(f"{spec.app}: no `cmd` in the spec and none in image {digest}'s manifest")
-    return msgspec.structs.replace(spec, image=digest, build=None, cmd=cmd)
+        raise ImageError(f"{spec.app}: no `cmd` in the spec and none in image {reference}'s manifest")
+    return msgspec.structs.replace(spec, image=resolved.digest, build=None, cmd=cmd)

@@ -6,11 +6,15 @@ so the same image content always gets the same digest, whichever tool made the l
 OCI layer semantics (image-spec `layer.md`): a file `.wh.NAME` deletes `NAME` from the layers below; a file
 `.wh..wh..opq` in a directory hides everything the layers below put in it. Entries are extracted with
 tarfile's `data` filter (no absolute paths, no escapes, no devices).
+
+A layout is content-addressed too: every blob read (manifests, config, layers) is hashed and refused
+when it is not the digest it is filed under, so a layer damaged on disk is never applied.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import shutil
@@ -35,7 +39,10 @@ def _blob(layout: Path, digest: str) -> bytes:
     path = layout / "blobs" / algorithm / hexdigest
     if not path.is_file():
         raise ImageError(f"{layout}: blob {digest} is missing")
-    return path.read_bytes()
+    data = path.read_bytes()
+    if algorithm not in ("sha256", "sha512") or hashlib.new(algorithm, data).hexdigest() != hexdigest:
+        raise ImageError(f"{layout}: blob {digest} does not hash to its name: refused (damaged or tampered)")
+    return data
 
 
 def _json_blob(layout: Path, digest: str) -> Any:

@@ -75,7 +75,10 @@ def build_command(
         return
 
     async def act(nc: Any) -> None:
-        pushed = await (await Images.open(nc.jetstream())).push(data, manifest, tags)
+        try:
+            pushed = await (await Images.open(nc.jetstream())).push(data, manifest, tags)
+        except ImageError as exc:
+            fail(str(exc), 2)
         took = time.perf_counter() - started
         _show(pushed, json_out, f"pushed {pushed.digest} ({len(data) / 1e6:.2f} MB, {took:.2f} s) {' '.join(tags)}")
 
@@ -89,7 +92,10 @@ def push_command(
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
 ) -> None:
-    """Push an archive built earlier (`image build DIR --out FILE`) with its manifest (FILE.json)."""
+    """Push an archive built earlier (`image build DIR --out FILE`) with its manifest (FILE.json).
+
+    The archive must hash to the manifest's digest: other bytes (damaged, tampered) are refused and nothing
+    is stored or tagged. A stored object that is damaged is replaced."""
     tags = _tags(tag)
     try:
         data = archive.read_bytes()
@@ -129,7 +135,10 @@ def import_command(
         fail(f"{layout}: {exc}" if not str(exc).startswith(str(layout)) else str(exc), 2)
 
     async def act(nc: Any) -> None:
-        pushed = await (await Images.open(nc.jetstream())).push(data, manifest, tags)
+        try:
+            pushed = await (await Images.open(nc.jetstream())).push(data, manifest, tags)
+        except ImageError as exc:
+            fail(str(exc), 2)
         _show(pushed, json_out, f"imported {pushed.digest} ({len(data) / 1e6:.2f} MB) {' '.join(tags)}")
 
     with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
