@@ -10,8 +10,11 @@ by two machines and never left held by a machine that is gone.
 
 Snapshots are tars of the volume's files in the object store `fauxmad_volume_snapshots` (its own bucket:
 volume data belongs to one app and goes with it, where images are shared, content-addressed and evicted by
-other rules); the object is named by the snapshot id and its description holds the `VolumeSnapshot` JSON.
-A restore on another worker fetches it, checks it against its digest, and unpacks it into a new volume.
+other rules); the object is named by the snapshot id and its description holds the `VolumeSnapshot` JSON,
+whose `digest` is the archive's sha256. The write is checked: the SHA-256 the store recorded for what it
+took must be that digest, or the object is deleted and the snapshot fails. A restore on another worker
+refuses an object whose recorded SHA-256 is not the snapshot's before fetching anything, hashes what it
+fetches against the digest too, and only then unpacks it into a new volume.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from bus.messages import (
     VolumeListRequest,
     VolumeSnapshot,
 )
-from bus.objects import read_chunks
+from bus.objects import read_chunks, stored_digest
 from bus.volumes import SnapshotMeta, decode_meta
 from workers.commit import GroupCommitter
 from workers.ids import iso
@@ -365,7 +368,11 @@ class VolumeManager:
             )
             meta = SnapshotMeta(snapshot=snap, size_gb=volume.size_gb)
             with archive.open("rb") as f:
-                await store.put(snapshot_id, f, ObjectMeta(description=msgspec.json.encode(meta).decode()))
+                info = await store.put(snapshot_id, f, ObjectMeta(description=msgspec.json.encode(meta).decode()))
+            if stored_digest(info) != digest or info.size != size:  # the file changed under us
+                with contextlib.suppress(ObjectNotFoundError, NotFoundError):
+                    await store.delete(snapshot_id)
+                raise VolumeFsError(f"the store took {stored_digest(info)}, not the archive's {digest}")
         except VolumeFsError as exc:
             raise BadRequest(f"volume {request.id}: snapshot failed: {exc}") from None
         finally:
@@ -386,6 +393,11 @@ class VolumeManager:
         meta = decode_meta(info.description if info is not None else None)
         if info is None or meta is None or meta.snapshot.app != app:
             raise NotFound(f"snapshot {snapshot_id} not found for app {app}")
+        if stored_digest(info) != meta.snapshot.digest:
+            raise BadRequest(
+                f"snapshot {snapshot_id} in the store has digest {stored_digest(info)}, not {meta.snapshot.digest}:"
+                " refused (damaged or overwritten)"
+            )
         return meta, info
 
     async def _restore(self, volume: Volume) -> None:

@@ -2,7 +2,8 @@
 
 `create` picks a worker of the region with room (the most free volume space by the heartbeats, then the
 next on a refusal: a worker's own check in its commit is what counts) and records where the volume went
-in KV `fauxmad_volumes`; `list` asks the live workers; `snapshots` reads the snapshot store; the other
+in KV `fauxmad_volumes`; `list` asks the live workers; `snapshots` reads the snapshot store (a snapshot whose
+stored SHA-256 is not its digest is listed `damaged`: a restore would refuse it); the other
 verbs go to the volume's worker with the caller's payload, whose answer goes back unchanged. A volume
 id the index does not know (a broker that died between the worker's answer and its index write) is
 looked for on every live worker, and the index repaired.
@@ -17,6 +18,7 @@ import builtins
 import logging
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
@@ -39,6 +41,7 @@ from bus.messages import (
     VolumeListRequest,
     VolumeSnapshot,
 )
+from bus.objects import stored_digest
 from bus.service import call, request
 from bus.volumes import decode_meta
 from orchestrator.fleet.workers import Registry
@@ -172,7 +175,8 @@ class Volumes:
                 and meta.snapshot.app == app
                 and meta.snapshot.volume_id == volume_id
             ):
-                out.append(meta.snapshot)
+                whole = stored_digest(info) == meta.snapshot.digest  # what the store holds is what was taken
+                out.append(meta.snapshot if whole else msgspec.structs.replace(meta.snapshot, status="damaged"))
         out.sort(key=lambda s: (s.created_at, s.id))
         return out
 
