@@ -74,6 +74,18 @@ def describe_exit(info: ExitInfo | None) -> str:
     return f"it exited with code {info.exit_code}"
 
 
+def failure_reason(machine: Machine) -> str:
+    """Why a machine that should be up is not, in one line: the reason of its newest `failed` or `stopped`
+    event (a start that could not spawn its process says why: the image's pull, a volume), else how its
+    process last ended. `machine` must carry its events (`get(..., events=True)`) for the first."""
+    events = machine.events if isinstance(machine.events, list) else []
+    ended = [e for e in events if e.type == "transition" and e.status in ("failed", "stopped") and e.reason]
+    if ended:
+        newest = max(ended, key=lambda e: (e.timestamp, e.seq))
+        return str(newest.reason)
+    return describe_exit(machine.exit) if machine.exit is not None else f"it is {machine.state}"
+
+
 def _checks_problem(machine: Machine) -> str:
     """Empty when every check of the machine's config passes, else which do not and why."""
     failing = []

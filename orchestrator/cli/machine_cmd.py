@@ -55,21 +55,36 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-async def _until_up(client: Any, app: str, machine: Any, wait: Wait, json_out: bool) -> Any:
-    """`machine` once it is up; else print it (with --json) and fail with why and its stderr's last lines."""
-    if wait.detach or machine.state not in ("started", "starting"):
+async def _until_up(client: Any, app: str, machine: Any, wait: Wait, json_out: bool, *, expect_up: bool = True) -> Any:
+    """`machine` once it is up; else print it (with --json) and fail with why and its stderr's last lines.
+
+    A machine that should be up (`expect_up`: it was started) and is not even starting failed to start (its
+    image could not be pulled, a volume not mounted): that fails too, with the reason its events give."""
+    from orchestrator.client import failure_reason
+
+    if wait.detach or not expect_up:
         return machine
-    result = await client.wait_up(app, machine, up_for=wait.up_for, timeout=wait.timeout)
-    if result.up:
-        return result.machine
+    ran = machine.state in ("started", "starting")
+    if ran:
+        result = await client.wait_up(app, machine, up_for=wait.up_for, timeout=wait.timeout)
+        if result.up:
+            return result.machine
+        now, problem = result.machine, result.problem
+    else:
+        now, problem = machine, ""
+    if now.state == "failed" or not problem:  # its events say why (a start that spawned nothing has no exit)
+        now = await client.get(app, machine.id)
+        reason = failure_reason(now)
+        problem = reason if not problem else problem if reason in problem else f"{problem}: {reason}"
     if json_out:
-        print_json(result.machine)
-    now, exit_info = result.machine, result.machine.exit
+        print_json(now)
+    exit_info = now.exit
     ended = now.restarts > machine.restarts or now.state not in ("started", "starting", "replacing")
-    tail = exit_info.stderr_tail if exit_info is not None and ended else []  # else: an older run's
+    tail = exit_info.stderr_tail if exit_info is not None and ended and ran else []  # else: an older run's
     details = ["last lines of its stderr:", *(f"| {line}" for line in tail)] if tail else []
-    details.append(f"more: fauxmad machine logs {machine.id} --app {app}")
-    raise CliError(f"machine {machine.id} did not stay up: {result.problem}", details=details)
+    details.append(f"more: fauxmad machine {'logs' if ran else 'show'} {machine.id} --app {app}")
+    verb = "did not stay up" if ran else "did not start"
+    raise CliError(f"machine {machine.id} {verb}: {problem}", details=details)
 
 
 def _print_machine(machine: Any, json_out: bool) -> None:
@@ -81,7 +96,9 @@ def _print_machine(machine: Any, json_out: bool) -> None:
 
 @machine_app.command("run", context_settings={"allow_interspersed_args": False})
 def run_machine(
-    cmd: list[str] = typer.Argument(..., help="the command to run, after --"),
+    cmd: list[str] | None = typer.Argument(
+        None, help="the command to run, after -- (default: the --image's own)", show_default=False
+    ),
     app: str = MachineAppOption,
     region: str = typer.Option(
         ..., "--region", "-r", help="the region to place it in (never another)", callback=check_region
@@ -113,9 +130,13 @@ def run_machine(
     """Place a machine in a region, start it and wait until it is up: `fauxmad machine run -a web -r mad -- CMD`.
 
     No shell runs CMD: to use `$PORT` (the port the worker gave the machine), start one yourself,
-    e.g. `-- sh -c 'exec python3 -m http.server "$PORT"'`.
+    e.g. `-- sh -c 'exec python3 -m http.server "$PORT"'`. With `--image REF` and no CMD the machine runs
+    the image's own command; a REF the fleet's store does not have is an error (exit 2).
     """
     from bus.messages import CreateRequest, Guest, MachineConfig, Mount, RestartPolicy
+
+    if not cmd and image is None:
+        fail("no command: give it after --, or an --image whose manifest has one", EXIT_USAGE)
 
     mounts = []
     for item in volume:
@@ -125,7 +146,7 @@ def run_machine(
         mounts.append(Mount(volume=volume_id, path=path))
     try:
         config = MachineConfig(
-            cmd=cmd,
+            cmd=cmd or [],
             env=_parse_env(env),
             mounts=mounts,
             image=image,
@@ -148,10 +169,10 @@ def run_machine(
 
     async def create(client: Any) -> Any:
         nonlocal request
-        if image is not None:  # a tag of the fleet's store: pinned to its digest (other names pass as they are)
-            request = await _pin(client, request)
+        if image is not None:  # pinned to its digest; no CMD: the image's own
+            request = msgspec.structs.replace(request, config=await _pin(client, request.config))
         created = await client.create(app, request)
-        machine = await _until_up(client, app, created, wait, json_out)
+        machine = await _until_up(client, app, created, wait, json_out, expect_up=not skip_launch)
         machine.explain = created.explain
         return machine
 
@@ -260,19 +281,20 @@ def restart_machine(
     _print_machine(with_client(nats, act), json_out)
 
 
-async def _pin(client: Any, request: Any) -> Any:
-    from bus.images import ImageError, Images, is_digest
+async def _pin(client: Any, config: Any) -> Any:
+    """`config` with its image pinned to the digest `bus.images.resolve_image` gives and, with no command, the
+    image's own. A reference the fleet's store does not have: one line, exit 2 (there is no other meaning
+    for a name: placement's image scorer works on digests, and a name nobody has would crash-loop)."""
+    from bus.images import ImageError, resolve_image
 
-    reference = request.config.image
-    images = await Images.open(client.nc.jetstream())
     try:
-        digest = await images.resolve(reference)
-    except ImageError:
-        if is_digest(reference):
-            fail(f"no image {reference} in the fleet's store (fauxmad image ls)", EXIT_USAGE)
-        return request  # a plain name: scored by placement only, as before images
-    config = msgspec.structs.replace(request.config, image=digest)
-    return msgspec.structs.replace(request, config=config)
+        resolved = await resolve_image(client.nc.jetstream(), config.image)
+    except ImageError as exc:
+        fail(f"--image: {exc}", EXIT_USAGE)
+    cmd = list(config.cmd) or resolved.cmd
+    if not cmd:
+        fail(f"no command: give it after --, image {config.image} has none in its manifest", EXIT_USAGE)
+    return msgspec.structs.replace(config, image=resolved.digest, cmd=cmd)
 
 
 def _destroy_or_stop(verb: str, help_text: str) -> None:
@@ -326,7 +348,7 @@ def update(
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE to set (the others are kept), repeatable"),
     cpus: int | None = typer.Option(None, "--cpus", min=1, help="cpus to reserve"),
     memory_mb: int | None = typer.Option(None, "--memory-mb", min=1, help="memory to reserve and enforce"),
-    image: str | None = typer.Option(None, "--image", help="a new image name"),
+    image: str | None = typer.Option(None, "--image", help="a new image: name:tag or sha256:... of the fleet's store"),
     restart: str | None = typer.Option(None, "--restart", help="restart policy: no, always, on-failure"),
     wait_up: float = WAIT_UP,
     wait_timeout: float = WAIT_TIMEOUT,
@@ -336,7 +358,9 @@ def update(
 ) -> None:
     """Change a machine's config (a new instance); a running machine restarts with it and is waited for.
 
-    `fauxmad machine update ID -a web --env LEVEL=debug --memory-mb 512 -- python3 app.py --v2`
+    `fauxmad machine update ID -a web --env LEVEL=debug --memory-mb 512 -- python3 app.py --v2`. A new
+    --image is pinned to its digest; with no new command, a command that was the old image's becomes the
+    new image's, and one given by hand is kept.
     """
     from bus.messages import MachineConfig
 
@@ -352,12 +376,15 @@ def update(
             old.guest, cpus=cpus or old.guest.cpus, memory_mb=memory_mb or old.guest.memory_mb
         )
         policy = msgspec.structs.replace(old.restart, policy=restart or old.restart.policy)
+        new_cmd = cmd or old.cmd
+        if image is not None and not cmd and await _image_command(client, old.image) == list(old.cmd):
+            new_cmd = []  # the old image's command: the new image's takes its place
         try:
             config = msgspec.convert(
                 msgspec.to_builtins(
                     msgspec.structs.replace(
                         old,
-                        cmd=cmd or old.cmd,
+                        cmd=new_cmd,
                         env={**old.env, **changes},
                         image=image or old.image,
                         guest=guest,
@@ -368,10 +395,26 @@ def update(
             )
         except (msgspec.ValidationError, ValueError) as exc:
             fail(f"invalid update: {exc}", EXIT_USAGE)
+        if image is not None:
+            config = await _pin(client, config)
         updated = await client.update(app, machine_id, config)
-        return await _until_up(client, app, updated, wait, json_out)
+        running = current.state in ("started", "starting")
+        return await _until_up(client, app, updated, wait, json_out, expect_up=running)
 
     _print_machine(with_client(nats, act), json_out)
+
+
+async def _image_command(client: Any, reference: str | None) -> list[str] | None:
+    """The command of the image `reference` names, or None (no image, or one the store no longer has)."""
+    from bus.images import ImageError, is_digest, resolve_image
+
+    if not is_digest(reference):
+        return None
+    assert reference is not None
+    try:
+        return (await resolve_image(client.nc.jetstream(), reference)).cmd
+    except ImageError:
+        return None
 
 
 @machine_app.command("signal")
