@@ -62,10 +62,11 @@ _ENCODE = msgspec.json.Encoder()
 
 
 class ClientError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, *, machine_id: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.machine_id = machine_id  # a machine the request made and kept (a 422: it could not start)
 
 
 def json(value: Any, status: int = 200) -> web.Response:

@@ -2,6 +2,13 @@
 
 Bodies are decoded with the strict Structs of `orchestrator.api.types`; every failure a client causes is a
 4xx with Fly's error body (a middleware turns aiohttp's own errors, such as 413, into that body too).
+
+A create, start, restart or update whose machine could not start (its process never spawned: the image's
+pull refused, a volume not mounted) is not a success: a 422 whose error is the machine's reason, with its
+`machine_id` (the machine is kept, `failed`, for a look at its events and a later start or destroy). Not a
+5xx: nothing in the API broke, and retrying the same request cannot help; not a 200 as Fly's create gives
+for a machine that starts and then exits, since this one never ran. A process that starts and then exits
+is reported as before, by `wait` and the machine's state.
 """
 
 from __future__ import annotations
@@ -10,7 +17,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 from aiohttp import web
 from nats.aio.client import Client
 
@@ -37,6 +43,7 @@ from orchestrator.api.http import (
     machine_id,
     nonce,
 )
+from orchestrator.api.images import IMAGES, ImageDoor, machine_config
 from orchestrator.api.openapi import DOCS_HTML, document
 
 WAIT_MAX = 60.0
@@ -56,14 +63,26 @@ async def list_machines(request: web.Request) -> web.Response:
     return json([types.machine(m) for m in found])
 
 
+async def started(request: web.Request, machine: Machine) -> Machine:
+    """`machine` (a start's answer), or a 422 with its reason when its start failed (see the module docstring).
+    A `failed` machine whose newest event is not that failure (an update of a machine that was failed and is
+    not started again) is answered as it is."""
+    if machine.state != "failed":
+        return machine
+    got = await ask(request, "get", bus.GetRequest(id=machine.id, events=True))
+    events = got.events if isinstance(got.events, list) else []
+    newest = max(events, key=lambda e: (e.timestamp, e.seq), default=None)
+    if newest is None or newest.status != "failed" or newest.type != "transition":
+        return machine
+    reason = newest.reason or "no reason recorded"
+    raise ClientError(422, f"machine {machine.id} failed to start: {reason}", machine_id=machine.id)
+
+
 async def create_machine(request: web.Request) -> web.Response:
     req = await body(request, types.CreateMachineRequest)
-    try:
-        config = types.to_config(req.config)
-    except (ValueError, msgspec.ValidationError) as exc:
-        raise ClientError(400, str(exc)) from None
+    config = await machine_config(request, req.config)
     create = bus.CreateRequest(region=req.region, config=config, name=req.name, skip_launch=req.skip_launch)
-    return json(types.machine(await ask(request, "create", create, timeout=40)))
+    return json(types.machine(await started(request, await ask(request, "create", create, timeout=40))))
 
 
 async def get_machine(request: web.Request) -> web.Response:
@@ -74,12 +93,9 @@ async def get_machine(request: web.Request) -> web.Response:
 async def update_machine(request: web.Request) -> web.Response:
     mid = machine_id(request)
     req = await body(request, types.UpdateMachineRequest)
-    try:
-        config = types.to_config(req.config)
-    except (ValueError, msgspec.ValidationError) as exc:
-        raise ClientError(400, str(exc)) from None
+    config = await machine_config(request, req.config)
     update = bus.UpdateRequest(id=mid, config=config, lease_nonce=nonce(request))
-    return json(types.machine(await ask(request, "update", update, timeout=45)))
+    return json(types.machine(await started(request, await ask(request, "update", update, timeout=45))))
 
 
 async def delete_machine(request: web.Request) -> web.Response:
@@ -89,7 +105,8 @@ async def delete_machine(request: web.Request) -> web.Response:
 
 
 async def start_machine(request: web.Request) -> web.Response:
-    await ask(request, "start", bus.StartRequest(id=machine_id(request), lease_nonce=nonce(request)), timeout=35)
+    start = bus.StartRequest(id=machine_id(request), lease_nonce=nonce(request))
+    await started(request, await ask(request, "start", start, timeout=35))
     return json({"previous_state": "", "migrated": False, "new_host": ""})
 
 
@@ -108,7 +125,8 @@ async def stop_machine(request: web.Request) -> web.Response:
 async def restart_machine(request: web.Request) -> web.Response:
     mid = machine_id(request)
     await ask(request, "stop", bus.StopRequest(id=mid, lease_nonce=nonce(request)), timeout=25)
-    await ask(request, "start", bus.StartRequest(id=mid, lease_nonce=nonce(request)), timeout=35)
+    start = bus.StartRequest(id=mid, lease_nonce=nonce(request))
+    await started(request, await ask(request, "start", start, timeout=35))
     return json({"ok": True})
 
 
@@ -209,7 +227,7 @@ def _errors() -> Any:
         try:
             return await handler(request)
         except ClientError as exc:
-            return error_response(exc.status, exc.message)
+            return error_response(exc.status, exc.message, machine_id=exc.machine_id)
         except FauxmadError as exc:
             return from_bus(exc)
         except web.HTTPException as exc:
@@ -229,6 +247,7 @@ def build(nc: Client, *, auth: Auth | None = None, broker: Answering | None = No
     app.on_cleanup.append(lambda _: trail.drain())
     app[NC] = nc
     app[BROKERS] = Brokers(nc, broker)
+    app[IMAGES] = ImageDoor(nc)
     m = "/v1/apps/{app_name}/machines"
     one = m + "/{machine_id}"
     app.router.add_get(m, list_machines)

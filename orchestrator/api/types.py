@@ -23,7 +23,7 @@ EnvName = Annotated[str, msgspec.Meta(pattern=r"^[^=\x00]+$", max_length=1024)]
 
 
 class FlyInit(Body):
-    """The command: `exec` if given, else `entrypoint` + `cmd` (fauxmad has no image default: one is needed)."""
+    """The command: `exec` if given, else `entrypoint` + `cmd`; none of them: the image's own (its manifest's)."""
 
     exec: Annotated[list[Arg], msgspec.Meta(min_length=1)] | None = None
     entrypoint: list[Arg] | None = None
@@ -106,6 +106,8 @@ class LeaseRequest(Body):
 class ErrorResponse(msgspec.Struct, kw_only=True):
     error: str
     status: Literal["unknown", "insufficient_capacity"] = "unknown"
+    # extension: the machine a create (or start) made but could not start (a 422): it is kept, `failed`
+    machine_id: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class FlyMachineEvent(msgspec.Struct, kw_only=True):
@@ -130,12 +132,16 @@ class FlyMachine(msgspec.Struct, kw_only=True):
     exit: dict[str, Any] | None = None
 
 
-def to_config(config: FlyMachineConfig) -> MachineConfig:
-    """Fly's config as fauxmad's: the command is `init.exec`, else `init.entrypoint` + `init.cmd`."""
-    init = config.init
-    cmd = init.exec if init.exec else [*(init.entrypoint or []), *(init.cmd or [])]
+def command(init: FlyInit) -> list[str]:
+    """The command `init` gives: `init.exec`, else `init.entrypoint` + `init.cmd` (empty: none given)."""
+    return list(init.exec) if init.exec else [*(init.entrypoint or []), *(init.cmd or [])]
+
+
+def to_config(config: FlyMachineConfig, *, image: str | None, cmd: list[str]) -> MachineConfig:
+    """Fly's config as fauxmad's, with the image pinned (`image`: its digest, or None) and the command to run
+    (`command(config.init)`, or the image's own when that is empty: `orchestrator.api.images`)."""
     return MachineConfig(
-        image=config.image,
+        image=image,
         cmd=cmd,
         env=config.env,
         guest=Guest(cpus=config.guest.cpus, memory_mb=config.guest.memory_mb, cpu_kind=config.guest.cpu_kind),

@@ -15,10 +15,17 @@ from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.orchestrator.test_api import start_api
 
 # 4xx for rules the schema cannot say: JSON Schema counts 3.0 as an integer, the API (as Go's decoder behind
-# Fly's) does not; a machine needs a command (`init.exec` or `init.cmd`: fauxmad has no image default); a
-# wait for an `instance_id` the machine no longer runs is a 412 (a made-up id never is the machine's); a
-# volume listed twice in one config's mounts (JSON Schema's uniqueItems compares whole items, not one field)
-LENIENT = (", got `float`", "config.cmd is required", "now runs instance", "a volume can be mounted once")
+# Fly's) does not; a machine needs something to run (`config.image` or `init.exec`/`init.cmd`), and an image is
+# one the fleet's store has (a drawn string never is); a wait for an `instance_id` the machine no longer runs
+# is a 412 (a made-up id never is the machine's); a volume listed twice in one config's mounts (JSON Schema's
+# uniqueItems compares whole items, not one field)
+LENIENT = (
+    ", got `float`",
+    "config.image or config.init.cmd is required",
+    "config.image: ",
+    "now runs instance",
+    "a volume can be mounted once",
+)
 VALID_CONFIG = {"init": {"cmd": ["sleep", "300"]}, "guest": {"cpus": 1, "memory_mb": 16}}
 
 
