@@ -6,6 +6,11 @@ free slot. The record of each job (state, attempts, exit status, output) is a va
 `fauxmad_jobs`, written with compare-and-set by whoever moves it on, so a cancel and a worker never
 overwrite each other. States: `queued` -> `running` -> `succeeded` | `failed` | `cancelled`, and
 `running` -> `queued` again for a retry (a failure with attempts left, or a worker lost mid-task).
+
+A job may name an image (`image`: `name:tag` or a digest, an optional field: a submit without it is
+encoded as before, so older workers take it). The worker that answers the submit resolves it with
+`bus.images.resolve_image`, the resolver every door uses, and the record keeps the digest (and, when the
+submit gave no `cmd`, the image's own command): every attempt, on whichever worker, runs those bytes.
 """
 
 from __future__ import annotations
@@ -38,10 +43,11 @@ def keyed_job_ids(app: str, key: str, count: int) -> list[str]:
 
 
 class JobSubmitRequest(Request):
-    """`fauxmad.v1.api.apps.<app>.jobs.submit.<region>`: `count` jobs running `cmd` (each its own id and record)."""
+    """`fauxmad.v1.api.apps.<app>.jobs.submit.<region>`: `count` jobs running `cmd` (each its own id and record);
+    with `image`, in that image, and with no `cmd`, its own command."""
 
     app: Token
-    cmd: Annotated[list[str], msgspec.Meta(min_length=1, max_length=4096)]
+    cmd: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
     env: dict[str, str] = {}
     cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
@@ -52,11 +58,15 @@ class JobSubmitRequest(Request):
     # "machine" (default): each attempt is a machine on the worker that destroys itself when done;
     # "process": the worker's fast path, a plain child process of the worker (no machine record)
     runner: Runner = "machine"
+    # addition: `name:tag` or `sha256:<hex>` of the fleet's image store; left out of the JSON when not given
+    image: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
+        if not self.cmd and self.image is msgspec.UNSET:
+            raise ValueError("cmd is required (or an image whose manifest has a command)")
         if any("\0" in part for part in self.cmd):
             raise ValueError("cmd must not contain NUL bytes")
-        if not self.cmd[0]:
+        if self.cmd and not self.cmd[0]:
             raise ValueError("cmd[0] must not be empty")
         for key in self.env:
             if not key or "=" in key or "\0" in key:
@@ -108,6 +118,7 @@ class Job(Reply):
     timeout: float = 3600.0
     max_attempts: int = 3
     runner: Runner = "machine"
+    image: str | None = None  # the digest its attempts run in (the submit's `image`, resolved), or none
     attempt: int = 0  # the current (or last) attempt's number, from 1
     attempts: list[JobAttempt] = []
     submitted_at: float = 0.0

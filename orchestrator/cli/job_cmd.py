@@ -78,7 +78,9 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
 
 @job_app.command("submit", context_settings={"allow_interspersed_args": False})
 def submit(
-    cmd: list[str] = typer.Argument(None, help="the command to run, after -- (default: the spec's jobs.cmd)"),
+    cmd: list[str] = typer.Argument(
+        None, help="the command to run, after -- (default: the spec's jobs.cmd, else the image's)"
+    ),
     app: str | None = typer.Option(None, "--app", "-a", help="the app [default: the spec's]", callback=check_app),
     region: str | None = typer.Option(None, "--region", "-r", help="the region to run it in", callback=check_region),
     count: int = typer.Option(1, "--count", "-n", min=1, max=10_000, help="how many jobs to submit at once"),
@@ -91,6 +93,9 @@ def submit(
         None, "--runner", help="machine (default: a machine that destroys itself) or process (the fast path)"
     ),
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),
+    image: str | None = typer.Option(
+        None, "--image", help="run it in this image (name:tag or sha256:...); no CMD: the image's own"
+    ),
     spec_path: Path | None = typer.Option(None, "--config", "-c", help="an app spec whose jobs table gives defaults"),
     wait: bool = typer.Option(False, "--wait", "-w", help="wait until every job has finished (exit 1 if any failed)"),
     wait_timeout: float = typer.Option(3600.0, "--wait-timeout", min=0, help="with --wait: give up after this long"),
@@ -101,7 +106,8 @@ def submit(
 
     The region's work queue holds it until a worker with a free slot takes it (late binding); each
     attempt runs as a machine that destroys itself when done. A failed attempt is retried with back-off
-    (0.5 s, doubling) up to --max-attempts, then the job is dead-lettered.
+    (0.5 s, doubling) up to --max-attempts, then the job is dead-lettered. With --image the job runs in
+    that image, pinned to its digest when submitted (an unknown one is refused, exit 2).
     """
     from orchestrator.jobs.spec import SubmitOptions, submit_request
     from orchestrator.reconcile.spec import SpecError, load_spec
@@ -120,6 +126,7 @@ def submit(
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
             runner=runner,
+            image=image,
         )
         where, request = submit_request(options, spec)
     except (SpecError, ValueError) as exc:

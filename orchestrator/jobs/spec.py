@@ -1,6 +1,8 @@
 """A job submit from the command line's options and, with `-c fauxmad.toml`, the app's `[jobs]` defaults.
 
-Options given win over the spec; the spec's `[jobs]` wins over the app's own `cmd`, `env` and `guest`.
+Options given win over the spec; the spec's `[jobs]` wins over the app's own `cmd`, `env` and `guest`. A job
+runs in `--image`, else the spec's `image` (the app's); with an image and no command from either, the
+image's own command (the worker that takes the submit resolves the image and finds it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class SubmitOptions(msgspec.Struct, kw_only=True):
     max_attempts: int | None = None
     idempotency_key: str | None = None
     runner: str | None = None
+    image: str | None = None
 
 
 def submit_request(options: SubmitOptions, spec: AppSpec | None) -> tuple[str, JobSubmitRequest]:
@@ -36,8 +39,9 @@ def submit_request(options: SubmitOptions, spec: AppSpec | None) -> tuple[str, J
     if not region:
         raise ValueError("no region: pass --region, or set `region` under [jobs] in the spec")
     cmd = options.cmd or jobs.cmd or (list(spec.cmd) if spec is not None else [])
-    if not cmd:
-        raise ValueError("no command: give it after --, or set `cmd` under [jobs] in the spec")
+    image = options.image or (spec.image if spec is not None else None)
+    if not cmd and not image:
+        raise ValueError("no command: give it after --, set `cmd` under [jobs] in the spec, or give an --image")
     env = {**(spec.env if spec is not None else {}), **options.env}
     raw = {
         "app": app,
@@ -52,6 +56,8 @@ def submit_request(options: SubmitOptions, spec: AppSpec | None) -> tuple[str, J
     }
     if options.idempotency_key is not None:
         raw["idempotency_key"] = options.idempotency_key
+    if image:
+        raw["image"] = image
     try:
         return region, msgspec.convert(raw, JobSubmitRequest)
     except msgspec.ValidationError as exc:

@@ -8,6 +8,11 @@ that gets the message first waits for the record), and answers only once JetStre
 an answered submit is never lost. With an idempotency key the jobs'
 ids come from the key, and the record's create is the claim: the same key again answers with the same
 jobs (a different request under it is a 409), never runs them twice.
+
+A submit that names an image is resolved here, before anything is written, with `bus.images.resolve_image`
+(the resolver every door uses): an unknown reference is a 400 naming it; the records keep the digest, and
+the image's own command when the submit gave none. A keyed submit's fingerprint is of the request as sent,
+so the same key and the same tag again answer with the jobs already pinned, even after the tag moved.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import msgspec
 from nats.aio.client import Client
 
 from bus import subjects
 from bus.codec import decode, encode
 from bus.errors import BadRequest, Conflict, Unreachable
+from bus.images import ImageError, Images, resolve_image
 from bus.jobs import (
     Job,
     JobIdRequest,
@@ -56,8 +63,24 @@ class JobDesk:
         self.region = region
         self.emit = emit
         self.clock = clock
+        self._images: Images | None = None  # bound on the first submit that names an image
 
-    def new_jobs(self, req: JobSubmitRequest) -> list[Job]:
+    async def pinned(self, req: JobSubmitRequest) -> tuple[str | None, list[str]]:
+        """(the digest its jobs run in, or None; the command they run): the submit's image resolved."""
+        if req.image is msgspec.UNSET:
+            return None, list(req.cmd)
+        if self._images is None:
+            self._images = await Images.open(self.nc.jetstream())
+        try:
+            image = await resolve_image(self._images, req.image)
+        except ImageError as exc:
+            raise BadRequest(f"image: {exc}") from None
+        cmd = list(req.cmd) or image.cmd
+        if not cmd:
+            raise BadRequest(f"cmd is required: image {req.image} ({image.digest}) has no command of its own")
+        return image.digest, cmd
+
+    def new_jobs(self, req: JobSubmitRequest, image: str | None = None, cmd: list[str] | None = None) -> list[Job]:
         key = req.idempotency_key
         ids = keyed_job_ids(req.app, key, req.count) if key else [new_job_id() for _ in range(req.count)]
         now = self.clock()
@@ -68,7 +91,8 @@ class JobDesk:
                 app=req.app,
                 region=self.region,
                 state="queued",
-                cmd=list(req.cmd),
+                cmd=list(req.cmd) if cmd is None else cmd,
+                image=image,
                 env=dict(req.env),
                 cpus=req.cpus,
                 memory_mb=req.memory_mb,
@@ -104,7 +128,7 @@ class JobDesk:
 
     async def submit(self, subject: str, data: bytes) -> JobSubmitReply:
         req = same_app(subject, decode(JobSubmitRequest, data))
-        jobs = self.new_jobs(req)
+        jobs = self.new_jobs(req, *await self.pinned(req))
         self._answer_fits(jobs)
         if req.idempotency_key is None:
             # new ids: no record can be there, so the record and the message are written side by side (a

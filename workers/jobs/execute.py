@@ -10,6 +10,14 @@ attempt orphaned by a dead worker ends by its deadline (the fence a redelivery w
 session of its own, listed with the worker's reaper (`reaper`), so it dies with its worker; no machine
 record, no shim, no LMDB commit. It runs in the worker's working directory.
 Either way the outcome is the exit status and the last `OUTPUT_KEEP` characters of stdout and stderr.
+
+A job with an image (a digest, pinned at submit) runs in it, from the worker's image cache
+(`workers.images`, the one its machines use: pulled once, checked against the digest, unpacked once). The
+image is made ready before anything else, so an image that cannot be had (damaged in the store, gone) is a
+failed attempt saying why, and leaves no machine behind. A machine attempt runs in the image as any
+machine of that image does (its directory, its manifest's env, `$HOME` its own); a process attempt runs in
+the image's working directory (through `env -C`: `posix_spawn` cannot change directory) with the
+manifest's env under the job's.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ from typing import Any, Protocol
 import msgspec
 
 from bus.errors import FauxmadError
+from bus.images import ImageError
 from bus.jobs import OUTPUT_KEEP, Job
 from bus.messages import DestroyRequest, Guest, MachineConfig, ReserveRequest, RestartPolicy
+from workers.images import ImageCache, Pulled
 from workers.jobs.reaper import Reaper
 from workers.jobs.spawn import Cancel, spawn
 from workers.machines import MachineManager
@@ -53,6 +63,20 @@ class Outcome(msgspec.Struct, kw_only=True):
 
 class Executor(Protocol):
     async def run(self, job: Job, attempt: int, cancel: Cancel, started: Started) -> Outcome: ...
+
+
+async def ready_image(images: ImageCache | None, job: Job) -> Pulled | str | None:
+    """The job's image on this host (None: it has none), or why it cannot be had (a failed attempt)."""
+    if job.image is None:
+        return None
+    if images is None:
+        return f"image {job.image}: this worker keeps no images"
+    try:
+        return await images.ensure(job.image)
+    except ImageError as exc:
+        return f"image {job.image}: {exc}"
+    except Exception as exc:  # the store unreachable, a full disk: this attempt fails, a retry may not
+        return f"image {job.image} could not be pulled: {exc!r}"
 
 
 def tail_text(data: bytes, keep: int = OUTPUT_KEEP) -> str:
@@ -92,6 +116,7 @@ class MachineExecutor:
         if self.killer:
             cmd = [self.killer, "-s", "KILL", f"{job.timeout + 0.5:g}", *cmd]
         return MachineConfig(
+            image=job.image,
             cmd=cmd,
             env={**job.env, "FAUXMAD_JOB_ID": job.id, "FAUXMAD_JOB_ATTEMPT": str(attempt)},
             guest=Guest(cpus=job.cpus, memory_mb=job.memory_mb),
@@ -102,6 +127,9 @@ class MachineExecutor:
 
     async def run(self, job: Job, attempt: int, cancel: Cancel, started: Started) -> Outcome:
         manager = self.manager
+        image = await ready_image(manager.images, job)
+        if isinstance(image, str):
+            return Outcome(error=image)
         request = ReserveRequest(app=job.app, region=self.region, config=self.config(job, attempt), launch=True)
         try:
             machine = await manager.reserve(request)
@@ -136,14 +164,31 @@ class MachineExecutor:
 class ProcessExecutor:
     """The fast path: see the module docstring."""
 
-    def __init__(self, base_env: dict[str, str], reaper: Reaper) -> None:
+    def __init__(self, base_env: dict[str, str], reaper: Reaper, images: ImageCache | None = None) -> None:
         self.base_env = base_env
         self.reaper = reaper
+        self.images = images
+        self.chdir = shutil.which("env")  # coreutils' `env -C DIR CMD...`: an image job's working directory
 
     async def run(self, job: Job, attempt: int, cancel: Cancel, started: Started) -> Outcome:
-        env = {**self.base_env, **job.env, "FAUXMAD_JOB_ID": job.id, "FAUXMAD_JOB_ATTEMPT": str(attempt)}
+        image = await ready_image(self.images, job)
+        if isinstance(image, str):
+            return Outcome(error=image)
+        defaults = image.manifest.env if image is not None and image.manifest is not None else {}
+        env = {
+            **self.base_env,
+            **defaults,
+            **job.env,
+            "FAUXMAD_JOB_ID": job.id,
+            "FAUXMAD_JOB_ATTEMPT": str(attempt),
+        }
+        argv = list(job.cmd)
+        if image is not None:
+            if self.chdir is None:
+                return Outcome(error="a process job in an image needs `env` (coreutils) on the worker's PATH")
+            argv = [self.chdir, "-C", str(image.workdir), *argv]
         try:
-            ended = await spawn(list(job.cmd), env, job.timeout, cancel, self.reaper, lambda: started(None))
+            ended = await spawn(argv, env, job.timeout, cancel, self.reaper, lambda: started(None))
         except OSError as exc:
             return Outcome(exit_code=127, error=f"cannot run {job.cmd[0]!r}: {exc.strerror or exc}")
         return Outcome(

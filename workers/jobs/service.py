@@ -69,7 +69,9 @@ class JobsService:
         executors: dict[str, Executor] = {
             "machine": MachineExecutor(self.manager, self.region),
             "process": ProcessExecutor(
-                {**base_env(), "FAUXMAD_WORKER_ID": self.worker_id, "FAUXMAD_REGION": self.region}, self.reaper
+                {**base_env(), "FAUXMAD_WORKER_ID": self.worker_id, "FAUXMAD_REGION": self.region},
+                self.reaper,
+                self.manager.images,  # the cache its machines use: an image job's files
             ),
         }
         self.runner = JobRunner(
