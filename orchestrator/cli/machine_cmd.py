@@ -15,7 +15,7 @@ import msgspec
 import typer
 
 from orchestrator.cli import logs_cmd
-from orchestrator.cli.render import console, explain_table, kept_table, machines_table, print_json
+from orchestrator.cli.render import console, explain_table, kept_table, machines_table, made_by, print_json
 from orchestrator.cli.runtime import (
     EXIT_USAGE,
     CliError,
@@ -236,6 +236,9 @@ def show(
         print_json(machine)
         return
     console.print(machines_table([machine]))
+    origin = made_by(machine)
+    if origin is not None:
+        console.print(f"  made by: {origin}")
     for event in machine.events or []:
         console.print(f"  {event.seq:>6}  {event.type:<10} {event.status:<10} {event.reason or ''}")
 

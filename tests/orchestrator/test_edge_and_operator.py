@@ -124,7 +124,9 @@ class Team:
                     await until(lambda app=app: self.resting(app), f"{app} autostopped", self.log)  # type: ignore[misc]
                 except AssertionError:
                     seen = [(m.id, m.worker_id, m.state) for m in await alisting(self.fleet, app)]
-                    raise AssertionError(f"{app}: {seen}; proxy log: {self.proxy.log_path.read_text()[-2000:]}") from None
+                    raise AssertionError(
+                        f"{app}: {seen}; proxy log: {self.proxy.log_path.read_text()[-2000:]}"
+                    ) from None
             await asyncio.sleep(2.0)  # the operator's turn: it must leave them resting
 
     async def replaced(self, doomed: str, on_doomed: list[Machine]) -> None:
