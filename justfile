@@ -4,9 +4,15 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 python := env_var_or_default("PYTHON", "python3")
 
-# run the whole test suite (real nats-server, real worker processes)
+jobs := env_var_or_default("FAUXMAD_TEST_JOBS", "3")
+
+# run the whole test suite (real nats-server, real worker processes), in parallel (FAUXMAD_TEST_JOBS, default 3)
 test *args:
-    {{python}} -m pytest -q --durations=25 {{args}}
+    {{python}} -m pytest -q -n {{jobs}} --dist loadfile --durations=25 {{args}}
+
+# the fast layer only: pure functions and single components, no fleet (tests not marked `fleet`)
+test-fast *args:
+    {{python}} -m pytest -q -m "not fleet" {{args}}
 
 # ruff (lint and format), mypy, and the layering contracts (import-linter)
 lint:

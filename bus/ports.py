@@ -6,11 +6,14 @@ can be taken meanwhile by any connection this host opens: a supercluster picks 2
 servers one after another, and the routes and gateways of the first servers took a port picked for a later
 one (CI saw a nats-server exit at start). So the port is a random one below that range, that binds now,
 and that this process has not handed out recently; `bind(0)` only where the range leaves no room below it.
+`$FAUXMAD_PORT_RANGE` (`LOW-HIGH`) confines the picks to a range of one's own (a firewall's, or a slice per
+parallel test runner, so two of them never pick the same port); every process started with it follows it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import random
 import socket
 from collections.abc import Container
@@ -28,10 +31,10 @@ _recent: dict[int, None] = {}  # insertion ordered: the oldest goes first
 def free_port(host: str = "127.0.0.1", held: Container[int] = ()) -> int:
     """A port nothing listens on now, that no outgoing connection will take, not handed out lately, and not
     in `held` (ports the caller has given to servers that do not listen now: a worker's stopped machines)."""
-    low = _ephemeral_low()
-    if low - LOWEST_PICKED > 2 * RECENT:
+    lowest, low = _pick_range()
+    if low - lowest > 2 * RECENT or os.environ.get(RANGE_ENV):
         for _ in range(TRIES):
-            port = random.randint(LOWEST_PICKED, low - 1)
+            port = random.randint(lowest, low - 1)
             if port not in _recent and port not in held and _binds(host, port):
                 _remember(port)
                 return port
@@ -42,6 +45,18 @@ def free_port(host: str = "127.0.0.1", held: Container[int] = ()) -> int:
         if port not in held:
             break
     return port
+
+
+RANGE_ENV = "FAUXMAD_PORT_RANGE"
+
+
+def _pick_range() -> tuple[int, int]:
+    """[lowest, low): $FAUXMAD_PORT_RANGE's, else from LOWEST_PICKED to the ephemeral range's start."""
+    given = os.environ.get(RANGE_ENV, "")
+    first, _, last = given.partition("-")
+    if first.isdigit() and last.isdigit() and 0 < int(first) <= int(last) < 65536:
+        return int(first), int(last) + 1
+    return LOWEST_PICKED, _ephemeral_low()
 
 
 @functools.cache

@@ -3,12 +3,21 @@
 The session starts by compiling the project's modules: a host that sets `PYTHONDONTWRITEBYTECODE` (this
 CI's does) otherwise has every worker and CLI process the tests start compile them again, a tenth of a
 second or more each (test_first_hour.py: 62 s without, 53 s with).
+
+Two layers. A test that starts real processes (a nats-server, workers, brokers, CLIs, proxies, machines)
+is marked `fleet`, found by what it uses (`PROCESS_FIXTURES`) or what its body does (`SPAWNS`), or by a
+module's own `pytestmark`; the rest is the fast layer (`just test-fast`: pure functions and single
+components with injected clocks). Under pytest-xdist each xdist worker has its own nats-server (a session
+each) and its own slice of the ports `bus.ports` hands out ($FAUXMAD_PORT_RANGE, inherited by every
+process it starts), so two slices never race for one port.
 """
 
 from __future__ import annotations
 
 import compileall
+import inspect
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +28,36 @@ from tests.helpers import WorkerProcess
 
 _ids = itertools.count(1)
 ROOT = Path(__file__).resolve().parent.parent
+
+
+PROCESS_FIXTURES = frozenset(
+    {"nats_server", "nats_url", "fresh_nats", "worker_factory", "fleet", "secure_fleet", "crashable_nats"}
+)
+SPAWNS = ("subprocess.", "Popen(", "DevFleet(", "EmbeddedNats(", "ProxyProcess(", "create_subprocess", "run_cli(")
+PORTS_LOW, PORTS_HIGH = 10_000, 32_000  # below the kernel's ephemeral range (bus/ports.py)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fleet: starts real processes (nats-server, workers, CLIs); not in test-fast")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if worker.startswith("gw") and "FAUXMAD_PORT_RANGE" not in os.environ:
+        span = (PORTS_HIGH - PORTS_LOW) // count
+        low = PORTS_LOW + int(worker[2:]) * span
+        os.environ["FAUXMAD_PORT_RANGE"] = f"{low}-{low + span - 1}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("fleet") is not None:
+            continue
+        uses = set(getattr(item, "fixturenames", ()))
+        try:
+            body = inspect.getsource(item.function)  # type: ignore[attr-defined]
+        except (AttributeError, OSError, TypeError):
+            body = ""
+        if uses & PROCESS_FIXTURES or any(spawn in body for spawn in SPAWNS):
+            item.add_marker(pytest.mark.fleet)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

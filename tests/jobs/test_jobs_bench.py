@@ -12,6 +12,8 @@ import pytest
 from orchestrator.bench import jobs as bench
 from orchestrator.cli.app import main
 
+pytestmark = pytest.mark.fleet  # starts a fleet of real processes (tests/conftest.py)
+
 
 def test_bench_jobs_measures_fauxmad_and_says_why_baselines_were_skipped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -18,6 +18,8 @@ import pytest
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.orchestrator.test_api import start_api
 
+pytestmark = pytest.mark.fleet  # starts a fleet of real processes (tests/conftest.py)
+
 bravado_client = pytest.importorskip("bravado.client", reason="bravado (the dev extra) builds the Fly client")
 SPEC = Path(__file__).resolve().parent / "reference" / "fly-machines-openapi.json"
 

@@ -52,6 +52,7 @@ def conforms(response: schemathesis.Response, case: schemathesis.Case) -> None:
     case.validate_response(response, excluded_checks=[*excluded, not_a_server_error] if no_room else excluded)
 
 
+@pytest.mark.fleet
 def test_every_operation_conforms(api_schema: schemathesis.BaseSchema) -> None:
     operations = [result.ok() for result in api_schema.get_all_operations()]
     assert len(operations) >= 20

@@ -139,6 +139,7 @@ def test_the_echo_responder_answers_from_another_process_and_goes_away(nats_url:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.fleet
 def test_placement_bench_on_a_real_fleet() -> None:
     progress: list[str] = []
     options = PlacementOptions(workers=2, count=6, warmup=2, concurrency=2, echo_count=5)
@@ -153,6 +154,7 @@ def test_placement_bench_on_a_real_fleet() -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.fleet
 def test_proxy_bench_on_a_real_fleet_and_proxy(tmp_path: Path) -> None:
     from orchestrator.bench.proxy import ProxyOptions, report, run_proxy_bench
 
@@ -173,6 +175,7 @@ def test_proxy_bench_on_a_real_fleet_and_proxy(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.fleet
 def test_secure_bench_measures_an_open_and_a_secure_fleet_side_by_side() -> None:
     from orchestrator.bench.secure import SecureOptions, report, run_secure_bench
 
@@ -186,6 +189,7 @@ def test_secure_bench_measures_an_open_and_a_secure_fleet_side_by_side() -> None
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.fleet
 def test_api_bench_on_a_real_fleet_and_api_process() -> None:
     from orchestrator.bench.api import ApiOptions, report, run_api
 

@@ -148,6 +148,7 @@ def _read_until(proc: subprocess.Popen[str], needle: str, timeout: float = 60) -
     return output
 
 
+@pytest.mark.fleet
 def test_the_hint_dev_prints_runs_verbatim_and_answers_http(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()

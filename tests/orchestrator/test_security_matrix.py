@@ -244,6 +244,7 @@ def test_credentials_files_are_private(secure_fleet: tuple[FleetDir, str]) -> No
     assert re.search(r"verify: true", fleet.config.read_text())
 
 
+@pytest.mark.fleet
 def test_the_readme_commands_run_as_written_and_bad_input_is_one_line() -> None:
     import shutil
 

@@ -267,7 +267,8 @@ def test_a_group_stopped_while_its_leader_waits_in_vfork_is_stopped(
     wait_until(lambda: read_pid(Path(handle.workdir) / "child.pid") is not None)
     leader = read_pid(Path(handle.workdir) / "child.pid")
     assert leader is not None
-    wait_until(lambda: proc_state(leader) == "D")
+    # the leader is D from its vfork() on, a moment before the child stops itself: wait for both
+    wait_until(lambda: proc_state(leader) == "D" and any(proc_state(pid) == "T" for pid in children_of(leader)))
     assert driver.inspect(handle).stopped
     assert group_stopped(["D", "T"]) and group_stopped(["T", "Z"])
     assert not group_stopped(["D", "T", "S"]) and not group_stopped(["D"]) and not group_stopped(["S", "R"])
@@ -313,6 +314,18 @@ def test_signal_reaches_the_workload(driver: ProcessDriver, tasks: Tasks, tmp_pa
 
     assert run(go()).exit_code == 0
     assert "got usr1" in handle.stdout_path.read_text()
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from /proc (the fields after the command's closing parenthesis)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+                if int(fields[1]) == pid:
+                    found.append(int(entry.name))
+    return found
 
 
 def proc_state(pid: int) -> str:
