@@ -1,12 +1,12 @@
 """The bus: everything fauxmad's processes say to each other over NATS.
 
-Workers and the orchestrator never import each other; they meet here. This package owns the subject
-names (`subjects`), the message types and their one decoder each (`messages`, `codec`), the error
-contract (`errors`, `service`), and the plumbing every process needs (`connection`, `scatter`,
-`embedded`, `jetstream`, and `jsfast` for JetStream requests made per job). It imports neither `workers`
-nor `orchestrator`, nor any CLI library.
+Workers and the orchestrator never import each other; they meet here. `contract` is what they say (subjects,
+messages, errors, the codec, the machine-readable schema) and imports nothing else of fauxmad; `transport`
+is how they say it over NATS (connections, scatter-gather, services, JetStream resources); `stores` what the
+fleet keeps in JetStream (images, secrets, snapshots); `local` the servers a developer's host starts. It
+imports neither `workers` nor `orchestrator`, nor any CLI library.
 """
 
-from bus import lazy_aiohttp
+from bus.transport import lazy_aiohttp
 
 lazy_aiohttp.defer()

@@ -16,11 +16,10 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 
-from bus import subjects
-from bus.codec import decode
-from bus.connection import connect
-from bus.errors import NotFound
-from bus.messages import (
+from bus.contract import subjects
+from bus.contract.codec import decode
+from bus.contract.errors import NotFound
+from bus.contract.messages import (
     CordonRequest,
     CreateRequest,
     DestroyRequest,
@@ -49,7 +48,8 @@ from bus.messages import (
     WorkerInfo,
     WorkersListRequest,
 )
-from bus.service import call, request
+from bus.transport.connection import connect
+from bus.transport.service import call, request
 from orchestrator.logs import Emit, LogQuery, has_lines, read_logs
 from orchestrator.view.history import EmitEvent, EventQuery, read_events
 

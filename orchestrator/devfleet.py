@@ -25,21 +25,27 @@ from typing import Any
 import msgspec
 import nats
 
-from bus import credentials, subjects
-from bus.codec import encode
-from bus.connection import servers
-from bus.credentials import CREDS_ENV
-from bus.embedded import EmbeddedNats
-from bus.errors import Unreachable
-from bus.images import Images
-from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, ensure_jobs_resources, revoked_tokens_bucket
-from bus.layout import REPLICAS_ENV
-from bus.layout import SUPERCLUSTER_ENV as SUPERCLUSTER_LAYOUT_ENV
-from bus.messages import DestroyRequest, ListRequest
-from bus.ports import free_port
-from bus.secrets import new_private_key, secrets_bucket
-from bus.supercluster import LoopbackSupercluster
-from bus.volumes import snapshot_store, volumes_bucket
+from bus.contract import subjects
+from bus.contract.codec import encode
+from bus.contract.errors import Unreachable
+from bus.contract.messages import DestroyRequest, ListRequest
+from bus.local.embedded import EmbeddedNats
+from bus.local.ports import free_port
+from bus.local.supercluster import LoopbackSupercluster
+from bus.stores.images import Images
+from bus.stores.secrets import new_private_key, secrets_bucket
+from bus.stores.snapshots import snapshot_store, volumes_bucket
+from bus.transport import credentials
+from bus.transport.connection import servers
+from bus.transport.credentials import CREDS_ENV
+from bus.transport.jetstream import (
+    ensure_audit_stream,
+    ensure_fleet_resources,
+    ensure_jobs_resources,
+    revoked_tokens_bucket,
+)
+from bus.transport.layout import REPLICAS_ENV
+from bus.transport.layout import SUPERCLUSTER_ENV as SUPERCLUSTER_LAYOUT_ENV
 from orchestrator.security.fleetdir import FleetDir
 
 SECURE_ENV = "FAUXMAD_DEV_SECURE"

@@ -2,7 +2,7 @@
 
 A release stores the spec it ran; pinning the digest there (not the tag, not the directory) is what makes
 a rollback restore the exact bytes, and lets every worker check what it pulls against it. A spec without
-a `cmd` takes the image's (its manifest's) default command. `image =` goes through `bus.images.resolve_image`,
+a `cmd` takes the image's (its manifest's) default command. `image =` goes through `bus.stores.images.resolve_image`,
 the resolver the CLI, the HTTP API and jobs use too, so a reference means the same thing at every door.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 from nats.js import JetStreamContext
 
-from bus.images import ImageError, Images, build_archive, is_digest, manifest_for, resolve_image
+from bus.stores.images import ImageError, Images, build_archive, is_digest, manifest_for, resolve_image
 from orchestrator.reconcile.spec import AppSpec
 
 

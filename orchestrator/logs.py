@@ -1,7 +1,7 @@
 """Machine logs from stream FAUXMAD_LOGS: the history, then (when asked) what comes next.
 
 Workers publish each stdout/stderr line on `fauxmad.v1.logs.<app>.<machine>`; the stream keeps them
-within its limits (bus/jetstream.py). This reads them for `fauxmad logs` and `fauxmad machine logs`:
+within its limits (bus/transport/jetstream.py). This reads them for `fauxmad logs` and `fauxmad machine logs`:
 
 - The history is read oldest first, filtered on the server by subject (app, machine), from
   `since` and/or the last `lines` lines, and ends at the last line stored when the read began.
@@ -30,9 +30,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from bus import subjects
-from bus.jetstream import ensure_logs_stream
-from bus.messages import LogLine
+from bus.contract import subjects
+from bus.contract.messages import LogLine
+from bus.transport.jetstream import ensure_logs_stream
 
 DEFAULT_LINES = 100  # history shown when neither `since` nor `lines` is given
 

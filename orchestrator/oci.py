@@ -1,6 +1,6 @@
 """Import an OCI image layout (what `umoci`, `skopeo copy ... oci:DIR` or `buildah push oci:DIR` write) as a
 fauxmad image: its layers applied in order, whiteouts honoured, and its config's Entrypoint, Cmd, Env and
-WorkingDir carried into the manifest. The result is packed like any directory (`bus.images.build_archive`),
+WorkingDir carried into the manifest. The result is packed like any directory (`bus.stores.images.build_archive`),
 so the same image content always gets the same digest, whichever tool made the layout.
 
 OCI layer semantics (image-spec `layer.md`): a file `.wh.NAME` deletes `NAME` from the layers below; a file
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bus.images import ImageError, ImageManifest, build_archive, manifest_for
+from bus.stores.images import ImageError, ImageManifest, build_archive, manifest_for
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"

@@ -1,7 +1,7 @@
 """`fauxmad secrets`: seal an app's secrets for the workers, list their names, remove them, roll the app.
 
 The CLI never holds a key that opens a secret: it seals each value to the fleet's public key (found in the
-bucket, where the workers put it) and stores the sealed box (bus/secrets.py). A change reaches machines
+bucket, where the workers put it) and stores the sealed box (bus/stores/secrets.py). A change reaches machines
 the way a deploy does, one machine at a time: each started machine of the app is restarted (its worker
 opens the new secrets at start) and must come back up before the next one goes.
 """
@@ -14,8 +14,8 @@ from typing import Any
 
 import msgspec
 
-from bus.errors import BadRequest, FauxmadError, NotFound
-from bus.secrets import MAX_VALUE, PUBLIC_KEY, SealedSecret, check_name, seal, secret_key
+from bus.contract.errors import BadRequest, FauxmadError, NotFound
+from bus.stores.secrets import MAX_VALUE, PUBLIC_KEY, SealedSecret, check_name, seal, secret_key
 from orchestrator.client import FleetClient
 
 Progress = Callable[[str], None]

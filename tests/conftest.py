@@ -8,7 +8,7 @@ Two layers. A test that starts real processes (a nats-server, workers, brokers, 
 is marked `fleet`, found by what it uses (`PROCESS_FIXTURES`) or what its body does (`SPAWNS`), or by a
 module's own `pytestmark`; the rest is the fast layer (`just test-fast`: pure functions and single
 components with injected clocks). Under pytest-xdist each xdist worker has its own nats-server (a session
-each) and its own slice of the ports `bus.ports` hands out ($FAUXMAD_PORT_RANGE, inherited by every
+each) and its own slice of the ports `bus.local.ports` hands out ($FAUXMAD_PORT_RANGE, inherited by every
 process it starts), so two slices never race for one port.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.embedded import EmbeddedNats
+from bus.local.embedded import EmbeddedNats
 from tests.helpers import WorkerProcess
 
 _ids = itertools.count(1)
@@ -34,7 +34,7 @@ PROCESS_FIXTURES = frozenset(
     {"nats_server", "nats_url", "fresh_nats", "worker_factory", "fleet", "secure_fleet", "crashable_nats"}
 )
 SPAWNS = ("subprocess.", "Popen(", "DevFleet(", "EmbeddedNats(", "ProxyProcess(", "create_subprocess", "run_cli(")
-PORTS_LOW, PORTS_HIGH = 10_000, 32_000  # below the kernel's ephemeral range (bus/ports.py)
+PORTS_LOW, PORTS_HIGH = 10_000, 32_000  # below the kernel's ephemeral range (bus/local/ports.py)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -28,8 +28,8 @@ def arun(coro: Coroutine[Any, Any, T]) -> T:
 async def connect_nats(url: str, **options: Any) -> Any:
     """`nats.connect` for tests: as the identity in $FAUXMAD_CREDS when set (the suite against secure dev
     fleets, `FAUXMAD_DEV_SECURE=1`), else plain."""
-    from bus import credentials
-    from bus.connection import servers
+    from bus.transport import credentials
+    from bus.transport.connection import servers
 
     path = credentials.default_path()
     if path and url.startswith("tls://"):
@@ -199,9 +199,9 @@ def pid_alive(pid: int) -> bool:
 
 
 async def audit_records(nc: Any, app: str) -> list[Any]:
-    """Every record of `app` in the audit stream (`bus.messages.AuditRecord`), read over `nc`."""
-    from bus import subjects
-    from bus.messages import AuditRecord
+    """Every record of `app` in the audit stream (`bus.contract.messages.AuditRecord`), read over `nc`."""
+    from bus.contract import subjects
+    from bus.contract.messages import AuditRecord
 
     sub = await nc.jetstream().subscribe(subjects.audit(app), ordered_consumer=True)
     found: list[AuditRecord] = []

@@ -6,7 +6,7 @@ answers the auction, inline, from numbers it already has), and a NATS micro serv
 (so `$SRV.PING/INFO/STATS` discovery lists workers too). Every request is answered by the
 `Responder` edge; NATS types stop there.
 
-After each commit the outbox (`workers.outbox`) delivers the transition to stream `FAUXMAD_EVENTS`
+After each commit the outbox (`workers.log.outbox`) delivers the transition to stream `FAUXMAD_EVENTS`
 and keeps the KV routing index `fauxmad_machines` current, in commit order, without holding up the
 reply, retrying until NATS takes it; on start it republishes what the stream may have missed. A
 heartbeat puts `WorkerInfo` into KV `fauxmad_workers` every second; the bucket's TTL makes a dead
@@ -31,15 +31,10 @@ from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
-from bus import credentials, subjects
-from bus.audit import AuditTrail, RequestAudit
-from bus.codec import decode, encode
-from bus.connection import connect
-from bus.contract import endpoint_metadata
-from bus.errors import BadRequest, FauxmadError, Unreachable
-from bus.images import ImageManifest, Images, image_store, is_digest, tags_bucket
-from bus.jetstream import JOBS_ACK_WAIT, FleetConfig, ensure_fleet_resources
-from bus.messages import (
+from bus.contract import subjects
+from bus.contract.codec import decode, encode
+from bus.contract.errors import BadRequest, FauxmadError, Unreachable
+from bus.contract.messages import (
     EMPTY_OK,
     VOLUME_EMPTY_OK,
     WORKER_REQUESTS,
@@ -52,27 +47,34 @@ from bus.messages import (
     Resources,
     WorkerInfo,
 )
-from bus.secrets import load_private_key, secrets_bucket
-from bus.service import Responder
-from bus.volumes import snapshot_store
-from workers import metrics, sandbox
-from workers.commit import GroupCommitter
-from workers.images import ImageCache
+from bus.contract.schema import endpoint_metadata
+from bus.stores.images import ImageManifest, Images, image_store, is_digest, tags_bucket
+from bus.stores.secrets import load_private_key, secrets_bucket
+from bus.stores.snapshots import snapshot_store
+from bus.transport import credentials
+from bus.transport.audit import AuditTrail, RequestAudit
+from bus.transport.connection import connect
+from bus.transport.jetstream import JOBS_ACK_WAIT, FleetConfig, ensure_fleet_resources
+from bus.transport.service import Responder
+from workers import metrics
+from workers.driver import sandbox
+from workers.driver.limits import auto_detect, slow_migration_hint
+from workers.driver.process import ProcessDriver
+from workers.image_cache import ImageCache
 from workers.jobs.service import JobsService
-from workers.lifecycle import PROCESS_STATES
-from workers.limits import auto_detect, slow_migration_hint
-from workers.logs import LogFollower
-from workers.machines import MachineManager, ManagerConfig
+from workers.lifecycle.manager import MachineManager, ManagerConfig
+from workers.lifecycle.restart_policy import Backoff
+from workers.lifecycle.tally import MachineTally
+from workers.log.commit import GroupCommitter
+from workers.log.machine_states import PROCESS_STATES
+from workers.log.outbox import Outbox
+from workers.log.records import ImageRecord, LogRecord, MachineRecord, VolumeRecord, WorkerState
+from workers.log.store import Store
 from workers.offers import Backpressure, Snapshot, answer_offer
-from workers.outbox import Outbox
-from workers.process_driver import ProcessDriver
-from workers.records import ImageRecord, LogRecord, MachineRecord, VolumeRecord, WorkerState
+from workers.output import LogFollower
 from workers.secrets import SecretsCache
-from workers.store import Store
-from workers.supervision import Backoff
-from workers.tally import MachineTally
-from workers.volume_fs import VolumeFs
-from workers.volumes import VolumeManager
+from workers.volumes.storage import VolumeFs
+from workers.volumes.verbs import VolumeManager
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +232,7 @@ class WorkerAgent:
         log.info("worker %s in %s up: resumed %s, limits %s", cfg.worker_id, cfg.region, self.resumed, self.limits_mode)
 
     async def _volume_manager(self, js: Any, data: Path) -> VolumeManager:
-        """Volumes under `<data>/volumes`, with the backend this host allows (`workers.volume_fs.detect`)."""
+        """Volumes under `<data>/volumes`, with the backend this host allows (`workers.volumes.storage.detect`)."""
         assert self.store is not None and self.committer is not None
         root = data / "volumes"
         capacity = self.config.volume_capacity_gb

@@ -21,7 +21,7 @@ import msgspec
 from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey
 
-from bus.secrets import PUBLIC_KEY, SealedSecret, public_key_text, unseal
+from bus.stores.secrets import PUBLIC_KEY, SealedSecret, public_key_text, unseal
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import builtins
 
 from aiohttp import web
 
-from bus import messages as bus
-from bus import subjects
-from bus.messages import Machine, WorkerInfo
+from bus.contract import messages as bus
+from bus.contract import subjects
+from bus.contract.messages import Machine, WorkerInfo
 from orchestrator.api import types
 from orchestrator.api.http import BROKERS, app_name, body, json
 

@@ -31,10 +31,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from bus.audit import AuditTrail, audit_subject
-from bus.messages import AuditRecord
+from bus.contract.messages import AuditRecord
+from bus.transport.audit import AuditTrail, audit_subject
 from orchestrator.api.errors import error_response
-from orchestrator.fleet.replica import KVReplica
+from orchestrator.replicas.replica import KVReplica
 from orchestrator.security.tokens import Token, TokenError, verify
 
 log = logging.getLogger(__name__)

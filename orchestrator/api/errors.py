@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from bus.errors import FauxmadError
+from bus.contract.errors import FauxmadError
 from orchestrator.api.types import ErrorResponse
 
 _ENCODER = msgspec.json.Encoder()

@@ -16,11 +16,11 @@ import msgspec
 from aiohttp import web
 from nats.aio.client import Client
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.errors import BadRequest, Unanswered
-from bus.messages import MACHINE_ID, Machine
-from bus.service import call, request
+from bus.contract import subjects
+from bus.contract.codec import decode, encode
+from bus.contract.errors import BadRequest, Unanswered
+from bus.contract.messages import MACHINE_ID, Machine
+from bus.transport.service import call, request
 
 MAX_BODY = 1024 * 1024
 T = TypeVar("T")

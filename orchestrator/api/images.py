@@ -2,7 +2,7 @@
 
 Fly runs a machine's image with the image's own command unless `init` gives one. A fauxmad machine runs a
 command, so this door does what Fly's platform does at create and update: it resolves `config.image` with
-`bus.images.resolve_image` (the resolver the CLI, deploys and jobs use: one meaning for a reference) to its
+`bus.stores.images.resolve_image` (the resolver the CLI, deploys and jobs use: one meaning for a reference) to its
 digest, which the machine's config keeps (a worker checks what it pulls against it), and with no
 `init.exec`, `init.entrypoint` or `init.cmd` it takes the manifest's command. Errors name Fly's fields
 (`config.image`, `config.init.cmd`), never the bus's `config.cmd`.
@@ -16,8 +16,8 @@ from __future__ import annotations
 from aiohttp import web
 from nats.aio.client import Client
 
-from bus.images import ImageError, Images, ResolvedImage, resolve_image
-from bus.messages import MachineConfig
+from bus.contract.messages import MachineConfig
+from bus.stores.images import ImageError, Images, ResolvedImage, resolve_image
 from orchestrator.api import types
 from orchestrator.api.http import ClientError
 

@@ -2,7 +2,7 @@
 labels, which the worker applies in place (the same instance, no restart).
 
 A machine's cordon (Fly's `cordon`/`uncordon`: the proxy routes nothing to it) is one such label,
-`bus.messages.CORDONED_LABEL`: the routing index carries a machine's labels, so every edge proxy sees it
+`bus.contract.messages.CORDONED_LABEL`: the routing index carries a machine's labels, so every edge proxy sees it
 from its KV watch, and nothing else in the fleet needs to know of it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 import msgspec
 from aiohttp import web
 
-from bus import messages as bus
+from bus.contract import messages as bus
 from orchestrator.api import types
 from orchestrator.api.http import ClientError, ask, body, json, machine_id, nonce
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from aiohttp import web
 
-from bus import messages as bus
-from bus import subjects
-from bus.codec import decode
-from bus.messages import RegionSummary, WorkerInfo
+from bus.contract import messages as bus
+from bus.contract import subjects
+from bus.contract.codec import decode
+from bus.contract.messages import RegionSummary, WorkerInfo
 from orchestrator.api import types
 from orchestrator.api.http import BROKERS, body, json
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import start_http_server
 
-from bus.connection import connect
-from bus.errors import Unreachable
-from bus.jetstream import ensure_audit_stream, revoked_tokens_bucket
+from bus.contract.errors import Unreachable
+from bus.transport.connection import connect
+from bus.transport.jetstream import ensure_audit_stream, revoked_tokens_bucket
 from orchestrator.api.auth import Auth, RevokedTokens
 from orchestrator.api.server import build
 from orchestrator.broker.service import Broker, BrokerConfig

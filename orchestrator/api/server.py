@@ -20,11 +20,11 @@ from typing import Any
 from aiohttp import web
 from nats.aio.client import Client
 
-from bus import messages as bus
-from bus import subjects
-from bus.audit import AuditTrail
-from bus.errors import FauxmadError
-from bus.messages import Machine, seconds
+from bus.contract import messages as bus
+from bus.contract import subjects
+from bus.contract.errors import FauxmadError
+from bus.contract.messages import Machine, seconds
+from bus.transport.audit import AuditTrail
 from orchestrator.api import apps, metadata, metrics, placements, types, volumes
 from orchestrator.api.auth import Auth, guard
 from orchestrator.api.errors import error_response, from_bus

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from bus.messages import Guest, Machine, MachineConfig, MachineEvent, Mount, RestartPolicy, State, Volume
+from bus.contract.messages import Guest, Machine, MachineConfig, MachineEvent, Mount, RestartPolicy, State, Volume
 
 
 class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from bus import messages as bus
-from bus import subjects
+from bus.contract import messages as bus
+from bus.contract import subjects
 from orchestrator.api import types
 from orchestrator.api.http import BROKERS, ClientError, app_name, body, json
 

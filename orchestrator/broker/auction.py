@@ -39,11 +39,11 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 
-from bus import subjects
-from bus.codec import decode_any, encode
-from bus.errors import DeadlineExceeded, FauxmadError, NoCapacity, Unanswered, Unreachable
-from bus.ids import new_machine_id
-from bus.messages import (
+from bus.contract import subjects
+from bus.contract.codec import decode_any, encode
+from bus.contract.errors import DeadlineExceeded, FauxmadError, NoCapacity, Unanswered, Unreachable
+from bus.contract.ids import new_machine_id
+from bus.contract.messages import (
     CreateRequest,
     DestroyRequest,
     Machine,
@@ -54,11 +54,11 @@ from bus.messages import (
     ReserveRequest,
     Strategy,
 )
-from bus.scatter import Scatterer
-from bus.service import call
-from orchestrator.fleet.workers import Registry
+from bus.transport.scatter import Scatterer
+from bus.transport.service import call
 from orchestrator.placement import PlacementConfig, Ranking, explain, rank, with_preset
 from orchestrator.placement.picks import Pick, Picks, discount, offer_from_heartbeat
+from orchestrator.replicas.workers import Registry
 
 log = logging.getLogger(__name__)
 

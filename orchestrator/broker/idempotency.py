@@ -30,8 +30,8 @@ from typing import Any
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from bus.codec import decoder, encode
-from bus.errors import Conflict, Unanswered
+from bus.contract.codec import decoder, encode
+from bus.contract.errors import Conflict, Unanswered
 
 
 class Claim(msgspec.Struct, kw_only=True):

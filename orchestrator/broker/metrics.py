@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from prometheus_client import Counter, Histogram
 
-from bus.errors import FauxmadError
+from bus.contract.errors import FauxmadError
 from orchestrator.broker.auction import Outcome
 
 T = TypeVar("T")

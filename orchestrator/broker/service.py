@@ -21,15 +21,11 @@ from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
-from bus import subjects
-from bus.audit import AuditTrail, RequestAudit
-from bus.codec import decode, encode
-from bus.connection import connect
-from bus.contract import endpoint_metadata
-from bus.errors import BadRequest, Conflict, FauxmadError, NoCapacity, NotFound, Unreachable
-from bus.ids import new_machine_id
-from bus.jetstream import FleetConfig, ensure_fleet_resources
-from bus.messages import (
+from bus.contract import subjects
+from bus.contract.codec import decode, encode
+from bus.contract.errors import BadRequest, Conflict, FauxmadError, NoCapacity, NotFound, Unreachable
+from bus.contract.ids import new_machine_id
+from bus.contract.messages import (
     API_REQUESTS,
     API_VOLUME_REQUESTS,
     BROKER_REQUESTS,
@@ -50,15 +46,19 @@ from bus.messages import (
     WorkersListRequest,
     index_entry,
 )
-from bus.scatter import Scatterer
-from bus.service import Handler, Responder, answer, call, request
-from bus.volumes import snapshot_store, volumes_bucket
+from bus.contract.schema import endpoint_metadata
+from bus.stores.snapshots import snapshot_store, volumes_bucket
+from bus.transport.audit import AuditTrail, RequestAudit
+from bus.transport.connection import connect
+from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
+from bus.transport.scatter import Scatterer
+from bus.transport.service import Handler, Responder, answer, call, request
 from orchestrator.broker import metrics
 from orchestrator.broker.auction import Auction, AuctionConfig, Outcome, OutcomeUnknown
 from orchestrator.broker.idempotency import Claim, Idempotency
 from orchestrator.broker.volumes import Volumes
-from orchestrator.fleet.machines import MachineIndex
-from orchestrator.fleet.workers import Registry
+from orchestrator.replicas.machines import MachineIndex
+from orchestrator.replicas.workers import Registry
 
 log = logging.getLogger(__name__)
 

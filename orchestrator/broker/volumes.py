@@ -24,11 +24,11 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.errors import BadRequest, FauxmadError, NoCapacity, NotFound, Unreachable
-from bus.ids import new_volume_id
-from bus.messages import (
+from bus.contract import subjects
+from bus.contract.codec import decode, encode
+from bus.contract.errors import BadRequest, FauxmadError, NoCapacity, NotFound, Unreachable
+from bus.contract.ids import new_volume_id
+from bus.contract.messages import (
     API_VOLUME_REQUESTS,
     VOLUME_EMPTY_OK,
     CreateRequest,
@@ -41,10 +41,10 @@ from bus.messages import (
     VolumeListRequest,
     VolumeSnapshot,
 )
-from bus.objects import stored_digest
-from bus.service import call, request
-from bus.volumes import decode_meta
-from orchestrator.fleet.workers import Registry
+from bus.stores.objects import stored_digest
+from bus.stores.snapshots import decode_meta
+from bus.transport.service import call, request
+from orchestrator.replicas.workers import Registry
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,16 @@ try:  # typer >= 0.29 vendors click
 except ImportError:  # pragma: no cover - older typer depends on click itself
     from click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # type: ignore[no-redef,import-not-found,unused-ignore,assignment]
 
-from bus.errors import BadRequest, Conflict, FauxmadError, Forbidden, NotFound, StaleVersion, Unanswered, Unreachable
+from bus.contract.errors import (
+    BadRequest,
+    Conflict,
+    FauxmadError,
+    Forbidden,
+    NotFound,
+    StaleVersion,
+    Unanswered,
+    Unreachable,
+)
 from orchestrator.cli.runtime import (
     EXIT_CONFLICT,
     EXIT_FAILED,

@@ -1,4 +1,4 @@
-"""`fauxmad bench placement|worker|deploy|failover|api|proxy|peer`: parse options, call `orchestrator.bench`, render.
+"""`fauxmad bench placement|worker|deploy|failover|api|proxy|peer`: parse options, call `lab.bench`, render.
 
 Each command runs one benchmark from the library, shows its report (rich tables on a terminal, plain
 aligned text when stdout is a pipe or a file, so nothing is cut at 80 columns) and writes the result as
@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.bench import BenchError
-from orchestrator.bench.report import Report, plain
+from lab.bench import BenchError
+from lab.bench.report import Report, plain
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import EXIT_USAGE, fail, nats_option
 
@@ -104,7 +104,7 @@ def placement(
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Create latency (p50/p90/p99/max) and throughput, with the bus round trip (echo in another process)."""
-    from orchestrator.bench import placement as bench
+    from lab.bench import placement as bench
     from orchestrator.broker.auction import STRATEGIES
 
     if strategy not in STRATEGIES:
@@ -141,7 +141,7 @@ def worker(
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Reserve latency over NATS, commits/s with fsync, restart time vs log size, worker RSS at rest."""
-    from orchestrator.bench.worker import report
+    from lab.bench.worker import report
     from orchestrator.cli import worker_bench  # the CLI's one edge into `workers` for benchmarks
 
     try:
@@ -163,7 +163,7 @@ def deploy(
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Time a first deploy and a new release (every machine updated) across regions, with http checks."""
-    from orchestrator.bench import deploy as bench
+    from lab.bench import deploy as bench
     from orchestrator.cli.runtime import split_names
 
     names = split_names("region", regions)
@@ -187,7 +187,7 @@ def failover(
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Kill a host while `reconcile --watch` runs; time until its primaries' spares are started."""
-    from orchestrator.bench import failover as bench
+    from lab.bench import failover as bench
 
     options = bench.FailoverOptions(rounds=rounds, workers=workers, machines=machines)
     result = _measure(lambda: bench.run_failover(options, _progress))
@@ -203,7 +203,7 @@ def api(
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """HTTP create latency vs the NATS create in the same run, and requests/s on one API process."""
-    from orchestrator.bench import api as bench
+    from lab.bench import api as bench
 
     options = bench.ApiOptions(creates=creates, gets=gets, concurrency=concurrency)
     result = _measure(lambda: bench.run_api(options, _progress))
@@ -220,7 +220,7 @@ def secure(
 ) -> None:
     """What security costs a create: an open and a secure fleet (mutual TLS, an identity per process,
     permissions enforced by nats-server) side by side, creates alternating between them."""
-    from orchestrator.bench import secure as bench
+    from lab.bench import secure as bench
 
     options = bench.SecureOptions(creates=creates, workers=workers, warmup=warmup)
     result = _measure(lambda: bench.run_secure_bench(options, _progress))
@@ -238,7 +238,7 @@ def proxy(
 ) -> None:
     """The edge: GET latency direct vs through `fauxmad proxy`, req/s through one proxy process, and the first
     byte when the machine is suspended (resumed) or stopped (started) inside the request."""
-    from orchestrator.bench import proxy as bench
+    from lab.bench import proxy as bench
 
     options = bench.ProxyOptions(requests=requests, concurrency=concurrency, seconds=seconds, wakes=wakes)
     result = _measure(lambda: bench.run_proxy_bench(options, _progress))
@@ -256,7 +256,7 @@ def peer(
 ) -> None:
     """fauxmad and Ray on this machine, one after the other, c=1: create vs a 1-CPU placement group,
     create+start vs a 1-CPU actor. Needs the `peers` extra (Ray)."""
-    from orchestrator.bench import peer as bench
+    from lab.bench import peer as bench
 
     if not bench.ray_available():
         fail(f"`fauxmad bench peer` needs Ray: {bench.INSTALL_HINT}", EXIT_USAGE)
@@ -282,7 +282,7 @@ def jobs(
     """Background jobs: tasks/s and scheduling delay p50/p99, fauxmad beside Redis BLPOP (the seed's
     baseline) and arq, one after the other in one run. The baselines need redis-server (Debian) and the
     `jobs-bench` extra; without them they are skipped, with a line saying so."""
-    from orchestrator.bench import jobs as bench
+    from lab.bench import jobs as bench
 
     if runner not in ("process", "machine"):
         fail(f"invalid --runner {runner!r}: use process or machine", EXIT_USAGE)

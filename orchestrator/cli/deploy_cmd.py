@@ -25,7 +25,7 @@ from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bus.images import ImageError
+from bus.stores.images import ImageError
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import (
     CliError,

@@ -17,7 +17,7 @@ from typing import Any
 
 import typer
 
-from bus.connection import DEFAULT_URL_ENV
+from bus.transport.connection import DEFAULT_URL_ENV
 from orchestrator.cli.render import console, explain_table, machines_table, print_json, regions_table, workers_table
 from orchestrator.cli.runtime import (
     EXIT_USAGE,
@@ -133,7 +133,7 @@ def _port_free(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def _start(fleet: Any, what: str) -> None:
-    from bus.errors import FauxmadError
+    from bus.contract.errors import FauxmadError
 
     try:
         with console.status(what):
@@ -224,7 +224,7 @@ def demo(
 
 
 def _demo_run(url: str, region_names: list[str]) -> list[Any]:
-    from bus.messages import Check, CreateRequest, Guest, MachineConfig
+    from bus.contract.messages import Check, CreateRequest, Guest, MachineConfig
     from orchestrator.client import FleetClient
 
     app_file = EXAMPLES / "sandwich" / "app.py"

@@ -1,4 +1,4 @@
-"""`fauxmad image build|push|ls|inspect|tag|rm`: thin; the format and the store are in `bus.images`."""
+"""`fauxmad image build|push|ls|inspect|tag|rm`: thin; the format and the store are in `bus.stores.images`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import msgspec
 import typer
 
-from bus.connection import connect
-from bus.images import ImageError, ImageManifest, Images, build_archive, check_tag, manifest_for
+from bus.stores.images import ImageError, ImageManifest, Images, build_archive, check_tag, manifest_for
+from bus.transport.connection import connect
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, fail, with_connected
 

@@ -14,7 +14,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from bus.jobs import Job
+from bus.contract.jobs import Job
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import (
     EXIT_FAILED,

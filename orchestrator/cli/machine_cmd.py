@@ -133,7 +133,7 @@ def run_machine(
     e.g. `-- sh -c 'exec python3 -m http.server "$PORT"'`. With `--image REF` and no CMD the machine runs
     the image's own command; a REF the fleet's store does not have is an error (exit 2).
     """
-    from bus.messages import CreateRequest, Guest, MachineConfig, Mount, RestartPolicy
+    from bus.contract.messages import CreateRequest, Guest, MachineConfig, Mount, RestartPolicy
 
     if not cmd and image is None:
         fail("no command: give it after --, or an --image whose manifest has one", EXIT_USAGE)
@@ -285,10 +285,10 @@ def restart_machine(
 
 
 async def _pin(client: Any, config: Any) -> Any:
-    """`config` with its image pinned to the digest `bus.images.resolve_image` gives and, with no command, the
+    """`config` with its image pinned to the digest `bus.stores.images.resolve_image` gives and, with no command, the
     image's own. A reference the fleet's store does not have: one line, exit 2 (there is no other meaning
     for a name: placement's image scorer works on digests, and a name nobody has would crash-loop)."""
-    from bus.images import ImageError, resolve_image
+    from bus.stores.images import ImageError, resolve_image
 
     try:
         resolved = await resolve_image(client.nc.jetstream(), config.image)
@@ -365,7 +365,7 @@ def update(
     --image is pinned to its digest; with no new command, a command that was the old image's becomes the
     new image's, and one given by hand is kept.
     """
-    from bus.messages import MachineConfig
+    from bus.contract.messages import MachineConfig
 
     if not (cmd or env or cpus or memory_mb or image or restart):
         fail("nothing to update: give --env, --cpus, --memory-mb, --image, --restart or a command after --", EXIT_USAGE)
@@ -409,7 +409,7 @@ def update(
 
 async def _image_command(client: Any, reference: str | None) -> list[str] | None:
     """The command of the image `reference` names, or None (no image, or one the store no longer has)."""
-    from bus.images import ImageError, is_digest, resolve_image
+    from bus.stores.images import ImageError, is_digest, resolve_image
 
     if not is_digest(reference):
         return None

@@ -10,7 +10,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from bus.messages import Machine, RegionSummary, WorkerInfo
+from bus.contract.messages import Machine, RegionSummary, WorkerInfo
 from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
 
 console = Console()

@@ -25,9 +25,9 @@ import msgspec
 import typer
 import uvloop
 
-from bus.connection import DEFAULT_URL_ENV
-from bus.errors import BadRequest
-from bus.subjects import check_token
+from bus.contract.errors import BadRequest
+from bus.contract.subjects import check_token
+from bus.transport.connection import DEFAULT_URL_ENV
 
 T = TypeVar("T")
 

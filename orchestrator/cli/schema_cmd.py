@@ -1,4 +1,4 @@
-"""`fauxmad schema asyncapi|json`: the NATS contract, machine-readable (generated in `bus.contract`)."""
+"""`fauxmad schema asyncapi|json`: the NATS contract, machine-readable (generated in `bus.contract.schema`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ schema_app = typer.Typer(help="The NATS contract as AsyncAPI 3.0 and JSON Schema
 @schema_app.command("asyncapi")
 def asyncapi_command() -> None:
     """Print the AsyncAPI 3.0 document of every subject (JSON)."""
-    from bus.contract import asyncapi
+    from bus.contract.schema import asyncapi
 
     print_json(asyncapi())
 
@@ -20,7 +20,7 @@ def asyncapi_command() -> None:
 @schema_app.command("json")
 def json_command(channel: str | None = typer.Argument(None, help="one channel's schemas (default: all)")) -> None:
     """Print the JSON Schemas (2020-12) of every message, or one channel's payload and reply."""
-    from bus.contract import json_schemas
+    from bus.contract.schema import json_schemas
     from orchestrator.cli.runtime import fail
 
     by_channel, components = json_schemas()

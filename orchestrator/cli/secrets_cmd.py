@@ -6,8 +6,8 @@ from typing import Any
 
 import typer
 
-from bus.connection import connect
-from bus.secrets import secrets_bucket
+from bus.stores.secrets import secrets_bucket
+from bus.transport.connection import connect
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, with_connected
 from orchestrator.client import FleetClient

@@ -10,12 +10,17 @@ from typing import Any, TypeVar
 
 import typer
 
-from bus.connection import connect
-from bus.errors import BadRequest
-from bus.images import Images
-from bus.jetstream import ensure_audit_stream, ensure_fleet_resources, ensure_jobs_resources, revoked_tokens_bucket
-from bus.secrets import secrets_bucket
-from bus.volumes import snapshot_store, volumes_bucket
+from bus.contract.errors import BadRequest
+from bus.stores.images import Images
+from bus.stores.secrets import secrets_bucket
+from bus.stores.snapshots import snapshot_store, volumes_bucket
+from bus.transport.connection import connect
+from bus.transport.jetstream import (
+    ensure_audit_stream,
+    ensure_fleet_resources,
+    ensure_jobs_resources,
+    revoked_tokens_bucket,
+)
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import (
     EXIT_USAGE,

@@ -10,9 +10,9 @@ from typing import Any
 
 import typer
 
-from bus.connection import connect
-from bus.jetstream import revoked_tokens_bucket
-from bus.messages import seconds
+from bus.contract.messages import seconds
+from bus.transport.connection import connect
+from bus.transport.jetstream import revoked_tokens_bucket
 from orchestrator.cli.render import print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, fail, with_connected
 from orchestrator.security.tokens import (

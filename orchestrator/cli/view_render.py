@@ -15,7 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from bus.messages import MachineEvent, Resources
+from bus.contract.messages import MachineEvent, Resources
 from orchestrator.cli.render import STATE_STYLE, bar, mem
 from orchestrator.view import model
 from orchestrator.view.model import CORDONED, LOST, READY

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from bus.embedded import EmbeddedNats
+from bus.local.embedded import EmbeddedNats
 from orchestrator.cli.runtime import (
     EXIT_USAGE,
     MetricsOption,
@@ -160,8 +160,8 @@ def worker(
     if ctx.invoked_subcommand is not None:
         return  # `fauxmad worker drain ...`: the options above belong to running an agent
     from workers.agent import WorkerConfig, run_workers  # imported here: other commands start faster
+    from workers.lifecycle.restart_policy import Backoff
     from workers.offers import Backpressure
-    from workers.supervision import Backoff
 
     serve_metrics(metrics_listen)
     wid = worker_id if worker_id is not None else default_worker_id()
@@ -237,7 +237,7 @@ def _read_secrets_key(path: Path | None) -> str | None:
     """The key in `path` (checked), or None; a missing or malformed file is one line and exit 2."""
     if path is None:
         return None
-    from bus.secrets import load_private_key
+    from bus.stores.secrets import load_private_key
 
     try:
         text = path.read_text()

@@ -13,12 +13,12 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 
-from bus import subjects
-from bus.codec import decode
-from bus.connection import connect
-from bus.errors import DeadlineExceeded
-from bus.jobs import TERMINAL, Job, JobIdRequest, JobListRequest, JobSubmitReply, JobSubmitRequest
-from bus.service import call
+from bus.contract import subjects
+from bus.contract.codec import decode
+from bus.contract.errors import DeadlineExceeded
+from bus.contract.jobs import TERMINAL, Job, JobIdRequest, JobListRequest, JobSubmitReply, JobSubmitRequest
+from bus.transport.connection import connect
+from bus.transport.service import call
 
 SUBMIT_TIMEOUT = 30.0
 

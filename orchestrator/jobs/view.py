@@ -15,9 +15,9 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from bus import subjects
-from bus.codec import decode
-from bus.jobs import Job, JobEvent
+from bus.contract import subjects
+from bus.contract.codec import decode
+from bus.contract.jobs import Job, JobEvent
 from orchestrator.view.history import replay
 
 

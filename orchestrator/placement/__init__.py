@@ -8,7 +8,7 @@ is reproducible from its inputs, tested without NATS, and served as-is by `place
 One module per stage: `config` (curves and weights), `feasible` (filters, each with a named reason),
 `score` (named subscores), `stack` (the chain, assembled in one place), `explain`, `picks` (what a
 broker placed that the offers in hand cannot show yet). p2c's O(1) sampling lives with the live-worker
-replica (`orchestrator.fleet.workers.Registry.sample`).
+replica (`orchestrator.replicas.workers.Registry.sample`).
 """
 
 from __future__ import annotations

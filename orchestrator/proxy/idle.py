@@ -17,7 +17,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
-from bus.errors import FauxmadError
+from bus.contract.errors import FauxmadError
 from orchestrator.client import FleetClient
 from orchestrator.proxy.choose import Candidate, region_order
 from orchestrator.proxy.routes import RouteTable

@@ -17,14 +17,14 @@ from typing import Any
 
 import msgspec
 
-from bus.codec import decoder
-from bus.messages import CORDONED_LABEL, MachineIndexEntry
-from orchestrator.fleet.machines import MachineIndex
-from orchestrator.fleet.replica import KVReplica
-from orchestrator.fleet.workers import Registry
+from bus.contract.codec import decoder
+from bus.contract.messages import CORDONED_LABEL, MachineIndexEntry
 from orchestrator.reconcile.http_service import HttpService
 from orchestrator.reconcile.ownership import RegionRange, region_range
 from orchestrator.reconcile.spec import AppSpec
+from orchestrator.replicas.machines import MachineIndex
+from orchestrator.replicas.replica import KVReplica
+from orchestrator.replicas.workers import Registry
 
 log = logging.getLogger(__name__)
 DEFAULT_SERVICE = HttpService()
@@ -149,7 +149,7 @@ class RouteTable:
         self._by_app = None
 
     async def start(self, kv: Any) -> None:
-        """`kv`: the `FleetKV` of `bus.jetstream.ensure_fleet_resources`."""
+        """`kv`: the `FleetKV` of `bus.transport.jetstream.ensure_fleet_resources`."""
         await self.registry.start(kv.workers)
         await self.index.start(kv.machines)
         await self.apps.start(kv.apps)

@@ -17,10 +17,10 @@ import time
 import msgspec
 from nats.aio.msg import Msg
 
-from bus import subjects
-from bus.connection import connect
-from bus.jetstream import ensure_fleet_resources
-from bus.messages import ProxyActivity
+from bus.contract import subjects
+from bus.contract.messages import ProxyActivity
+from bus.transport.connection import connect
+from bus.transport.jetstream import ensure_fleet_resources
 from orchestrator.client import FleetClient
 from orchestrator.proxy.http import MAX_HEAD
 from orchestrator.proxy.idle import IdleStopper

@@ -27,8 +27,8 @@ from typing import Any
 
 import msgspec
 
-from bus import subjects
-from bus.messages import ProxyUnreachable
+from bus.contract import subjects
+from bus.contract.messages import ProxyUnreachable
 from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Route, Start, Wait, choose, region_order
 from orchestrator.proxy.deadlines import Deadlines, Watch
 from orchestrator.proxy.http import (

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from bus.errors import FauxmadError
-from bus.messages import CreateRequest, Machine, MachineIndexEntry, index_entry
+from bus.contract.errors import FauxmadError
+from bus.contract.messages import CreateRequest, Machine, MachineIndexEntry, index_entry
 from orchestrator.client import FleetClient
 from orchestrator.proxy.routes import App, RouteTable
 from orchestrator.proxy.upstream import Pool, connect_when_up

@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from bus import subjects
-from bus.errors import FauxmadError, NoCapacity
-from bus.messages import (
+from bus.contract import subjects
+from bus.contract.errors import FauxmadError, NoCapacity
+from bus.contract.messages import (
     CreateRequest,
     DestroyRequest,
     Lease,

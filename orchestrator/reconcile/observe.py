@@ -18,14 +18,14 @@ import builtins
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
-from bus import subjects
-from bus.errors import FauxmadError, Unreachable
-from bus.jetstream import FleetKV
-from bus.messages import ListRequest, Machine, MachineConfig
-from orchestrator.fleet.machines import MachineIndex
-from orchestrator.fleet.workers import Registry
+from bus.contract import subjects
+from bus.contract.errors import FauxmadError, Unreachable
+from bus.contract.messages import ListRequest, Machine, MachineConfig
+from bus.transport.jetstream import FleetKV
 from orchestrator.reconcile.plan import Member, Observed
 from orchestrator.reconcile.ports import Bus
+from orchestrator.replicas.machines import MachineIndex
+from orchestrator.replicas.workers import Registry
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Observer:
 
         Waits past the replicas' usual 5 s: a watch's initial values come as soon as every region answers, or
         after 4 s without the regions that do not, but while no region answers (JetStream electing its meta
-        leader again, `bus.regional`) up to 20 s; an empty registry taken for the fleet would tell a deploy
+        leader again, `bus.transport.regional`) up to 20 s; an empty registry taken for the fleet would tell a deploy
         that no region has a live worker."""
         await self.registry.start(kv.workers, timeout=INITIAL_VALUES_WITHIN)
         await self.index.start(kv.machines, timeout=INITIAL_VALUES_WITHIN)

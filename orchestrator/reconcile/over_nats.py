@@ -1,6 +1,6 @@
 """The reconciler's ports over NATS: where nats-py stops.
 
-`NatsBus` is `bus.service.call` on one connection (which already turns error replies and silence into
+`NatsBus` is `bus.transport.service.call` on one connection (which already turns error replies and silence into
 `FauxmadError`s). `KVReleaseStore` is a JetStream KV bucket with nats-py's "no such key" and "key exists"
 exceptions turned into the plain answers `ReleaseStore` promises, so `releases` never sees them.
 """
@@ -14,7 +14,7 @@ from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
-from bus.service import call
+from bus.transport.service import call
 
 R = TypeVar("R")
 

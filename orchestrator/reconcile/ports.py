@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
-from bus.messages import CreateRequest, Machine
+from bus.contract.messages import CreateRequest, Machine
 
 R = TypeVar("R")
 

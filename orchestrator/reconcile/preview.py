@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 
 import msgspec
 
-from bus.messages import Guest, WorkerInfo
+from bus.contract.messages import Guest, WorkerInfo
 from orchestrator.reconcile.plan import (
     RUNNING,
     Action,

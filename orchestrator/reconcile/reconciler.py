@@ -34,14 +34,13 @@ from typing import Any, Literal
 import msgspec
 from nats.aio.client import Client
 
-from bus import subjects
-from bus.codec import decoder
-from bus.connection import connect
-from bus.errors import BadRequest, Conflict, NoCapacity, NotFound
-from bus.jetstream import FleetConfig, FleetKV, ensure_fleet_resources
-from bus.messages import CordonRequest, CreateRequest, Machine, ProxyUnreachable, WorkerInfo
+from bus.contract import subjects
+from bus.contract.codec import decoder
+from bus.contract.errors import BadRequest, Conflict, NoCapacity, NotFound
+from bus.contract.messages import CordonRequest, CreateRequest, Machine, ProxyUnreachable, WorkerInfo
+from bus.transport.connection import connect
+from bus.transport.jetstream import FleetConfig, FleetKV, ensure_fleet_resources
 from orchestrator.client import FleetClient
-from orchestrator.fleet.workers import Registry
 from orchestrator.reconcile.executor import Executor, Result
 from orchestrator.reconcile.observe import Observer, health
 from orchestrator.reconcile.over_nats import KVReleaseStore, NatsBus
@@ -50,6 +49,7 @@ from orchestrator.reconcile.ports import Bus, Clock, MachinesApi, ReleaseStore
 from orchestrator.reconcile.preview import Planned, planned, problems, simulate
 from orchestrator.reconcile.releases import Head, Release, Releases, WatchedReleases
 from orchestrator.reconcile.spec import SPARE, AppSpec
+from orchestrator.replicas.workers import Registry
 
 log = logging.getLogger(__name__)
 

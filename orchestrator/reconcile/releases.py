@@ -18,9 +18,9 @@ from typing import Literal
 
 import msgspec
 
-from bus.codec import decoder, encode
-from bus.errors import Conflict, NotFound
-from bus.subjects import matches
+from bus.contract.codec import decoder, encode
+from bus.contract.errors import Conflict, NotFound
+from bus.contract.subjects import matches
 from orchestrator.reconcile.ports import Clock, ReleaseStore
 from orchestrator.reconcile.spec import AppSpec
 

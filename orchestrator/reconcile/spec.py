@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from bus.messages import Check, Guest, MachineConfig, Mount, Preset, RestartPolicy, Token, seconds
+from bus.contract.messages import Check, Guest, MachineConfig, Mount, Preset, RestartPolicy, Token, seconds
 from orchestrator.reconcile.http_service import HttpService
 
 RELEASE_KEY = "fauxmad_release"

@@ -27,9 +27,9 @@ from types import ModuleType
 import msgspec
 import nkeys
 
-from bus import credentials
-from bus.secrets import new_private_key
-from bus.subjects import check_token
+from bus.contract.subjects import check_token
+from bus.stores.secrets import new_private_key
+from bus.transport import credentials
 from orchestrator.security.roles import Identity, Permissions, Role, permissions
 
 IDENTITIES = "identities.json"

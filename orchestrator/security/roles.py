@@ -20,7 +20,7 @@ request it received (`allow_responses`), and nothing else on inboxes. Every iden
 prefix (`_INBOX.<name>`) and may subscribe only below it, so no one reads another's replies.
 
 In a supercluster (`$FAUXMAD_SUPERCLUSTER` set where the users file is rendered) each region's own buckets and
-events stream (`bus.layout`) are added beside the fleet's: a worker writes its heartbeat and index entries
+events stream (`bus.transport.layout`) are added beside the fleet's: a worker writes its heartbeat and index entries
 into its own region's buckets, a broker keeps claims in every region's idempotency bucket, and everyone who
 reads the fleet's streams reads the regions' too.
 
@@ -34,9 +34,9 @@ from typing import Literal
 
 import msgspec
 
-from bus import subjects
-from bus.layout import Layout, from_env
-from bus.secrets import PUBLIC_KEY, SECRETS_BUCKET
+from bus.contract import subjects
+from bus.stores.secrets import PUBLIC_KEY, SECRETS_BUCKET
+from bus.transport.layout import Layout, from_env
 
 Role = Literal["worker", "broker", "operator", "deployer", "viewer"]
 ROLES: tuple[Role, ...] = ("worker", "broker", "operator", "deployer", "viewer")
@@ -130,7 +130,7 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.kv_put(layout.machines_bucket(region), "*"),
                 subjects.kv_put(SECRETS_BUCKET, PUBLIC_KEY),
                 f"$O.{subjects.SNAPSHOTS_STORE}.>",  # its volumes' snapshots (README "Volumes")
-                subjects.AUDIT_ALL,  # the audit records of the job requests it answers (`bus.audit`)
+                subjects.AUDIT_ALL,  # the audit records of the job requests it answers (`bus.transport.audit`)
                 *read_streams(),
                 *_worker_jobs_publish(region),
             ),
@@ -152,7 +152,7 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.kv_put(subjects.IDEMPOTENCY_BUCKET, ">"),
                 subjects.kv_put(subjects.VOLUMES_BUCKET, "*"),
                 *(subjects.kv_put(layout.idempotency_bucket(r), ">") for r in layout.regions),
-                subjects.AUDIT_ALL,  # the audit records of the requests it answers (`bus.audit`)
+                subjects.AUDIT_ALL,  # the audit records of the requests it answers (`bus.transport.audit`)
                 *read_streams(),
             ),
             subscribe=(f"{P}.api.>", "$SRV.>", inbox),

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from bus.messages import MachineEvent, WorkerInfo
+from bus.contract.messages import MachineEvent, WorkerInfo
 from orchestrator.view.db import TABLES, ViewDb
 from orchestrator.view.model import RELEASE_KEY, role_of
 

@@ -25,12 +25,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from bus import subjects
-from bus.codec import decoder
-from bus.connection import connect
-from bus.jetstream import ensure_fleet_resources
-from bus.messages import MachineEvent, WorkerInfo
-from orchestrator.fleet.replica import KVReplica
+from bus.contract import subjects
+from bus.contract.codec import decoder
+from bus.contract.messages import MachineEvent, WorkerInfo
+from bus.transport.connection import connect
+from bus.transport.jetstream import ensure_fleet_resources
+from orchestrator.replicas.replica import KVReplica
 from orchestrator.view.db import ViewDb
 from orchestrator.view.fold import ViewWriter, needs_rebuild
 from orchestrator.view.query import ViewReader

@@ -19,9 +19,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from bus import subjects
-from bus.jetstream import ensure_fleet_resources
-from bus.messages import MachineEvent, seconds
+from bus.contract import subjects
+from bus.contract.messages import MachineEvent, seconds
+from bus.transport.jetstream import ensure_fleet_resources
 from orchestrator.view.follower import decode_event
 
 SINCE_HELP = "a duration back from now (30s, 10m, 2h, 1d) or an ISO 8601 time (2024-05-01T12:00:00Z; no zone: local)"

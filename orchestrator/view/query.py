@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from bus.jetstream import WORKER_TTL
-from bus.messages import Resources, WorkerInfo
+from bus.contract.messages import Resources, WorkerInfo
+from bus.transport.jetstream import WORKER_TTL
 from orchestrator.view.db import ViewDb
 from orchestrator.view.model import (
     CORDONED,

@@ -1,4 +1,4 @@
-"""Request signatures (`bus.audit`): what a broker accepts as the identity of a request, and what it refuses."""
+"""Request signatures (`bus.transport.audit`): what a broker accepts as the identity of a request, and what it refuses."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import nkeys
 import pytest
 
-from bus.audit import UNSIGNED, RequestSigner, identify, mutating
-from bus.errors import Forbidden
+from bus.contract.errors import Forbidden
+from bus.transport.audit import UNSIGNED, RequestSigner, identify, mutating
 
 SUBJECT = "fauxmad.v1.api.apps.web.machines.create"
 NOW = 1_800_000_000.0

@@ -18,11 +18,11 @@ import msgspec
 import nats
 import pytest
 
-from bus import subjects
-from bus.codec import decode, decode_any
-from bus.errors import BadRequest
-from bus.messages import GetRequest, Machine, MachineIndexEntry, ReserveRequest, WorkersListRequest
-from bus.service import ERROR_CODE_HEADER, ERROR_HEADER
+from bus.contract import subjects
+from bus.contract.codec import decode, decode_any
+from bus.contract.errors import BadRequest
+from bus.contract.messages import GetRequest, Machine, MachineIndexEntry, ReserveRequest, WorkersListRequest
+from bus.transport.service import ERROR_CODE_HEADER, ERROR_HEADER
 from tests.helpers import ROOT, WorkerProcess, arun
 
 BAD_UTF8 = [

@@ -8,12 +8,12 @@ import msgspec
 import nats
 import pytest
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.errors import BadRequest, Conflict, NoCapacity, NotFound, Unreachable, error_for_code
-from bus.messages import Decline, Offer, OfferReply, OfferRequest, ReserveRequest, Resources, seconds
-from bus.scatter import Scatterer
-from bus.service import ERROR_CODE_HEADER, ERROR_HEADER, Responder, call, request
+from bus.contract import subjects
+from bus.contract.codec import decode, encode
+from bus.contract.errors import BadRequest, Conflict, NoCapacity, NotFound, Unreachable, error_for_code
+from bus.contract.messages import Decline, Offer, OfferReply, OfferRequest, ReserveRequest, Resources, seconds
+from bus.transport.scatter import Scatterer
+from bus.transport.service import ERROR_CODE_HEADER, ERROR_HEADER, Responder, call, request
 from tests.helpers import arun
 
 

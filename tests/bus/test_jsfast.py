@@ -1,12 +1,12 @@
-"""`bus.jsfast` against a real nats-server: the same records nats-py's KV reads and writes, compare-and-set,
+"""`bus.transport.jsfast` against a real nats-server: the same records nats-py's KV reads and writes, compare-and-set,
 create over a delete marker, and a stream that is not there said in one line."""
 
 from __future__ import annotations
 
 import pytest
 
-from bus.errors import Unreachable
-from bus.jsfast import FastJetStream, FastKV, LostRace
+from bus.contract.errors import Unreachable
+from bus.transport.jsfast import FastJetStream, FastKV, LostRace
 from tests.helpers import arun, connect_nats
 
 

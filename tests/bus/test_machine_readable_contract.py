@@ -18,9 +18,9 @@ import jsonschema
 import msgspec
 import pytest
 
-from bus import subjects
-from bus.contract import asyncapi, channels
-from bus.messages import CreateRequest, Guest, MachineConfig
+from bus.contract import subjects
+from bus.contract.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.schema import asyncapi, channels
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT, arun, connect_nats
 

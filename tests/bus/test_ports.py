@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from bus import ports
+from bus.local import ports
 
 
 def test_ports_are_below_the_ephemeral_range_bindable_and_not_handed_out_twice() -> None:

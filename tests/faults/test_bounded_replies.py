@@ -15,8 +15,8 @@ import msgspec
 import nats
 import pytest
 
-from bus.connection import connect
-from bus.embedded import EmbeddedNats
+from bus.local.embedded import EmbeddedNats
+from bus.transport.connection import connect
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats
 

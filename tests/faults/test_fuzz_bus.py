@@ -15,7 +15,7 @@ if it would be valid: a valid `cordon`, `reserve` or `create` would change state
 this test is about. Odd tokens go where a wildcard subscription receives them (the app of
 `api.apps.*.machines.*`, the verb of `worker.<id>.machines.*` and of the API): a worker id or a region
 no one serves is answered by NATS itself ("no responders", the transport's 404), so it is not sent.
-`-` and `_` are legal app tokens (`bus.subjects.check_token`): there, only invalid payloads are sent.
+`-` and `_` are legal app tokens (`bus.contract.subjects.check_token`): there, only invalid payloads are sent.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import msgspec
 import nats
 import pytest
 
-from bus import subjects
-from bus.messages import (
+from bus.contract import subjects
+from bus.contract.messages import (
     API_REQUESTS,
     BROKER_REQUESTS,
     WORKER_REQUESTS,
@@ -61,7 +61,7 @@ from bus.messages import (
     WaitRequest,
     WorkersListRequest,
 )
-from bus.service import ERROR_CODE_HEADER, ERROR_HEADER
+from bus.transport.service import ERROR_CODE_HEADER, ERROR_HEADER
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats

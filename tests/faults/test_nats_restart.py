@@ -18,11 +18,11 @@ import msgspec
 import nats
 import pytest
 
-from bus import subjects
-from bus.connection import connect
-from bus.errors import FauxmadError
-from bus.messages import CreateRequest, Guest, Machine, MachineConfig
-from bus.service import call
+from bus.contract import subjects
+from bus.contract.errors import FauxmadError
+from bus.contract.messages import CreateRequest, Guest, Machine, MachineConfig
+from bus.transport.connection import connect
+from bus.transport.service import call
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats
 

@@ -20,8 +20,8 @@ import msgspec
 import nats
 import pytest
 
-from bus.errors import DeadlineExceeded
-from bus.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.errors import DeadlineExceeded
+from bus.contract.messages import CreateRequest, Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats

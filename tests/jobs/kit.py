@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from bus.jobs import Job, JobSubmitRequest
+from bus.contract.jobs import Job, JobSubmitRequest
 from orchestrator.jobs.client import JobsClient
 from tests.helpers import connect_nats
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import msgspec
 
-from bus import subjects
-from bus.errors import Conflict
-from bus.jobs import Job, JobSubmitRequest
-from bus.messages import AuditRecord
+from bus.contract import subjects
+from bus.contract.errors import Conflict
+from bus.contract.jobs import Job, JobSubmitRequest
+from bus.contract.messages import AuditRecord
 from tests.helpers import RawClient, arun, audit_records, connect_nats
 from tests.jobs.kit import client, overlapping, submit_and_wait
 

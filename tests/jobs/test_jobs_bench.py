@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.bench import jobs as bench
+from lab.bench import jobs as bench
 from orchestrator.cli.app import main
 
 pytestmark = pytest.mark.fleet  # starts a fleet of real processes (tests/conftest.py)

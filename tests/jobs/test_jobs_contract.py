@@ -8,8 +8,8 @@ from typing import Any
 
 import jsonschema
 
-from bus import subjects
-from bus.contract import asyncapi
+from bus.contract import subjects
+from bus.contract.schema import asyncapi
 from tests.helpers import arun, connect_nats
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.jobs import Job, keyed_job_ids, retry_delay
+from bus.contract.jobs import Job, keyed_job_ids, retry_delay
 from workers.jobs import outcome as moves
 from workers.jobs.execute import Outcome
 from workers.jobs.take import decide

@@ -19,10 +19,10 @@ from typing import Any
 
 import msgspec
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.errors import Conflict, NoCapacity, NotFound, Unreachable
-from bus.messages import (
+from bus.contract import subjects
+from bus.contract.codec import decode, encode
+from bus.contract.errors import Conflict, NoCapacity, NotFound, Unreachable
+from bus.contract.messages import (
     CheckStatus,
     CordonRequest,
     CreateRequest,
@@ -40,8 +40,8 @@ from bus.messages import (
     UpdateRequest,
     WorkerInfo,
 )
-from orchestrator.fleet.machines import MachineIndex
-from orchestrator.fleet.workers import Registry
+from orchestrator.replicas.machines import MachineIndex
+from orchestrator.replicas.workers import Registry
 
 HEARTBEAT_EVERY = 1.0
 

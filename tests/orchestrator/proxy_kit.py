@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bus.connection import connect
-from bus.jetstream import ensure_fleet_resources
-from bus.messages import CreateRequest, Machine
-from bus.ports import free_port
-from orchestrator.bench.http_client import Client, Response
+from bus.contract.messages import CreateRequest, Machine
+from bus.local.ports import free_port
+from bus.transport.connection import connect
+from bus.transport.jetstream import ensure_fleet_resources
+from lab.bench.http_client import Client, Response
 from orchestrator.client import FleetClient
 from orchestrator.proxy.upstream import connect_when_up
 from orchestrator.reconcile.over_nats import KVReleaseStore

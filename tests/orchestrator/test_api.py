@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bus.ports import free_port
+from bus.local.ports import free_port
 from orchestrator.devfleet import DevFleet, FleetSpec
 
 SLEEP = {"config": {"init": {"cmd": ["sleep", "300"]}, "guest": {"cpus": 1, "memory_mb": 128}}, "region": "mad"}

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.bench import peer
-from orchestrator.bench.echo import EchoResponder
-from orchestrator.bench.placement import PlacementOptions, report, run_placement
-from orchestrator.bench.report import Report, Table, latency_table, plain, plain_table, times
-from orchestrator.bench.stats import Latency, percentile, ratio, ratios, summarize
+from lab.bench import peer
+from lab.bench import worker_store as store_bench
+from lab.bench.echo import EchoResponder
+from lab.bench.placement import PlacementOptions, report, run_placement
+from lab.bench.report import Report, Table, latency_table, plain, plain_table, times
+from lab.bench.stats import Latency, percentile, ratio, ratios, summarize
 from orchestrator.cli.app import main
 from orchestrator.cli.bench_cmd import show
-from workers import bench as store_bench
 
 # -- statistics ------------------------------------------------------------------------------------
 
@@ -156,7 +156,7 @@ def test_placement_bench_on_a_real_fleet() -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.fleet
 def test_proxy_bench_on_a_real_fleet_and_proxy(tmp_path: Path) -> None:
-    from orchestrator.bench.proxy import ProxyOptions, report, run_proxy_bench
+    from lab.bench.proxy import ProxyOptions, report, run_proxy_bench
 
     result = run_proxy_bench(ProxyOptions(requests=50, concurrency=4, seconds=0.5, wakes=2))
     assert result.errors == 0
@@ -177,7 +177,7 @@ def test_proxy_bench_on_a_real_fleet_and_proxy(tmp_path: Path) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.fleet
 def test_secure_bench_measures_an_open_and_a_secure_fleet_side_by_side() -> None:
-    from orchestrator.bench.secure import SecureOptions, report, run_secure_bench
+    from lab.bench.secure import SecureOptions, report, run_secure_bench
 
     progress: list[str] = []
     result = run_secure_bench(SecureOptions(creates=6, workers=1, warmup=1), progress.append)
@@ -191,7 +191,7 @@ def test_secure_bench_measures_an_open_and_a_secure_fleet_side_by_side() -> None
 @pytest.mark.timeout(180)
 @pytest.mark.fleet
 def test_api_bench_on_a_real_fleet_and_api_process() -> None:
-    from orchestrator.bench.api import ApiOptions, report, run_api
+    from lab.bench.api import ApiOptions, report, run_api
 
     result = run_api(ApiOptions(creates=5, gets=40, concurrency=4), lambda line: None)
     assert result.http_create.count == result.nats_create.count == 5

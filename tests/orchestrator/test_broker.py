@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from bus.errors import BadRequest, NoCapacity, NotFound
-from bus.messages import CreateRequest, Guest, MachineConfig, SimulateRequest
+from bus.contract.errors import BadRequest, NoCapacity, NotFound
+from bus.contract.messages import CreateRequest, Guest, MachineConfig, SimulateRequest
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bus.ports import free_port
+from bus.local.ports import free_port
 from orchestrator.cli.app import app, main, register
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from bus.jetstream import WORKER_TTL
-from bus.messages import Machine
+from bus.contract.messages import Machine
+from bus.transport.jetstream import WORKER_TTL
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.ownership import CREATED_BY_KEY

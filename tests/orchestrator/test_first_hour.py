@@ -27,8 +27,7 @@ from typing import Any
 
 import pytest
 
-from bus.embedded import EmbeddedNats
-from bus.errors import (
+from bus.contract.errors import (
     BadRequest,
     Conflict,
     DeadlineExceeded,
@@ -39,14 +38,15 @@ from bus.errors import (
     Unanswered,
     Unreachable,
 )
-from bus.messages import Check, CreateRequest, Guest, MachineConfig
-from bus.ports import free_port
+from bus.contract.messages import Check, CreateRequest, Guest, MachineConfig
+from bus.local.embedded import EmbeddedNats
+from bus.local.ports import free_port
 from orchestrator.cli.app import app, exit_code_for, lift_global_options, main, report
 from orchestrator.cli.fleet_cmd import HELLO_CMD, hello_hint
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT, arun
-from workers.supervision import tail_lines
+from workers.lifecycle.restart_policy import tail_lines
 
 REGION = "fhr"
 APP = "first"

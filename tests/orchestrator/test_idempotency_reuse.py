@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from bus.errors import Conflict
-from bus.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.errors import Conflict
+from bus.contract.messages import CreateRequest, Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bus.errors import FauxmadError
-from bus.images import Images, build_archive, manifest_for
-from bus.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.errors import FauxmadError
+from bus.contract.messages import CreateRequest, Guest, MachineConfig
+from bus.stores.images import Images, build_archive, manifest_for
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats

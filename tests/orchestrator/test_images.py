@@ -20,8 +20,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus.images import Images
-from bus.messages import CreateRequest, Guest, Machine, MachineConfig
+from bus.contract.messages import CreateRequest, Guest, Machine, MachineConfig
+from bus.stores.images import Images
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT, arun, connect_nats

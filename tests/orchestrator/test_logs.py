@@ -16,18 +16,18 @@ from pathlib import Path
 
 import pytest
 
-import workers.logs as worker_logs
-from bus import subjects
-from bus.codec import encode
-from bus.embedded import EmbeddedNats
-from bus.jetstream import LOGS_MAX_MSG_SIZE, FleetConfig, ensure_fleet_resources, logs_limits
-from bus.messages import CreateRequest, LogLine, MachineConfig, RestartPolicy
+import workers.output as worker_logs
+from bus.contract import subjects
+from bus.contract.codec import encode
+from bus.contract.messages import CreateRequest, LogLine, MachineConfig, RestartPolicy
+from bus.local.embedded import EmbeddedNats
+from bus.transport.jetstream import LOGS_MAX_MSG_SIZE, FleetConfig, ensure_fleet_resources, logs_limits
 from orchestrator.cli.app import main
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.logs import LogQuery, read_logs
 from tests.helpers import ROOT, arun, connect_nats
-from workers.logs import MAX_LINE, OFFSETS_FILE, LogFollower
+from workers.output import MAX_LINE, OFFSETS_FILE, LogFollower
 
 # ---------------------------------------------------------------------------------------------------
 # the worker's follower, on files

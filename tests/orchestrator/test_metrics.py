@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from bus.embedded import EmbeddedNats
-from bus.errors import NoCapacity, Unreachable
-from bus.messages import Check, CreateRequest, Guest, MachineConfig
+from bus.contract.errors import NoCapacity, Unreachable
+from bus.contract.messages import Check, CreateRequest, Guest, MachineConfig
+from bus.local.embedded import EmbeddedNats
 from orchestrator.client import FleetClient
 from tests.helpers import ROOT, arun
 from tests.orchestrator.proxy_kit import free_port

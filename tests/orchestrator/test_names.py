@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bus import subjects
-from bus.errors import BadRequest
+from bus.contract import subjects
+from bus.contract.errors import BadRequest
 from orchestrator.cli.app import main
 from tests.helpers import ROOT
 

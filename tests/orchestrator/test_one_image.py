@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 from nats.js.api import ObjectMeta
 
-from bus.images import ImageError, Images
-from bus.messages import Machine
-from bus.objects import stored_digest
-from bus.volumes import snapshot_store
+from bus.contract.messages import Machine
+from bus.stores.images import ImageError, Images
+from bus.stores.objects import stored_digest
+from bus.stores.snapshots import snapshot_store
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.oci import import_layout

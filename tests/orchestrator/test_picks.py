@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.messages import Decline, Offer, Resources, WorkerInfo
+from bus.contract.messages import Decline, Offer, Resources, WorkerInfo
 from orchestrator.placement import PlacementConfig, with_preset
 from orchestrator.placement.picks import Picks, discount, offer_from_heartbeat
 

@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.messages import Decline, Offer, OfferGuest, OfferRequest, Resources, WorkerInfo
-from orchestrator.fleet.workers import Registry
+from bus.contract.messages import Decline, Offer, OfferGuest, OfferRequest, Resources, WorkerInfo
 from orchestrator.placement import (
     NO_ANSWER,
     SCORERS,
@@ -23,6 +22,7 @@ from orchestrator.placement import (
     rank,
 )
 from orchestrator.placement.feasible import consistent_numbers, enough_cpus, enough_memory, same_region
+from orchestrator.replicas.workers import Registry
 
 CONFIG = PlacementConfig()
 

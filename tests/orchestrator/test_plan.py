@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bus.messages import ExitInfo, MachineConfig, Resources, WorkerInfo
+from bus.contract.messages import ExitInfo, MachineConfig, Resources, WorkerInfo
 from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.plan import (
     Create,

@@ -18,9 +18,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus import subjects
-from bus.messages import CORDONED_LABEL, Lease, LeaseRequest
-from bus.service import call
+from bus.contract import subjects
+from bus.contract.messages import CORDONED_LABEL, Lease, LeaseRequest
+from bus.transport.service import call
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats

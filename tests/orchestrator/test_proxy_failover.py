@@ -21,8 +21,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus.jetstream import WORKER_TTL
-from bus.messages import Machine, ProxyUnreachable
+from bus.contract.messages import Machine, ProxyUnreachable
+from bus.transport.jetstream import WORKER_TTL
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT, arun, connect_nats

@@ -10,9 +10,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bus.errors import Conflict
-from bus.messages import Lease, LeaseRequest, Machine
-from bus.subjects import worker_machines
+from bus.contract.errors import Conflict
+from bus.contract.messages import Lease, LeaseRequest, Machine
+from bus.contract.subjects import worker_machines
 from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.observe import health
 from orchestrator.reconcile.plan import Desired

@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.orchestrator.test_cli import fauxmad
-from workers import sandbox
+from workers.driver import sandbox
 
 pytestmark = pytest.mark.skipif(
     sandbox.bwrap_path() is None, reason="bubblewrap is not installed (Debian: apt-get install bubblewrap)"
@@ -68,7 +68,7 @@ def test_the_readme_guest_block_is_a_valid_sandboxed_guest() -> None:
 
     import msgspec
 
-    from bus.messages import Guest
+    from bus.contract.messages import Guest
     from tests.helpers import ROOT
 
     section = (ROOT / "README.md").read_text().split("## Sandboxes", 1)[1].split("\n## ", 1)[0]

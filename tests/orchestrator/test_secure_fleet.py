@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from bus.embedded import find_binary
-from bus.ports import free_port
+from bus.local.embedded import find_binary
+from bus.local.ports import free_port
 from orchestrator.security.fleetdir import FleetDir
 from tests.helpers import ROOT
 
@@ -278,7 +278,7 @@ def _served_certificate(fleet: SecureFleet) -> bytes:
 def test_certificates_rotate_without_dropping_a_connection(fleet: SecureFleet) -> None:
     import asyncio
 
-    from bus.connection import connect
+    from bus.transport.connection import connect
 
     before = _served_certificate(fleet)
 
@@ -311,11 +311,11 @@ def test_every_mutating_nats_request_is_audited_with_the_identity_that_signed_it
     import nats
     import nkeys
 
-    from bus import credentials
-    from bus.audit import RequestSigner
-    from bus.errors import Forbidden
-    from bus.messages import AuditRecord, CreateRequest, Guest, MachineConfig
-    from bus.service import raise_for_reply
+    from bus.contract.errors import Forbidden
+    from bus.contract.messages import AuditRecord, CreateRequest, Guest, MachineConfig
+    from bus.transport import credentials
+    from bus.transport.audit import RequestSigner
+    from bus.transport.service import raise_for_reply
     from tests.helpers import audit_records
 
     run = fleet.cli(

@@ -24,9 +24,9 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from bus import credentials
-from bus.embedded import find_binary
-from bus.ports import free_port
+from bus.local.embedded import find_binary
+from bus.local.ports import free_port
+from bus.transport import credentials
 from orchestrator.security.fleetdir import FleetDir
 from tests.helpers import ROOT, arun
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from bus import subjects
-from bus.messages import CordonRequest, CreateRequest, Guest, Machine, MachineConfig, WorkerInfo
-from bus.service import call
+from bus.contract import subjects
+from bus.contract.messages import CordonRequest, CreateRequest, Guest, Machine, MachineConfig, WorkerInfo
+from bus.transport.service import call
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.sim.run import balls_into_bins, run
+from lab.sim.run import balls_into_bins, run
 from tests.helpers import ROOT
 
 

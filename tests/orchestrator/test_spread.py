@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bus.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.messages import CreateRequest, Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun

@@ -22,8 +22,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus import subjects
-from bus.messages import CreateRequest, Guest, ListRequest, MachineConfig
+from bus.contract import subjects
+from bus.contract.messages import CreateRequest, Guest, ListRequest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.view.db import ViewDb

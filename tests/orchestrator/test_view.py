@@ -20,11 +20,11 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from bus import subjects
-from bus.embedded import EmbeddedNats
-from bus.errors import BadRequest
-from bus.jetstream import FleetConfig, ensure_fleet_resources, events_limits, parse_size
-from bus.messages import CheckStatus, ExitInfo, MachineEvent, Resources, WorkerInfo
+from bus.contract import subjects
+from bus.contract.errors import BadRequest
+from bus.contract.messages import CheckStatus, ExitInfo, MachineEvent, Resources, WorkerInfo
+from bus.local.embedded import EmbeddedNats
+from bus.transport.jetstream import FleetConfig, ensure_fleet_resources, events_limits, parse_size
 from orchestrator.cli.view_render import layout
 from orchestrator.view.db import ViewDb
 from orchestrator.view.fold import StreamIdentity, ViewWriter, needs_rebuild

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from bus.embedded import find_binary
-from bus.layout import Layout, from_env
-from bus.supercluster import DEPLOY_STORE, deploy_configs
+from bus.local.embedded import find_binary
+from bus.local.supercluster import DEPLOY_STORE, deploy_configs
+from bus.transport.layout import Layout, from_env
 from orchestrator.security.fleetdir import FleetDir
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "supercluster"
@@ -19,7 +19,9 @@ def test_the_deployed_files_are_the_renderers_output() -> None:
     rendered = deploy_configs()
     assert sorted(rendered) == sorted(p.name for p in DEPLOY.glob("*.conf"))
     for name, text in rendered.items():
-        assert (DEPLOY / name).read_text() == text, f"{name}: run python -m bus.supercluster deploy/nats/supercluster"
+        assert (DEPLOY / name).read_text() == text, (
+            f"{name}: run python -m bus.local.supercluster deploy/nats/supercluster"
+        )
 
 
 def test_three_regions_of_three_servers_routes_inside_gateways_between() -> None:

@@ -2,7 +2,7 @@
 operator per region, each connected to its own region: deploys, a server killed under load, a region cut off.
 
 One fleet for the module (it takes a while to start on a small machine). The cut is a real TCP partition of
-the region's gateways (`bus.gateway_relay`): its routes and clients stay up. The CI cut lasts a few seconds;
+the region's gateways (`bus.local.gateway_relay`): its routes and clients stay up. The CI cut lasts a few seconds;
 `FAUXMAD_SLOW_TESTS=1` also runs the issue's 30-second cut (on another region).
 """
 
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from nats.js.errors import BucketNotFoundError
 
-from bus.connection import servers
-from bus.errors import Unreachable
-from bus.jetstream import FleetConfig, ensure_fleet_resources
-from bus.layout import Layout
-from bus.messages import CreateRequest, Guest, Machine, MachineConfig
+from bus.contract.errors import Unreachable
+from bus.contract.messages import CreateRequest, Guest, Machine, MachineConfig
+from bus.transport.connection import servers
+from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
+from bus.transport.layout import Layout
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import pytest
 import uvloop
 
-from workers.checks import MAX_OUTPUT, CheckResult, run_check
+from workers.lifecycle.checks import MAX_OUTPUT, CheckResult, run_check
 
 T = TypeVar("T")
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from bus.errors import Conflict
-from bus.messages import OfferRequest, Resources, RestartPolicy
-from workers.driver import ExitStatus, TaskState
-from workers.lifecycle import LEGAL, check_transition
+from bus.contract.errors import Conflict
+from bus.contract.messages import OfferRequest, Resources, RestartPolicy
+from workers.driver.base import ExitStatus, TaskState
+from workers.lifecycle.restart_policy import Backoff, after_exit
+from workers.lifecycle.resume import suspended_found
+from workers.log.machine_states import LEGAL, check_transition
 from workers.offers import Backpressure, Snapshot, answer_offer
-from workers.resume import suspended_found
-from workers.supervision import Backoff, after_exit
 
 OK = ExitStatus(exit_code=0)
 CRASH = ExitStatus(exit_code=3)
@@ -109,7 +109,7 @@ def _me(**overrides: object) -> Snapshot:
     ],
 )
 def test_offers(me: Snapshot, guest: dict[str, int], reason: str | None) -> None:
-    from bus.messages import OfferGuest
+    from bus.contract.messages import OfferGuest
 
     reply = answer_offer(
         OfferRequest(app="a", region="mad", guest=OfferGuest(**guest), image="img:1"), me, Backpressure()
@@ -122,7 +122,7 @@ def test_offers(me: Snapshot, guest: dict[str, int], reason: str | None) -> None
 
 
 def test_a_max_load_of_zero_never_declines_for_load_but_still_ranks_by_it() -> None:
-    from bus.messages import OfferGuest
+    from bus.contract.messages import OfferGuest
 
     request = OfferRequest(app="a", region="mad", guest=OfferGuest(cpus=1), image="img:1")
     reply = answer_offer(request, _me(load=40.0), Backpressure(max_load=0))

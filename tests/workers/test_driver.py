@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 
-from workers.driver import ExitStatus, TaskHandle, TaskSpec
-from workers.limits import Cgroup2Limits, Limits, RlimitLimits, auto_detect, slow_migration_hint
-from workers.process_driver import ProcessDriver, group_stopped
+from workers.driver.base import ExitStatus, TaskHandle, TaskSpec
+from workers.driver.limits import Cgroup2Limits, Limits, RlimitLimits, auto_detect, slow_migration_hint
+from workers.driver.process import ProcessDriver, group_stopped
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -383,9 +383,9 @@ def test_shim_killed_under_a_running_workload_is_lost(driver: ProcessDriver, tas
 
 STARTER = """
 import asyncio, sys, msgspec
-from workers.driver import TaskSpec
-from workers.limits import auto_detect
-from workers.process_driver import ProcessDriver
+from workers.driver.base import TaskSpec
+from workers.driver.limits import auto_detect
+from workers.driver.process import ProcessDriver
 
 spec = msgspec.json.decode(sys.argv[1], type=TaskSpec)
 driver = ProcessDriver(auto_detect(sys.argv[2]))

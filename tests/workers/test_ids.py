@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from workers import ids
+from workers.log import stamps as ids
 
 CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
@@ -36,7 +36,7 @@ def test_instance_ids_are_ulids(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = random.Random(11)
     for _ in range(2_000):
         now, randomness = rng.uniform(0, 4e9), rng.randbytes(10)
-        monkeypatch.setattr("workers.ids.os.urandom", lambda n, r=randomness: r[:n])
+        monkeypatch.setattr("workers.log.stamps.os.urandom", lambda n, r=randomness: r[:n])
         assert ids.new_instance_id(now) == reference_ulid(now, randomness)
     monkeypatch.undo()
     earlier, later = ids.new_instance_id(1700000000.0), ids.new_instance_id(1700000000.002)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bus.images import ImageError, ImageManifest, build_archive, digest_of
-from workers.images import ImageCache
+from bus.stores.images import ImageError, ImageManifest, build_archive, digest_of
+from workers.image_cache import ImageCache
 
 
 def image(tmp_path: Path, name: str, size: int) -> tuple[str, bytes]:

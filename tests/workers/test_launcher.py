@@ -22,9 +22,9 @@ import pytest
 
 from tests.workers import test_driver as shared
 from tests.workers.test_driver import BASE, REPO, Tasks, gone, make_spec, read_pid, run, start, wait_until
-from workers import launcher_client
-from workers.driver import ExitStatus, TaskHandle
-from workers.launcher import (
+from workers.driver import fork_client as launcher_client
+from workers.driver.base import ExitStatus, TaskHandle
+from workers.driver.fork_server import (
     ABANDONED,
     SPARES,
     decode_reply,
@@ -34,8 +34,8 @@ from workers.launcher import (
     encode_request,
     make_request,
 )
-from workers.limits import Limits
-from workers.process_driver import ProcessDriver
+from workers.driver.limits import Limits
+from workers.driver.process import ProcessDriver
 
 # test_driver's fixtures: the run's limits, the task tracker that cleans up, the subreaper
 limits, tasks, subreaper = shared.limits, shared.tasks, shared.subreaper
@@ -158,9 +158,9 @@ def test_a_launcher_that_cannot_start_means_direct_starts(
 
 STARTER = """
 import asyncio, sys, msgspec
-from workers.driver import TaskSpec
-from workers.limits import auto_detect
-from workers.process_driver import ProcessDriver
+from workers.driver.base import TaskSpec
+from workers.driver.limits import auto_detect
+from workers.driver.process import ProcessDriver
 
 driver = ProcessDriver(auto_detect(sys.argv[2]))
 handles = [asyncio.run(driver.start(msgspec.json.decode(spec, type=TaskSpec))) for spec in sys.argv[3:]]
@@ -229,7 +229,7 @@ def test_the_launcher_reaps_every_shim(driver: ProcessDriver, tasks: Tasks, tmp_
 
 REAP_A_FAILED_SHIM = """
 import os, sys, time
-from workers import launcher
+from workers.driver import fork_server as launcher
 started, failed = sys.argv[1], sys.argv[2]
 open(os.path.join(started, "child.pid"), "w").write("1")  # this one got as far as its workload
 shims = {}

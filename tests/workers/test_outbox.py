@@ -19,13 +19,13 @@ import nats
 import pytest
 from nats.js.errors import NotFoundError
 
-from bus.embedded import EmbeddedNats
-from bus.jetstream import ensure_fleet_resources
-from bus.messages import Machine, MachineConfig, MachineEvent
-from bus.ports import free_port
+from bus.contract.messages import Machine, MachineConfig, MachineEvent
+from bus.local.embedded import EmbeddedNats
+from bus.local.ports import free_port
+from bus.transport.jetstream import ensure_fleet_resources
 from tests.helpers import RawClient, WorkerProcess, arun
-from workers.outbox import NOTHING, Outbox, event_msg_id, missing, parse_msg_id, record_events, with_n
-from workers.records import MachineRecord, StoredMachine, newest_events
+from workers.log.outbox import NOTHING, Outbox, event_msg_id, missing, parse_msg_id, record_events, with_n
+from workers.log.records import MachineRecord, StoredMachine, newest_events
 
 STREAM = "FAUXMAD_EVENTS"
 EXITS_SOON = ["sh", "-c", "sleep 1.5; exit 3"]  # exits by itself while NATS is down: failed

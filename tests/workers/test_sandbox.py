@@ -20,11 +20,11 @@ import msgspec
 import pytest
 
 from tests.workers.test_driver import subreaper  # noqa: F401 - a fixture
-from workers import sandbox
-from workers.driver import ExitStatus, TaskHandle, TaskSpec
-from workers.limits import Limits, auto_detect
-from workers.process_driver import ProcessDriver
-from workers.shim import from_sandbox
+from workers.driver import sandbox
+from workers.driver.base import ExitStatus, TaskHandle, TaskSpec
+from workers.driver.limits import Limits, auto_detect
+from workers.driver.process import ProcessDriver
+from workers.driver.shim import from_sandbox
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C"}
 BASE = f"test-sandbox-{os.getpid()}"

@@ -22,11 +22,11 @@ import pytest
 from tests.workers import test_driver as shared
 from tests.workers.test_driver import REPO, Tasks, gone, make_spec, read_pid, run, start, wait_until
 from tests.workers.test_launcher import WAIT_FOR_GO, children_of, finish, parent_of
-from workers import launcher
-from workers.cgroup_pool import POOL_PREFIX, POOL_SIZE
-from workers.driver import TaskHandle
-from workers.limits import Cgroup1Limits, Cgroup2Limits, Limits, auto_detect
-from workers.process_driver import ProcessDriver
+from workers.driver import fork_server as launcher
+from workers.driver.base import TaskHandle
+from workers.driver.cgroup_pool import POOL_PREFIX, POOL_SIZE
+from workers.driver.limits import Cgroup1Limits, Cgroup2Limits, Limits, auto_detect
+from workers.driver.process import ProcessDriver
 
 # test_driver's fixtures: the run's limits, the task tracker that cleans up, the subreaper
 limits, tasks, subreaper = shared.limits, shared.tasks, shared.subreaper
@@ -120,7 +120,7 @@ def test_a_request_too_big_for_one_message_starts_directly_and_keeps_the_launche
 
 ABANDON_A_SPARE = """
 import os, sys
-from workers import launcher
+from workers.driver import fork_server as launcher
 workdir = sys.argv[1]
 spares = {}
 assert launcher._add_spare(spares)

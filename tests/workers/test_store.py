@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from bus.errors import NoCapacity
-from bus.messages import Guest, Machine, MachineConfig
+from bus.contract.errors import NoCapacity
+from bus.contract.messages import Guest, Machine, MachineConfig
 from tests.helpers import arun
-from workers.commit import GroupCommitter
-from workers.records import StoredMachine, WorkerState
-from workers.store import Store, Tx
+from workers.log.commit import GroupCommitter
+from workers.log.records import StoredMachine, WorkerState
+from workers.log.store import Store, Tx
 
 
 def machine(i: int, *, cpus: int = 1, state: str = "created") -> StoredMachine:

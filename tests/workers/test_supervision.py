@@ -10,7 +10,7 @@ import nats
 import pytest
 
 from tests.helpers import RawClient, WorkerProcess, arun
-from workers.limits import auto_detect
+from workers.driver.limits import auto_detect
 
 
 def test_on_failure_restarts_up_to_max_retries_then_fails(worker_factory: Callable[..., WorkerProcess]) -> None:

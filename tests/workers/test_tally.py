@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bus.messages import Machine, MachineConfig
-from workers.tally import MachineTally
+from bus.contract.messages import Machine, MachineConfig
+from workers.lifecycle.tally import MachineTally
 
 
 def machine(machine_id: str, state: str, port: int | None) -> Machine:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from bus.errors import Conflict
-from bus.messages import Guest, Machine, MachineConfig, Mount, Volume
-from workers.records import StoredMachine, VolumeRecord
-from workers.sandbox import bwrap_argv
-from workers.store import Store, Tx
-from workers.volume_lifecycle import VOLUME_LEGAL, check_volume_transition
-from workers.volumes import attach, detach, move
+from bus.contract.errors import Conflict
+from bus.contract.messages import Guest, Machine, MachineConfig, Mount, Volume
+from workers.driver.sandbox import bwrap_argv
+from workers.log.records import StoredMachine, VolumeRecord
+from workers.log.store import Store, Tx
+from workers.log.volume_states import VOLUME_LEGAL, check_volume_transition
+from workers.volumes.verbs import attach, detach, move
 
 VOL = "vol_0123456789abcdef"
 

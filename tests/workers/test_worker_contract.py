@@ -235,7 +235,7 @@ def test_derived_tables_rebuilt_from_the_log_equal_the_live_ones(
 
     arun(main())
     worker.terminate()
-    from workers.store import Store
+    from workers.log.store import Store
 
     store = Store(worker.data_dir / "lmdb")
     live = store.snapshot()

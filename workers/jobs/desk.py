@@ -9,7 +9,7 @@ an answered submit is never lost. With an idempotency key the jobs'
 ids come from the key, and the record's create is the claim: the same key again answers with the same
 jobs (a different request under it is a 409), never runs them twice.
 
-A submit that names an image is resolved here, before anything is written, with `bus.images.resolve_image`
+A submit that names an image is resolved here, before anything is written, with `bus.stores.images.resolve_image`
 (the resolver every door uses): an unknown reference is a 400 naming it; the records keep the digest, and
 the image's own command when the submit gave none. A keyed submit's fingerprint is of the request as sent,
 so the same key and the same tag again answer with the jobs already pinned, even after the tag moved.
@@ -26,11 +26,10 @@ from typing import TypeVar
 import msgspec
 from nats.aio.client import Client
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.errors import BadRequest, Conflict, Unreachable
-from bus.images import ImageError, Images, resolve_image
-from bus.jobs import (
+from bus.contract import subjects
+from bus.contract.codec import decode, encode
+from bus.contract.errors import BadRequest, Conflict, Unreachable
+from bus.contract.jobs import (
     Job,
     JobIdRequest,
     JobListRequest,
@@ -40,8 +39,9 @@ from bus.jobs import (
     keyed_job_ids,
     new_job_id,
 )
-from bus.jsfast import FastJetStream
-from bus.service import request
+from bus.stores.images import ImageError, Images, resolve_image
+from bus.transport.jsfast import FastJetStream
+from bus.transport.service import request
 from workers.jobs import outcome as moves
 from workers.jobs.records import JobRecords
 

@@ -12,7 +12,7 @@ record, no shim, no LMDB commit. It runs in the worker's working directory.
 Either way the outcome is the exit status and the last `OUTPUT_KEEP` characters of stdout and stderr.
 
 A job with an image (a digest, pinned at submit) runs in it, from the worker's image cache
-(`workers.images`, the one its machines use: pulled once, checked against the digest, unpacked once). The
+(`workers.image_cache`, the one its machines use: pulled once, checked against the digest, unpacked once). The
 image is made ready before anything else, so an image that cannot be had (damaged in the store, gone) is a
 failed attempt saying why, and leaves no machine behind. A machine attempt runs in the image as any
 machine of that image does (its directory, its manifest's env, `$HOME` its own); a process attempt runs in
@@ -32,14 +32,14 @@ from typing import Any, Protocol
 
 import msgspec
 
-from bus.errors import FauxmadError
-from bus.images import ImageError
-from bus.jobs import OUTPUT_KEEP, Job
-from bus.messages import DestroyRequest, Guest, MachineConfig, ReserveRequest, RestartPolicy
-from workers.images import ImageCache, Pulled
+from bus.contract.errors import FauxmadError
+from bus.contract.jobs import OUTPUT_KEEP, Job
+from bus.contract.messages import DestroyRequest, Guest, MachineConfig, ReserveRequest, RestartPolicy
+from bus.stores.images import ImageError
+from workers.image_cache import ImageCache, Pulled
 from workers.jobs.reaper import Reaper
 from workers.jobs.spawn import Cancel, spawn
-from workers.machines import MachineManager
+from workers.lifecycle.manager import MachineManager
 
 Started = Callable[[str | None], None]  # told when the attempt's process runs (with its machine id)
 

@@ -21,8 +21,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from bus.errors import FauxmadError
-from bus.jobs import Job
+from bus.contract.errors import FauxmadError
+from bus.contract.jobs import Job
 from workers.jobs import outcome as moves
 from workers.jobs.records import JobRecords
 from workers.jobs.spawn import Cancel

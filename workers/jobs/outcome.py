@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from bus.jobs import TERMINAL, Job, JobAttempt, retry_delay
+from bus.contract.jobs import TERMINAL, Job, JobAttempt, retry_delay
 from workers.jobs.execute import Outcome
 
 Claim = Callable[[Job], Job | None]  # `claimed` with its arguments bound

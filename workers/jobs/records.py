@@ -2,7 +2,7 @@
 
 Every change is a pure function of the record as read (`Change`), retried on a revision conflict, so a
 cancel and the worker running the job never overwrite each other: whichever writes second re-reads and
-decides again. Reads and writes go through `bus.jsfast` (they are made for every job); listing watches the
+decides again. Reads and writes go through `bus.transport.jsfast` (they are made for every job); listing watches the
 bucket through nats-py. NATS types stop here: callers get `Job` Structs.
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.errors import Conflict, NotFound
-from bus.jobs import Job
-from bus.jsfast import FastKV, LostRace
+from bus.contract import subjects
+from bus.contract.codec import decode, encode
+from bus.contract.errors import Conflict, NotFound
+from bus.contract.jobs import Job
+from bus.transport.jsfast import FastKV, LostRace
 
 Change = Callable[[Job], Job | None]  # the new record, or None to leave it as it is
 

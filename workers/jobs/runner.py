@@ -20,12 +20,12 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from bus import subjects
-from bus.codec import decode, encode
-from bus.errors import FauxmadError
-from bus.jetstream import WORKER_TTL
-from bus.jobs import Job, JobTask, event_of, retry_delay
-from bus.messages import WorkerInfo
+from bus.contract import subjects
+from bus.contract.codec import decode, encode
+from bus.contract.errors import FauxmadError
+from bus.contract.jobs import Job, JobTask, event_of, retry_delay
+from bus.contract.messages import WorkerInfo
+from bus.transport.jetstream import WORKER_TTL
 from workers.jobs import outcome as moves
 from workers.jobs.execute import Executor, Outcome
 from workers.jobs.guard import Guard

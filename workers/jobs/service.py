@@ -13,21 +13,21 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from bus import subjects
-from bus.codec import decode
-from bus.errors import NotFound
-from bus.jetstream import JOBS_ACK_WAIT, ensure_jobs_resources
-from bus.jobs import JobIdRequest
-from bus.jsfast import FastJetStream, FastKV
-from bus.messages import Ack
-from bus.service import Responder
+from bus.contract import subjects
+from bus.contract.codec import decode
+from bus.contract.errors import NotFound
+from bus.contract.jobs import JobIdRequest
+from bus.contract.messages import Ack
+from bus.transport.jetstream import JOBS_ACK_WAIT, ensure_jobs_resources
+from bus.transport.jsfast import FastJetStream, FastKV
+from bus.transport.service import Responder
 from workers.jobs.desk import JobDesk
 from workers.jobs.execute import Executor, MachineExecutor, ProcessExecutor, base_env
 from workers.jobs.puller import Puller
 from workers.jobs.reaper import Reaper
 from workers.jobs.records import JobRecords
 from workers.jobs.runner import JobRunner
-from workers.machines import MachineManager
+from workers.lifecycle.manager import MachineManager
 
 
 class JobsService:

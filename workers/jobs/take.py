@@ -11,7 +11,7 @@ from typing import Literal
 
 import msgspec
 
-from bus.jobs import TERMINAL, Job
+from bus.contract.jobs import TERMINAL, Job
 
 TakeAction = Literal["run", "drop", "later", "cancel"]
 

@@ -1,0 +1,215 @@
+"""The audit trail, and who made a request that came over NATS.
+
+NATS tells a subscriber nothing about who published a message: the server authenticated the connection (its
+nkey, in a secure fleet), but a broker answering `fauxmad.v1.api.apps.<app>.machines.<verb>` sees only the
+subject, the payload and the headers. So a client with an nkey identity signs its API requests, and the broker
+that answers a mutating one checks the signature and records the request, with that identity, in the stream
+`FAUXMAD_AUDIT` (`AuditTrail`: the same trail the HTTP API writes).
+
+The signature: ed25519 by the identity's nkey (the seed it connects with) over the subject, the signing time,
+the name the identity gives itself, and the SHA-256 of the payload; in the headers
+`Fauxmad-Identity` (the public key, `U...`), `Fauxmad-Signed-At` (Unix milliseconds), `Fauxmad-Name` and
+`Fauxmad-Signature` (base64url). A broker refuses (403) a request whose signature does not verify or whose
+signing time is more than `MAX_SKEW` away from its own clock, so a signed request cannot be altered, sent
+under another key, or replayed later than that. The public key is the identity (the one the server
+authenticated, as the fleet's `users.conf` lists it); the name is what the key's holder calls itself.
+
+A request without a signature is recorded as `unsigned`: an open fleet's clients, and any client of the
+documented subjects that does not sign. Why not the server's own `Nats-Request-Info` header: nats-server adds
+it only on a service imported from another account with `share`, which would put the fleet's users in an
+account of their own, every JetStream read of theirs behind an import; the signature needs no server setup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+
+from bus.contract import subjects
+from bus.contract.errors import BadRequest, Forbidden
+from bus.contract.messages import AuditRecord
+
+log = logging.getLogger(__name__)
+
+IDENTITY_HEADER = "Fauxmad-Identity"
+SIGNED_AT_HEADER = "Fauxmad-Signed-At"
+NAME_HEADER = "Fauxmad-Name"
+SIGNATURE_HEADER = "Fauxmad-Signature"
+
+MAX_SKEW = 60.0  # seconds a signing time may be off the broker's clock
+AUDIT_TIMEOUT = 2.0  # seconds an audit record's JetStream ack is awaited (in the background)
+
+# the verbs that change nothing (every other verb on the API subjects is recorded)
+READ_VERBS = frozenset({"list", "get", "wait", "snapshots", "simulate", "status"})
+
+
+def _signed_bytes(subject: str, signed_at: str, name: str, data: bytes) -> bytes:
+    return b"\n".join((subject.encode(), signed_at.encode(), name.encode(), hashlib.sha256(data).digest()))
+
+
+class RequestSigner:
+    """Signs a connection's API requests with its nkey (`bus.transport.connection.connect` attaches one to a secure
+    connection: `signer_of(client)`)."""
+
+    def __init__(self, seed: str, name: str, clock: Callable[[], float] = time.time) -> None:
+        import nkeys
+
+        self._keys = nkeys.from_seed(seed.encode())
+        self.public_key = self._keys.public_key.decode()
+        self.name = name
+        self._clock = clock
+
+    def headers(self, subject: str, data: bytes) -> dict[str, str]:
+        signed_at = str(int(self._clock() * 1000))
+        signature = self._keys.sign(_signed_bytes(subject, signed_at, self.name, data))
+        return {
+            IDENTITY_HEADER: self.public_key,
+            SIGNED_AT_HEADER: signed_at,
+            NAME_HEADER: self.name,
+            SIGNATURE_HEADER: base64.urlsafe_b64encode(signature).decode(),
+        }
+
+
+SIGNER_ATTRIBUTE = "fauxmad_signer"
+
+
+def signer_of(client: Client) -> RequestSigner | None:
+    found = getattr(client, SIGNER_ATTRIBUTE, None)
+    return found if isinstance(found, RequestSigner) else None
+
+
+class Caller(msgspec.Struct, frozen=True):
+    identity: str  # "nkey:<public key>", "unsigned" or "refused"
+    name: str = ""
+
+
+UNSIGNED = Caller("unsigned")
+REFUSED = Caller("refused")  # a signature that does not verify: the request went no further
+
+
+def identify(subject: str, data: bytes, headers: dict[str, str] | None, now: float) -> Caller:
+    """Who signed this request (`UNSIGNED` when nobody did), or `Forbidden` saying why the signature fails."""
+    found = headers or {}
+    public_key = found.get(IDENTITY_HEADER)
+    if public_key is None:
+        return UNSIGNED
+    signed_at = found.get(SIGNED_AT_HEADER, "")
+    name = found.get(NAME_HEADER, "")
+    try:
+        signature = base64.urlsafe_b64decode(found.get(SIGNATURE_HEADER, "").encode())
+        _verify_key(public_key).verify(_signed_bytes(subject, signed_at, name, data), signature)
+        at = int(signed_at) / 1000
+    except Exception:  # a malformed key, signature or time, or a signature of something else
+        raise Forbidden(f"request signature of {public_key[:12]}... does not verify") from None
+    if abs(now - at) > MAX_SKEW:
+        raise Forbidden(f"request signed {now - at:.0f}s ago: more than {MAX_SKEW:g}s off this broker's clock")
+    return Caller(f"nkey:{public_key}", name)
+
+
+def _verify_key(public_key: str) -> Any:
+    """The ed25519 key of a user's public nkey (`U` + base32 of prefix, key, CRC-16), or ValueError."""
+    import nacl.signing
+    import nkeys
+
+    raw = base64.b32decode(public_key.encode())
+    if len(raw) != 35 or raw[0] != nkeys.PREFIX_BYTE_USER:
+        raise ValueError("not a user's public nkey")
+    if nkeys.crc16(bytearray(raw[:-2])) != int.from_bytes(raw[-2:], "little"):
+        raise ValueError("the public nkey's checksum is wrong")
+    return nacl.signing.VerifyKey(raw[1:33])
+
+
+API_SUBJECTS = f"{subjects.PREFIX}.api."
+
+
+def mutating(subject: str) -> bool:
+    """Whether a request is an API request that changes something (and so is signed and recorded)."""
+    return subject.startswith(API_SUBJECTS) and subject.rpartition(".")[2] not in READ_VERBS
+
+
+class AuditTrail:
+    """Publishes audit records to JetStream and awaits their acks in the background: a record is on the wire
+    when `record` returns, a failure (now or at its ack) is logged and never undoes the change, and `drain`
+    waits for the acks of everything recorded so far (a process stopping by a signal calls it)."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self._acks: set[asyncio.Task[None]] = set()
+
+    async def make_stream_if_open(self) -> None:
+        """On an open fleet, make the audit stream if it is not there (a secure fleet's operator makes it:
+        `fauxmad fleet prepare`). Without it requests are still answered, and each record's failure logged."""
+        if signer_of(self.nc) is not None:
+            return
+        from bus.transport.jetstream import ensure_audit_stream
+
+        try:
+            await ensure_audit_stream(self.js)
+        except Exception as exc:
+            log.warning("the audit stream is not there and could not be made (%s): records will fail", exc)
+
+    async def record(self, subject: str, record: AuditRecord) -> None:
+        what = f"{record.method} {record.path} by {record.identity}"
+        try:
+            ack = await self.js.publish_async(subject, msgspec.json.encode(record))
+        except Exception as exc:
+            log.error("audit: could not record %s: %s", what, exc)
+            return
+        task = asyncio.create_task(self._acked(ack, what))
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
+
+    @staticmethod
+    async def _acked(ack: Awaitable[Any], what: str) -> None:
+        try:
+            await asyncio.wait_for(ack, AUDIT_TIMEOUT)
+        except Exception as exc:
+            log.error("audit: %s was not acknowledged: %r", what, exc)
+
+    async def drain(self, timeout: float = AUDIT_TIMEOUT) -> None:
+        """Wait (at most `timeout`) for the acks of every record published so far."""
+        if self._acks:
+            await asyncio.wait(set(self._acks), timeout=timeout)
+
+
+def audit_subject(app: str | None) -> str:
+    """The record's subject: its app's, or `_fleet` for none (or a name too malformed to be one)."""
+    try:
+        return subjects.audit(app or None)
+    except BadRequest:
+        return subjects.audit(None)
+
+
+class RequestAudit:
+    """What a service (a broker) does with its API requests: identify the signer before the handler runs and
+    record every mutating request, allowed or refused, once its outcome is known."""
+
+    def __init__(self, trail: AuditTrail, clock: Callable[[], float] = time.time) -> None:
+        self.trail = trail
+        self.clock = clock
+
+    def identify(self, subject: str, data: bytes, headers: dict[str, str] | None) -> Caller:
+        return identify(subject, data, headers, self.clock())
+
+    async def record(self, subject: str, caller: Caller, status: int, request_id: str = "") -> None:
+        app = subjects.parse_api_app(subject)
+        record = AuditRecord(
+            at=self.clock(),
+            identity=caller.identity,
+            name=caller.name,
+            method="NATS",
+            path=subject,
+            status=status,
+            app=app,
+            request_id=request_id,
+        )
+        await self.trail.record(audit_subject(app), record)

@@ -1,0 +1,175 @@
+"""Connecting to NATS with settings that suit long-running agents and short CLI calls alike.
+
+Agents (workers, brokers) reconnect forever with a short wait, so a NATS restart is a blip. A CLI
+call should fail at once with a plain sentence when the server is not there: `connect` raises
+`Unreachable` naming the URL rather than letting nats-py print connection tracebacks.
+
+nats-py reconnects after a dropped socket, but a server `-ERR` (a payload over max_payload, an invalid
+subject) closes the client for good. An agent must never stay alive but deaf, so agents pass
+`on_closed`: it is called when the connection ends without the agent having asked, and the agent exits
+non-zero for its supervisor (systemd, `fauxmad dev`) to restart it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+
+from bus.contract.errors import Forbidden, Unreachable
+from bus.transport import credentials
+from bus.transport.audit import SIGNER_ATTRIBUTE, RequestSigner
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL_ENV = "FAUXMAD_NATS_URL"
+
+
+_PUBLISH_VIOLATION = re.compile(r"permissions violation for publish to [\"']?([^\"'\s]+)", re.IGNORECASE)
+
+
+class Refusals:
+    """Publishes nats-server refused (its `-ERR 'Permissions Violation for Publish to "<subject>"'`), so a
+    request to a forbidden subject fails at once as a refusal (403) instead of waiting out its timeout:
+    the server drops such a message and nothing else would ever answer. Attached to secure connections."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+
+    def watch(self, subject: str) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(subject, []).append(future)
+        return future
+
+    def forget(self, subject: str, future: asyncio.Future[None]) -> None:
+        waiting = self._waiting.get(subject, [])
+        if future in waiting:
+            waiting.remove(future)
+        if not waiting:
+            self._waiting.pop(subject, None)
+
+    def noted(self, error: Exception) -> None:
+        match = _PUBLISH_VIOLATION.search(str(error))
+        if match is None:
+            return
+        for future in self._waiting.pop(match.group(1), []):
+            if not future.done():
+                future.set_result(None)
+
+
+def refusals_of(client: Client) -> Refusals | None:
+    found = getattr(client, REFUSALS_ATTRIBUTE, None)
+    return found if isinstance(found, Refusals) else None
+
+
+REFUSALS_ATTRIBUTE = "fauxmad_refusals"
+
+
+class _SslCloseNoise(logging.Filter):
+    """asyncio warns on every TLS connection nats-py closes ("returning true from eof_received() has no
+    effect when using ssl"): noise on every CLI call of a secure fleet, dropped here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_SslCloseNoise())
+
+
+def servers(url: str) -> list[str]:
+    """The server URLs in `url`: one, or several comma-separated (a region's cluster in a supercluster)."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
+def default_url() -> str | None:
+    return os.environ.get(DEFAULT_URL_ENV) or None
+
+
+async def _quiet_error(exc: Exception) -> None:
+    log.debug("nats: %r", exc)
+
+
+def _identity(url: str, creds: str | None) -> tuple[dict[str, Any], Refusals | None, RequestSigner | None]:
+    """A secure connection's connect options, its refusals watch and its request signer (none for an open
+    one). $FAUXMAD_CREDS is for secure (tls://) fleets: a plain URL given alongside it is an open fleet."""
+    creds_path = creds or (credentials.default_path() if url.startswith("tls://") else None)
+    if not creds_path:
+        return {}, None, None
+    identity, base = credentials.load(creds_path)
+    return identity.connect_options(base), Refusals(), RequestSigner(identity.seed, identity.name)
+
+
+async def connect(
+    url: str,
+    name: str,
+    *,
+    agent: bool = False,
+    timeout: float = 2.0,
+    on_closed: Callable[[str], None] | None = None,
+    creds: str | None = None,
+) -> Client:
+    """Connect to `url`. `agent=True`: reconnect forever; otherwise fail fast when unreachable.
+
+    `on_closed(reason)` runs whenever the connection ends for good, including the caller's own `close()`:
+    an agent ignores it while it is shutting down. `creds` (default: `$FAUXMAD_CREDS`) is a secure fleet's
+    credentials file (`bus.transport.credentials`): the connection is then that identity, over mutual TLS.
+    """
+    client: Client | None = None
+    secure, refusals, signing = _identity(url, creds)
+
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        if refusals is not None:
+            refusals.noted(exc)
+        if client is None:  # still connecting: kept to say why it failed
+            errors.append(str(exc))
+        await _quiet_error(exc)
+
+    async def closed() -> None:
+        if on_closed is not None:
+            why = client.last_error if client is not None else None
+            on_closed(f"the NATS connection was closed: {why or 'by the server'}")
+
+    if url.startswith("tls://") and not secure:
+        raise Forbidden(f"{url} is a secure fleet: set {credentials.CREDS_ENV} to this identity's credentials file")
+    # nats-py can wait forever on a TLS handshake that will not complete (a plain client told by the server
+    # that TLS is required): a command gets a bounded wait; an agent keeps trying, as it does on any failure
+    bound = None if agent else 4 * timeout + 2
+    try:
+        connecting = nats.connect(
+            servers=servers(url),
+            name=name,
+            connect_timeout=timeout,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1 if agent else 3,
+            reconnect_time_wait=0.25 if agent else 0.1,
+            ping_interval=5 if agent else 20,
+            max_outstanding_pings=3,
+            error_cb=on_error,
+            pending_size=64 * 1024 * 1024,
+            closed_cb=closed,
+            **secure,
+        )
+        client = await asyncio.wait_for(connecting, bound)
+        if refusals is not None:
+            setattr(client, REFUSALS_ATTRIBUTE, refusals)
+        if signing is not None:
+            setattr(client, SIGNER_ATTRIBUTE, signing)  # its API requests name it to the audit trail
+        return client
+    except TimeoutError:
+        hint = "" if secure else f" (a secure fleet needs its credentials: {credentials.CREDS_ENV})"
+        raise Unreachable(f"cannot reach NATS at {url}: no connection within {bound:g}s{hint}") from None
+    except Exception as exc:
+        if any("authorization violation" in error.lower() for error in errors):
+            raise Forbidden(
+                f"NATS at {url} refused these credentials (authorization violation): unknown, revoked or not for"
+                " this server"
+            ) from None
+        raise Unreachable(f"cannot reach NATS at {url}: {exc.__class__.__name__} {exc}".strip()) from None

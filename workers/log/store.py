@@ -1,0 +1,408 @@
+"""The worker's LMDB environment: an append-only op log and the tables derived from it.
+
+Layout (one place owns it): sub-database `log` maps an 8-byte big-endian sequence number to a
+record; `machines` maps a machine id to its `StoredMachine`; `idempotency` maps an idempotency key
+to a machine id; `images` maps an image name to the last time it was used; `volumes` maps a volume id
+to its `Volume` (README "Volumes"); `meta` holds `usage`
+(resources held) and `worker` (cordon state). Every change appends one log record and updates the
+derived tables in the same write transaction, so they can never disagree, and `rebuild` recomputes
+them from the log alone to prove it.
+
+Writes go through `workers.log.commit.GroupCommitter`: a writer thread takes every operation queued
+meanwhile, runs each in its own nested transaction (one failing operation aborts only itself) and
+commits them all with one fsync. Callers get their result only after that commit, so nothing
+acknowledged is lost to a crash. Reads are lock-free LMDB read transactions on the caller's thread.
+
+Restart time does not grow with the log: the derived tables are persistent, so opening the store
+reads nothing but the machines. Compaction drops log records a later record supersedes (and
+destroyed machines past retention), which keeps the log bounded while replay stays exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+import msgspec
+
+from bus.contract.errors import NotFound
+from bus.contract.messages import Volume
+from workers.log.machine_states import HOLDS_RESOURCES
+from workers.log.records import (
+    ImageRecord,
+    LogRecord,
+    MachineRecord,
+    StoredMachine,
+    Usage,
+    VolumeRecord,
+    WorkerRecord,
+    WorkerState,
+    newest_events,
+)
+
+T = TypeVar("T")
+
+DB_LOG = b"log"
+DB_MACHINES = b"machines"
+DB_IDEMPOTENCY = b"idempotency"
+DB_IMAGES = b"images"
+DB_META = b"meta"
+DB_VOLUMES = b"volumes"
+KEY_USAGE = b"usage"
+KEY_WORKER = b"worker"
+
+_SEQ = struct.Struct(">Q")
+_encoder = msgspec.json.Encoder()
+_record_decoder = msgspec.json.Decoder(LogRecord)
+_machine_decoder = msgspec.json.Decoder(StoredMachine)
+_usage_decoder = msgspec.json.Decoder(Usage)
+_worker_decoder = msgspec.json.Decoder(WorkerState)
+_volume_decoder = msgspec.json.Decoder(Volume)
+
+
+def seq_key(seq: int) -> bytes:
+    return _SEQ.pack(seq)
+
+
+class Tables(msgspec.Struct, kw_only=True):
+    """The derived tables as plain values: what `snapshot` reads and `rebuild` recomputes."""
+
+    machines: dict[str, StoredMachine]
+    idempotency: dict[str, str]
+    images: dict[str, float]
+    usage: Usage
+    worker: WorkerState
+    volumes: dict[str, Volume] = {}
+
+
+class Tx:
+    """One operation's view of a write transaction. Only `store` and `GroupCommitter` create it."""
+
+    def __init__(self, store: Store, txn: Any, now: float) -> None:
+        self._store = store
+        self._txn = txn
+        self.now = now
+        self.records: list[LogRecord] = []
+
+    # reads inside the transaction -------------------------------------------------------------
+    def get(self, machine_id: str) -> StoredMachine | None:
+        raw = self._txn.get(machine_id.encode(), db=self._store.db_machines)
+        return None if raw is None else _machine_decoder.decode(raw)
+
+    def require(self, machine_id: str) -> StoredMachine:
+        stored = self.get(machine_id)
+        if stored is None:
+            raise NotFound(f"machine {machine_id} not found on this worker")
+        return stored
+
+    def by_idempotency(self, key: str) -> StoredMachine | None:
+        raw = self._txn.get(key.encode(), db=self._store.db_idempotency)
+        return None if raw is None else self.get(raw.decode())
+
+    def usage(self) -> Usage:
+        raw = self._txn.get(KEY_USAGE, db=self._store.db_meta)
+        return Usage() if raw is None else _usage_decoder.decode(raw)
+
+    def worker(self) -> WorkerState:
+        raw = self._txn.get(KEY_WORKER, db=self._store.db_meta)
+        return WorkerState() if raw is None else _worker_decoder.decode(raw)
+
+    # writes: each appends exactly one log record ----------------------------------------------
+    def _append(self, make: Callable[[int], LogRecord]) -> LogRecord:
+        seq = self._store.next_seq(self._txn)
+        record = make(seq)
+        self._txn.put(seq_key(seq), _encoder.encode(record), db=self._store.db_log, append=True)
+        self.records.append(record)
+        return record
+
+    def put_machine(self, stored: StoredMachine, op: str) -> StoredMachine:
+        """Write `stored` (its version becomes this record's sequence) and keep the usage in step."""
+        previous = self.get(stored.machine.id)
+
+        def make(seq: int) -> LogRecord:
+            stored.machine.version = seq
+            stored.events = newest_events(stored.events)
+            for event in reversed(stored.events):  # every event this record adds (an exit, then a state)
+                if event.seq != 0:
+                    break
+                event.seq = seq
+            return MachineRecord(seq=seq, at=self.now, op=op, stored=stored)
+
+        self._append(make)
+        apply_machine(self._txn, self._store, previous, stored)
+        return stored
+
+    def put_worker(self, state: WorkerState, op: str) -> None:
+        def make(seq: int) -> LogRecord:
+            state.seq = seq
+            return WorkerRecord(seq=seq, at=self.now, op=op, state=state)
+
+        self._append(make)
+        self._txn.put(KEY_WORKER, _encoder.encode(state), db=self._store.db_meta)
+
+    def volume(self, volume_id: str) -> Volume | None:
+        raw = self._txn.get(volume_id.encode(), db=self._store.db_volumes)
+        return None if raw is None else _volume_decoder.decode(raw)
+
+    def require_volume(self, volume_id: str) -> Volume:
+        volume = self.volume(volume_id)
+        if volume is None:
+            raise NotFound(f"volume {volume_id} not found on this worker")
+        return volume
+
+    def volumes(self) -> list[Volume]:
+        return [_volume_decoder.decode(value) for _, value in self._txn.cursor(db=self._store.db_volumes)]
+
+    def put_volume(self, volume: Volume, op: str) -> Volume:
+        """Write `volume` (its version becomes this record's sequence): one log record, one table row."""
+
+        def make(seq: int) -> LogRecord:
+            volume.version = seq
+            return VolumeRecord(seq=seq, at=self.now, op=op, volume=volume)
+
+        self._append(make)
+        self._txn.put(volume.id.encode(), _encoder.encode(volume), db=self._store.db_volumes)
+        return volume
+
+    def touch_image(self, image: str) -> None:
+        if self._txn.get(image.encode(), db=self._store.db_images) is None:
+            self._append(lambda seq: ImageRecord(seq=seq, at=self.now, op="image_cached", image=image))
+            self._txn.put(image.encode(), _encoder.encode(self.now), db=self._store.db_images)
+
+
+def apply_machine(txn: Any, store: Store, previous: StoredMachine | None, stored: StoredMachine) -> None:
+    """Update the derived tables for one machine record: the one rule both live writes and replay use."""
+    machine = stored.machine
+    txn.put(machine.id.encode(), _encoder.encode(stored), db=store.db_machines)
+    if stored.idempotency_key:
+        txn.put(stored.idempotency_key.encode(), machine.id.encode(), db=store.db_idempotency)
+    held_before = previous is not None and previous.machine.state in HOLDS_RESOURCES
+    held_now = machine.state in HOLDS_RESOURCES
+    if held_before == held_now and (previous is None or previous.machine.config.guest == machine.config.guest):
+        return
+    raw = txn.get(KEY_USAGE, db=store.db_meta)
+    usage = Usage() if raw is None else _usage_decoder.decode(raw)
+    if held_before and previous is not None:
+        usage.cpus -= previous.machine.config.guest.cpus
+        usage.memory_mb -= previous.machine.config.guest.memory_mb
+        usage.machines -= 1
+    if held_now:
+        usage.cpus += machine.config.guest.cpus
+        usage.memory_mb += machine.config.guest.memory_mb
+        usage.machines += 1
+    txn.put(KEY_USAGE, _encoder.encode(usage), db=store.db_meta)
+
+
+class Store:
+    """One LMDB environment per worker. Thread-safe: reads anywhere, writes via `GroupCommitter`."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        map_size: int = 8 * 1024 * 1024 * 1024,
+        sync: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=map_size,
+            max_dbs=8,
+            sync=sync,
+            metasync=sync,
+            writemap=False,
+            map_async=False,
+            readahead=False,
+            max_readers=256,
+            mode=0o600,  # the op log holds every machine's config and env: the worker's alone
+        )
+        self.db_log = self.env.open_db(DB_LOG)
+        self.db_machines = self.env.open_db(DB_MACHINES)
+        self.db_idempotency = self.env.open_db(DB_IDEMPOTENCY)
+        self.db_images = self.env.open_db(DB_IMAGES)
+        self.db_meta = self.env.open_db(DB_META)
+        self.db_volumes = self.env.open_db(DB_VOLUMES)
+        self._seq = self._load_last_seq()
+
+    def _load_last_seq(self) -> int:
+        with self.env.begin(db=self.db_log) as txn:
+            cursor = txn.cursor()
+            return int(_SEQ.unpack(cursor.key())[0]) if cursor.last() else 0
+
+    def next_seq(self, txn: Any) -> int:
+        # only the writer thread calls this, inside its write transaction
+        self._seq += 1
+        return self._seq
+
+    @contextlib.contextmanager
+    def rollback_seq(self) -> Iterator[None]:
+        """Give back the sequence numbers taken inside the block if it raises (its transaction aborted)."""
+        seq_before = self._seq
+        try:
+            yield
+        except BaseException:
+            self._seq = seq_before
+            raise
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    def close(self) -> None:
+        self.env.close()
+
+    # writes, for the committer ----------------------------------------------------------------
+    def write(self, fn: Callable[[Tx], T]) -> T:
+        """Run one operation in its own write transaction (one fsync). For tools and tests."""
+        with self.rollback_seq(), self.env.begin(write=True) as txn:
+            return fn(Tx(self, txn, self.clock()))
+
+    # reads ------------------------------------------------------------------------------------
+    def get(self, machine_id: str) -> StoredMachine | None:
+        with self.env.begin() as txn:
+            raw = txn.get(machine_id.encode(), db=self.db_machines)
+            return None if raw is None else _machine_decoder.decode(raw)
+
+    def machines(self) -> list[StoredMachine]:
+        with self.env.begin() as txn:
+            return [_machine_decoder.decode(value) for _, value in txn.cursor(db=self.db_machines)]
+
+    def usage(self) -> Usage:
+        with self.env.begin() as txn:
+            raw = txn.get(KEY_USAGE, db=self.db_meta)
+            return Usage() if raw is None else _usage_decoder.decode(raw)
+
+    def worker(self) -> WorkerState:
+        with self.env.begin() as txn:
+            raw = txn.get(KEY_WORKER, db=self.db_meta)
+            return WorkerState() if raw is None else _worker_decoder.decode(raw)
+
+    def volume(self, volume_id: str) -> Volume | None:
+        with self.env.begin() as txn:
+            raw = txn.get(volume_id.encode(), db=self.db_volumes)
+            return None if raw is None else _volume_decoder.decode(raw)
+
+    def volumes(self) -> list[Volume]:
+        with self.env.begin() as txn:
+            return [_volume_decoder.decode(value) for _, value in txn.cursor(db=self.db_volumes)]
+
+    def images(self) -> list[str]:
+        with self.env.begin() as txn:
+            return [key.decode() for key, _ in txn.cursor(db=self.db_images)]
+
+    def log(self, start: int = 0) -> Iterator[LogRecord]:
+        with self.env.begin() as txn:
+            cursor = txn.cursor(db=self.db_log)
+            if not cursor.set_range(seq_key(start)):
+                return
+            for _, value in cursor:
+                yield _record_decoder.decode(value)
+
+    def log_length(self) -> int:
+        with self.env.begin() as txn:
+            return int(txn.stat(self.db_log)["entries"])
+
+    def snapshot(self) -> Tables:
+        with self.env.begin() as txn:
+            machines = {k.decode(): _machine_decoder.decode(v) for k, v in txn.cursor(db=self.db_machines)}
+            idem = {k.decode(): v.decode() for k, v in txn.cursor(db=self.db_idempotency)}
+            images = {k.decode(): float(msgspec.json.decode(v)) for k, v in txn.cursor(db=self.db_images)}
+            raw_usage = txn.get(KEY_USAGE, db=self.db_meta)
+            raw_worker = txn.get(KEY_WORKER, db=self.db_meta)
+            volumes = {k.decode(): _volume_decoder.decode(v) for k, v in txn.cursor(db=self.db_volumes)}
+        return Tables(
+            volumes=volumes,
+            machines=machines,
+            idempotency=idem,
+            images=images,
+            usage=_usage_decoder.decode(raw_usage) if raw_usage else Usage(),
+            worker=_worker_decoder.decode(raw_worker) if raw_worker else WorkerState(),
+        )
+
+    def rebuild(self) -> Tables:
+        """Recompute every derived table from the op log alone (it does not touch the live tables)."""
+        machines: dict[str, StoredMachine] = {}
+        images: dict[str, float] = {}
+        volumes: dict[str, Volume] = {}
+        worker = WorkerState()
+        for record in self.log():
+            match record:
+                case MachineRecord(stored=stored):
+                    machines[stored.machine.id] = stored
+                case WorkerRecord(state=state):
+                    worker = state
+                case ImageRecord(image=image, at=at):
+                    images.setdefault(image, at)
+                case VolumeRecord(volume=volume):
+                    volumes[volume.id] = volume
+        usage = Usage()
+        idem: dict[str, str] = {}
+        for stored in machines.values():
+            if stored.idempotency_key:
+                idem[stored.idempotency_key] = stored.machine.id
+            if stored.machine.state in HOLDS_RESOURCES:
+                usage.cpus += stored.machine.config.guest.cpus
+                usage.memory_mb += stored.machine.config.guest.memory_mb
+                usage.machines += 1
+        return Tables(machines=machines, idempotency=idem, images=images, usage=usage, worker=worker, volumes=volumes)
+
+    def compact(self, *, keep_last: int, destroyed_retention: float, limit: int = 50_000) -> int:
+        """Drop superseded log records older than the newest `keep_last`; return how many went.
+
+        A machine record is superseded when the machine's current version is a later record; a
+        destroyed machine older than `destroyed_retention` seconds leaves the log and the table
+        together, so a replay still equals the live tables. Bounded by `limit` per call, so one
+        call never holds the write lock for long.
+        """
+        horizon = self._seq - keep_last
+        if horizon <= 0:
+            return 0
+        now = self.clock()
+        deleted = 0
+        latest_worker = self.worker().seq
+        with self.env.begin(write=True) as txn:
+            cursor = txn.cursor(db=self.db_log)
+            if not cursor.first():
+                return 0
+            while deleted < limit:
+                seq = int(_SEQ.unpack(cursor.key())[0])
+                if seq > horizon:
+                    break
+                record = _record_decoder.decode(cursor.value())
+                if self._superseded(txn, record, latest_worker, now, destroyed_retention):
+                    if not cursor.delete():
+                        break
+                    deleted += 1
+                elif not cursor.next():
+                    break
+        return deleted
+
+    def _superseded(self, txn: Any, record: LogRecord, latest_worker: int, now: float, retention: float) -> bool:
+        if isinstance(record, WorkerRecord):
+            return record.seq != latest_worker
+        if isinstance(record, ImageRecord):
+            return False
+        if isinstance(record, VolumeRecord):  # the latest record of a volume stays (destroyed ones too)
+            raw_volume = txn.get(record.volume.id.encode(), db=self.db_volumes)
+            return raw_volume is None or _volume_decoder.decode(raw_volume).version != record.seq
+        machine = record.stored.machine
+        raw = txn.get(machine.id.encode(), db=self.db_machines)
+        if raw is None:
+            return True
+        current = _machine_decoder.decode(raw)
+        if current.machine.version != record.seq:
+            return True
+        if current.machine.state == "destroyed" and now - record.at > retention:
+            txn.delete(machine.id.encode(), db=self.db_machines)
+            if current.idempotency_key:
+                txn.delete(current.idempotency_key.encode(), db=self.db_idempotency)
+            return True
+        return False
