@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +54,29 @@ def kill_machines_of(worker_id: str) -> int:
                 os.kill(int(entry.name), signal.SIGKILL)
                 killed += 1
     return killed
+
+
+def wait_until(condition: Callable[[], T], what: str, timeout: float = 10.0, interval: float = 0.05) -> T:
+    """Poll `condition` until it returns something true, and return that: what a test waits for, in place
+    of a sleep long enough for it on a good day. At the deadline an AssertionError says `what` never happened."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
+        time.sleep(interval)
+
+
+async def until(condition: Callable[[], Awaitable[T]], what: str, timeout: float = 10.0, interval: float = 0.05) -> T:
+    """`wait_until` inside a loop: `condition` is a coroutine function, awaited each round."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await condition()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
+        await asyncio.sleep(interval)
 
 
 class WorkerProcess:

@@ -23,9 +23,10 @@ from bus.contract.messages import Machine, MachineConfig, MachineEvent
 from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
 from bus.transport.jetstream import ensure_fleet_resources
-from tests.helpers import RawClient, WorkerProcess, arun
+from tests.helpers import RawClient, WorkerProcess, arun, until, wait_until
 from workers.log.outbox import NOTHING, Outbox, event_msg_id, missing, parse_msg_id, record_events, with_n
 from workers.log.records import MachineRecord, StoredMachine, newest_events
+from workers.log.store import Store
 
 STREAM = "FAUXMAD_EVENTS"
 EXITS_SOON = ["sh", "-c", "sleep 1.5; exit 3"]  # exits by itself while NATS is down: failed
@@ -144,6 +145,42 @@ async def place(
         await nc.close()
 
 
+def recorded(worker: WorkerProcess, ids: list[str], done: Callable[[StoredMachine], bool], what: str) -> None:
+    """Until the worker's log holds `done` of every machine: read from its LMDB beside the running worker
+    (NATS may be down, so the worker cannot be asked)."""
+    store = Store(worker.data_dir / "lmdb")
+    try:
+        wait_until(lambda: all((m := store.get(mid)) is not None and done(m) for mid in ids), what, timeout=15)
+    finally:
+        store.close()
+
+
+def exits(stored: StoredMachine) -> int:
+    return sum(event.type == "exit" for event in stored.events)
+
+
+async def index_revisions(url: str, ids: list[str]) -> dict[str, int]:
+    """The revision of each machine's entry in the index (KV `fauxmad_machines`)."""
+    nc = await nats.connect(url)
+    try:
+        kv = await nc.jetstream().key_value("fauxmad_machines")
+        return {mid: (await kv.get(mid)).revision or 0 for mid in ids}
+    finally:
+        await nc.close()
+
+
+async def republished(url: str, ids: list[str], before: dict[str, int]) -> None:
+    """Until a restarted worker's start-up republish went out: it puts every machine's index entry again,
+    in its first delivery, with whatever events the stream lacked (nothing is delivered before the
+    look-ups are done), so each entry's revision passes the one read while the worker was down."""
+
+    async def put_again() -> bool:
+        now = await index_revisions(url, ids)
+        return all(now[mid] > before[mid] for mid in ids)
+
+    await until(put_again, "the restarted worker republished its machines' index entries", timeout=15)
+
+
 @pytest.mark.parametrize("outage", ["killed", "hung then killed"])
 def test_index_and_events_converge_after_a_nats_outage(
     outage: str, crashable_nats: EmbeddedNats, worker_factory: Callable[..., WorkerProcess]
@@ -159,6 +196,8 @@ def test_index_and_events_converge_after_a_nats_outage(
     ids = arun(place(server.url, worker, [EXITS_SOON, ENDS_SOON, SLEEPER]))
     arun(converge(server.url, worker, ids, within=5))
 
+    # the outage is the scenario, not a wait: it spans both exits (1.5 s and 3 s into the machines' lives)
+    # and then outlasts the outbox's 3 s ack timeout, so what was sent into it is known lost
     if outage == "killed":
         server.kill()
         time.sleep(6.5)
@@ -195,7 +234,8 @@ def test_a_worker_that_dies_during_the_outage_republishes_on_start(
     arun(converge(server.url, worker, ids, within=5))
 
     server.kill()
-    time.sleep(4)  # both exit, and the worker records it; then the worker dies with its outbox
+    # both exit, and the worker records it; then the worker dies with its outbox
+    recorded(worker, ids, lambda m: m.machine.state in ("failed", "stopped"), "both machines ended in the log")
     worker.kill9()
     server.start()
     worker.start()
@@ -218,7 +258,8 @@ def test_every_record_the_dead_worker_held_comes_back_not_only_the_newest(
     arun(converge(server.url, worker, ids, within=5))
 
     server.kill()
-    time.sleep(4.5)  # fails, restarts after the backoff, fails again: failed for good
+    # fails, restarts after the backoff, fails again: failed for good
+    recorded(worker, ids, lambda m: m.machine.state == "failed" and exits(m) == 2, "failed twice in the log")
     worker.kill9()
     server.start()
     worker.start()
@@ -255,11 +296,11 @@ def test_worker_restarts_add_no_duplicates_and_restore_a_lost_newest_event(
     arun(shrink_duplicate_window())
     ids = arun(place(server.url, worker, [SLEEPER, SLEEPER]))
     before, _ = arun(converge(server.url, worker, ids, within=5))
-    time.sleep(1)
+    time.sleep(1)  # not a wait: the events' ids leave the (shrunk) duplicate window, which must not be needed
     worker.terminate()
+    revisions = arun(index_revisions(server.url, ids))
     worker.start()
-    after, _ = arun(converge(server.url, worker, ids, within=5))
-    time.sleep(1.5)  # the republish runs in the background: let it finish
+    arun(republished(server.url, ids, revisions))  # the republish runs in the background: until it went out
     after, _ = arun(converge(server.url, worker, ids, within=5))
     assert [key for key, _ in after.stream] == [key for key, _ in before.stream]  # nothing added
 
@@ -278,8 +319,9 @@ def test_worker_restarts_add_no_duplicates_and_restore_a_lost_newest_event(
     msg_id, newest = arun(forget_newest())
     assert newest["status"] == "started"
     assert msg_id == event_msg_id(worker.worker_id, lost_id, newest["seq"], 0)
+    revisions = arun(index_revisions(server.url, ids))
     worker.start()
-    time.sleep(1.5)
+    arun(republished(server.url, ids, revisions))
     restored, _ = arun(converge(server.url, worker, ids, within=5))
     assert sorted(key for key, _ in restored.stream) == sorted(key for key, _ in before.stream)
     assert restored.stream[-1][0] == msg_id
@@ -331,7 +373,7 @@ def test_an_item_nats_keeps_refusing_holds_up_nothing_else(
             assert time.monotonic() - started < 10, "events held up by the refused index entries"
             await asyncio.sleep(0.05)
         took = time.monotonic() - started
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # not a wait: nothing more may arrive (no event doubled)
         assert await stored() == machines * records
         task.cancel()
         await nc.close()
