@@ -13,7 +13,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -36,6 +36,10 @@ from orchestrator.cli.runtime import (
     split_names,
     with_client,
 )
+
+if TYPE_CHECKING:
+    from bus.contract.messages import Machine, WorkerInfo
+    from orchestrator.devfleet import DevFleet, FleetSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 
@@ -66,7 +70,7 @@ def regions(nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
         console.print(regions_table(summaries))
 
 
-def _fleet_spec(regions_csv: str, per_region: int, cpus: int, memory_mb: int, port: int | None) -> Any:
+def _fleet_spec(regions_csv: str, per_region: int, cpus: int, memory_mb: int, port: int | None) -> FleetSpec:
     from orchestrator.devfleet import FleetSpec
 
     names = split_names("region", regions_csv)
@@ -93,7 +97,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def _fleet_lifetime(fleet: Any) -> Iterator[None]:
+def _fleet_lifetime(fleet: DevFleet) -> Iterator[None]:
     """Stop `fleet` (its machines, processes, NATS and data dir) however the block is left.
 
     SIGTERM and SIGHUP (a closed terminal) unwind like Ctrl-C, so they clean up too; while the fleet
@@ -132,7 +136,7 @@ def _port_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
-def _start(fleet: Any, what: str) -> None:
+def _start(fleet: DevFleet, what: str) -> None:
     from bus.contract.errors import FauxmadError
 
     try:
@@ -223,7 +227,7 @@ def demo(
     console.print(f"[bold green]demo done[/]: {len(machines)} machines placed, served and cleaned up")
 
 
-def _demo_run(url: str, region_names: list[str]) -> list[Any]:
+def _demo_run(url: str, region_names: list[str]) -> list[Machine]:
     from bus.contract.messages import Check, CreateRequest, Guest, MachineConfig
     from orchestrator.client import FleetClient
 
@@ -235,7 +239,7 @@ def _demo_run(url: str, region_names: list[str]) -> list[Any]:
         checks={"http": Check(type="http", path="/health", interval="500ms", timeout="1s")},
     )
 
-    async def place() -> list[tuple[Any, float]]:
+    async def place() -> list[tuple[Machine, float]]:
         client = await FleetClient.connect(url)
         try:
             placed = []
@@ -249,7 +253,7 @@ def _demo_run(url: str, region_names: list[str]) -> list[Any]:
         finally:
             await client.close()
 
-    async def fleet_view() -> Any:
+    async def fleet_view() -> tuple[list[WorkerInfo], list[Machine]]:
         client = await FleetClient.connect(url)
         try:
             return await client.workers(), [await client.get("sandwich", m.id) for m, _ in placed]

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
 from rich.table import Table
@@ -27,6 +28,11 @@ from orchestrator.cli.runtime import (
     with_connected,
 )
 
+if TYPE_CHECKING:
+    from orchestrator.jobs.client import JobsClient
+
+T = TypeVar("T")
+
 job_app = typer.Typer(
     help="Background jobs: run a command to completion once, on whichever worker of a region has room.",
     no_args_is_help=True,
@@ -36,7 +42,8 @@ AppOption = typer.Option(..., "--app", "-a", help="the app the job belongs to", 
 JobIdArgument = typer.Argument(..., help="job id (j + 15 hex, as `job submit` printed it)")
 
 
-def _client(url: str | None, fn: Any) -> Any:
+def _client(url: str | None, fn: Callable[[JobsClient], Awaitable[T]]) -> T:
+    """Run `fn` with a `JobsClient` connected to the fleet at `url`, like `with_client`."""
     from orchestrator.jobs.client import JobsClient
 
     return with_connected(url, JobsClient.connect, fn)
@@ -132,8 +139,8 @@ def submit(
     except (SpecError, ValueError) as exc:
         fail(str(exc), EXIT_USAGE)
 
-    async def go(client: Any) -> list[Job]:
-        jobs: list[Job] = await client.submit(where, request)
+    async def go(client: JobsClient) -> list[Job]:
+        jobs = await client.submit(where, request)
         if wait:
             done = await client.wait(request.app, [job.id for job in jobs], wait_timeout)
             jobs = [done[job.id] for job in jobs]
@@ -156,7 +163,7 @@ def status(
     job_id: str = JobIdArgument, app: str = AppOption, nats: str | None = NatsOption, json_out: bool = JsonOption
 ) -> None:
     """A job's state, attempts (worker, machine, exit) and why."""
-    job: Job = _client(nats, lambda client: client.status(app, job_id))
+    job = _client(nats, lambda client: client.status(app, job_id))
     if json_out:
         print_json(job)
         return
@@ -179,7 +186,7 @@ def list_jobs(
     """An app's jobs, newest first."""
     if state is not None and state not in ("queued", "running", "succeeded", "failed", "cancelled"):
         fail(f"invalid --state {state!r}: use queued, running, succeeded, failed or cancelled", EXIT_USAGE)
-    jobs: list[Job] = _client(nats, lambda client: client.list(app, state=state, region=region, limit=limit))
+    jobs = _client(nats, lambda client: client.list(app, state=state, region=region, limit=limit))
     if json_out:
         print_json(jobs)
     elif not jobs:
@@ -198,8 +205,8 @@ def cancel(
 ) -> None:
     """Cancel a job: a queued one at once; a running one is killed on its worker, and waited for."""
 
-    async def go(client: Any) -> Job:
-        job: Job = await client.cancel(app, job_id)
+    async def go(client: JobsClient) -> Job:
+        job = await client.cancel(app, job_id)
         if job.state in ("queued", "running"):
             job = (await client.wait(app, [job_id], timeout))[job_id]
         return job
@@ -218,7 +225,7 @@ def logs(
     job_id: str = JobIdArgument, app: str = AppOption, nats: str | None = NatsOption, json_out: bool = JsonOption
 ) -> None:
     """What the job's last attempt wrote: stdout, then stderr (the last 4 KiB of each), verbatim."""
-    job: Job = _client(nats, lambda client: client.status(app, job_id))
+    job = _client(nats, lambda client: client.status(app, job_id))
     if json_out:
         print_json({"id": job.id, "attempt": job.attempt, "stdout": job.stdout, "stderr": job.stderr})
         return
@@ -238,7 +245,7 @@ def wait_jobs(
 ) -> None:
     """Wait until every job has finished; exit 0 if all succeeded, else 1."""
     started = time.monotonic()
-    done: dict[str, Job] = _client(nats, lambda client: client.wait(app, job_ids, timeout))
+    done = _client(nats, lambda client: client.wait(app, job_ids, timeout))
     jobs = [done[job_id] for job_id in job_ids]
     if json_out:
         print_json(jobs)

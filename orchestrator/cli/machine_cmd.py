@@ -9,7 +9,7 @@ stderr when it exits or crash-loops instead. `--detach` returns at once.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import typer
@@ -27,6 +27,10 @@ from orchestrator.cli.runtime import (
     fail,
     with_client,
 )
+
+if TYPE_CHECKING:
+    from bus.contract.messages import Machine, MachineConfig
+    from orchestrator.client import FleetClient
 
 machine_app = typer.Typer(help="Run and manage machines (through the brokers).", no_args_is_help=True)
 
@@ -55,7 +59,9 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-async def _until_up(client: Any, app: str, machine: Any, wait: Wait, json_out: bool, *, expect_up: bool = True) -> Any:
+async def _until_up(
+    client: FleetClient, app: str, machine: Machine, wait: Wait, json_out: bool, *, expect_up: bool = True
+) -> Machine:
     """`machine` once it is up; else print it (with --json) and fail with why and its stderr's last lines.
 
     A machine that should be up (`expect_up`: it was started) and is not even starting failed to start (its
@@ -87,7 +93,7 @@ async def _until_up(client: Any, app: str, machine: Any, wait: Wait, json_out: b
     raise CliError(f"machine {machine.id} {verb}: {problem}", details=details)
 
 
-def _print_machine(machine: Any, json_out: bool) -> None:
+def _print_machine(machine: Machine, json_out: bool) -> None:
     if json_out:
         print_json(machine)
     else:
@@ -167,10 +173,10 @@ def run_machine(
         fail(f"invalid machine: {exc}", EXIT_USAGE)
     wait = Wait(wait_up, wait_timeout, detach)
 
-    async def create(client: Any) -> Any:
+    async def create(client: FleetClient) -> Machine:
         nonlocal request
         if image is not None:  # pinned to its digest; no CMD: the image's own
-            request = msgspec.structs.replace(request, config=await _pin(client, request.config))
+            request = msgspec.structs.replace(request, config=await _pin(client, request.config, image))
         created = await client.create(app, request)
         machine = await _until_up(client, app, created, wait, json_out, expect_up=not skip_launch)
         machine.explain = created.explain
@@ -212,7 +218,7 @@ def explain_machine(
 ) -> None:
     """Why a machine is on its worker: the auction it won, as kept in its `created` event."""
     machine = with_client(nats, lambda c: c.get(app, machine_id))
-    kept = next((event.placement for event in machine.events if event.placement), None)
+    kept = next((event.placement for event in machine.events or [] if event.placement), None)
     if kept is None:
         fail(
             f"machine {machine_id} kept no placement (it was reserved straight on its worker, not through a broker)", 4
@@ -256,7 +262,7 @@ def start(
     """Start a stopped or created machine and wait until it is up (exit 1 if it exits or crash-loops)."""
     wait = Wait(wait_up, wait_timeout, detach)
 
-    async def act(client: Any) -> Any:
+    async def act(client: FleetClient) -> Machine:
         return await _until_up(client, app, await client.start(app, machine_id), wait, json_out)
 
     _print_machine(with_client(nats, act), json_out)
@@ -277,30 +283,31 @@ def restart_machine(
     """Stop a machine (if it runs) and start it again; waits until it is up, like `start`."""
     wait = Wait(wait_up, wait_timeout, detach)
 
-    async def act(client: Any) -> Any:
+    async def act(client: FleetClient) -> Machine:
         await client.stop(app, machine_id, signal=signal, timeout=stop_timeout)
         return await _until_up(client, app, await client.start(app, machine_id), wait, json_out)
 
     _print_machine(with_client(nats, act), json_out)
 
 
-async def _pin(client: Any, config: Any) -> Any:
-    """`config` with its image pinned to the digest `bus.stores.images.resolve_image` gives and, with no command, the
-    image's own. A reference the fleet's store does not have: one line, exit 2 (there is no other meaning
-    for a name: placement's image scorer works on digests, and a name nobody has would crash-loop)."""
+async def _pin(client: FleetClient, config: MachineConfig, image: str) -> MachineConfig:
+    """`config` with its image, the reference `image`, pinned to the digest `bus.stores.images.resolve_image`
+    gives and, with no command, the image's own. A reference the fleet's store does not have: one line, exit
+    2 (there is no other meaning for a name: placement's image scorer works on digests, and a name nobody has
+    would crash-loop)."""
     from bus.stores.images import ImageError, resolve_image
 
     try:
-        resolved = await resolve_image(client.nc.jetstream(), config.image)
+        resolved = await resolve_image(client.nc.jetstream(), image)
     except ImageError as exc:
         fail(f"--image: {exc}", EXIT_USAGE)
     cmd = list(config.cmd) or resolved.cmd
     if not cmd:
-        fail(f"no command: give it after --, image {config.image} has none in its manifest", EXIT_USAGE)
+        fail(f"no command: give it after --, image {image} has none in its manifest", EXIT_USAGE)
     return msgspec.structs.replace(config, image=resolved.digest, cmd=cmd)
 
 
-def _destroy_or_stop(verb: str, help_text: str) -> None:
+def _destroy_or_stop(verb: Literal["stop", "destroy"], help_text: str) -> None:
     def command(
         machine_id: str = MachineIdArgument,
         app: str = MachineAppOption,
@@ -308,10 +315,10 @@ def _destroy_or_stop(verb: str, help_text: str) -> None:
         nats: str | None = NatsOption,
         json_out: bool = JsonOption,
     ) -> None:
-        async def act(c: Any) -> Any:
+        async def act(c: FleetClient) -> Machine:
             if verb == "destroy":
                 return await c.destroy(app, machine_id, force=force)
-            return await getattr(c, verb)(app, machine_id)
+            return await c.stop(app, machine_id)
 
         _print_machine(with_client(nats, act), json_out)
 
@@ -323,15 +330,15 @@ _destroy_or_stop("stop", "Stop a machine (SIGTERM, then SIGKILL after 10 s).")
 _destroy_or_stop("destroy", "Destroy a machine and release its resources (--force if it is running).")
 
 
-def _freeze_verb(verb: str, help_text: str) -> None:
+def _freeze_verb(verb: Literal["suspend", "resume"], help_text: str) -> None:
     def command(
         machine_id: str = MachineIdArgument,
         app: str = MachineAppOption,
         nats: str | None = NatsOption,
         json_out: bool = JsonOption,
     ) -> None:
-        async def act(c: Any) -> Any:
-            return await getattr(c, verb)(app, machine_id)
+        async def act(c: FleetClient) -> Machine:
+            return await (c.suspend if verb == "suspend" else c.resume)(app, machine_id)
 
         _print_machine(with_client(nats, act), json_out)
 
@@ -372,7 +379,7 @@ def update(
     changes = _parse_env(env)
     wait = Wait(wait_up, wait_timeout, detach)
 
-    async def act(client: Any) -> Any:
+    async def act(client: FleetClient) -> Machine:
         current = await client.get(app, machine_id, events=False)
         old = current.config
         guest = msgspec.structs.replace(
@@ -399,7 +406,7 @@ def update(
         except (msgspec.ValidationError, ValueError) as exc:
             fail(f"invalid update: {exc}", EXIT_USAGE)
         if image is not None:
-            config = await _pin(client, config)
+            config = await _pin(client, config, image)
         updated = await client.update(app, machine_id, config)
         running = current.state in ("started", "starting")
         return await _until_up(client, app, updated, wait, json_out, expect_up=running)
@@ -407,7 +414,7 @@ def update(
     _print_machine(with_client(nats, act), json_out)
 
 
-async def _image_command(client: Any, reference: str | None) -> list[str] | None:
+async def _image_command(client: FleetClient, reference: str | None) -> list[str] | None:
     """The command of the image `reference` names, or None (no image, or one the store no longer has)."""
     from bus.stores.images import ImageError, is_digest, resolve_image
 

@@ -19,7 +19,7 @@ import sys
 import tomllib
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 import msgspec
 import typer
@@ -28,6 +28,9 @@ import uvloop
 from bus.contract.errors import BadRequest
 from bus.contract.subjects import check_token
 from bus.transport.connection import DEFAULT_URL_ENV
+
+if TYPE_CHECKING:
+    from orchestrator.client import FleetClient
 
 T = TypeVar("T")
 
@@ -121,7 +124,7 @@ def with_connected(url: str | None, open_: Callable[[str], Awaitable[C]], fn: Ca
     return run(main())
 
 
-def with_client(url: str | None, fn: Callable[[Any], Awaitable[T]], *, name: str = "fauxmad-cli") -> T:
+def with_client(url: str | None, fn: Callable[[FleetClient], Awaitable[T]], *, name: str = "fauxmad-cli") -> T:
     """Run `fn` with a `FleetClient` connected to the fleet at `url` (`name`: the connection's, in NATS)."""
     from orchestrator.client import FleetClient
 

@@ -11,7 +11,7 @@ from bus.transport.connection import connect
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, with_connected
 from orchestrator.client import FleetClient
-from orchestrator.secrets import list_secrets, parse_pairs, rolling_restart, set_secrets, unset_secrets
+from orchestrator.secrets import SecretInfo, list_secrets, parse_pairs, rolling_restart, set_secrets, unset_secrets
 
 secrets_app = typer.Typer(
     help="An app's secrets: sealed for the workers, given to its machines as environment variables.",
@@ -70,7 +70,7 @@ def unset_command(
 def list_command(app: str = AppOption, nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
     """The app's secret names and versions (never their values)."""
 
-    async def act(nc: Any) -> Any:
+    async def act(nc: Any) -> list[SecretInfo]:
         return await list_secrets(await secrets_bucket(nc.jetstream()), app)
 
     infos = with_connected(nats, lambda url: connect(url, "fauxmad-secrets"), act)

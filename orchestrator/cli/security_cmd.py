@@ -92,7 +92,7 @@ def add_user(
     if role not in ROLES or role == "worker":
         fail(f"unknown role {role!r}: use operator, broker, deployer or viewer (workers: fleet add-worker)", EXIT_USAGE)
     fleet = FleetDir(directory)
-    _done(fleet, _run(lambda: fleet.add_user(name, role, app)))  # type: ignore[arg-type]  # checked above
+    _done(fleet, _run(lambda: fleet.add_user(name, role, app)))  # `role in ROLES` above narrows it to a Role
 
 
 def revoke(name: str = typer.Argument(..., help="the identity to cut off"), directory: str = DIR_OPTION) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import typer
@@ -30,6 +31,12 @@ from orchestrator.cli.runtime import (
 from orchestrator.cli.view_render import event_line, machines_table, regions_table, workers_table
 from orchestrator.view.history import SINCE_HELP, EventQuery, parse_since
 from orchestrator.view.model import Snapshot
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from bus.contract.jobs import JobEvent
+    from orchestrator.jobs.view import JobCount
 
 CATCH_UP_TIMEOUT = 10.0
 
@@ -92,7 +99,7 @@ def status(
     return 0
 
 
-def jobs_table(counts: list[Any]) -> Any:
+def jobs_table(counts: list[JobCount]) -> Table:
     """Background jobs by app and region: how many in each state (README "Background jobs")."""
     from rich.table import Table
 
@@ -113,7 +120,7 @@ class Collected(msgspec.Struct, frozen=True):
     caught_up: bool
     known: bool  # the app (if one was asked for) has ever had an event
     rebuilt: str | None
-    jobs: list[Any] = []  # JobCount: background jobs by app, region and state
+    jobs: list[JobCount] = []  # background jobs by app, region and state
 
 
 async def _collect(url: str, path: Path, app: str | None, include_destroyed: bool, rebuild: bool) -> Collected:
@@ -128,7 +135,7 @@ async def _collect(url: str, path: Path, app: str | None, include_destroyed: boo
         return Collected(snapshot=snap, caught_up=caught_up, known=known or bool(jobs), rebuilt=rebuilt, jobs=jobs)
 
 
-async def _job_counts(url: str, app: str | None) -> list[Any]:
+async def _job_counts(url: str, app: str | None) -> list[JobCount]:
     from orchestrator.client import FleetClient
     from orchestrator.jobs.view import job_counts
 
@@ -139,10 +146,10 @@ async def _job_counts(url: str, app: str | None) -> list[Any]:
         await client.close()
 
 
-def _emit_job_event(json_out: bool) -> Any:
+def _emit_job_event(json_out: bool) -> Callable[[int, JobEvent], None]:
     from datetime import datetime
 
-    def emit(stream_seq: int, event: Any) -> None:
+    def emit(stream_seq: int, event: JobEvent) -> None:
         if json_out:
             line = msgspec.json.encode({**msgspec.structs.asdict(event), "stream_seq": stream_seq}).decode()
         else:

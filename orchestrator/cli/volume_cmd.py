@@ -7,7 +7,6 @@ A volume lives on one worker of its region (README "Volumes"); a machine that mo
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import typer
 from rich import box
@@ -75,7 +74,7 @@ def snapshots_table(snapshots: list[VolumeSnapshot]) -> Table:
     return table
 
 
-def _show(value: Any, json_out: bool, line: str) -> None:
+def _show(value: Volume | VolumeSnapshot, json_out: bool, line: str) -> None:
     if json_out:
         print_json(value)
     else:
