@@ -24,7 +24,7 @@ from bus.contract.errors import DeadlineExceeded
 from bus.contract.messages import CreateRequest, Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats
+from tests.helpers import arun, connect_nats, until
 
 SLEEP = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=64))
 
@@ -57,6 +57,17 @@ async def crowd(fleet: DevFleet, app: str) -> set[str]:
 
 def pid_of(fleet: DevFleet, name: str) -> int:
     return next(proc.pid for known, proc in fleet.processes if known == name and proc.poll() is None)
+
+
+async def answers(fleet: DevFleet, worker_id: str) -> bool:
+    nc = await connect_nats(fleet.url)
+    try:
+        await nc.request(f"fauxmad.v1.worker.{worker_id}.info", b"", timeout=0.5)
+        return True
+    except Exception:
+        return False
+    finally:
+        await nc.close()
 
 
 def freeze(pid: int, after: float, for_: float) -> threading.Thread:
@@ -163,13 +174,15 @@ def test_a_worker_that_stays_silent_is_an_unknown_outcome_and_the_retry_finds_ou
             os.kill(holdout, signal.SIGSTOP)
             try:
                 # frozen through the reserve's timeout and the probe's: the broker cannot know, so it says so
-                freeze(winner, after=0.5, for_=7.0)
+                thawed = freeze(winner, after=0.5, for_=7.0)
                 with pytest.raises(DeadlineExceeded) as raised:
                     await client.create("silent", request)
             finally:
                 os.kill(holdout, signal.SIGCONT)
             assert "outcome is unknown" in raised.value.message
-            await asyncio.sleep(3.0)  # a-w1 is back; the retry asks it before placing anywhere
+            # a-w1 is back (its freeze over, answering again); the retry asks it before placing anywhere
+            await asyncio.to_thread(thawed.join)
+            await until(lambda: answers(fleet, "a-w1"), "a-w1 answering again after its freeze")
             machine = await client.create("silent", request)
             again = await client.create("silent", request)
         finally:

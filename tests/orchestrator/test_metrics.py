@@ -18,7 +18,7 @@ from bus.contract.errors import NoCapacity, Unreachable
 from bus.contract.messages import Check, CreateRequest, Guest, MachineConfig
 from bus.local.embedded import EmbeddedNats
 from orchestrator.client import FleetClient
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, until, wait_until
 from tests.orchestrator.proxy_kit import free_port
 
 
@@ -89,15 +89,23 @@ def test_worker_and_broker_metrics_count_what_happened(processes: tuple[str, int
             too_big = MachineConfig(cmd=["sleep", "1"], guest=Guest(cpus=64))
             with pytest.raises(NoCapacity):
                 await client.create("met", CreateRequest(region="met", config=too_big))
-            await asyncio.sleep(1.5)  # a heartbeat sets the state gauge; checks run
+
+            async def checked() -> bool:  # the checks run (every 100 ms) while the machine does
+                return value(scrape(worker_port), 'fauxmad_worker_check_results_total{status="passing"}') >= 1
+
+            await until(checked, "a passing check result")
             await client.stop("met", machine.id)
             await client.destroy("met", machine.id)
         finally:
             await client.close()
 
     arun(main())
-    time.sleep(1.2)
-    worker = scrape(worker_port)
+
+    def counted_destroyed() -> str:  # the next heartbeat sets the state gauge, destroyed included
+        text = scrape(worker_port)
+        return text if 'fauxmad_worker_machines{state="destroyed"}' in text else ""
+
+    worker = wait_until(counted_destroyed, "the worker's heartbeat counting the destroyed machine")
     assert value(worker, 'fauxmad_worker_requests_total{outcome="ok",verb="reserve"}') >= 1
     assert value(worker, 'fauxmad_worker_request_seconds_count{verb="reserve"}') >= 1
     assert value(worker, "fauxmad_worker_commits_total") >= 3

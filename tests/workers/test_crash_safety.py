@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import nats
 
-from tests.helpers import RawClient, WorkerProcess, arun, pid_alive, wait_output
+from tests.helpers import RawClient, WorkerProcess, arun, pid_alive, wait_output, wait_until
 
 
 def test_kill9_keeps_machines_and_every_acknowledged_reservation(worker_factory: Callable[..., WorkerProcess]) -> None:
@@ -69,8 +69,9 @@ def test_kill9_keeps_machines_and_every_acknowledged_reservation(worker_factory:
     assert len(state["acked"]) > 10  # type: ignore[arg-type]
     pids: dict[str, int] = state["pids"]  # type: ignore[assignment]
     assert all(pid_alive(pid) for pid in pids.values()), "machines must outlive the worker"
-    time.sleep(2.0)  # the short runner exits (code 7) while nobody watches
-    assert not pid_alive(pids[state["short"]]) and pid_alive(pids[state["long"]])  # type: ignore[index]
+    short, long = pids[state["short"]], pids[state["long"]]  # type: ignore[index]
+    wait_until(lambda: not pid_alive(short), "the short runner exiting while nobody watches")  # code 7
+    assert pid_alive(long)
     worker.start()
 
     async def after() -> None:
