@@ -40,8 +40,8 @@ def proxy(
     nats: str | None = NatsOption,
 ) -> None:
     """Route HTTP requests for <app>.<domain> to the app's machines; start or create them inside a request."""
+    from orchestrator.proxy.config import ProxyConfig
     from orchestrator.proxy.run import parse_listen, run_proxy
-    from orchestrator.proxy.server import ProxyConfig
 
     try:
         where = parse_listen(listen)

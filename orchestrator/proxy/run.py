@@ -22,11 +22,12 @@ from bus.contract.messages import ProxyActivity
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources
 from orchestrator.client import FleetClient
+from orchestrator.proxy.config import ProxyConfig
 from orchestrator.proxy.http import MAX_HEAD
 from orchestrator.proxy.idle import IdleStopper
 from orchestrator.proxy.metrics import ProxyMetrics, serve_admin
 from orchestrator.proxy.routes import RouteTable
-from orchestrator.proxy.server import Proxy, ProxyConfig
+from orchestrator.proxy.server import Proxy
 from orchestrator.proxy.upstream import Pool
 from orchestrator.proxy.wake import Waker
 

@@ -55,7 +55,7 @@ class Waker:
 
     def begin(self, app: str, machine_id: str, *, ahead: bool = False) -> asyncio.Future[MachineIndexEntry]:
         """The machine's start (or resume), begun now or the one in flight: never cancel it, others share it.
-        `ahead`: a request went to the suspended machine on a kept connection (`Proxy._resume_ahead`), and its
+        `ahead`: a request went to the suspended machine on a kept connection (`ahead.resume_ahead`), and its
         answer will show the machine serves: no connection is opened to show it."""
         pending = self.starting.get(machine_id)
         if pending is None:

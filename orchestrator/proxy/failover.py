@@ -1,0 +1,73 @@
+"""Machines that failed a request: avoided for a while by this proxy, and reported to the reconcilers.
+
+A machine that refuses a connection (or drops one before any response byte) is avoided for a few
+seconds (`avoid_for`) by this proxy; its kept connections are dropped, and the failure is published on
+`fauxmad.v1.proxy.unreachable.<app>.<machine>` (once per spell of avoidance) for the reconcilers.
+Whether the request then goes to another machine is the connection handler's call (`server`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from bus.contract import subjects
+from bus.contract.messages import ProxyUnreachable
+from orchestrator.proxy.config import ProxyConfig, machine_port
+from orchestrator.proxy.metrics import ProxyMetrics
+from orchestrator.proxy.routes import App, RouteTable
+from orchestrator.proxy.upstream import Pool
+
+_NONE: set[str] = set()  # no machine avoided (never changed)
+
+
+class Failover:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        routes: RouteTable,
+        pool: Pool,
+        metrics: ProxyMetrics,
+        publish: Callable[[str, bytes], Any] | None,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.routes = routes
+        self.pool = pool
+        self.metrics = metrics
+        self.publish = publish
+        self.clock = clock
+        self.bad: dict[str, float] = {}  # machine -> until when it is avoided (`clock`)
+
+    def avoided(self) -> set[str]:
+        """The machines avoided now (those whose time is up are forgotten)."""
+        if not self.bad:
+            return _NONE
+        now = self.clock()
+        for machine_id, until in list(self.bad.items()):
+            if until <= now:
+                del self.bad[machine_id]
+        return set(self.bad)
+
+    def failed(self, app: App, machine_id: str, why: str) -> None:
+        """The machine failed a request: avoid it, drop its kept connections, say so (the first time)."""
+        entry = self.routes.entry(machine_id)
+        if entry is not None:
+            self.pool.drop((self.config.machine_host, machine_port(app, entry)))
+        first = machine_id not in self.bad
+        self.bad[machine_id] = self.clock() + self.config.avoid_for
+        self.metrics.refused.labels(app.name).inc()
+        if first and self.publish is not None and entry is not None:
+            signal = ProxyUnreachable(
+                app=app.name,
+                machine_id=machine_id,
+                worker_id=entry.worker_id,
+                region=entry.region,
+                proxy_region=self.config.region,
+                error=why[:200],
+                at=time.time(),
+            )
+            self.publish(subjects.proxy_unreachable(app.name, machine_id), msgspec.json.encode(signal))
