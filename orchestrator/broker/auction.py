@@ -1,16 +1,13 @@
 """The auction: ask a region's workers for offers, rank them, reserve on the best. Fill or fail, at once.
 
-1. Gather: `scatter` asks every worker of the region on `fauxmad.v1.offers.<region>` and waits until
-   every live worker (from the registry) has answered or the deadline passes; creates that arrive
-   while a scatter with the same question (region, app, guest, image) is out share its answers, so
-   one scatter serves a burst of creates. `p2c` asks just two workers sampled from the registry on
-   their own offer subjects (O(1) fan-out for huge regions); when neither can take the machine, the region
-   is scattered before any 503 (`p2c>scatter`). `replica` asks nobody: it ranks the
-   workers' last heartbeats (a worker writes one right after every reserve), so a create costs one
-   round trip to the chosen worker. Offers of every kind are discounted by what this broker picked
-   since they were taken (`orchestrator.placement.picks`), so a shared scatter does not send a whole
-   burst to one worker.
-2. Rank: the pure filter/score chain in `orchestrator.placement`, every rejection named.
+1. Gather (`orchestrator.broker.gather`, one way per strategy): `scatter` (and `hedged`) asks every
+   worker of the region and shares its answers with the creates that ask the same meanwhile; `p2c`
+   asks just two workers sampled from the registry (O(1) fan-out for huge regions); `replica` asks
+   nobody: it ranks the workers' last heartbeats, so a create costs one round trip to the chosen worker.
+   Offers of every kind are discounted by what this broker picked since they were taken.
+2. Rank: the pure filter/score chain in `orchestrator.placement`, every rejection named, applied to
+   what was gathered. When neither of p2c's two can take the machine, the region is then scattered and
+   ranked before any 503 (`p2c>scatter`).
 3. Reserve on the best; a refusal (the offer was information, not a promise) moves on to the next.
    `hedged` reserves on the top two at once, keeps the first to succeed and destroys the other.
    A timeout is not a refusal: the worker may have reserved. Every reserve names the machine id the
@@ -40,24 +37,22 @@ import msgspec
 from nats.aio.client import Client
 
 from bus.contract import subjects
-from bus.contract.codec import decode_any, encode
 from bus.contract.errors import DeadlineExceeded, FauxmadError, NoCapacity, Unanswered, Unreachable
 from bus.contract.ids import new_machine_id
 from bus.contract.messages import (
     CreateRequest,
     DestroyRequest,
     Machine,
-    Offer,
     OfferGuest,
-    OfferReply,
     OfferRequest,
     ReserveRequest,
     Strategy,
 )
 from bus.transport.scatter import Scatterer
 from bus.transport.service import call
+from orchestrator.broker.gather import Heartbeats, Offers, Scatter, TwoChoices
 from orchestrator.placement import PlacementConfig, Ranking, explain, rank, with_preset
-from orchestrator.placement.picks import Pick, Picks, discount, offer_from_heartbeat
+from orchestrator.placement.picks import Pick, Picks
 from orchestrator.replicas.workers import Registry
 
 log = logging.getLogger(__name__)
@@ -166,20 +161,6 @@ class Outcome(msgspec.Struct, kw_only=True):
         }
 
 
-def _parse_offer(data: bytes) -> OfferReply:
-    reply: OfferReply = decode_any(OfferReply, data)
-    return reply
-
-
-class _Scatter(msgspec.Struct, kw_only=True):
-    """One scatter's answers, shared by every create that asked the same question while it was out."""
-
-    replies: list[OfferReply]
-    sent: float  # perf_counter when the question went out: picks after it are not in the answers
-    gather_ms: float
-    shared: int = 1
-
-
 def _epoch(stamp: str) -> float:
     try:
         return datetime.datetime.fromisoformat(stamp).timestamp()
@@ -198,13 +179,14 @@ class Auction:
         rng: random.Random | None = None,
     ) -> None:
         self.nc = nc
-        self.scatterer = scatterer
         self.registry = registry
         self.config = config
         self.rng = rng or random.Random()
         # a pick matters to scatters out when it was made: none is out longer than the deadline
         self.picks = Picks(clock=time.perf_counter, window=max(0.25, 2 * config.deadline))
-        self._scatters: dict[tuple[str, bytes], asyncio.Future[_Scatter]] = {}
+        self._scatter = Scatter(scatterer, registry, self.picks, config.deadline)
+        self._two = TwoChoices(nc, registry, self.picks, config.deadline, self.rng)
+        self._heartbeats = Heartbeats(registry, self.picks)
         self._background: set[asyncio.Task[None]] = set()
         # (volume id, worker) of the volume a create mounts, or None: the broker looks it up (README "Volumes")
         self.volume_host: Callable[[str, CreateRequest], Awaitable[tuple[str, str] | None]] = _no_volume
@@ -223,98 +205,59 @@ class Auction:
         preset: str | None = None,
         volume: tuple[str, str] | None = None,
     ) -> Outcome:
+        """Gather the region's offers the way `strategy` says, then rank them with the placement chain."""
         request = OfferRequest(app=app, region=region, guest=guest, image=image)
         if volume is not None and strategy == "p2c":
             strategy = "scatter"  # two sampled workers would rarely include the volume's: ask the region
         config = with_preset(self.config.placement, preset)
         started = time.perf_counter()
-        shared = 1
-        sampled = self.registry.sample(region, 2, self.rng, avoid) if strategy == "p2c" else None
-        if sampled is not None:  # two it may place on, drawn in O(1): the region's size does not matter
-            replies = [
-                self._discounted(reply, self.picks.since_scatter(reply.worker_id, started), app)
-                for reply in await self._ask_each(sampled, request)
-            ]
-            considered, asked = set(sampled), sampled
-        elif strategy == "replica":
-            live = self.registry.live_ids(region)
-            replies = [
-                self._discounted(
-                    offer_from_heartbeat(info, app, image),
-                    self.picks.since_heartbeat(info.worker_id, info.heartbeat_at),
-                    app,
-                )
-                for info in self.registry.workers(region)
-                if info.worker_id in live
-            ]
-            considered, asked = live, []
-        else:  # scatter, hedged, and p2c in a region too small to sample
-            live = self.registry.live_ids(region)
-            scatter = await self._scatter(request, expected=len(live))
-            replies = [
-                self._discounted(reply, self.picks.since_scatter(reply.worker_id, scatter.sent), app)
-                for reply in scatter.replies
-            ]
-            considered, asked, shared = live, sorted(live), scatter.shared
-        ranking = rank(request, replies, considered, config, tie_break=self.rng, avoid=avoid, away=away, volume=volume)
-        if sampled is not None and not ranking.candidates:
+        offers = await self._gather(request, strategy, avoid)
+        ranking = self._chain(request, offers, config, avoid, away, volume)
+        if offers.sample and not ranking.candidates:
             # Neither sampled worker can take it, but the region may have room: one full look before a 503.
             # (`fauxmad sim`: without this, p2c refused 0.9% of 100,000 creates while their region had room.)
-            wider = await self.rank(app, region, guest, image, "scatter", avoid=avoid, away=away, preset=preset)
-            wider.strategy, wider.gather_ms = "p2c>scatter", (time.perf_counter() - started) * 1000
-            return wider
+            offers = await self._scatter.gather(request, "p2c>scatter")
+            ranking = self._chain(request, offers, config, avoid, away, volume)
         return Outcome(
             region=region,
-            strategy=strategy,
-            asked=len(asked),
-            answered=len(replies),
+            strategy=offers.how,
+            asked=offers.asked,
+            answered=len(offers.replies),
             gather_ms=(time.perf_counter() - started) * 1000,
             ranking=ranking,
-            shared=shared,
+            shared=offers.shared,
         )
 
-    @staticmethod
-    def _discounted(reply: OfferReply, picks: list[Pick], app: str) -> OfferReply:
-        return discount(reply, picks, app) if picks and isinstance(reply, Offer) else reply
+    async def _gather(self, request: OfferRequest, strategy: str, avoid: frozenset[str]) -> Offers:
+        if strategy == "p2c":
+            sampled = await self._two.gather(request, avoid)
+            if sampled is not None:
+                return sampled
+            # a region too small to sample: scattered, still called p2c
+        elif strategy == "replica":
+            return self._heartbeats.gather(request)
+        return await self._scatter.gather(request, strategy)
 
-    async def _scatter(self, request: OfferRequest, *, expected: int) -> _Scatter:
-        """Ask the region, or join the scatter with the same question that is already out."""
-        payload = encode(request)
-        key = (request.region, payload)
-        out = self._scatters.get(key)
-        if out is None:
-            out = asyncio.ensure_future(self._scatter_once(request.region, payload, expected))
-            self._scatters[key] = out
-
-            def done(future: asyncio.Future[_Scatter]) -> None:
-                if self._scatters.get(key) is future:
-                    del self._scatters[key]
-
-            out.add_done_callback(done)
-            return await asyncio.shield(out)
-        answers = await asyncio.shield(out)
-        answers.shared += 1
-        return answers
-
-    async def _scatter_once(self, region: str, payload: bytes, expected: int) -> _Scatter:
-        sent = time.perf_counter()
-        gathered = await self.scatterer.scatter(
-            subjects.offers(region), payload, _parse_offer, expected=expected or None, deadline=self.config.deadline
+    def _chain(
+        self,
+        request: OfferRequest,
+        offers: Offers,
+        config: PlacementConfig,
+        avoid: frozenset[str],
+        away: frozenset[str],
+        volume: tuple[str, str] | None,
+    ) -> Ranking:
+        """The placement chain over what was gathered: filters (each rejection named), scorers, tie-break."""
+        return rank(
+            request,
+            offers.replies,
+            offers.considered,
+            config,
+            tie_break=self.rng,
+            avoid=avoid,
+            away=away,
+            volume=volume,
         )
-        return _Scatter(replies=gathered.replies, sent=sent, gather_ms=(time.perf_counter() - sent) * 1000)
-
-    async def _ask_each(self, worker_ids: list[str], request: OfferRequest) -> list[OfferReply]:
-        payload = encode(request)
-
-        async def ask(worker_id: str) -> OfferReply | None:
-            try:
-                msg = await self.nc.request(subjects.worker_offer(worker_id), payload, timeout=self.config.deadline)
-                return _parse_offer(msg.data)
-            except Exception:
-                return None
-
-        answers = await asyncio.gather(*[ask(w) for w in worker_ids])
-        return [a for a in answers if a is not None]
 
     # ------------------------------------------------------------------------------------------
     def reserve_request(
