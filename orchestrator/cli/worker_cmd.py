@@ -159,7 +159,8 @@ def worker(
     """
     if ctx.invoked_subcommand is not None:
         return  # `fauxmad worker drain ...`: the options above belong to running an agent
-    from workers.agent import WorkerConfig, run_workers  # imported here: other commands start faster
+    from workers.agent.config import WorkerConfig
+    from workers.agent.runner import run_workers  # imported here: other commands start faster
     from workers.lifecycle.restart_policy import Backoff
     from workers.offers import Backpressure
 

@@ -1,76 +1,64 @@
-"""The worker agent process: wires the machine manager to the bus, and beats its heart.
+"""The worker agent: connects to the bus, wires the machine manager, its volumes and its jobs to it, and serves.
 
 Subscriptions: `fauxmad.v1.offers.<region>` (plain, not a queue group: every worker of the region
 answers the auction, inline, from numbers it already has), and a NATS micro service
 `fauxmad-worker` whose endpoints are this worker's machine verbs, `info`, `cordon` and `uncordon`
-(so `$SRV.PING/INFO/STATS` discovery lists workers too). Every request is answered by the
-`Responder` edge; NATS types stop there.
+(so `$SRV.PING/INFO/STATS` discovery lists workers too). `workers.agent.handlers` answers them
+through the `Responder` edge; NATS types stop there.
 
 After each commit the outbox (`workers.log.outbox`) delivers the transition to stream `FAUXMAD_EVENTS`
 and keeps the KV routing index `fauxmad_machines` current, in commit order, without holding up the
-reply, retrying until NATS takes it; on start it republishes what the stream may have missed. A
-heartbeat puts `WorkerInfo` into KV `fauxmad_workers` every second; the bucket's TTL makes a dead
-worker's key expire. Stopping the agent never stops its machines: they are re-adopted on restart.
+reply, retrying until NATS takes it; on start it republishes what the stream may have missed. The
+heartbeat (`workers.agent.heartbeat`) puts `WorkerInfo` into KV `fauxmad_workers` every second.
+Stopping the agent never stops its machines: they are re-adopted on restart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import logging
 import os
 import shutil
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from nacl.public import PrivateKey
 from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from bus.contract import subjects
-from bus.contract.codec import decode, encode
-from bus.contract.errors import BadRequest, FauxmadError, Unreachable
-from bus.contract.messages import (
-    EMPTY_OK,
-    VOLUME_EMPTY_OK,
-    WORKER_REQUESTS,
-    WORKER_VOLUME_REQUESTS,
-    CordonRequest,
-    InfoRequest,
-    LogLine,
-    Machine,
-    OfferRequest,
-    Resources,
-    WorkerInfo,
-)
+from bus.contract.codec import encode
+from bus.contract.errors import FauxmadError
+from bus.contract.messages import WORKER_REQUESTS, WORKER_VOLUME_REQUESTS, LogLine, Machine, Resources, WorkerInfo
 from bus.contract.schema import endpoint_metadata
-from bus.stores.images import ImageManifest, Images, image_store, is_digest, tags_bucket
 from bus.stores.secrets import load_private_key, secrets_bucket
 from bus.stores.snapshots import snapshot_store
 from bus.transport import credentials
 from bus.transport.audit import AuditTrail, RequestAudit
 from bus.transport.connection import connect
-from bus.transport.jetstream import JOBS_ACK_WAIT, FleetConfig, ensure_fleet_resources
+from bus.transport.jetstream import FleetConfig, FleetKV, ensure_fleet_resources
 from bus.transport.service import Responder
 from workers import metrics
+from workers.agent.compaction import compact_forever
+from workers.agent.config import WorkerConfig
+from workers.agent.handlers import Handlers
+from workers.agent.heartbeat import Heartbeat
+from workers.agent.images import images_in_use, images_named, open_image_cache
 from workers.driver import sandbox
 from workers.driver.limits import auto_detect, slow_migration_hint
 from workers.driver.process import ProcessDriver
 from workers.image_cache import ImageCache
 from workers.jobs.service import JobsService
 from workers.lifecycle.manager import MachineManager, ManagerConfig
-from workers.lifecycle.restart_policy import Backoff
 from workers.lifecycle.tally import MachineTally
 from workers.log.commit import GroupCommitter
-from workers.log.machine_states import PROCESS_STATES
 from workers.log.outbox import Outbox
-from workers.log.records import ImageRecord, LogRecord, MachineRecord, VolumeRecord, WorkerState
+from workers.log.records import ImageRecord, LogRecord, MachineRecord, VolumeRecord
 from workers.log.store import Store
-from workers.offers import Backpressure, Snapshot, answer_offer
+from workers.offers import Snapshot
 from workers.output import LogFollower
 from workers.secrets import SecretsCache
 from workers.volumes.storage import VolumeFs
@@ -79,31 +67,6 @@ from workers.volumes.verbs import VolumeManager
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-
-
-class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    nats_url: str
-    region: str
-    worker_id: str
-    cpus: int
-    memory_mb: int
-    data_dir: str
-    heartbeat_interval: float = 1.0
-    backoff: Backoff = Backoff()
-    backpressure: Backpressure = Backpressure()
-    log_keep_last: int = 100_000
-    destroyed_retention: float = 24 * 3600.0
-    compact_every: float = 60.0
-    fsync: bool = True
-    map_size: int = 8 * 1024 * 1024 * 1024
-    secrets_key: str | None = None  # the fleet's secrets key (base64), else the credentials file's, else none
-    image_cache_mb: int = 4096  # unpacked images kept on disk (least recently used go first)
-    # (uid, gid) machines run as (`--machine-user`), so they cannot read the worker's files: its
-    # credentials, its LMDB; None: the worker's own user
-    machine_user: tuple[int, int] | None = None
-    volume_capacity_gb: int | None = None  # volumes' sizes this worker may hold; None: the data dir's free disk
-    job_slots: int = 0  # background jobs held at once (0: one per cpu); see workers/jobs
-    jobs_ack_wait: float = JOBS_ACK_WAIT
 
 
 class WorkerAgent:
@@ -122,15 +85,14 @@ class WorkerAgent:
         self._service: Any = None
         self._subs: list[Any] = []
         self._images: frozenset[str] = frozenset()
-        self._load = 0.0
-        self._kv: Any = None
+        self._kv: FleetKV | None = None
+        self.heartbeat: Heartbeat | None = None
         self.resumed: dict[str, int] = {}
         self._stopped = asyncio.Event()
         self._closing = False
         self.bus_lost: str | None = None  # why the bus connection ended for good, if it did
         self.limits_mode = ""
         self._sandboxes = tuple(sandbox.available())  # looked up once: offers are answered inline
-        self._beat_pending = False
         self.tally = MachineTally()
         self.image_cache: ImageCache | None = None
         self.volumes: VolumeManager | None = None
@@ -150,12 +112,21 @@ class WorkerAgent:
             cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", agent=True, on_closed=self._on_bus_closed
         )
         js = self.nc.jetstream()
-        self._kv = await ensure_fleet_resources(
+        kv = self._kv = await ensure_fleet_resources(
             js, FleetConfig(heartbeat_interval=cfg.heartbeat_interval, region=cfg.region)
+        )
+        self.heartbeat = Heartbeat(
+            self.nc,
+            kv,
+            region=cfg.region,
+            worker_id=cfg.worker_id,
+            interval=cfg.heartbeat_interval,
+            info=self.info,
+            spawn=self._spawn,
         )
         self.secrets = SecretsCache(_secrets_key(cfg))
         await self.secrets.start(await secrets_bucket(js))
-        layout = self._kv.layout  # in a supercluster: this region's own index bucket and events stream
+        layout = kv.layout  # in a supercluster: this region's own index bucket and events stream
         self.outbox = Outbox(
             self.nc,
             worker_id=cfg.worker_id,
@@ -173,13 +144,9 @@ class WorkerAgent:
         if hint is not None:
             log.warning("worker %s: %s", cfg.worker_id, hint)
         driver = self.driver = ProcessDriver(limits)
-        images = Images(js, await image_store(js), await tags_bucket(js))
-
-        async def fetch(digest: str) -> tuple[bytes, ImageManifest | None]:
-            return await images.pull(digest), await images.manifest(digest)
-
-        self.image_cache = ImageCache(
-            data / "images", quota_bytes=cfg.image_cache_mb << 20, fetch=fetch, in_use=self._images_in_use
+        store = self.store
+        self.image_cache = await open_image_cache(
+            js, data / "images", quota_bytes=cfg.image_cache_mb << 20, in_use=lambda: images_in_use(store)
         )
         volumes = self.volumes = await self._volume_manager(js, data)
         self.manager = MachineManager(
@@ -211,6 +178,16 @@ class WorkerAgent:
             worker_id=cfg.worker_id,
             connected=lambda: self.nc is not None and self.nc.is_connected,
         )
+        handlers = Handlers(  # its routes are checked against the contract here, before anything is served
+            manager=self.manager,
+            volumes=volumes,
+            follower=self.follower,
+            committer=self.committer,
+            backpressure=cfg.backpressure,
+            snapshot=self.snapshot,
+            info=self.info,
+            put_heartbeat=self.heartbeat.put,
+        )
         volumes_recovered = await volumes.recover()  # before machines: theirs must be mounted
         self.resumed = await self.manager.readopt()
         if volumes_recovered:
@@ -221,13 +198,13 @@ class WorkerAgent:
                     stored.machine.id, stored.machine.app, self.manager.workdir(stored.machine.id), from_offset_now=True
                 )
         await self._start_jobs()  # before the info endpoint answers: a ready worker takes jobs
-        await self._subscribe()
-        await self._heartbeat_once()
+        await self._subscribe(handlers)
+        await self.heartbeat.once()
         self._tasks += [
-            asyncio.create_task(self._heartbeat_loop()),
+            asyncio.create_task(self.heartbeat.run()),
             asyncio.create_task(self.outbox.run()),
             asyncio.create_task(self.follower.run()),
-            asyncio.create_task(self._compact_loop()),
+            asyncio.create_task(compact_forever(self.store, cfg)),
         ]
         log.info("worker %s in %s up: resumed %s, limits %s", cfg.worker_id, cfg.region, self.resumed, self.limits_mode)
 
@@ -252,12 +229,12 @@ class WorkerAgent:
         manager.on_commit = self._on_commit
         return manager
 
-    async def _subscribe(self) -> None:
+    async def _subscribe(self, handlers: Handlers) -> None:
         assert self.nc is not None
         cfg = self.config
         self._subs.append(
             await self.nc.subscribe(
-                subjects.offers(cfg.region), cb=self.responder.for_subscription(self._on_offer, inline=True)
+                subjects.offers(cfg.region), cb=self.responder.for_subscription(handlers.on_offer, inline=True)
             )
         )
         self._service = await add_service(
@@ -270,12 +247,12 @@ class WorkerAgent:
             ),
         )
         endpoints = {
-            "machines": (subjects.worker_machines_wildcard(cfg.worker_id), self._on_machines),
-            "volumes": (subjects.worker_volumes_wildcard(cfg.worker_id), self._on_volumes),
-            "offer": (subjects.worker_offer(cfg.worker_id), self._on_offer),
-            "info": (subjects.worker_info(cfg.worker_id), self._on_info),
-            "cordon": (subjects.worker_cordon(cfg.worker_id, True), self._on_cordon),
-            "uncordon": (subjects.worker_cordon(cfg.worker_id, False), self._on_cordon),
+            "machines": (subjects.worker_machines_wildcard(cfg.worker_id), handlers.on_machines),
+            "volumes": (subjects.worker_volumes_wildcard(cfg.worker_id), handlers.on_volumes),
+            "offer": (subjects.worker_offer(cfg.worker_id), handlers.on_offer),
+            "info": (subjects.worker_info(cfg.worker_id), handlers.on_info),
+            "cordon": (subjects.worker_cordon(cfg.worker_id, True), handlers.on_cordon),
+            "uncordon": (subjects.worker_cordon(cfg.worker_id, False), handlers.on_cordon),
         }
         described_by = {
             "machines": [f"worker_machines_{verb}" for verb in WORKER_REQUESTS],
@@ -295,7 +272,7 @@ class WorkerAgent:
 
     async def _start_jobs(self) -> None:
         """Background jobs (workers/jobs): this region's job desk, and pulls bounded by free slots."""
-        assert self.nc is not None and self.store is not None and self.manager is not None
+        assert self.nc is not None and self.store is not None and self.manager is not None and self._kv is not None
         cfg, store = self.config, self.store
         self.jobs = JobsService(
             self.nc,
@@ -319,10 +296,10 @@ class WorkerAgent:
             self.jobs = None
 
     # ------------------------------------------------------------------------------------------
-    # handlers: (subject, data) -> Struct
+    # what the worker tells the auction (a snapshot) and the registry (its info)
 
     def snapshot(self) -> Snapshot:
-        assert self.store is not None and self.manager is not None
+        assert self.store is not None and self.manager is not None and self.heartbeat is not None
         usage = self.store.usage()
         worker = self.store.worker()
         return Snapshot(
@@ -332,80 +309,12 @@ class WorkerAgent:
             used=usage.resources(),
             machines=usage.machines,
             cordoned=worker.cordoned,
-            images=self._images_now(),
-            load=self._load,
+            images=images_named(self._images, self.image_cache),
+            load=self.heartbeat.load,
             inflight=self.manager.inflight,
             app_machines=self.tally.per_app,
             sandboxes=self._sandboxes,
         )
-
-    def _images_now(self) -> frozenset[str]:
-        """Images named in offers and heartbeats: names machines ran with, and the digests on disk now."""
-        if self.image_cache is None:
-            return self._images
-        return frozenset(i for i in self._images if not is_digest(i)) | self.image_cache.cached()
-
-    def _images_in_use(self) -> set[str]:
-        assert self.store is not None
-        return {
-            s.machine.config.image
-            for s in self.store.machines()
-            if s.machine.config.image and s.machine.state in PROCESS_STATES
-        }
-
-    async def _on_offer(self, subject: str, data: bytes) -> Any:
-        request = decode(OfferRequest, data)
-        return answer_offer(request, self.snapshot(), self.config.backpressure)
-
-    async def _on_machines(self, subject: str, data: bytes) -> Any:
-        manager = self.manager
-        assert manager is not None
-        verb = subjects.parse_verb(subject)
-        kind = WORKER_REQUESTS.get(verb)
-        if kind is None:
-            raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.WORKER_VERBS)}")
-        request = decode(kind, data, empty_ok=kind in EMPTY_OK)
-        started = time.perf_counter()
-        try:
-            answer = getattr(manager, verb)(request)  # every verb is the manager's method of that name
-            result = await answer if inspect.isawaitable(answer) else answer
-        except FauxmadError as exc:
-            metrics.REQUESTS.labels(verb, str(exc.code)).inc()
-            raise
-        metrics.REQUESTS.labels(verb, "ok").inc()
-        metrics.REQUEST_SECONDS.labels(verb).observe(time.perf_counter() - started)
-        if verb == "destroy":
-            self.follower.unfollow(result.id)
-        return result
-
-    async def _on_volumes(self, subject: str, data: bytes) -> Any:
-        """`worker.<id>.volumes.<verb>`: every verb is the volume manager's method of that name."""
-        verb = subjects.parse_verb(subject)
-        kind = WORKER_VOLUME_REQUESTS.get(verb)
-        if kind is None:
-            raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.WORKER_VOLUME_VERBS)}")
-        request = decode(kind, data, empty_ok=kind in VOLUME_EMPTY_OK)
-        answer = getattr(self.volumes, verb)(request)
-        return await answer if inspect.isawaitable(answer) else answer
-
-    async def _on_info(self, subject: str, data: bytes) -> Any:
-        decode(InfoRequest, data, empty_ok=True)
-        return self.info()
-
-    async def _on_cordon(self, subject: str, data: bytes) -> Any:
-        assert self.committer is not None
-        request = decode(CordonRequest, data, empty_ok=True)
-        cordon = subjects.parse_verb(subject) == "cordon"
-
-        def op(tx: Any) -> None:
-            current = tx.worker()
-            if current.cordoned != cordon or current.reason != request.reason:
-                tx.put_worker(WorkerState(cordoned=cordon, reason=request.reason), "cordon" if cordon else "uncordon")
-
-        await self.committer.submit(op)
-        info = self.info()
-        await self._put_heartbeat(info)
-        return info
 
     def info(self) -> WorkerInfo:
         assert self.store is not None
@@ -460,72 +369,18 @@ class WorkerAgent:
         self.follower.follow(machine.id, machine.app, self.manager.workdir(machine.id), from_offset_now=True)
 
     def _beat_soon(self) -> None:
-        """Usage changed: tell the registry now rather than at the next tick (coalesced).
+        """Usage changed: the registry hears of it soon (`Heartbeat.soon`)."""
+        if self.heartbeat is not None:
+            self.heartbeat.soon()
 
-        Best effort, so published without waiting for JetStream's ack: at the fleet's rates this beat
-        follows nearly every reserve, and the ack's round trip cost about as much as the rest of the beat.
-        The tick (every `heartbeat_interval`) still waits for its ack and says when puts fail.
-        """
-        if self._beat_pending or self.nc is None:
-            return
-        self._beat_pending = True
-
-        async def beat() -> None:
-            await asyncio.sleep(0.05)
-            self._beat_pending = False
-            with contextlib.suppress(Exception):
-                await self._heartbeat_once(acked=False)
-
-        self._tasks.append(asyncio.create_task(beat()))
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """A task of the agent's own: cancelled when it closes."""
+        self._tasks.append(asyncio.create_task(coro))
         self._tasks = [t for t in self._tasks if not t.done()]
 
     async def _publish_log(self, line: LogLine) -> None:
         assert self.nc is not None
         await self.nc.publish(subjects.logs(line.app, line.machine_id), encode(line))
-
-    # ------------------------------------------------------------------------------------------
-    # heartbeat and housekeeping
-
-    async def _put_heartbeat(self, info: WorkerInfo, *, acked: bool = True) -> None:
-        """Put `info` into the registry; `acked=False` only publishes it (in order with the acked puts,
-        on the same connection), and not at all while disconnected: no stale beat is buffered."""
-        key = subjects.worker_key(self.config.region, self.config.worker_id)
-        if acked:
-            await self._kv.workers.put(key, encode(info))
-        elif self.nc is not None and self.nc.is_connected:
-            bucket = self._kv.layout.workers_bucket(self.config.region)
-            await self.nc.publish(subjects.kv_put(bucket, key), encode(info))
-
-    async def _heartbeat_once(self, *, acked: bool = True) -> None:
-        try:
-            self._load = os.getloadavg()[0] / max(1, os.cpu_count() or 1)
-        except OSError:
-            self._load = 0.0
-        await self._put_heartbeat(self.info(), acked=acked)
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.heartbeat_interval)
-            try:
-                await self._heartbeat_once()
-            except Exception:
-                log.warning("heartbeat failed", exc_info=True)
-
-    async def _compact_loop(self) -> None:
-        assert self.store is not None
-        while True:
-            await asyncio.sleep(self.config.compact_every)
-            store = self.store
-            try:
-                deleted = await asyncio.to_thread(
-                    store.compact,
-                    keep_last=self.config.log_keep_last,
-                    destroyed_retention=self.config.destroyed_retention,
-                )
-                if deleted:
-                    log.info("compacted %d log records", deleted)
-            except Exception:
-                log.warning("compaction failed", exc_info=True)
 
     # ------------------------------------------------------------------------------------------
     async def run_forever(self) -> None:
@@ -590,38 +445,3 @@ async def _bounded(awaitable: Any, seconds: float) -> None:
         await asyncio.wait_for(awaitable, seconds)
     except (TimeoutError, Exception):
         log.debug("shutdown step did not finish within %ss", seconds, exc_info=True)
-
-
-async def run_workers(configs: list[WorkerConfig]) -> None:
-    """Run one or more workers in this process until SIGTERM/SIGINT; their machines keep running after.
-
-    Several logical workers per process is for benchmarks of large regions: each still has its own
-    connection, LMDB environment and writer thread, running the same code as a worker of its own.
-    """
-    import signal
-
-    agents = [WorkerAgent(config) for config in configs]
-    loop = asyncio.get_running_loop()
-
-    def stop_all() -> None:
-        for agent in agents:
-            agent.request_stop()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_all)
-    try:
-        for agent in agents:
-            await agent.start()
-        # any agent stopping (a signal stops all; a lost bus stops one) ends the process
-        await asyncio.wait(
-            [asyncio.create_task(agent.run_forever()) for agent in agents], return_when=asyncio.FIRST_COMPLETED
-        )
-    finally:
-        await asyncio.gather(*[agent.close() for agent in agents], return_exceptions=True)
-    lost = [agent.bus_lost for agent in agents if agent.bus_lost]
-    if lost:
-        raise Unreachable(f"worker stopped: {lost[0]}")
-
-
-async def run_worker(config: WorkerConfig) -> None:
-    await run_workers([config])
