@@ -19,6 +19,8 @@ import uvloop
 from lab.bench import BenchError
 from lab.bench.report import Report, Table
 from orchestrator.devfleet import DevFleet, FleetSpec
+from orchestrator.reconcile import rollout
+from orchestrator.reconcile.destroy import destroy_app
 from orchestrator.reconcile.reconciler import Reconciler
 from orchestrator.reconcile.spec import AppSpec, parse_spec
 
@@ -104,13 +106,13 @@ def run_deploy(options: DeployOptions, progress: Callable[[str], None] = lambda 
                     APP, names, machines, version=version, strategy=strategy, max_unavailable=options.max_unavailable
                 )
                 began = time.perf_counter()
-                outcome = await reconciler.deploy(spec)
+                outcome = await rollout.deploy(reconciler, spec)
                 took = time.perf_counter() - began
                 if not outcome.ok:
                     raise BenchError(f"{phase}: {outcome.message}")
                 done[phase] = Phase(seconds=round(took, 3), release=outcome.release.version)
                 progress(f"{phase}: {len(names) * machines} machines, {strategy}: {took:.2f}s")
-            await reconciler.destroy_app(APP)
+            await destroy_app(reconciler, APP)
             return done
         finally:
             await reconciler.close()

@@ -22,7 +22,9 @@ from lab.bench.deploy import APP, bench_fleet, bench_spec
 from lab.bench.report import Report, Table
 from lab.bench.stats import summarize
 from orchestrator.devfleet import DevFleet
+from orchestrator.reconcile import rollout
 from orchestrator.reconcile.reconciler import Reconciler
+from orchestrator.reconcile.watch import Operator
 
 REGION = "mad"
 SETTLE_TIMEOUT = 60.0
@@ -78,10 +80,12 @@ def run_failover(options: FailoverOptions, progress: Callable[[str], None] = lam
         operator = await Reconciler.connect(fleet.url)
         stop = asyncio.Event()
         try:
-            outcome = await operator.deploy(bench_spec(APP, [REGION], options.machines, version="v1", spares=1))
+            outcome = await rollout.deploy(
+                operator, bench_spec(APP, [REGION], options.machines, version="v1", spares=1)
+            )
             if not outcome.ok:
                 raise BenchError(outcome.message)
-            watching = asyncio.create_task(operator.watch([APP], stop))
+            watching = asyncio.create_task(Operator(operator).watch([APP], stop))
             try:
                 return [await _one_failover(fleet, operator, i, progress) for i in range(options.rounds)]
             finally:

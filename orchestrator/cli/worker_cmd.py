@@ -210,9 +210,9 @@ def worker(
 
 
 def _register_subcommands() -> None:
-    from orchestrator.cli import deploy_cmd
+    from orchestrator.cli import drain_cmd
 
-    worker_app.command("drain")(deploy_cmd.drain)
+    worker_app.command("drain")(drain_cmd.drain)
 
     @worker_app.command("cordon")
     def cordon(
@@ -220,7 +220,7 @@ def _register_subcommands() -> None:
         nats: str | None = NatsOption,
     ) -> None:
         """Place no new machines on a worker; what runs there keeps running."""
-        deploy_cmd.cordon(worker_id, uncordon=False, nats=nats)
+        drain_cmd.cordon(worker_id, uncordon=False, nats=nats)
 
     @worker_app.command("uncordon")
     def uncordon(
@@ -228,7 +228,7 @@ def _register_subcommands() -> None:
         nats: str | None = NatsOption,
     ) -> None:
         """Let a cordoned worker take new machines again."""
-        deploy_cmd.cordon(worker_id, uncordon=True, nats=nats)
+        drain_cmd.cordon(worker_id, uncordon=True, nats=nats)
 
 
 _register_subcommands()

@@ -50,12 +50,16 @@ class Result(msgspec.Struct, kw_only=True):
     ok: bool
     machine_id: str = ""
     worker_id: str = ""
-    error: str = ""
-    code: int = 0
+    error: str = ""  # the error's message, for whoever shows it
+    error_type: type[FauxmadError] | None = None  # what went wrong, for whoever decides what to do next
+
+    def failed_with(self, *kinds: type[FauxmadError]) -> bool:
+        """The action failed with one of `kinds` (or a subclass of one)."""
+        return self.error_type is not None and issubclass(self.error_type, kinds)
 
     @property
     def no_room(self) -> bool:
-        return self.code == NoCapacity.code
+        return self.failed_with(NoCapacity)
 
 
 def default_holder() -> str:
@@ -116,7 +120,7 @@ class Executor:
             # lines); a warning here would be a second, Python-formatted copy on stderr
             log.info("%s failed: %s", type(action).__name__.lower(), exc.message)
             machine_id = action.id if isinstance(action, MachineAction) else ""
-            return Result(action=action, ok=False, machine_id=machine_id, error=exc.message, code=exc.code)
+            return Result(action=action, ok=False, machine_id=machine_id, error=exc.message, error_type=type(exc))
 
     async def _create(self, app: str, action: Create) -> Machine:
         # one auction: `avoid_workers` is a filter of the chain, `prefer_away` a penalty (see placement/ask.py)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from bus.contract.errors import BadRequest, Conflict, DeadlineExceeded, NoCapacity
 from bus.contract.messages import ExitInfo, MachineConfig, Resources, WorkerInfo
 from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.plan import (
@@ -443,11 +444,13 @@ def test_a_refused_create_or_update_fails_at_once_but_a_busy_lease_or_a_spare_wi
     spare = Create(region="mad", config=s.machine_config(1, SPARE, standby_of="a"), start=False)
     update = Update(id="a", region="mad", worker_id="w1", config=s.machine_config(1, PRIMARY), restarts=True)
     results = [
-        Result(action=primary, ok=False, error="config.workdir: /x is not a directory on worker w1", code=400),
-        Result(action=primary, ok=False, error="no capacity in mad", code=503),
-        Result(action=spare, ok=False, error="no capacity in mad", code=503),
-        Result(action=update, ok=False, machine_id="a", error="machine a: lease held by another", code=409),
-        Result(action=update, ok=False, machine_id="a", error="the worker did not answer", code=504),
+        Result(
+            action=primary, ok=False, error="config.workdir: /x is not a directory on worker w1", error_type=BadRequest
+        ),
+        Result(action=primary, ok=False, error="no capacity in mad", error_type=NoCapacity),
+        Result(action=spare, ok=False, error="no capacity in mad", error_type=NoCapacity),
+        Result(action=update, ok=False, machine_id="a", error="machine a: lease held by another", error_type=Conflict),
+        Result(action=update, ok=False, machine_id="a", error="the worker did not answer", error_type=DeadlineExceeded),
         Result(action=update, ok=True, machine_id="a"),
     ]
     assert summarize(Reconciler._refused(results)) == [

@@ -13,10 +13,11 @@ import pytest
 from bus.contract.errors import Conflict
 from bus.contract.messages import Lease, LeaseRequest, Machine
 from bus.contract.subjects import worker_machines
+from orchestrator.reconcile import rollout
 from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.observe import health
 from orchestrator.reconcile.plan import Desired
-from orchestrator.reconcile.reconciler import CannotDeploy, Reconciler
+from orchestrator.reconcile.reconciler import Reconciler
 from orchestrator.reconcile.releases import Head, Release, Releases, WatchedReleases
 from orchestrator.reconcile.spec import RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, PlacementSpec
 from tests.helpers import arun
@@ -48,7 +49,7 @@ def version_of(machine: Machine) -> str:
 def test_a_first_deploy_places_every_primary_on_its_own_worker_and_completes_the_release() -> None:
     _, fleet, r = fleet_of(mad=3, ams=2)
 
-    outcome = arun(r.deploy(app_spec("mad = 2\nams = 2")))
+    outcome = arun(rollout.deploy(r, app_spec("mad = 2\nams = 2")))
 
     assert outcome.ok, outcome.message
     assert outcome.message == "v1 deployed"
@@ -62,10 +63,10 @@ def test_a_first_deploy_places_every_primary_on_its_own_worker_and_completes_the
 
 def test_deploying_the_same_spec_again_changes_nothing() -> None:
     _, fleet, r = fleet_of(mad=2)
-    arun(r.deploy(app_spec()))
+    arun(rollout.deploy(r, app_spec()))
     creates = len(fleet.creates)
 
-    again = arun(r.deploy(app_spec()))
+    again = arun(rollout.deploy(r, app_spec()))
 
     assert again.ok and not again.changed
     assert again.message == "already at v1: nothing to change"
@@ -75,9 +76,9 @@ def test_deploying_the_same_spec_again_changes_nothing() -> None:
 
 def test_a_rolling_update_moves_every_machine_to_the_new_release_and_returns_every_lease() -> None:
     _, fleet, r = fleet_of(mad=3)
-    arun(r.deploy(app_spec("mad = 3")))
+    arun(rollout.deploy(r, app_spec("mad = 3")))
 
-    outcome = arun(r.deploy(app_spec("mad = 3", version="v2")))
+    outcome = arun(rollout.deploy(r, app_spec("mad = 3", version="v2")))
 
     assert outcome.ok, outcome.message
     machines = fleet.machines("web")
@@ -90,11 +91,11 @@ def test_a_rolling_update_moves_every_machine_to_the_new_release_and_returns_eve
 
 def test_a_release_that_never_gets_healthy_fails_by_the_clock_and_rolls_back() -> None:
     clock, fleet, r = fleet_of(mad=2)
-    arun(r.deploy(app_spec(wait="5s")))
+    arun(rollout.deploy(r, app_spec(wait="5s")))
     fleet.healthy = lambda config: config.env.get("VERSION") != "v2"
     started = clock.now
 
-    outcome = arun(r.deploy(app_spec(version="v2", wait="5s")))
+    outcome = arun(rollout.deploy(r, app_spec(version="v2", wait="5s")))
 
     assert not outcome.ok
     assert outcome.rolled_back_to == 1
@@ -108,14 +109,14 @@ def test_a_release_that_never_gets_healthy_fails_by_the_clock_and_rolls_back() -
 
 def test_a_lost_worker_s_primary_is_replaced_from_the_routing_index() -> None:
     _, fleet, r = fleet_of(mad=3)
-    arun(r.deploy(app_spec()))
+    arun(rollout.deploy(r, app_spec()))
     gone = fleet.machines("web")[0]
     fleet.lose(gone.worker_id)
 
     observed = arun(r.observer.observe("web", ["mad"]))
     assert [m.id for m in observed.lost] == [gone.id]  # nobody to ask: the index remembers it
 
-    result = arun(r.reconcile_once("web"))
+    result = arun(rollout.reconcile_once(r, "web"))
 
     assert result.ok, result.describe()
     live = [m for m in fleet.machines("web") if not fleet.workers[m.worker_id].lost]
@@ -127,7 +128,7 @@ def test_a_lost_worker_s_primary_is_replaced_from_the_routing_index() -> None:
 def test_spares_are_placed_off_their_primary_s_worker_and_left_unstarted() -> None:
     _, fleet, r = fleet_of(mad=3)
     spec = app_spec(spares=1)
-    release = arun(r.begin(spec))
+    release = arun(rollout.begin(r, spec))
 
     converged = arun(
         r.converge(Desired(app="web", release=release.version, spec=spec), timeout=60, until="all"),
@@ -146,7 +147,7 @@ def test_spares_are_placed_off_their_primary_s_worker_and_left_unstarted() -> No
 def test_the_spec_s_placement_preset_goes_with_every_create() -> None:
     _, fleet, r = fleet_of(mad=3)
     spec = msgspec.structs.replace(app_spec(spares=1), placement=PlacementSpec(preset="binpack"))
-    release = arun(r.begin(spec))
+    release = arun(rollout.begin(r, spec))
 
     converged = arun(r.converge(Desired(app="web", release=release.version, spec=spec), timeout=60, until="all"))
 
@@ -158,14 +159,14 @@ def test_the_spec_s_placement_preset_goes_with_every_create() -> None:
 
 def test_a_machine_leased_by_another_reconciler_is_left_to_a_later_pass() -> None:
     _, fleet, r = fleet_of(mad=2)
-    arun(r.deploy(app_spec()))
+    arun(rollout.deploy(r, app_spec()))
     held = fleet.machines("web")[0]
     other = LeaseRequest(id=held.id, ttl=2.0, holder="someone else")
     arun(fleet.call(worker_machines(held.worker_id, "lease"), other, Lease, timeout=5))
     refused: list[Result] = []
-    r.on_result = lambda app, result: refused.append(result) if result.code == Conflict.code else None
+    r.on_result = lambda app, result: refused.append(result) if result.failed_with(Conflict) else None
 
-    outcome = arun(r.deploy(app_spec(version="v2")))
+    outcome = arun(rollout.deploy(r, app_spec(version="v2")))
 
     assert outcome.ok, outcome.message
     assert refused and refused[0].machine_id == held.id  # a 409, not retried by the executor...
@@ -177,8 +178,8 @@ def test_a_deploy_the_fleet_has_no_room_for_touches_nothing() -> None:
     fleet.workers["mad1"].slots = 1
     fleet.beat(clock.now)  # its next heartbeat says so
 
-    with pytest.raises(CannotDeploy, match="mad: room for 1 of the 2 new machines"):
-        arun(r.deploy(app_spec()))
+    with pytest.raises(rollout.CannotDeploy, match="mad: room for 1 of the 2 new machines"):
+        arun(rollout.deploy(r, app_spec()))
 
     assert fleet.creates == [] and arun(r.releases.list("web")) == []
 

@@ -1,0 +1,91 @@
+"""The operator (`reconcile --watch`): step every app whenever something changes, until told to stop.
+
+A worker's heartbeat expiring (its spares start), a machine's event, a new release: each wakes the reconciler
+(see `follow`), and the operator steps every app again, with a timer only as a backstop. It must keep going
+when the desired state does not answer, as in a supercluster region cut off from the home region that keeps
+the apps bucket: it then converges to the last release it saw, from its last read or the apps watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from orchestrator.reconcile.plan import Desired
+from orchestrator.reconcile.reconciler import Reconciler, desired_from
+
+log = logging.getLogger(__name__)
+
+DESIRED_TIMEOUT = 5.0  # seconds the operator waits for the desired state before using the last it read
+DESIRED_RETRY = 5.0  # seconds it then uses the last one without asking
+
+
+class Operator:
+    """One operator over a reconciler; it remembers the last desired state it read, for when reads fail."""
+
+    def __init__(self, reconciler: Reconciler) -> None:
+        self.reconciler = reconciler
+        self._last_desired: dict[str, Desired] = {}
+        self._known_apps: set[str] = set()  # the last app list read
+        self._desired_quiet_until = 0.0
+
+    async def watch(self, apps: list[str] | None, stop: asyncio.Event) -> None:
+        """Step every app (or `apps`) whenever anything changes, until `stop` is set."""
+        r = self.reconciler
+        while not stop.is_set():
+            busy = False
+            for app in apps if apps is not None else await self._apps():
+                try:
+                    desired = await self._desired_or_last(app)
+                    if desired is None:
+                        continue
+                    result, _ = await r.step(desired)
+                    busy = busy or bool(result.actions or result.waiting)
+                except Exception as exc:
+                    log.warning("reconcile %s: %s (will look again)", app, exc)
+                    busy = True
+            waiter = asyncio.create_task(r.wait_for_change(r.poll if busy else r.backstop))
+            stopper = asyncio.create_task(stop.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (waiter, stopper):
+                task.cancel()
+
+    async def _apps(self) -> list[str]:
+        """The apps with releases; while the desired state does not answer (a supercluster's region cut off from
+        the home region, which keeps it), the last list seen and the apps the apps watch brought since."""
+        r = self.reconciler
+        if r.timer() >= self._desired_quiet_until:
+            try:
+                self._known_apps = set(await asyncio.wait_for(r.releases.apps(), DESIRED_TIMEOUT))
+                return sorted(self._known_apps)
+            except Exception as exc:
+                self._desired_quiet_until = r.timer() + DESIRED_RETRY
+                log.warning("the app list did not answer (%r): using the last one seen", exc)
+        return sorted(self._known_apps | r.watched.apps())
+
+    async def _desired_or_last(self, app: str) -> Desired | None:
+        """`desired(app)`, or the last one read while the desired state does not answer: a region cut off from
+        the home region keeps converging to the release it last saw (it cannot see a newer one anyway). After a
+        read that did not answer, the last one is used at once for `DESIRED_RETRY` seconds: a pass is not held
+        up by a timeout each time. The apps watch's view goes before the last read: it is at least as new, and an
+        operator whose reads failed from its start (its JetStream still electing when the cut began) has no other."""
+        r = self.reconciler
+        last = self._watched_desired(app) or self._last_desired.get(app)
+        if last is not None and r.timer() < self._desired_quiet_until:
+            return last
+        try:
+            desired = await asyncio.wait_for(r.desired(app), DESIRED_TIMEOUT)
+        except Exception as exc:
+            self._desired_quiet_until = r.timer() + DESIRED_RETRY
+            if last is None:
+                raise
+            log.info("the desired state of %s did not answer (%r): converging to release %d", app, exc, last.release)
+            return last
+        if desired is not None:
+            self._last_desired[app] = desired
+        return desired
+
+    def _watched_desired(self, app: str) -> Desired | None:
+        watched = self.reconciler.watched
+        head = watched.head(app)
+        return desired_from(app, head, watched.release(app, head.version) if head is not None else None)
