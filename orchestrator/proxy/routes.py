@@ -8,11 +8,16 @@ the index after every transition, so the table follows starts and stops within a
 Entries only move forward: a machine's index entry carries the worker's log sequence (`version`), and an
 older one arriving late (the watch can deliver a `starting` after the proxy already learned `started`
 from the start's reply) is ignored.
+
+A request for an app the watch has not brought yet (its release published a moment ago) reads KV once before
+it is answered 404 (`AppsReplica.fetch`), so a release is served as soon as it is written.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -29,6 +34,8 @@ from orchestrator.replicas.workers import Registry
 log = logging.getLogger(__name__)
 DEFAULT_SERVICE = HttpService()
 LIVE_FOR = 0.1  # seconds a region's live workers are reused between requests (heartbeats expire in seconds)
+MISSED_FOR = 1.0  # seconds an app name KV did not know is not asked for again
+MISSED_KEPT = 10_000  # names remembered as missing, at most (then forgotten all at once)
 
 
 class _Head(msgspec.Struct):
@@ -66,6 +73,7 @@ class AppsReplica(KVReplica):
         self._heads: dict[str, int] = {}
         self._releases: dict[tuple[str, int], AppSpec] = {}
         self._current: dict[str, App] = {}  # `current`'s answers until the next change
+        self._missed: dict[str, float] = {}  # app -> when `fetch` last found nothing (see MISSED_FOR)
 
     def apply(self, key: str, value: bytes | None) -> None:
         self._current.clear()
@@ -91,6 +99,35 @@ class AppsReplica(KVReplica):
                 log.warning("apps: ignoring a release I cannot read: %s", key)
                 return
             self._releases[(parts[0], release.version)] = release.spec
+
+    async def fetch(self, app: str, clock: Callable[[], float] = time.monotonic) -> None:
+        """Read `app`'s head and current release from KV now, for a request that names an app the watch has not
+        brought yet (a release published a moment ago). A name found missing is not asked again for a second:
+        a client can make up any number of them."""
+        if self._kv is None or app in self._heads:
+            return
+        now = clock()
+        if now - self._missed.get(app, -MISSED_FOR) < MISSED_FOR:
+            return
+        if len(self._missed) > MISSED_KEPT:
+            self._missed.clear()
+        self._missed[app] = now
+        head = await self._get(f"{app}.current")
+        if head is None:
+            return
+        self.apply(f"{app}.current", head)
+        version = self._heads.get(app)
+        if version is not None and (app, version) not in self._releases:
+            release = await self._get(f"{app}.releases.{version}")
+            if release is not None:
+                self.apply(f"{app}.releases.{version}", release)
+
+    async def _get(self, key: str) -> bytes | None:
+        try:
+            entry = await self._kv.get(key)
+        except Exception:  # not there, or KV unreachable: the request gets its 404, as it would have
+            return None
+        return None if entry is None else entry.value
 
     def names(self) -> list[str]:
         """Apps with a current release."""
@@ -162,6 +199,11 @@ class RouteTable:
         """What a start or create through a broker answered: known before the index's watch says so."""
         self.index.remember(entry)
         self._by_app = None
+
+    async def fetch_app(self, name: str) -> App | None:
+        """`app(name)`, after reading KV once for an app the watch has not brought yet."""
+        await self.apps.fetch(name)
+        return self.app(name)
 
     def app(self, name: str) -> App | None:
         """The app, or None when the fleet knows no such app (no current release and no machine)."""

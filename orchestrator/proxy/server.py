@@ -175,7 +175,7 @@ class Proxy:
             raise HttpError(
                 404 if b"." in host else 400, f"no app is served at this host (use <app>.{self.config.domain})"
             )
-        app = self.routes.app(name)
+        app = self.routes.app(name) or await self.routes.fetch_app(name)
         if app is None:
             raise Refused(404, f"unknown app {name}")
         ex.app = name

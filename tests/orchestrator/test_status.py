@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import fcntl
 import json
 import os
@@ -190,11 +191,13 @@ def test_events_filters_json_since_and_follow(fleet: DevFleet) -> None:
     bad = fauxmad("events", "--since", "a while", url=fleet.url)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "invalid --since" in bad.stderr
 
-    args = ["events", "--follow", "--json", "--app", "evts", "--since", "1s", "--nats", fleet.url]
+    # from now on: an absolute start, not "1s" before a CLI that may take over a second to start on a busy host
+    now = datetime.datetime.now(datetime.UTC).isoformat()
+    args = ["events", "--follow", "--json", "--app", "evts", "--since", now, "--nats", fleet.url]
     follow = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=cli_env())
     assert follow.stdout is not None
     try:
-        time.sleep(1.5)  # subscribed (and past the --since window of the events above)
+        time.sleep(1.5)  # subscribed: the follow has no "ready" line to wait for
 
         async def start_two() -> None:
             client = await FleetClient.connect(fleet.url)
@@ -210,7 +213,8 @@ def test_events_filters_json_since_and_follow(fleet: DevFleet) -> None:
                 buffer += os.read(follow.stdout.fileno(), 65536)  # not readline: select sees the fd, not a buffer
                 *lines, buffer = buffer.split(b"\n")
                 seen += [json.loads(line) for line in lines]
-        assert [e["status"] for e in seen] == ["starting", "started"] and {e["machine_id"] for e in seen} == {two}
+        got = [(e["machine_id"], e["type"], e["status"]) for e in seen]
+        assert got == [(two, "transition", "starting"), (two, "transition", "started")], got
     finally:
         follow.send_signal(signal.SIGINT)
         follow.wait(timeout=10)
