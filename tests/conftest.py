@@ -86,9 +86,12 @@ def fresh_nats() -> Iterator[EmbeddedNats]:
 def unique() -> Callable[[str], str]:
     """Unique names per test, so tests can share one nats-server without seeing each other."""
     run = next(_ids)
+    # xdist workers count from 1 each: their tag keeps names apart, or one's cleanup (kill_machines_of, by worker
+    # id) kills the other's machines
+    tag = os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
 
     def make(prefix: str) -> str:
-        return f"{prefix}{run}x{next(_ids)}"
+        return f"{prefix}{run}x{next(_ids)}" + (f"g{tag}" if tag else "")
 
     return make
 

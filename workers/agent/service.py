@@ -16,6 +16,7 @@ Stopping the agent never stops its machines: they are re-adopted on restart.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import shutil
@@ -67,6 +68,16 @@ from workers.volumes.verbs import VolumeManager
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+
+
+def cgroup_base_name(worker_id: str, data_dir: Path) -> str:
+    """This worker's subtree of the host's cgroups: its id and a digest of its data directory. Worker ids are
+    unique in a fleet, not on a host: two fleets on one host (two `fauxmad dev`, tests side by side) each have a
+    `mad-w1`, and sharing `fauxmad/mad-w1` let one worker's pool adopt or remove the other's pooled cgroups as a
+    crashed worker's leftovers, and two machines claim one (stops then hung, tests side by side failed). The same
+    data directory, after a restart, gives the same name."""
+    digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{worker_id}-{digest}"
 
 
 class WorkerAgent:
@@ -138,7 +149,7 @@ class WorkerAgent:
         # reached the stream (deliveries wait for the look-ups, and resumed machines commit below)
         self._tasks.append(self.outbox.republish(self.store.machines()))
         self.committer = GroupCommitter(self.store)
-        limits = auto_detect(cfg.worker_id)
+        limits = auto_detect(cgroup_base_name(cfg.worker_id, data))
         self.limits_mode = limits.describe()
         hint = slow_migration_hint() if limits.describe() != "rlimit" else None
         if hint is not None:
