@@ -19,9 +19,15 @@ from nats.aio.client import Client
 from bus.contract import subjects
 from bus.contract.codec import decode
 from bus.contract.errors import NotFound
-from bus.contract.messages import (
+from bus.contract.fleet import (
     CordonRequest,
     CreateRequest,
+    RegionSummary,
+    SimulateRequest,
+    WorkerInfo,
+    WorkersListRequest,
+)
+from bus.contract.machines import (
     DestroyRequest,
     ExecReply,
     ExecRequest,
@@ -30,23 +36,21 @@ from bus.contract.messages import (
     ListRequest,
     Machine,
     MachineConfig,
-    RegionSummary,
     ResumeRequest,
     SignalRequest,
-    SimulateRequest,
     StartRequest,
     StopRequest,
     SuspendRequest,
     UpdateRequest,
+    WaitRequest,
+)
+from bus.contract.volumes import (
     Volume,
     VolumeApiCreateRequest,
     VolumeApiListRequest,
     VolumeExtendRequest,
     VolumeIdRequest,
     VolumeSnapshot,
-    WaitRequest,
-    WorkerInfo,
-    WorkersListRequest,
 )
 from bus.transport.connection import connect
 from bus.transport.service import call, request

@@ -28,7 +28,7 @@ import nats
 from bus.contract import subjects
 from bus.contract.codec import encode
 from bus.contract.errors import Unreachable
-from bus.contract.messages import DestroyRequest, ListRequest
+from bus.contract.machines import DestroyRequest, ListRequest
 from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
 from bus.local.supercluster import LoopbackSupercluster

@@ -31,7 +31,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from bus.contract import subjects
-from bus.contract.messages import LogLine
+from bus.contract.streams import LogLine
 from bus.transport.jetstream import ensure_logs_stream
 
 DEFAULT_LINES = 100  # history shown when neither `since` nor `lines` is given

@@ -222,9 +222,9 @@ def pid_alive(pid: int) -> bool:
 
 
 async def audit_records(nc: Any, app: str) -> list[Any]:
-    """Every record of `app` in the audit stream (`bus.contract.messages.AuditRecord`), read over `nc`."""
+    """Every record of `app` in the audit stream (`bus.contract.streams.AuditRecord`), read over `nc`."""
     from bus.contract import subjects
-    from bus.contract.messages import AuditRecord
+    from bus.contract.streams import AuditRecord
 
     sub = await nc.jetstream().subscribe(subjects.audit(app), ordered_consumer=True)
     found: list[AuditRecord] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.contract.messages import Decline, Offer, OfferReply, OfferRequest, Resources
+from bus.contract.offers import Decline, Offer, OfferReply, OfferRequest, Resources
 
 
 class Snapshot(msgspec.Struct, frozen=True, kw_only=True):

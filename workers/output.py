@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Literal
 
-from bus.contract.messages import LogLine
+from bus.contract.streams import LogLine
 
 log = logging.getLogger(__name__)
 

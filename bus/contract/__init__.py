@@ -1,6 +1,8 @@
 """The contract: what fauxmad's processes say to each other, and nothing else.
 
-Subjects and names (`subjects`), the message types (`messages`, `jobs`), machine ids (`ids`), the error
-contract (`errors`), the wire codec (`codec`) and the machine-readable contract built from them (`schema`).
+Subjects and names (`subjects`); the message types per subject family (`base`: what every message stands
+on; `machines`, `offers`, `fleet`, `volumes`, `jobs`, `edge`, `streams`) and each family's verbs (`verbs`);
+machine ids (`ids`), the error contract (`errors`), the wire codec (`codec`) and the machine-readable contract
+built from them (`schema`).
 Every other package of fauxmad stands on it; it imports none of them, and nothing of NATS.
 """

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from bus.contract.messages import Reply, Request, Token
+from bus.contract.base import Reply, Request, Token
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})

@@ -2,7 +2,7 @@
 subject, generated from the very Structs that decode the messages and the tables that list the verbs.
 
 Nothing here is written by hand twice: the schemas come from `msgspec.json.schema_components` over
-`bus.contract.messages`, the verbs from `WORKER_REQUESTS`/`API_REQUESTS`, and the addresses from
+the contract's message modules, the verbs from `WORKER_REQUESTS`/`API_REQUESTS`, and the addresses from
 `bus.contract.subjects`' prefix. `fauxmad schema asyncapi` prints the document; the micro services'
 `$SRV.INFO` metadata names the channel of each endpoint, so a service that discovers a worker or broker
 finds its schema.
@@ -10,13 +10,35 @@ finds its schema.
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import msgspec
 
 from bus.contract import jobs as j
-from bus.contract import messages as m
 from bus.contract import subjects
+from bus.contract.base import Ack, ErrorBody
+from bus.contract.edge import ProxyActivity, ProxyUnreachable
+from bus.contract.fleet import (
+    CordonRequest,
+    InfoRequest,
+    RegionsListRequest,
+    RegionSummary,
+    SimulateRequest,
+    WorkerInfo,
+    WorkersListRequest,
+)
+from bus.contract.machines import ExecReply, Lease, Machine, MachineEvent
+from bus.contract.offers import Decline, Offer, OfferRequest
+from bus.contract.streams import AuditRecord, LogLine
+from bus.contract.verbs import (
+    API_REQUESTS,
+    API_VOLUME_REQUESTS,
+    BROKER_REQUESTS,
+    WORKER_REQUESTS,
+    WORKER_VOLUME_REQUESTS,
+)
+from bus.contract.volumes import Volume, VolumeSnapshot
 
 P = subjects.PREFIX
 ASYNCAPI_VERSION = "3.0.0"
@@ -33,7 +55,7 @@ class Channel(NamedTuple):
 
 
 def _verb_reply(verb: str) -> Any:
-    return {"list": list[m.Machine], "exec": m.ExecReply, "lease": m.Lease}.get(verb, m.Machine)
+    return {"list": list[Machine], "exec": ExecReply, "lease": Lease}.get(verb, Machine)
 
 
 def channels() -> list[Channel]:
@@ -46,7 +68,7 @@ def channels() -> list[Channel]:
             _verb_reply(verb),
             ("worker_id",),
         )
-        for verb, kind in m.WORKER_REQUESTS.items()
+        for verb, kind in WORKER_REQUESTS.items()
     ]
     out += [
         Channel(
@@ -54,50 +76,48 @@ def channels() -> list[Channel]:
             f"{P}.api.apps.{{app}}.machines.{verb}",
             f"The brokers' `{verb}` (queue group `brokers`): "
             + ("placed by an auction." if verb == "create" else "asked of the app's workers.")
-            if verb in m.BROKER_REQUESTS
+            if verb in BROKER_REQUESTS
             else f"The brokers' `{verb}` (queue group `brokers`): forwarded to the machine's worker.",
             kind,
-            _verb_reply(verb) if verb != "create" else m.Machine,
+            _verb_reply(verb) if verb != "create" else Machine,
             ("app",),
         )
-        for verb, kind in m.API_REQUESTS.items()
+        for verb, kind in API_REQUESTS.items()
     ]
     out += [
-        Channel("offers", f"{P}.offers.{{region}}", "An auction's call for offers (scatter).", m.OfferRequest,
-                m.Offer | m.Decline, ("region",)),
-        Channel("worker_offer", f"{P}.worker.{{worker_id}}.offer", "One worker's offer (p2c).", m.OfferRequest,
-                m.Offer | m.Decline, ("worker_id",)),
-        Channel("worker_info", f"{P}.worker.{{worker_id}}.info", "A worker's heartbeat, on request.", m.InfoRequest,
-                m.WorkerInfo, ("worker_id",)),
-        Channel("worker_cordon", f"{P}.worker.{{worker_id}}.cordon", "Take no new machines.", m.CordonRequest,
-                m.WorkerInfo, ("worker_id",)),
-        Channel("worker_uncordon", f"{P}.worker.{{worker_id}}.uncordon", "Take machines again.", m.CordonRequest,
-                m.WorkerInfo, ("worker_id",)),
-        Channel("regions_list", subjects.API_REGIONS_LIST, "Regions with their capacity.", m.RegionsListRequest,
-                list[m.RegionSummary]),
-        Channel("workers_list", subjects.API_WORKERS_LIST, "Live workers.", m.WorkersListRequest, list[m.WorkerInfo]),
+        Channel("offers", f"{P}.offers.{{region}}", "An auction's call for offers (scatter).", OfferRequest,
+                Offer | Decline, ("region",)),
+        Channel("worker_offer", f"{P}.worker.{{worker_id}}.offer", "One worker's offer (p2c).", OfferRequest,
+                Offer | Decline, ("worker_id",)),
+        Channel("worker_info", f"{P}.worker.{{worker_id}}.info", "A worker's heartbeat, on request.", InfoRequest,
+                WorkerInfo, ("worker_id",)),
+        Channel("worker_cordon", f"{P}.worker.{{worker_id}}.cordon", "Take no new machines.", CordonRequest,
+                WorkerInfo, ("worker_id",)),
+        Channel("worker_uncordon", f"{P}.worker.{{worker_id}}.uncordon", "Take machines again.", CordonRequest,
+                WorkerInfo, ("worker_id",)),
+        Channel("regions_list", subjects.API_REGIONS_LIST, "Regions with their capacity.", RegionsListRequest,
+                list[RegionSummary]),
+        Channel("workers_list", subjects.API_WORKERS_LIST, "Live workers.", WorkersListRequest, list[WorkerInfo]),
         Channel("placements_simulate", subjects.API_PLACEMENTS_SIMULATE, "A dry-run auction and its explain.",
-                m.SimulateRequest, dict[str, Any]),
+                SimulateRequest, dict[str, Any]),
         Channel("events", f"{P}.events.{{region}}.{{worker_id}}.{{app}}.{{machine_id}}",
-                "Every machine state transition (stream FAUXMAD_EVENTS).", m.MachineEvent, None,
+                "Every machine state transition (stream FAUXMAD_EVENTS).", MachineEvent, None,
                 ("region", "worker_id", "app", "machine_id")),
         Channel("logs", f"{P}.logs.{{app}}.{{machine_id}}", "Machines' output lines (stream FAUXMAD_LOGS).",
-                m.LogLine, None, ("app", "machine_id")),
+                LogLine, None, ("app", "machine_id")),
         Channel("proxy_unreachable", f"{P}.proxy.unreachable.{{app}}.{{machine_id}}",
-                "An edge proxy could not reach a machine.", m.ProxyUnreachable, None, ("app", "machine_id")),
+                "An edge proxy could not reach a machine.", ProxyUnreachable, None, ("app", "machine_id")),
         Channel("proxy_activity", f"{P}.proxy.activity.{{app}}",
-                "The machines an edge proxy served lately (shared idleness).", m.ProxyActivity, None, ("app",)),
+                "The machines an edge proxy served lately (shared idleness).", ProxyActivity, None, ("app",)),
         Channel("audit", f"{P}.audit.{{app}}", "A mutating HTTP API request (stream FAUXMAD_AUDIT).",
-                m.AuditRecord, None, ("app",)),
+                AuditRecord, None, ("app",)),
     ]  # fmt: skip
     out += job_channels()
     return out + volume_channels()
 
 
 def _volume_reply(verb: str) -> Any:
-    return {"list": list[m.Volume], "snapshot": m.VolumeSnapshot, "snapshots": list[m.VolumeSnapshot]}.get(
-        verb, m.Volume
-    )
+    return {"list": list[Volume], "snapshot": VolumeSnapshot, "snapshots": list[VolumeSnapshot]}.get(verb, Volume)
 
 
 def volume_channels() -> list[Channel]:
@@ -111,20 +131,20 @@ def volume_channels() -> list[Channel]:
             _volume_reply(verb),
             ("worker_id",),
         )
-        for verb, kind in m.WORKER_VOLUME_REQUESTS.items()
+        for verb, kind in WORKER_VOLUME_REQUESTS.items()
     ]
     out += [
         Channel(
             f"api_volumes_{verb}",
             f"{P}.api.apps.{{app}}.volumes.{verb}",
             f"The brokers' volume `{verb}` (queue group `brokers`)"
-            + (": forwarded to the volume's worker." if verb in m.WORKER_VOLUME_REQUESTS and verb != "create"
+            + (": forwarded to the volume's worker." if verb in WORKER_VOLUME_REQUESTS and verb != "create"
                and verb != "list" else "."),
             kind,
             _volume_reply(verb),
             ("app",),
         )
-        for verb, kind in m.API_VOLUME_REQUESTS.items()
+        for verb, kind in API_VOLUME_REQUESTS.items()
     ]  # fmt: skip
     return out
 
@@ -143,7 +163,7 @@ def job_channels() -> list[Channel]:
                 "Cancel a job: queued at once, running on its worker.", j.JobIdRequest, j.Job, ("app",)),
         Channel("worker_jobs_cancel", f"{P}.worker.{{worker_id}}.jobs.cancel",
                 "Kill the attempt of a job running on this worker (sent by the job desk's cancel).", j.JobIdRequest,
-                m.Ack, ("worker_id",)),
+                Ack, ("worker_id",)),
         Channel("jobs_queue", f"{P}.jobs.queue.{{region}}",
                 "A region's work queue (stream FAUXMAD_JOBS_<region>, consumer `workers`): which job to run.",
                 j.JobTask, None, ("region",)),
@@ -156,7 +176,7 @@ def job_channels() -> list[Channel]:
 
 
 def _name(kind: Any) -> str:
-    return getattr(kind, "__name__", None) or str(kind).replace("bus.contract.messages.", "")
+    return getattr(kind, "__name__", None) or re.sub(r"\bbus\.contract\.\w+\.", "", str(kind))
 
 
 def json_schemas() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -166,7 +186,7 @@ def json_schemas() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         kinds.append(channel.payload)
         if channel.reply is not None:
             kinds.append(channel.reply)
-    kinds.append(m.ErrorBody)
+    kinds.append(ErrorBody)
     refs, components = msgspec.json.schema_components(kinds, ref_template="#/components/schemas/{name}")
     by_channel: dict[str, Any] = {}
     position = 0

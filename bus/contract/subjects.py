@@ -12,7 +12,7 @@ import re
 
 from bus.contract.codec import clip
 from bus.contract.errors import BadRequest
-from bus.contract.messages import API_REQUESTS, API_VOLUME_REQUESTS, WORKER_REQUESTS, WORKER_VOLUME_REQUESTS
+from bus.contract.verbs import API_REQUESTS, API_VOLUME_REQUESTS, WORKER_REQUESTS, WORKER_VOLUME_REQUESTS
 
 PREFIX = "fauxmad.v1"
 

@@ -16,7 +16,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus.contract import subjects
-from bus.contract.messages import VolumeSnapshot
+from bus.contract.volumes import VolumeSnapshot
 from bus.stores.objects import bind_or_create_store
 from bus.transport.jetstream import bind_or_create_kv
 

@@ -35,7 +35,7 @@ from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.errors import BadRequest, Forbidden
-from bus.contract.messages import AuditRecord
+from bus.contract.streams import AuditRecord
 
 log = logging.getLogger(__name__)
 

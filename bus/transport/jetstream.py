@@ -37,8 +37,8 @@ from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFo
 from nats.js.kv import KeyValue
 
 from bus.contract import subjects
+from bus.contract.base import seconds
 from bus.contract.errors import Unreachable
-from bus.contract.messages import seconds
 from bus.transport import layout as layouts
 from bus.transport.layout import Layout
 

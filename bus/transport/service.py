@@ -23,9 +23,9 @@ from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from bus.contract.base import ErrorBody, ErrorDetail
 from bus.contract.codec import clip, decode, decoder, encode
 from bus.contract.errors import FauxmadError, Forbidden, InternalError, Unanswered, Unreachable, error_for_code
-from bus.contract.messages import ErrorBody, ErrorDetail
 from bus.transport.audit import REFUSED, RequestAudit, mutating, signer_of
 from bus.transport.connection import Refusals, refusals_of
 

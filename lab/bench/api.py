@@ -19,7 +19,8 @@ import aiohttp
 import msgspec
 import uvloop
 
-from bus.contract.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, MachineConfig
 from bus.local.ports import free_port
 from lab.bench import BenchError
 from lab.bench.http_client import Client

@@ -16,7 +16,7 @@ import msgspec
 import uvloop
 
 from bus.contract import subjects
-from bus.contract.messages import ListRequest, Machine
+from bus.contract.machines import ListRequest, Machine
 from lab.bench import BenchError
 from lab.bench.deploy import APP, bench_fleet, bench_spec
 from lab.bench.report import Report, Table

@@ -24,7 +24,8 @@ import msgspec
 import uvloop
 
 from bus.contract.errors import NoCapacity
-from bus.contract.messages import CreateRequest, Guest, MachineConfig, RestartPolicy
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, MachineConfig, RestartPolicy
 from lab.bench.echo import EchoResponder
 from lab.bench.report import Report, host_info, latency_table, times
 from lab.bench.stats import Latency, ratio, summarize

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from bus.contract.messages import CreateRequest
+from bus.contract.fleet import CreateRequest
 from bus.local.ports import free_port
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import msgspec
 import uvloop
 
-from bus.contract.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, MachineConfig
 from lab.bench.report import Report, host_info, latency_table
 from lab.bench.stats import Latency, summarize
 from orchestrator.client import FleetClient

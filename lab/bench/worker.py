@@ -22,7 +22,7 @@ from typing import Protocol
 import msgspec
 
 from bus.contract import subjects
-from bus.contract.messages import MachineConfig, ReserveRequest
+from bus.contract.machines import MachineConfig, ReserveRequest
 from bus.local.embedded import EmbeddedNats
 from bus.transport.connection import connect
 from bus.transport.service import request

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bus.contract.messages import Machine, MachineConfig
+from bus.contract.machines import Machine, MachineConfig
 from workers.log.commit import GroupCommitter
 from workers.log.records import StoredMachine
 from workers.log.store import Store, Tx

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import msgspec
 
-from bus.contract.messages import Offer, Resources
+from bus.contract.offers import Offer, Resources
 
 # (cpus, memory_mb, weight): mostly small guests, a few big ones, as fleets of apps look
 GUEST_MIX: tuple[tuple[int, int, float], ...] = ((1, 256, 0.60), (2, 1024, 0.25), (4, 4096, 0.10), (8, 8192, 0.05))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from bus.contract.messages import OfferGuest, OfferRequest
+from bus.contract.offers import OfferGuest, OfferRequest
 from lab.sim.model import Arrival, SimWorker
 from orchestrator.placement.config import PlacementConfig, with_preset
 from orchestrator.placement.stack import rank

@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import msgspec
 
-from bus.contract.messages import OfferGuest, OfferRequest
+from bus.contract.offers import OfferGuest, OfferRequest
 from lab.sim.model import Arrival, Departures, Fleet, SimWorker, trace
 from lab.sim.placers import placer
 from orchestrator.placement.config import PlacementConfig, with_preset

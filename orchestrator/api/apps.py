@@ -8,16 +8,16 @@ import builtins
 
 from aiohttp import web
 
-from bus.contract import messages as bus
 from bus.contract import subjects
-from bus.contract.messages import Machine, WorkerInfo
+from bus.contract.fleet import WorkerInfo, WorkersListRequest
+from bus.contract.machines import DestroyRequest, ListRequest, Machine
 from orchestrator.api import types
 from orchestrator.api.http import BROKERS, app_name, body, json
 
 
 async def _counts(request: web.Request) -> dict[str, int]:
     workers = await request.app[BROKERS].call(
-        subjects.API_WORKERS_LIST, bus.WorkersListRequest(), builtins.list[WorkerInfo], timeout=10
+        subjects.API_WORKERS_LIST, WorkersListRequest(), builtins.list[WorkerInfo], timeout=10
     )
     counts: dict[str, int] = {}
     for worker in workers:
@@ -49,11 +49,9 @@ async def get_app(request: web.Request) -> web.Response:
 async def delete_app(request: web.Request) -> web.Response:
     name = app_name(request)
     brokers = request.app[BROKERS]
-    found = await brokers.call(
-        subjects.api_machines(name, "list"), bus.ListRequest(), builtins.list[Machine], timeout=10
-    )
+    found = await brokers.call(subjects.api_machines(name, "list"), ListRequest(), builtins.list[Machine], timeout=10)
     for machine in found:
-        destroy = bus.DestroyRequest(id=machine.id, force=True)
+        destroy = DestroyRequest(id=machine.id, force=True)
         await brokers.call(subjects.api_machines(name, "destroy"), destroy, Machine, timeout=25)
     return web.Response(status=202)
 

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from bus.contract.messages import AuditRecord
+from bus.contract.streams import AuditRecord
 from bus.transport.audit import AuditTrail, audit_subject
 from orchestrator.api.errors import error_response
 from orchestrator.replicas.replica import KVReplica

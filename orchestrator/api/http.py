@@ -17,9 +17,10 @@ from aiohttp import web
 from nats.aio.client import Client
 
 from bus.contract import subjects
+from bus.contract.base import MACHINE_ID
 from bus.contract.codec import decode, encode
 from bus.contract.errors import BadRequest, Unanswered
-from bus.contract.messages import MACHINE_ID, Machine
+from bus.contract.machines import Machine
 from bus.transport.service import call, request
 
 MAX_BODY = 1024 * 1024

@@ -16,7 +16,7 @@ from __future__ import annotations
 from aiohttp import web
 from nats.aio.client import Client
 
-from bus.contract.messages import MachineConfig
+from bus.contract.machines import MachineConfig
 from bus.stores.images import ImageError, Images, ResolvedImage, resolve_image
 from orchestrator.api import types
 from orchestrator.api.http import ClientError

@@ -2,7 +2,7 @@
 labels, which the worker applies in place (the same instance, no restart).
 
 A machine's cordon (Fly's `cordon`/`uncordon`: the proxy routes nothing to it) is one such label,
-`bus.contract.messages.CORDONED_LABEL`: the routing index carries a machine's labels, so every edge proxy sees it
+`bus.contract.machines.CORDONED_LABEL`: the routing index carries a machine's labels, so every edge proxy sees it
 from its KV watch, and nothing else in the fleet needs to know of it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 import msgspec
 from aiohttp import web
 
-from bus.contract import messages as bus
+from bus.contract.machines import CORDONED_LABEL, GetRequest, UpdateRequest
 from orchestrator.api import types
 from orchestrator.api.http import ClientError, ask, body, json, machine_id, nonce
 
@@ -27,20 +27,20 @@ def _key(request: web.Request) -> str:
 
 
 async def get_metadata(request: web.Request) -> web.Response:
-    got = await ask(request, "get", bus.GetRequest(id=machine_id(request), events=False))
+    got = await ask(request, "get", GetRequest(id=machine_id(request), events=False))
     return json(got.config.metadata)
 
 
 async def _relabel(request: web.Request, key: str, value: str | None) -> web.Response:
     mid = machine_id(request)
-    got = await ask(request, "get", bus.GetRequest(id=mid, events=False))
+    got = await ask(request, "get", GetRequest(id=mid, events=False))
     labels = dict(got.config.metadata)
     if value is None:
         labels.pop(key, None)
     else:
         labels[key] = value
     config = msgspec.structs.replace(got.config, metadata=labels)
-    await ask(request, "update", bus.UpdateRequest(id=mid, config=config, lease_nonce=nonce(request)), timeout=45)
+    await ask(request, "update", UpdateRequest(id=mid, config=config, lease_nonce=nonce(request)), timeout=45)
     return web.Response(status=204)
 
 
@@ -56,12 +56,12 @@ async def delete_metadata(request: web.Request) -> web.Response:
 
 
 async def cordon(request: web.Request) -> web.Response:
-    await _relabel(request, bus.CORDONED_LABEL, "true")
+    await _relabel(request, CORDONED_LABEL, "true")
     return json({"ok": True})
 
 
 async def uncordon(request: web.Request) -> web.Response:
-    await _relabel(request, bus.CORDONED_LABEL, None)
+    await _relabel(request, CORDONED_LABEL, None)
     return json({"ok": True})
 
 

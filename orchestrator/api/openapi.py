@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from bus.contract.messages import Volume, VolumeSnapshot
+from bus.contract.volumes import Volume, VolumeSnapshot
 from orchestrator.api import types
 
 _BODIES = [

@@ -9,10 +9,10 @@ from typing import Any
 
 from aiohttp import web
 
-from bus.contract import messages as bus
 from bus.contract import subjects
 from bus.contract.codec import decode
-from bus.contract.messages import RegionSummary, WorkerInfo
+from bus.contract.fleet import RegionSummary, SimulateRequest, WorkerInfo, WorkersListRequest
+from bus.contract.offers import OfferGuest
 from orchestrator.api import types
 from orchestrator.api.http import BROKERS, body, json
 
@@ -37,12 +37,12 @@ async def placements(req_: web.Request) -> web.Response:
     else:
         regions = req.region.split(",")
     out = []
-    guest = bus.OfferGuest(cpus=req.compute.cpus, memory_mb=req.compute.memory_mb, cpu_kind=req.compute.cpu_kind)
+    guest = OfferGuest(cpus=req.compute.cpus, memory_mb=req.compute.memory_mb, cpu_kind=req.compute.cpu_kind)
     for region in regions:
         workers = await brokers.call(
-            subjects.API_WORKERS_LIST, bus.WorkersListRequest(region=region), list[WorkerInfo], timeout=10
+            subjects.API_WORKERS_LIST, WorkersListRequest(region=region), list[WorkerInfo], timeout=10
         )
-        simulate = bus.SimulateRequest(app=req.app, region=region, guest=guest)
+        simulate = SimulateRequest(app=req.app, region=region, guest=guest)
         answer = await brokers.raw(subjects.API_PLACEMENTS_SIMULATE, simulate, timeout=10)
         explain: dict[str, Any] = decode(dict[str, Any], answer)  # type: ignore[arg-type]
         count = min(req.count, _room(workers, req.compute))

@@ -20,10 +20,24 @@ from typing import Any
 from aiohttp import web
 from nats.aio.client import Client
 
-from bus.contract import messages as bus
 from bus.contract import subjects
+from bus.contract.base import seconds
 from bus.contract.errors import FauxmadError
-from bus.contract.messages import Machine, seconds
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import (
+    DestroyRequest,
+    GetRequest,
+    Lease,
+    LeaseRequest,
+    ListRequest,
+    Machine,
+    ReleaseRequest,
+    SignalRequest,
+    StartRequest,
+    StopRequest,
+    UpdateRequest,
+    WaitRequest,
+)
 from bus.transport.audit import AuditTrail
 from orchestrator.api import apps, metadata, metrics, placements, types, volumes
 from orchestrator.api.auth import Auth, guard
@@ -58,7 +72,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 async def list_machines(request: web.Request) -> web.Response:
     found = await request.app[BROKERS].call(
-        subjects.api_machines(app_name(request), "list"), bus.ListRequest(), list[Machine], timeout=10
+        subjects.api_machines(app_name(request), "list"), ListRequest(), list[Machine], timeout=10
     )
     return json([types.machine(m) for m in found])
 
@@ -69,7 +83,7 @@ async def started(request: web.Request, machine: Machine) -> Machine:
     not started again) is answered as it is."""
     if machine.state != "failed":
         return machine
-    got = await ask(request, "get", bus.GetRequest(id=machine.id, events=True))
+    got = await ask(request, "get", GetRequest(id=machine.id, events=True))
     events = got.events if isinstance(got.events, list) else []
     newest = max(events, key=lambda e: (e.timestamp, e.seq), default=None)
     if newest is None or newest.status != "failed" or newest.type != "transition":
@@ -81,12 +95,12 @@ async def started(request: web.Request, machine: Machine) -> Machine:
 async def create_machine(request: web.Request) -> web.Response:
     req = await body(request, types.CreateMachineRequest)
     config = await machine_config(request, req.config)
-    create = bus.CreateRequest(region=req.region, config=config, name=req.name, skip_launch=req.skip_launch)
+    create = CreateRequest(region=req.region, config=config, name=req.name, skip_launch=req.skip_launch)
     return json(types.machine(await started(request, await ask(request, "create", create, timeout=40))))
 
 
 async def get_machine(request: web.Request) -> web.Response:
-    got = await ask(request, "get", bus.GetRequest(id=machine_id(request), events=True))
+    got = await ask(request, "get", GetRequest(id=machine_id(request), events=True))
     return json(types.machine(got))
 
 
@@ -94,18 +108,18 @@ async def update_machine(request: web.Request) -> web.Response:
     mid = machine_id(request)
     req = await body(request, types.UpdateMachineRequest)
     config = await machine_config(request, req.config)
-    update = bus.UpdateRequest(id=mid, config=config, lease_nonce=nonce(request))
+    update = UpdateRequest(id=mid, config=config, lease_nonce=nonce(request))
     return json(types.machine(await started(request, await ask(request, "update", update, timeout=45))))
 
 
 async def delete_machine(request: web.Request) -> web.Response:
     force = flag(request, "force") or flag(request, "kill")
-    await ask(request, "destroy", bus.DestroyRequest(id=machine_id(request), force=force, lease_nonce=nonce(request)))
+    await ask(request, "destroy", DestroyRequest(id=machine_id(request), force=force, lease_nonce=nonce(request)))
     return json({"ok": True})
 
 
 async def start_machine(request: web.Request) -> web.Response:
-    start = bus.StartRequest(id=machine_id(request), lease_nonce=nonce(request))
+    start = StartRequest(id=machine_id(request), lease_nonce=nonce(request))
     await started(request, await ask(request, "start", start, timeout=35))
     return json({"previous_state": "", "migrated": False, "new_host": ""})
 
@@ -117,15 +131,15 @@ async def stop_machine(request: web.Request) -> web.Response:
         timeout = min(seconds(req.timeout), STOP_TIMEOUT_MAX)  # "9000h" waits a day at most
     except ValueError as exc:
         raise ClientError(400, str(exc)) from None
-    stop = bus.StopRequest(id=mid, signal=req.signal, timeout=timeout, lease_nonce=nonce(request))
+    stop = StopRequest(id=mid, signal=req.signal, timeout=timeout, lease_nonce=nonce(request))
     await ask(request, "stop", stop, timeout=timeout + 15)
     return json({"ok": True})
 
 
 async def restart_machine(request: web.Request) -> web.Response:
     mid = machine_id(request)
-    await ask(request, "stop", bus.StopRequest(id=mid, lease_nonce=nonce(request)), timeout=25)
-    start = bus.StartRequest(id=mid, lease_nonce=nonce(request))
+    await ask(request, "stop", StopRequest(id=mid, lease_nonce=nonce(request)), timeout=25)
+    start = StartRequest(id=mid, lease_nonce=nonce(request))
     await started(request, await ask(request, "start", start, timeout=35))
     return json({"ok": True})
 
@@ -133,7 +147,7 @@ async def restart_machine(request: web.Request) -> web.Response:
 async def signal_machine(request: web.Request) -> web.Response:
     mid = machine_id(request)
     req = await body(request, types.SignalRequest)
-    await ask(request, "signal", bus.SignalRequest(id=mid, signal=req.signal, lease_nonce=nonce(request)))
+    await ask(request, "signal", SignalRequest(id=mid, signal=req.signal, lease_nonce=nonce(request)))
     return json({"ok": True})
 
 
@@ -156,7 +170,7 @@ async def wait_machine(request: web.Request) -> web.Response:
     states, timeout = _wait_args(request)
     mid = machine_id(request)
     waits = [
-        asyncio.ensure_future(ask(request, "wait", bus.WaitRequest(id=mid, state=s, timeout=timeout), timeout + 10))  # type: ignore[arg-type]
+        asyncio.ensure_future(ask(request, "wait", WaitRequest(id=mid, state=s, timeout=timeout), timeout + 10))  # type: ignore[arg-type]
         for s in states
     ]
     try:
@@ -172,18 +186,18 @@ async def wait_machine(request: web.Request) -> web.Response:
 
 
 async def machine_events(request: web.Request) -> web.Response:
-    got = await ask(request, "get", bus.GetRequest(id=machine_id(request), events=True))
+    got = await ask(request, "get", GetRequest(id=machine_id(request), events=True))
     return json(types.machine(got).events)
 
 
 async def get_lease(request: web.Request) -> web.Response:
-    got = await ask(request, "get", bus.GetRequest(id=machine_id(request), events=False))
+    got = await ask(request, "get", GetRequest(id=machine_id(request), events=False))
     if got.lease is None:
         raise ClientError(404, "no lease")
     return json(_lease(got.lease))
 
 
-def _lease(lease: bus.Lease) -> dict[str, Any]:
+def _lease(lease: Lease) -> dict[str, Any]:
     return {
         "status": "success",
         "data": {"nonce": lease.nonce, "owner": lease.holder, "expires_at": int(lease.expires_at)},
@@ -193,9 +207,9 @@ def _lease(lease: bus.Lease) -> dict[str, Any]:
 async def acquire_lease(request: web.Request) -> web.Response:
     mid = machine_id(request)
     req = await body(request, types.LeaseRequest)
-    lease = bus.LeaseRequest(id=mid, ttl=req.ttl, holder=req.description, nonce=nonce(request))
+    lease = LeaseRequest(id=mid, ttl=req.ttl, holder=req.description, nonce=nonce(request))
     subject = subjects.api_machines(app_name(request), "lease")
-    held = await request.app[BROKERS].call(subject, lease, bus.Lease, timeout=10)
+    held = await request.app[BROKERS].call(subject, lease, Lease, timeout=10)
     return json(_lease(held))
 
 
@@ -205,7 +219,7 @@ async def release_lease(request: web.Request) -> web.Response:
     if given is None:
         raise ClientError(400, "releasing a lease needs its nonce in the fly-machine-lease-nonce header")
     subject = subjects.api_machines(app_name(request), "release")
-    await request.app[BROKERS].call(subject, bus.ReleaseRequest(id=mid, nonce=given), dict[str, Any], timeout=10)
+    await request.app[BROKERS].call(subject, ReleaseRequest(id=mid, nonce=given), dict[str, Any], timeout=10)
     return json({"ok": True})
 
 

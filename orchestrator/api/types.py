@@ -11,7 +11,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from bus.contract.messages import Guest, Machine, MachineConfig, MachineEvent, Mount, RestartPolicy, State, Volume
+from bus.contract.base import State
+from bus.contract.machines import Guest, Machine, MachineConfig, MachineEvent, Mount, RestartPolicy
+from bus.contract.volumes import Volume
 
 
 class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):

@@ -10,8 +10,15 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from bus.contract import messages as bus
 from bus.contract import subjects
+from bus.contract.volumes import (
+    Volume,
+    VolumeApiCreateRequest,
+    VolumeApiListRequest,
+    VolumeExtendRequest,
+    VolumeIdRequest,
+    VolumeSnapshot,
+)
 from orchestrator.api import types
 from orchestrator.api.http import BROKERS, ClientError, app_name, body, json
 
@@ -32,42 +39,40 @@ async def _ask(request: web.Request, verb: str, payload: Any, kind: type[T], tim
 
 
 async def list_volumes(request: web.Request) -> web.Response:
-    return json(await _ask(request, "list", bus.VolumeApiListRequest(), list[bus.Volume]))
+    return json(await _ask(request, "list", VolumeApiListRequest(), list[Volume]))
 
 
 async def create_volume(request: web.Request) -> web.Response:
     app_name(request)
     req = await body(request, types.CreateVolumeRequest)
-    create = bus.VolumeApiCreateRequest(
-        region=req.region, name=req.name, size_gb=req.size_gb, snapshot_id=req.snapshot_id
-    )
-    return json(await _ask(request, "create", create, bus.Volume, timeout=620))
+    create = VolumeApiCreateRequest(region=req.region, name=req.name, size_gb=req.size_gb, snapshot_id=req.snapshot_id)
+    return json(await _ask(request, "create", create, Volume, timeout=620))
 
 
 async def get_volume(request: web.Request) -> web.Response:
-    return json(await _ask(request, "get", bus.VolumeIdRequest(id=volume_id(request)), bus.Volume))
+    return json(await _ask(request, "get", VolumeIdRequest(id=volume_id(request)), Volume))
 
 
 async def extend_volume(request: web.Request) -> web.Response:
     vid = volume_id(request)
     req = await body(request, types.ExtendVolumeRequest)
-    volume = await _ask(request, "extend", bus.VolumeExtendRequest(id=vid, size_gb=req.size_gb), bus.Volume, 90)
+    volume = await _ask(request, "extend", VolumeExtendRequest(id=vid, size_gb=req.size_gb), Volume, 90)
     # the worker grows it online where the kernel lets it; else it grows when its machine starts again
     grown = volume.size_limit != "loop" or volume.blocks * volume.block_size >= volume.size_gb * 0.9 * (1 << 30)
     return json(types.ExtendVolumeResponse(needs_restart=not grown, volume=volume))
 
 
 async def destroy_volume(request: web.Request) -> web.Response:
-    return json(await _ask(request, "destroy", bus.VolumeIdRequest(id=volume_id(request)), bus.Volume, 90))
+    return json(await _ask(request, "destroy", VolumeIdRequest(id=volume_id(request)), Volume, 90))
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
-    found = await _ask(request, "snapshots", bus.VolumeIdRequest(id=volume_id(request)), list[bus.VolumeSnapshot])
+    found = await _ask(request, "snapshots", VolumeIdRequest(id=volume_id(request)), list[VolumeSnapshot])
     return json(found)
 
 
 async def create_snapshot(request: web.Request) -> web.Response:
-    snap = await _ask(request, "snapshot", bus.VolumeIdRequest(id=volume_id(request)), bus.VolumeSnapshot, 620)
+    snap = await _ask(request, "snapshot", VolumeIdRequest(id=volume_id(request)), VolumeSnapshot, 620)
     return json(snap)
 
 

@@ -38,16 +38,10 @@ from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.errors import DeadlineExceeded, FauxmadError, NoCapacity, Unanswered, Unreachable
+from bus.contract.fleet import CreateRequest, Strategy
 from bus.contract.ids import new_machine_id
-from bus.contract.messages import (
-    CreateRequest,
-    DestroyRequest,
-    Machine,
-    OfferGuest,
-    OfferRequest,
-    ReserveRequest,
-    Strategy,
-)
+from bus.contract.machines import DestroyRequest, Machine, ReserveRequest
+from bus.contract.offers import OfferGuest, OfferRequest
 from bus.transport.scatter import Scatterer
 from bus.transport.service import call
 from orchestrator.broker.gather import Heartbeats, Offers, Scatter, TwoChoices

@@ -25,7 +25,7 @@ from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.codec import decode_any, encode
-from bus.contract.messages import Offer, OfferReply, OfferRequest
+from bus.contract.offers import Offer, OfferReply, OfferRequest
 from bus.transport.scatter import Scatterer
 from orchestrator.placement.picks import Pick, Picks, discount, offer_from_heartbeat
 from orchestrator.replicas.workers import Registry

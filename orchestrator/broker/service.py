@@ -24,29 +24,29 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
 from bus.contract.errors import BadRequest, Conflict, FauxmadError, NoCapacity, NotFound, Unreachable
-from bus.contract.ids import new_machine_id
-from bus.contract.messages import (
-    API_REQUESTS,
-    API_VOLUME_REQUESTS,
-    BROKER_REQUESTS,
+from bus.contract.fleet import (
     CreateRequest,
+    RegionsListRequest,
+    RegionSummary,
+    SimulateRequest,
+    WorkerInfo,
+    WorkersListRequest,
+)
+from bus.contract.ids import new_machine_id
+from bus.contract.machines import (
     ExecRequest,
     GetRequest,
     IdRequest,
     LeaseRequest,
     ListRequest,
     Machine,
-    RegionsListRequest,
-    RegionSummary,
     ReleaseRequest,
-    Resources,
-    SimulateRequest,
     StartRequest,
-    WorkerInfo,
-    WorkersListRequest,
     index_entry,
 )
+from bus.contract.offers import Resources
 from bus.contract.schema import endpoint_metadata
+from bus.contract.verbs import API_REQUESTS, API_VOLUME_REQUESTS, BROKER_REQUESTS
 from bus.stores.snapshots import snapshot_store, volumes_bucket
 from bus.transport.audit import AuditTrail, RequestAudit
 from bus.transport.connection import connect

@@ -27,11 +27,10 @@ from nats.js.object_store import ObjectStore
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
 from bus.contract.errors import BadRequest, FauxmadError, NoCapacity, NotFound, Unreachable
+from bus.contract.fleet import CreateRequest
 from bus.contract.ids import new_volume_id
-from bus.contract.messages import (
-    API_VOLUME_REQUESTS,
-    VOLUME_EMPTY_OK,
-    CreateRequest,
+from bus.contract.verbs import API_VOLUME_REQUESTS, VOLUME_EMPTY_OK
+from bus.contract.volumes import (
     Volume,
     VolumeApiCreateRequest,
     VolumeApiListRequest,

@@ -38,7 +38,8 @@ from orchestrator.cli.runtime import (
 )
 
 if TYPE_CHECKING:
-    from bus.contract.messages import Machine, WorkerInfo
+    from bus.contract.fleet import WorkerInfo
+    from bus.contract.machines import Machine
     from orchestrator.devfleet import DevFleet, FleetSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
@@ -228,7 +229,8 @@ def demo(
 
 
 def _demo_run(url: str, region_names: list[str]) -> list[Machine]:
-    from bus.contract.messages import Check, CreateRequest, Guest, MachineConfig
+    from bus.contract.fleet import CreateRequest
+    from bus.contract.machines import Check, Guest, MachineConfig
     from orchestrator.client import FleetClient
 
     app_file = EXAMPLES / "sandwich" / "app.py"

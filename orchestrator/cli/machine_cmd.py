@@ -29,7 +29,7 @@ from orchestrator.cli.runtime import (
 )
 
 if TYPE_CHECKING:
-    from bus.contract.messages import Machine, MachineConfig
+    from bus.contract.machines import Machine, MachineConfig
     from orchestrator.client import FleetClient
 
 machine_app = typer.Typer(help="Run and manage machines (through the brokers).", no_args_is_help=True)
@@ -139,7 +139,8 @@ def run_machine(
     e.g. `-- sh -c 'exec python3 -m http.server "$PORT"'`. With `--image REF` and no CMD the machine runs
     the image's own command; a REF the fleet's store does not have is an error (exit 2).
     """
-    from bus.contract.messages import CreateRequest, Guest, MachineConfig, Mount, RestartPolicy
+    from bus.contract.fleet import CreateRequest
+    from bus.contract.machines import Guest, MachineConfig, Mount, RestartPolicy
 
     if not cmd and image is None:
         fail("no command: give it after --, or an --image whose manifest has one", EXIT_USAGE)
@@ -372,7 +373,7 @@ def update(
     --image is pinned to its digest; with no new command, a command that was the old image's becomes the
     new image's, and one given by hand is kept.
     """
-    from bus.contract.messages import MachineConfig
+    from bus.contract.machines import MachineConfig
 
     if not (cmd or env or cpus or memory_mb or image or restart):
         fail("nothing to update: give --env, --cpus, --memory-mb, --image, --restart or a command after --", EXIT_USAGE)

@@ -10,7 +10,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from bus.contract.messages import Machine, RegionSummary, WorkerInfo
+from bus.contract.fleet import RegionSummary, WorkerInfo
+from bus.contract.machines import Machine
 from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
 
 console = Console()

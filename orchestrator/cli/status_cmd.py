@@ -175,7 +175,7 @@ def events(
     json_out: bool = typer.Option(False, "--json", help="one JSON object per line"),
 ) -> int:
     """Machine events from the stream FAUXMAD_EVENTS (with --jobs: job events), oldest first."""
-    from bus.contract.messages import MachineEvent
+    from bus.contract.machines import MachineEvent
     from orchestrator.client import FleetClient
 
     start = None

@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from bus.contract.messages import seconds
+from bus.contract.base import seconds
 from bus.transport.connection import connect
 from bus.transport.jetstream import revoked_tokens_bucket
 from orchestrator.cli.render import print_json

@@ -15,7 +15,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from bus.contract.messages import MachineEvent, Resources
+from bus.contract.machines import MachineEvent
+from bus.contract.offers import Resources
 from orchestrator.cli.render import STATE_STYLE, bar, mem
 from orchestrator.view import model
 from orchestrator.view.model import CORDONED, LOST, READY

@@ -12,7 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from bus.contract.messages import Volume, VolumeSnapshot
+from bus.contract.volumes import Volume, VolumeSnapshot
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import (
     JsonOption,

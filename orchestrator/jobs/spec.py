@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from bus.contract.base import seconds
 from bus.contract.jobs import JobSubmitRequest
-from bus.contract.messages import seconds
 from orchestrator.reconcile.spec import AppSpec, JobsSpec
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from bus.contract.messages import OfferGuest, OfferRequest
+from bus.contract.offers import OfferGuest, OfferRequest
 
 
 class Ask(msgspec.Struct, frozen=True, kw_only=True):

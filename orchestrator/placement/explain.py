@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-from bus.contract.messages import Resources
+from bus.contract.offers import Resources
 from orchestrator.placement.stack import Candidate, Ranking, Rejection
 
 UNREGISTERED_NOTE = "answered but not in the live set (the registry may lag): considered anyway"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from bus.contract.messages import Offer
+from bus.contract.offers import Offer
 from orchestrator.placement.ask import Ask
 
 Filter = Callable[[Ask, Offer], str | None]

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from bus.contract.messages import Decline, Offer, OfferReply, Resources, WorkerInfo
+from bus.contract.fleet import WorkerInfo
+from bus.contract.offers import Decline, Offer, OfferReply, Resources
 
 SHOWN_AFTER = 0.5  # seconds between a reserve and the first heartbeat (worker clock) trusted to show it
 PENDING = math.inf  # the `reserved_at` of a pick whose reserve has not answered yet

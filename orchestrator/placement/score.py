@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bus.contract.messages import Offer, Resources
+from bus.contract.offers import Offer, Resources
 from orchestrator.placement.ask import Ask
 from orchestrator.placement.config import PlacementConfig, interpolate
 

@@ -35,7 +35,7 @@ from collections.abc import Set as AbstractSet
 
 import msgspec
 
-from bus.contract.messages import Decline, Offer, OfferRequest, Resources
+from bus.contract.offers import Decline, Offer, OfferRequest, Resources
 from orchestrator.placement.ask import Ask
 from orchestrator.placement.config import PlacementConfig
 from orchestrator.placement.feasible import NO_ANSWER, first_failure

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.contract.messages import MachineIndexEntry
+from bus.contract.machines import MachineIndexEntry
 from orchestrator.proxy.routes import App
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from bus.contract import subjects
-from bus.contract.messages import ProxyUnreachable
+from bus.contract.edge import ProxyUnreachable
 from orchestrator.proxy.config import ProxyConfig, machine_port
 from orchestrator.proxy.metrics import ProxyMetrics
 from orchestrator.proxy.routes import App, RouteTable

@@ -16,7 +16,7 @@ import logging
 import random
 from collections.abc import Callable
 
-from bus.contract.messages import MachineIndexEntry
+from bus.contract.machines import MachineIndexEntry
 from orchestrator.proxy.ahead import AHEAD, resume_ahead
 from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Route, Start, Wait, choose, region_order
 from orchestrator.proxy.config import ProxyConfig, machine_port

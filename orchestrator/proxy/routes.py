@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from bus.contract.codec import decoder
-from bus.contract.messages import CORDONED_LABEL, MachineIndexEntry
+from bus.contract.machines import CORDONED_LABEL, MachineIndexEntry
 from orchestrator.reconcile.http_service import HttpService
 from orchestrator.reconcile.ownership import RegionRange, region_range
 from orchestrator.reconcile.spec import AppSpec

@@ -18,7 +18,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from bus.contract import subjects
-from bus.contract.messages import ProxyActivity
+from bus.contract.edge import ProxyActivity
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources
 from orchestrator.client import FleetClient

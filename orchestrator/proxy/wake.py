@@ -18,7 +18,8 @@ from collections.abc import Callable
 import msgspec
 
 from bus.contract.errors import FauxmadError
-from bus.contract.messages import CreateRequest, Machine, MachineIndexEntry, index_entry
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Machine, MachineIndexEntry, index_entry
 from orchestrator.client import FleetClient
 from orchestrator.proxy.routes import App, RouteTable
 from orchestrator.proxy.upstream import Pool, connect_when_up

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from bus.contract import subjects
 from bus.contract.errors import NotFound
-from bus.contract.messages import CordonRequest, CreateRequest, Machine, WorkerInfo
+from bus.contract.fleet import CordonRequest, CreateRequest, WorkerInfo
+from bus.contract.machines import Machine
 from orchestrator.reconcile.observe import health
 from orchestrator.reconcile.reconciler import Reconciler
 

@@ -22,8 +22,8 @@ import msgspec
 
 from bus.contract import subjects
 from bus.contract.errors import FauxmadError, NoCapacity
-from bus.contract.messages import (
-    CreateRequest,
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import (
     DestroyRequest,
     Lease,
     LeaseRequest,

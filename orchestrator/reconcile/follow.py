@@ -21,7 +21,7 @@ from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.codec import decoder
-from bus.contract.messages import ProxyUnreachable
+from bus.contract.edge import ProxyUnreachable
 from bus.transport.jetstream import FleetKV
 from orchestrator.reconcile.observe import Observer
 from orchestrator.reconcile.releases import WatchedReleases

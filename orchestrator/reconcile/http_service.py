@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from bus.contract.messages import seconds
+from bus.contract.base import seconds
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from bus.contract import subjects
 from bus.contract.errors import FauxmadError, Unreachable
-from bus.contract.messages import ListRequest, Machine, MachineConfig
+from bus.contract.machines import ListRequest, Machine, MachineConfig
 from bus.transport.jetstream import FleetKV
 from orchestrator.reconcile.plan import Member, Observed
 from orchestrator.reconcile.ports import Bus

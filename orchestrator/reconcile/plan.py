@@ -23,7 +23,8 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from bus.contract.messages import ExitInfo, MachineConfig, Preset
+from bus.contract.fleet import Preset
+from bus.contract.machines import ExitInfo, MachineConfig
 from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, RUNS, region_range
 from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
 

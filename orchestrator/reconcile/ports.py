@@ -15,7 +15,8 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
-from bus.contract.messages import CreateRequest, Machine
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Machine
 
 R = TypeVar("R")
 

@@ -21,7 +21,8 @@ from collections.abc import Iterable, Iterator
 
 import msgspec
 
-from bus.contract.messages import Guest, WorkerInfo
+from bus.contract.fleet import WorkerInfo
+from bus.contract.machines import Guest
 from orchestrator.reconcile.plan import (
     RUNNING,
     Action,

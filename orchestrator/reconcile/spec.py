@@ -22,7 +22,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from bus.contract.messages import Check, Guest, MachineConfig, Mount, Preset, RestartPolicy, Token, seconds
+from bus.contract.base import Token, seconds
+from bus.contract.fleet import Preset
+from bus.contract.machines import Check, Guest, MachineConfig, Mount, RestartPolicy
 from orchestrator.reconcile.http_service import HttpService
 
 RELEASE_KEY = "fauxmad_release"

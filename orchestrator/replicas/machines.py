@@ -14,7 +14,7 @@ import logging
 
 from bus.contract.codec import decoder
 from bus.contract.errors import NotFound
-from bus.contract.messages import MachineIndexEntry
+from bus.contract.machines import MachineIndexEntry
 from orchestrator.replicas.replica import KVReplica
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from bus.contract.codec import decoder
-from bus.contract.messages import WorkerInfo
+from bus.contract.fleet import WorkerInfo
 from bus.transport.jetstream import WORKER_TTL
 from orchestrator.replicas.replica import KVReplica
 

@@ -16,7 +16,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from bus.contract.messages import MachineEvent, WorkerInfo
+from bus.contract.fleet import WorkerInfo
+from bus.contract.machines import MachineEvent
 from orchestrator.view.db import TABLES, ViewDb
 from orchestrator.view.model import RELEASE_KEY, role_of
 

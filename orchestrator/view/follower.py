@@ -27,7 +27,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus.contract import subjects
 from bus.contract.codec import decoder
-from bus.contract.messages import MachineEvent, WorkerInfo
+from bus.contract.fleet import WorkerInfo
+from bus.contract.machines import MachineEvent
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources
 from orchestrator.replicas.replica import KVReplica

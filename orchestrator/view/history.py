@@ -20,7 +20,8 @@ from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus.contract import subjects
-from bus.contract.messages import MachineEvent, seconds
+from bus.contract.base import seconds
+from bus.contract.machines import MachineEvent
 from bus.transport.jetstream import ensure_fleet_resources
 from orchestrator.view.follower import decode_event
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.contract.messages import Resources
+from bus.contract.offers import Resources
 
 # worker status in the view: `ready` and `cordoned` are beating; `lost` stopped beating (its key
 # expired or was deleted, or its last heartbeat is older than the registry's TTL)

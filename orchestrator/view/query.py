@@ -15,7 +15,8 @@ from typing import Any
 
 import msgspec
 
-from bus.contract.messages import Resources, WorkerInfo
+from bus.contract.fleet import WorkerInfo
+from bus.contract.offers import Resources
 from bus.transport.jetstream import WORKER_TTL
 from orchestrator.view.db import ViewDb
 from orchestrator.view.model import (

@@ -21,7 +21,8 @@ import pytest
 from bus.contract import subjects
 from bus.contract.codec import decode, decode_any
 from bus.contract.errors import BadRequest
-from bus.contract.messages import GetRequest, Machine, MachineIndexEntry, ReserveRequest, WorkersListRequest
+from bus.contract.fleet import WorkersListRequest
+from bus.contract.machines import GetRequest, Machine, MachineIndexEntry, ReserveRequest
 from bus.transport.service import ERROR_CODE_HEADER, ERROR_HEADER
 from tests.helpers import ROOT, WorkerProcess, arun
 

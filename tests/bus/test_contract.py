@@ -9,9 +9,11 @@ import nats
 import pytest
 
 from bus.contract import subjects
+from bus.contract.base import seconds
 from bus.contract.codec import decode, encode
 from bus.contract.errors import BadRequest, Conflict, NoCapacity, NotFound, Unreachable, error_for_code
-from bus.contract.messages import Decline, Offer, OfferReply, OfferRequest, ReserveRequest, Resources, seconds
+from bus.contract.machines import ReserveRequest
+from bus.contract.offers import Decline, Offer, OfferReply, OfferRequest, Resources
 from bus.transport.scatter import Scatterer
 from bus.transport.service import ERROR_CODE_HEADER, ERROR_HEADER, Responder, call, request
 from tests.helpers import arun

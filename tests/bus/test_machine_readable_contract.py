@@ -19,7 +19,8 @@ import msgspec
 import pytest
 
 from bus.contract import subjects
-from bus.contract.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, MachineConfig
 from bus.contract.schema import asyncapi, channels
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT, arun, connect_nats

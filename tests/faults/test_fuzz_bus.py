@@ -34,33 +34,33 @@ import nats
 import pytest
 
 from bus.contract import subjects
-from bus.contract.messages import (
-    API_REQUESTS,
-    BROKER_REQUESTS,
-    WORKER_REQUESTS,
+from bus.contract.fleet import (
     CordonRequest,
     CreateRequest,
+    InfoRequest,
+    RegionsListRequest,
+    SimulateRequest,
+    WorkersListRequest,
+)
+from bus.contract.machines import (
     DestroyRequest,
     ExecRequest,
     GetRequest,
-    InfoRequest,
     LeaseRequest,
     ListRequest,
     MachineConfig,
-    OfferRequest,
-    RegionsListRequest,
     ReleaseRequest,
     ReserveRequest,
     ResumeRequest,
     SignalRequest,
-    SimulateRequest,
     StartRequest,
     StopRequest,
     SuspendRequest,
     UpdateRequest,
     WaitRequest,
-    WorkersListRequest,
 )
+from bus.contract.offers import OfferRequest
+from bus.contract.verbs import API_REQUESTS, BROKER_REQUESTS, WORKER_REQUESTS
 from bus.transport.service import ERROR_CODE_HEADER, ERROR_HEADER
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec

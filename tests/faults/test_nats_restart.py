@@ -20,7 +20,8 @@ import pytest
 
 from bus.contract import subjects
 from bus.contract.errors import FauxmadError
-from bus.contract.messages import CreateRequest, Guest, Machine, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, Machine, MachineConfig
 from bus.transport.connection import connect
 from bus.transport.service import call
 from orchestrator.devfleet import DevFleet, FleetSpec

@@ -21,7 +21,8 @@ import nats
 import pytest
 
 from bus.contract.errors import DeadlineExceeded
-from bus.contract.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats, until

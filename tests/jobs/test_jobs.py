@@ -14,7 +14,7 @@ import msgspec
 from bus.contract import subjects
 from bus.contract.errors import Conflict
 from bus.contract.jobs import Job, JobSubmitRequest
-from bus.contract.messages import AuditRecord
+from bus.contract.streams import AuditRecord
 from tests.helpers import RawClient, arun, audit_records, connect_nats
 from tests.jobs.kit import client, overlapping, submit_and_wait
 

@@ -22,10 +22,9 @@ import msgspec
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
 from bus.contract.errors import Conflict, NoCapacity, NotFound, Unreachable
-from bus.contract.messages import (
+from bus.contract.fleet import CordonRequest, CreateRequest, WorkerInfo
+from bus.contract.machines import (
     CheckStatus,
-    CordonRequest,
-    CreateRequest,
     DestroyRequest,
     Lease,
     LeaseRequest,
@@ -34,12 +33,11 @@ from bus.contract.messages import (
     MachineConfig,
     MachineIndexEntry,
     ReleaseRequest,
-    Resources,
     StartRequest,
     StopRequest,
     UpdateRequest,
-    WorkerInfo,
 )
+from bus.contract.offers import Resources
 from orchestrator.replicas.machines import MachineIndex
 from orchestrator.replicas.workers import Registry
 

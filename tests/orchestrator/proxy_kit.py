@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bus.contract.messages import CreateRequest, Machine
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Machine
 from bus.local.ports import free_port
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources

@@ -11,7 +11,8 @@ import msgspec
 import pytest
 
 from bus.contract.errors import BadRequest, NoCapacity, NotFound
-from bus.contract.messages import CreateRequest, Guest, MachineConfig, SimulateRequest
+from bus.contract.fleet import CreateRequest, SimulateRequest
+from bus.contract.machines import Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.contract.messages import Machine
+from bus.contract.machines import Machine
 from bus.transport.jetstream import WORKER_TTL
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec

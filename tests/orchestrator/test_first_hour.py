@@ -38,7 +38,8 @@ from bus.contract.errors import (
     Unanswered,
     Unreachable,
 )
-from bus.contract.messages import Check, CreateRequest, Guest, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Check, Guest, MachineConfig
 from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
 from orchestrator.cli.app import app, exit_code_for, lift_global_options, main, report

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 import pytest
 
 from bus.contract.errors import Conflict
-from bus.contract.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun

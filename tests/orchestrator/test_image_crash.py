@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from bus.contract.errors import FauxmadError
-from bus.contract.messages import CreateRequest, Guest, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, MachineConfig
 from bus.stores.images import Images, build_archive, manifest_for
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec

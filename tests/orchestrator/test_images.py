@@ -20,7 +20,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus.contract.messages import CreateRequest, Guest, Machine, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, Machine, MachineConfig
 from bus.stores.images import Images
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec

@@ -19,7 +19,9 @@ import pytest
 import workers.output as worker_logs
 from bus.contract import subjects
 from bus.contract.codec import encode
-from bus.contract.messages import CreateRequest, LogLine, MachineConfig, RestartPolicy
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import MachineConfig, RestartPolicy
+from bus.contract.streams import LogLine
 from bus.local.embedded import EmbeddedNats
 from bus.transport.jetstream import LOGS_MAX_MSG_SIZE, FleetConfig, ensure_fleet_resources, logs_limits
 from orchestrator.cli.app import main

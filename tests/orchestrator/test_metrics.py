@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from bus.contract.errors import NoCapacity, Unreachable
-from bus.contract.messages import Check, CreateRequest, Guest, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Check, Guest, MachineConfig
 from bus.local.embedded import EmbeddedNats
 from orchestrator.client import FleetClient
 from tests.helpers import ROOT, arun, until, wait_until

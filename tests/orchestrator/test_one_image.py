@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from nats.js.api import ObjectMeta
 
-from bus.contract.messages import Machine
+from bus.contract.machines import Machine
 from bus.stores.images import ImageError, Images
 from bus.stores.objects import stored_digest
 from bus.stores.snapshots import snapshot_store

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from bus.contract.messages import CreateRequest, Guest, Machine, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, Machine, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun

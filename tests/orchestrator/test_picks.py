@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bus.contract.messages import Decline, Offer, Resources, WorkerInfo
+from bus.contract.fleet import WorkerInfo
+from bus.contract.offers import Decline, Offer, Resources
 from orchestrator.placement import PlacementConfig, with_preset
 from orchestrator.placement.picks import Picks, discount, offer_from_heartbeat
 

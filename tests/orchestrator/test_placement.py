@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bus.contract.messages import Decline, Offer, OfferGuest, OfferRequest, Resources, WorkerInfo
+from bus.contract.fleet import WorkerInfo
+from bus.contract.offers import Decline, Offer, OfferGuest, OfferRequest, Resources
 from orchestrator.placement import (
     NO_ANSWER,
     SCORERS,

@@ -39,7 +39,7 @@ def test_the_away_penalty_is_configuration() -> None:
 
 
 def test_a_sandboxed_machine_goes_only_where_the_sandbox_exists() -> None:
-    from bus.contract.messages import OfferGuest, OfferRequest
+    from bus.contract.offers import OfferGuest, OfferRequest
 
     sandboxed = OfferRequest(app="web", region="mad", guest=OfferGuest(sandbox="bwrap"))
     replies = [offer("plain"), offer("boxed", sandboxes=["bwrap"])]

@@ -6,7 +6,9 @@ import msgspec
 import pytest
 
 from bus.contract.errors import BadRequest, Conflict, DeadlineExceeded, NoCapacity
-from bus.contract.messages import ExitInfo, MachineConfig, Resources, WorkerInfo
+from bus.contract.fleet import WorkerInfo
+from bus.contract.machines import ExitInfo, MachineConfig
+from bus.contract.offers import Resources
 from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.plan import (
     Create,

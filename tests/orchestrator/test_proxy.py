@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from bus.contract import subjects
-from bus.contract.messages import CORDONED_LABEL, Lease, LeaseRequest
+from bus.contract.machines import CORDONED_LABEL, Lease, LeaseRequest
 from bus.transport.service import call
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec

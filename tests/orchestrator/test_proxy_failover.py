@@ -21,7 +21,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus.contract.messages import Machine, ProxyUnreachable
+from bus.contract.edge import ProxyUnreachable
+from bus.contract.machines import Machine
 from bus.transport.jetstream import WORKER_TTL
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.contract.messages import Machine
+from bus.contract.machines import Machine
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health

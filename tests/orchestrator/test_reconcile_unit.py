@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from bus.contract.errors import Conflict
-from bus.contract.messages import Lease, LeaseRequest, Machine
+from bus.contract.machines import Lease, LeaseRequest, Machine
 from bus.contract.subjects import worker_machines
 from orchestrator.reconcile import rollout
 from orchestrator.reconcile.executor import Result

@@ -68,7 +68,7 @@ def test_the_readme_guest_block_is_a_valid_sandboxed_guest() -> None:
 
     import msgspec
 
-    from bus.contract.messages import Guest
+    from bus.contract.machines import Guest
     from tests.helpers import ROOT
 
     section = (ROOT / "README.md").read_text().split("## Sandboxes", 1)[1].split("\n## ", 1)[0]

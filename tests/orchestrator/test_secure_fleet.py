@@ -312,7 +312,9 @@ def test_every_mutating_nats_request_is_audited_with_the_identity_that_signed_it
     import nkeys
 
     from bus.contract.errors import Forbidden
-    from bus.contract.messages import AuditRecord, CreateRequest, Guest, MachineConfig
+    from bus.contract.fleet import CreateRequest
+    from bus.contract.machines import Guest, MachineConfig
+    from bus.contract.streams import AuditRecord
     from bus.transport import credentials
     from bus.transport.audit import RequestSigner
     from bus.transport.service import raise_for_reply

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import pytest
 
 from bus.contract import subjects
-from bus.contract.messages import CordonRequest, CreateRequest, Guest, Machine, MachineConfig, WorkerInfo
+from bus.contract.fleet import CordonRequest, CreateRequest, WorkerInfo
+from bus.contract.machines import Guest, Machine, MachineConfig
 from bus.transport.service import call
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec

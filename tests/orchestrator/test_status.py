@@ -24,7 +24,8 @@ import msgspec
 import pytest
 
 from bus.contract import subjects
-from bus.contract.messages import CreateRequest, Guest, ListRequest, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, ListRequest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.view.db import ViewDb

@@ -22,7 +22,9 @@ from rich.console import Console
 
 from bus.contract import subjects
 from bus.contract.errors import BadRequest
-from bus.contract.messages import CheckStatus, ExitInfo, MachineEvent, Resources, WorkerInfo
+from bus.contract.fleet import WorkerInfo
+from bus.contract.machines import CheckStatus, ExitInfo, MachineEvent
+from bus.contract.offers import Resources
 from bus.local.embedded import EmbeddedNats
 from bus.transport.jetstream import FleetConfig, ensure_fleet_resources, events_limits, parse_size
 from orchestrator.cli.view_render import layout

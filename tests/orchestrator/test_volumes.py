@@ -24,7 +24,9 @@ import msgspec
 import pytest
 
 from bus.contract.errors import Conflict, FauxmadError, NoCapacity
-from bus.contract.messages import CreateRequest, Guest, MachineConfig, Mount, Volume
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, MachineConfig, Mount
+from bus.contract.volumes import Volume
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT, arun, connect_nats
@@ -373,7 +375,7 @@ def test_the_http_api_speaks_fly_volumes(fleet: DevFleet) -> None:
 
 
 def test_malformed_volume_requests_get_4xx_and_change_nothing(fleet: DevFleet) -> None:
-    from bus.contract.messages import API_VOLUME_REQUESTS, WORKER_VOLUME_REQUESTS
+    from bus.contract.verbs import API_VOLUME_REQUESTS, WORKER_VOLUME_REQUESTS
 
     bad = [
         b"{", b"[]", b"null", b'"x"', b"\xff\xfe", b'{"id": 5}', b'{"id": "vol_0123456789abcdef", "nope": 1}',

@@ -18,7 +18,8 @@ import pytest
 from nats.js.errors import BucketNotFoundError
 
 from bus.contract.errors import Unreachable
-from bus.contract.messages import CreateRequest, Guest, Machine, MachineConfig
+from bus.contract.fleet import CreateRequest
+from bus.contract.machines import Guest, Machine, MachineConfig
 from bus.transport.connection import servers
 from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
 from bus.transport.layout import Layout

@@ -7,14 +7,10 @@ from typing import Any
 
 import pytest
 
-from bus.contract.messages import (
-    WORKER_REQUESTS,
-    WORKER_VOLUME_REQUESTS,
-    LogLine,
-    Request,
-    StartRequest,
-    StopRequest,
-)
+from bus.contract.base import Request
+from bus.contract.machines import StartRequest, StopRequest
+from bus.contract.streams import LogLine
+from bus.contract.verbs import WORKER_REQUESTS, WORKER_VOLUME_REQUESTS
 from workers.agent.routes import checked, machine_routes, route, volume_routes
 from workers.lifecycle.manager import MachineManager
 from workers.output import LogFollower

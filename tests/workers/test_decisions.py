@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bus.contract.errors import Conflict
-from bus.contract.messages import OfferRequest, Resources, RestartPolicy
+from bus.contract.machines import RestartPolicy
+from bus.contract.offers import OfferRequest, Resources
 from workers.driver.base import ExitStatus, TaskState
 from workers.lifecycle.restart_policy import Backoff, after_exit
 from workers.lifecycle.resume import suspended_found
@@ -109,7 +110,7 @@ def _me(**overrides: object) -> Snapshot:
     ],
 )
 def test_offers(me: Snapshot, guest: dict[str, int], reason: str | None) -> None:
-    from bus.contract.messages import OfferGuest
+    from bus.contract.offers import OfferGuest
 
     reply = answer_offer(
         OfferRequest(app="a", region="mad", guest=OfferGuest(**guest), image="img:1"), me, Backpressure()
@@ -122,7 +123,7 @@ def test_offers(me: Snapshot, guest: dict[str, int], reason: str | None) -> None
 
 
 def test_a_max_load_of_zero_never_declines_for_load_but_still_ranks_by_it() -> None:
-    from bus.contract.messages import OfferGuest
+    from bus.contract.offers import OfferGuest
 
     request = OfferRequest(app="a", region="mad", guest=OfferGuest(cpus=1), image="img:1")
     reply = answer_offer(request, _me(load=40.0), Backpressure(max_load=0))

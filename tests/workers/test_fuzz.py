@@ -11,7 +11,7 @@ import nats
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus.contract.messages import WORKER_REQUESTS
+from bus.contract.verbs import WORKER_REQUESTS
 from tests.helpers import RawClient, WorkerProcess, arun
 
 VERBS = list(WORKER_REQUESTS)

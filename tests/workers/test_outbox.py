@@ -19,7 +19,7 @@ import nats
 import pytest
 from nats.js.errors import NotFoundError
 
-from bus.contract.messages import Machine, MachineConfig, MachineEvent
+from bus.contract.machines import Machine, MachineConfig, MachineEvent
 from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
 from bus.transport.jetstream import ensure_fleet_resources

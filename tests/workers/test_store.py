@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bus.contract.errors import NoCapacity
-from bus.contract.messages import Guest, Machine, MachineConfig
+from bus.contract.machines import Guest, Machine, MachineConfig
 from tests.helpers import arun
 from workers.log.commit import GroupCommitter
 from workers.log.records import StoredMachine, WorkerState

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bus.contract.messages import Machine, MachineConfig
+from bus.contract.machines import Machine, MachineConfig
 from workers.lifecycle.tally import MachineTally
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from bus.contract.errors import Conflict
-from bus.contract.messages import Guest, Machine, MachineConfig, Mount, Volume
+from bus.contract.machines import Guest, Machine, MachineConfig, Mount
+from bus.contract.volumes import Volume
 from workers.driver.sandbox import bwrap_argv
 from workers.log.records import StoredMachine, VolumeRecord
 from workers.log.store import Store, Tx

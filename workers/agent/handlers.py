@@ -14,7 +14,9 @@ from typing import Any
 from bus.contract import subjects
 from bus.contract.codec import decode
 from bus.contract.errors import BadRequest, FauxmadError
-from bus.contract.messages import EMPTY_OK, VOLUME_EMPTY_OK, CordonRequest, InfoRequest, OfferRequest, WorkerInfo
+from bus.contract.fleet import CordonRequest, InfoRequest, WorkerInfo
+from bus.contract.offers import OfferRequest
+from bus.contract.verbs import EMPTY_OK, VOLUME_EMPTY_OK
 from workers import metrics
 from workers.agent.routes import machine_routes, volume_routes
 from workers.lifecycle.manager import MachineManager

@@ -19,7 +19,7 @@ from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.codec import encode
-from bus.contract.messages import WorkerInfo
+from bus.contract.fleet import WorkerInfo
 from bus.transport.jetstream import FleetKV
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A route pairs a verb's request type with the method that takes it: `route()` will not type-check when
 the method takes another request, and a sync method is made awaitable with `now()`. The contract
-(`bus.contract.messages` WORKER_REQUESTS, WORKER_VOLUME_REQUESTS) lists the verbs and their payloads;
+(`bus.contract.verbs` WORKER_REQUESTS, WORKER_VOLUME_REQUESTS) lists the verbs and their payloads;
 building a table checks it against the contract, so a verb without a method, a method for no verb, or a
 request type that is not the contract's stops the worker at start, not at its first request.
 """
@@ -13,9 +13,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from bus.contract.messages import (
-    WORKER_REQUESTS,
-    WORKER_VOLUME_REQUESTS,
+from bus.contract.base import Request
+from bus.contract.machines import (
     DestroyRequest,
     ExecRequest,
     GetRequest,
@@ -23,7 +22,6 @@ from bus.contract.messages import (
     ListRequest,
     Machine,
     ReleaseRequest,
-    Request,
     ReserveRequest,
     ResumeRequest,
     SignalRequest,
@@ -31,12 +29,10 @@ from bus.contract.messages import (
     StopRequest,
     SuspendRequest,
     UpdateRequest,
-    VolumeCreateRequest,
-    VolumeExtendRequest,
-    VolumeIdRequest,
-    VolumeListRequest,
     WaitRequest,
 )
+from bus.contract.verbs import WORKER_REQUESTS, WORKER_VOLUME_REQUESTS
+from bus.contract.volumes import VolumeCreateRequest, VolumeExtendRequest, VolumeIdRequest, VolumeListRequest
 from workers.lifecycle.manager import MachineManager
 from workers.output import LogFollower
 from workers.volumes.verbs import VolumeManager

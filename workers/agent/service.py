@@ -33,8 +33,12 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 from bus.contract import subjects
 from bus.contract.codec import encode
 from bus.contract.errors import FauxmadError
-from bus.contract.messages import WORKER_REQUESTS, WORKER_VOLUME_REQUESTS, LogLine, Machine, Resources, WorkerInfo
+from bus.contract.fleet import WorkerInfo
+from bus.contract.machines import Machine
+from bus.contract.offers import Resources
 from bus.contract.schema import endpoint_metadata
+from bus.contract.streams import LogLine
+from bus.contract.verbs import WORKER_REQUESTS, WORKER_VOLUME_REQUESTS
 from bus.stores.secrets import load_private_key, secrets_bucket
 from bus.stores.snapshots import snapshot_store
 from bus.transport import credentials

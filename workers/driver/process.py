@@ -57,7 +57,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from bus.contract.messages import EXEC_MAX_OUTPUT, ExecReply
+from bus.contract.machines import EXEC_MAX_OUTPUT, ExecReply
 from workers.driver.base import ExitStatus, TaskHandle, TaskSpec, TaskState
 from workers.driver.fork_client import LauncherClient
 from workers.driver.fork_server import Request, make_request, prepare_workdir, proc_stat_fields

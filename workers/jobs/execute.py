@@ -34,7 +34,7 @@ import msgspec
 
 from bus.contract.errors import FauxmadError
 from bus.contract.jobs import OUTPUT_KEEP, Job
-from bus.contract.messages import DestroyRequest, Guest, MachineConfig, ReserveRequest, RestartPolicy
+from bus.contract.machines import DestroyRequest, Guest, MachineConfig, ReserveRequest, RestartPolicy
 from bus.stores.images import ImageError
 from workers.image_cache import ImageCache, Pulled
 from workers.jobs.reaper import Reaper

@@ -23,8 +23,8 @@ from nats.aio.client import Client
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
 from bus.contract.errors import FauxmadError
+from bus.contract.fleet import WorkerInfo
 from bus.contract.jobs import Job, JobTask, event_of, retry_delay
-from bus.contract.messages import WorkerInfo
 from bus.transport.jetstream import WORKER_TTL
 from workers.jobs import outcome as moves
 from workers.jobs.execute import Executor, Outcome

@@ -14,10 +14,10 @@ from typing import Any
 from nats.aio.client import Client
 
 from bus.contract import subjects
+from bus.contract.base import Ack
 from bus.contract.codec import decode
 from bus.contract.errors import NotFound
 from bus.contract.jobs import JobIdRequest
-from bus.contract.messages import Ack
 from bus.transport.jetstream import JOBS_ACK_WAIT, ensure_jobs_resources
 from bus.transport.jsfast import FastJetStream, FastKV
 from bus.transport.service import Responder

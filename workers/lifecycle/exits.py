@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from bus.contract.messages import ExitInfo
+from bus.contract.machines import ExitInfo
 from workers.driver.base import ExitStatus
 from workers.lifecycle.restart_policy import STDERR_TAIL_BYTES, tail_lines
 

@@ -26,9 +26,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
+from bus.contract.base import State
 from bus.contract.errors import BadRequest, Conflict, DeadlineExceeded, NoCapacity, NotFound
 from bus.contract.ids import new_machine_id
-from bus.contract.messages import (
+from bus.contract.machines import (
     DestroyRequest,
     ExecReply,
     ExecRequest,
@@ -45,7 +46,6 @@ from bus.contract.messages import (
     ResumeRequest,
     SignalRequest,
     StartRequest,
-    State,
     StopRequest,
     SuspendRequest,
     UpdateRequest,

@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import TypeVar
 
-from bus.contract.messages import CheckStatus, ExitInfo, MachineEvent
+from bus.contract.machines import CheckStatus, ExitInfo, MachineEvent
 from workers.lifecycle.waiters import Waiters
 from workers.log.commit import GroupCommitter
 from workers.log.machine_states import check_transition

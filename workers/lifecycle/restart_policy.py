@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.contract.messages import RestartPolicy
+from bus.contract.machines import RestartPolicy
 from workers.driver.base import ExitStatus
 
 DEFAULT_ON_FAILURE_RETRIES = 10

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from bus.contract.messages import Check, CheckStatus, DestroyRequest, Machine, seconds
+from bus.contract.base import seconds
+from bus.contract.machines import Check, CheckStatus, DestroyRequest, Machine
 from workers import metrics
 from workers.driver.base import Driver, ExitStatus, TaskHandle, TaskSpec
 from workers.lifecycle.checks import run_check

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from bus.contract.messages import Machine
+from bus.contract.machines import Machine
 
 
 class MachineTally:

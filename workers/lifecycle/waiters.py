@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from bus.contract.errors import Conflict
-from bus.contract.messages import Machine
+from bus.contract.machines import Machine
 
 
 class Waiters:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.contract.messages import Machine, MachineEvent, Resources, Volume
+from bus.contract.machines import Machine, MachineEvent
+from bus.contract.offers import Resources
+from bus.contract.volumes import Volume
 from workers.driver.base import TaskHandle
 
 EVENTS_KEPT = 20

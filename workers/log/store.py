@@ -31,7 +31,7 @@ import lmdb
 import msgspec
 
 from bus.contract.errors import NotFound
-from bus.contract.messages import Volume
+from bus.contract.volumes import Volume
 from workers.log.machine_states import HOLDS_RESOURCES
 from workers.log.records import (
     ImageRecord,

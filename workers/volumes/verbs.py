@@ -38,8 +38,8 @@ from nats.js.object_store import ObjectStore
 from bus.contract import subjects
 from bus.contract.errors import BadRequest, Conflict, NoCapacity, NotFound
 from bus.contract.ids import new_snapshot_id, new_volume_id
-from bus.contract.messages import (
-    Machine,
+from bus.contract.machines import Machine
+from bus.contract.volumes import (
     Volume,
     VolumeCreateRequest,
     VolumeExtendRequest,
