@@ -4,9 +4,9 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 python := env_var_or_default("PYTHON", "python3")
 
-jobs := env_var_or_default("FAUXMAD_TEST_JOBS", "3")
+jobs := env_var_or_default("FAUXMAD_TEST_JOBS", "1")
 
-# run the whole test suite (real nats-server, real worker processes), in parallel (FAUXMAD_TEST_JOBS, default 3)
+# run the whole test suite (real nats-server, real worker processes); FAUXMAD_TEST_JOBS=3: three files at a time
 test *args:
     {{python}} -m pytest -q -n {{jobs}} --dist loadfile --durations=25 {{args}}
 
