@@ -21,7 +21,7 @@ from bus.contract.errors import FauxmadError
 from orchestrator.client import FleetClient
 from orchestrator.proxy.choose import Candidate, region_order
 from orchestrator.proxy.routes import RouteTable
-from orchestrator.reconcile.ownership import RUNS
+from orchestrator.reconcile.ownership import RUNNING
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def idle_victims(
     victims: list[Candidate] = []
     for region in sorted({m.region for m in machines}):
         here = [m for m in machines if m.region == region]
-        budget = may_stop(region, sum(1 for m in here if m.state in RUNS))
+        budget = may_stop(region, sum(1 for m in here if m.state in RUNNING))
         idle = [
             m for m in here if m.state == "started" and m.load == 0 and now - last_used.get(m.id, now) >= idle_seconds
         ]
@@ -83,6 +83,14 @@ class IdleStopper:
         for machine_id in machines:
             self.peer_used[machine_id] = now
 
+    def _used_anywhere(self) -> dict[str, float]:
+        """When each machine was last used through this proxy or another (the later of the two); a machine first
+        seen started this round is in neither, and counts as used now (`idle_victims`' default)."""
+        used = dict(self.last_used)
+        for machine_id, at in self.peer_used.items():
+            used[machine_id] = max(at, used.get(machine_id, at))
+        return used
+
     def _report(self, app: str, machines: Sequence[Candidate], since: float) -> None:
         if self.share is None:
             return
@@ -113,9 +121,7 @@ class IdleStopper:
                 if m.state == "started":
                     self.last_used.setdefault(m.id, now)  # first seen started: the clock starts now
             order = region_order({m.region for m in machines}, self.region, None, self.latency)
-            used = {**self.last_used}
-            for machine_id, at in self.peer_used.items():
-                used[machine_id] = max(at, used.get(machine_id, at))
+            used = self._used_anywhere()  # per app: a request that ends while this round stops others counts
             victims = idle_victims(machines, used, now, app.service.idle_seconds, app.may_stop, order)
             for machine_id in victims:
                 try:

@@ -27,8 +27,7 @@ CREATED_BY_KEY = "fauxmad_created_by"  # deploy | failover | drain | spare | pro
 CREATED_FOR_KEY = "fauxmad_created_for"  # the reason, in words: "mad has 1 of 2 machines"
 MAX_REASON = 200  # characters of the reason kept
 
-RUNS = ("started", "starting")  # a machine counted as running
-RESTS = ("created", "stopped", "failed", "suspended", "suspending")  # one the edge may start for a request
+RUNNING = ("started", "starting")  # a machine counted as running, by the planner and the edge alike
 
 
 class RegionRange(msgspec.Struct, frozen=True, kw_only=True):

@@ -25,10 +25,9 @@ import msgspec
 
 from bus.contract.fleet import Preset
 from bus.contract.machines import ExitInfo, MachineConfig
-from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, RUNS, region_range
+from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, RUNNING, region_range
 from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
 
-RUNNING = ("started", "starting")
 RESTING = ("created", "stopped", "failed")
 GONE = ("destroying", "destroyed")
 
@@ -211,7 +210,7 @@ class _RegionPlanner:
         self.canary_phase = canary_phase
         self.count = self.spec.regions.get(region, 0) if self.spec else 0
         self.range = region_range(self.count, self.spec.http_service if self.spec else None)
-        self.running = sum(1 for m in self.members if m.state in RUNS)  # any role: the edge counts them all
+        self.running = sum(1 for m in self.members if m.state in RUNNING)  # any role: the edge counts them all
         self.release = str(desired.release)
         self.want = strip_labels(self.spec.machine_config(desired.release, PRIMARY)) if self.spec else None
         self.actions: list[Action] = []
@@ -260,7 +259,7 @@ class _RegionPlanner:
 
     def edge_rests(self, m: Member) -> bool:
         """`m` is not running, and whether it runs is the edge's call (it starts it for the next request)."""
-        return self.range.edge_runs and m.state not in RUNS
+        return self.range.edge_runs and m.state not in RUNNING
 
     # -- the steps -------------------------------------------------------------------------------
     def plan(self) -> RegionStatus:
@@ -296,7 +295,7 @@ class _RegionPlanner:
                 key=lambda s: (s.state not in RUNNING, s.worker_id in self.observed.cordoned, s.id),
             )
             # the replacement runs if the lost one did, or always when the operator decides what runs
-            start = lost.state in RUNS or not self.range.edge_runs
+            start = lost.state in RUNNING or not self.range.edge_runs
             if candidates:
                 spare = candidates[0]
                 config = self.labels(spare, PRIMARY, None, lost.id)

@@ -23,8 +23,8 @@ import msgspec
 
 from bus.contract.fleet import WorkerInfo
 from bus.contract.machines import Guest
+from orchestrator.reconcile.ownership import RUNNING
 from orchestrator.reconcile.plan import (
-    RUNNING,
     Action,
     Create,
     Desired,
