@@ -25,14 +25,16 @@ LOWEST_PICKED = 10_000  # below this, the ports that well-known services listen 
 RECENT = 4096  # ports handed out lately, not handed out again: the servers they are for may not listen yet
 TRIES = 200
 
+RANGE_ENV = "FAUXMAD_PORT_RANGE"
+
 _recent: dict[int, None] = {}  # insertion ordered: the oldest goes first
 
 
 def free_port(host: str = "127.0.0.1", held: Container[int] = ()) -> int:
     """A port nothing listens on now, that no outgoing connection will take, not handed out lately, and not
     in `held` (ports the caller has given to servers that do not listen now: a worker's stopped machines)."""
-    lowest, low = _pick_range()
-    if low - lowest > 2 * RECENT or os.environ.get(RANGE_ENV):
+    lowest, low, confined = _pick_range()
+    if low - lowest > 2 * RECENT or confined:
         for _ in range(TRIES):
             port = random.randint(lowest, low - 1)
             if port not in _recent and port not in held and _binds(host, port):
@@ -47,16 +49,14 @@ def free_port(host: str = "127.0.0.1", held: Container[int] = ()) -> int:
     return port
 
 
-RANGE_ENV = "FAUXMAD_PORT_RANGE"
-
-
-def _pick_range() -> tuple[int, int]:
-    """[lowest, low): $FAUXMAD_PORT_RANGE's, else from LOWEST_PICKED to the ephemeral range's start."""
-    given = os.environ.get(RANGE_ENV, "")
-    first, _, last = given.partition("-")
+@functools.cache
+def _pick_range() -> tuple[int, int, bool]:
+    """[lowest, low) and whether $FAUXMAD_PORT_RANGE set them; else LOWEST_PICKED to the ephemeral range's start.
+    Read once: a process's environment is set when it starts (every pick of a machine's port would parse it)."""
+    first, _, last = os.environ.get(RANGE_ENV, "").partition("-")
     if first.isdigit() and last.isdigit() and 0 < int(first) <= int(last) < 65536:
-        return int(first), int(last) + 1
-    return LOWEST_PICKED, _ephemeral_low()
+        return int(first), int(last) + 1, True
+    return LOWEST_PICKED, _ephemeral_low(), False
 
 
 @functools.cache
