@@ -56,7 +56,6 @@ class _Answers(msgspec.Struct, kw_only=True):
 
     replies: list[OfferReply]
     sent: float  # perf_counter when the question went out: picks after it are not in the answers
-    gather_ms: float
     shared: int = 1
 
 
@@ -103,7 +102,7 @@ class Scatter:
         gathered = await self.scatterer.scatter(
             subjects.offers(region), payload, _parse_offer, expected=expected or None, deadline=self.deadline
         )
-        return _Answers(replies=gathered.replies, sent=sent, gather_ms=(time.perf_counter() - sent) * 1000)
+        return _Answers(replies=gathered.replies, sent=sent)
 
 
 class TwoChoices:

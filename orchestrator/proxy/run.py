@@ -18,6 +18,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from bus.contract import subjects
+from bus.contract.codec import decoder, encode
 from bus.contract.edge import ProxyActivity
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources
@@ -32,7 +33,6 @@ from orchestrator.proxy.upstream import Pool
 from orchestrator.proxy.wake import Waker
 
 log = logging.getLogger(__name__)
-decode_activity = msgspec.json.Decoder(ProxyActivity).decode
 
 
 class Listen(msgspec.Struct, frozen=True):
@@ -85,14 +85,12 @@ async def run_proxy(
         me = f"proxy-{secrets.token_hex(4)}"
 
         def share(app: str, machines: list[str]) -> None:
-            publish(
-                subjects.proxy_activity(app), msgspec.json.encode(ProxyActivity(proxy=me, app=app, machines=machines))
-            )
+            publish(subjects.proxy_activity(app), encode(ProxyActivity(proxy=me, app=app, machines=machines)))
 
         async def on_activity(msg: Msg) -> None:
             try:
-                report = decode_activity(msg.data)
-            except msgspec.ValidationError:
+                report = decoder(ProxyActivity).decode(msg.data)
+            except msgspec.DecodeError:
                 return  # a plain publish has nobody to answer: a malformed report is dropped
             if report.proxy != me:
                 stopper.heard(report.machines)
