@@ -181,10 +181,11 @@ async def wait_output(worker: WorkerProcess, machine_id: str, text: str, timeout
     """Until a machine's stdout holds `text`: `started` means its process exists, not that it has run its
     first line (a workload that arms a SIGTERM trap must be waited for before a stop can test the trap)."""
     stdout = worker.data_dir / "machines" / machine_id / "stdout.log"
-    deadline = time.monotonic() + timeout
-    while not (stdout.exists() and text.encode() in stdout.read_bytes()):
-        assert time.monotonic() < deadline, f"machine {machine_id} never printed {text!r} ({stdout})"
-        await asyncio.sleep(0.01)
+
+    async def printed() -> bool:
+        return stdout.exists() and text.encode() in stdout.read_bytes()
+
+    await until(printed, f"machine {machine_id} printing {text!r} ({stdout})", timeout, interval=0.01)
 
 
 class RawClient:

@@ -28,6 +28,7 @@ from bus.transport.jetstream import WORKER_TTL
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.ownership import CREATED_BY_KEY
+from tests import helpers
 from tests.helpers import ROOT, arun
 from tests.orchestrator import proxy_kit as kit
 
@@ -79,10 +80,11 @@ def listing(fleet: DevFleet, app: str) -> list[Machine]:
 
 
 async def until(check: Callable[[], Awaitable[bool]], what: str, log: Path, limit: float = 15.0) -> None:
-    deadline = time.monotonic() + limit
-    while not await check():
-        assert time.monotonic() < deadline, f"{what} within {limit:g}s; operator log:\n{log.read_text()[-3000:]}"
-        await asyncio.sleep(0.2)
+    """`tests.helpers.until`, with the operator's log in the failure: what it did instead."""
+    try:
+        await helpers.until(check, what, limit, interval=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; operator log:\n{log.read_text()[-3000:]}") from None
 
 
 def operator_moves(log: str) -> list[tuple[str, str, str, str]]:
