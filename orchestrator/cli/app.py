@@ -112,6 +112,7 @@ COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
     ("api", "api_cmd", "api", False),
     ("bench", "bench_cmd", "bench_app", True),
     ("sim", "sim_cmd", "sim", False),
+    ("torture", "torture_cmd", "torture", False),
     ("status", "status_cmd", "status", False),
     ("events", "status_cmd", "events", False),
     ("logs", "logs_cmd", "logs", False),
