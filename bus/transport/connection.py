@@ -2,7 +2,10 @@
 
 Agents (workers, brokers) reconnect forever with a short wait, so a NATS restart is a blip. A CLI
 call should fail at once with a plain sentence when the server is not there: `connect` raises
-`Unreachable` naming the URL rather than letting nats-py print connection tracebacks.
+`Unreachable` naming the URL rather than letting nats-py print connection tracebacks. A command that may
+run for long (the operator, `reconcile --watch`, and the deploys of the same reconciler) is both: it fails
+fast when the server is not there, and once connected it reconnects like an agent (`reconnect_forever`).
+Both kinds take their settings from one place, `reconnect_options`.
 
 nats-py reconnects after a dropped socket, but a server `-ERR` (a payload over max_payload, an invalid
 subject) closes the client for good. An agent must never stay alive but deaf, so agents pass
@@ -105,20 +108,35 @@ def _identity(url: str, creds: str | None) -> tuple[dict[str, Any], Refusals | N
     return identity.connect_options(base), Refusals(), RequestSigner(identity.seed, identity.name)
 
 
+def reconnect_options(agent: bool) -> dict[str, Any]:
+    """nats-py's reconnect settings: an agent's (reconnect forever, a quarter second apart, and a dead server
+    noticed within about 15 s) or a command's (a few tries, then the connection closes)."""
+    return {
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1 if agent else 3,
+        "reconnect_time_wait": 0.25 if agent else 0.1,
+        "ping_interval": 5 if agent else 20,
+        "max_outstanding_pings": 3,
+    }
+
+
 async def connect(
     url: str,
     name: str,
     *,
     agent: bool = False,
+    reconnect_forever: bool = False,
     timeout: float = 2.0,
     on_closed: Callable[[str], None] | None = None,
     creds: str | None = None,
 ) -> Client:
     """Connect to `url`. `agent=True`: reconnect forever; otherwise fail fast when unreachable.
 
-    `on_closed(reason)` runs whenever the connection ends for good, including the caller's own `close()`:
-    an agent ignores it while it is shutting down. `creds` (default: `$FAUXMAD_CREDS`) is a secure fleet's
-    credentials file (`bus.transport.credentials`): the connection is then that identity, over mutual TLS.
+    `reconnect_forever=True` (a command that may run for long): fail fast when unreachable, as a command does,
+    and once connected reconnect as an agent does. `on_closed(reason)` runs whenever the connection ends for
+    good, including the caller's own `close()`: an agent ignores it while it is shutting down. `creds`
+    (default: `$FAUXMAD_CREDS`) is a secure fleet's credentials file (`bus.transport.credentials`): the
+    connection is then that identity, over mutual TLS.
     """
     client: Client | None = None
     secure, refusals, signing = _identity(url, creds)
@@ -147,17 +165,16 @@ async def connect(
             servers=servers(url),
             name=name,
             connect_timeout=timeout,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1 if agent else 3,
-            reconnect_time_wait=0.25 if agent else 0.1,
-            ping_interval=5 if agent else 20,
-            max_outstanding_pings=3,
             error_cb=on_error,
             pending_size=64 * 1024 * 1024,
             closed_cb=closed,
+            **reconnect_options(agent),
             **secure,
         )
         client = await asyncio.wait_for(connecting, bound)
+        # with `reconnect_forever` the first connection failed fast, and from now on it rides out an outage:
+        # nats-py reads these options at every reconnect (and the ping interval at every ping)
+        client.options.update(reconnect_options(agent=agent or reconnect_forever))
         if refusals is not None:
             setattr(client, REFUSALS_ATTRIBUTE, refusals)
         if signing is not None:

@@ -95,6 +95,13 @@ class Following:
         """The JetStream context of the connection."""
         return self._nc.jetstream()
 
+    def closed_for_good(self) -> str | None:
+        """Why the connection is closed for good (it reconnects forever otherwise), or None while it is open
+        or reconnecting."""
+        if not self._nc.is_closed:
+            return None
+        return f"the NATS connection was closed: {self._nc.last_error or 'by the server'}"
+
     async def close(self) -> None:
         """Stop following, stop the replicas, close the connection."""
         for sub in self._subs:

@@ -15,6 +15,12 @@ debounces them. Nothing here decides what to do: `plan` does, from fresh observa
 The loop is built from its ports (`Bus`, `MachinesApi`, `ReleaseStore`, two `Clock`s; see `ports`):
 `connect` wires them to NATS and follows the fleet's KV and events; a unit test builds one over an
 in-memory fleet, with a clock it moves by hand and no poll, so nothing in it waits for real time.
+
+Its connection is an agent's once made (`bus.transport.connection`, `reconnect_forever`): a nats-server
+restart is a blip, as it is for the workers and brokers. With a command's settings (three tries a tenth of a
+second apart) an outage of a second closed it for good and the operator stayed alive but deaf, every pass
+failing with `ConnectionClosedError`. A connection that does close for good (a server `-ERR`) is `lost`:
+`check_connected` raises it, and the operator and `converge` stop with that one line instead of looping.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from bus.contract.errors import BadRequest, NoCapacity
+from bus.contract.errors import BadRequest, NoCapacity, Unreachable
 from bus.transport.connection import connect
 from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
 from orchestrator.client import FleetClient
@@ -122,15 +128,45 @@ class Reconciler:
         self.loops: dict[str, AppLoop] = {}
         self.on_plan: PlanHook | None = None
         self.on_result: ResultHook | None = None
+        self.lost: str | None = None  # why the connection closed for good, if it did
+        self._closing = False
 
     @classmethod
     async def connect(cls, url: str, **options: Any) -> Reconciler:
-        """A reconciler over NATS at `url`, following the fleet (its replicas current, woken by changes)."""
-        nc = await connect(url, "fauxmad-reconciler")
+        """A reconciler over NATS at `url`, following the fleet (its replicas current, woken by changes).
+
+        Fails fast when NATS is not there; once connected it reconnects forever (see the module docstring)."""
+        reconciler: Reconciler | None = None
+
+        def on_closed(reason: str) -> None:
+            if reconciler is not None:  # (closed before it exists: `check_connected` finds the connection closed)
+                reconciler.bus_closed(reason)
+
+        nc = await connect(url, "fauxmad-reconciler", reconnect_forever=True, on_closed=on_closed)
         kv = await ensure_fleet_resources(nc.jetstream(), FleetConfig(region=options.get("region")))
         reconciler = cls(NatsBus(nc), FleetClient(nc, timeout=15.0), KVReleaseStore(kv.apps), **options)
         reconciler.following = await Following.start(nc, kv, reconciler.observer, reconciler.watched, reconciler.wake)
         return reconciler
+
+    def bus_closed(self, reason: str) -> None:
+        """The connection is gone for good (not a reconnect): never stay alive but deaf. Ignored while closing."""
+        if self._closing or self.lost is not None:
+            return
+        self.lost = reason
+        log.info("reconciler: %s", reason)  # said once, by whoever stops on `check_connected`
+        self.wake()  # a loop waiting for a change looks, and stops
+
+    def check_connected(self) -> None:
+        """Raise `Unreachable` if the connection closed for good: nothing this reconciler does can work again.
+
+        It asks the connection too: nats-py skips the closed callback when closing fails halfway (it writes
+        what is pending to the dead socket first, which raises under uvloop), and a loop must not rely on it."""
+        if self.lost is None and self.following is not None:
+            closed = self.following.closed_for_good()
+            if closed is not None:
+                self.bus_closed(closed)
+        if self.lost is not None:
+            raise Unreachable(f"the reconciler lost NATS for good ({self.lost}); its supervisor should restart it")
 
     def _on_change(self, key: str) -> None:
         self.wake()
@@ -140,6 +176,7 @@ class Reconciler:
         self._wake.set()
 
     async def close(self) -> None:
+        self._closing = True
         if self.following is not None:
             await self.following.close()
         else:
@@ -216,6 +253,7 @@ class Reconciler:
             try:
                 last, results = await self.step(desired, exits_since)
             except Exception as exc:  # a worker that did not answer: look again
+                self.check_connected()  # unless nothing can answer any more
                 log.info("converge: pass failed (%s); trying again", exc)
                 await self.wait_for_change(self.poll)
                 if self.timer() - started > timeout:

@@ -4,6 +4,10 @@ A worker's heartbeat expiring (its spares start), a machine's event, a new relea
 (see `follow`), and the operator steps every app again, with a timer only as a backstop. It must keep going
 when the desired state does not answer, as in a supercluster region cut off from the home region that keeps
 the apps bucket: it then converges to the last release it saw, from its last read or the apps watch.
+
+It rides out a nats-server restart (its connection reconnects forever, see `reconciler`); if the connection
+closes for good, `watch` raises `Unreachable` saying so, and `reconcile --watch` exits non-zero for its
+supervisor to restart it: alive but deaf, it would fail every pass and replace nothing.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ class Operator:
         self._desired_quiet_until = 0.0
 
     async def watch(self, apps: list[str] | None, stop: asyncio.Event) -> None:
-        """Step every app (or `apps`) whenever anything changes, until `stop` is set."""
+        """Step every app (or `apps`) whenever anything changes, until `stop` is set; raises `Unreachable` if
+        the connection closes for good."""
         r = self.reconciler
         while not stop.is_set():
+            r.check_connected()
             busy = False
             for app in apps if apps is not None else await self._apps():
                 try:
@@ -42,6 +48,7 @@ class Operator:
                     result, _ = await r.step(desired)
                     busy = busy or bool(result.actions or result.waiting)
                 except Exception as exc:
+                    r.check_connected()
                     log.warning("reconcile %s: %s (will look again)", app, exc)
                     busy = True
             waiter = asyncio.create_task(r.wait_for_change(r.poll if busy else r.backstop))
