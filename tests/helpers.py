@@ -92,8 +92,10 @@ class WorkerProcess:
         cpus: int = 4,
         memory_mb: int = 4096,
         extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.nats_url = nats_url
+        self.env = env or {}  # on top of this process's (e.g. $FAUXMAD_FAULT_POINTS: bus/local/fault_points.py)
         self.region = region
         self.worker_id = worker_id
         self.data_dir = data_dir
@@ -128,7 +130,7 @@ class WorkerProcess:
             "0",
             *self.extra,
         ]
-        env = dict(os.environ, FAUXMAD_LOG="1", PYTHONPATH=str(ROOT))
+        env = dict(os.environ, FAUXMAD_LOG="1", PYTHONPATH=str(ROOT), **self.env)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, cwd=str(ROOT))
         log.close()

@@ -355,9 +355,10 @@ class Auction:
                     raise OutcomeUnknown([worker_id], reserve.id) from None
                 await asyncio.sleep(0.05)
 
-    async def find(self, workers: list[str], reserve: ReserveRequest) -> tuple[Machine | None, list[str]]:
+    async def find(self, workers: list[str], reserve: ReserveRequest) -> tuple[Machine | None, list[str], list[str]]:
         """Ask each worker (at once) whether it holds the machine of `reserve`, whose reserves have all
-        expired. Returns the machine if one does, and the live workers that would not say."""
+        expired. Returns the machine if one does, the live workers that would not say, and the silent ones
+        whose heartbeat has expired (gone: the caller fences them, see bus/contract/idempotency.py)."""
 
         async def one(worker_id: str) -> Machine | None:
             return await self.probe(worker_id, reserve)
@@ -369,8 +370,8 @@ class Auction:
         for answer in answers:
             if isinstance(answer, BaseException) and not isinstance(answer, FauxmadError):
                 raise answer
-        # a worker whose heartbeat has expired is gone: it is not waited for (see the README)
-        return found, [w for w in silent if w in region_live]
+        # a worker whose heartbeat has expired is not waited for: it is fenced instead (see the README)
+        return found, [w for w in silent if w in region_live], [w for w in silent if w not in region_live]
 
     async def _reserve_in_order(
         self,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,17 +31,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from bus.contract.codec import decoder, encode
 from bus.contract.errors import Conflict, Unanswered
-
-
-class Claim(msgspec.Struct, kw_only=True):
-    state: str  # "pending" | "done" | "uncertain"
-    owner: str
-    at: float
-    machine_id: str | None = None
-    worker_id: str | None = None
-    fingerprint: str = ""
-    uncertain: list[str] = []
-    tried: list[str] = []  # every worker a reserve was sent to, recorded before it was sent
+from bus.contract.idempotency import Claim, claim_key
 
 
 class Ticket(msgspec.Struct, kw_only=True):
@@ -50,14 +39,11 @@ class Ticket(msgspec.Struct, kw_only=True):
 
     claim: Claim
     previous: Claim | None = None
+    revision: int = 0  # the claim's revision as this broker wrote it (a fence is a compare-and-set on it)
 
     @property
     def done(self) -> bool:
         return self.claim.state == "done"
-
-
-def claim_key(app: str, key: str) -> str:
-    return f"{app}.{hashlib.sha256(key.encode()).hexdigest()[:40]}"
 
 
 class Idempotency:
@@ -74,9 +60,10 @@ class Idempotency:
         mine = Claim(state="pending", owner=self.owner, at=self.clock(), machine_id=machine_id, fingerprint=fingerprint)
         deadline = time.perf_counter() + wait
         while True:
-            if await self._write(kv_key, mine, None):
+            revision = await self._write(kv_key, mine, None)
+            if revision is not None:
                 self._active.add(kv_key)
-                return Ticket(claim=mine)
+                return Ticket(claim=mine, revision=revision)
             entry = await self._read(kv_key)
             if entry is None:
                 continue  # released meanwhile: try to claim again
@@ -87,9 +74,10 @@ class Idempotency:
                 return Ticket(claim=claim)
             if self._can_take_over(kv_key, claim):
                 taken = msgspec.structs.replace(claim, state="pending", owner=self.owner, at=self.clock())
-                if await self._write(kv_key, taken, entry.revision):
+                revision = await self._write(kv_key, taken, entry.revision)
+                if revision is not None:
                     self._active.add(kv_key)
-                    return Ticket(claim=taken, previous=claim)
+                    return Ticket(claim=taken, previous=claim, revision=revision)
                 continue
             if time.perf_counter() > deadline:
                 raise Conflict(f"a create with idempotency key {key!r} is still in progress")
@@ -133,6 +121,34 @@ class Idempotency:
         finally:
             self._active.discard(kv_key)
 
+    async def fence(self, app: str, key: str, ticket: Ticket, gone: list[str], machine_id: str) -> Claim | None:
+        """Fence `gone` (silent workers whose heartbeat expired, that may hold the claim's machine): the claim
+        names a new machine id and those workers, in one compare-and-set on the revision this broker took it
+        at. None if the claim moved meanwhile (a fenced worker came back and settled it on itself)."""
+        fenced = sorted({*ticket.claim.fenced, *gone})
+        value = msgspec.structs.replace(
+            ticket.claim, machine_id=machine_id, fenced=fenced, tried=[], uncertain=[], at=self.clock()
+        )
+        if await self._write(claim_key(app, key), value, ticket.revision) is None:
+            return None
+        return value
+
+    async def current(self, app: str, key: str) -> Claim | None:
+        entry = await self._read(claim_key(app, key))
+        return None if entry is None else decoder(Claim).decode(entry.value)
+
+    async def refused(self, app: str, key: str, claim: Claim) -> None:
+        """Every reserve of the claim's machine was refused: nothing holds it. Forget the key, unless the claim
+        fences a worker (its copy of an earlier machine must keep finding that it is not the key's)."""
+        if claim.fenced:
+            await self.uncertain(app, key, claim, [])
+        else:
+            await self.release(app, key)
+
+    async def release_hold(self, app: str, key: str) -> None:
+        """This broker is no longer working on the claim, which someone else settled: leave it as it is."""
+        self._active.discard(claim_key(app, key))
+
     async def release(self, app: str, key: str) -> None:
         kv_key = claim_key(app, key)
         self._active.discard(kv_key)
@@ -143,15 +159,14 @@ class Idempotency:
     # the KV, with its failures turned into the error contract: a write whose answer was lost
     # may have happened (Unanswered), and the caller's retry will find out.
 
-    async def _write(self, kv_key: str, claim: Claim, revision: int | None) -> bool:
+    async def _write(self, kv_key: str, claim: Claim, revision: int | None) -> int | None:
+        """The new revision, or None if the key was not at `revision` (or existed, for a create)."""
         try:
             if revision is None:
-                await self.kv.create(kv_key, encode(claim))
-            else:
-                await self.kv.update(kv_key, encode(claim), last=revision)
-            return True
+                return int(await self.kv.create(kv_key, encode(claim)))
+            return int(await self.kv.update(kv_key, encode(claim), last=revision))
         except KeyWrongLastSequenceError:
-            return False
+            return None
         except Exception as exc:
             raise Unanswered(f"idempotency store unavailable: {exc!r}") from None
 

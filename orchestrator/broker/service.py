@@ -32,6 +32,7 @@ from bus.contract.fleet import (
     WorkerInfo,
     WorkersListRequest,
 )
+from bus.contract.idempotency import Claim
 from bus.contract.ids import new_machine_id
 from bus.contract.machines import (
     ExecRequest,
@@ -55,7 +56,7 @@ from bus.transport.scatter import Scatterer
 from bus.transport.service import Handler, Responder, answer, call, request
 from orchestrator.broker import metrics
 from orchestrator.broker.auction import Auction, AuctionConfig, Outcome, OutcomeUnknown
-from orchestrator.broker.idempotency import Claim, Idempotency
+from orchestrator.broker.idempotency import Idempotency
 from orchestrator.broker.volumes import Volumes
 from orchestrator.replicas.machines import MachineIndex
 from orchestrator.replicas.workers import Registry
@@ -232,8 +233,6 @@ class Broker:
         if ticket.done:
             assert claim.machine_id is not None and claim.worker_id is not None
             return await self._get_from(claim.worker_id, claim.machine_id), None, False
-        assert claim.machine_id is not None
-        machine_id = claim.machine_id
         current = [claim]  # the claim as last written: `tried` grows before each reserve
 
         async def record(worker_id: str) -> None:
@@ -242,37 +241,56 @@ class Broker:
         try:
             found = None
             if ticket.previous is not None:  # taken over: find out where the machine is before placing
-                found = await self._find(app, req, ticket.previous)
+                found, gone = await self._find(app, req, ticket.previous)
+                if found is None and gone:
+                    fenced = await claims.fence(app, key, ticket, gone, new_machine_id())
+                    if fenced is None:  # a fenced worker came back first and settled the key on itself
+                        return await self._settled_meanwhile(app, key, claims, gone, claim)
+                    current[0] = claim = fenced
+            assert claim.machine_id is not None
             placed: tuple[Machine, Outcome | None] = (
                 (found, None)
                 if found is not None
                 else await self.auction.place(
-                    app, req, machine_id, not_after=claim.at + claims.stale_after, before_reserve=record
+                    app, req, claim.machine_id, not_after=claim.at + claims.stale_after, before_reserve=record
                 )
             )
         except OutcomeUnknown as exc:
             await claims.uncertain(app, key, current[0], exc.workers)
             raise
         except (NoCapacity, BadRequest, Conflict, NotFound):
-            await claims.release(app, key)  # refused everywhere it was tried: nothing is held
+            await claims.refused(app, key, current[0])  # refused everywhere it was tried: nothing is held
             raise
         # anything else (a lost connection, a cancellation): a reserve may be in flight, so the claim stays
         # for a taker, who asks every worker it tried before placing
         await claims.done(app, key, current[0], placed[0].worker_id)
         return placed[0], placed[1], True
 
-    async def _find(self, app: str, req: CreateRequest, previous: Claim) -> Machine | None:
-        """Which worker holds the machine of a claim taken over: the ones it named, its region's, the index's."""
+    async def _settled_meanwhile(
+        self, app: str, key: str, claims: Idempotency, gone: list[str], taken: Claim
+    ) -> tuple[Machine, Outcome | None, bool]:
+        """The fence lost its compare-and-set: the claim as it is now says where the key's machine is."""
+        now = await claims.current(app, key)
+        await claims.release_hold(app, key)
+        if now is not None and now.state == "done" and now.machine_id and now.worker_id:
+            return await self._get_from(now.worker_id, now.machine_id), None, False
+        raise OutcomeUnknown(gone, taken.machine_id or "?")
+
+    async def _find(self, app: str, req: CreateRequest, previous: Claim) -> tuple[Machine | None, list[str]]:
+        """Which worker holds the machine of a claim taken over: the ones it named, its region's, the index's.
+
+        Returns the machine if one answers with it, and the silent workers whose heartbeat has expired (to be
+        fenced before anything is placed: bus/contract/idempotency.py); a silent live worker is a 504."""
         assert previous.machine_id is not None
         workers = set(previous.tried) | set(previous.uncertain) | self.registry.live_ids(req.region)
         entry = self.index.get(previous.machine_id)
         if entry is not None:
             workers.add(entry.worker_id)
         reserve = self.auction.reserve_request(app, req, previous.machine_id)
-        found, silent = await self.auction.find(sorted(workers), reserve)
+        found, silent, gone = await self.auction.find(sorted(workers), reserve)
         if found is None and silent:
             raise OutcomeUnknown(silent, previous.machine_id)
-        return found
+        return found, gone
 
     async def _get_from(self, worker_id: str, machine_id: str) -> Machine:
         assert self.nc is not None

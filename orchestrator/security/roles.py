@@ -129,6 +129,9 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.kv_put(layout.workers_bucket(region), f"{region}.{worker_id}"),
                 subjects.kv_put(layout.machines_bucket(region), "*"),
                 subjects.kv_put(SECRETS_BUCKET, PUBLIC_KEY),
+                # the fence: a worker back from an absence settles its keyed machines' claims on itself
+                # (bus/contract/idempotency.py); it hosts any app's machines, so any app's claims
+                subjects.kv_put(layout.idempotency_bucket(region), ">"),
                 f"$O.{subjects.SNAPSHOTS_STORE}.>",  # its volumes' snapshots (README "Volumes")
                 subjects.AUDIT_ALL,  # the audit records of the job requests it answers (`bus.transport.audit`)
                 *read_streams(),

@@ -4,6 +4,10 @@ The bucket's TTL makes a dead worker's key expire, so the beat is how the regist
 alive, and its numbers are what the brokers place volumes from. Between ticks, a change of usage beats
 soon (coalesced, unacknowledged) rather than at the next tick. Each beat measures the host's load,
 which offers carry too.
+
+It also tells the worker when it was away: a gap between acknowledged beats longer than `away_after` (the
+registry's TTL less a beat, so before any broker can have counted the worker gone) is an absence, after which
+the worker asks the claims of its keyed machines (the fence, workers/lifecycle/fence.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -36,6 +41,8 @@ class Heartbeat:
         interval: float,
         info: Callable[[], WorkerInfo],
         spawn: Callable[[Coroutine[Any, Any, None]], None],
+        away_after: float | None = None,
+        on_return: Callable[[], None] = lambda: None,
     ) -> None:
         self.nc = nc
         self.kv = kv
@@ -46,6 +53,22 @@ class Heartbeat:
         self.spawn = spawn  # the agent's tasks: cancelled when it closes
         self.load = 0.0  # the host's load average per cpu, as of the last beat
         self._pending = False
+        self.away_after = away_after if away_after is not None else 2 * interval
+        self.on_return = on_return  # an absence just ended
+        self.absences = 0  # absences seen to end
+        self._last_beat = time.perf_counter()  # when the registry last acknowledged a beat
+
+    def away(self) -> bool:
+        """Whether no beat was acknowledged for longer than `away_after` (a freeze or a cut is going on)."""
+        return time.perf_counter() - self._last_beat > self.away_after
+
+    def _beaten(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_beat > self.away_after:
+            self.absences += 1
+            log.warning("worker %s: back after %.1f s without a heartbeat", self.worker_id, now - self._last_beat)
+            self.on_return()
+        self._last_beat = now
 
     async def put(self, info: WorkerInfo, *, acked: bool = True) -> None:
         """Put `info` into the registry; `acked=False` only publishes it (in order with the acked puts,
@@ -53,6 +76,7 @@ class Heartbeat:
         key = subjects.worker_key(self.region, self.worker_id)
         if acked:
             await self.kv.workers.put(key, encode(info))
+            self._beaten()
         elif self.nc.is_connected:
             bucket = self.kv.layout.workers_bucket(self.region)
             await self.nc.publish(subjects.kv_put(bucket, key), encode(info))

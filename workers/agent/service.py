@@ -47,6 +47,7 @@ from bus.transport.connection import connect
 from bus.transport.jetstream import FleetConfig, FleetKV, ensure_fleet_resources
 from bus.transport.service import Responder
 from workers import metrics
+from workers.agent.claims import region_claims
 from workers.agent.compaction import compact_forever
 from workers.agent.config import WorkerConfig
 from workers.agent.handlers import Handlers
@@ -57,6 +58,7 @@ from workers.driver.limits import auto_detect, slow_migration_hint
 from workers.driver.process import ProcessDriver
 from workers.image_cache import ImageCache
 from workers.jobs.service import JobsService
+from workers.lifecycle.fence import Fence
 from workers.lifecycle.manager import MachineManager, ManagerConfig
 from workers.lifecycle.tally import MachineTally
 from workers.log.commit import GroupCommitter
@@ -138,6 +140,15 @@ class WorkerAgent:
             interval=cfg.heartbeat_interval,
             info=self.info,
             spawn=self._spawn,
+            on_return=lambda: self._spawn(self._sweep_fenced("after an absence")),
+        )
+        heartbeat = self.heartbeat
+        fence = Fence(
+            region_claims(kv.idempotency, cfg.region, kv.layout.supercluster),
+            cfg.worker_id,
+            absences=lambda: heartbeat.absences,
+            away=heartbeat.away,
+            clock=time.time,
         )
         self.secrets = SecretsCache(_secrets_key(cfg))
         await self.secrets.start(await secrets_bucket(js))
@@ -183,6 +194,7 @@ class WorkerAgent:
             held_ports=lambda: self.tally.ports,
             images=self.image_cache,
             volumes=self.volumes,
+            fence=fence,
         )
         self._images = frozenset(self.store.images())
         # derived from LMDB at start and kept in step by _on_commit: info() must not scan every machine
@@ -204,6 +216,7 @@ class WorkerAgent:
             put_heartbeat=self.heartbeat.put,
         )
         volumes_recovered = await volumes.recover()  # before machines: theirs must be mounted
+        await self._sweep_fenced("at start")  # before machines are launched again: a fenced one must not be
         self.resumed = await self.manager.readopt()
         if volumes_recovered:
             log.info("worker %s: volumes %s", cfg.worker_id, volumes_recovered)
@@ -382,6 +395,12 @@ class WorkerAgent:
         """Before a process is spawned: follow its files from their current end, so no line is missed."""
         assert self.manager is not None
         self.follower.follow(machine.id, machine.app, self.manager.workdir(machine.id), from_offset_now=True)
+
+    async def _sweep_fenced(self, when: str) -> None:
+        assert self.manager is not None
+        counts = await self.manager.sweep_fenced()
+        if counts:
+            log.info("worker %s: keyed machines asked their claims %s: %s", self.config.worker_id, when, counts)
 
     def _beat_soon(self) -> None:
         """Usage changed: the registry hears of it soon (`Heartbeat.soon`)."""

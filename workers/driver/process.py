@@ -668,6 +668,28 @@ class ProcessDriver:
     def recover(self, handle: TaskHandle) -> bool:
         return self._alive(handle)
 
+    async def end_strays(self, machine_id: str, patience: float = 5.0) -> int:
+        """Kill whatever runs of `machine_id` although no handle names it, and wait until it is gone; returns
+        how many processes there were. A worker killed between spawning a machine's shim and recording its
+        handle leaves such a run behind, and must not start a second one beside it on its next start.
+
+        Found by the machine id in the workload's environment (the shim of a launcher carries the launcher's
+        own), with its shim: the leader of the workload's session, which the workload runs in."""
+        strays = _processes_of(machine_id)
+        shims = {stat.session for stat in filter(None, map(_proc_stat, strays)) if stat.session > 1}
+        shims.discard(os.getpid())
+        everyone = set(strays) | shims
+        for pid in everyone:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signals.SIGKILL)
+        deadline = time.perf_counter() + patience
+        while time.perf_counter() < deadline:
+            alive = [pid for pid in everyone if (stat := _proc_stat(pid)) is not None and stat.state not in ("Z", "X")]
+            if not alive:
+                break
+            await asyncio.sleep(0.01)
+        return len(strays)
+
     # -- helpers -------------------------------------------------------------------------------------
 
     @staticmethod
@@ -680,6 +702,23 @@ class ProcessDriver:
         """The handle's shim is running: same pid, same start time, and not a zombie."""
         stat = _proc_stat(handle.pid)
         return stat is not None and stat.start_ticks == handle.start_ticks and stat.state not in ("Z", "X")
+
+
+def _processes_of(machine_id: str) -> list[int]:
+    """The processes whose environment names `machine_id` (a machine's workload and what it started)."""
+    needle = f"FAUXMAD_MACHINE_ID={machine_id}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ:
+            found.append(int(entry.name))
+    return found
 
 
 def group_stopped(states: Iterable[str]) -> bool:

@@ -51,11 +51,13 @@ from bus.contract.machines import (
     UpdateRequest,
     WaitRequest,
 )
+from bus.local import fault_points
 from bus.stores.images import is_digest
 from workers.driver import sandbox
 from workers.driver.base import Driver, TaskHandle, TaskSpec
 from workers.image_cache import ImageCache, Pulled
 from workers.lifecycle.exits import exit_info, read_stderr_tail
+from workers.lifecycle.fence import Fence
 from workers.lifecycle.recorder import CommitHook, Recorder
 from workers.lifecycle.restart_policy import Backoff
 from workers.lifecycle.resume import resume_in_flight
@@ -95,6 +97,9 @@ class ManagerConfig(msgspec.Struct, frozen=True, kw_only=True):
     run_as: tuple[int, int] | None = None  # (uid, gid) of the worker's --machine-user
 
 
+FENCED = "fenced: its idempotency key was placed elsewhere while this worker was away"
+
+
 class MachineManager:
     def __init__(
         self,
@@ -109,9 +114,11 @@ class MachineManager:
         held_ports: Callable[[], Container[int]] = lambda: (),
         images: ImageCache | None = None,
         volumes: VolumeManager | None = None,
+        fence: Fence | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
+        self.fence = fence  # keyed machines reserved before an absence run only if still the key's
         self.store = store
         self.driver = driver
         self.on_launch = on_launch  # right before a process is spawned (the agent follows its logs from there)
@@ -255,11 +262,14 @@ class MachineManager:
             raise NoCapacity(str(exc)) from None
         machine_id = request.id or new_machine_id()
         port = pick_port(self.held_ports())
+        mark = self.fence.mark() if self.fence is not None else 0
 
         def op(tx: Tx) -> tuple[StoredMachine, bool]:
             if request.idempotency_key:
                 existing = tx.by_idempotency(request.idempotency_key)
-                if existing is not None:
+                # the key's machine here, if this reserve is for it: not another app's that used the same key,
+                # nor a copy the key's claim fenced off (the reserve then names the key's newer machine id)
+                if existing is not None and self._same_reservation(existing, request):
                     return existing, False
             held = tx.get(machine_id)
             if held is not None:
@@ -275,9 +285,14 @@ class MachineManager:
             return tx.put_machine(stored, "reserve"), True
 
         stored, reserved = await self.recorder.commit(op)
+        fault_points.reached("reserve.committed")
         if reserved and request.launch:
-            stored = await self._launch_reserved(machine_id)
+            stored = await self._launch_reserved(machine_id, mark)
         return self.view(stored)
+
+    @staticmethod
+    def _same_reservation(existing: StoredMachine, request: ReserveRequest) -> bool:
+        return existing.machine.app == request.app and request.id in (None, existing.machine.id)
 
     def _check_room(self, tx: Tx, request: ReserveRequest, machine_id: str) -> None:
         """Refuse a reserve this worker must not commit: expired, cordoned, or no room (all in the commit)."""
@@ -332,13 +347,66 @@ class MachineManager:
         )
         return stored
 
-    async def _launch_reserved(self, machine_id: str) -> StoredMachine:
-        """Start a machine just reserved `starting` (a stop or destroy may have come first: then leave it)."""
+    async def _launch_reserved(self, machine_id: str, mark: int) -> StoredMachine:
+        """Start a machine just reserved `starting` (a stop or destroy may have come first: then leave it).
+
+        If this worker was away since the reserve arrived (`mark`), a keyed machine first asks its claim: the
+        broker may have fenced this worker and placed the key's machine elsewhere meanwhile (the fence)."""
         async with self._lock(machine_id):
             current = self.require(machine_id)
-            if current.machine.state == "starting" and current.handle is None:
-                return await self.launch(current)
-            return current
+            if current.machine.state != "starting" or current.handle is not None:
+                return current
+            if self.fence is not None and self.fence.must_check(current, mark):
+                found = await self.fence.verdict(current)
+                if found == "elsewhere":
+                    return await self._fence_off(current)
+                if found == "unknown":
+                    return await self._not_started(current, "its idempotency key's claim could not be read")
+            return await self.launch(current)
+
+    async def _not_started(self, stored: StoredMachine, why: str) -> StoredMachine:
+        reason = f"not started: this worker was away and {why}"
+
+        def failed(tx: Tx) -> StoredMachine:
+            current = tx.require(stored.machine.id)
+            self.recorder.event(current, "failed", reason=reason)
+            return tx.put_machine(current, "start_failed")
+
+        result: StoredMachine = await self.recorder.commit(failed)
+        return result
+
+    async def _fence_off(self, stored: StoredMachine) -> StoredMachine:
+        """Destroy a keyed machine the fleet placed elsewhere while this worker was away (caller holds the
+        lock). Leases do not hold it: it was never the key's machine to anyone who holds one."""
+        machine_id = stored.machine.id
+
+        def op(tx: Tx) -> StoredMachine:
+            current = tx.require(machine_id)
+            current.desired = "destroyed"
+            self.recorder.event(current, "destroying", reason=FENCED)
+            return tx.put_machine(current, "destroy")
+
+        current = await self.recorder.commit(op)
+        self.supervisor.cancel_restart(machine_id)
+        current = await self.finish_destroy(current)
+        self.recorder.forget(machine_id)
+        return current
+
+    async def sweep_fenced(self) -> dict[str, int]:
+        """At start and after every absence: ask the claim of each keyed machine not confirmed yet, and destroy
+        the ones whose key's machine is elsewhere. Returns counts per verdict."""
+        counts: dict[str, int] = {}
+        if self.fence is None:
+            return counts
+        for stored in self.fence.unconfirmed(list(self.store.machines())):
+            found = await self.fence.verdict(stored)
+            counts[found] = counts.get(found, 0) + 1
+            if found == "elsewhere":
+                async with self._lock(stored.machine.id):
+                    current = self.require(stored.machine.id)
+                    if current.machine.state not in ("destroyed", "destroying"):
+                        await self._fence_off(current)
+        return counts
 
     # ------------------------------------------------------------------------------------------
     # start
@@ -436,6 +504,7 @@ class MachineManager:
                     raise RuntimeError("this worker has no volumes")
                 await self.volumes.ready(mount.volume)
             handle = await self.driver.start(self.task_spec(stored))
+            fault_points.reached("launch.spawned")
         except Exception as exc:
             log.warning("machine %s: could not start: %r", machine_id, exc)
             reason = f"could not start: {exc}"

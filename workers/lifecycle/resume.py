@@ -4,6 +4,8 @@ A worker may die at any point of any verb; its machines' processes outlive it (t
 them). At start-up each machine in a process state is settled by what the store says it was doing
 and whether its process still runs: a destroy or an update cut short is finished, a running process
 is watched again, and one that ended while the worker was down gets its exit handled like any other.
+A start cut short between spawning the process and recording it is started again only once the process
+it spawned (found by the machine id in its environment) is gone: one run of a machine at a time.
 It asks the machine manager (`Host`) only for its parts, to launch a process, to finish a destroy or a
 suspend, and to record a resume it answered but did not record.
 """
@@ -73,6 +75,8 @@ async def _resume_one(host: Host, stored: StoredMachine, stop_timeout: float) ->
             if handle is not None and alive:
                 await driver.stop(handle, stop_timeout, signals.SIGTERM)
 
+            await _end_strays(driver, machine_id)  # the new process, if it was spawned before the kill
+
             def restart(tx: Tx) -> StoredMachine:
                 current = tx.require(machine_id)
                 current.handle = None
@@ -84,6 +88,7 @@ async def _resume_one(host: Host, stored: StoredMachine, stop_timeout: float) ->
     if handle is None:
         if state == "starting":
             async with recorder.lock(machine_id):
+                await _end_strays(driver, machine_id)  # spawned before the kill, never recorded: one run only
                 await host.launch(stored)
             return "launched"
         return await _settle_without_process(recorder, stored)
@@ -101,6 +106,12 @@ async def _resume_one(host: Host, stored: StoredMachine, stop_timeout: float) ->
     status = await driver.wait(handle)  # ended while we were down: the shim left its status
     await supervisor.on_exit(machine_id, handle, status)
     return "exited"
+
+
+async def _end_strays(driver: Driver, machine_id: str) -> None:
+    ended = await driver.end_strays(machine_id)
+    if ended:
+        log.warning("machine %s: ended %d process(es) of a start the worker never recorded", machine_id, ended)
 
 
 async def _readopt_suspended(host: Host, stored: StoredMachine, handle: TaskHandle) -> str:
