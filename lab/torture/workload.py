@@ -39,6 +39,7 @@ T = TypeVar("T")
 
 SLOTS = 3  # machines a client may hold at once
 CREATE_ATTEMPTS = 5  # attempts of a key within one create step
+NO_CAPACITY_ATTEMPTS = 2  # of which at most this many when every answer was 503 no capacity
 OP_TIMEOUT = 10.0  # seconds a client waits for any answer
 LEASE_TIMEOUT = 4.0
 REFUSED_CODES = frozenset({400, 403, 404, 409, 412, 502, 503})
@@ -53,6 +54,8 @@ class Slot:
         self.key: str | None = None  # the key of the machine held, or of the create not yet acknowledged
         self.region: str | None = None
         self.generation = 0
+        self.attempts = 0  # creates sent with `key` so far
+        self.unknown = False  # one of them had an unknown outcome: `key` must be retried, never dropped
 
 
 def outcome_of(exc: BaseException) -> tuple[str, int | None, str]:
@@ -117,6 +120,7 @@ class Client:
         return Op(client=self.name, step=step.index, kind=kind, app=self.app, invoke=time.time(), **fields)
 
     def _skip(self, step: ClientStep, why: str) -> None:
+        """A planned step that had nothing to act on, recorded under the step's kind (so a replay compares)."""
         op = self._op(step, step.kind, outcome="skipped", error=why)
         op.complete = op.invoke
         self.history.write(op)
@@ -151,21 +155,27 @@ class Client:
             slot.key = f"{self.name}-s{step.slot}-g{slot.generation}"
             slot.region = step.region
             slot.generation += 1
+            slot.attempts = 0
+            slot.unknown = False
         key, region = slot.key, slot.region or step.region
         assert self.fleet is not None
-        for attempt in range(1, CREATE_ATTEMPTS + 1):
-            op = self._op(step, "create", key=key, attempt=attempt)
+        for tries in range(1, CREATE_ATTEMPTS + 1):
+            slot.attempts += 1
+            op = self._op(step, "create", key=key, attempt=slot.attempts)
             request = CreateRequest(region=region, config=self._config(key), idempotency_key=key)
             machine = await self._request(op, self.fleet.create(self.app, request))
             if machine is not None:
                 slot.machine_id = machine.id
                 return
-            if op.outcome == "refused" and op.code not in RETRY_CODES:
-                slot.key = None  # refused for good (a 409, a 400): this key is done with
-                return
+            if op.outcome == "unknown":
+                slot.unknown = True  # it may exist: this key is retried until an answer says what happened
+            elif op.code not in RETRY_CODES or (op.code == 503 and tries >= NO_CAPACITY_ATTEMPTS and not slot.unknown):
+                break
             if stop.is_set():
                 return
-            await asyncio.sleep(0.2 * attempt)
+            await asyncio.sleep(0.2 * tries)
+        if not slot.unknown:  # every attempt refused: nothing exists under this key; a new key (and region) next time
+            slot.key = None
 
     async def _replay(self, step: ClientStep, slot: Slot) -> None:
         """Re-send the create of the machine held, with its key: the same machine must come back."""
