@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bus.contract import subjects
@@ -31,8 +32,16 @@ ARMED_FOR = 5.0  # seconds an on-reserve fault waits for a reserve before it str
 
 
 class Nemesis:
-    def __init__(self, fleet: TortureFleet, schedule: list[FaultStep], history: HistoryWriter, url: str) -> None:
+    def __init__(
+        self,
+        fleet: TortureFleet,
+        schedule: list[FaultStep],
+        history: HistoryWriter,
+        url: str,
+        progress: Callable[[str], None] = lambda line: None,
+    ) -> None:
         self.fleet = fleet
+        self.progress = progress
         self.schedule = schedule
         self.history = history
         self.url = url
@@ -102,6 +111,10 @@ class Nemesis:
             fault.end = time.time()
             self.faults.append(fault)
             self.history.write(fault)
+            how = {"reserve": " as a reserve went out", "timeout": " (no reserve came)"}.get(trigger, "")
+            self.progress(
+                f"fault {len(self.faults)}: {step.kind} {step.target}{how}: {detail}; back after {step.hold:g}s"
+            )
 
     def _detail(self, step: FaultStep) -> str:
         return f"froze {len(self.fleet.frozen.get(step.target, []))} processes" if step.kind == "freeze" else "killed"

@@ -86,7 +86,7 @@ async def _torture(
             )
         )
         schedule = fault_schedule(options.seed, options.duration, options.faults, list(workers), fleet.brokers)
-        nemesis = Nemesis(fleet, schedule, history, fleet.url)
+        nemesis = Nemesis(fleet, schedule, history, fleet.url, progress)
         stop_clients = asyncio.Event()
         clients = [Client(i, options.seed, regions, fleet.url, fleet.marker, history) for i in range(options.clients)]
         client_tasks = [asyncio.create_task(c.run(stop_clients)) for c in clients]

@@ -37,7 +37,7 @@ from orchestrator.client import FleetClient
 
 T = TypeVar("T")
 
-SLOTS = 3  # machines a client may hold at once
+SLOTS = 2  # machines a client may hold at once: 5 clients x 2 + the operator's 4 on 16 cpus, so room is tight
 CREATE_ATTEMPTS = 5  # attempts of a key within one create step
 NO_CAPACITY_ATTEMPTS = 2  # of which at most this many when every answer was 503 no capacity
 OP_TIMEOUT = 10.0  # seconds a client waits for any answer
