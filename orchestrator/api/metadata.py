@@ -28,7 +28,7 @@ def _key(request: web.Request) -> str:
 
 async def get_metadata(request: web.Request) -> web.Response:
     got = await ask(request, "get", GetRequest(id=machine_id(request), events=False))
-    return json(got.config.metadata)
+    return json(types.visible_metadata(got.config.metadata))
 
 
 async def _relabel(request: web.Request, key: str, value: str | None) -> web.Response:

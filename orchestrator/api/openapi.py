@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from functools import cache
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
+from bus.contract.base import State
 from bus.contract.volumes import Volume, VolumeSnapshot
 from orchestrator.api import types
 
@@ -101,14 +102,24 @@ def document() -> dict[str, Any]:
         "required": True,
         "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_.-]{1,128}$"},
     }
+    org = {"name": "org_slug", "in": "query", "schema": {"type": "string"}}
+    yes_no = {"type": "boolean"}
+    one_state = "(" + "|".join(get_args(State)) + ")"
+    list_params = [
+        _APP,
+        {"name": "include_deleted", "in": "query", "schema": yes_no},
+        {"name": "region", "in": "query", "schema": {"type": "string"}},
+        {"name": "state", "in": "query", "schema": {"type": "string", "pattern": f"^{one_state}(,{one_state})*$"}},
+        {"name": "summary", "in": "query", "schema": yes_no},
+    ]
     paths = {
         "/v1/apps": {
-            "get": _op("List apps", reply="ListAppsResponse"),
+            "get": _op("List apps", reply="ListAppsResponse", params=[org]),
             "post": _op("Create an app", body="CreateAppRequest", reply="App", code="201"),
         },
         "/v1/apps/{app_name}": {
             "get": _op("Get an app", reply="App", params=[_APP]),
-            "delete": _op("Destroy an app's machines", params=[_APP], code="202"),
+            "delete": _op("Destroy an app: its machines, then its releases and record", params=[_APP], code="202"),
         },
         one + "/metadata": {"get": _op("A machine's metadata", params=both, reply=_STRINGS)},
         one + "/metadata/{key}": {
@@ -119,7 +130,7 @@ def document() -> dict[str, Any]:
             "post": _op("Dry-run placement", body="PlacementsRequest", reply="PlacementsResponse"),
         },
         m: {
-            "get": _op("List machines", params=[_APP], reply={"type": "array", "items": _ref("FlyMachine")}),
+            "get": _op("List machines", params=list_params, reply={"type": "array", "items": _ref("FlyMachine")}),
             "post": _op("Create a machine", body="CreateMachineRequest", reply="FlyMachine", params=[_APP]),
         },
         one: {

@@ -66,6 +66,13 @@ async def serve(
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    bound = runner.addresses[0] if runner.addresses else (host, port)
+    where = f"[{bound[0]}]:{bound[1]}" if ":" in str(bound[0]) else f"{bound[0]}:{bound[1]}"
+    secured = "bearer tokens required" if token is not None or root_key is not None else "no token required"
+    print(
+        f"fauxmad api: listening on http://{where} (Fly's Machines API under /v1, /openapi.json, /docs; {secured})",
+        flush=True,
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop as a whole: the audit records' acks are awaited first
         loop.add_signal_handler(sig, broker.request_stop)

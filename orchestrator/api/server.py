@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, get_args
 
 from aiohttp import web
 from nats.aio.client import Client
 
 from bus.contract import subjects
-from bus.contract.base import seconds
+from bus.contract.base import State, seconds
 from bus.contract.errors import FauxmadError
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import (
@@ -70,11 +70,41 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # handlers
 
 
+STATES: frozenset[str] = frozenset(get_args(State))
+
+
 async def list_machines(request: web.Request) -> web.Response:
+    """Fly's filters: `region`, `include_deleted` (destroyed machines too), and the newer `state` (one or
+    several, comma-separated or repeated) and `summary` (no config or events)."""
+    states = [s for value in request.query.getall("state", []) for s in value.split(",") if s]
+    for state in states:
+        if state not in STATES:
+            raise ClientError(400, f"invalid state {state!r}: use one of {', '.join(sorted(STATES))}")
+    region = request.query.get("region") or None
+    include_deleted = _bool(request, "include_deleted")
+    include_deleted = include_deleted or "destroyed" in states
+    wanted = ListRequest(state=states[0] if len(states) == 1 else None, include_destroyed=include_deleted)  # type: ignore[arg-type]
     found = await request.app[BROKERS].call(
-        subjects.api_machines(app_name(request), "list"), ListRequest(), list[Machine], timeout=10
+        subjects.api_machines(app_name(request), "list"), wanted, list[Machine], timeout=10
     )
-    return json([types.machine(m) for m in found])
+    if region is not None:
+        found = [m for m in found if m.region == region]
+    if states:
+        found = [m for m in found if m.state in states]
+    summary = _bool(request, "summary")
+    return json([types.machine(m, summary=summary) for m in found])
+
+
+def _bool(request: web.Request, name: str) -> bool:
+    """A boolean query parameter as Go's strconv.ParseBool reads it (Fly's server); anything else is a 400."""
+    value = request.query.get(name)
+    if value is None or value == "":
+        return False
+    if value.lower() in ("1", "t", "true"):
+        return True
+    if value.lower() in ("0", "f", "false"):
+        return False
+    raise ClientError(400, f"{name} must be true or false, not {value!r}")
 
 
 async def started(request: web.Request, machine: Machine) -> Machine:
@@ -137,8 +167,14 @@ async def stop_machine(request: web.Request) -> web.Response:
 
 
 async def restart_machine(request: web.Request) -> web.Response:
+    """Stop (SIGTERM, then SIGKILL after `?timeout=`: seconds or a Go duration, default 10 s), then start."""
     mid = machine_id(request)
-    await ask(request, "stop", StopRequest(id=mid, lease_nonce=nonce(request)), timeout=25)
+    given = request.query.get("timeout") or "10"
+    try:
+        timeout = min(seconds(float(given) if given.replace(".", "", 1).isdigit() else given), STOP_TIMEOUT_MAX)
+    except ValueError as exc:
+        raise ClientError(400, f"timeout: {exc}") from None
+    await ask(request, "stop", StopRequest(id=mid, timeout=timeout, lease_nonce=nonce(request)), timeout=timeout + 15)
     start = StartRequest(id=mid, lease_nonce=nonce(request))
     await started(request, await ask(request, "start", start, timeout=35))
     return json({"ok": True})
@@ -223,6 +259,21 @@ async def release_lease(request: web.Request) -> web.Response:
     return json({"ok": True})
 
 
+# Fly's operations fauxmad does not do: a 501 naming what to use instead, never a success for nothing done
+NOT_SUPPORTED = {
+    ("POST", "/exec"): "POST .../exec is not supported here: use `fauxmad machine exec ID -a APP -- CMD`",
+    ("GET", "/ps"): "GET .../ps is not supported: fauxmad keeps no process list of a machine",
+    ("GET", "/versions"): "GET .../versions is not supported: fauxmad keeps no config versions of a machine",
+}
+
+
+def _not_supported(message: str) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        raise ClientError(501, message)
+
+    return handler
+
+
 async def openapi(request: web.Request) -> web.Response:
     return json(document())
 
@@ -278,6 +329,12 @@ def build(nc: Client, *, auth: Auth | None = None, broker: Answering | None = No
     app.router.add_get(one + "/lease", get_lease)
     app.router.add_post(one + "/lease", acquire_lease)
     app.router.add_delete(one + "/lease", release_lease)
+    for (method, tail), message in NOT_SUPPORTED.items():
+        app.router.add_route(method, one + tail, _not_supported(message))
+    app.router.add_post(
+        "/v1/apps/{app_name}/volumes/{volume_id}",
+        _not_supported("POST .../volumes/{id} (update) is not supported: a volume's size changes with PUT .../extend"),
+    )
     apps.add_routes(app)
     metadata.add_routes(app, one)
     placements.add_routes(app)

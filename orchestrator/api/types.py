@@ -2,6 +2,12 @@
 
 These Structs both validate requests (strict: an unknown field is a 400) and generate `/openapi.json`, so
 the document cannot drift from what the server accepts.
+
+A config comes back as it was sent, with the defaults filled in and none removed (a Fly client reads
+`guest.cpus` whatever it sent): responses use the `...Out` Structs, which never omit a default, and what
+fauxmad's own config cannot hold (the image reference as given where the machine keeps its digest, `init`'s
+`exec`/`entrypoint` where it keeps one command, a mount's `name`) is kept in the machine's metadata label
+`SENT_LABEL` and given back from there, as long as the config still matches it (see `sent_label`).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from bus.contract.base import State
+from bus.contract.codec import encode
 from bus.contract.machines import Guest, Machine, MachineConfig, MachineEvent, Mount, RestartPolicy
 from bus.contract.volumes import Volume
 
@@ -105,6 +112,95 @@ class LeaseRequest(Body):
     description: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
+# ---------------------------------------------------------------------------------------------------
+# responses: every default said, never dropped; UNSET only for what was never given (null is not Fly's)
+
+
+class Out(msgspec.Struct, kw_only=True):
+    """Base of a response's config parts: no `omit_defaults`, so `cpus: 1` comes back as `cpus: 1`."""
+
+
+class FlyInitOut(Out):
+    exec: list[str] | msgspec.UnsetType = msgspec.UNSET
+    entrypoint: list[str] | msgspec.UnsetType = msgspec.UNSET
+    cmd: list[str] | msgspec.UnsetType = msgspec.UNSET
+
+
+class FlyGuestOut(Out):
+    cpus: int
+    memory_mb: int
+    cpu_kind: str
+
+
+class FlyRestartOut(Out):
+    policy: str
+    max_retries: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class FlyMountOut(Out):
+    volume: str
+    path: str
+    name: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class FlyMachineConfigOut(Out):
+    init: FlyInitOut
+    env: dict[str, str]
+    guest: FlyGuestOut
+    restart: FlyRestartOut
+    metadata: dict[str, str]
+    auto_destroy: bool
+    mounts: list[FlyMountOut]
+    image: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class ImageRef(Out):
+    """Fly's `image_ref`: what `config.image` resolved to (fauxmad's store has no registry)."""
+
+    repository: str
+    tag: str
+    digest: str
+
+
+# the label that keeps what a client sent and fauxmad's config cannot hold (module docstring)
+SENT_LABEL = "fauxmad_fly_sent"
+
+
+class Sent(msgspec.Struct, kw_only=True, omit_defaults=True):
+    image: str | None = None  # the reference as given ...
+    digest: str | None = None  # ... and the digest it was pinned to: given back only while the config has it
+    init: FlyInit | None = None  # `exec` or `entrypoint` + `cmd` as given: given back while the command is theirs
+    mount_names: dict[str, str] = {}  # volume id -> the `name` given with it
+
+
+def sent_label(config: FlyMachineConfig, digest: str | None) -> str | None:
+    """What `config` says that its fauxmad config will not: the value of `SENT_LABEL`, or None (nothing)."""
+    sent = Sent(
+        image=config.image if config.image and digest and config.image != digest else None,
+        digest=digest if config.image and digest and config.image != digest else None,
+        init=config.init if config.init.exec or config.init.entrypoint else None,
+        mount_names={m.volume: m.name for m in config.mounts if m.name},
+    )
+    if sent.image is None and sent.init is None and not sent.mount_names:
+        return None
+    return encode(sent).decode()
+
+
+def _sent(config: MachineConfig) -> Sent:
+    raw = config.metadata.get(SENT_LABEL)
+    if raw is None:
+        return Sent()
+    try:
+        return msgspec.json.decode(raw, type=Sent)
+    except msgspec.DecodeError:  # a label someone else wrote: ignored
+        return Sent()
+
+
+def visible_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """A machine's metadata without `SENT_LABEL` (it is the config's, said in the config's own fields)."""
+    return {k: v for k, v in metadata.items() if k != SENT_LABEL}
+
+
 class ErrorResponse(msgspec.Struct, kw_only=True):
     error: str
     status: Literal["unknown", "insufficient_capacity"] = "unknown"
@@ -125,10 +221,11 @@ class FlyMachine(msgspec.Struct, kw_only=True):
     state: State
     region: str
     instance_id: str
-    config: FlyMachineConfig
+    config: FlyMachineConfigOut | msgspec.UnsetType = msgspec.UNSET  # UNSET: a list's `summary=true`
+    image_ref: ImageRef | msgspec.UnsetType = msgspec.UNSET
     created_at: str
     updated_at: str
-    events: list[FlyMachineEvent] = []
+    events: list[FlyMachineEvent] | msgspec.UnsetType = msgspec.UNSET
     # extensions (README "HTTP API"): where it runs, and how its process last ended
     worker_id: str = ""
     exit: dict[str, Any] | None = None
@@ -141,37 +238,90 @@ def command(init: FlyInit) -> list[str]:
 
 def to_config(config: FlyMachineConfig, *, image: str | None, cmd: list[str]) -> MachineConfig:
     """Fly's config as fauxmad's, with the image pinned (`image`: its digest, or None) and the command to run
-    (`command(config.init)`, or the image's own when that is empty: `orchestrator.api.images`)."""
+    (`command(config.init)`, or the image's own when that is empty: `orchestrator.api.images`); what the
+    config cannot hold goes into the label `SENT_LABEL` (a label of that name sent by the client is replaced)."""
+    metadata = visible_metadata(config.metadata)
+    label = sent_label(config, image)
+    if label is not None:
+        metadata[SENT_LABEL] = label
     return MachineConfig(
         image=image,
         cmd=cmd,
         env=config.env,
         guest=Guest(cpus=config.guest.cpus, memory_mb=config.guest.memory_mb, cpu_kind=config.guest.cpu_kind),
         restart=RestartPolicy(policy=config.restart.policy, max_retries=config.restart.max_retries),
-        metadata=config.metadata,
+        metadata=metadata,
         auto_destroy=config.auto_destroy,
         mounts=[Mount(volume=m.volume, path=m.path) for m in config.mounts],
     )
 
 
-def from_config(config: MachineConfig) -> FlyMachineConfig:
-    return FlyMachineConfig(
-        image=config.image,
-        init=FlyInit(cmd=list(config.cmd)),
-        env=dict(config.env),
-        guest=FlyGuest(cpus=config.guest.cpus, memory_mb=config.guest.memory_mb, cpu_kind=config.guest.cpu_kind),
-        restart=FlyRestart(policy=config.restart.policy, max_retries=config.restart.max_retries),
-        metadata=dict(config.metadata),
-        auto_destroy=config.auto_destroy,
-        mounts=[FlyMount(volume=m.volume, path=m.path) for m in config.mounts],
+def _init_out(init: FlyInit) -> FlyInitOut:
+    unset = msgspec.UNSET
+    return FlyInitOut(
+        exec=list(init.exec) if init.exec else unset,
+        entrypoint=list(init.entrypoint) if init.entrypoint is not None else unset,
+        cmd=list(init.cmd) if init.cmd is not None else unset,
     )
+
+
+def from_config(config: MachineConfig) -> FlyMachineConfigOut:
+    """fauxmad's config as Fly's, every default said: what the client sent comes back (module docstring)."""
+    sent = _sent(config)
+    image: str | msgspec.UnsetType = msgspec.UNSET
+    if config.image:
+        image = sent.image if sent.image and sent.digest == config.image else config.image
+    init = FlyInitOut(cmd=list(config.cmd))
+    if sent.init is not None and command(sent.init) == list(config.cmd):
+        init = _init_out(sent.init)
+    guest = config.guest
+    restart = config.restart
+    return FlyMachineConfigOut(
+        image=image,
+        init=init,
+        env=dict(config.env),
+        guest=FlyGuestOut(cpus=guest.cpus, memory_mb=guest.memory_mb, cpu_kind=guest.cpu_kind),
+        restart=FlyRestartOut(
+            policy=restart.policy, max_retries=restart.max_retries if restart.max_retries is not None else msgspec.UNSET
+        ),
+        metadata=visible_metadata(config.metadata),
+        auto_destroy=config.auto_destroy,
+        mounts=[
+            FlyMountOut(volume=m.volume, path=m.path, name=sent.mount_names.get(m.volume, msgspec.UNSET))
+            for m in config.mounts
+        ],
+    )
+
+
+def image_ref(config: MachineConfig) -> ImageRef | msgspec.UnsetType:
+    """Fly's `image_ref` for a machine with an image: the reference it was given (or its digest) and its digest."""
+    if not config.image:
+        return msgspec.UNSET
+    given = _sent(config)
+    reference = given.image if given.image and given.digest == config.image else config.image
+    if reference.startswith("sha256:"):
+        return ImageRef(repository="", tag="", digest=config.image)
+    repository, colon, tag = reference.rpartition(":")
+    return ImageRef(repository=repository if colon else tag, tag=tag if colon else "", digest=config.image)
 
 
 def event(e: MachineEvent) -> FlyMachineEvent:
     return FlyMachineEvent(type=e.type, status=e.status, source=e.source, timestamp=int(e.timestamp * 1000))
 
 
-def machine(m: Machine) -> FlyMachine:
+def machine(m: Machine, *, summary: bool = False) -> FlyMachine:
+    """`m` as Fly's Machine; `summary` (a list's `?summary=true`): without its config and events."""
+    if summary:
+        return FlyMachine(
+            id=m.id,
+            name=m.name,
+            state=m.state,
+            region=m.region,
+            instance_id=m.instance_id,
+            created_at=m.created_at,
+            updated_at=m.updated_at,
+            worker_id=m.worker_id,
+        )
     events = [event(e) for e in m.events] if isinstance(m.events, list) else []
     return FlyMachine(
         id=m.id,
@@ -180,6 +330,7 @@ def machine(m: Machine) -> FlyMachine:
         region=m.region,
         instance_id=m.instance_id,
         config=from_config(m.config),
+        image_ref=image_ref(m.config),
         created_at=m.created_at,
         updated_at=m.updated_at,
         events=events,
@@ -194,16 +345,39 @@ class CreateAppRequest(Body):
     network: str | None = None
 
 
+class Organization(msgspec.Struct, kw_only=True):
+    name: str
+    slug: str
+
+
 class App(msgspec.Struct, kw_only=True):
     id: str
     name: str
-    status: str
-    machine_count: int = 0  # extension: machines the workers' last heartbeats count for it
+    status: str  # "deployed": it has machines; "pending": none (yet)
+    organization: Organization
+    machine_count: int = 0  # extension: how many machines it has
+
+
+class ListApp(msgspec.Struct, kw_only=True):
+    id: str
+    name: str
+    machine_count: int  # machines the workers' last heartbeats count for it
+    network: str = ""
+    status: str = "pending"  # extension, as App's
 
 
 class ListAppsResponse(msgspec.Struct, kw_only=True):
     total_apps: int
-    apps: list[App]
+    apps: list[ListApp]
+
+
+class AppRecord(msgspec.Struct, kw_only=True):
+    """An app created by `POST /v1/apps`: key `<app>.record` of KV `fauxmad_apps` (`orchestrator.api.apps`)."""
+
+    name: str
+    org_slug: str = "personal"
+    network: str = ""
+    created_at: float = 0.0
 
 
 class MetadataValue(Body):
