@@ -10,6 +10,17 @@ Roles live in machine metadata: `fauxmad_role` is `primary` (should run) or `spa
 started, on another worker than its primary, `standbys = [primary id]`); `fauxmad_replaces` marks a
 machine that took over from another one (a lost host, a drained worker).
 
+A takeover's claim (`fauxmad_replaces`) lasts while its predecessor may still run: lost, or back and not yet
+retired (`retire_replaced` stops it, then keeps it as the successor's spare or destroys it). Once the
+predecessor is a spare the takeover is over and the successor's claim is cleared (`end_takeovers`), so an instance
+that fails back (its spare, the old primary, takes over again) never has two machines naming each other.
+A claim cannot be cleared on a machine whose host is lost, so a pair may still come back naming each other
+(A replaces B, and B, on the host that was lost before its claim was cleared, replaces A): `successors` breaks
+any cycle at its newest claimant, the machine whose instance began last (promoting a resting spare starts a new
+instance, so it is the one whose claim was made last; by id when they began together). That machine keeps
+running, the claim naming it is ignored, and the other is retired as usual: exactly one copy runs. Before this
+rule both stopped, each "replaced by" the other, and the region had no primary until a new machine started.
+
 With an `[http_service]` that lets the edge proxy stop or create machines, a region's desired state is a
 range (`ownership.region_range`): the planner creates up to the count, destroys only past what the edge
 may add, and, when the edge decides which machines run, starts resting ones only below the floor.
@@ -189,6 +200,23 @@ def _created_order(m: Member) -> tuple[str, str]:
     return (m.created_at, m.id)
 
 
+def successors(primaries: Iterable[Member]) -> dict[str, Member]:
+    """Who took over from whom among live primaries (predecessor id -> successor), with no cycle: in one, the
+    newest claimant (latest instance, then highest id) stays, and the claim naming it is dropped (see the module
+    docstring)."""
+    replaced_by = {m.replaces: m for m in primaries if m.replaces}
+    for start in list(replaced_by.values()):
+        path: list[Member] = []  # start, its successor, that one's successor, ...
+        at: Member | None = start
+        while at is not None and at not in path:
+            path.append(at)
+            at = replaced_by.get(at.id)
+        if at is not None:  # back at a machine on the path: from there on it is a cycle
+            newest = max(path[path.index(at) :], key=lambda m: (m.instance_at, m.id))
+            del replaced_by[newest.id]
+    return replaced_by
+
+
 class _RegionPlanner:
     def __init__(
         self,
@@ -218,6 +246,7 @@ class _RegionPlanner:
         self.unready: list[str] = []
         self.rolling = False  # primaries still moving to the release: spares follow once they are done
         self.replaced: set[str] = set()
+        self.spare_ids = {m.id for m in self.members if m.role == SPARE}
         self.waiting: list[str] = []
         self.failures: list[Failure] = []
         self.touched: set[str] = set()
@@ -257,6 +286,10 @@ class _RegionPlanner:
             metadata[REPLACES_KEY] = replaces
         return msgspec.structs.replace(m.config, metadata=metadata, standbys=[standby_of] if standby_of else [])
 
+    def claim(self, m: Member) -> str | None:
+        """The machine `m` took over from, while that takeover lasts: until the predecessor is a spare."""
+        return None if m.replaces in self.spare_ids else m.replaces
+
     def edge_rests(self, m: Member) -> bool:
         """`m` is not running, and whether it runs is the edge's call (it starts it for the next request)."""
         return self.range.edge_runs and m.state not in RUNNING
@@ -264,12 +297,13 @@ class _RegionPlanner:
     # -- the steps -------------------------------------------------------------------------------
     def plan(self) -> RegionStatus:
         live_primaries = [m for m in self.members if m.role != SPARE]
-        replaced_by = {m.replaces: m for m in live_primaries if m.replaces}
+        replaced_by = successors(live_primaries)
         self.replaced = {key for key in replaced_by if key}
         taking_over = self.failover(replaced_by)
         kept = self.retire_replaced(live_primaries, replaced_by)
         kept = self.count_primaries(kept, taking_over)
         self.run_primaries(kept)
+        self.end_takeovers(kept)
         spares = self.tend_spares(kept)
         ready = sum(1 for m in kept if self.current(m) and self.ready(m))
         return RegionStatus(
@@ -425,7 +459,7 @@ class _RegionPlanner:
                     region=self.region,
                     worker_id=m.worker_id,
                     restarts=m.state in RUNNING,
-                    config=keep_origin(m, self.config_for(PRIMARY, replaces=m.replaces)),
+                    config=keep_origin(m, self.config_for(PRIMARY, replaces=self.claim(m))),
                     reason=f"deploy v{self.release}",
                 )
             )
@@ -487,7 +521,25 @@ class _RegionPlanner:
     def labels_for_release(self, m: Member) -> MachineConfig:
         metadata = dict(m.config.metadata)
         metadata[RELEASE_KEY] = self.release
+        if self.claim(m) is None:
+            metadata.pop(REPLACES_KEY, None)
         return msgspec.structs.replace(m.config, metadata=metadata)
+
+    def end_takeovers(self, kept: list[Member]) -> None:
+        """Clear the claim of a primary whose predecessor is a spare now (a relabel: no restart); after the
+        deploy's own updates, which clear it on the machines they touch."""
+        for m in kept:
+            if m.replaces and self.claim(m) is None and m.id not in self.touched:
+                self.add(
+                    Update(
+                        id=m.id,
+                        region=self.region,
+                        worker_id=m.worker_id,
+                        restarts=False,
+                        config=self.labels(m, PRIMARY, None, None),
+                        reason=f"{m.replaces} is its spare now: the takeover is over",
+                    )
+                )
 
     def check_deadline(self, m: Member) -> None:
         assert self.spec is not None

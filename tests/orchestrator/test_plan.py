@@ -23,6 +23,7 @@ from orchestrator.reconcile.plan import (
     Stop,
     Update,
     plan,
+    successors,
     summarize,
 )
 from orchestrator.reconcile.preview import planned, problems, simulate
@@ -259,6 +260,58 @@ def test_a_replaced_machine_keeps_running_until_its_successor_is_healthy() -> No
     p = run(s, [m("sa", "w2", replaces="a", healthy=False), m("a", "w1")])
     assert not any(isinstance(a, Stop | Destroy) for a in p.actions)
     assert any("to be healthy before a stops" in w for w in p.waiting)
+
+
+def test_a_takeover_ends_once_the_replaced_machine_is_the_successors_spare() -> None:
+    s = spec("mad = 1", spares=1)
+    successor = m("sa", "w2", replaces="a")
+    spare = m("a", "w1", role=SPARE, standby_of="sa", state="stopped")  # retired: kept as its spare
+    p = run(s, [successor, spare])
+    assert kinds(p) == [("Update", "sa")]
+    update = p.actions[0]
+    assert isinstance(update, Update) and not update.restarts
+    assert REPLACES_KEY not in update.config.metadata and update.config.metadata[ROLE_KEY] == PRIMARY
+    # so when the instance fails back (sa's host lost, its spare takes over), the two never name each other
+    p = run(s, [m("a", "w1", replaces="sa"), m("sa", "w2")])
+    assert kinds(p) == [("Create", "mad"), ("Stop", "sa")]  # sa is retired; a gets a spare
+    assert not any(isinstance(a, Create) and a.start for a in p.actions)
+
+
+def test_a_fail_back_whose_two_machines_name_each_other_keeps_exactly_one_running() -> None:
+    """`a` took over from `sa` last (its instance is newer); `sa`'s claim on `a` is older, made before its host was
+    lost. Before the fix both were stopped, each "replaced by" the other."""
+    s = spec("mad = 1", spares=1)
+    back = msgspec.structs.replace(m("sa", "w2", replaces="a"), instance_at=NOW - 60)
+    taken_back = msgspec.structs.replace(m("a", "w1", replaces="sa"), instance_at=NOW - 5)
+    p = run(s, [back, taken_back])
+    stops = [a for a in p.actions if isinstance(a, Stop)]
+    assert [(a.id, a.reason) for a in stops] == [("sa", "replaced by a")]
+    assert not any(isinstance(a, Destroy) or (isinstance(a, Create) and a.start) for a in p.actions)
+    # stopped, sa becomes a's spare (its own claim gone), then a's takeover ends: one primary, one spare
+    p = run(s, [msgspec.structs.replace(back, state="stopped"), taken_back])
+    demote = next(a for a in p.actions if isinstance(a, Update))
+    assert demote.id == "sa" and demote.config.standbys == ["a"] and REPLACES_KEY not in demote.config.metadata
+    assert not any(isinstance(a, Stop | Destroy) and a.id == "a" for a in p.actions)
+    spare = m("sa", "w2", role=SPARE, standby_of="a", state="stopped")
+    assert kinds(run(s, [spare, taken_back])) == [("Update", "a")]
+    assert run(s, [spare, m("a", "w1")]).converged
+    # whichever way round they are listed, and with instances that began together (by id then)
+    assert successors([taken_back, back]) == {"sa": taken_back}
+    tied = [m("b", "w1", replaces="c"), m("c", "w2", replaces="b")]
+    assert successors(tied) == {"b": tied[1]}  # c, the higher id, stays; b is replaced by c
+    assert successors(list(reversed(tied))) == {"b": tied[1]}
+
+
+def test_a_cycle_of_three_claims_keeps_one_copy_running() -> None:
+    s = spec("mad = 1", spares=1)
+    ring = [
+        msgspec.structs.replace(m("a", "w1", replaces="c"), instance_at=NOW - 1),  # the newest claim
+        msgspec.structs.replace(m("b", "w2", replaces="a"), instance_at=NOW - 30),
+        msgspec.structs.replace(m("c", "w3", replaces="b"), instance_at=NOW - 20),
+    ]
+    p = run(s, ring)
+    assert sorted(a.id for a in p.actions if isinstance(a, Stop)) == ["b", "c"]
+    assert not any(isinstance(a, Create) and a.start for a in p.actions)
 
 
 def test_spares_in_the_wrong_place_are_fixed() -> None:
