@@ -39,6 +39,13 @@ LinesOption = typer.Option(
     show_default=False,
 )
 LogsJsonOption = typer.Option(False, "--json", help="one JSON object per line (the line as published, and stream_seq)")
+# one habit for `logs` and `machine logs`: the history, then stop; -f follows (`--no-tail`, flyctl's, is the default)
+FollowOption = typer.Option(
+    False,
+    "--follow/--no-follow",
+    "-f/--no-tail",
+    help="-f: after the history, keep printing new lines until Ctrl-C; default (--no-tail): the history, then stop",
+)
 
 
 def logs(
@@ -51,11 +58,11 @@ def logs(
     ),
     since: str | None = SinceOption,
     lines: int | None = LinesOption,
-    follow: bool = typer.Option(False, "--follow", "-f", help="then keep printing new lines (Ctrl-C stops)"),
+    follow: bool = FollowOption,
     nats: str | None = NatsOption,
     json_out: bool = LogsJsonOption,
 ) -> int:
-    """Machines' stdout and stderr, oldest first: the last lines kept, then (-f) new ones as they come."""
+    """Machines' stdout and stderr, oldest first: the last lines kept, then stop (-f: new ones as they come)."""
     query = LogQuery(app=app, machine_id=machine, region=region, since=_since(since), lines=lines, follow=follow)
     count = _print(nats, query, json_out=json_out, with_app=app is None)
     if count == 0 and not follow and lines != 0:
@@ -76,13 +83,13 @@ def logs(
 def machine_logs(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
-    follow: bool = typer.Option(True, "--follow/--no-follow", help="after the history, keep printing new lines"),
+    follow: bool = FollowOption,
     since: str | None = SinceOption,
     lines: int | None = LinesOption,
     nats: str | None = NatsOption,
     json_out: bool = LogsJsonOption,
 ) -> int:
-    """A machine's stdout and stderr: its last lines kept, then new ones (--no-follow: the history only)."""
+    """A machine's stdout and stderr: its last lines kept, then stop (-f: new ones as they come), as `fauxmad logs`."""
     query = LogQuery(app=app, machine_id=machine_id, since=_since(since), lines=lines, follow=follow)
     count = _print(nats, query, json_out=json_out, with_app=False, must_exist=True)
     if count == 0 and not follow and lines != 0:

@@ -137,7 +137,7 @@ def test_machine_logs_follow_output(fleet: DevFleet) -> None:
         ).stdout
     )
     follow = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "machine", "logs", machine["id"], "--app", "logs", "--json"],
+        [sys.executable, "-m", "orchestrator.cli", "machine", "logs", machine["id"], "--app", "logs", "--json", "-f"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=str(ROOT),
