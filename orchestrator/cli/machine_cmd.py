@@ -308,27 +308,90 @@ async def _pin(client: FleetClient, config: MachineConfig, image: str) -> Machin
     return msgspec.structs.replace(config, image=resolved.digest, cmd=cmd)
 
 
-def _destroy_or_stop(verb: Literal["stop", "destroy"], help_text: str) -> None:
-    def command(
-        machine_id: str = MachineIdArgument,
-        app: str = MachineAppOption,
-        force: bool = typer.Option(False, "--force", help="destroy: kill a running machine"),
-        nats: str | None = NatsOption,
-        json_out: bool = JsonOption,
-    ) -> None:
-        async def act(c: FleetClient) -> Machine:
-            if verb == "destroy":
-                return await c.destroy(app, machine_id, force=force)
-            return await c.stop(app, machine_id)
-
-        _print_machine(with_client(nats, act), json_out)
-
-    command.__doc__ = help_text
-    machine_app.command(verb)(command)
+STOP_TIMEOUT_MAX = 86400.0  # what a worker's stop waits at most, as the HTTP API's
 
 
-_destroy_or_stop("stop", "Stop a machine (SIGTERM, then SIGKILL after 10 s).")
-_destroy_or_stop("destroy", "Destroy a machine and release its resources (--force if it is running).")
+@machine_app.command("stop")
+def stop_machine(
+    machine_id: str = MachineIdArgument,
+    app: str = MachineAppOption,
+    signal: str = typer.Option("SIGTERM", "--signal", "-s", help="the signal that asks it to stop"),
+    timeout: float = typer.Option(
+        10.0, "--timeout", min=0, max=STOP_TIMEOUT_MAX, help="seconds it has to exit after the signal, then SIGKILL"
+    ),
+    force: bool = typer.Option(False, "--force", help="SIGKILL at once (--timeout 0)"),
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
+) -> None:
+    """Stop a machine: --signal (SIGTERM), then SIGKILL after --timeout seconds (10) if it has not exited."""
+
+    async def act(c: FleetClient) -> Machine:
+        return await c.stop(app, machine_id, signal=signal, timeout=0.0 if force else timeout)
+
+    _print_machine(with_client(nats, act), json_out)
+
+
+@machine_app.command("destroy")
+def destroy_machine(
+    machine_id: str = MachineIdArgument,
+    app: str = MachineAppOption,
+    force: bool = typer.Option(False, "--force", help="kill a running machine (else: stop it first)"),
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
+) -> None:
+    """Destroy a machine and release its resources (--force if it is running)."""
+    _print_machine(with_client(nats, lambda c: c.destroy(app, machine_id, force=force)), json_out)
+
+
+# fauxmad's own labels say what made a machine (a release, its role, what it replaces): a clone is nobody's
+OWN_LABELS = ("fauxmad_release", "fauxmad_role", "fauxmad_replaces")
+
+
+def clone_config(config: MachineConfig) -> MachineConfig:
+    """`config` for a new machine: the same but for fauxmad's own labels and the standbys (the original's)."""
+    metadata = {k: v for k, v in config.metadata.items() if k not in OWN_LABELS}
+    return msgspec.structs.replace(config, metadata=metadata, standbys=[])
+
+
+@machine_app.command("clone")
+def clone_machine(
+    machine_id: str = MachineIdArgument,
+    app: str = MachineAppOption,
+    region: str | None = typer.Option(
+        None, "--region", "-r", help="the region to place the clone in (default: the original's)", callback=check_region
+    ),
+    name: str | None = typer.Option(None, "--name", help="a name for the clone"),
+    wait_up: float = WAIT_UP,
+    wait_timeout: float = WAIT_TIMEOUT,
+    detach: bool = DETACH,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
+) -> None:
+    """A new machine with this one's config (image, command, env, guest, restart, checks, metadata), placed in
+    --region (default: the original's), started and waited for like `run`.
+
+    fauxmad's own labels (its release and role) are not copied: the clone belongs to no release, so no
+    deploy or operator counts it or removes it. A machine with volumes is refused: a volume is on one
+    worker and mounted by one machine (make another and `machine run --volume`)."""
+    from bus.contract.fleet import CreateRequest
+
+    wait = Wait(wait_up, wait_timeout, detach)
+
+    async def clone(client: FleetClient) -> Machine:
+        original = await client.get(app, machine_id, events=False)
+        if original.config.mounts:
+            volumes = ", ".join(m.volume for m in original.config.mounts)
+            raise CliError(f"machine {machine_id} mounts {volumes}: clone does not copy volumes", code=EXIT_USAGE)
+        request = CreateRequest(region=region or original.region, config=clone_config(original.config), name=name)
+        created = await client.create(app, request)
+        return await _until_up(client, app, created, wait, json_out)
+
+    machine = with_client(nats, clone)
+    if json_out:
+        print_json(machine)
+        return
+    console.print(f"cloned {machine_id} as {machine.id} in {machine.region}")
+    console.print(machines_table([machine]))
 
 
 def _freeze_verb(verb: Literal["suspend", "resume"], help_text: str) -> None:
