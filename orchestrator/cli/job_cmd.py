@@ -243,7 +243,8 @@ def wait_jobs(
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
 ) -> None:
-    """Wait until every job has finished; exit 0 if all succeeded, else 1."""
+    """Wait until every job has finished; exit 0 if all succeeded, else 1. An id the app has no job of is
+    exit 4 at once (not a wait of --timeout)."""
     started = time.monotonic()
     done = _client(nats, lambda client: client.wait(app, job_ids, timeout))
     jobs = [done[job_id] for job_id in job_ids]

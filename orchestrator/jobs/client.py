@@ -15,12 +15,17 @@ from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.codec import decode
-from bus.contract.errors import DeadlineExceeded
+from bus.contract.errors import DeadlineExceeded, NoCapacity, NotFound, Unreachable
 from bus.contract.jobs import TERMINAL, Job, JobIdRequest, JobListRequest, JobSubmitReply, JobSubmitRequest
 from bus.transport.connection import connect
 from bus.transport.service import call
 
 SUBMIT_TIMEOUT = 30.0
+
+
+def no_live_workers(region: str) -> str:
+    """The one message for a region with no live workers, a job's as a machine's (the brokers' auction)."""
+    return f"no capacity in {region}: no live workers in that region"
 
 
 class JobHead(msgspec.Struct):
@@ -42,10 +47,17 @@ class JobsClient:
         await self.nc.close()
 
     async def submit(self, region: str, request: JobSubmitRequest) -> list[Job]:
+        """The jobs made; a region nobody serves is what a machine's create says of it: no capacity (503), no
+        live workers there (a submit goes to the region's workers, so silence is exactly that)."""
         timeout = SUBMIT_TIMEOUT + request.count / 100
-        reply = await call(
-            self.nc, subjects.api_jobs_submit(request.app, region), request, JobSubmitReply, timeout=timeout
-        )
+        try:
+            reply = await call(
+                self.nc, subjects.api_jobs_submit(request.app, region), request, JobSubmitReply, timeout=timeout
+            )
+        except Unreachable as exc:
+            if type(exc) is not Unreachable:  # Unanswered: the request may have arrived, its outcome unknown
+                raise
+            raise NoCapacity(no_live_workers(region)) from None
         return reply.jobs
 
     async def status(self, app: str, job_id: str) -> Job:
@@ -67,11 +79,18 @@ class JobsClient:
         done: dict[str, Job] = {}
         keys = subjects.job_key(app, job_ids[0]) if len(job_ids) == 1 else f"{subjects.check_token('app', app)}.*"
         watcher: Any = await kv.watch(keys)
+        seen: set[str] = set()
         try:
             async with asyncio.timeout(timeout):  # one deadline for the whole wait, not a timer per update
                 async for entry in watcher:
-                    if entry is None or not entry.value:
-                        continue  # the end of the values there were, or a delete
+                    if entry is None:  # the end of the records there were: a job with none does not exist
+                        unknown = [job_id for job_id in job_ids if job_id not in seen]
+                        if unknown:
+                            raise NotFound(f"job {', '.join(unknown)} not found in app {app}")
+                        continue
+                    if not entry.value:
+                        continue  # a delete
+                    seen.add(entry.key.rsplit(".", 1)[-1])
                     head = decode(JobHead, entry.value)  # most updates are not an end: read the whole record once
                     if head.id in wanted and head.state in TERMINAL:
                         done[head.id] = decode(Job, entry.value)
