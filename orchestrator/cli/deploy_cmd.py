@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import typer
 from rich import box
 from rich.table import Table
@@ -22,14 +24,39 @@ from orchestrator.cli.app_options import CONFIG, load_app_spec, with_reconciler
 from orchestrator.cli.deploy_progress import DeployDisplay, cannot_deploy, fail_lines, print_outcome, warn
 from orchestrator.cli.detached_deploy import Detached, finish_detached, start_detached
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import NatsOption, check_app, check_region, fail, with_connected
+from orchestrator.cli.runtime import NatsOption, check_app, check_region, checked, fail, with_connected
 from orchestrator.images import pin_image
 from orchestrator.reconcile import rollout
 from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.preview import Planned
 from orchestrator.reconcile.reconciler import Reconciler
 from orchestrator.reconcile.rollout import CannotDeploy, DeployOutcome, Preview
+from orchestrator.reconcile.spec import AppSpec
 from orchestrator.reconcile.watch import Operator
+
+
+def load_with_image(path: Path, image: str | None) -> AppSpec:
+    """The spec at `path`, running `image` when one is given (`fly deploy --image`): the spec's own `image`,
+    `build` and `workdir` give way (the image's files are where its command runs), and the spec need not say
+    a `cmd` when the image has one. A bad spec or an empty reference is one line, exit 2."""
+    if image is None:
+        return load_app_spec(path)
+    if not image.strip():
+        fail("--image: give a name:tag or sha256:... of the fleet's store (`fauxmad image ls`)", 2)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        fail(f"{path}: no such file (pass -c PATH, or run where fauxmad.toml is)", 2)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        fail(f"{path}: cannot read: {exc}", 2)
+    data = {k: v for k, v in data.items() if k not in ("build", "workdir")}
+    try:
+        spec = msgspec.convert({**data, "image": image}, AppSpec, strict=True)
+    except (msgspec.ValidationError, ValueError) as exc:
+        fail(f"{path}: {exc}", 2)
+    for kind, name in [("app", spec.app), *(("region", region) for region in spec.regions)]:
+        checked(kind, name)
+    return spec
 
 
 def _outcome_json(outcome: DeployOutcome, warnings: list[str]) -> dict[str, Any]:
@@ -52,6 +79,12 @@ def deploy(
     dry_run: bool = typer.Option(False, "--dry-run", help="show every step the deploy would take; change nothing"),
     detach: bool = typer.Option(False, "--detach", help="start the deploy and return; it goes on in the background"),
     json_out: bool = typer.Option(False, "--json", help="print the outcome (or, with --dry-run, the plan) as JSON"),
+    image: str | None = typer.Option(
+        None,
+        "--image",
+        help="deploy this image (name:tag or sha256:... in the fleet's store) instead of the spec's image, build or "
+        "workdir; the spec's cmd, if any, still runs in it",
+    ),
     finish_release: int | None = typer.Option(None, "--finish-release", hidden=True),
     finish_app: str | None = typer.Option(None, "--finish-app", hidden=True, callback=check_app),
     nats: str | None = NatsOption,
@@ -67,7 +100,7 @@ def deploy(
     if finish_release is not None and finish_app is not None:
         finish_detached(finish_app, finish_release, nats)
         return
-    spec = load_app_spec(config)
+    spec = load_with_image(config, image)
 
     async def go(r: Reconciler) -> tuple[Preview, DeployOutcome | Detached | None]:
         nonlocal spec
