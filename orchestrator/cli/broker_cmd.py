@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import typer
 
-from orchestrator.cli.runtime import MetricsOption, NatsOption, fail, nats_url, run, serve_metrics
+from orchestrator.cli.runtime import MetricsOption, NatsOption, fail, nats_url, run, serve_metrics, shown_url
+
+if TYPE_CHECKING:
+    from orchestrator.broker.service import BrokerConfig
 
 
 def broker(
@@ -28,7 +33,7 @@ def broker(
 ) -> None:
     """Run a broker: turns `create` into a placement within milliseconds, or a clear 503 just as fast."""
     from orchestrator.broker.auction import STRATEGIES, AuctionConfig
-    from orchestrator.broker.service import BrokerConfig, run_broker
+    from orchestrator.broker.service import BrokerConfig
     from orchestrator.placement import PlacementConfig
 
     if strategy not in STRATEGIES:
@@ -51,4 +56,29 @@ def broker(
         auction=AuctionConfig(deadline=deadline_ms / 1000, strategy=strategy, placement=placement_config),
     )
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        run(run_broker(config))
+        run(_serve(config))
+
+
+async def _serve(config: BrokerConfig) -> None:
+    """`orchestrator.broker.service.run_broker`, saying what it serves once it does (as every server command)."""
+    from bus.contract import subjects
+    from bus.contract.errors import Unreachable
+    from orchestrator.broker.service import Broker
+
+    broker = Broker(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, broker.request_stop)
+    await broker.start()
+    print(
+        f"fauxmad broker {broker.id}: serving {subjects.PREFIX}.api.> (queue group brokers) on"
+        f" {shown_url(config.nats_url)}, strategy {config.auction.strategy},"
+        f" deadline {config.auction.deadline * 1000:g} ms",
+        flush=True,
+    )
+    try:
+        await broker.run_forever()
+    finally:
+        await broker.close()
+    if broker.bus_lost:
+        raise Unreachable(f"broker stopped: {broker.bus_lost}")

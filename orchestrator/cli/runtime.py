@@ -277,3 +277,15 @@ def serve_metrics(listen: str | None) -> None:
         start_http_server(where.port, where.host)
     except (ValueError, OSError) as exc:
         fail(f"--metrics-listen {listen}: {exc}", 2)
+
+
+def shown_url(url: str) -> str:
+    """`url` fit to print when a server starts: without a user or password it may carry."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port is not None else host
+    return urlunsplit(parts._replace(netloc=netloc))

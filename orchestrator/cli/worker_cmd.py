@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -22,7 +24,11 @@ from orchestrator.cli.runtime import (
     nats_url,
     run,
     serve_metrics,
+    shown_url,
 )
+
+if TYPE_CHECKING:
+    from workers.agent.config import WorkerConfig
 
 
 def default_worker_id() -> str:
@@ -160,7 +166,6 @@ def worker(
     if ctx.invoked_subcommand is not None:
         return  # `fauxmad worker drain ...`: the options above belong to running an agent
     from workers.agent.config import WorkerConfig
-    from workers.agent.runner import run_workers  # imported here: other commands start faster
     from workers.lifecycle.restart_policy import Backoff
     from workers.offers import Backpressure
 
@@ -201,7 +206,7 @@ def worker(
         for one in ids
     ]
     try:
-        run(run_workers(configs))
+        run(_serve(configs))
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
     finally:
@@ -248,3 +253,40 @@ def _read_secrets_key(path: Path | None) -> str | None:
     except ValueError as exc:
         fail(f"--secrets-key {path}: {exc}", EXIT_USAGE)
     return text.strip()
+
+
+async def _serve(configs: list[WorkerConfig]) -> None:
+    """`workers.agent.runner.run_workers`, saying what each worker serves once they all do."""
+    from bus.contract import subjects
+    from bus.contract.errors import Unreachable
+    from workers.agent.service import WorkerAgent  # imported here: other commands start faster
+
+    agents = [WorkerAgent(config) for config in configs]
+    loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for agent in agents:
+            agent.request_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_all)
+    try:
+        for agent in agents:
+            await agent.start()
+        first = configs[0]
+        names = first.worker_id if len(configs) == 1 else f"{len(configs)} workers ({first.worker_id}, ...)"
+        print(
+            f"fauxmad worker {names}: serving {subjects.PREFIX}.worker.<id>.> and region {first.region}'s jobs"
+            f" on {shown_url(first.nats_url)} ({first.cpus} cpus, {first.memory_mb} MB each; data in"
+            f" {first.data_dir})",
+            flush=True,
+        )
+        # any agent stopping (a signal stops all; a lost bus stops one) ends the process
+        await asyncio.wait(
+            [asyncio.create_task(agent.run_forever()) for agent in agents], return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        await asyncio.gather(*[agent.close() for agent in agents], return_exceptions=True)
+    lost = [agent.bus_lost for agent in agents if agent.bus_lost]
+    if lost:
+        raise Unreachable(f"worker stopped: {lost[0]}")
