@@ -101,6 +101,7 @@ COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
     ("schema", "schema_cmd", "schema_app", True),
     ("token", "token_cmd", "token_app", True),
     ("worker", "worker_cmd", "worker_app", True),
+    ("launch", "launch_cmd", "launch", False),
     ("deploy", "deploy_cmd", "deploy", False),
     ("rollback", "release_cmd", "rollback", False),
     ("releases", "release_cmd", "releases", False),
