@@ -1,7 +1,7 @@
 """The checker: a pure function from a torture run's history to its violations, each with its evidence.
 
 Why it exists: "it survived the faults" has to mean something precise and the same every time, and be
-judged from the record alone (no fleet needed: the unit tests feed it hand-made histories). Nine
+judged from the record alone (no fleet needed: the unit tests feed it hand-made histories). Ten
 properties, each a function here:
 
 1. `lost`: every machine a create acknowledged, and its client did not destroy, exists at the end.
@@ -17,6 +17,9 @@ properties, each a function here:
 8. `operator-count`: the operator's app is at its count of started primaries in every region at the end,
    and once at its count while the fleet settles, never below it again.
 9. `operator-replace`: a primary destroyed directly after the faults is replaced within the probe's time.
+10. `operator-last-copy`: no stop or destroy someone asked for (during the run: the operator) takes down the
+   last started machine of the operator's app in a region, by the machines' own events (a fail-back that
+   stops both copies; until the probe, which does this on purpose).
 
 Only acknowledged facts count against the fleet: a refused request did nothing, an unknown one may have
 done anything, so it excuses what follows it rather than accusing.
@@ -30,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from lab.torture.history import End, Fault, Listed, Meta, Op, Probe, Record, Sample
+from lab.torture.history import End, Event, Fault, Listed, Meta, Op, Probe, Record, Sample
 
 ACTIONS = ("create", "start", "stop", "destroy")
 RUNNING = frozenset({"started"})
@@ -46,6 +49,7 @@ CHECKS = (
     "lease",
     "operator-count",
     "operator-replace",
+    "operator-last-copy",
 )
 
 
@@ -73,6 +77,7 @@ class _History:
         self.faults: list[Fault] = []
         self.samples: list[Sample] = []
         self.probes: list[Probe] = []
+        self.events: list[Event] = []
         for record in records:
             if isinstance(record, Meta):
                 self.meta = record
@@ -84,6 +89,8 @@ class _History:
                 self.samples.append(record)
             elif isinstance(record, Probe):
                 self.probes.append(record)
+            elif isinstance(record, Event):
+                self.events.append(record)
             elif isinstance(record, End):
                 pass
         self.t0 = self.meta.started_at if self.meta else min((o.invoke for o in self.ops), default=0.0)
@@ -462,6 +469,49 @@ def check_operator_replace(h: _History) -> list[Violation]:
     return out
 
 
+# -- 10 ----------------------------------------------------------------------------------------------
+def check_operator_last_copy(h: _History) -> list[Violation]:
+    cutoff = min((p.destroyed_at for p in h.probes), default=float("inf"))
+    app = h.meta.operator_app if h.meta else "the operator's app"
+    started: dict[str, set[str]] = defaultdict(set)
+    last_down: dict[str, Event] = {}
+    out = []
+    for event in sorted(h.events, key=lambda e: e.at):
+        if event.at >= cutoff:
+            break
+        running = started[event.region]
+        if event.status == "started":
+            running.add(event.machine_id)
+            continue
+        if event.machine_id not in running:
+            continue
+        running.discard(event.machine_id)
+        before = last_down.get(event.region)
+        if event.source == "user":
+            last_down[event.region] = event
+        if event.source == "user" and not running:
+            also = (
+                f"; just before, {before.machine_id} went {before.status} at {h.t(before.at)} ({before.reason})"
+                if before is not None and event.at - before.at < 10
+                else ""
+            )
+            out.append(
+                Violation(
+                    check="operator-last-copy",
+                    message=f"{event.machine_id} of {app} went {event.status} at {h.t(event.at)} on request"
+                    f" ({event.reason}), leaving no started machine of it in {event.region}{also}",
+                    evidence={
+                        "machine_id": event.machine_id,
+                        "region": event.region,
+                        "at": event.at,
+                        "reason": event.reason,
+                        "before": [before.machine_id, before.status, before.at, before.reason] if before else None,
+                    },
+                )
+            )
+    return out
+
+
 CHECKERS = (
     check_lost,
     check_keys,
@@ -472,6 +522,7 @@ CHECKERS = (
     check_leases,
     check_operator_count,
     check_operator_replace,
+    check_operator_last_copy,
 )
 
 

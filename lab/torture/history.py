@@ -4,9 +4,9 @@ Why it exists: the checker (`lab.torture.check`) must judge a run from the recor
 the way Jepsen's checkers read a history: it never asks the fleet anything. So every fact it needs is one
 record here: each client operation with its invoke and completion times and its outcome (`ok` with what
 the fleet answered, `refused` with the error's code, `unknown` when no answer came), each fault, the
-periodic samples of the host's machine processes and the workers' listings, the final snapshot and the
-operator probe. Times are wall-clock epoch seconds (`time.time()`), the clock a worker stamps a lease's
-`expires_at` with, so the two compare.
+periodic samples of the host's machine processes and the workers' listings, the final snapshot, the
+operator probe, and the operator app's machine events. Times are wall-clock epoch seconds (`time.time()`),
+the clock a worker stamps a lease's `expires_at` and an event's `timestamp` with, so they compare.
 
 The file is one record per line, tagged by `type`, appended and flushed as the run goes: a run killed
 halfway still leaves what it saw.
@@ -125,12 +125,25 @@ class Probe(msgspec.Struct, tag="probe", kw_only=True):
     error: str = ""
 
 
+class Event(msgspec.Struct, tag="event", kw_only=True):
+    """One transition of an operator-app machine, from stream FAUXMAD_EVENTS (read after the run): what the
+    operator did to its app, in the workers' own words and times."""
+
+    at: float  # the worker's commit time, epoch seconds (the event's `timestamp` is in ms)
+    machine_id: str
+    region: str
+    worker_id: str
+    status: str
+    source: str  # user (someone asked: the operator, the probe) | worker (an exit, a restart)
+    reason: str = ""
+
+
 class End(msgspec.Struct, tag="end", kw_only=True):
     at: float
     note: str = ""
 
 
-Record = Meta | Op | Fault | Sample | Probe | End
+Record = Meta | Op | Fault | Sample | Probe | Event | End
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)

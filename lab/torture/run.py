@@ -114,6 +114,10 @@ async def _torture(
         await sampler.final()
         progress("final snapshot taken; probing the operator")
         probe = await sampler.probe(OPERATOR_APP, fleet.operator_counts)
+        try:
+            await sampler.events(OPERATOR_APP)
+        except Exception as exc:  # the checks that need them say so; the others stand
+            progress(f"could not read {OPERATOR_APP}'s events: {exc!r}")
         history.write(End(at=time.time(), note=f"probe restored: {probe.restored_at is not None}"))
     finally:
         stop_sampling.set()

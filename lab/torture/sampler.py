@@ -6,7 +6,8 @@ worker reserving more than it has), so the run looks every ~0.75 s: the host's m
 worker is simply absent from that sample) and the heartbeats' capacity and use. The final snapshot is the
 same look once the faults have stopped, every process is up and the fleet has settled, with every worker
 required to answer. The probe then destroys one of the operator app's primaries directly and watches
-the operator put the region back at its count.
+the operator put the region back at its count. Last, the operator app's machine events are read from the
+events stream: every start and stop the operator caused during the run, with the workers' times.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import contextlib
 import time
 
 from bus.contract import subjects
-from bus.contract.machines import ListRequest, Machine
+from bus.contract.machines import ListRequest, Machine, MachineEvent
 from bus.transport.connection import connect
 from bus.transport.service import call
-from lab.torture.history import HistoryWriter, Listed, Probe, Sample, WorkerView
+from lab.torture.history import Event, HistoryWriter, Listed, Probe, Sample, WorkerView
 from lab.torture.procs import machine_processes
 from orchestrator.client import FleetClient
+from orchestrator.view.history import EventQuery
 
 INTERVAL = 0.75
 
@@ -148,7 +150,6 @@ class Sampler:
             probe.error = f"destroying {victim.id} failed: {exc}"
             self.history.write(probe)
             return probe
-        probe.destroyed_at = time.time()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
@@ -167,3 +168,27 @@ class Sampler:
             await asyncio.sleep(0.25)
         self.history.write(probe)
         return probe
+
+    async def events(self, app: str, timeout: float = 20.0) -> int:
+        """Write every transition of `app`'s machines in stream FAUXMAD_EVENTS; how many."""
+        assert self.client is not None
+        found: list[Event] = []
+
+        def emit(_seq: int, event: MachineEvent) -> None:
+            if event.type == "transition":
+                found.append(
+                    Event(
+                        at=event.timestamp / 1000,  # the contract's event time is in ms
+                        machine_id=event.machine_id,
+                        region=event.region,
+                        worker_id=event.worker_id,
+                        status=event.status,
+                        source=event.source,
+                        reason=event.reason or "",
+                    )
+                )
+
+        await asyncio.wait_for(self.client.events(EventQuery(app=app), emit), timeout)
+        for record in found:
+            self.history.write(record)
+        return len(found)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from lab.torture.check import Verdict, check
-from lab.torture.history import Listed, Meta, Op, Probe, Proc, Record, Sample, WorkerView, parse
+from lab.torture.history import Event, Listed, Meta, Op, Probe, Proc, Record, Sample, WorkerView, parse
 from lab.torture.plan import FAULT_KINDS, client_steps, fault_schedule
 from tests.helpers import ROOT
 
@@ -89,7 +89,24 @@ def clean() -> list[Record]:
         sample(8, [m("a", key="k0"), HA_T1], [m("b", "stopped", key="k1"), HA_T2], [p("a"), *HA_PROCS], "settle"),
         sample(9, [m("a", key="k0"), HA_T1], [m("b", "stopped", key="k1"), HA_T2], [p("a"), *HA_PROCS], "final"),
         Probe(app=HA, region="t1", machine_id="ha1", destroyed_at=T0 + 10, restored_at=T0 + 11),
+        *FAILOVER,
     ]
+
+
+def event(machine_id: str, at: float, status: str, source: str = "user", region: str = "t1") -> Event:
+    return Event(at=T0 + at, machine_id=machine_id, region=region, worker_id="w", status=status, source=source)
+
+
+# the operator's app as its events tell it: deployed; t1's primary fails over to its spare and back (the
+# successor is stopped only once the old one runs again); the probe destroys ha1 (after the run: not judged)
+FAILOVER = [
+    event("ha1", 0.5, "started"),
+    event("ha2", 0.5, "started", region="t2"),
+    event("sp1", 3, "started"),
+    event("sp1", 6, "stopping"),
+    event("sp1", 6.1, "stopped", "worker"),
+    event("ha1", 10, "destroying"),
+]
 
 
 def checks_failing(records: list[Record]) -> set[str]:
@@ -190,6 +207,17 @@ def test_operator_count_below_at_the_end() -> None:
 def test_operator_replace_never_happened() -> None:
     probe = Probe(app=HA, region="t1", machine_id="ha1", destroyed_at=T0 + 10, restored_at=None)
     assert checks_failing(replace(clean(), 11, probe)) == {"operator-replace"}
+
+
+def test_operator_last_copy_a_fail_back_that_stops_both_copies() -> None:
+    both = [*clean(), event("ha1", 6.05, "stopping")]  # the replaced one too, in the same pass
+    failing = check(both).violations
+    assert {v.check for v in failing} == {"operator-last-copy"}
+    assert "ha1" in failing[0].message and "sp1" in failing[0].message
+
+
+def test_operator_last_copy_an_exit_is_not_the_operator() -> None:
+    assert checks_failing([*clean(), event("ha2", 7, "stopped", "worker", region="t2")]) == set()
 
 
 def test_the_same_seed_plans_the_same_faults_and_steps() -> None:
