@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -421,7 +422,8 @@ class Broker:
                 await asyncio.wait_for(self.nc.close(), 2.0)
 
 
-async def run_broker(config: BrokerConfig) -> None:
+async def run_broker(config: BrokerConfig, on_ready: Callable[[Broker], None] = lambda broker: None) -> None:
+    """Run a broker until SIGTERM/SIGINT or a lost bus; `on_ready` runs once it serves (the CLI says so there)."""
     import signal
 
     broker = Broker(config)
@@ -429,6 +431,7 @@ async def run_broker(config: BrokerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, broker.request_stop)
     await broker.start()
+    on_ready(broker)
     try:
         await broker.run_forever()
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,23 +61,14 @@ def broker(
 async def _serve(config: BrokerConfig) -> None:
     """`orchestrator.broker.service.run_broker`, saying what it serves once it does (as every server command)."""
     from bus.contract import subjects
-    from bus.contract.errors import Unreachable
-    from orchestrator.broker.service import Broker
+    from orchestrator.broker.service import Broker, run_broker
 
-    broker = Broker(config)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, broker.request_stop)
-    await broker.start()
-    print(
-        f"fauxmad broker {broker.id}: serving {subjects.PREFIX}.api.> (queue group brokers) on"
-        f" {shown_url(config.nats_url)}, strategy {config.auction.strategy},"
-        f" deadline {config.auction.deadline * 1000:g} ms",
-        flush=True,
-    )
-    try:
-        await broker.run_forever()
-    finally:
-        await broker.close()
-    if broker.bus_lost:
-        raise Unreachable(f"broker stopped: {broker.bus_lost}")
+    def ready(broker: Broker) -> None:
+        print(
+            f"fauxmad broker {broker.id}: serving {subjects.PREFIX}.api.> (queue group brokers) on"
+            f" {shown_url(config.nats_url)}, strategy {config.auction.strategy},"
+            f" deadline {config.auction.deadline * 1000:g} ms",
+            flush=True,
+        )
+
+    await run_broker(config, ready)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -258,21 +257,9 @@ def _read_secrets_key(path: Path | None) -> str | None:
 async def _serve(configs: list[WorkerConfig]) -> None:
     """`workers.agent.runner.run_workers`, saying what each worker serves once they all do."""
     from bus.contract import subjects
-    from bus.contract.errors import Unreachable
-    from workers.agent.service import WorkerAgent  # imported here: other commands start faster
+    from workers.agent.runner import run_workers  # imported here: other commands start faster
 
-    agents = [WorkerAgent(config) for config in configs]
-    loop = asyncio.get_running_loop()
-
-    def stop_all() -> None:
-        for agent in agents:
-            agent.request_stop()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_all)
-    try:
-        for agent in agents:
-            await agent.start()
+    def ready() -> None:
         first = configs[0]
         names = first.worker_id if len(configs) == 1 else f"{len(configs)} workers ({first.worker_id}, ...)"
         print(
@@ -281,12 +268,5 @@ async def _serve(configs: list[WorkerConfig]) -> None:
             f" {first.data_dir})",
             flush=True,
         )
-        # any agent stopping (a signal stops all; a lost bus stops one) ends the process
-        await asyncio.wait(
-            [asyncio.create_task(agent.run_forever()) for agent in agents], return_when=asyncio.FIRST_COMPLETED
-        )
-    finally:
-        await asyncio.gather(*[agent.close() for agent in agents], return_exceptions=True)
-    lost = [agent.bus_lost for agent in agents if agent.bus_lost]
-    if lost:
-        raise Unreachable(f"worker stopped: {lost[0]}")
+
+    await run_workers(configs, ready)

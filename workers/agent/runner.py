@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 
 from bus.contract.errors import Unreachable
 from workers.agent.config import WorkerConfig
 from workers.agent.service import WorkerAgent
 
 
-async def run_workers(configs: list[WorkerConfig]) -> None:
-    """Run one or more workers in this process until SIGTERM/SIGINT; their machines keep running after."""
+async def run_workers(configs: list[WorkerConfig], on_ready: Callable[[], None] = lambda: None) -> None:
+    """Run one or more workers in this process until SIGTERM/SIGINT; their machines keep running after.
+    `on_ready` runs once every worker serves (the CLI says so there)."""
     agents = [WorkerAgent(config) for config in configs]
     loop = asyncio.get_running_loop()
 
@@ -28,6 +30,7 @@ async def run_workers(configs: list[WorkerConfig]) -> None:
     try:
         for agent in agents:
             await agent.start()
+        on_ready()
         # any agent stopping (a signal stops all; a lost bus stops one) ends the process
         await asyncio.wait(
             [asyncio.create_task(agent.run_forever()) for agent in agents], return_when=asyncio.FIRST_COMPLETED
