@@ -65,7 +65,7 @@ def torture(
     fleet settles, a final snapshot is taken, the operator must replace a primary destroyed under it, and
     the history is checked: nothing acknowledged lost, one machine per key, no machine running twice, no
     overcommit, the workers' registries matching the processes, the last acknowledged action holding,
-    no doubled lease, the operator's app at its count.
+    no doubled lease, the operator's app at its count and never taken down by a stop it asked for.
 
     The same seed attempts the same faults and client steps. Exit 0: no violation; 1: violations (the run
     directory is kept); 2: a bad option.
