@@ -244,6 +244,7 @@ def fauxmad(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.fleet  # a CLI process
 @pytest.mark.parametrize(
     ("args", "says"),
     [
@@ -258,6 +259,7 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], says: str) -> No
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(150)
 def test_a_short_seeded_run_with_every_fault_kind_finds_no_violation() -> None:
     done = fauxmad("torture", "--seed", "7", "--duration", "20s", "--faults", ",".join(FAULT_KINDS), "--json")
