@@ -3,14 +3,33 @@
 Brokers and reconcilers answer hot-path questions (who is alive in a region, which worker owns a
 machine) from memory. A watch delivers the bucket's current values, then every put and every delete
 or expiry marker; subclasses say what one update means by implementing `apply`.
+
+After the connection reconnects (a NATS server restarted), the watch is made again at once and its initial
+values replace the replica's (a key missing from them was deleted or expired meanwhile). Left to itself, the
+watch's ordered consumer notices the lost server only after two missed idle heartbeats, 10-15 s during which
+a broker saw no live workers and an operator replaced machines of workers that were there all along.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+RECONNECT_POLL = 0.2  # seconds between looks at the connection's reconnect count
+REWATCH_RETRY = 0.5  # seconds between attempts to watch again while JetStream is still coming back
+
+
+def _client_of(kv: Any) -> Any:
+    """The NATS client under a KV bucket (or under the first of a region-merged set of them)."""
+    buckets = getattr(kv, "buckets", None)
+    if buckets:
+        kv = next(iter(buckets.values()))
+    return getattr(getattr(kv, "_js", None), "_nc", None)
 
 
 class KVReplica:
@@ -18,7 +37,9 @@ class KVReplica:
         self._kv: Any = None
         self._watcher: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._guard: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
+        self._present: set[str] = set()  # keys with a value, as far as this replica knows
         self.on_change: Callable[[str], None] | None = None  # called with the key after each update
 
     def apply(self, key: str, value: bytes | None) -> None:
@@ -29,24 +50,69 @@ class KVReplica:
         """Watch `kv` and return once its current values are in (or after `timeout`)."""
         self._kv = kv
         self._watcher = await kv.watchall()
-        self._task = asyncio.create_task(self._follow())
+        self._task = asyncio.create_task(self._follow(self._watcher, None))
+        client = _client_of(kv)
+        if client is not None:
+            self._guard = asyncio.create_task(self._rewatch_on_reconnect(client))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._ready.wait(), timeout)
 
-    async def _follow(self) -> None:
-        async for entry in self._watcher:
+    async def _follow(self, watcher: Any, before: set[str] | None) -> None:
+        """Apply what `watcher` delivers; `before`: the keys known before a re-watch, of which those missing
+        from its initial values are gone."""
+        seen: set[str] = set()
+        async for entry in watcher:
             if entry is None:  # the initial values are all in
                 self._ready.set()
+                if before is not None:
+                    for key in before - seen:
+                        self._update(key, None)
+                    before = None
                 continue
-            self.apply(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
-            if self.on_change is not None:
-                self.on_change(entry.key)
+            seen.add(entry.key)
+            self._update(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
+
+    def _update(self, key: str, value: bytes | None) -> None:
+        if value is None:
+            self._present.discard(key)
+        else:
+            self._present.add(key)
+        self.apply(key, value)
+        if self.on_change is not None:
+            self.on_change(key)
+
+    async def _rewatch_on_reconnect(self, client: Any) -> None:
+        reconnects = client.stats["reconnects"]
+        while True:
+            await asyncio.sleep(RECONNECT_POLL)
+            if client.stats["reconnects"] == reconnects or not client.is_connected:
+                continue
+            reconnects = client.stats["reconnects"]
+            try:
+                watcher = await self._kv.watchall()
+            except Exception as exc:  # JetStream not back yet: try again at the next look
+                log.debug("re-watch after a reconnect failed: %r", exc)
+                reconnects -= 1
+                await asyncio.sleep(REWATCH_RETRY)
+                continue
+            old_watcher, old_task = self._watcher, self._task
+            self._watcher = watcher
+            self._task = asyncio.create_task(self._follow(watcher, set(self._present)))
+            await self._stop(old_watcher, old_task)
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            with contextlib.suppress(Exception):
-                await self._watcher.stop()
-        if self._task is not None:
-            self._task.cancel()
+        if self._guard is not None:
+            self._guard.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+                await self._guard
+        await self._stop(self._watcher, self._task)
+
+    @staticmethod
+    async def _stop(watcher: Any, task: asyncio.Task[None] | None) -> None:
+        if watcher is not None:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

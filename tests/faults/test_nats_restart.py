@@ -161,3 +161,41 @@ def test_a_nats_crash_under_create_load_loses_nothing_and_duplicates_nothing(fle
     # the figure (typically 0.2-0.4 s, up to ~2 s on a loaded machine) goes in the notes; this bound only
     # catches a fleet that does not come back on its own
     assert reconnect <= 10.0, f"serving again {reconnect:.2f}s after the restart"
+
+
+def test_the_brokers_see_every_worker_again_as_soon_as_nats_is_back(fleet: DevFleet) -> None:
+    """The brokers' worker registry is a KV watch: after a restart it is made again at once. Before, the watch's
+    consumer noticed the lost server only after two missed idle heartbeats, so `workers.list` answered [] for
+    12-16 s while every heartbeat was back in KV, and the operator replaced machines of live workers."""
+
+    async def listed(nc: nats.NATS) -> set[str]:
+        try:
+            msg = await nc.request(subjects.API_WORKERS_LIST, b"{}", timeout=1)
+        except Exception:
+            return set()
+        if msg.headers:
+            return set()
+        return {w["worker_id"] for w in msgspec.json.decode(msg.data)}
+
+    async def main() -> None:
+        nc = await connect(fleet.url, "test-workers-list", agent=True)
+        try:
+            every = set(fleet.worker_ids)
+            assert await listed(nc) == every
+            fleet.nats.kill()  # type: ignore[union-attr]
+            await asyncio.sleep(1.0)
+            fleet.nats.start()  # type: ignore[union-attr]
+            restarted = time.perf_counter()
+            # from 4 s on (past the registry's 3 s TTL, so remembered heartbeats no longer count) through 10 s,
+            # every listing names every worker; the watch's own recovery took 10-15 s
+            missed = []
+            while (since := time.perf_counter() - restarted) < 10.0:
+                seen = await listed(nc)
+                if since >= 4.0 and seen != every:
+                    missed.append((round(since, 1), sorted(seen)))
+                await asyncio.sleep(0.2)
+            assert not missed, missed[:5]
+        finally:
+            await nc.close()
+
+    arun(main())
