@@ -31,7 +31,7 @@ from bus.contract.errors import Unreachable
 from bus.contract.machines import DestroyRequest, ListRequest
 from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
-from bus.local.supercluster import LoopbackSupercluster
+from bus.local.supercluster import LoopbackCluster, LoopbackSupercluster
 from bus.stores.images import Images
 from bus.stores.secrets import new_private_key, secrets_bucket
 from bus.stores.snapshots import snapshot_store, volumes_bucket
@@ -88,6 +88,9 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # 3 = the deployed layout (R3 inside each region); 1 = the same shape, lighter
     supercluster: int = msgspec.field(default_factory=_supercluster_default)
     operators: bool = False  # start `fauxmad reconcile --watch` (one per region in a supercluster)
+    # servers of one plain NATS cluster (routes, no gateways: the usual HA setup), 0 = one nats-server; no layout
+    # variable is set: the fleet's layout takes R3 from a cluster of three (`bus.transport.fleet_layout`)
+    cluster: int = 0
 
 
 def unmount_under(root: Path) -> int:
@@ -113,6 +116,7 @@ class DevFleet:
         self.root = Path(spec.data_dir) if spec.data_dir else Path(tempfile.mkdtemp(prefix="fauxmad-dev-"))
         self.nats: EmbeddedNats | None = None
         self.supercluster: LoopbackSupercluster | None = None
+        self.cluster: LoopbackCluster | None = None
         self._layout_before: dict[str, str | None] | None = None  # the layout variables before this fleet set them
         self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.worker_ids: list[str] = []
@@ -144,6 +148,8 @@ class DevFleet:
         """Where clients connect: the server, or in a supercluster the first region's servers."""
         if self.supercluster is not None:
             return self.supercluster.urls(self.spec.regions[0])
+        if self.cluster is not None:
+            return self.cluster.url
         assert self.nats is not None
         return self.nats.url
 
@@ -196,8 +202,8 @@ class DevFleet:
         data directory if it is this fleet's own, and raise."""
         spec = self.spec
         try:
-            if spec.supercluster:
-                self._start_supercluster()
+            if spec.supercluster or spec.cluster:
+                self._start_supercluster() if spec.supercluster else self._start_cluster()
                 self._start_processes()
                 self._wait_ready(timeout)
                 return self
@@ -252,10 +258,30 @@ class DevFleet:
         asyncio.run(self._prepare_supercluster())
         self._act_as_operator()
 
+    def _start_cluster(self) -> None:
+        """One plain cluster of `spec.cluster` servers on loopback (routes, no gateways), no layout variable set:
+        the fleet's layout comes from what the servers offer; the fleet's buckets and streams made."""
+        spec = self.spec
+        self.cluster = LoopbackCluster(
+            spec.cluster, root=self.root / "nats", secure_dir=self.root / "secure" if spec.secure else None
+        )
+        if spec.secure:
+            self._secure_setup(url=self.cluster.url)
+            self.cluster.connect_options = self._operator_options()
+        self.cluster.start()
+        self.progress(
+            f"a NATS cluster of {spec.cluster} servers"
+            + (" (mutual TLS, nkey users)" if spec.secure else "")
+            + f" at {self.cluster.url}"
+        )
+        asyncio.run(self._prepare_supercluster())
+        self._act_as_operator()
+
     async def _prepare_supercluster(self, timeout: float = 60.0) -> None:
         """Create the fleet's buckets and streams once JetStream has elected its leaders (a few seconds)."""
-        assert self.supercluster is not None
-        await self.supercluster.jetstream_ready(timeout)
+        servers = self.supercluster or self.cluster
+        assert servers is not None
+        await servers.jetstream_ready(timeout)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -502,7 +528,7 @@ class DevFleet:
 
     def _stop_processes(self) -> None:
         nats_alive = (self.nats is not None and self.nats.process is not None and self.nats.process.poll() is None) or (
-            self.supercluster is not None
+            self.supercluster is not None or self.cluster is not None
         )
         if nats_alive and self.processes:
             destroyed = self.destroy_all_machines()
@@ -525,6 +551,9 @@ class DevFleet:
         if self.supercluster is not None:
             self.supercluster.stop()
             self.supercluster = None
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
 
     def _restore_creds_env(self) -> None:
         if self._creds_before is not None:  # put back what the secure suite mode changed

@@ -93,14 +93,16 @@ def render_config(
     listen_host: str = "0.0.0.0",
     secure_include: str | None = None,
     fleet_dir: str = "/etc/fauxmad/fleet",
+    gateways: bool = True,
 ) -> str:
     """One server's config. `secure_include`: the users file to include, with mutual TLS for clients (the
-    deployed files); None: an open server (a loopback dev supercluster)."""
+    deployed files); None: an open server (a loopback dev supercluster). `gateways=False`: one plain cluster
+    (routes only, no gateway block), the usual HA setup of three servers."""
     # a lone server still lists a route (to itself, which nats-server skips): JetStream in a supercluster
     # refuses to start on a server whose cluster has no configured route
     peers = [s for s in topology.of(server.region) if s != server] or [server]
     routes = ", ".join(json.dumps(f"nats-route://{s.host}:{s.cluster_port}") for s in peers)
-    gateways = "\n".join(
+    remote_gateways = "\n".join(
         f"    {{ name: {json.dumps(region)}, urls: [{', '.join(json.dumps(s.gateway_url) for s in topology.of(region))}] }}"  # noqa: E501
         for region in topology.regions
         if region != server.region
@@ -133,13 +135,14 @@ def render_config(
         f'  listen: "{listen_host}:{server.cluster_port}"',
         f"  routes: [{routes}]",
         "}",
-        "gateway {",
-        f"  name: {json.dumps(server.region)}",
-        f'  listen: "{listen_host}:{server.gateway_port}"',
     ]
-    if server.gateway_advertise:
-        lines.append(f'  advertise: "{server.gateway_advertise}"')
-    lines += ["  gateways: [", gateways, "  ]", "}", "max_payload: 8MB"]
+    if gateways:
+        lines += ["gateway {", f"  name: {json.dumps(server.region)}"]
+        lines.append(f'  listen: "{listen_host}:{server.gateway_port}"')
+        if server.gateway_advertise:
+            lines.append(f'  advertise: "{server.gateway_advertise}"')
+        lines += ["  gateways: [", remote_gateways, "  ]", "}"]
+    lines.append("max_payload: 8MB")
     if secure_include is not None:
         lines.append(f'include "{secure_include}"')
     return "\n".join(lines) + "\n"
@@ -206,6 +209,7 @@ class LoopbackSupercluster:
                 )
         self.topology = Topology(tuple(servers))
         self.servers: dict[str, EmbeddedNats] = {}
+        self.gateways = True  # False: one plain cluster (`LoopbackCluster`)
 
     @property
     def regions(self) -> list[str]:
@@ -237,6 +241,7 @@ class LoopbackSupercluster:
                         # nats-server joins an include's path to the config's directory, even an absolute one
                         secure_include=os.path.relpath(secure / "users.conf", directory) if secure else None,
                         fleet_dir=str(secure) if secure else "",
+                        gateways=self.gateways,
                     )
                 )
                 server = EmbeddedNats(
@@ -302,6 +307,34 @@ class LoopbackSupercluster:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class LoopbackCluster(LoopbackSupercluster):
+    """One NATS cluster of `size` servers on 127.0.0.1, routes between them and no gateways: the usual HA setup
+    (three servers, JetStream R3), which `fauxmad dev --cluster 3` and the tests run. No layout variable is set
+    for it: the fleet's layout (`bus.transport.fleet_layout`) takes its replicas from what the servers offer."""
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        name: str = "fauxmad",
+        root: str | Path | None = None,
+        host: str = "127.0.0.1",
+        secure_dir: str | Path | None = None,
+    ) -> None:
+        super().__init__([name], size, root=root, relays=False, host=host, secure_dir=secure_dir)
+        self.gateways = False
+        self.name = name
+
+    @property
+    def url(self) -> str:
+        """Every server's client URL, comma-separated."""
+        return self.urls(self.name)
+
+    def __enter__(self) -> LoopbackCluster:
+        self.start()
+        return self
 
 
 if __name__ == "__main__":  # python -m bus.local.supercluster DIR: (re)write the deployed configs into DIR

@@ -21,6 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, ObjectInfo, ObjectStoreConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.object_store import ObjectStore
 
+from bus.transport.fleet_layout import fleet_layout
 from bus.transport.jetstream import place_at_home
 
 PULL_BATCH = 64  # chunks (128 KiB each) per fetch
@@ -47,7 +48,8 @@ async def bind_or_create_store(js: JetStreamContext, bucket: str, description: s
     except (NotFoundError, BadRequestError):
         pass
     try:
-        config = place_at_home(ObjectStoreConfig(description=description, storage=StorageType.FILE))
+        layout = await fleet_layout(js, fresh=True)  # created now: as the fleet's layout says now
+        config = place_at_home(ObjectStoreConfig(description=description, storage=StorageType.FILE), layout)
         return await js.create_object_store(bucket, config)
     except BadRequestError:
         return await js.object_store(bucket)

@@ -9,8 +9,11 @@ field, else `$FAUXMAD_EVENTS_MAX_AGE` (`7d`, `12h`, seconds) and `$FAUXMAD_EVENT
 (`1GiB`, `512MB`, bytes). Limits given either way are applied to an existing stream too; a process
 that was given none leaves the stream's limits as they are (defaults: 7 days, 1 GiB).
 
-In a supercluster (`bus.transport.layout`: `$FAUXMAD_SUPERCLUSTER`) each region gets its own workers, machines and
-idempotency buckets and its own events stream, placed in its cluster and replicated inside it; the fleet
+Where they live and how many replicas each has is the fleet's layout, kept in the fleet
+(`bus.transport.fleet_layout`: KV `fauxmad_layout`, written by the first process, read by every process at
+start): on one cluster every bucket and stream gets the layout's replicas (R3 on three servers, R1 on one).
+In a supercluster each region gets its own workers, machines and idempotency buckets and its own events
+stream, placed in its cluster and replicated inside it; the fleet
 keeps one `FAUXMAD_EVENTS`, which sources every region's events (a stream with sources keeps pulling what
 a region wrote while it was cut off once it is back, so the fleet-wide log is late, never missing); the
 fleet-wide buckets and streams (apps, images, logs, audit, tokens, secrets) live in the home region.
@@ -40,6 +43,7 @@ from bus.contract import subjects
 from bus.contract.base import seconds
 from bus.contract.errors import Unreachable
 from bus.transport import layout as layouts
+from bus.transport.fleet_layout import Told, fleet_layout
 from bus.transport.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -91,11 +95,12 @@ class FleetConfig(msgspec.Struct, kw_only=True):
     logs_max_age: float | None = None
     logs_max_bytes: int | None = None
     storage: str = "file"
-    layout: Layout | None = None  # None: from the environment (`bus.transport.layout.from_env`)
+    layout: Layout | None = None  # None: the fleet's (`bus.transport.fleet_layout`), checked against the environment
     region: str | None = None  # this process's own region (a worker's; a broker's or operator's if it has one)
 
-    def resolved_layout(self) -> Layout:
-        return self.layout if self.layout is not None else layouts.from_env()
+    async def resolved_layout(self, js: JetStreamContext) -> Layout:
+        """The fleet's layout; this config's `layout`, when given, must be it (else `LayoutConflict`)."""
+        return await fleet_layout(js, Told.exactly(self.layout) if self.layout is not None else None)
 
 
 def parse_size(text: str) -> int:
@@ -183,13 +188,13 @@ class FleetKV(msgspec.Struct, frozen=True):
     layout: Layout = Layout()
 
 
-def place_at_home(config: Any) -> Any:
-    """In a supercluster, put a fleet-wide bucket's or object store's config (one with no placement yet) in the
-    home region's cluster, replicated as the layout says; on one server leave it as it is. Returns `config`."""
-    layout = layouts.from_env()
-    if layout.supercluster and config.placement is None:
-        config.placement = Placement(cluster=layout.home)
+def place_at_home(config: Any, layout: Layout) -> Any:
+    """A fleet-wide bucket's or object store's config (one with no placement yet) replicated as `layout` says,
+    and in a supercluster placed in the home region's cluster. Returns `config`."""
+    if config.placement is None:
         config.replicas = layout.replicas
+        if layout.supercluster:
+            config.placement = Placement(cluster=layout.home)
     return config
 
 
@@ -197,11 +202,11 @@ async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig) -> Key
     """Bind to the bucket, creating it only if it is not there: in a secure fleet only an operator may
     create streams (a worker's or broker's create would be refused), and binding needs read access only."""
     assert config.bucket is not None
-    place_at_home(config)
     try:
         return await _bind_kv(js, config.bucket)
     except (NotFoundError, BucketNotFoundError):
         pass
+    place_at_home(config, await fleet_layout(js, fresh=True))  # created now: as the fleet's layout says now
     try:
         if config.placement is not None:
             return await _create_placed_kv(js, config)
@@ -272,7 +277,7 @@ async def ensure_fleet_resources(
     round trip and read as soon as it answers (`bus.transport.regional`), so one region's outage never stops a process
     from starting elsewhere."""
     config = config or FleetConfig()
-    layout = config.resolved_layout()
+    layout = await config.resolved_layout(js)  # first: a process told another layout writes nothing
     if layout.supercluster:
         from bus.transport.regional import RegionalKV
 
@@ -306,7 +311,7 @@ async def ensure_fleet_resources(
     workers, machines, idempotency = await _state_buckets(js, config, layout, None)
     apps = await _apps_bucket(js, config)
     await ensure_logs_stream(js, config)
-    return FleetKV(workers=workers, machines=machines, apps=apps, idempotency=idempotency)
+    return FleetKV(workers=workers, machines=machines, apps=apps, idempotency=idempotency, layout=layout)
 
 
 def _source_regions(events: StreamConfig) -> list[str]:
@@ -512,16 +517,17 @@ async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: St
     """Create `stream` with `limits`; if it exists, apply them only when they were configured. Returns the
     stream's config (the one found, or the one created)."""
     assert stream.name is not None
-    if stream.placement is None:
-        layout = layouts.from_env()
-        if layout.supercluster:
-            stream.placement, stream.num_replicas = Placement(cluster=layout.home), layout.replicas
-    if (stream.num_replicas or 1) > 1:
-        stream.persist_mode = None  # nats-server persists a replicated stream through its raft log, never async
     stream.max_age, stream.max_bytes = limits.max_age, limits.max_bytes
     try:  # look before creating: in a secure fleet only an operator may create (see `bind_or_create_kv`)
         current = (await js.stream_info(stream.name)).config
     except NotFoundError:
+        if stream.placement is None:  # a fleet-wide stream: replicated as the layout says, at home in a supercluster
+            layout = await fleet_layout(js, fresh=True)
+            stream.num_replicas = layout.replicas
+            if layout.supercluster:
+                stream.placement = Placement(cluster=layout.home)
+        if (stream.num_replicas or 1) > 1:
+            stream.persist_mode = None  # nats-server persists a replicated stream through its raft log, never async
         try:
             await js.add_stream(stream)
             return stream

@@ -132,9 +132,10 @@ def register(names: set[str] | None = None) -> None:
         module = importlib.import_module(f"orchestrator.cli.{module_name}")
         target = getattr(module, attribute)
         if name == "fleet":
-            from orchestrator.cli import security_cmd
+            from orchestrator.cli import layout_cmd, security_cmd
 
             security_cmd.register(target)
+            layout_cmd.register(target)
         if group:
             app.add_typer(target, name=name)
         else:

@@ -167,6 +167,13 @@ def dev(
     servers_per_region: int = typer.Option(
         3, "--servers-per-region", min=1, max=5, help="with --supercluster: nats-servers per region (R3 needs 3)"
     ),
+    cluster: int = typer.Option(
+        0,
+        "--cluster",
+        min=0,
+        max=5,
+        help="one NATS cluster of N servers (routes, no gateways): with 3, every bucket and stream is R3",
+    ),
 ) -> None:
     """A local fleet in the foreground: NATS, workers per region (real processes) and a broker. Ctrl-C stops all."""
     import msgspec
@@ -178,6 +185,10 @@ def dev(
         if port is not None:
             fail("--supercluster picks free ports for its servers: leave out --port")
         spec = msgspec.structs.replace(spec, supercluster=servers_per_region, operators=True)
+    if cluster:
+        if supercluster or port is not None:
+            fail("--cluster picks free ports for its servers, and is one cluster: leave out --port and --supercluster")
+        spec = msgspec.structs.replace(spec, cluster=cluster)
     if port is not None and not _port_free(port):
         fail(f"port {port} is in use: choose another --port, or leave --port out for a free one")
     fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))

@@ -43,6 +43,7 @@ ROLES: tuple[Role, ...] = ("worker", "broker", "operator", "deployer", "viewer")
 
 P = subjects.PREFIX
 FLEET_STREAMS = (
+    "KV_fauxmad_layout",  # the fleet's layout (`bus.transport.fleet_layout`): every process reads it at start
     subjects.EVENTS_STREAM,
     subjects.LOGS_STREAM,
     *(f"KV_{bucket}" for bucket in (subjects.WORKERS_BUCKET, subjects.MACHINES_BUCKET, subjects.APPS_BUCKET)),
