@@ -14,6 +14,7 @@ from pathlib import Path
 import msgspec
 from nats.js import JetStreamContext
 
+from bus.stores.image_push import push_image
 from bus.stores.images import ImageError, Images, build_archive, is_digest, manifest_for, resolve_image
 from orchestrator.reconcile.spec import AppSpec
 
@@ -27,7 +28,8 @@ async def pin_image(js: JetStreamContext, spec: AppSpec, say: Callable[[str], No
         data = build_archive(Path(spec.build))
         manifest = manifest_for(data, cmd=list(spec.cmd), env={}, workdir="", source=spec.build)
         tag = f"{spec.app}:{manifest.digest[7:19]}"
-        pushed = await images.push(data, manifest, [tag])
+        # the store directly (the operator, an open fleet) or the brokers' checked push (a deployer)
+        pushed = await push_image(js._nc, data, manifest, [tag], app=spec.app)  # the deploy hands its js
         say(f"built {spec.build} into {pushed.digest} ({len(data) / 1e6:.2f} MB, tagged {tag})")
         reference = pushed.digest
     else:

@@ -28,6 +28,7 @@ from bus.contract.fleet import (
     WorkerInfo,
     WorkersListRequest,
 )
+from bus.contract.images import ImageChunk, ImagePushReply, ImagePushRequest
 from bus.contract.machines import ExecReply, Lease, Machine, MachineEvent
 from bus.contract.offers import Decline, Offer, OfferRequest
 from bus.contract.streams import AuditRecord, LogLine
@@ -113,7 +114,19 @@ def channels() -> list[Channel]:
                 AuditRecord, None, ("app",)),
     ]  # fmt: skip
     out += job_channels()
-    return out + volume_channels()
+    return out + volume_channels() + image_channels()
+
+
+def image_channels() -> list[Channel]:
+    """The brokers' checked image push (README "Security": who may do what with images)."""
+    return [
+        Channel("api_images_push", f"{P}.api.apps.{{app}}.images.push",
+                "Push an image of the app (queue group `brokers`): recorded at once when the store holds its "
+                "digest, else an upload is opened.", ImagePushRequest, ImagePushReply, ("app",)),
+        Channel("api_images_upload", f"{P}.api.apps.{{app}}.images.upload.{{broker}}.{{upload}}",
+                "An upload's chunks, in order, to the broker that opened it; the last one commits (sha256 "
+                "checked against the digest).", ImageChunk, ImagePushReply, ("app", "broker", "upload")),
+    ]  # fmt: skip
 
 
 def _volume_reply(verb: str) -> Any:

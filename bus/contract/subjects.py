@@ -103,6 +103,27 @@ def api_machines(app: str, verb: str) -> str:
 
 
 API_MACHINES_WILDCARD = f"{PREFIX}.api.apps.*.machines.*"
+
+
+def api_images_push(app: str) -> str:
+    """The brokers' checked image push for an app (README "Security": who may do what with images)."""
+    return f"{PREFIX}.api.apps.{check_token('app', app)}.images.push"
+
+
+API_IMAGES_PUSH_WILDCARD = f"{PREFIX}.api.apps.*.images.push"
+
+
+def api_images_upload(app: str, broker: str, upload: str) -> str:
+    """Where an upload's chunks go: `...images.upload.<broker>.<upload>`, heard by the broker that opened it."""
+    tokens = (check_token("app", app), check_token("broker", broker), check_token("upload", upload))
+    return "{}.api.apps.{}.images.upload.{}.{}".format(PREFIX, *tokens)
+
+
+def api_images_uploads_of(broker: str) -> str:
+    """Every upload one broker holds, of any app."""
+    return f"{PREFIX}.api.apps.*.images.upload.{check_token('broker', broker)}.*"
+
+
 API_REGIONS_LIST = f"{PREFIX}.api.regions.list"
 API_WORKERS_LIST = f"{PREFIX}.api.workers.list"
 API_PLACEMENTS_SIMULATE = f"{PREFIX}.api.placements.simulate"

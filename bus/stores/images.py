@@ -7,8 +7,12 @@ format, the digest and the store's names live here, in the bus.
   0, modes kept (executable or not), no device files, gzip's own timestamp 0. The same tree gives the
   same bytes, so its `sha256:` digest names its content, and a rebuild of an unchanged app is a no-op.
 - The archive is an object named by its digest in the object store `fauxmad_images` (JetStream
-  chunks it); its manifest (`ImageManifest`: digest, size, created, cmd, env, workdir) and the tags
-  (`name:tag` -> digest) are keys of KV `fauxmad_image_tags`: `m.<hex>` and `t.<name>.<tag>`.
+  chunks it); its manifest (`ImageManifest`: digest, size, created, cmd, env, workdir, the app that owns
+  it) and the tags (`name:tag` -> digest) are keys of KV `fauxmad_image_tags`: `m.<hex>` and
+  `t.<name>.<tag>`. A tag's name is an app's: only the operator and that app's deployer (through the
+  brokers' checked push, `orchestrator.broker.images`) write `t.<app>.*`; the store's objects and the
+  `m.*` manifests are written by the operator and the brokers only, never by a deployer directly, since no
+  permission can check that bytes hash to their name (README "Security": who may do what with images).
 - Content addressing holds end to end: a push hashes the archive and refuses bytes that are not the
   manifest's digest (nothing stored, no manifest, no tag moved); an object counts as present only when the
   store's own SHA-256 of it (`ObjectInfo.digest`, `bus.stores.objects.stored_digest`) is that digest, so a
@@ -31,37 +35,29 @@ import re
 import stat
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError, ObjectNotFoundError
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus.contract import subjects
+from bus.contract.images import MAX_ARCHIVE as MAX_ARCHIVE
+from bus.contract.images import ImageManifest as ImageManifest
 from bus.stores.objects import bind_or_create_store, read_chunks, stored_digest
 from bus.transport.jetstream import bind_or_create_kv
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 TAG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}:[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
-MAX_ARCHIVE = 2 << 30  # 2 GiB
 
 
 class ImageError(Exception):
     """An image problem in plain words (unknown reference, digest mismatch, a directory that cannot be packed)."""
-
-
-class ImageManifest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    digest: str
-    size: int
-    created: float
-    cmd: list[str] = []  # the default command (an OCI image's Entrypoint + Cmd)
-    env: dict[str, str] = {}  # defaults under the machine's own `env`
-    workdir: str = ""  # relative to the image's root: where `cmd` runs
-    source: str = ""  # what it was built from (a directory, an OCI layout)
-    tags: list[str] = []
 
 
 class ResolvedImage(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +76,15 @@ def is_digest(reference: str | None) -> bool:
 
 def digest_of(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def check_bytes(digest: str, actual: str) -> None:
+    """`ImageError` (one line, both digests) unless the archive's bytes, hashing to `actual`, are `digest`'s."""
+    if actual != digest:
+        raise ImageError(
+            f"image {digest}: the archive's bytes hash to {actual}: refused (damaged or tampered);"
+            " nothing was stored and no tag moved"
+        )
 
 
 def check_tag(tag: str) -> str:
@@ -183,27 +188,60 @@ class Images:
     async def push(self, data: bytes, manifest: ImageManifest, tags: list[str]) -> ImageManifest:
         """Store the archive (unless the store holds it, verified) and its manifest; point `tags` at it.
 
-        Bytes that do not hash to the manifest's digest are refused before anything is written."""
+        Bytes that do not hash to the manifest's digest are refused before anything is written. This writes the
+        store directly: the operator's way (and an open fleet's); a deployer's goes through the brokers'
+        checked push (`bus.stores.image_push`), which ends in `store_object` and `record` too."""
         for tag in tags:
             check_tag(tag)
-        actual = digest_of(data)
-        if actual != manifest.digest:
-            raise ImageError(
-                f"image {manifest.digest}: the archive's bytes hash to {actual}: refused (damaged or tampered);"
-                " nothing was stored and no tag moved"
-            )
+        check_bytes(manifest.digest, digest_of(data))
         manifest = msgspec.structs.replace(manifest, size=len(data))
-        if not await self.present(manifest.digest):
-            info = await self.store.put(manifest.digest, data)
-            if stored_digest(info) != manifest.digest:  # what the store hashed is not what we hashed
-                raise ImageError(f"image {manifest.digest}: the store took other bytes ({stored_digest(info)})")
-        known = await self.manifest(manifest.digest)
-        merged = sorted(set(tags) | set(known.tags if known else []))
-        manifest = msgspec.structs.replace(manifest, tags=merged)
-        await self.tags.put(_manifest_key(manifest.digest), msgspec.json.encode(manifest))
-        for tag in tags:
-            await self.tags.put(_tag_key(tag), manifest.digest.encode())
-        return manifest
+        await self.store_object(manifest.digest, data)
+        return await self.record(manifest, tags)
+
+    async def store_object(self, digest: str, data: bytes | IO[bytes]) -> None:
+        """Write `data`, which its caller has checked hashes to `digest`, under that name, unless the store
+        holds it whole already (an identical object is never rewritten; a damaged one is replaced)."""
+        if await self.present(digest):
+            return
+        info = await self.store.put(digest, data)  # type: ignore[arg-type]  # a file object: nats-py reads it
+        if stored_digest(info) != digest:  # what the store hashed is not what we hashed
+            raise ImageError(f"image {digest}: the store took other bytes ({stored_digest(info)})")
+
+    async def record(
+        self,
+        manifest: ImageManifest,
+        tags: list[str],
+        check: Callable[[ImageManifest | None], None] = lambda known: None,
+    ) -> ImageManifest:
+        """Write `manifest` (its tags merged with those it had, the app that owns it kept) and point `tags` at it.
+
+        `check` sees the manifest stored now and raises to refuse; the write is a compare-and-set on what it
+        saw, so two pushes of one digest at once cannot both pass a check made against the same old state."""
+        key = _manifest_key(manifest.digest)
+        for _ in range(5):
+            try:
+                entry = await self.tags.get(key)
+            except (NotFoundError, KeyError):
+                entry = None
+            known = msgspec.json.decode(entry.value, type=ImageManifest) if entry is not None and entry.value else None
+            check(known)
+            merged = msgspec.structs.replace(
+                manifest,
+                tags=sorted(set(tags) | set(known.tags if known else [])),
+                app=known.app if known is not None else manifest.app,
+            )
+            encoded = msgspec.json.encode(merged)
+            try:
+                if entry is None or entry.revision is None:
+                    await self.tags.create(key, encoded)
+                else:
+                    await self.tags.update(key, encoded, last=entry.revision)
+            except KeyWrongLastSequenceError:
+                continue  # someone wrote it meanwhile: check again against what is there now
+            for tag in tags:
+                await self.tags.put(_tag_key(tag), manifest.digest.encode())
+            return merged
+        raise ImageError(f"image {manifest.digest}: its manifest kept changing under this push; try again")
 
     async def present(self, digest: str) -> bool:
         """Whether the store holds `digest`'s object whole: the SHA-256 the store recorded for it is `digest`
@@ -261,13 +299,11 @@ class Images:
         return sorted(manifests, key=lambda m: m.created)
 
     async def tag(self, reference: str, tag: str) -> ImageManifest:
+        check_tag(tag)
         digest = await self.resolve(reference)
         manifest = await self.manifest(digest)
         assert manifest is not None
-        await self.tags.put(_tag_key(tag), digest.encode())
-        manifest = msgspec.structs.replace(manifest, tags=sorted(set(manifest.tags) | {tag}))
-        await self.tags.put(_manifest_key(digest), msgspec.json.encode(manifest))
-        return manifest
+        return await self.record(manifest, [tag])
 
     async def remove(self, reference: str) -> ImageManifest:
         """Delete an image (its archive, manifest and tags); workers keep what they unpacked until evicted."""

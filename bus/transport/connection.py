@@ -72,6 +72,13 @@ def refusals_of(client: Client) -> Refusals | None:
 
 
 REFUSALS_ATTRIBUTE = "fauxmad_refusals"
+ROLE_ATTRIBUTE = "fauxmad_role"
+
+
+def role_of(client: Client) -> str | None:
+    """The role of a secure connection's identity (its credentials say it), None for an open fleet's."""
+    found = getattr(client, ROLE_ATTRIBUTE, None)
+    return found if isinstance(found, str) else None
 
 
 class _SslCloseNoise(logging.Filter):
@@ -98,14 +105,14 @@ async def _quiet_error(exc: Exception) -> None:
     log.debug("nats: %r", exc)
 
 
-def _identity(url: str, creds: str | None) -> tuple[dict[str, Any], Refusals | None, RequestSigner | None]:
-    """A secure connection's connect options, its refusals watch and its request signer (none for an open
-    one). $FAUXMAD_CREDS is for secure (tls://) fleets: a plain URL given alongside it is an open fleet."""
+def _identity(url: str, creds: str | None) -> tuple[dict[str, Any], Refusals | None, RequestSigner | None, str | None]:
+    """A secure connection's connect options, its refusals watch, its request signer and its role (none for an
+    open one). $FAUXMAD_CREDS is for secure (tls://) fleets: a plain URL given alongside it is an open fleet."""
     creds_path = creds or (credentials.default_path() if url.startswith("tls://") else None)
     if not creds_path:
-        return {}, None, None
+        return {}, None, None, None
     identity, base = credentials.load(creds_path)
-    return identity.connect_options(base), Refusals(), RequestSigner(identity.seed, identity.name)
+    return identity.connect_options(base), Refusals(), RequestSigner(identity.seed, identity.name), identity.role
 
 
 def reconnect_options(agent: bool) -> dict[str, Any]:
@@ -139,7 +146,7 @@ async def connect(
     connection is then that identity, over mutual TLS.
     """
     client: Client | None = None
-    secure, refusals, signing = _identity(url, creds)
+    secure, refusals, signing, role = _identity(url, creds)
 
     errors: list[str] = []
 
@@ -175,10 +182,11 @@ async def connect(
         # with `reconnect_forever` the first connection failed fast, and from now on it rides out an outage:
         # nats-py reads these options at every reconnect (and the ping interval at every ping)
         client.options.update(reconnect_options(agent=agent or reconnect_forever))
-        if refusals is not None:
-            setattr(client, REFUSALS_ATTRIBUTE, refusals)
-        if signing is not None:
-            setattr(client, SIGNER_ATTRIBUTE, signing)  # its API requests name it to the audit trail
+        # the refusals watch; the signer (its API requests name it to the audit trail); the role (e.g. which
+        # way it writes images, `bus.stores.image_push`)
+        for attribute, value in ((REFUSALS_ATTRIBUTE, refusals), (SIGNER_ATTRIBUTE, signing), (ROLE_ATTRIBUTE, role)):
+            if value is not None:
+                setattr(client, attribute, value)
         return client
     except TimeoutError:
         hint = "" if secure else f" (a secure fleet needs its credentials: {credentials.CREDS_ENV})"

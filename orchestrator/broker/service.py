@@ -49,6 +49,7 @@ from bus.contract.machines import (
 from bus.contract.offers import Resources
 from bus.contract.schema import endpoint_metadata
 from bus.contract.verbs import API_REQUESTS, API_VOLUME_REQUESTS, BROKER_REQUESTS
+from bus.stores.images import Images
 from bus.stores.snapshots import snapshot_store, volumes_bucket
 from bus.transport.audit import AuditTrail, RequestAudit
 from bus.transport.connection import connect
@@ -58,6 +59,7 @@ from bus.transport.service import Handler, Responder, answer, call, request
 from orchestrator.broker import metrics
 from orchestrator.broker.auction import Auction, AuctionConfig, Outcome, OutcomeUnknown
 from orchestrator.broker.idempotency import Idempotency
+from orchestrator.broker.images import ImageGate
 from orchestrator.broker.volumes import Volumes
 from orchestrator.replicas.machines import MachineIndex
 from orchestrator.replicas.workers import Registry
@@ -118,6 +120,7 @@ class Broker:
         self.trail = AuditTrail(self.nc)
         await self.trail.make_stream_if_open()
         self.responder = Responder(self.nc, self.id, audit=RequestAudit(self.trail))
+        self.images = ImageGate(self.nc, await Images.open(js), self.id)  # the checked push (deployers')
         self._endpoints: tuple[tuple[str, str, Handler, list[str]], ...] = (
             (
                 "machines",
@@ -134,9 +137,11 @@ class Broker:
             ("regions", subjects.API_REGIONS_LIST, self._on_regions, ["regions_list"]),
             ("workers", subjects.API_WORKERS_LIST, self._on_workers, ["workers_list"]),
             ("simulate", subjects.API_PLACEMENTS_SIMULATE, self._on_simulate, ["placements_simulate"]),
+            ("images", subjects.API_IMAGES_PUSH_WILDCARD, self.images.handle_push, ["api_images_push"]),
         )
         if not serve:
             return
+        await self.images.start()
         self._service = await add_service(
             self.nc,
             ServiceConfig(
@@ -308,6 +313,11 @@ class Broker:
             raise BadRequest(f"list for app {app} cannot filter on app {req.app}")
         nc = self.nc
         assert nc is not None
+        if req.worker_id is not None:  # one worker's machines of the app: its silence is the caller's error
+            one = msgspec.structs.replace(req, app=app, worker_id=None)
+            return await call(
+                nc, subjects.worker_machines(req.worker_id, "list"), one, builtins.list[Machine], timeout=3
+            )
         # the routing index is filled by the workers' outboxes, a moment after a create returns: a listing also
         # asks the workers whose heartbeat counts a machine of the app, and those this broker just placed one on
         workers = {entry.worker_id for entry in self.index.by_app(app)}
@@ -412,6 +422,8 @@ class Broker:
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
+        if hasattr(self, "images"):
+            await self.images.close()
         if hasattr(self, "responder"):
             await self.responder.drain(2.0)
             await self.trail.drain()

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import typer
 
+from bus.stores.image_push import push_image, tag_image
 from bus.stores.images import ImageError, ImageManifest, Images, build_archive, check_tag, manifest_for
 from bus.transport.connection import connect
 from orchestrator.cli.render import console, print_json
@@ -20,6 +21,9 @@ image_app = typer.Typer(
     no_args_is_help=True,
 )
 TagOption = typer.Option(None, "--tag", "-t", help="name:tag to point at it (repeatable)")
+AppOption = typer.Option(
+    None, "--app", "-a", help="the app it is pushed into (a deployer's push; default: its tags' name)"
+)
 
 
 def _say(line: str) -> None:
@@ -58,6 +62,7 @@ def build_command(
     env: list[str] | None = typer.Option(None, "--env", "-e", help="a default NAME=VALUE (repeatable)"),
     workdir: str = typer.Option("", "--workdir", help="where the command runs, relative to the directory"),
     out: Path | None = typer.Option(None, "--out", help="write the archive here instead of pushing it"),
+    app: str | None = AppOption,
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
 ) -> None:
@@ -76,7 +81,7 @@ def build_command(
 
     async def act(nc: Any) -> None:
         try:
-            pushed = await (await Images.open(nc.jetstream())).push(data, manifest, tags)
+            pushed = await push_image(nc, data, manifest, tags, app=app)
         except ImageError as exc:
             fail(str(exc), 2)
         took = time.perf_counter() - started
@@ -89,6 +94,7 @@ def build_command(
 def push_command(
     archive: Path = typer.Argument(..., help="an archive written by `image build --out`"),
     tag: list[str] | None = TagOption,
+    app: str | None = AppOption,
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
 ) -> None:
@@ -105,7 +111,7 @@ def push_command(
 
     async def act(nc: Any) -> None:
         try:
-            pushed = await (await Images.open(nc.jetstream())).push(data, manifest, tags)
+            pushed = await push_image(nc, data, manifest, tags, app=app)
         except ImageError as exc:
             fail(str(exc), 2)
         _show(pushed, json_out, f"pushed {pushed.digest} {' '.join(tags)}")
@@ -118,6 +124,7 @@ def import_command(
     layout: Path = typer.Argument(..., help="an OCI image layout directory (umoci, skopeo copy ... oci:DIR)"),
     tag: list[str] | None = TagOption,
     ref: str | None = typer.Option(None, "--ref", help="which image of the layout (its ref.name) if it holds several"),
+    app: str | None = AppOption,
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
 ) -> None:
@@ -136,7 +143,7 @@ def import_command(
 
     async def act(nc: Any) -> None:
         try:
-            pushed = await (await Images.open(nc.jetstream())).push(data, manifest, tags)
+            pushed = await push_image(nc, data, manifest, tags, app=app)
         except ImageError as exc:
             fail(str(exc), 2)
         _show(pushed, json_out, f"imported {pushed.digest} ({len(data) / 1e6:.2f} MB) {' '.join(tags)}")
@@ -185,12 +192,12 @@ def tag_command(
     tag: str = typer.Argument(..., help="the new name:tag"),
     nats: str | None = NatsOption,
 ) -> None:
-    """Point another name:tag at an image."""
+    """Point another name:tag at an image (a deployer: a tag of its own app, APP:TAG)."""
     (new,) = _tags([tag])
 
     async def act(nc: Any) -> None:
         try:
-            manifest = await (await Images.open(nc.jetstream())).tag(reference, new)
+            manifest = await tag_image(nc, reference, new)
         except ImageError as exc:
             fail(str(exc), 4)
         _say(f"{new} -> {manifest.digest}")

@@ -9,10 +9,12 @@ not listed is refused, and the server drops the message), built here from the co
   heartbeat key; records the job requests it answers in the audit stream; reads the streams it republishes
   into.
 - `broker`: answers the API (`api.>`); asks workers (`offers.*`, `worker.*.>`); keeps idempotency claims;
-  records the requests it answers in the audit stream; reads the fleet's buckets and streams.
+  records the requests it answers in the audit stream; reads the fleet's buckets and streams; writes the
+  images a checked push brings (the image store, its manifests and tags).
 - `operator`: everything, JetStream administration included.
 - `deployer` (bound to one app): that app's API subjects and its releases, the fleet-wide read-only
-  queries, reading events and logs.
+  queries, reading events and logs. Images: reading only; it pushes and tags through the brokers' checked
+  push (`api.apps.<app>.images.push`), as no permission can check that bytes hash to their name.
 - `viewer`: the read-only API verbs of every app and the fleet queries; reading streams and buckets.
 
 Replies: an identity that answers requests (`worker`, `broker`) may publish to the reply subject of a
@@ -157,6 +159,11 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.kv_put(subjects.VOLUMES_BUCKET, "*"),
                 *(subjects.kv_put(layout.idempotency_bucket(r), ">") for r in layout.regions),
                 subjects.AUDIT_ALL,  # the audit records of the requests it answers (`bus.transport.audit`)
+                # images pushed through it, checked (orchestrator/broker/images.py): archives, manifests, tags; the
+                # purge removes the chunks of an object it replaces (a damaged one)
+                f"$O.{subjects.IMAGES_STORE}.>",
+                subjects.kv_put(subjects.IMAGE_TAGS_BUCKET, ">"),
+                f"$JS.API.STREAM.PURGE.OBJ_{subjects.IMAGES_STORE}",
                 *read_streams(),
             ),
             subscribe=(f"{P}.api.>", "$SRV.>", inbox),
@@ -171,10 +178,8 @@ def permissions(identity: Identity) -> Permissions:
                 *fleet_queries,
                 subjects.kv_put(subjects.APPS_BUCKET, f"{app}.>"),
                 subjects.kv_put(SECRETS_BUCKET, f"{app}.*"),
-                # images: any archive (content-addressed) and manifest, but tags only under the app's name
-                f"$O.{subjects.IMAGES_STORE}.>",
-                subjects.kv_put(subjects.IMAGE_TAGS_BUCKET, "m.*"),
-                subjects.kv_put(subjects.IMAGE_TAGS_BUCKET, f"t.{app}.*"),
+                # images: no write of the store or its manifests and tags; it pushes and tags through the brokers
+                # (`api.apps.<app>.images.push`, above), which check hashes and owners (orchestrator/broker/images.py)
                 *read_streams(),
             ),
             subscribe=(inbox,),
