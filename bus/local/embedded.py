@@ -102,11 +102,14 @@ class EmbeddedNats:
             self.host,
             "-p",
             str(self.port),
-            "-n",
-            self.name,
             "-l",
             str(self.log_file),
         ]
+        if self.config_file is None:
+            # a given config names its server itself (or not at all): a name on the command line that its file
+            # lacks makes nats-server refuse every reload (SIGHUP), so `fleet add-user` on a secure dev fleet
+            # would never take effect
+            args += ["-n", self.name]
         self.process = subprocess.Popen(
             args,
             stdin=subprocess.DEVNULL,

@@ -16,20 +16,23 @@ non-zero for its supervisor (systemd, `fauxmad dev`) to restart it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from bus.contract.errors import Forbidden, Unreachable
 from bus.transport import credentials
 from bus.transport.audit import SIGNER_ATTRIBUTE, RequestSigner
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DEFAULT_URL_ENV = "FAUXMAD_NATS_URL"
 
@@ -40,30 +43,80 @@ _PUBLISH_VIOLATION = re.compile(r"permissions violation for publish to [\"']?([^
 class Refusals:
     """Publishes nats-server refused (its `-ERR 'Permissions Violation for Publish to "<subject>"'`), so a
     request to a forbidden subject fails at once as a refusal (403) instead of waiting out its timeout:
-    the server drops such a message and nothing else would ever answer. Attached to secure connections."""
+    the server drops such a message and nothing else would ever answer. Attached to secure connections,
+    whose every request (the API's, and nats-py's own JetStream and KV requests: `SecureClient`) goes
+    through `guard`."""
 
-    def __init__(self) -> None:
+    def __init__(self, identity: str = "") -> None:
+        self.identity = identity
         self._waiting: dict[str, list[asyncio.Future[None]]] = {}
 
     def watch(self, subject: str) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(subject, []).append(future)
+        self._waiting.setdefault(subject.lower(), []).append(future)
         return future
 
     def forget(self, subject: str, future: asyncio.Future[None]) -> None:
-        waiting = self._waiting.get(subject, [])
+        key = subject.lower()
+        waiting = self._waiting.get(key, [])
         if future in waiting:
             waiting.remove(future)
         if not waiting:
-            self._waiting.pop(subject, None)
+            self._waiting.pop(key, None)
 
     def noted(self, error: Exception) -> None:
+        # nats-py hands the server's -ERR over in lower case, so requests are matched by their subject in lower
+        # case: requests to two subjects that differ only in case, one of them refused, would both be refused
         match = _PUBLISH_VIOLATION.search(str(error))
         if match is None:
             return
-        for future in self._waiting.pop(match.group(1), []):
+        for future in self._waiting.pop(match.group(1).lower(), []):
             if not future.done():
                 future.set_result(None)
+
+    def forbidden(self, subject: str) -> Forbidden:
+        """The refusal of a publish to `subject`, naming who was refused and where (one line)."""
+        who = f"identity {self.identity}" if self.identity else "this identity"
+        return Forbidden(f"{who} may not publish to {subject}: not allowed by its permissions (nats-server refused it)")
+
+    async def guard(self, subject: str, asking: Awaitable[T]) -> T:
+        """`asking`'s result (a request published to `subject`), or `Forbidden` the moment the server refuses
+        that publish (`asking` is cancelled then)."""
+        refused = self.watch(subject)
+        asked: asyncio.Future[T] = asyncio.ensure_future(asking)
+        try:
+            either: set[asyncio.Future[Any]] = {asked, refused}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            asked.cancel()
+            raise
+        finally:
+            self.forget(subject, refused)
+        if asked.done():
+            return asked.result()
+        asked.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asked
+        raise self.forbidden(subject)
+
+
+class SecureClient(Client):
+    """A secure fleet's connection: a request fails at once with `Forbidden` when nats-server refuses its
+    publish, nats-py's own JetStream and KV requests included (a `secrets set` of another app's key)."""
+
+    async def request(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float = 0.5,
+        old_style: bool = False,
+        headers: dict[str, Any] | None = None,
+    ) -> Msg:
+        asking = super().request(subject, payload, timeout=timeout, old_style=old_style, headers=headers)
+        refusals = refusals_of(self)
+        if refusals is None:
+            return await asking
+        return await refusals.guard(subject, asking)
 
 
 def refusals_of(client: Client) -> Refusals | None:
@@ -112,7 +165,8 @@ def _identity(url: str, creds: str | None) -> tuple[dict[str, Any], Refusals | N
     if not creds_path:
         return {}, None, None, None
     identity, base = credentials.load(creds_path)
-    return identity.connect_options(base), Refusals(), RequestSigner(identity.seed, identity.name), identity.role
+    signer = RequestSigner(identity.seed, identity.name)
+    return identity.connect_options(base), Refusals(identity.name), signer, identity.role
 
 
 def reconnect_options(agent: bool) -> dict[str, Any]:
@@ -168,17 +222,20 @@ async def connect(
     # that TLS is required): a command gets a bounded wait; an agent keeps trying, as it does on any failure
     bound = None if agent else 4 * timeout + 2
     try:
-        connecting = nats.connect(
+        # a secure connection's every request watches for the server's refusal (`SecureClient`)
+        made = Client() if refusals is None else SecureClient()
+        connecting = made.connect(
             servers=servers(url),
             name=name,
-            connect_timeout=timeout,
+            connect_timeout=timeout,  # type: ignore[arg-type]  # nats-py's hint says int; it takes seconds as any number
             error_cb=on_error,
             pending_size=64 * 1024 * 1024,
             closed_cb=closed,
             **reconnect_options(agent),
             **secure,
         )
-        client = await asyncio.wait_for(connecting, bound)
+        await asyncio.wait_for(connecting, bound)
+        client = made
         # with `reconnect_forever` the first connection failed fast, and from now on it rides out an outage:
         # nats-py reads these options at every reconnect (and the ping interval at every ping)
         client.options.update(reconnect_options(agent=agent or reconnect_forever))

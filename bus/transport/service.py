@@ -25,9 +25,8 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from bus.contract.base import ErrorBody, ErrorDetail
 from bus.contract.codec import clip, decode, decoder, encode
-from bus.contract.errors import FauxmadError, Forbidden, InternalError, Unanswered, Unreachable, error_for_code
+from bus.contract.errors import FauxmadError, InternalError, Unanswered, Unreachable, error_for_code
 from bus.transport.audit import REFUSED, RequestAudit, mutating, signer_of
-from bus.transport.connection import Refusals, refusals_of
 
 log = logging.getLogger(__name__)
 
@@ -197,11 +196,8 @@ async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) 
     signer = signer_of(nc)
     headers = signer.headers(subject, data) if signer is not None and mutating(subject) else None
     try:
-        refusals = refusals_of(nc)
-        if refusals is None:
-            msg = await nc.request(subject, data, timeout=timeout, headers=headers)
-        else:
-            msg = await _request_or_refusal(nc, refusals, subject, data, timeout, headers)
+        # on a secure connection, a publish the server refuses is `Forbidden` at once (`SecureClient`)
+        msg = await nc.request(subject, data, timeout=timeout, headers=headers)
     except NoRespondersError:
         raise Unreachable(f"nobody answers on {subject}") from None
     except NatsTimeout:
@@ -210,23 +206,6 @@ async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) 
         raise Unanswered(f"no answer on {subject}: {type(exc).__name__} {exc}".strip()) from None
     raise_for_reply(msg)
     return msg
-
-
-async def _request_or_refusal(
-    nc: Client, refusals: Refusals, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None
-) -> Msg:
-    """A request on a secure connection: the reply, or `Forbidden` the moment the server refuses the publish."""
-    refused = refusals.watch(subject)
-    asked: asyncio.Future[Msg] = asyncio.ensure_future(nc.request(subject, data, timeout=timeout, headers=headers))
-    either: set[asyncio.Future[Any]] = {asked, refused}
-    try:
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        refusals.forget(subject, refused)
-    if asked.done():
-        return asked.result()
-    asked.cancel()
-    raise Forbidden(f"not allowed to {subject}: this identity's permissions (nats-server) refuse it")
 
 
 async def call(nc: Client, subject: str, payload: Any, reply_type: type[T], timeout: float = 5.0) -> T:
