@@ -230,6 +230,9 @@ class ListRequest(Request):
     app: Token | None = None
     state: State | None = None
     include_destroyed: bool = False
+    # through the brokers (`api.apps.<app>.machines.list`): only this worker's machines of the app, and its silence
+    # is an error rather than an empty list (a reconciler acting for a deployer observes each worker this way)
+    worker_id: Token | None = None
 
 
 class UpdateRequest(Request):

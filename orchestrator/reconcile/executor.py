@@ -2,7 +2,8 @@
 
 Creates go through the brokers: one auction per machine, whose chain applies `avoid_workers` (a
 spare off its primary's host) and `prefer_away` (rather not there). Every other action goes straight
-to the machine's worker, inside a lease, so two reconcilers (a deploy and a `reconcile --watch`) never
+to the machine's worker (or, for an identity that may not speak to workers, through the brokers: `routes`),
+inside a lease, so two reconcilers (a deploy and a `reconcile --watch`) never
 act on one machine at once: the second gets a 409 and leaves the machine to the next pass. An action
 that fails is reported, never retried here: the next plan, made from fresh observations, decides again.
 Workers are spoken to over a `Bus` and the brokers through `MachinesApi` (see `ports`).
@@ -20,7 +21,6 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from bus.contract import subjects
 from bus.contract.errors import FauxmadError, NoCapacity
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import (
@@ -36,6 +36,7 @@ from bus.contract.machines import (
 from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, MAX_REASON
 from orchestrator.reconcile.plan import Action, Create, Destroy, MachineAction, Promote, Start, Stop, Update
 from orchestrator.reconcile.ports import Bus, MachinesApi
+from orchestrator.reconcile.routes import Route, to_workers
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,10 @@ class Executor:
         concurrency: int = 8,
         holder: str | None = None,
         stop_timeout: float = 10.0,
+        route: Route = to_workers,
     ) -> None:
         self.bus = bus
+        self.route = route
         self.machines = machines
         self.limit = asyncio.Semaphore(concurrency)
         self.holder = holder or default_holder()
@@ -113,7 +116,7 @@ class Executor:
             if isinstance(action, Create):
                 machine = await self._create(app, action)
                 return Result(action=action, ok=True, machine_id=machine.id, worker_id=machine.worker_id)
-            await self._leased(action.worker_id, action.id, lambda nonce: self._verb(action, nonce))
+            await self._leased(app, action.worker_id, action.id, lambda nonce: self._verb(app, action, nonce))
             return Result(action=action, ok=True, machine_id=action.id)
         except FauxmadError as exc:
             # the result carries the error to whoever shows it (the deploy's display, the operator's log
@@ -136,8 +139,8 @@ class Executor:
         )
         return await self.machines.create(app, request)
 
-    async def _verb(self, action: MachineAction, nonce: str) -> None:
-        worker, machine_id = action.worker_id, action.id
+    async def _verb(self, app: str, action: MachineAction, nonce: str) -> None:
+        worker, machine_id = (app, action.worker_id), action.id
         if isinstance(action, Start):
             await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
         elif isinstance(action, Stop):
@@ -161,38 +164,40 @@ class Executor:
             if action.start:
                 await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
 
-    async def _lease(self, worker_id: str, machine_id: str, nonce: str | None = None) -> Lease:
+    async def _lease(self, app: str, worker_id: str, machine_id: str, nonce: str | None = None) -> Lease:
         """Take the machine's lease, or with `nonce` extend the one held (the worker keeps the nonce)."""
         return await self.bus.call(
-            subjects.worker_machines(worker_id, "lease"),
+            self.route(app, worker_id, "lease"),
             LeaseRequest(id=machine_id, ttl=LEASE_TTL, holder=self.holder, nonce=nonce),
             Lease,
             timeout=5,
         )
 
-    async def _renew(self, worker_id: str, machine_id: str, nonce: str) -> None:
+    async def _renew(self, app: str, worker_id: str, machine_id: str, nonce: str) -> None:
         """Keep the lease while the action runs. A renewal that fails is tried again at the next turn; if the
         lease lapses meanwhile and another reconciler takes it, this one's verbs get 409s (the next pass decides)."""
         while True:
             await asyncio.sleep(LEASE_TTL / 3)
             try:
-                await self._lease(worker_id, machine_id, nonce)
+                await self._lease(app, worker_id, machine_id, nonce)
             except FauxmadError as exc:
                 log.info("lease of %s not renewed: %s", machine_id, exc.message)
 
-    async def _call(self, worker_id: str, verb: str, request: msgspec.Struct, timeout: float = 30.0) -> Machine:
-        return await self.bus.call(subjects.worker_machines(worker_id, verb), request, Machine, timeout=timeout)
+    async def _call(self, where: tuple[str, str], verb: str, request: msgspec.Struct, timeout: float = 30.0) -> Machine:
+        """`verb` of the machine at `where` (its app and worker)."""
+        app, worker_id = where
+        return await self.bus.call(self.route(app, worker_id, verb), request, Machine, timeout=timeout)
 
-    async def _leased(self, worker_id: str, machine_id: str, work: Callable[[str], Awaitable[None]]) -> None:
-        lease = await self._lease(worker_id, machine_id)
-        renewing = asyncio.create_task(self._renew(worker_id, machine_id, lease.nonce))
+    async def _leased(self, app: str, worker_id: str, machine_id: str, work: Callable[[str], Awaitable[None]]) -> None:
+        lease = await self._lease(app, worker_id, machine_id)
+        renewing = asyncio.create_task(self._renew(app, worker_id, machine_id, lease.nonce))
         try:
             await work(lease.nonce)
         finally:
             renewing.cancel()
             with contextlib.suppress(Exception):  # a destroyed machine has no lease to release
                 await self.bus.call(
-                    subjects.worker_machines(worker_id, "release"),
+                    self.route(app, worker_id, "release"),
                     ReleaseRequest(id=machine_id, nonce=lease.nonce),
                     Machine,
                     timeout=5,

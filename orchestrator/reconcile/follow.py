@@ -42,17 +42,27 @@ class Following:
 
     @classmethod
     async def start(
-        cls, nc: Client, kv: FleetKV, observer: Observer, watched: WatchedReleases, wake: Callable[[], None]
+        cls,
+        nc: Client,
+        kv: FleetKV,
+        observer: Observer,
+        watched: WatchedReleases,
+        wake: Callable[[], None],
+        *,
+        fleet_wide: bool = True,
     ) -> Following:
-        """Keep the replicas current and wake the loop on any change: workers, machines, events, releases."""
+        """Keep the replicas current and wake the loop on any change: workers, machines, events, releases.
+        `fleet_wide=False` (an identity that may subscribe to its own inbox only, a deployer): no events or edge
+        proxies' signals, the KV watches (which reply to its inbox) and the loop's poll wake it."""
         following = cls(nc, observer, watched, wake)
         await observer.start(kv)
 
         async def on_event(msg: Any) -> None:
             wake()
 
-        following._subs.append(await nc.subscribe(subjects.EVENTS_ALL, cb=on_event))
-        following._subs.append(await nc.subscribe(subjects.PROXY_UNREACHABLE_ALL, cb=following._on_proxy_signal))
+        if fleet_wide:
+            following._subs.append(await nc.subscribe(subjects.EVENTS_ALL, cb=on_event))
+            following._subs.append(await nc.subscribe(subjects.PROXY_UNREACHABLE_ALL, cb=following._on_proxy_signal))
         following._apps_watch = await kv.apps.watchall()
         following._tasks.append(asyncio.create_task(following._follow_apps()))
         return following

@@ -24,6 +24,7 @@ from bus.contract.machines import ListRequest, Machine, MachineConfig
 from bus.transport.jetstream import FleetKV
 from orchestrator.reconcile.plan import Member, Observed
 from orchestrator.reconcile.ports import Bus
+from orchestrator.reconcile.routes import Route, to_workers
 from orchestrator.replicas.machines import MachineIndex
 from orchestrator.replicas.workers import Registry
 
@@ -98,8 +99,10 @@ class Observer:
         on_change: Callable[[str], None] | None = None,
         answer_within: float = ANSWER_WITHIN,
         probe_within: float = PROBE_WITHIN,
+        route: Route = to_workers,
     ) -> None:
         self.bus = bus
+        self.route = route
         self.answer_within = answer_within
         self.probe_within = probe_within
         self.registry = registry or Registry()
@@ -125,9 +128,15 @@ class Observer:
         return frozenset(w.worker_id for w in self.registry.workers() if w.cordoned)
 
     async def machines_on(self, worker_id: str, app: str | None, timeout: float = 5.0) -> builtins.list[Machine]:
+        """The app's machines on `worker_id` (every app's: `None`, asked of the worker itself); through the brokers
+        (`routes`), a list of the app that names the worker."""
+        if app is None or self.route is to_workers:
+            subject, request = subjects.worker_machines(worker_id, "list"), ListRequest(app=app)
+        else:
+            subject, request = self.route(app, worker_id, "list"), ListRequest(app=app, worker_id=worker_id)
         return await self.bus.call(
-            subjects.worker_machines(worker_id, "list"),
-            ListRequest(app=app),
+            subject,
+            request,
             builtins.list[Machine],
             timeout=timeout,
         )

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import msgspec
 
 from bus.contract.errors import BadRequest, NoCapacity, Unreachable
-from bus.transport.connection import connect
+from bus.transport.connection import connect, role_of
 from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
 from orchestrator.client import FleetClient
 from orchestrator.reconcile.executor import Executor, Result
@@ -46,6 +46,7 @@ from orchestrator.reconcile.over_nats import KVReleaseStore, NatsBus
 from orchestrator.reconcile.plan import Create, Desired, Failure, Plan, Update, plan, summarize
 from orchestrator.reconcile.ports import Bus, Clock, MachinesApi, ReleaseStore
 from orchestrator.reconcile.releases import Head, Release, Releases, WatchedReleases
+from orchestrator.reconcile.routes import Route, for_role, to_workers
 from orchestrator.reconcile.spec import SPARE, AppSpec
 from orchestrator.replicas.workers import Registry
 
@@ -108,6 +109,7 @@ class Reconciler:
         backstop: float = 5.0,
         debounce: float = 0.02,
         region: str | None = None,
+        route: Route = to_workers,
     ) -> None:
         self.bus = bus
         # an operator of one region (a supercluster runs one per region): it plans and acts on that region's
@@ -121,8 +123,10 @@ class Reconciler:
         self.backstop = backstop
         self.debounce = debounce
         self.releases = Releases(store, clock=clock)
-        self.executor = Executor(bus, machines, concurrency=concurrency)
-        self.observer = Observer(bus, registry=Registry(clock=clock), on_change=self._on_change)
+        # to the workers, or (an identity that may not speak to them: a deployer) through the brokers (`routes`)
+        self.route = route
+        self.executor = Executor(bus, machines, concurrency=concurrency, route=route)
+        self.observer = Observer(bus, registry=Registry(clock=clock), on_change=self._on_change, route=route)
         self.following: Following | None = None
         self._wake = asyncio.Event()
         self.loops: dict[str, AppLoop] = {}
@@ -144,8 +148,16 @@ class Reconciler:
 
         nc = await connect(url, "fauxmad-reconciler", reconnect_forever=True, on_closed=on_closed)
         kv = await ensure_fleet_resources(nc.jetstream(), FleetConfig(region=options.get("region")))
-        reconciler = cls(NatsBus(nc), FleetClient(nc, timeout=15.0), KVReleaseStore(kv.apps), **options)
-        reconciler.following = await Following.start(nc, kv, reconciler.observer, reconciler.watched, reconciler.wake)
+        route = options.pop("route", None) or for_role(role_of(nc))
+        reconciler = cls(NatsBus(nc), FleetClient(nc, timeout=15.0), KVReleaseStore(kv.apps), route=route, **options)
+        reconciler.following = await Following.start(
+            nc,
+            kv,
+            reconciler.observer,
+            reconciler.watched,
+            reconciler.wake,
+            fleet_wide=route is to_workers,  # another identity may subscribe to its inbox only: it polls
+        )
         return reconciler
 
     def bus_closed(self, reason: str) -> None:
