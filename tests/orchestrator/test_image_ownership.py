@@ -338,3 +338,13 @@ def test_a_deployer_builds_pushes_tags_and_deploys_its_own_image(fleet: SecureFl
     machine = json.loads(run.stdout)
     assert machine["config"]["image"] == new_digest
     wait_log(fleet, "web", machine["id"], "rebuilt-stamp")
+
+    # the owner may push its digest again with other defaults (what `build --cmd` is for); the bytes stay
+    changed = fleet.cli(
+        "ci-web", "image", "build", str(source), "--tag", "web:v3", "--cmd", "python3 app.py --again",
+        "--json", "--nats", fleet.url,
+    )  # fmt: skip
+    assert changed.returncode == 0, changed.stderr
+    digest_now, manifest_now, bytes_now = stored(fleet, "web:v3")
+    assert digest_now == digest == bytes_now and manifest_now.cmd == ["python3", "app.py", "--again"]
+    assert manifest_now.app == "web" and {"web:v1", "web:live", "web:v2", "web:v3"} <= set(manifest_now.tags)
