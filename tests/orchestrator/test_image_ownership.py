@@ -7,8 +7,8 @@ What must hold (README "Security", who may do what with images):
 - nobody changes the bytes under a digest in use: a deployer cannot write the object store at all, and a
   push of a digest the store holds sends no bytes; the stored object stays the same bytes;
 - a push whose bytes do not hash to their name is a one-line 400 naming both digests; nothing is stored;
-- the deployer of `web` builds, pushes (in chunks: bigger than one NATS message), tags and deploys its own
-  image, both by `image =` and by `build =`.
+- the deployer of `web` builds, pushes (in chunks: bigger than one NATS message), tags and runs its own
+  image (`machine run --image`), and deploys a directory (`deploy` with `build =`, pushed the same way).
 """
 
 from __future__ import annotations
@@ -348,3 +348,19 @@ def test_a_deployer_builds_pushes_tags_and_deploys_its_own_image(fleet: SecureFl
     digest_now, manifest_now, bytes_now = stored(fleet, "web:v3")
     assert digest_now == digest == bytes_now and manifest_now.cmd == ["python3", "app.py", "--again"]
     assert manifest_now.app == "web" and {"web:v1", "web:live", "web:v2", "web:v3"} <= set(manifest_now.tags)
+
+    # `fauxmad deploy` by web's deployer with `build = "."`: packed, pushed through the brokers, pinned, run
+    shipped = image_dir(tmp_path / "shipped", "shipped-stamp")
+    (shipped / "fauxmad.toml").write_text(
+        'app = "web"\nbuild = "."\ncmd = ["python3", "app.py"]\n[guest]\nmemory_mb = 64\n[regions]\nmad = 1\n'
+        "[deploy]\nspares = 0\n"
+    )
+    deployed = fleet.cli("ci-web", "deploy", "-c", str(shipped / "fauxmad.toml"), "--nats", fleet.url, timeout=180)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    shipped_digest = digest_of(build_archive(shipped))
+    assert stored(fleet, f"web:{shipped_digest[7:19]}")[1].app == "web"
+    listed = fleet.cli("ci-web", "machine", "list", "-a", "web", "--json", "--nats", fleet.url)
+    assert listed.returncode == 0, listed.stderr
+    ran = [m for m in json.loads(listed.stdout) if m["config"].get("image") == shipped_digest]
+    assert ran and ran[0]["state"] == "started", listed.stdout
+    wait_log(fleet, "web", ran[0]["id"], "shipped-stamp")
