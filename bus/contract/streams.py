@@ -25,6 +25,9 @@ class AuditRecord(Reply):
     remote: str = ""
     request_id: str = ""
     name: str = ""  # NATS: the name the signing identity gives itself (its credentials' name)
+    # HTTP with tokens: the id of the token presented (`fauxmad token inspect` shows it), allowed or refused (a
+    # refused one as it claims to be), "static-token", "malformed" or "none given"
+    token: str = ""
 
 
 class LogLine(Reply):

@@ -35,7 +35,7 @@ from bus.contract.streams import AuditRecord
 from bus.transport.audit import AuditTrail, audit_subject
 from orchestrator.api.errors import error_response
 from orchestrator.replicas.replica import KVReplica
-from orchestrator.security.tokens import Token, TokenError, verify
+from orchestrator.security.tokens import Token, TokenError, decode, verify
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ class RevokedTokens(KVReplica):
 class Caller(msgspec.Struct, frozen=True):
     identity: str
     scope: list[str] = []
+    token: str = ""  # the id of the token presented (`token inspect` shows it), or NO_TOKEN; "" without tokens
+
+
+NO_TOKEN = "none given"
 
 
 class Auth:
@@ -80,13 +84,30 @@ class Auth:
     def open(self) -> bool:
         return self.static_token is None and self.root_key is None
 
+    @staticmethod
+    def _bearer(request: web.Request) -> str:
+        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+        return value.strip() if scheme.lower() == "bearer" else ""
+
+    def presented(self, request: web.Request) -> str:
+        """What a refused request's audit record names: the id of the token it carried (as the token says, even
+        a forged one), `static-token`, `malformed`, or `none given`."""
+        value = self._bearer(request)
+        if not value:
+            return NO_TOKEN
+        if self.static_token is not None and hmac.compare_digest(value.encode(), self.static_token):
+            return "static-token"
+        try:
+            return decode(value).id
+        except TokenError:
+            return "malformed"
+
     def identify(self, request: web.Request) -> Caller:
         """The caller of `request`, or `TokenError` saying why it may not make it."""
         if self.open:
             return Caller("anonymous")
-        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-        value = value.strip()
-        if scheme.lower() != "bearer" or not value:
+        value = self._bearer(request)
+        if not value:
             raise TokenError("missing bearer token (Authorization: Bearer <token>)")
         if self.static_token is not None and hmac.compare_digest(value.encode(), self.static_token):
             return Caller("static-token")
@@ -100,7 +121,7 @@ class Auth:
             now=self.clock(),
             revoked=self.revoked.ids.__contains__,
         )
-        return Caller(f"token:{token.id}", list(token.caveats))
+        return Caller(f"token:{token.id}", list(token.caveats), token.id)
 
 
 def guard(auth: Auth, trail: AuditTrail) -> Any:
@@ -111,6 +132,7 @@ def guard(auth: Auth, trail: AuditTrail) -> Any:
         record = AuditRecord(
             at=time.time(),
             identity=caller.identity,
+            token=caller.token,
             scope=caller.scope,
             method=request.method,
             path=request.path,
@@ -130,7 +152,7 @@ def guard(auth: Auth, trail: AuditTrail) -> Any:
             caller = auth.identify(request)
         except TokenError as exc:
             if writes:
-                await audit(request, Caller("refused"), exc.status)
+                await audit(request, Caller("refused", token=auth.presented(request)), exc.status)
             return error_response(exc.status, exc.message)
         response = await handler(request)
         if writes:

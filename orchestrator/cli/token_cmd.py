@@ -45,7 +45,9 @@ def _caveats(app: str | None, ttl: str | None, read_only: bool) -> list[str]:
 def _show(token: Token, as_json: bool, text: str | None = None) -> None:
     if as_json:
         expires = token.expires
-        print_json({"id": token.id, "caveats": list(token.caveats), "expires": expires, "token": text})
+        print_json(
+            {"id": token.id, "root": token.root_id, "caveats": list(token.caveats), "expires": expires, "token": text}
+        )
     elif text is not None:
         print(text)
 
@@ -102,6 +104,7 @@ def inspect_command(token: str = typer.Argument(..., help="a token"), as_json: b
         _show(found, True)
         return
     print(f"id       {found.id}")
+    print(f"root     {found.root_id}  (shared with every token narrowed from the same mint)")
     for caveat in found.caveats or ("(none: any app, any request, no expiry)",):
         print(f"caveat   {caveat}")
 
@@ -111,7 +114,8 @@ def revoke_command(
     token_id: str = typer.Argument(..., help="the token's id (`fauxmad token inspect` shows it), or the token"),
     nats: str | None = NatsOption,
 ) -> None:
-    """Revoke a token and every token narrowed from it, on every API process at once."""
+    """Revoke a token and every token narrowed from it (never the one it was narrowed from), on every API process
+    at once."""
     if token_id.startswith("fm1_"):
         token_id = _decode(token_id).id
     if not token_id.isalnum():

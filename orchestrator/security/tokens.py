@@ -6,7 +6,15 @@ macaroons paper (Birgisson et al., 2014) that Fly's tokens follow: `sig0 = HMAC(
 can append a caveat and chain the signature on, so a user hands CI a narrower token (one app, read
 only, an hour) without asking anyone; no one can remove a caveat, because that would mean going back
 up the HMAC chain. Verification recomputes the chain from the root key and then checks every caveat;
-an unknown caveat fails closed. Revoking a token's id revokes every token derived from it.
+an unknown caveat fails closed.
+
+Revocation follows the chain downward only. Every token has its own id, `id_of(signature)`: a one-way hash of
+its last signature (`sig_n`), so a token narrowed from another one (same root, more caveats, a later signature)
+has an id of its own. Verifying a token recomputes `sig_0 .. sig_n`, which are the signatures of the token and
+of every token it was narrowed from, and refuses it if any of their ids is revoked: revoking a token revokes it
+and whatever was narrowed from it, never the token it was narrowed from (which shares its root, `root_id`, and
+would all go if revocation named the root). The id reveals nothing a forger could use: going from an id back
+to its signature would mean inverting SHA-256.
 
 Caveats are plain strings, so a person can read what a token allows (`fauxmad token inspect`):
 - `app = NAME`: only that app's paths (several app caveats: the token is good for none but their common app).
@@ -44,13 +52,18 @@ class TokenError(Exception):
 
 
 class Token(msgspec.Struct, frozen=True, kw_only=True):
-    id: str
+    root_id: str  # the minted root's random id, shared by every token narrowed from it (`id` on the wire)
     caveats: tuple[str, ...] = ()
     signature: bytes = b""
 
     def encode(self) -> str:
-        payload = msgspec.json.encode({"id": self.id, "caveats": list(self.caveats)})
+        payload = msgspec.json.encode({"id": self.root_id, "caveats": list(self.caveats)})
         return f"{PREFIX}{_b64(payload)}.{_b64(self.signature)}"
+
+    @property
+    def id(self) -> str:
+        """This token's own id: what `token inspect` shows, `token revoke` revokes and the audit names."""
+        return id_of(self.signature)
 
     @property
     def apps(self) -> set[str]:
@@ -93,8 +106,8 @@ def caveats_for(*, app: str | None = None, ttl: float | None = None, read_only: 
 
 def mint(root_key: bytes, caveats: list[str]) -> Token:
     """A new token (a fresh random id) with `caveats`, signed by the fleet's root key."""
-    token_id = secrets.token_hex(8)
-    return attenuate(Token(id=token_id, signature=_mac(root_key, token_id.encode())), caveats)
+    root_id = secrets.token_hex(8)
+    return attenuate(Token(root_id=root_id, signature=_mac(root_key, root_id.encode())), caveats)
 
 
 def attenuate(token: Token, caveats: list[str]) -> Token:
@@ -103,7 +116,7 @@ def attenuate(token: Token, caveats: list[str]) -> Token:
     for caveat in caveats:
         _parse_caveat(caveat)
         signature = _mac(signature, caveat.encode())
-    return Token(id=token.id, caveats=(*token.caveats, *caveats), signature=signature)
+    return Token(root_id=token.root_id, caveats=(*token.caveats, *caveats), signature=signature)
 
 
 def decode(text: str) -> Token:
@@ -119,7 +132,7 @@ def decode(text: str) -> Token:
         raise TokenError("a malformed token") from None
     if len(raw_signature) != hashlib.sha256().digest_size:
         raise TokenError("a malformed token")
-    return Token(id=body.id, caveats=tuple(body.caveats), signature=raw_signature)
+    return Token(root_id=body.id, caveats=tuple(body.caveats), signature=raw_signature)
 
 
 def verify(
@@ -134,17 +147,21 @@ def verify(
     """The token in `text` if it allows this request (on `app`, or on no app's path; a write or a read);
     raise `TokenError` saying why not. The signature is checked before anything the token says is read."""
     token = decode(text)
-    expected = _mac(root_key, token.id.encode())
+    expected = _mac(root_key, token.root_id.encode())
+    chain = [expected]  # the signatures of this token and of every token it was narrowed from
     for caveat in token.caveats:
         expected = _mac(expected, caveat.encode())
+        chain.append(expected)
     if not hmac.compare_digest(expected, token.signature):
         raise TokenError("a forged or damaged token (its signature does not match)")
     try:
         parsed = token.parsed()
     except TokenError as exc:
         raise TokenError(f"a token with a caveat this API does not know: {exc.message}") from None
-    if revoked(token.id):
-        raise TokenError(f"token {token.id} has been revoked")
+    for signature in reversed(chain):  # downward only: its own id, then the tokens it was narrowed from
+        if revoked(id_of(signature)):
+            whose = "" if signature == token.signature else f" (it was narrowed from {id_of(signature)}, revoked)"
+            raise TokenError(f"token {token.id} has been revoked{whose}")
     expires = token.expires
     if expires is not None and now >= expires:
         raise TokenError(f"token {token.id} expired at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(expires))}")
@@ -169,6 +186,11 @@ def _parse_caveat(caveat: str) -> tuple[str, str]:
     if name == "expires" and sep == " < " and value.isdigit():
         return name, value
     raise TokenError(f"unknown caveat {caveat!r}")
+
+
+def id_of(signature: bytes) -> str:
+    """The id of the token whose (last) signature is `signature`: 16 hex digits of a one-way hash."""
+    return hashlib.sha256(b"fauxmad token id\0" + signature).hexdigest()[:16]
 
 
 def _mac(key: bytes, message: bytes) -> bytes:

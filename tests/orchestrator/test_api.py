@@ -294,13 +294,22 @@ def test_fleet_tokens_are_scoped_expiring_revocable_and_every_write_is_audited(f
         time.sleep(max(0.0, 1.1 - (time.time() % 1)) + 1.0)
         status, body = Api(base, token=short).call("POST", path + "/stop", {})
         assert status == 401 and "expired" in body["error"]
-        cli("token", "revoke", web_read)  # by the narrowed token: revokes its whole family, `web` too
+        cli("token", "revoke", web_read)  # the narrowed token: it goes, the token it was narrowed from stays
         deadline = time.monotonic() + 10
-        while (status := Api(base, token=web).call("GET", path)[0]) != 401:  # the API's watch delivers it
+        while (status := Api(base, token=web_read).call("GET", path)[0]) != 401:  # the API's watch delivers it
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert Api(base, token=web).call("GET", path)[0] == 200
+        cli("token", "revoke", web)  # the one it was narrowed from: it goes too, and its descendants stay gone
+        deadline = time.monotonic() + 10
+        while (status := Api(base, token=web).call("GET", path)[0]) != 401:
             assert time.monotonic() < deadline, status
             time.sleep(0.05)
         status, body = Api(base, token=web).call("POST", path + "/stop", {})
         assert status == 401 and "revoked" in body["error"]
+        assert Api(base, token=web_read).call("GET", path)[0] == 401
+        status, body = Api(base).call("POST", path + "/stop", {})  # no token at all
+        assert status == 401
         # the machine was never stopped by a refused request
         status, body = Api(base).call("GET", path)
         assert status == 401
@@ -315,6 +324,13 @@ def test_fleet_tokens_are_scoped_expiring_revocable_and_every_write_is_audited(f
     assert ("refused", "POST", path + "/stop", 401) in by_path
     made = next(r for r in records if r["path"] == "/v1/apps/tokweb/machines")
     assert made["scope"][0] == "app = tokweb" and made["app"] == "tokweb"
+    # a refused request names the token it carried (its id, as `token inspect` shows it), or that it carried none
+    web_id = json.loads(cli("token", "inspect", web, "--json"))["id"]
+    refused = {(r["path"], r["status"], r["token"]) for r in records if r["identity"] == "refused"}
+    assert ("/v1/apps/tokother/machines", 403, web_id) in refused
+    assert (path + "/stop", 401, web_id) in refused  # revoked
+    assert (path + "/stop", 401, "none given") in refused
+    assert made["token"] == web_id and made["identity"] == f"token:{web_id}"
     assert all(r["method"] != "GET" for r in records)
 
 

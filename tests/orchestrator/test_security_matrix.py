@@ -15,8 +15,12 @@ Both sides are settled with PING/PONG round trips (flush), never with a sleep ta
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -245,43 +249,98 @@ def test_credentials_files_are_private(secure_fleet: tuple[FleetDir, str]) -> No
 
 
 @pytest.mark.fleet
-def test_the_readme_commands_run_as_written_and_bad_input_is_one_line() -> None:
-    import shutil
-
+def test_the_readme_commands_run_as_written_and_bad_input_is_one_line(tmp_path: Path) -> None:
+    """The README's secure-fleet block, verbatim in a shell (its `~` is a fresh home), makes every identity the
+    section runs: a server on its config, the fleet prepared by the operator, the worker and the broker with their
+    own credentials, a deployer's create and a viewer's list."""
     from tests.orchestrator.test_cli import fauxmad
 
     section = (ROOT / "README.md").read_text().split("## Security:", 1)[1].split("\n## ", 1)[0]
     block = re.findall(r"```bash\n(.*?)```", section, re.S)[0]  # the fleet's; the secrets' run in test_secrets
-    lines = [line.split(" ", 1)[1] for line in block.strip().splitlines()]
-    directory = Path("/tmp/fauxmad-secure")
-    shutil.rmtree(directory, ignore_errors=True)
-    try:
-        for line in lines:
-            import shlex
+    home = tmp_path / "home"
+    home.mkdir()
+    bin_dir = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = {k: v for k, v in os.environ.items() if k not in ("FAUXMAD_NATS_URL", "FAUXMAD_CREDS")}
+    env.update(HOME=str(home), PATH=bin_dir, PYTHONPATH=str(ROOT))
+    ran = subprocess.run(["bash", "-e", "-c", block], capture_output=True, text=True, env=env, timeout=120)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    directory = home / "fauxmad-secure"
+    names = {e.identity.name for e in FleetDir(directory).entries()}
+    assert names == {"operator", "worker-mad-w1", "broker-1", "ci-web", "ops-bob"}
+    _run_the_readme_fleet(FleetDir(directory), env, tmp_path)
 
-            done = fauxmad(*shlex.split(line))
-            assert done.returncode == 0, f"{line}: {done.stderr}"
-        assert {e.identity.name for e in FleetDir(directory).entries()} == {
-            "operator",
-            "worker-mad-w1",
-            "ci-web",
-            "ops-bob",
-        }
-        again = fauxmad("fleet", "init", str(directory))
-        assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1 and "already" in again.stderr
-        bad_role = fauxmad("fleet", "add-user", "x", "--role", "root", "--dir", str(directory))
-        assert bad_role.returncode == 2 and "unknown role" in bad_role.stderr
-        no_app = fauxmad("fleet", "add-user", "y", "--role", "deployer", "--dir", str(directory))
-        assert no_app.returncode == 2 and "--app" in no_app.stderr and "Traceback" not in no_app.stderr
-        bad_name = fauxmad("fleet", "add-worker", "a.b", "--region", "mad", "--dir", str(directory))
-        assert bad_name.returncode == 2 and len(bad_name.stderr.strip().splitlines()) == 1
-        revoked = fauxmad("fleet", "revoke", "ops-bob", "--dir", str(directory))
-        assert revoked.returncode == 0 and not (directory / "creds" / "ops-bob.json").exists()
-        assert "ops-bob" not in (directory / "users.conf").read_text()
-        nowhere = fauxmad("fleet", "add-worker", "w9", "--region", "mad", "--dir", "/nonexistent/fleet")
-        assert nowhere.returncode == 2 and "fleet init" in nowhere.stderr
+    again = fauxmad("fleet", "init", str(directory))
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1 and "already" in again.stderr
+    bad_role = fauxmad("fleet", "add-user", "x", "--role", "root", "--dir", str(directory))
+    assert bad_role.returncode == 2 and "unknown role" in bad_role.stderr
+    no_app = fauxmad("fleet", "add-user", "y", "--role", "deployer", "--dir", str(directory))
+    assert no_app.returncode == 2 and "--app" in no_app.stderr and "Traceback" not in no_app.stderr
+    bad_name = fauxmad("fleet", "add-worker", "a.b", "--region", "mad", "--dir", str(directory))
+    assert bad_name.returncode == 2 and len(bad_name.stderr.strip().splitlines()) == 1
+    revoked = fauxmad("fleet", "revoke", "ops-bob", "--dir", str(directory))
+    assert revoked.returncode == 0 and not (directory / "creds" / "ops-bob.json").exists()
+    assert "ops-bob" not in (directory / "users.conf").read_text()
+    nowhere = fauxmad("fleet", "add-worker", "w9", "--region", "mad", "--dir", "/nonexistent/fleet")
+    assert nowhere.returncode == 2 and "fleet init" in nowhere.stderr
+
+
+def _run_the_readme_fleet(fleet: FleetDir, env: dict[str, str], tmp_path: Path) -> None:
+    """What the section says next, each process as its own identity: the server (on a free port rather than the
+    block's 4333), `fleet prepare` as the operator, the worker and the broker; a deployer creates, a viewer lists."""
+    port = free_port()
+    url = f"tls://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [find_binary(), "-c", str(fleet.config), "-p", str(port), "-l", str(tmp_path / "nats.log")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def cli(identity: str, *args: str) -> subprocess.CompletedProcess[str]:
+        as_it = dict(env, FAUXMAD_CREDS=str(fleet.creds(identity)), FAUXMAD_NATS_URL=url)
+        command = [sys.executable, "-m", "orchestrator.cli", *args]
+        return subprocess.run(command, capture_output=True, text=True, env=as_it, timeout=60, cwd=str(ROOT))
+
+    def spawn(identity: str, *args: str) -> None:
+        as_it = dict(env, FAUXMAD_CREDS=str(fleet.creds(identity)), FAUXMAD_NATS_URL=url)
+        log = open(tmp_path / f"{identity}.log", "wb")  # noqa: SIM115 - kept open for the process's life
+        command = [sys.executable, "-m", "orchestrator.cli", *args]
+        procs.append(subprocess.Popen(command, stdout=log, stderr=log, env=as_it, cwd=str(ROOT)))
+
+    try:
+        deadline = time.monotonic() + 20
+        while cli("operator", "fleet", "prepare", "--regions", "mad").returncode != 0:
+            assert time.monotonic() < deadline and server.poll() is None, "the README's fleet did not come up"
+            time.sleep(0.2)
+        spawn("worker-mad-w1", "worker", "--region", "mad", "--worker-id", "mad-w1", "--cpus", "2",
+              "--memory-mb", "1024", "--data-dir", str(tmp_path / "w1"))  # fmt: skip
+        spawn("broker-1", "broker")
+        deadline = time.monotonic() + 30
+        while True:
+            listed = cli("ops-bob", "workers", "--json")
+            if listed.returncode == 0 and len(json.loads(listed.stdout)) == 1:
+                break
+            assert time.monotonic() < deadline, listed.stderr
+            time.sleep(0.2)
+        run = cli("ci-web", "machine", "run", "-a", "web", "-r", "mad", "--json", "--", "sleep", "30")
+        assert run.returncode == 0, run.stderr
+        machines = cli("ops-bob", "machine", "list", "-a", "web", "--json")
+        assert machines.returncode == 0 and [m["id"] for m in json.loads(machines.stdout)] == [
+            json.loads(run.stdout)["id"]
+        ]
+        destroyed = cli("ci-web", "machine", "destroy", json.loads(run.stdout)["id"], "-a", "web", "--force")
+        assert destroyed.returncode == 0, destroyed.stderr
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        server.terminate()
+        server.wait(timeout=10)
 
 
 def test_a_plain_connection_is_refused(secure_fleet: tuple[FleetDir, str]) -> None:

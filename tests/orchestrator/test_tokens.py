@@ -38,7 +38,7 @@ def test_anyone_can_narrow_a_token_but_nobody_can_widen_it() -> None:
     assert check(narrow.encode(), write=False).read_only
     assert refused(narrow.encode(), write=True).status == 403
     # dropping a caveat (keeping the narrower signature) is a forgery
-    widened = Token(id=narrow.id, caveats=narrow.caveats[:1], signature=narrow.signature)
+    widened = Token(root_id=narrow.root_id, caveats=narrow.caveats[:1], signature=narrow.signature)
     assert "forged" in refused(widened.encode(), write=False).message
     # and so is any token made with another key
     assert "forged" in refused(mint(new_root_key(), []).encode()).message
@@ -57,6 +57,28 @@ def test_a_revoked_id_revokes_every_token_narrowed_from_it() -> None:
             verify(KEY, token.encode(), app="web", write=False, now=NOW, revoked={root.id}.__contains__)
 
 
+def test_revocation_follows_the_chain_downward_only() -> None:
+    root = mint(KEY, ["app = web"])
+    child = attenuate(root, ["access = read"])
+    grandchild = attenuate(child, caveats_for(ttl=60, now=NOW))
+    sibling = attenuate(root, caveats_for(ttl=60, now=NOW))
+    ids = {t.id for t in (root, child, grandchild, sibling)}
+    assert len(ids) == 4 and len({t.root_id for t in (root, child, grandchild, sibling)}) == 1
+    assert decode(child.encode()).id == child.id  # anyone holding the token can name it: `token revoke TOKEN`
+
+    def allowed(token: Token) -> bool:
+        try:
+            verify(KEY, token.encode(), app="web", write=False, now=NOW, revoked={child.id}.__contains__)
+        except TokenError as exc:
+            assert exc.status == 401 and "revoked" in exc.message
+            return False
+        return True
+
+    assert [allowed(t) for t in (root, child, grandchild, sibling)] == [True, False, False, True]
+    with pytest.raises(TokenError, match=f"narrowed from {child.id}, revoked"):
+        verify(KEY, grandchild.encode(), app="web", write=False, now=NOW, revoked={child.id}.__contains__)
+
+
 @pytest.mark.parametrize("text", ["", "bearer", "fm1_", "fm1_a.b.c", "fm1_!!!.???", "fm1_e30.AAAA", "xx_e30.AAAA"])
 def test_malformed_tokens_are_401_in_one_line(text: str) -> None:
     error = refused(text)
@@ -70,5 +92,5 @@ def test_unknown_caveats_fail_closed() -> None:
     # a caveat chained on by hand (valid signature) that this API does not know: refused, not ignored
     base = mint(KEY, [])
     signature = hmac.new(base.signature, b"region = mad", hashlib.sha256).digest()
-    odd = Token(id=base.id, caveats=("region = mad",), signature=signature)
+    odd = Token(root_id=base.root_id, caveats=("region = mad",), signature=signature)
     assert "does not know" in refused(odd.encode()).message
