@@ -38,6 +38,7 @@ from bus.stores.snapshots import snapshot_store, volumes_bucket
 from bus.transport import credentials
 from bus.transport.connection import servers
 from bus.transport.credentials import CREDS_ENV
+from bus.transport.fleet_layout import Told, fleet_layout
 from bus.transport.jetstream import (
     ensure_audit_stream,
     ensure_fleet_resources,
@@ -91,6 +92,7 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # servers of one plain NATS cluster (routes, no gateways: the usual HA setup), 0 = one nats-server; no layout
     # variable is set: the fleet's layout takes R3 from a cluster of three (`bus.transport.fleet_layout`)
     cluster: int = 0
+    replicas: int | None = None  # the layout's replicas when the fleet is made (None: what the servers offer)
 
 
 def unmount_under(root: Path) -> int:
@@ -326,6 +328,8 @@ class DevFleet:
         """Create the fleet's streams and buckets as the operator: in a secure fleet the others only bind."""
         nc = await self._connect()
         try:
+            if self.spec.replicas is not None:  # written before anything else: the fleet's layout
+                await fleet_layout(nc.jetstream(), Told(replicas=self.spec.replicas, source="the dev fleet's spec"))
             await ensure_fleet_resources(nc.jetstream(), every_region=True)
             await secrets_bucket(nc.jetstream())
             await ensure_audit_stream(nc.jetstream())

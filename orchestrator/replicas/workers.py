@@ -10,6 +10,16 @@ A reconciler may also `suspect` a worker it has just found silent (an edge proxy
 refused and the worker itself did not answer): the worker counts as gone at once, without waiting for
 its heartbeat to expire, until it proves otherwise with a heartbeat stamped after the suspicion (or
 the TTL passes, by when an expired key says the same).
+
+A silence of the whole bucket is the store's, not every worker's. When a server of a replicated fleet dies,
+the workers bucket may have no leader until the others elect one (nats-server's raft: 4 to 9 s), or this
+replica's watch may stall until it is made again: no heartbeat arrives from anyone, and the TTL alone would
+empty the registry (`fauxmad workers`: "no live workers"; an operator would replace every machine). So when
+no heartbeat at all has come from a bucket with two or more live workers for half a TTL, its workers are
+judged as of the last heartbeat heard (the clock stops for them, up to `SILENCE_LIMIT`), expiry markers that
+arrive meanwhile do not remove them, and when heartbeats come back each of those workers gets a TTL from then
+to beat again. One worker dying never silences the others; two or more dying in the same instant are seen gone
+after `SILENCE_LIMIT` rather than after the TTL. A supercluster's regions are separate buckets, judged apart.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import random
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
+from typing import Any
 
 from bus.contract.codec import decoder
 from bus.contract.fleet import WorkerInfo
@@ -27,6 +38,8 @@ from bus.transport.jetstream import WORKER_TTL
 from orchestrator.replicas.replica import KVReplica
 
 log = logging.getLogger(__name__)
+
+SILENCE_LIMIT = 20.0  # seconds a bucket's silence is taken for the store's (an election, a watch made again)
 
 
 class Registry(KVReplica):
@@ -40,6 +53,49 @@ class Registry(KVReplica):
         self._sorted_ids: dict[str, list[str]] = {}  # per region, for O(1) sampling; dropped when membership changes
         self._departed: asyncio.Event | None = None
         self._suspected: dict[str, float] = {}  # worker id -> when it was found silent
+        self._heard: dict[str, float] = {}  # bucket -> when the last heartbeat from it was applied
+        self.bucket_of: Callable[[str], str] = lambda key: ""  # one bucket (a supercluster's: one per region)
+
+    async def start(self, kv: Any, timeout: float = 5.0) -> None:
+        if getattr(kv, "buckets", None):  # a supercluster's regions (`bus.transport.regional`): a bucket each
+            self.bucket_of = lambda key: key.split(".", 1)[0]
+        await super().start(kv, timeout)
+
+    def _silent_since(self, bucket: str, now: float) -> float | None:
+        """When `bucket` went silent, if its silence is the store's (see the module's docstring), else None."""
+        heard = self._heard.get(bucket)
+        if heard is None or not (self.ttl / 2 < now - heard <= SILENCE_LIMIT):
+            return None
+        live = 0
+        for key, info in self._workers.items():
+            if (
+                self.bucket_of(key) == bucket
+                and heard - max(self._seen_at.get(key, 0.0), info.heartbeat_at) <= self.ttl
+            ):
+                live += 1
+                if live >= 2:
+                    return heard
+        return None
+
+    def _fresh(self, key: str, info: WorkerInfo, now: float) -> bool:
+        """Whether `key`'s last heartbeat is within the TTL, the clock stopped while its bucket is silent."""
+        last = max(self._seen_at.get(key, 0.0), info.heartbeat_at)
+        if now - last <= self.ttl:
+            return True
+        silent = self._silent_since(self.bucket_of(key), now)
+        return silent is not None and silent - last <= self.ttl
+
+    def _heard_from(self, key: str, now: float) -> None:
+        bucket = self.bucket_of(key)
+        silent = self._silent_since(bucket, now)
+        if silent is not None:  # back from the store's silence: every worker live then gets a TTL from now
+            for other, info in self._workers.items():
+                if (
+                    self.bucket_of(other) == bucket
+                    and silent - max(self._seen_at.get(other, 0.0), info.heartbeat_at) <= self.ttl
+                ):
+                    self._seen_at[other] = now
+        self._heard[bucket] = now
 
     def suspect(self, worker_id: str) -> None:
         """Count `worker_id` as gone from now until a heartbeat stamped later than now arrives."""
@@ -69,6 +125,8 @@ class Registry(KVReplica):
     def apply(self, key: str, value: bytes | None) -> None:
         """Apply one KV update (`value=None`: the key was deleted or expired)."""
         if value is None:
+            if key in self._workers and self._silent_since(self.bucket_of(key), self.clock()) is not None:
+                return  # expired for the store's silence, not the worker's: judged by its time (`_fresh`)
             info = self._workers.pop(key, None)
             self._seen_at.pop(key, None)
             if info is not None:
@@ -88,15 +146,16 @@ class Registry(KVReplica):
             since = self._suspected.get(info.worker_id)
             if since is not None and info.heartbeat_at > since:
                 del self._suspected[info.worker_id]  # it spoke after we found it silent
+            now = self.clock()
+            self._heard_from(key, now)
             self._workers[key] = info
-            self._seen_at[key] = self.clock()
+            self._seen_at[key] = now
             self._by_region.setdefault(info.region, {})[info.worker_id] = info
 
     def _alive(self, key: str, info: WorkerInfo) -> bool:
-        seen = self._seen_at.get(key, 0.0)
         if self._suspected and self.suspected(info.worker_id):
             return False
-        return self.clock() - max(seen, info.heartbeat_at) <= self.ttl
+        return self._fresh(key, info, self.clock())
 
     def workers(self, region: str | None = None) -> list[WorkerInfo]:
         """Live workers, optionally of one region, ordered by region then id."""
@@ -111,13 +170,10 @@ class Registry(KVReplica):
     def live_ids(self, region: str) -> set[str]:
         """The live workers of one region: O(region), no sorting (it runs on every create)."""
         now = self.clock()
-        ttl = self.ttl
-        seen = self._seen_at
         return {
             worker_id
             for worker_id, info in self._by_region.get(region, {}).items()
-            if now - max(seen.get(f"{region}.{worker_id}", 0.0), info.heartbeat_at) <= ttl
-            and not (self._suspected and self.suspected(worker_id))
+            if self._fresh(f"{region}.{worker_id}", info, now) and not (self._suspected and self.suspected(worker_id))
         }
 
     def sample(
@@ -143,7 +199,7 @@ class Registry(KVReplica):
                 continue
             if self._suspected and self.suspected(worker_id):
                 continue
-            if now - max(self._seen_at.get(f"{region}.{worker_id}", 0.0), info.heartbeat_at) > self.ttl:
+            if not self._fresh(f"{region}.{worker_id}", info, now):
                 continue
             chosen.append(worker_id)
             if len(chosen) == k:
