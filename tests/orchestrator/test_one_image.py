@@ -168,7 +168,9 @@ def test_the_same_image_runs_through_every_door(fleet: DevFleet, api: Api, tmp_p
     # the HTTP API: by tag with no init (the image's command), by digest with init.cmd (that command)
     status, by_tag = api.call("POST", "/v1/apps/door-api/machines", {"config": {"image": "door:v1"}, "region": REGION})
     assert status == 200, by_tag
-    assert by_tag["config"]["image"] == digest and by_tag["config"]["init"]["cmd"] == ["python3", "app.py"]
+    # as Fly answers: `config.image` as the client sent it, `image_ref.digest` what it resolved to (the same)
+    assert by_tag["config"]["image"] == "door:v1" and by_tag["image_ref"]["digest"] == digest
+    assert by_tag["config"]["init"]["cmd"] == ["python3", "app.py"]
     given = ["sh", "-c", "echo given; exec python3 app.py"]
     body = {"config": {"image": digest, "init": {"cmd": given}}, "region": REGION}
     status, by_digest = api.call("POST", "/v1/apps/door-api/machines", body)
@@ -210,7 +212,7 @@ def test_the_same_image_runs_through_every_door(fleet: DevFleet, api: Api, tmp_p
     assert updated.returncode == 0, updated.stderr
     assert json.loads(updated.stdout)["config"]["cmd"] == ["python3", "app.py", "--v2"]
     status, moved = api.call("POST", f"/v1/apps/door-api/machines/{by_tag['id']}", {"config": {"image": "door:v2"}})
-    assert status == 200 and moved["config"]["image"] == v2 and moved["config"]["init"]["cmd"][-1] == "--v2", moved
+    assert status == 200 and moved["image_ref"]["digest"] == v2 and moved["config"]["init"]["cmd"][-1] == "--v2", moved
     moved_machines = [m for app in ("door-cli", "door-api") for m in machines_of(fleet, app) if m.config.image == v2]
     assert len(moved_machines) == 2
     assert all(served(machine) == SERVED.replace(STAMP, "stamp-v2") for machine in moved_machines)
@@ -248,7 +250,7 @@ def test_an_unknown_reference_is_refused_at_every_door(fleet: DevFleet, api: Api
         "/v1/apps/unknown/machines",
         {"config": {"image": "bare:v1", "init": {"exec": ["sleep", "300"]}}, "region": REGION},
     )
-    assert status == 200 and ran["config"]["image"] == bare_digest, ran
+    assert status == 200 and ran["image_ref"]["digest"] == bare_digest, ran
     status, refused = api.call("POST", f"/v1/apps/unknown/machines/{ran['id']}", {"config": {"image": "nosuch:v2"}})
     assert status == 400 and "config.image: no image tagged nosuch:v2" in refused["error"]
     assert machines_of(fleet, "unknown") and all(m.config.image == bare_digest for m in machines_of(fleet, "unknown"))
@@ -319,7 +321,7 @@ def test_a_machine_whose_image_cannot_be_pulled_fails_loudly(fleet: DevFleet, ap
     assert status == 422 and "failed to start" in answer["error"] and refused in answer["error"], answer
     mid = answer["machine_id"]
     status, got = api.call("GET", f"/v1/apps/dmg-api/machines/{mid}")
-    assert status == 200 and got["state"] == "failed" and got["config"]["image"] == digest
+    assert status == 200 and got["state"] == "failed" and got["image_ref"]["digest"] == digest
     status, answer = api.call("POST", f"/v1/apps/dmg-api/machines/{mid}/start")
     assert status == 422 and refused in answer["error"] and answer["machine_id"] == mid
 
