@@ -342,17 +342,48 @@ def test_the_registry_samples_two_distinct_live_workers_reproducibly() -> None:
 def test_the_registry_sample_skips_excluded_and_gone_workers() -> None:
     now = [100.0]
     registry = registry_of(10, lambda: now[0])
-    fresh = WorkerInfo(
-        worker_id="w9", region="r", capacity=Resources(cpus=4, memory_mb=4096), used=Resources(), heartbeat_at=106.0
-    )
-    now[0] = 106.0  # every heartbeat but w9's is now older than the ttl
-    registry.apply("r.w9", msgspec.json.encode(fresh))
+    for second in range(101, 107):  # w9 beats every second; the others stop (a bucket's silence would not count)
+        fresh = WorkerInfo(
+            worker_id="w9",
+            region="r",
+            capacity=Resources(cpus=4, memory_mb=4096),
+            used=Resources(),
+            heartbeat_at=second,
+        )
+        now[0] = float(second)  # at 106 every heartbeat but w9's is older than the ttl
+        registry.apply("r.w9", msgspec.json.encode(fresh))
     drawn = [registry.sample("r", 1, random.Random(seed)) for seed in range(40)]
     assert all(d in (["w9"], None) for d in drawn) and ["w9"] in drawn, drawn
     now[0] = 100.0
     for seed in range(30):
         picked = registry.sample("r", 2, random.Random(seed), exclude={"w0", "w1"})
         assert picked is None or not {"w0", "w1"} & set(picked)
+
+
+def test_a_silence_of_the_whole_bucket_is_the_store_s_not_every_worker_s() -> None:
+    """No heartbeat from anyone (the bucket electing a leader after a server died): the workers stay listed up to
+    SILENCE_LIMIT, expiry markers meanwhile remove none, and once beats are back each has a TTL to beat again."""
+    now = [100.0]
+    registry = registry_of(3, lambda: now[0])
+    now[0] = 108.0  # 8 s of silence: past the 5 s ttl
+    assert [w.worker_id for w in registry.workers()] == ["w0", "w1", "w2"]
+    registry.apply("r.w0", None)  # its key expired for the store's silence
+    assert registry.live_ids("r") == {"w0", "w1", "w2"}
+    back = WorkerInfo(
+        worker_id="w1", region="r", capacity=Resources(cpus=4, memory_mb=4096), used=Resources(), heartbeat_at=109.0
+    )
+    now[0] = 109.0
+    registry.apply("r.w1", msgspec.json.encode(back))  # beats are back: the others get a ttl from now
+    now[0] = 111.0
+    assert registry.live_ids("r") == {"w0", "w1", "w2"}
+    for second in (111.0, 113.0, 114.5):  # w1 beats on; w0 and w2 never again: gone a ttl after the silence ended
+        now[0] = second
+        registry.apply("r.w1", msgspec.json.encode(msgspec.structs.replace(back, heartbeat_at=second)))
+    assert registry.live_ids("r") == {"w1"}
+    later = [100.0]
+    quiet = registry_of(3, lambda: later[0])
+    later[0] = 125.0
+    assert quiet.workers() == []  # a silence longer than SILENCE_LIMIT (20 s) is every worker's
 
 
 def test_the_registry_sample_gives_up_on_a_region_too_small() -> None:
