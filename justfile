@@ -36,3 +36,7 @@ bench *args:
 # measure the worker: reserve latency over NATS, commits/s, restart time, RSS
 bench-worker *args:
     fauxmad bench worker {{args}}
+
+# the documentation site (docs/, mkdocs with the Material theme) into site/; --strict: a broken link fails it
+docs *args:
+    NO_MKDOCS_2_WARNING=1 {{python}} -m mkdocs build --strict {{args}}

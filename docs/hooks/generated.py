@@ -1,0 +1,89 @@
+"""mkdocs hook: pages and documents generated from the code at build time (nothing here is written by hand).
+
+- `reference/cli.md`: every `fauxmad` command, group and option, walked from the typer app's click tree;
+- `reference/openapi.json`: the OpenAPI document `fauxmad api` serves at `/openapi.json`;
+- `reference/asyncapi.json`: the NATS contract, as `fauxmad schema asyncapi` prints it.
+
+They are added to the build (`on_files`), never written into docs/, so `mkdocs build --strict` checks the links
+to them like any page's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mkdocs.structure.files import File, Files
+
+
+def _usage(command: Any, ctx: Any) -> str:
+    pieces = command.collect_usage_pieces(ctx)
+    return " ".join([ctx.command_path, *pieces])
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ").strip()
+
+
+def _options(command: Any, ctx: Any) -> list[str]:
+    rows = []
+    for param in command.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is None:
+            if param.param_type_name == "argument":
+                rows.append(f"| `{param.human_readable_name}` | argument{' (required)' if param.required else ''} |")
+            continue
+        names, help_text = record
+        rows.append(f"| `{_escape(names)}` | {_escape(help_text) or ' '} |")
+    if not rows:
+        return []
+    return ["| option | what it does |", "|---|---|", *rows, ""]
+
+
+def _walk(command: Any, ctx: Any, depth: int, out: list[str]) -> None:
+    heading = "#" * min(depth + 1, 6)
+    out.append(f"{heading} `{ctx.command_path}`\n")
+    help_text = (command.help or command.short_help or "").strip()
+    if help_text:
+        out.append(help_text.replace("\b\n", "") + "\n")
+    out.append(f"```\n{_usage(command, ctx)}\n```\n")
+    out.extend(_options(command, ctx))
+    if hasattr(command, "list_commands"):  # a group (typer carries its own click: no isinstance)
+        for name in command.list_commands(ctx):
+            sub = command.get_command(ctx, name)
+            if sub is None or sub.hidden:
+                continue
+            _walk(sub, sub.context_class(sub, info_name=name, parent=ctx), depth + 1, out)
+
+
+def cli_reference() -> str:
+    import typer
+
+    from orchestrator.cli import app as cli_app
+
+    cli_app.register()  # every command (a call registers only the one it runs)
+    root = typer.main.get_command(cli_app.app)
+    out = [
+        "# Every command\n",
+        "Generated from the command line's own definitions when the site is built (`just docs`): the same text as "
+        "`fauxmad COMMAND --help`. What each command is for, grouped by task: [Commands](commands.md).\n",
+    ]
+    _walk(root, root.context_class(root, info_name="fauxmad"), 1, out)
+    return "\n".join(out) + "\n"
+
+
+def _json(document: dict[str, Any]) -> str:
+    return json.dumps(document, indent=2, sort_keys=False) + "\n"
+
+
+def on_files(files: Files, config: Any) -> Files:
+    from bus.contract.schema import asyncapi
+    from orchestrator.api.openapi import document
+
+    for path, content in (
+        ("reference/cli.md", cli_reference()),
+        ("reference/openapi.json", _json(document())),
+        ("reference/asyncapi.json", _json(asyncapi())),
+    ):
+        files.append(File.generated(config, path, content=content))
+    return files
