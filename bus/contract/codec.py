@@ -1,7 +1,8 @@
 """JSON on the wire, with one msgspec decoder per message type, built once and reused.
 
 Decoding failures become `BadRequest` carrying msgspec's own message, which names the offending
-field (`Expected int >= 1 - at $.config.guest.cpus`): callers see exactly what to fix. This is the
+field (`Expected int >= 1 - at $.config.guest.cpus`): callers see exactly what to fix. A pattern's
+message is said in words instead of its regex (`rules.in_words`: "machine id must be 14 hex digits"). This is the
 one decoding edge, so it is also where hostile bytes become a 400 rather than a 500 further on:
 - JSON must be UTF-8 (RFC 8259). msgspec raises a bare `UnicodeDecodeError` for invalid UTF-8 in a
   string it materializes and silently skips it in fields it ignores; a strict check of non-ASCII
@@ -20,6 +21,7 @@ from typing import Any, TypeVar, cast
 import msgspec
 
 from bus.contract.errors import BadRequest
+from bus.contract.rules import in_words
 
 T = TypeVar("T")
 
@@ -57,7 +59,7 @@ def _checked(kind: Any, data: bytes, what: str) -> Any:
     try:
         return decoder(kind).decode(data)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid {what}: {_short(str(exc))}") from None
+        raise BadRequest(f"invalid {what}: {in_words(_short(str(exc)))}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"malformed JSON: {_short(str(exc))}") from None
     except RecursionError:

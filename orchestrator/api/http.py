@@ -21,6 +21,7 @@ from bus.contract.base import MACHINE_ID
 from bus.contract.codec import decode, encode
 from bus.contract.errors import BadRequest, Unanswered
 from bus.contract.machines import Machine
+from bus.contract.rules import in_words
 from bus.transport.service import call, request
 
 MAX_BODY = 1024 * 1024
@@ -79,7 +80,7 @@ async def body(request: web.Request, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(raw or b"{}", type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ClientError(400, str(exc)) from None
+        raise ClientError(400, in_words(str(exc))) from None
 
 
 def machine_id(request: web.Request) -> str:

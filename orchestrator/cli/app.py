@@ -27,6 +27,7 @@ from bus.contract.errors import (
     Unanswered,
     Unreachable,
 )
+from bus.contract.rules import in_words
 from orchestrator.cli.runtime import (
     EXIT_CONFLICT,
     EXIT_FAILED,
@@ -239,13 +240,13 @@ def report(exc: Exception) -> int:
     code = _click_exit(exc)
     if code is not None:
         return code
-    if isinstance(exc, CliError):
-        typer.echo(f"fauxmad: {exc}", err=True)
+    if isinstance(exc, CliError):  # messages in words: a pattern's rule, never its regex (`rules.in_words`)
+        typer.echo(f"fauxmad: {in_words(str(exc))}", err=True)
         for line in exc.details:
-            typer.echo(f"  {line}", err=True)
+            typer.echo(f"  {in_words(line)}", err=True)
         return exc.code
     if isinstance(exc, FauxmadError):
-        typer.echo(f"fauxmad: {exc.message}", err=True)
+        typer.echo(f"fauxmad: {in_words(exc.message)}", err=True)
         return exit_code_for(exc)
     if os.environ.get("FAUXMAD_DEBUG"):
         raise exc

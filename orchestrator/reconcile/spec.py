@@ -25,6 +25,7 @@ import msgspec
 from bus.contract.base import Token, seconds
 from bus.contract.fleet import Preset
 from bus.contract.machines import Check, Guest, MachineConfig, Mount, RestartPolicy
+from bus.contract.rules import in_words
 from orchestrator.reconcile.http_service import HttpService
 
 RELEASE_KEY = "fauxmad_release"
@@ -159,6 +160,8 @@ _AT = re.compile(r"^(.*) - at `\$\.?(.*)`$")
 
 def _one_line(source: str, exc: msgspec.ValidationError) -> str:
     text = str(exc)
+    if "matching regex" in text:  # a name or an id: its rule in words, never the regex
+        return f"{source}: {in_words(text, quote=True)}"
     match = _AT.match(text)
     message, path = (match.group(1), match.group(2)) if match else (text, "")
     unknown = re.match(r"Object contains unknown field `(.+)`", message)
