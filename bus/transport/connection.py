@@ -211,8 +211,11 @@ async def connect(
             errors.append(str(exc))
         await _quiet_error(exc)
 
+    told: list[bool] = []
+
     async def closed() -> None:
-        if on_closed is not None:
+        if on_closed is not None and not told:
+            told.append(True)
             why = client.last_error if client is not None else None
             on_closed(f"the NATS connection was closed: {why or 'by the server'}")
 
@@ -244,6 +247,7 @@ async def connect(
         for attribute, value in ((REFUSALS_ATTRIBUTE, refusals), (SIGNER_ATTRIBUTE, signing), (ROLE_ATTRIBUTE, role)):
             if value is not None:
                 setattr(client, attribute, value)
+        _notice_closed(client, closed, on_closed is not None)  # nats-py may skip `closed_cb`: ask the connection too
         return client
     except TimeoutError:
         hint = "" if secure else f" (a secure fleet needs its credentials: {credentials.CREDS_ENV})"
@@ -254,4 +258,30 @@ async def connect(
                 f"NATS at {url} refused these credentials (authorization violation): unknown, revoked or not for"
                 " this server"
             ) from None
-        raise Unreachable(f"cannot reach NATS at {url}: {exc.__class__.__name__} {exc}".strip()) from None
+        raise Unreachable(f"cannot reach NATS at {url}: {_why_unreachable(errors, exc)}") from None
+
+
+def _why_unreachable(errors: list[str], exc: Exception) -> str:
+    """Why connecting failed, in words (the last socket error nats-py reported, never an exception's name)."""
+    why = re.sub(r"^\[Errno -?\d+\]\s*", "", errors[-1]) if errors else str(exc).removeprefix("nats: ")
+    why = why.strip() or "no server answered"
+    return why[0].lower() + why[1:]
+
+
+_NOTICING_ATTRIBUTE = "fauxmad_noticing_closed"
+CLOSED_POLL = 1.0  # seconds between two looks at whether a connection closed without saying so
+
+
+def _notice_closed(client: Client, closed: Callable[[], Awaitable[None]], wanted: bool) -> None:
+    """If `wanted`: call `closed` once the connection is closed for good, even if nats-py never calls its closed
+    callback: under uvloop its close can fail halfway (writing what is pending to the dead socket raises) and skip
+    the callback, and an agent relying on it alone would stay alive but deaf. `closed` runs once either way."""
+    if not wanted:
+        return
+
+    async def noticing() -> None:
+        while not client.is_closed:
+            await asyncio.sleep(CLOSED_POLL)
+        await closed()
+
+    setattr(client, _NOTICING_ATTRIBUTE, asyncio.create_task(noticing()))  # held: a task nobody holds may vanish

@@ -1,5 +1,6 @@
-"""Serve the API: connect to NATS, start the embedded broker, build the application, listen until SIGTERM or
-SIGINT (or cancelled, or the broker's connection ends for good: then exit non-zero for the supervisor).
+"""Serve the API: connect to NATS, start the embedded broker, build the application, listen until cancelled (the
+CLI's `serve` cancels it on SIGTERM or SIGINT) or the broker's connection ends for good (then exit non-zero for the
+supervisor). No server at start is one line and exit 3; once connected it reconnects forever.
 
 On the way out the server closes its listener and waits for the audit records still being acknowledged
 (`AuditTrail.drain`), then closes the NATS connection, which flushes what it still holds."""
@@ -7,8 +8,8 @@ On the way out the server closes its listener and waits for the audit records st
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
-import signal
 from pathlib import Path
 
 from aiohttp import web
@@ -53,35 +54,35 @@ async def serve(
 ) -> None:
     if metrics is not None:
         start_http_server(metrics[1], metrics[0])
-    nc = await connect(nats_url, "fauxmad-api")
-    js = nc.jetstream()
-    await ensure_audit_stream(js)
+    nc = await connect(nats_url, "fauxmad-api", reconnect_forever=True)
     revoked = RevokedTokens()
-    if root_key is not None:
-        await revoked.start(await revoked_tokens_bucket(js))
-    auth = Auth(static_token=token, root_key=root_key, revoked=revoked)
     broker = Broker(BrokerConfig(nats_url=nats_url, name=f"api-{secrets.token_hex(4)}"))
-    await broker.start(serve=False)  # placements happen here, as Fly's flaps does them (orchestrator.api.http)
-    runner = web.AppRunner(build(nc, auth=auth, broker=broker), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0] if runner.addresses else (host, port)
-    where = f"[{bound[0]}]:{bound[1]}" if ":" in str(bound[0]) else f"{bound[0]}:{bound[1]}"
-    secured = "bearer tokens required" if token is not None or root_key is not None else "no token required"
-    print(
-        f"fauxmad api: listening on http://{where} (Fly's Machines API under /v1, /openapi.json, /docs; {secured})",
-        flush=True,
-    )
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # stop as a whole: the audit records' acks are awaited first
-        loop.add_signal_handler(sig, broker.request_stop)
-    try:
-        await broker.run_forever()  # until a signal, or the embedded broker's connection is gone for good
-    finally:
-        await runner.cleanup()
+    runner: web.AppRunner | None = None
+    try:  # until cancelled (SIGTERM/SIGINT: the CLI's `serve`), or the embedded broker's connection is gone for good
+        js = nc.jetstream()
+        await ensure_audit_stream(js)
+        if root_key is not None:
+            await revoked.start(await revoked_tokens_bucket(js))
+        auth = Auth(static_token=token, root_key=root_key, revoked=revoked)
+        await broker.start(serve=False)  # placements happen here, as Fly's flaps does them (orchestrator.api.http)
+        runner = web.AppRunner(build(nc, auth=auth, broker=broker), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0] if runner.addresses else (host, port)
+        where = f"[{bound[0]}]:{bound[1]}" if ":" in str(bound[0]) else f"{bound[0]}:{bound[1]}"
+        secured = "bearer tokens required" if token is not None or root_key is not None else "no token required"
+        print(
+            f"fauxmad api: listening on http://{where} (Fly's Machines API under /v1, /openapi.json, /docs; {secured})",
+            flush=True,
+        )
+        await broker.run_forever()
+    finally:  # stop as a whole: the audit records' acks are awaited first
+        if runner is not None:
+            await runner.cleanup()
         await revoked.close()
         await broker.close()
-        await nc.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), 2.0)
     if broker.bus_lost:
         raise Unreachable(f"the API's broker stopped: {broker.bus_lost}")

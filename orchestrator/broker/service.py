@@ -103,7 +103,11 @@ class Broker:
     async def start(self, *, serve: bool = True) -> None:
         """Connect, follow the fleet's replicas and, with `serve`, answer the API subjects over NATS. Without it
         the broker answers only in its own process (`answer`): the HTTP API embeds one that way."""
-        self.nc = await connect(self.config.nats_url, f"fauxmad-{self.id}", agent=True, on_closed=self._on_bus_closed)
+        # no server at start: one line and exit 3, as every command (README "Stopping"); once connected it
+        # reconnects forever, as an agent does
+        self.nc = await connect(
+            self.config.nats_url, f"fauxmad-{self.id}", reconnect_forever=True, on_closed=self._on_bus_closed
+        )
         kv = await ensure_fleet_resources(self.nc.jetstream(), FleetConfig(region=self.config.region))
         await self.registry.start(kv.workers)
         await self.index.start(kv.machines)
@@ -435,16 +439,12 @@ class Broker:
 
 
 async def run_broker(config: BrokerConfig, on_ready: Callable[[Broker], None] = lambda broker: None) -> None:
-    """Run a broker until SIGTERM/SIGINT or a lost bus; `on_ready` runs once it serves (the CLI says so there)."""
-    import signal
-
+    """Run a broker until cancelled (SIGTERM/SIGINT: the CLI's `serve` cancels it) or a lost bus (`Unreachable`);
+    `on_ready` runs once it serves (the CLI says so there)."""
     broker = Broker(config)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, broker.request_stop)
-    await broker.start()
-    on_ready(broker)
     try:
+        await broker.start()
+        on_ready(broker)
         await broker.run_forever()
     finally:
         await broker.close()

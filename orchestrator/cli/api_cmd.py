@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from pathlib import Path
 
 import typer
 
-from orchestrator.cli.runtime import NatsOption, fail, nats_url, run
+from orchestrator.cli.runtime import NatsOption, fail, nats_url
+from orchestrator.cli.runtime import serve as serve_until_stopped
 
 
 def api(
@@ -36,6 +35,5 @@ def api(
         fail(str(exc), 2)
     url = nats_url(nats)
     assert url is not None
-    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        at = (metrics.host, metrics.port) if metrics else None
-        run(serve(url, where.host, where.port, token=token, root_key=root_key, metrics=at))
+    at = (metrics.host, metrics.port) if metrics else None
+    serve_until_stopped(serve(url, where.host, where.port, token=token, root_key=root_key, metrics=at), what="api")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,7 +9,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import typer
 
-from orchestrator.cli.runtime import MetricsOption, NatsOption, fail, nats_url, run, serve_metrics, shown_url
+from orchestrator.cli.runtime import MetricsOption, NatsOption, fail, nats_url, serve, serve_metrics, shown_url
 
 if TYPE_CHECKING:
     from orchestrator.broker.service import BrokerConfig
@@ -54,8 +52,7 @@ def broker(
         region=region,
         auction=AuctionConfig(deadline=deadline_ms / 1000, strategy=strategy, placement=placement_config),
     )
-    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        run(_serve(config))
+    serve(_serve(config), what="broker")
 
 
 async def _serve(config: BrokerConfig) -> None:

@@ -8,9 +8,9 @@ input, connect, run the loop with a progress display, and turn the outcome into 
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 import tomllib
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,15 @@ from orchestrator.cli.app_options import CONFIG, load_app_spec, with_reconciler
 from orchestrator.cli.deploy_progress import DeployDisplay, cannot_deploy, fail_lines, print_outcome, warn
 from orchestrator.cli.detached_deploy import Detached, finish_detached, start_detached
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import NatsOption, check_app, check_region, checked, fail, with_connected
+from orchestrator.cli.runtime import (
+    NatsOption,
+    check_app,
+    check_region,
+    checked,
+    fail,
+    serve_connected,
+    with_connected,
+)
 from orchestrator.images import pin_image
 from orchestrator.reconcile import rollout
 from orchestrator.reconcile.executor import Result
@@ -259,16 +267,18 @@ def reconcile(
             failed += not result.ok
         return 1 if failed else 0
 
-    code = with_connected(nats, lambda url: Reconciler.connect(url, region=region), go)
+    def connected(url: str) -> Awaitable[Reconciler]:
+        return Reconciler.connect(url, region=region)
+
+    code = (
+        serve_connected(nats, connected, go, what="reconcile --watch") if watch else with_connected(nats, connected, go)
+    )
     if code:
         raise typer.Exit(code)
 
 
 async def _watch(r: Reconciler, names: list[str] | None) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = asyncio.Event()  # never set: SIGINT and SIGTERM cancel the operator (`serve_connected`)
 
     def on_result(app: str, result: Result) -> None:
         stamp = time.strftime("%H:%M:%S")

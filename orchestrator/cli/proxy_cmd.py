@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-
 import typer
 
-from orchestrator.cli.runtime import NatsOption, checked, fail, nats_url, run
+from orchestrator.cli.runtime import NatsOption, checked, fail, nats_url, serve
 
 
 def _latency(pairs: list[str]) -> dict[str, float]:
@@ -59,5 +56,4 @@ def proxy(
     )
     url = nats_url(nats)
     assert url is not None
-    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
-        run(run_proxy(config, url, where, admin=admin_at))
+    serve(run_proxy(config, url, where, admin=admin_at), what="proxy")

@@ -12,10 +12,14 @@ every option and argument that takes one is checked here, by its typer callback,
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import tomllib
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
@@ -102,6 +106,68 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
+STOP_WITHIN = 2.0  # seconds from SIGINT or SIGTERM to the end of a long-running command, whatever it was doing
+STOP_GRACE = 1.5  # of which its orderly stop may take this long; then the process ends anyway
+_at_forced_exit: list[Callable[[], None]] = []
+
+
+def at_forced_exit(undo: Callable[[], None]) -> None:
+    """Run `undo` (restore the terminal, say) if a stop outlasts `STOP_GRACE` and the process is ended anyway."""
+    _at_forced_exit.append(undo)
+
+
+def _end_now(message: str) -> None:
+    """End the process at once, exit 0 (it was told to stop): a stop that hangs must not keep it alive."""
+    for undo in reversed(_at_forced_exit):
+        with contextlib.suppress(Exception):
+            undo()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"fauxmad: {message}\n")
+        sys.stderr.flush()
+    os._exit(EXIT_OK)
+
+
+def serve(coro: Coroutine[Any, Any, T], *, what: str) -> T | None:
+    """Run a long-running command (`what`: "worker", "status --watch", ...) until it returns or is told to stop.
+
+    SIGINT and SIGTERM cancel it wherever it is (connecting, reconnecting, starting, serving, closing), so its
+    own `finally` blocks close what it opened, and the call returns None (exit 0). Whatever that orderly stop
+    waits for, the process ends within `STOP_WITHIN` seconds of the signal: after `STOP_GRACE` a watchdog
+    thread ends it (a second signal at once). The command installs no signal handlers of its own.
+    """
+    stopped: list[int] = []
+
+    async def main() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int) -> None:
+            name = signal.Signals(signum).name
+            if stopped:
+                _end_now(f"{what}: {name} again: stopped at once")
+            stopped.append(signum)
+            watchdog = threading.Timer(
+                STOP_GRACE, _end_now, (f"{what}: did not finish stopping within {STOP_GRACE:g}s: ended anyway",)
+            )
+            watchdog.daemon = True
+            watchdog.start()
+            task.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        return await coro
+
+    try:
+        return run(main())
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        if not stopped:
+            raise
+        return None
+
+
 class Closable(Protocol):
     async def close(self) -> None: ...
 
@@ -111,6 +177,19 @@ C = TypeVar("C", bound=Closable)
 
 def with_connected(url: str | None, open_: Callable[[str], Awaitable[C]], fn: Callable[[C], Awaitable[T]]) -> T:
     """Open something connected to the fleet at `url` (or $FAUXMAD_NATS_URL), run `fn` with it, close it."""
+    return run(_connected(url, open_, fn))
+
+
+def serve_connected(
+    url: str | None, open_: Callable[[str], Awaitable[C]], fn: Callable[[C], Awaitable[T]], *, what: str
+) -> T | None:
+    """`with_connected` for a long-running command (`what`): until `fn` returns, or SIGINT/SIGTERM (`serve`)."""
+    return serve(_connected(url, open_, fn), what=what)
+
+
+def _connected(
+    url: str | None, open_: Callable[[str], Awaitable[C]], fn: Callable[[C], Awaitable[T]]
+) -> Coroutine[Any, Any, T]:
     resolved = nats_url(url)
     assert resolved is not None
 
@@ -121,7 +200,7 @@ def with_connected(url: str | None, open_: Callable[[str], Awaitable[C]], fn: Ca
         finally:
             await opened.close()
 
-    return run(main())
+    return main()
 
 
 def with_client(url: str | None, fn: Callable[[FleetClient], Awaitable[T]], *, name: str = "fauxmad-cli") -> T:
@@ -156,10 +235,37 @@ def config_path(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(base) / "fauxmad" / "config.toml"
 
 
+def url_problem(url: str) -> str | None:
+    """What is wrong with the NATS URL `url` (one server, or several comma-separated), or None if nothing."""
+    from urllib.parse import urlsplit
+
+    parts = [part.strip() for part in url.split(",")]
+    if not url.strip() or not all(parts):
+        return "it names no server"
+    for part in parts:
+        if any(c.isspace() for c in part):
+            return f"{part!r} has a space in it"
+        scheme, sep, _ = part.partition("://")
+        if not sep:
+            return f"{part!r} has no scheme"
+        if scheme not in URL_SCHEMES:
+            return f"{part!r}: unknown scheme {scheme!r}"
+        try:
+            split = urlsplit(part)
+            split.port  # noqa: B018  # raises ValueError for a port that is not a number 0-65535
+        except ValueError as exc:
+            return f"{part!r}: {str(exc).lower()}"
+        if not split.hostname:
+            return f"{part!r} has no host"
+    return None
+
+
 def check_url(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in URL_SCHEMES or not rest or any(c.isspace() for c in url):
-        fail(f"invalid NATS URL {url!r}: use {'|'.join(URL_SCHEMES)}://HOST:PORT", EXIT_USAGE)
+    """`url` if it is a NATS URL, else one line naming it and what is wrong, exit 2."""
+    problem = url_problem(url)
+    if problem is not None:
+        where = "" if problem.startswith(repr(url)) else f" {url!r}"
+        fail(f"invalid NATS URL{where}: {problem} (use {'|'.join(URL_SCHEMES)}://HOST:PORT)", EXIT_USAGE)
     return url
 
 
@@ -216,21 +322,22 @@ def fleet_url(name: str, config: FleetsConfig | None = None) -> str:
 
 
 def nats_url(value: str | None, *, required: bool = True) -> str | None:
-    """The URL to reach: --nats, the global --fleet, $FAUXMAD_NATS_URL, then the config's current fleet.
+    """The URL to reach: --nats, the global --fleet, $FAUXMAD_NATS_URL, then the config's current fleet;
+    an invalid one is one line naming it and what is wrong, exit 2 (`check_url`).
 
     `required=False` (`fauxmad worker`, which starts an embedded server without one) skips the current
     fleet: a host must not join a fleet because someone once ran `fauxmad fleet use` on it.
     """
     if value:
-        return value
+        return check_url(value)
     if _selected_fleet is not None:
-        return fleet_url(_selected_fleet)
+        return check_url(fleet_url(_selected_fleet))
     url = os.environ.get(DEFAULT_URL_ENV)
     if url or not required:
-        return url or None
+        return check_url(url) if url else None
     config = load_config()
     if config.current is not None:
-        return fleet_url(config.current, config)
+        return check_url(fleet_url(config.current, config))
     fail(
         f"no NATS server given: pass --nats URL, --fleet NAME or set {DEFAULT_URL_ENV}, "
         "or `fauxmad fleet add NAME URL --use` (see `fauxmad dev`)",

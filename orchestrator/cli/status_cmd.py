@@ -26,6 +26,7 @@ from orchestrator.cli.runtime import (
     fail,
     nats_url,
     run,
+    serve,
     with_client,
 )
 from orchestrator.cli.view_render import event_line, machines_table, regions_table, workers_table
@@ -75,7 +76,7 @@ def status(
             fail("--watch draws a screen; --json prints once: use one or the other", 2)
         from orchestrator.cli.live import watch as live_watch
 
-        return run(live_watch(url, path, app, console))
+        return serve(live_watch(url, path, app, console), what="status --watch") or 0
     result = run(_collect(url, path, app, all_, rebuild))
     snap = result.snapshot
     if result.rebuilt:

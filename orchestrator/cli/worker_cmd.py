@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import socket
@@ -21,7 +20,7 @@ from orchestrator.cli.runtime import (
     check_worker_id,
     fail,
     nats_url,
-    run,
+    serve,
     serve_metrics,
     shown_url,
 )
@@ -205,9 +204,7 @@ def worker(
         for one in ids
     ]
     try:
-        run(_serve(configs))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        pass
+        serve(_serve(configs), what="worker")
     finally:
         if server is not None:
             server.stop()
@@ -255,7 +252,8 @@ def _read_secrets_key(path: Path | None) -> str | None:
 
 
 async def _serve(configs: list[WorkerConfig]) -> None:
-    """`workers.agent.runner.run_workers`, saying what each worker serves once they all do."""
+    """`workers.agent.runner.run_workers`, saying what each worker serves once they all do, and what they leave
+    running once they stop."""
     from bus.contract import subjects
     from workers.agent.runner import run_workers  # imported here: other commands start faster
 
@@ -269,4 +267,11 @@ async def _serve(configs: list[WorkerConfig]) -> None:
             flush=True,
         )
 
-    await run_workers(configs, ready)
+    def stopped(running: int) -> None:
+        print(
+            f"fauxmad worker: stopped; {running} machine{'s' if running != 1 else ''} left running (a worker started"
+            " with the same --worker-id and --data-dir adopts them)",
+            flush=True,
+        )
+
+    await run_workers(configs, ready, stopped)

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import signal
 import time
 
 import msgspec
@@ -57,7 +56,7 @@ async def run_proxy(
     autostop_interval: float = 1.0,
     ready: asyncio.Event | None = None,
 ) -> None:
-    nc = await connect(nats_url, "fauxmad-proxy")
+    nc = await connect(nats_url, "fauxmad-proxy", reconnect_forever=True)
     routes = RouteTable()
     metrics = ProxyMetrics()
     pool = Pool()
@@ -115,19 +114,17 @@ async def run_proxy(
         print(f"fauxmad proxy: listening on {bound[0]}:{bound[1]}, region {config.region}", flush=True)
         if ready is not None:
             ready.set()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        idle_task.cancel()
-        server.close()
-        await proxy.deadlines.close()
-        if admin_server is not None:
-            admin_server.close()
+        try:
+            await asyncio.Event().wait()  # until cancelled: the CLI's `serve` cancels it on SIGINT or SIGTERM
+        finally:
+            idle_task.cancel()
+            server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proxy.deadlines.close(), 1.0)
+            if admin_server is not None:
+                admin_server.close()
     finally:
         pool.close()
         await routes.close()
         with contextlib.suppress(Exception):
-            await nc.close()
+            await asyncio.wait_for(nc.close(), 2.0)

@@ -187,11 +187,18 @@ class ViewFollower:
 
 @contextlib.asynccontextmanager
 async def followed(
-    url: str, path: Path, *, name: str, rebuild: bool = False, on_change: Callable[[], None] = lambda: None
+    url: str,
+    path: Path,
+    *,
+    name: str,
+    rebuild: bool = False,
+    on_change: Callable[[], None] = lambda: None,
+    reconnect_forever: bool = False,
 ) -> AsyncIterator[tuple[ViewFollower, ViewReader]]:
     """The view in file `path`, followed from the fleet at `url` while the block runs (`rebuild`: emptied
-    first); yields the follower (how far it got) and a reader of the same file. Closes all it opened."""
-    nc = await connect(url, name)
+    first); yields the follower (how far it got) and a reader of the same file. Closes all it opened.
+    `reconnect_forever` (`status --watch`): once connected, ride out a nats-server restart."""
+    nc = await connect(url, name, reconnect_forever=reconnect_forever)
     db = ViewDb(path)
     writer = ViewWriter(db)
     follower = ViewFollower(nc, writer, on_change=on_change)

@@ -1,13 +1,13 @@
-"""One or more worker agents in one process, until SIGTERM/SIGINT or a lost bus.
+"""One or more worker agents in one process, until cancelled (the CLI cancels on SIGTERM/SIGINT) or a lost bus.
 
 Several logical workers per process is for benchmarks of large regions: each still has its own
 connection, LMDB environment and writer thread, running the same code as a worker of its own.
+Stopping never stops machines: the agent says how many it leaves running, and a restart re-adopts them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Callable
 
 from bus.contract.errors import Unreachable
@@ -15,28 +15,33 @@ from workers.agent.config import WorkerConfig
 from workers.agent.service import WorkerAgent
 
 
-async def run_workers(configs: list[WorkerConfig], on_ready: Callable[[], None] = lambda: None) -> None:
-    """Run one or more workers in this process until SIGTERM/SIGINT; their machines keep running after.
-    `on_ready` runs once every worker serves (the CLI says so there)."""
+async def run_workers(
+    configs: list[WorkerConfig],
+    on_ready: Callable[[], None] = lambda: None,
+    on_stopped: Callable[[int], None] = lambda running: None,
+) -> None:
+    """Run one or more workers in this process until cancelled (SIGTERM/SIGINT: the CLI's `serve` cancels it)
+    or a worker's bus connection ends for good (`Unreachable`); their machines keep running after.
+    `on_ready` runs once every worker serves (the CLI says so there); `on_stopped(n)` once they stopped
+    serving (if they did), with the number of machines they leave running."""
     agents = [WorkerAgent(config) for config in configs]
-    loop = asyncio.get_running_loop()
-
-    def stop_all() -> None:
-        for agent in agents:
-            agent.request_stop()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_all)
+    running: list[asyncio.Task[None]] = []
+    served = False
     try:
         for agent in agents:
             await agent.start()
         on_ready()
-        # any agent stopping (a signal stops all; a lost bus stops one) ends the process
-        await asyncio.wait(
-            [asyncio.create_task(agent.run_forever()) for agent in agents], return_when=asyncio.FIRST_COMPLETED
-        )
+        served = True
+        # any agent stopping (a lost bus stops one) ends the process
+        running = [asyncio.create_task(agent.run_forever()) for agent in agents]
+        await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for task in running:
+            task.cancel()
+        left = sum(agent.machines_running() for agent in agents)
         await asyncio.gather(*[agent.close() for agent in agents], return_exceptions=True)
+        if served:
+            on_stopped(left)
     lost = [agent.bus_lost for agent in agents if agent.bus_lost]
     if lost:
         raise Unreachable(f"worker stopped: {lost[0]}")

@@ -125,8 +125,10 @@ class WorkerAgent:
             for private in (data, data / "machines"):
                 private.mkdir(exist_ok=True)
                 private.chmod(0o711)
+        # no server at start: one line and exit 3, as every command (README "Stopping"); once connected it
+        # reconnects forever, as an agent does
         self.nc = await connect(
-            cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", agent=True, on_closed=self._on_bus_closed
+            cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", reconnect_forever=True, on_closed=self._on_bus_closed
         )
         js = self.nc.jetstream()
         kv = self._kv = await ensure_fleet_resources(
@@ -423,6 +425,10 @@ class WorkerAgent:
     def request_stop(self) -> None:
         self._stopped.set()
 
+    def machines_running(self) -> int:
+        """The machines this worker runs (started): what stopping it leaves running."""
+        return self.tally.states["started"]
+
     def _on_bus_closed(self, reason: str) -> None:
         """The connection is gone for good (not a reconnect): never stay alive but deaf."""
         if self._closing:
@@ -436,11 +442,12 @@ class WorkerAgent:
             await self.jobs.close()
 
     async def close(self) -> None:
-        """Stop serving, promptly: every step is bounded, and machines are left running."""
+        """Stop serving, promptly: every step is bounded, and machines are left running. Jobs first: a job pulled but
+        not started goes back to the queue at once, for another worker (see `JobsService.close`)."""
+        await _bounded(self._close_jobs(), 3.0)
         if self.outbox is not None and self.nc is not None and self.nc.is_connected:
             await _bounded(self.outbox.flush(), 2.0)  # what the last commits changed
         self._closing = True
-        await _bounded(self._close_jobs(), 3.0)
         for task in self._tasks:
             task.cancel()
         await _bounded(asyncio.gather(*self._tasks, return_exceptions=True), 2.0)
