@@ -22,6 +22,7 @@ from typing import Any
 
 from nats.aio.client import Client
 
+HAND_BACK_TIMEOUT = 0.5  # seconds a stopping worker gives one nak
 REFUSED_BACKOFF = 1.0  # seconds before asking again after a pull request was refused
 LOOK_EVERY = 0.5  # seconds between top-ups when nothing wakes the loop
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class Puller:
         self._sub: Any = None
         self._loop: asyncio.Task[None] | None = None
         self._ticker: asyncio.TimerHandle | None = None
+        self._stopping = False
 
     @property
     def outstanding(self) -> int:
@@ -105,6 +107,9 @@ class Puller:
 
     async def _on_message(self, msg: Any) -> None:
         status = (msg.headers or {}).get(STATUS)
+        if self._stopping and msg.data:  # a job for a pull request made before the stop: back to the queue now
+            await hand_back(msg)
+            return
         if status is not None and not msg.data:
             if status != "100":  # 408 expired, 409 and the like: this request (named by the subject) is over
                 self.requests.pop(msg.subject.rsplit(".", 1)[-1], None)
@@ -137,16 +142,30 @@ class Puller:
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda _: release())
 
-    async def close(self) -> None:
-        """Stop asking; attempts running here are left to end (their machines destroy themselves)."""
+    def stop_asking(self) -> None:
+        """Ask the queue for nothing more; a job still arriving for an earlier pull request goes back at once."""
+        self._stopping = True
         if self._loop is not None:
             self._loop.cancel()
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                log.debug("unsubscribe failed", exc_info=True)
+
+    async def close(self) -> None:
+        """Stop asking; attempts running here are left to end (their machines destroy themselves). A job pulled but
+        not started goes back to the queue at once (`handle` is cancelled before its attempt began: it naks)."""
+        self.stop_asking()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=2.0)
+        if self._sub is not None:  # last: a job arriving meanwhile was handed back, not left for the ack wait
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                log.debug("unsubscribe failed", exc_info=True)
+
+
+async def hand_back(msg: Any) -> None:
+    """Give a job message back to the queue at once (a nak without delay): this worker will not run it."""
+    try:
+        await asyncio.wait_for(msg.nak(), HAND_BACK_TIMEOUT)
+    except Exception:
+        log.debug("nak failed (the ack wait will give it back)", exc_info=True)

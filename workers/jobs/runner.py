@@ -29,6 +29,7 @@ from bus.transport.jetstream import WORKER_TTL
 from workers.jobs import outcome as moves
 from workers.jobs.execute import Executor, Outcome
 from workers.jobs.guard import Guard
+from workers.jobs.puller import hand_back
 from workers.jobs.records import JobRecords
 from workers.jobs.spawn import Cancel
 from workers.jobs.take import RECORD_GRACE, decide
@@ -60,6 +61,7 @@ class JobRunner:
         self.clock = clock
         self.cancels: dict[str, Cancel] = {}
         self.ran = 0
+        self._started: set[int] = set()  # the messages (ids) whose attempt has begun to run here
 
     def cancel(self, job_id: str) -> bool:
         """Cancel the attempt running here, if any."""
@@ -94,13 +96,20 @@ class JobRunner:
         return fresh and (job.claimed_at is None or info.started_at < job.claimed_at)
 
     async def handle(self, msg: Any, release: Callable[[], None] = lambda: None) -> None:
-        """Carry one delivered message through; `release` frees its slot once its process has ended."""
+        """Carry one delivered message through; `release` frees its slot once its process has ended.
+
+        Cancelled (the worker stops) before its attempt began to run here, the message goes back to the queue at
+        once (a nak without delay), for another worker: not after the ack wait."""
         try:
             await self._handle(msg, release)
         except asyncio.CancelledError:
+            if id(msg) not in self._started:
+                await hand_back(msg)
             raise
         except Exception:
             log.warning("job message on %s: not handled (it will be delivered again)", msg.subject, exc_info=True)
+        finally:
+            self._started.discard(id(msg))
 
     async def _handle(self, msg: Any, release: Callable[[], None]) -> None:
         try:
@@ -191,6 +200,7 @@ class JobRunner:
 
             marks.append(asyncio.create_task(self.records.change_from(job.app, job.id, change, known)))
 
+        self._started.add(id(msg))
         try:
             outcome = await self.executors[job.runner].run(job, attempt, cancel, started)
         finally:

@@ -113,6 +113,7 @@ class JobsService:
             self.puller.wake()
 
     async def close(self) -> None:
+        """Stop taking jobs: those pulled but not started go back to the queue at once (`Puller.close`)."""
         for sub in self.subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

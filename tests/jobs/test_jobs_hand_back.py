@@ -1,0 +1,77 @@
+"""A stopping worker hands the jobs it pulled but has not started back to the queue at once.
+
+Real nats-server, the region's real work queue and consumer (ack wait 30 s), the worker's real `Puller` and
+`JobRunner`; the job's record read never returns, so the attempt never begins. Closing the puller (what a
+worker's SIGTERM does) naks the message without delay: another pull gets it again (delivered twice) well
+within a second or two, not after the 30 s ack wait. The worker still has a pull request open for one more job:
+a job arriving for it after the stop goes back at once too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, cast
+
+from bus.contract import subjects
+from bus.contract.codec import encode
+from bus.contract.jobs import JobTask
+from bus.transport.jetstream import ensure_jobs_resources
+from tests.helpers import arun, connect_nats, until
+from workers.jobs.puller import Puller
+from workers.jobs.runner import JobRunner
+
+ACK_WAIT = 30.0
+
+
+class NeverAnswers:
+    """Job records whose read never returns: the attempt never begins (as when a worker stops meanwhile)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def read(self, app: str, job_id: str) -> Any:
+        self.reads += 1
+        await asyncio.Event().wait()
+
+
+def test_jobs_pulled_but_not_started_go_back_at_once(nats_url: str, unique: Any) -> None:
+    region = unique("handback")
+
+    async def scenario() -> None:
+        nc = await connect_nats(nats_url)
+        try:
+            js = nc.jetstream()
+            queue = await ensure_jobs_resources(js, region, ack_wait=ACK_WAIT)
+            records = NeverAnswers()
+            runner = JobRunner(
+                nc, cast(Any, records), {}, worker_id="w1", region=region, workers_kv=None, ack_wait=ACK_WAIT
+            )
+            puller = Puller(nc, queue.stream, subjects.JOBS_CONSUMER, slots=lambda: 2, handle=runner.handle)
+            await puller.start()
+            await js.publish(subjects.jobs_queue(region), encode(JobTask(id="job-1", app="a")))
+            await until(lambda: _true(records.reads == 1 and puller.outstanding == 1), "the job pulled, one more asked")
+
+            puller.stop_asking()  # the worker is stopping: a job arriving for the open request goes back too
+            await js.publish(subjects.jobs_queue(region), encode(JobTask(id="job-2", app="a")))
+            await asyncio.sleep(0.2)
+            stopped = time.monotonic()
+            await puller.close()
+
+            other = await js.pull_subscribe_bind(subjects.JOBS_CONSUMER, queue.stream)
+            again = await other.fetch(2, timeout=5)
+            took = time.monotonic() - stopped
+            ids = sorted(msg.data for msg in again)
+            assert ids == sorted([encode(JobTask(id="job-1", app="a")), encode(JobTask(id="job-2", app="a"))])
+            assert all(msg.metadata.num_delivered >= 2 for msg in again), [m.metadata for m in again]
+            assert took < 5.0, f"handed back after {took:.1f}s (the ack wait is {ACK_WAIT:g}s)"
+            for msg in again:
+                await msg.ack()
+        finally:
+            await nc.close()
+
+    arun(scenario())
+
+
+async def _true(value: bool) -> bool:
+    return value
