@@ -383,8 +383,11 @@ class Auction:
         for worker_id in candidates:
             pick = self._note(worker_id, reserve)  # before any await: the next create ranks without it
             try:
-                if before_reserve is not None:
-                    await before_reserve(worker_id)
+                await _recorded(before_reserve, worker_id)
+            except BaseException:
+                self.picks.drop(pick)
+                raise
+            try:
                 machine = await self._reserve_on(
                     worker_id, msgspec.structs.replace(reserve, placement=outcome.kept(worker_id))
                 )
@@ -415,8 +418,12 @@ class Auction:
     ) -> Machine | None:
         first, second = candidates[0], candidates[1]
         picks = {w: self._note(w, reserve) for w in (first, second)}  # before any await, as in _reserve_in_order
-        if before_reserve is not None:
-            await before_reserve(first)  # the hedge has its own id and no key: nothing to record for it
+        try:
+            await _recorded(before_reserve, first)  # the hedge has its own id and no key: nothing to record for it
+        except BaseException:
+            for pick in picks.values():
+                self.picks.drop(pick)
+            raise
         # distinct ids and no shared idempotency key: the two reservations must not be mistaken for one
         hedge = msgspec.structs.replace(reserve, idempotency_key=None, id=new_machine_id())
         tasks = {
@@ -479,3 +486,15 @@ class Auction:
         reasons = sorted({r.reason for r in outcome.ranking.rejected} | {a.outcome for a in outcome.attempts})
         detail = "; ".join(reasons[:4])
         return f"no capacity in {region}" + (f" ({detail})" if detail else "")
+
+
+async def _recorded(before_reserve: BeforeReserve | None, worker_id: str) -> None:
+    """Run `before_reserve(worker_id)`. Its store not answering (a JetStream stream's leader being elected) is an
+    outage, not a lack of capacity: it is raised as `Unreachable` (502, retry soon; the retry with the same
+    idempotency key finds out what was written), never counted as this worker's refusal (a 503 "no capacity")."""
+    if before_reserve is None:
+        return
+    try:
+        await before_reserve(worker_id)
+    except Unreachable as exc:  # Unanswered included: the write may have happened, the retry finds out
+        raise Unreachable(exc.message) from None
