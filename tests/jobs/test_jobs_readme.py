@@ -1,4 +1,4 @@
-"""The README's "Background jobs" block runs as written, against a dev fleet like the one it names."""
+"""The "Background jobs" how-to's block (docs/how-to/jobs.md) runs as written, against a dev fleet like the one it names."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ from pathlib import Path
 import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.orchestrator.test_readme import README, shell_env
+from tests.helpers import ROOT
+from tests.orchestrator.test_readme import shell_env
+
+PAGE = ROOT / "docs" / "how-to" / "jobs.md"
 
 
 def jobs_block() -> str:
-    section = README.read_text().split("## Background jobs", 1)[1].split("\n## ", 1)[0]
+    section = PAGE.read_text().split("## Background jobs", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```bash\n(.*?)```", section, re.S)[0]
 
 

@@ -372,7 +372,11 @@ def _audit(url: str) -> list[dict[str, Any]]:
 def test_the_readme_token_commands_run_as_written(fleet: DevFleet, tmp_path: Path) -> None:
     import re
 
-    section = (Path(__file__).resolve().parents[2] / "README.md").read_text().split("### Tokens and the audit", 1)[1]
+    section = (
+        (Path(__file__).resolve().parents[2] / "docs" / "reference" / "http-api.md")
+        .read_text()
+        .split("### Tokens and the audit", 1)[1]
+    )
     [block] = re.findall(r"```bash\n(.*?)```", section.split("\n## ", 1)[0], re.S)
     key = Path("/tmp/fauxmad-token.key")
     key.unlink(missing_ok=True)

@@ -218,7 +218,12 @@ def test_the_readme_image_commands_run_as_written(fleet: DevFleet) -> None:
     import re
     import shlex
 
-    section = (ROOT / "README.md").read_text().split("## Images:", 1)[1].split("\n## ", 1)[0]
+    section = (
+        (ROOT / "docs" / "tutorials" / "images-and-volumes.md")
+        .read_text()
+        .split("## Images:", 1)[1]
+        .split("\n## ", 1)[0]
+    )
     [block] = re.findall(r"```bash\n(.*?)```", section, re.S)
     for line in block.strip().splitlines():
         done = fauxmad(fleet, *shlex.split(line)[1:])

@@ -1,4 +1,5 @@
-"""The README's first hour runs as written: `fauxmad dev` in one terminal, the listed commands in another.
+"""The README's first hour runs as written: `fauxmad dev` in one terminal, the listed commands in another,
+then `fauxmad proxy` in a third and the edge's commands (its port swapped for a free one).
 
 The blocks are read from README.md itself, so the documentation cannot drift from what works; the hints
 `fauxmad dev` prints are run verbatim too. The transcript is printed (`pytest -s`) for the notes.
@@ -10,6 +11,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,14 +25,23 @@ from tests.helpers import ROOT
 README = ROOT / "README.md"
 
 
-def first_hour_blocks() -> tuple[str, list[str]]:
-    text = README.read_text()
+def commands(block: str) -> list[str]:
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def first_hour_blocks(text: str | None = None) -> tuple[str, list[str], str, list[str]]:
+    """The first hour's four blocks: `fauxmad dev`, the commands, `fauxmad proxy`, the edge's commands."""
+    text = README.read_text() if text is None else text
     section = text.split("## The first hour", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    assert len(blocks) == 2, blocks
-    dev = blocks[0].strip()
-    lines = [line for line in blocks[1].splitlines() if line.strip() and not line.startswith("#")]
-    return dev, lines
+    assert len(blocks) == 4, blocks
+    return blocks[0].strip(), commands(blocks[1]), blocks[2].strip(), commands(blocks[3])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def shell_env(**extra: str) -> dict[str, str]:
@@ -74,12 +85,22 @@ def read_until(lines: queue.Queue[str], pattern: str, timeout: float) -> str:
     raise AssertionError(f"no {pattern!r} within {timeout}s; saw:\n{seen}")
 
 
-@pytest.mark.timeout(480)
-def test_the_first_hour_runs_as_written(tmp_path: Path) -> None:
-    dev_line, lines = first_hour_blocks()
-    env = shell_env(FAUXMAD_HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "config"))
-    dev = subprocess.Popen(
-        ["bash", "-c", f"exec {dev_line}"],
+def run_lines(lines: list[str], env: dict[str, str], transcript: list[str]) -> list[str]:
+    """Each line in its own shell, as a user would paste it; every one must exit 0. Their stdouts."""
+    outs = []
+    for line in lines:
+        result = subprocess.run(
+            ["bash", "-c", line], capture_output=True, text=True, timeout=180, env=env, cwd=str(ROOT)
+        )
+        transcript.append(f"$ {line}\n{result.stdout.rstrip()}\n{result.stderr.rstrip()}".rstrip())
+        assert result.returncode == 0, "\n\n".join(transcript)
+        outs.append(result.stdout)
+    return outs
+
+
+def start(line: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        ["bash", "-c", f"exec {line}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -87,6 +108,23 @@ def test_the_first_hour_runs_as_written(tmp_path: Path) -> None:
         cwd=str(ROOT),
         start_new_session=True,
     )
+
+
+def interrupt(proc: subprocess.Popen[str]) -> None:
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.timeout(540)
+def test_the_first_hour_runs_as_written(tmp_path: Path) -> None:
+    dev_line, lines, proxy_line, edge_lines = first_hour_blocks()
+    env = shell_env(FAUXMAD_HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    dev = start(dev_line, env)
+    proxy: subprocess.Popen[str] | None = None
     transcript = [f"$ {dev_line}"]
     try:
         seen = read_until(lines_of(dev), r"Ctrl-C stops everything", 90)
@@ -97,25 +135,21 @@ def test_the_first_hour_runs_as_written(tmp_path: Path) -> None:
             if line.strip().startswith(("export ", "fauxmad "))
         ]
         url = next(h.split("=", 1)[1] for h in hints if h.startswith("export "))
+        fleet_env = dict(env, FAUXMAD_NATS_URL=url)
         # every hint `fauxmad dev` printed, then every line of the README, each as a user would paste it
-        for line in [h for h in hints if not h.startswith("export ")] + lines:
-            result = subprocess.run(
-                ["bash", "-c", line],
-                capture_output=True,
-                text=True,
-                timeout=180,
-                env=dict(env, FAUXMAD_NATS_URL=url),
-                cwd=str(ROOT),
-            )
-            transcript.append(f"$ {line}\n{result.stdout.rstrip()}\n{result.stderr.rstrip()}".rstrip())
-            assert result.returncode == 0, "\n\n".join(transcript)
+        run_lines([h for h in hints if not h.startswith("export ")] + lines, fleet_env, transcript)
+        # the edge, in a third terminal: the README's proxy on a free port instead of 8080
+        port = f"127.0.0.1:{free_port()}"
+        assert "127.0.0.1:8080" in proxy_line and all("fauxmad proxy" not in line for line in edge_lines)
+        proxy_line = proxy_line.replace("127.0.0.1:8080", port)
+        proxy = start(proxy_line, fleet_env)
+        transcript.append(f"$ {proxy_line}\n" + read_until(lines_of(proxy), r"listening on", 60).rstrip())
+        outs = run_lines([line.replace("127.0.0.1:8080", port) for line in edge_lines], fleet_env, transcript)
+        assert any('"sample": "python"' in out for out in outs), "\n\n".join(transcript)  # curl got the app
     finally:
-        os.killpg(dev.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
-        try:
-            dev.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(dev.pid, signal.SIGKILL)
-            dev.wait()
+        if proxy is not None:
+            interrupt(proxy)
+        interrupt(dev)
         print("\n\n".join(transcript))
     assert dev.returncode == 0
 

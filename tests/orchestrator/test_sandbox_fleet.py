@@ -71,7 +71,12 @@ def test_the_readme_guest_block_is_a_valid_sandboxed_guest() -> None:
     from bus.contract.machines import Guest
     from tests.helpers import ROOT
 
-    section = (ROOT / "README.md").read_text().split("## Sandboxes", 1)[1].split("\n## ", 1)[0]
+    section = (
+        (ROOT / "docs" / "tutorials" / "images-and-volumes.md")
+        .read_text()
+        .split("## Sandboxes", 1)[1]
+        .split("\n## ", 1)[0]
+    )
     [block] = re.findall(r"```toml\n(.*?)```", section, re.S)
     guest = msgspec.convert(tomllib.loads(block)["guest"], Guest)
     assert guest.sandbox == "bwrap"

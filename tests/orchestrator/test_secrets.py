@@ -128,7 +128,9 @@ def test_the_readme_secrets_commands_run_as_written(fleet: DevFleet) -> None:
 
     from tests.helpers import ROOT
 
-    section = (ROOT / "README.md").read_text().split("### Secrets:", 1)[1].split("\n## ", 1)[0]
+    section = (
+        (ROOT / "docs" / "how-to" / "secure-fleet.md").read_text().split("### Secrets:", 1)[1].split("\n## ", 1)[0]
+    )
     [block] = re.findall(r"```bash\n(.*?)```", section, re.S)
     for line in block.strip().splitlines():
         code, out, err = cli(fleet, *shlex.split(line)[1:])

@@ -44,7 +44,9 @@ COLUMNS = {
 
 
 def readme_matrix() -> list[tuple[str, str, dict[str, bool]]]:
-    section = (ROOT / "README.md").read_text().split("## Security:", 1)[1].split("\n## ", 1)[0]
+    section = (
+        (ROOT / "docs" / "how-to" / "secure-fleet.md").read_text().split("## Security:", 1)[1].split("\n## ", 1)[0]
+    )
     rows = [line for line in section.splitlines() if line.startswith("| ")]
     header = [cell.strip() for cell in rows[0].strip("|").split("|")]
     assert header[:2] == ["action", "subject"] and set(header[2:]) == set(COLUMNS), header
@@ -255,7 +257,9 @@ def test_the_readme_commands_run_as_written_and_bad_input_is_one_line(tmp_path: 
     own credentials, a deployer's create and a viewer's list."""
     from tests.orchestrator.test_cli import fauxmad
 
-    section = (ROOT / "README.md").read_text().split("## Security:", 1)[1].split("\n## ", 1)[0]
+    section = (
+        (ROOT / "docs" / "how-to" / "secure-fleet.md").read_text().split("## Security:", 1)[1].split("\n## ", 1)[0]
+    )
     block = re.findall(r"```bash\n(.*?)```", section, re.S)[0]  # the fleet's; the secrets' run in test_secrets
     home = tmp_path / "home"
     home.mkdir()

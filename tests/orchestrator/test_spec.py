@@ -13,10 +13,10 @@ from tests.helpers import ROOT
 
 
 def test_the_readme_example_documents_every_field() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "reference" / "fauxmad-toml.md").read_text()
     block = re.search(r"```toml\n(app = .*?)```", readme, re.S)  # the app spec (not the fleets file)
     assert block is not None
-    spec = parse_spec(block.group(1), "README.md")
+    spec = parse_spec(block.group(1), "fauxmad-toml.md")
     assert spec.app == "sandwich" and spec.regions == {"mad": 3, "syd": 2}
     assert spec.deploy.unavailable_budget(3) == 1 and spec.deploy.unavailable_budget(10) == 4
     assert spec.checks["http"].port is None and spec.deploy.wait_seconds == 60  # the check finds $PORT

@@ -306,7 +306,7 @@ def test_the_cli_creates_lists_and_refuses_bad_input(fleet: DevFleet) -> None:
 
 
 def test_readme_volumes_block_runs_verbatim(fleet: DevFleet) -> None:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "tutorials" / "images-and-volumes.md").read_text()
     section = text.split("## Volumes", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="200")

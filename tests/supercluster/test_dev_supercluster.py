@@ -13,11 +13,16 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
-from tests.orchestrator.test_readme import README, lines_of, read_until, shell_env
+from tests.orchestrator.test_readme import lines_of, read_until, shell_env
 
 
 def readme_lines() -> list[str]:
-    section = README.read_text().split("## Beyond one server: a supercluster", 1)[1].split("\n## ", 1)[0]
+    section = (
+        (ROOT / "docs" / "how-to" / "supercluster.md")
+        .read_text()
+        .split("## Beyond one server: a supercluster", 1)[1]
+        .split("\n## ", 1)[0]
+    )
     block = re.findall(r"```bash\n(.*?)```", section, re.S)[0]
     return [line for line in block.splitlines() if line.strip()]
 
