@@ -6,10 +6,9 @@ from typing import Any
 
 import typer
 from rich import box
-from rich.table import Table
 
 from orchestrator.cli.app_options import with_reconciler
-from orchestrator.cli.render import console, print_json
+from orchestrator.cli.render import KEYS, FitTable, console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, fail
 from orchestrator.reconcile.destroy import destroy_app
 from orchestrator.reconcile.reconciler import Reconciler
@@ -45,11 +44,11 @@ def apps_list(nats: str | None = NatsOption, json_out: bool = JsonOption) -> Non
     if not found:
         console.print("no apps (deploy one with `fauxmad deploy -c fauxmad.toml`)")
         return
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
     for col in ("app", "release", "status", "strategy", "regions"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for row in found:
-        regions = ",".join(f"{k}={v}" for k, v in row["regions"].items())
+        regions = ", ".join(f"{k}={v}" for k, v in row["regions"].items())
         release = f"v{row['release']}" if row["release"] is not None else "-"
         status = row["status"] or "no current release"
         table.add_row(row["app"], release, status, row["strategy"] or "-", regions or "-")

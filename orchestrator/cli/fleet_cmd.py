@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING
 import typer
 
 from bus.transport.connection import DEFAULT_URL_ENV
-from orchestrator.cli.render import console, explain_table, machines_table, print_json, regions_table, workers_table
+from orchestrator.cli.render import (
+    console,
+    explain_table,
+    heading,
+    machines_table,
+    print_json,
+    regions_table,
+    workers_table,
+)
 from orchestrator.cli.runtime import (
     EXIT_USAGE,
     FleetsConfig,
@@ -224,22 +232,30 @@ def demo(
         "mad,syd,gru", "--regions", help="comma-separated region names", callback=check_regions
     ),
     workers_per_region: int = typer.Option(3, "--workers-per-region", min=1, max=20),
+    json_out: bool = typer.Option(
+        False, "--json", help="print the machines and their answers as JSON (the story goes to stderr)"
+    ),
 ) -> None:
     """Start a dev fleet, run the sandwich-rating app in three regions, show where it landed and why."""
     from orchestrator.devfleet import DevFleet
 
     spec = _fleet_spec(regions_csv, workers_per_region, 4, 4096, None)
-    fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
-    with _fleet_lifetime(fleet):
-        _start(fleet, "starting a dev fleet: nats-server, workers, broker")
-        machines = _demo_run(fleet.url, spec.regions)
-        if keep:
-            console.print(f"\nfleet left running at [bold]{fleet.url}[/]; Ctrl-C stops it")
-            _wait_for_ctrl_c()
-    console.print(f"[bold green]demo done[/]: {len(machines)} machines placed, served and cleaned up")
+    answers: dict[str, object] = {}
+    with contextlib.redirect_stdout(sys.stderr) if json_out else contextlib.nullcontext():
+        fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
+        with _fleet_lifetime(fleet):
+            _start(fleet, "starting a dev fleet: nats-server, workers, broker")
+            machines = _demo_run(fleet.url, spec.regions, answers)
+            if keep:
+                console.print(f"\nfleet left running at [bold]{fleet.url}[/]; Ctrl-C stops it")
+                _wait_for_ctrl_c()
+        console.print(f"[bold green]demo done[/]: {len(machines)} machines placed, served and cleaned up")
+    if json_out:
+        print_json({"machines": machines, "answers": answers})
 
 
-def _demo_run(url: str, region_names: list[str]) -> list[Machine]:
+def _demo_run(url: str, region_names: list[str], answers: dict[str, object]) -> list[Machine]:
+    """Place one machine per region and show it; `answers` gets each machine's HTTP answer by id."""
     from bus.contract.fleet import CreateRequest
     from bus.contract.machines import Check, Guest, MachineConfig
     from orchestrator.client import FleetClient
@@ -273,7 +289,7 @@ def _demo_run(url: str, region_names: list[str]) -> list[Machine]:
         finally:
             await client.close()
 
-    console.rule("sandwich ratings, one machine per region")
+    heading("sandwich ratings, one machine per region")
     placed = run(place())
     for machine, ms in placed:
         console.print(
@@ -283,11 +299,12 @@ def _demo_run(url: str, region_names: list[str]) -> list[Machine]:
         if machine.explain:
             console.print(explain_table(machine.explain))
     time.sleep(0.5)
-    console.rule("each machine answers on its own port")
+    heading("each machine answers on its own port")
     for machine, _ in placed:
         body = _http_get(f"http://127.0.0.1:{machine.port}/")
-        console.print(f"{machine.region} :{machine.port} -> {body}")
-    console.rule("the fleet")
+        answers[machine.id] = json.loads(body) if body.startswith("{") else body
+        console.print(f"{machine.region} :{machine.port} -> {body}", markup=False, highlight=False)
+    heading("the fleet")
     infos, machines = run(fleet_view())  # heartbeats carry usage within a few tens of milliseconds
     console.print(workers_table(infos))
     console.print(machines_table(machines, title="machines of app sandwich (health checks from the workers)"))

@@ -191,6 +191,7 @@ def tag_command(
     reference: str = typer.Argument(..., help="name:tag or sha256:..."),
     tag: str = typer.Argument(..., help="the new name:tag"),
     nats: str | None = NatsOption,
+    json_out: bool = typer.Option(False, "--json", help="print the image's manifest (JSON)"),
 ) -> None:
     """Point another name:tag at an image (a deployer: a tag of its own app, APP:TAG)."""
     (new,) = _tags([tag])
@@ -200,7 +201,7 @@ def tag_command(
             manifest = await tag_image(nc, reference, new)
         except ImageError as exc:
             fail(str(exc), 4)
-        _say(f"{new} -> {manifest.digest}")
+        _show(manifest, json_out, f"{new} -> {manifest.digest}")
 
     with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
 

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import typer
-from rich.table import Table
 
 from bus.contract.jobs import Job
-from orchestrator.cli.render import console, print_json
+from orchestrator.cli.render import KEYS, FitTable, console, print_json
 from orchestrator.cli.runtime import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -56,9 +55,9 @@ def _since(start: float | None, end: float | None) -> str:
 
 
 def _jobs_table(jobs: list[Job]) -> None:
-    table = Table(header_style="bold", box=None)
+    table = FitTable(header_style="bold", box=None)
     for column in ("ID", "STATE", "ATTEMPT", "WORKER", "EXIT", "WAITED", "RAN", "REASON"):
-        table.add_column(column, no_wrap=column != "REASON")
+        table.add_column(column, no_wrap=column in KEYS, overflow="fold")
     for job in jobs:
         table.add_row(
             job.id,

@@ -9,11 +9,10 @@ from datetime import UTC, datetime
 import msgspec
 import typer
 from rich import box
-from rich.table import Table
 
 from orchestrator.cli.app_options import APP, with_reconciler
 from orchestrator.cli.deploy_progress import DeployDisplay, cannot_deploy, print_outcome
-from orchestrator.cli.render import console, print_json
+from orchestrator.cli.render import KEYS, FitTable, console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_regions, fail, split_names
 from orchestrator.reconcile import rollout
 from orchestrator.reconcile.reconciler import Reconciler
@@ -67,12 +66,12 @@ def releases(app: str = APP, nats: str | None = NatsOption, json_out: bool = Jso
         console.print(f"app {app} has no releases (deploy it with `fauxmad deploy -c fauxmad.toml`)")
         return
     # reasons go under the table, wrapped: one long reason must not squeeze every column to nothing
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
     for col in ("version", "status", "strategy", "regions", "created", "description"):
-        table.add_column(col, no_wrap=True, overflow="ellipsis")
+        table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for rel in found:
         mark = " (current)" if rel.version == current else ""
-        regions = ",".join(f"{k}={v}" for k, v in rel.spec.regions.items())
+        regions = ", ".join(f"{k}={v}" for k, v in rel.spec.regions.items())
         status = rel.status + (" *" if rel.reason else "")
         table.add_row(
             f"v{rel.version}{mark}", status, rel.spec.deploy.strategy, regions, _when(rel.created_at), rel.description
@@ -80,7 +79,10 @@ def releases(app: str = APP, nats: str | None = NatsOption, json_out: bool = Jso
     console.print(table)
     for rel in found:
         if rel.reason:
-            console.print(f"* v{rel.version} {rel.status}: {rel.reason}", highlight=False, markup=False)
+            # prose to read, not to paste: wrapped at the width (a pipe has none)
+            console.print(
+                f"* v{rel.version} {rel.status}: {rel.reason}", highlight=False, markup=False, soft_wrap=False
+            )
 
 
 def _round_robin(count: int, regions: list[str], per_region_max: int | None) -> dict[str, int]:

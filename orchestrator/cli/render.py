@@ -2,19 +2,105 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 from rich import box
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
+from rich.text import Text
 
 from bus.contract.fleet import RegionSummary, WorkerInfo
 from bus.contract.machines import Machine
 from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
 
-console = Console()
+UNBOUNDED = 10_000  # the width of a pipe or a file: wide enough that no table is squeezed
+
+
+def make_console(stderr: bool = False) -> Console:
+    """The CLI's console. Prose is never hard-wrapped (`soft_wrap`: a line meant to be pasted, such as an
+    `export` or a command, stays one line; a terminal wraps it for the eye only). A pipe or a file
+    (no terminal, no $COLUMNS asked for) gets plain text at no width limit, so nothing is cut or folded."""
+    made = Console(soft_wrap=True, stderr=stderr)
+    if not made.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
+        made.width = UNBOUNDED
+    return made
+
+
+console = make_console()
+
+
+def heading(title: str) -> None:
+    """A section heading: a rule on a terminal, one plain line elsewhere (a rule would be as wide as a pipe)."""
+    if console.is_terminal:
+        console.rule(title)
+    else:
+        console.print(f"-- {title} --", highlight=False)
+
+
+class FitTable(Table):
+    """A table that keeps its `no_wrap` columns (ids and names, which people copy) whole at any width.
+
+    Its natural width when that fits; else the other columns wrap at spaces (never inside a word); and
+    when even the narrowest such layout is wider than the screen, one record per block: the first
+    column's value, then each other column's `header  value` on its own line.
+    """
+
+    def _plan(self, console: Console, options: ConsoleOptions) -> list[int | None] | None:
+        """Column widths (None: as measured) that fit `options.max_width`, or None: blocks."""
+        wide = options.update_width(UNBOUNDED)
+        ranges = [self._measure_column(console, wide, column) for column in self.columns]
+        most = [r.maximum for r in ranges]
+        least = [r.maximum if c.no_wrap else r.minimum for r, c in zip(ranges, self.columns, strict=True)]
+        room = (self.width or options.max_width) - self._extra_width
+        if sum(most) <= room:
+            return [c.width for c in self.columns]
+        if sum(least) > room:
+            return None
+        slack, growth = room - sum(least), [m - n for m, n in zip(most, least, strict=True)]
+        total = sum(growth) or 1
+        widths = [n + slack * g // total for n, g in zip(least, growth, strict=True)]
+        return [w - self._get_padding_width(c._index) for w, c in zip(widths, self.columns, strict=True)]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if not self.columns:
+            yield from super().__rich_console__(console, options)
+            return
+        plan = self._plan(console, options)
+        if plan is None:
+            yield from self._blocks(console)
+            return
+        kept = [c.width for c in self.columns]
+        for column, width in zip(self.columns, plan, strict=True):
+            column.width = width
+        try:
+            yield from super().__rich_console__(console, options)
+        finally:
+            for column, width in zip(self.columns, kept, strict=True):
+                column.width = width
+
+    def _cell(self, console: Console, value: Any) -> Text:
+        if isinstance(value, Text):
+            return value
+        return console.render_str(value, highlight=False) if isinstance(value, str) else Text(str(value))
+
+    def _blocks(self, console: Console) -> Iterator[Text]:
+        if self.title:
+            yield self._cell(console, self.title)
+        headers = [self._cell(console, c.header).plain for c in self.columns]
+        pad = max(len(h) for h in headers[1:]) if len(headers) > 1 else 0
+        for row in range(self.row_count):
+            if row:
+                yield Text()
+            cells = [self._cell(console, c._cells[row]) for c in self.columns]
+            yield Text.assemble((f"{headers[0]} ", "bold"), cells[0])
+            for header, cell in zip(headers[1:], cells[1:], strict=True):
+                yield Text.assemble(f"  {header:<{pad}}  ", cell)
+        if self.caption:
+            yield self._cell(console, self.caption)
 
 
 def print_json(value: Any) -> None:
@@ -32,17 +118,22 @@ def pct(used: int, total: int) -> str:
     return f"{(100 * used / total) if total else 0:3.0f}%"
 
 
+# columns whose values people copy (ids and names): a `FitTable` never cuts or folds them
+KEYS = frozenset(
+    {"id", "app", "name", "region", "worker", "volume", "attached", "version", "ID", "WORKER", "APP", "REGION"}
+)
+
 STATE_STYLE = {"started": "green", "failed": "red", "stopped": "yellow", "destroyed": "dim"}
 
 
 def machines_table(machines: list[Machine], title: str | None = None) -> Table:
     wide = console.width >= 120
-    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
     columns = ["id", "region", "worker", "state", "port", "checks"] + (["name", "cmd"] if wide else [])
     for col in columns:
-        table.add_column(col, overflow="fold" if col == "cmd" else "ellipsis", no_wrap=col != "cmd")
+        table.add_column(col, overflow="fold", no_wrap=col in KEYS)
     for m in machines:
-        checks = ",".join(f"{n}:{c.status}" for n, c in sorted(m.checks.items())) or "-"
+        checks = ", ".join(f"{n}:{c.status}" for n, c in sorted(m.checks.items())) or "-"
         style = STATE_STYLE.get(m.state, "")
         row = [m.id, m.region, m.worker_id, f"[{style}]{m.state}[/]" if style else m.state, str(m.port or "-"), checks]
         if wide:
@@ -68,9 +159,9 @@ def mem(mb: int) -> str:
 
 
 def workers_table(workers: list[WorkerInfo]) -> Table:
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
     for col in ("region", "worker", "cpus", "memory", "mach", "load", "state"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for w in workers:
         table.add_row(
             w.region,
@@ -85,9 +176,9 @@ def workers_table(workers: list[WorkerInfo]) -> Table:
 
 
 def regions_table(regions: list[RegionSummary]) -> Table:
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
     for col in ("region", "workers", "cpus", "memory", "machines"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for r in regions:
         workers = f"{r.workers}" + (f" ({r.cordoned} cordoned)" if r.cordoned else "")
         table.add_row(
@@ -101,7 +192,7 @@ def regions_table(regions: list[RegionSummary]) -> Table:
 
 
 def explain_table(explain: dict[str, Any]) -> Table:
-    table = Table(
+    table = FitTable(
         title=f"auction in {explain['region']} ({explain['strategy']}: {explain['answered']}/"
         f"{explain['asked']} workers answered in {explain['gather_ms']:.1f} ms)",
         title_justify="left",
@@ -109,7 +200,7 @@ def explain_table(explain: dict[str, Any]) -> Table:
         box=box.SIMPLE_HEAD,
     )
     for col in ("#", "worker", "total", "cpu", "mem", "image", "spread", "load", "away"):
-        table.add_column(col, no_wrap=col != "cpu")
+        table.add_column(col, no_wrap=col == "worker", overflow="fold")
     for w in explain["workers"]:
         won = w["worker_id"] == explain.get("winner")
         name = f"[bold green]{w['worker_id']} ✓[/]" if won else w["worker_id"]
@@ -132,7 +223,7 @@ SUBSCORES = ("cpu", "memory", "image", "spread", "load", "away")
 def kept_table(kept: dict[str, Any]) -> Table:
     """The short explanation a machine kept of its placement (`machine explain`)."""
     rejected = ", ".join(f"{n} by {name}" for name, n in sorted(kept.get("rejected", {}).items())) or "none"
-    table = Table(
+    table = FitTable(
         title=f"placed on {kept['chosen']} ({kept['strategy']}: {kept['answered']}/{kept['asked']} workers answered"
         f" in {kept['gather_ms']:.1f} ms; {kept.get('feasible', 0)} feasible; rejected: {rejected})",
         title_justify="left",
@@ -140,7 +231,7 @@ def kept_table(kept: dict[str, Any]) -> Table:
         box=box.SIMPLE_HEAD,
     )
     for col in ("#", "worker", "total", "cpu", "mem", "image", "spread", "load", "away"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=col == "worker", overflow="fold")
     for c in kept.get("candidates", []):
         won = c["worker_id"] == kept["chosen"]
         name = f"[bold green]{c['worker_id']} ✓[/]" if won else c["worker_id"]

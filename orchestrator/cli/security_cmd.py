@@ -5,6 +5,7 @@ Thin: the work is in `orchestrator.security` (what is written and why); this par
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -68,8 +69,11 @@ def init(
     if json_out:
         print_json({"config": str(fleet.config), "operator": str(creds)})
         return
-    console.print(f"fleet in {fleet.root}: start its server with  nats-server -c {fleet.config}", markup=False)
-    console.print(f"operator credentials: export FAUXMAD_CREDS={creds}", markup=False)
+    # each command on a line of its own, never wrapped (the console soft-wraps): it pastes as it is
+    console.print(f"fleet in {fleet.root}; start its server with:", markup=False, highlight=False)
+    console.print(f"  nats-server -c {shlex.quote(str(fleet.config))}", markup=False, highlight=False)
+    console.print("and act as its operator with:", markup=False, highlight=False)
+    console.print(f"  export FAUXMAD_CREDS={shlex.quote(str(creds))}", markup=False, highlight=False)
 
 
 def add_worker(

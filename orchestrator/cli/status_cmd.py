@@ -102,15 +102,15 @@ def status(
 
 def jobs_table(counts: list[JobCount]) -> Table:
     """Background jobs by app and region: how many in each state (README "Background jobs")."""
-    from rich.table import Table
+    from orchestrator.cli.render import KEYS, FitTable
 
     states = ("queued", "running", "succeeded", "failed", "cancelled")
     rows: dict[tuple[str, str], dict[str, int]] = {}
     for count in counts:
         rows.setdefault((count.app, count.region), {})[count.state] = count.count
-    table = Table(title="jobs", title_justify="left", header_style="bold", box=None)
+    table = FitTable(title="jobs", title_justify="left", header_style="bold", box=None)
     for column in ("APP", "REGION", *(state.upper() for state in states)):
-        table.add_column(column, no_wrap=True)
+        table.add_column(column, no_wrap=column in KEYS, overflow="fold")  # app names are never cut
     for (app_name, region), by_state in sorted(rows.items()):
         table.add_row(app_name, region, *(str(by_state.get(state, 0)) for state in states))
     return table

@@ -17,7 +17,7 @@ from rich.text import Text
 
 from bus.contract.machines import MachineEvent
 from bus.contract.offers import Resources
-from orchestrator.cli.render import STATE_STYLE, bar, mem
+from orchestrator.cli.render import KEYS, STATE_STYLE, FitTable, bar, mem
 from orchestrator.view import model
 from orchestrator.view.model import CORDONED, LOST, READY
 
@@ -108,9 +108,9 @@ def _rank(state: str) -> int:
 
 
 def regions_table(regions: list[model.RegionRow]) -> Table:
-    table = Table(title="regions", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(title="regions", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
     for col in ("region", "workers", "cpus", "memory", "machines"):
-        table.add_column(col, no_wrap=col != "machines")
+        table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for r in regions:
         extra = [f"{r.cordoned} cordoned"] * bool(r.cordoned) + [styled(f"{r.lost} lost", LOST)] * bool(r.lost)
         table.add_row(
@@ -124,9 +124,9 @@ def regions_table(regions: list[model.RegionRow]) -> Table:
 
 
 def workers_table(workers: list[model.WorkerRow], now: float) -> Table:
-    table = Table(title="workers", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(title="workers", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
     for col in ("region", "worker", "status", "cpus", "memory", "mach", "heartbeat"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for w in workers:
         table.add_row(
             w.region,
@@ -141,17 +141,16 @@ def workers_table(workers: list[model.WorkerRow], now: float) -> Table:
 
 
 def machines_table(machines: list[model.MachineRow]) -> Table:
-    table = Table(title="machines", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-    table.add_column("id", no_wrap=True, min_width=14)  # ids are what people copy: never cut
-    for col in ("app", "region", "worker", "state", "release", "role", "checks"):
-        table.add_column(col, no_wrap=True, overflow="ellipsis")
+    table = FitTable(title="machines", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    for col in ("id", "app", "region", "worker", "state", "release", "role", "checks"):
+        table.add_column(col, no_wrap=col in KEYS, overflow="fold")  # ids and names are never cut
     for m in machines:
         state = styled(m.state)
         if m.state in ("stopped", "failed") and m.exit_code is not None:
             state += f" ({m.exit_code})"
         if m.host_status != "ok":
             state += f" [red]host {m.host_status}[/]"  # as its worker last said; the host is not answering
-        checks = ",".join(f"{name}:{styled(status)}" for name, status in sorted(m.checks.items())) or "-"
+        checks = ", ".join(f"{name}:{styled(status)}" for name, status in sorted(m.checks.items())) or "-"
         table.add_row(m.id, m.app, m.region, m.worker_id, state, m.release or "-", m.role or "-", checks)
     return table
 

@@ -10,10 +10,9 @@ import re
 
 import typer
 from rich import box
-from rich.table import Table
 
 from bus.contract.volumes import Volume, VolumeSnapshot
-from orchestrator.cli.render import console, print_json
+from orchestrator.cli.render import KEYS, FitTable, console, print_json
 from orchestrator.cli.runtime import (
     JsonOption,
     NatsOption,
@@ -54,10 +53,10 @@ def _gb(volume: Volume) -> str:
     return f"{volume.size_gb} GB ({used / 1e6:.1f} MB used)"
 
 
-def volumes_table(volumes: list[Volume]) -> Table:
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+def volumes_table(volumes: list[Volume]) -> FitTable:
+    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
     for col in ("id", "name", "region", "worker", "state", "size", "attached", "limit"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for v in volumes:
         table.add_row(
             v.id, v.name, v.region, v.worker_id, v.state, _gb(v), v.attached_machine_id or "-", v.size_limit or "-"
@@ -65,10 +64,10 @@ def volumes_table(volumes: list[Volume]) -> Table:
     return table
 
 
-def snapshots_table(snapshots: list[VolumeSnapshot]) -> Table:
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+def snapshots_table(snapshots: list[VolumeSnapshot]) -> FitTable:
+    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
     for col in ("id", "volume", "created", "size", "worker", "digest"):
-        table.add_column(col, no_wrap=True)
+        table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for s in snapshots:
         table.add_row(s.id, s.volume_id, s.created_at, f"{s.size / 1e6:.2f} MB", s.worker_id, s.digest[:19])
     return table

@@ -1,0 +1,244 @@
+"""Output that fits: the read commands at 60 and 80 columns (a pipe and a real terminal) never cut an id
+or a name; errors say the rule in words; a line meant to be pasted is one line; piped JSON is JSON.
+
+Everything runs as real processes against a real dev fleet (`DevFleet`): no NATS mocks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import shlex
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.helpers import ROOT
+
+APP = "fits-a-rather-long-app-name"
+SPEC = f"""
+app = "{APP}"
+cmd = {json.dumps([sys.executable, str(ROOT / "examples" / "sandwich" / "app.py")])}
+[guest]
+cpus = 1
+memory_mb = 64
+[regions]
+ams = 2
+sin = 1
+[checks.http]
+type = "http"
+path = "/health"
+interval = "200ms"
+timeout = "1s"
+[deploy]
+spares = 0
+wait_timeout = "20s"
+"""
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+
+
+def _env(url: str | None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("FAUXMAD_NATS_URL", "COLUMNS", "LINES")}
+    env.update(PYTHONPATH=str(ROOT), **extra)
+    if url:
+        env["FAUXMAD_NATS_URL"] = url
+    return env
+
+
+def piped(url: str | None, *args: str, columns: int | None = None, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = _env(url, **extra) | ({"COLUMNS": str(columns)} if columns else {})
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=str(ROOT),
+    )
+
+
+def in_terminal(url: str, *args: str, columns: int) -> str:
+    """The command's stdout as a person sees it in a terminal `columns` wide (a pty: rich asks its size)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        stdin=slave,
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        env=_env(url, TERM="xterm-256color"),
+        cwd=str(ROOT),
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(120) == 0, proc.stderr.read().decode() if proc.stderr else ""
+    if proc.stderr:
+        proc.stderr.close()
+    return ANSI.sub("", b"".join(chunks).decode()).replace("\r\n", "\n")
+
+
+def whole(value: str, text: str) -> bool:
+    """`value` appears in `text` as a whole word (not cut, not folded over two lines)."""
+    return re.search(rf"(?<![\w-]){re.escape(value)}(?![\w-])", text) is not None
+
+
+def as_json(url: str, *args: str) -> Any:
+    result = piped(url, *args, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevFleet]:
+    spec = FleetSpec(regions=["ams", "sin"], workers_per_region=2, cpus=4, memory_mb=4096)
+    with DevFleet(spec) as running:
+        url = running.url
+        path = tmp_path_factory.mktemp("fits") / "fauxmad.toml"
+        path.write_text(SPEC)
+        for _ in range(2):  # two releases
+            deployed = piped(url, "deploy", "-c", str(path))
+            assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+            path.write_text(SPEC.replace('interval = "200ms"', 'interval = "300ms"'))
+        made = piped(url, "volume", "create", "data_with_long_name", "-a", APP, "-r", "ams", "--json")
+        assert made.returncode == 0, made.stderr
+        volume = json.loads(made.stdout)["id"]
+        assert piped(url, "volume", "snapshot", volume, "-a", APP).returncode == 0
+        job = piped(url, "job", "submit", "-a", APP, "-r", "sin", "--wait", "--", "true")
+        assert job.returncode == 0, job.stderr
+        yield running
+
+
+def read_commands(url: str) -> list[tuple[list[str], set[str]]]:
+    """Each read command with a table, and the ids and names its --json output says it shows."""
+    status = as_json(url, "status")
+    volumes = as_json(url, "volume", "list", "-a", APP)
+    volume = volumes[0]["id"]
+    snapshots = as_json(url, "volume", "snapshots", volume, "-a", APP)
+    releases = as_json(url, "releases", "-a", APP)
+    machines = as_json(url, "machine", "list", "-a", APP)
+    assert len(machines) == 3 and len(snapshots) == 1 and len(releases["releases"]) == 2
+    return [
+        (
+            ["status"],
+            {m["id"] for m in status["machines"]}
+            | {m["app"] for m in status["machines"]}
+            | {w["worker_id"] for w in status["workers"]},
+        ),
+        (["releases", "-a", APP], {f"v{r['version']}" for r in releases["releases"]}),
+        (["volume", "list", "-a", APP], {v["id"] for v in volumes} | {v["name"] for v in volumes}),
+        (["volume", "show", volume, "-a", APP], {volume, volumes[0]["name"], volumes[0]["worker_id"]}),
+        (["volume", "snapshots", volume, "-a", APP], {s["id"] for s in snapshots} | {volume}),
+        (["machine", "list", "-a", APP], {m["id"] for m in machines} | {m["worker_id"] for m in machines}),
+        (["machine", "show", machines[0]["id"], "-a", APP], {machines[0]["id"], machines[0]["worker_id"]}),
+        (["apps", "list"], {a["app"] for a in as_json(url, "apps", "list")}),
+        (["workers"], {w["worker_id"] for w in as_json(url, "workers")}),
+        (["regions"], {r["region"] for r in as_json(url, "regions")}),
+        (["job", "list", "-a", APP], {j["id"] for j in as_json(url, "job", "list", "-a", APP)}),
+    ]
+
+
+@pytest.mark.fleet
+@pytest.mark.parametrize("columns", [60, 80])
+def test_read_commands_never_cut_an_id_piped_or_in_a_terminal(fleet: DevFleet, columns: int) -> None:
+    for args, ids in read_commands(fleet.url):
+        assert ids, args
+        shown = piped(fleet.url, *args, columns=columns)
+        assert shown.returncode == 0, shown.stderr
+        cut = sorted(i for i in ids if not whole(i, shown.stdout))
+        assert not cut, f"{shlex.join(args)} at COLUMNS={columns} cut {cut}:\n{shown.stdout}"
+        assert "…" not in shown.stdout, shown.stdout
+        seen = in_terminal(fleet.url, *args, columns=columns)
+        cut = sorted(i for i in ids if not whole(i, seen))
+        assert not cut, f"{shlex.join(args)} in a {columns}-column terminal cut {cut}:\n{seen}"
+        assert "…" not in seen, seen
+        tables = [line for line in seen.splitlines() if "─" in line]  # a table's rule: the table fits
+        assert all(len(line) <= columns for line in tables), seen
+
+
+@pytest.mark.fleet
+def test_piped_tables_are_plain_and_unwrapped(fleet: DevFleet) -> None:
+    """No terminal and no $COLUMNS: no width limit, so every record is one line of the table."""
+    machines = as_json(fleet.url, "machine", "list", "-a", APP)
+    shown = piped(fleet.url, "status")
+    assert shown.returncode == 0 and "\x1b[" not in shown.stdout, shown.stdout
+    for machine in machines:
+        (line,) = [line for line in shown.stdout.splitlines() if machine["id"] in line]
+        assert APP in line and machine["worker_id"] in line and "primary" in line, shown.stdout
+
+
+@pytest.mark.fleet
+def test_errors_say_the_rule_in_words(fleet: DevFleet, tmp_path: Path) -> None:
+    spec = tmp_path / "fauxmad.toml"
+    spec.write_text(SPEC.replace(f'app = "{APP}"', 'app = "my app"'))
+    cases = [
+        (["machine", "show", "nonexistent", "-a", APP], "machine id must be 14 hex digits"),
+        (["job", "status", "jnothex", "-a", APP], "job id must be j and 15 hex digits"),
+        (["volume", "create", "my vol", "-a", APP, "-r", "ams"], "name must be a letter or digit followed by"),
+        (["deploy", "-c", str(spec)], "`app` must be 1-64 letters, digits, '-' or '_'"),
+    ]
+    for args, words in cases:
+        result = piped(fleet.url, *args)
+        lines = result.stderr.splitlines()
+        assert result.returncode != 0 and len(lines) == 1, (args, result.stderr)
+        assert words in lines[0], (args, lines[0])
+        for internal in ("regex", "$.", "^", "{"):
+            assert internal not in lines[0], (args, lines[0])
+
+
+def test_fleet_init_prints_its_export_on_one_line(tmp_path: Path) -> None:
+    where = tmp_path / "a-directory-with-a-long-name" / "for-the-secure-fleet"
+    result = piped(None, "fleet", "init", str(where), columns=60)
+    assert result.returncode == 0, result.stderr
+    (export,) = [line.strip() for line in result.stdout.splitlines() if "FAUXMAD_CREDS" in line]
+    assert export.startswith("export FAUXMAD_CREDS=") and len(export) > 60, result.stdout
+    assert Path(shlex.split(export)[1].split("=", 1)[1]).is_file()
+    (serve,) = [line.strip() for line in result.stdout.splitlines() if line.strip().startswith("nats-server")]
+    assert Path(shlex.split(serve)[-1]).is_file(), result.stdout
+
+
+@pytest.mark.fleet
+def test_image_build_and_tag_json_is_json_when_piped(fleet: DevFleet) -> None:
+    built = piped(
+        fleet.url, "image", "build", "examples/sandwich", "--tag", "fits:v1", "--cmd", "python3 app.py", "--json"
+    )
+    assert built.returncode == 0, built.stderr
+    manifest = json.loads(built.stdout)
+    assert manifest["digest"].startswith("sha256:") and "fits:v1" in manifest["tags"]
+    tagged = piped(fleet.url, "image", "tag", "fits:v1", "fits:v2", "--json", columns=60)
+    assert tagged.returncode == 0, tagged.stderr
+    again = json.loads(tagged.stdout)
+    assert again["digest"] == manifest["digest"] and {"fits:v1", "fits:v2"} <= set(again["tags"])
+    plain = piped(fleet.url, "image", "tag", "fits:v1", "fits:v3", columns=60)
+    assert plain.stdout.strip() == f"fits:v3 -> {manifest['digest']}", plain.stdout
+
+
+@pytest.mark.fleet
+def test_demo_json_is_json_when_piped() -> None:
+    started = time.monotonic()
+    result = piped(None, "demo", "--regions", "fa,fb", "--workers-per-region", "1", "--json", columns=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    found = json.loads(result.stdout)
+    machines = found["machines"]
+    assert [m["region"] for m in machines] == ["fa", "fb"], found
+    assert set(found["answers"]) == {m["id"] for m in machines} and "demo done" in result.stderr
+    assert time.monotonic() - started < 120
