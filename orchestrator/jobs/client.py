@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError
 
 from bus.contract import subjects
 from bus.contract.codec import decode
@@ -72,6 +73,27 @@ class JobsClient:
     async def cancel(self, app: str, job_id: str) -> Job:
         return await call(self.nc, subjects.api_jobs(app, "cancel"), JobIdRequest(app=app, id=job_id), Job)
 
+    @staticmethod
+    async def _missing(kv: Any, app: str, job_ids: builtins.list[str]) -> builtins.list[str]:
+        """Which of `job_ids` have no record, asked one by one. The watch's end-of-values marker alone cannot
+        say: nats-py queues it first when the consumer reports nothing pending and its callback has received
+        nothing yet, which is also the case when the server has already sent every record and the callback has
+        not run (on a loaded host: a just-submitted batch then looked unknown, CI's `job wait` said not found)."""
+
+        async def missing(job_id: str) -> bool:
+            try:
+                entry = await kv.get(subjects.job_key(app, job_id))
+            except KeyNotFoundError:
+                return True
+            return not entry.value
+
+        found: builtins.list[str] = []
+        for start in range(0, len(job_ids), 64):
+            chunk = job_ids[start : start + 64]
+            flags = await asyncio.gather(*(missing(job_id) for job_id in chunk))
+            found += [job_id for job_id, gone in zip(chunk, flags, strict=True) if gone]
+        return found
+
     async def wait(self, app: str, job_ids: builtins.list[str], timeout: float) -> dict[str, Job]:
         """Every job's record once it is succeeded, failed or cancelled; 504 when `timeout` passes first."""
         kv = await self.nc.jetstream().key_value(subjects.JOBS_BUCKET)
@@ -84,7 +106,7 @@ class JobsClient:
             async with asyncio.timeout(timeout):  # one deadline for the whole wait, not a timer per update
                 async for entry in watcher:
                     if entry is None:  # the end of the records there were: a job with none does not exist
-                        unknown = [job_id for job_id in job_ids if job_id not in seen]
+                        unknown = await self._missing(kv, app, [job_id for job_id in job_ids if job_id not in seen])
                         if unknown:
                             raise NotFound(f"job {', '.join(unknown)} not found in app {app}")
                         continue
