@@ -286,16 +286,19 @@ class Images:
         return bytes(buffer)
 
     async def list(self) -> list[ImageManifest]:
+        """Every manifest. Their keys come from the bucket's stream (its subjects), not from nats-py's
+        `KeyValue.keys()`: that reads a watch whose end-of-values marker can come before the values on a loaded
+        host, and answered NoKeysError for a bucket full of manifests (CI: `fauxmad image ls`)."""
+        prefix = f"$KV.{subjects.IMAGE_TAGS_BUCKET}."
         try:
-            keys = await self.tags.keys()
+            info = await self.js.stream_info(f"KV_{subjects.IMAGE_TAGS_BUCKET}", subjects_filter=f"{prefix}m.>")
         except NotFoundError:
             return []
         manifests = []
-        for key in keys:
-            if key.startswith("m."):
-                found = await self.manifest("sha256:" + key[2:])
-                if found is not None:
-                    manifests.append(found)
+        for subject in sorted(info.state.subjects or {}):
+            found = await self.manifest("sha256:" + subject[len(prefix) + 2 :])  # None: deleted since
+            if found is not None:
+                manifests.append(found)
         return sorted(manifests, key=lambda m: m.created)
 
     async def tag(self, reference: str, tag: str) -> ImageManifest:
