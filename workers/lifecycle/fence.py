@@ -5,7 +5,8 @@ expired: it fences it in the key's claim and places a new machine id (bus/contra
 worker that comes back from an absence (frozen, cut off, restarted) asks the claim of each keyed machine it
 has not confirmed yet, before that machine runs: `ours` (the claim names it; settled on this worker with a
 compare-and-set if it was not yet), `elsewhere` (destroyed without running) or `unknown` (the claims could
-not be read; asked again at the next sweep).
+not be read: a just-reserved machine is then recorded failed rather than started; one found by a sweep stays
+as it is until the next sweep, which comes with the next absence or restart, not on a timer).
 
 "Away" is measured by the heartbeat: a machine must be checked when an absence began or ended since its
 reserve arrived (`mark`), and a sweep runs after every absence and at start. Outside absences nothing is
