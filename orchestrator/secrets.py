@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from bus.contract.errors import BadRequest, FauxmadError, NotFound
+from bus.stores.kv_keys import kv_keys
 from bus.stores.secrets import MAX_VALUE, PUBLIC_KEY, SealedSecret, check_name, seal, secret_key
 from orchestrator.client import FleetClient
 
@@ -67,14 +68,8 @@ async def set_secrets(kv: Any, app: str, values: dict[str, str], clock: Callable
 
 async def list_secrets(kv: Any, app: str) -> list[SecretInfo]:
     out: list[SecretInfo] = []
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py: no keys at all
-        return out
-    for key in keys:
-        owner, _, name = key.partition(".")
-        if owner != app or not name:
-            continue
+    for key in await kv_keys(kv, f"{app}.*"):
+        name = key.partition(".")[2]
         try:
             sealed = msgspec.json.decode((await kv.get(key)).value, type=SealedSecret)
         except Exception:

@@ -49,6 +49,7 @@ from nats.js.object_store import ObjectStore
 from bus.contract import subjects
 from bus.contract.images import MAX_ARCHIVE as MAX_ARCHIVE
 from bus.contract.images import ImageManifest as ImageManifest
+from bus.stores.kv_keys import kv_keys
 from bus.stores.objects import bind_or_create_store, read_chunks, stored_digest
 from bus.transport.jetstream import bind_or_create_kv
 
@@ -286,17 +287,15 @@ class Images:
         return bytes(buffer)
 
     async def list(self) -> list[ImageManifest]:
-        """Every manifest. Their keys come from the bucket's stream (its subjects), not from nats-py's
-        `KeyValue.keys()`: that reads a watch whose end-of-values marker can come before the values on a loaded
-        host, and answered NoKeysError for a bucket full of manifests (CI: `fauxmad image ls`)."""
-        prefix = f"$KV.{subjects.IMAGE_TAGS_BUCKET}."
+        """Every manifest, its keys read from the bucket's stream (`bus.stores.kv_keys`: nats-py's
+        `KeyValue.keys()` answered NoKeysError for a bucket full of manifests on a loaded host)."""
         try:
-            info = await self.js.stream_info(f"KV_{subjects.IMAGE_TAGS_BUCKET}", subjects_filter=f"{prefix}m.>")
+            keys = await kv_keys(self.tags, "m.>")
         except NotFoundError:
             return []
         manifests = []
-        for subject in sorted(info.state.subjects or {}):
-            found = await self.manifest("sha256:" + subject[len(prefix) + 2 :])  # None: deleted since
+        for key in keys:
+            found = await self.manifest("sha256:" + key[2:])  # None: deleted since
             if found is not None:
                 manifests.append(found)
         return sorted(manifests, key=lambda m: m.created)

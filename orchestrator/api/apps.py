@@ -23,6 +23,7 @@ from bus.contract import subjects
 from bus.contract.codec import decode, encode
 from bus.contract.fleet import WorkerInfo, WorkersListRequest
 from bus.contract.machines import DestroyRequest, ListRequest, Machine
+from bus.stores.kv_keys import kv_keys
 from orchestrator.api import types
 from orchestrator.api.http import BROKERS, NC, ClientError, app_name, body, json
 from orchestrator.reconcile.over_nats import KVReleaseStore
@@ -78,10 +79,9 @@ async def list_apps(request: web.Request) -> web.Response:
     store = await _store(request)
     counts = await _counts(request)
     records: dict[str, types.AppRecord] = {}
-    for key in await store.keys():
-        name, _, rest = key.partition(".")
-        if rest == "record":
-            records[name] = await _record(store, name) or types.AppRecord(name=name)
+    for key in await kv_keys(store.kv, "*.record"):
+        name = key.partition(".")[0]
+        records[name] = await _record(store, name) or types.AppRecord(name=name)
     names = set(records) | {n for n, c in counts.items() if c} | set(await Releases(store).apps())
     apps = []
     for name in sorted(names):

@@ -11,9 +11,10 @@ from typing import TypeVar
 
 import msgspec
 from nats.aio.client import Client
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from bus.stores.kv_keys import kv_keys
 from bus.transport.service import call
 
 R = TypeVar("R")
@@ -36,11 +37,7 @@ class KVReleaseStore:
         self.kv = kv
 
     async def keys(self) -> list[str]:
-        try:
-            keys: list[str] = await self.kv.keys()
-        except NoKeysError:
-            return []
-        return keys
+        return await kv_keys(self.kv)  # from the stream's subjects: nats-py's keys() can miss keys
 
     async def get(self, key: str) -> bytes | None:
         try:
