@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -26,6 +26,7 @@ import uvloop
 from bus.contract.errors import NoCapacity
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, MachineConfig, RestartPolicy
+from lab.bench.cpu import Meter
 from lab.bench.echo import EchoResponder
 from lab.bench.report import Report, host_info, latency_table, times
 from lab.bench.stats import Latency, ratio, summarize
@@ -134,6 +135,19 @@ def machine_config(start: bool) -> MachineConfig:
     )
 
 
+async def metered(creators: list[Coroutine[Any, Any, None]], meters: Sequence[Meter]) -> float:
+    """Run the creators together between the meters' start and stop; the wall time they took, in seconds."""
+    for meter in meters:
+        meter.start()
+    began = time.perf_counter()
+    try:
+        await asyncio.gather(*creators)
+    finally:
+        for meter in meters:
+            meter.stop()
+    return time.perf_counter() - began
+
+
 async def measure_creates(
     url: str,
     regions: list[str],
@@ -143,9 +157,10 @@ async def measure_creates(
     strategy: str,
     start: bool,
     region_urls: dict[str, str] | None = None,
+    meters: Sequence[Meter] = (),
 ) -> CreateRun:
     """`count` creates, `concurrency` in flight, round robin over `regions`; with `region_urls`, a region's
-    creates go through clients connected to that region's URL."""
+    creates go through clients connected to that region's URL; `meters` run around the creates alone."""
     urls = region_urls or dict.fromkeys(regions, url)
     per = min(concurrency, MAX_CLIENTS)
     clients = {
@@ -176,11 +191,9 @@ async def measure_creates(
                 run.errors += 1
                 run.first_error = run.first_error or f"{type(exc).__name__}: {exc}"
 
-    began = time.perf_counter()
     try:
-        await asyncio.gather(*[creator(i) for i in range(concurrency)])
+        run.wall_s = await metered([creator(i) for i in range(concurrency)], meters)
     finally:
-        run.wall_s = time.perf_counter() - began
         for group in clients.values():
             for client in group:
                 await client.close()

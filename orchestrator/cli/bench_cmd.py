@@ -99,11 +99,30 @@ def placement(
         help="N > 0: measure on one server, then on a loopback supercluster of N servers per region (each region's"
         " creates through its own servers), in the same run",
     ),
+    floor: bool = typer.Option(
+        False,
+        "--floor",
+        help="also measure the floor in the same run, on the same nats-server: the same protocol in plain nats-py"
+        " (one responder process per worker: an offer, a reserve = one fsync'd LMDB put + one JetStream publish;"
+        " a client that scatters, gathers with the broker's 50 ms deadline, picks the most free, reserves), in"
+        " rounds alternating with fauxmad's, at c=1 and at --concurrency; prints both, their ratios, and the CPU"
+        " per create of each side's processes (reserve only)",
+    ),
+    rounds: int = typer.Option(
+        4,
+        "--rounds",
+        min=1,
+        max=100,
+        help="with --floor or --against: alternating rounds per concurrency (--count is split over them)",
+    ),
     nats: str | None = nats_option("; given: use that fleet"),
     output: Path = typer.Option(Path("bench-placement.json"), "--output", "-o", help=OUTPUT_HELP),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """Create latency (p50/p90/p99/max) and throughput, with the bus round trip (echo in another process)."""
+    """Create latency (p50/p90/p99/max) and throughput, with the bus round trip (echo in another process).
+
+    --floor compares fauxmad with the same protocol in plain nats-py, in one run; --against REV compares this
+    tree with another git revision, in one run."""
     from lab.bench import placement as bench
     from orchestrator.broker.auction import STRATEGIES
 
@@ -123,6 +142,19 @@ def placement(
         echo_count=echo_count,
         supercluster=supercluster,
     )
+    if floor:
+        from lab.bench import floor_run
+
+        if nats is not None or supercluster or start:
+            fail(
+                "--floor measures reserve only on a fleet of its own: leave out --nats, --supercluster, --start",
+                EXIT_USAGE,
+            )
+        floored = _measure(
+            lambda: floor_run.run_floor(floor_run.FloorOptions(placement=options, rounds=rounds), _progress)
+        )
+        _finish(floored, floor_run.report(floored), output, json_out)
+        return
     if supercluster:
         if nats is not None:
             fail("--supercluster starts its own fleets: leave out --nats", EXIT_USAGE)
