@@ -40,6 +40,7 @@ from orchestrator.security.tokens import Token, TokenError, decode, verify
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+TRAIL: web.AppKey[AuditTrail] = web.AppKey("audit_trail", AuditTrail)  # the web console records its actions here too
 READS = frozenset({"GET", "HEAD"})
 
 
@@ -124,24 +125,26 @@ class Auth:
         return Caller(f"token:{token.id}", list(token.caveats), token.id)
 
 
+async def audit(trail: AuditTrail, request: web.Request, caller: Caller, status: int) -> None:
+    """Record one mutating request (allowed or refused) with the identity that made it."""
+    app = request.match_info.get("app_name", "")
+    record = AuditRecord(
+        at=time.time(),
+        identity=caller.identity,
+        token=caller.token,
+        scope=caller.scope,
+        method=request.method,
+        path=request.path,
+        app=app,
+        status=status,
+        remote=request.remote or "",
+        request_id=request.headers.get("fly-request-id", "") or secrets.token_hex(8),
+    )
+    await trail.record(audit_subject(app), record)  # a malformed app name: refused, recorded as the fleet's
+
+
 def guard(auth: Auth, trail: AuditTrail) -> Any:
     """The middleware: identify the caller of every `/v1` request, refuse it or run it, audit any write."""
-
-    async def audit(request: web.Request, caller: Caller, status: int) -> None:
-        app = request.match_info.get("app_name", "")
-        record = AuditRecord(
-            at=time.time(),
-            identity=caller.identity,
-            token=caller.token,
-            scope=caller.scope,
-            method=request.method,
-            path=request.path,
-            app=app,
-            status=status,
-            remote=request.remote or "",
-            request_id=request.headers.get("fly-request-id", "") or secrets.token_hex(8),
-        )
-        await trail.record(audit_subject(app), record)  # a malformed app name: refused, recorded as the fleet's
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -152,11 +155,11 @@ def guard(auth: Auth, trail: AuditTrail) -> Any:
             caller = auth.identify(request)
         except TokenError as exc:
             if writes:
-                await audit(request, Caller("refused", token=auth.presented(request)), exc.status)
+                await audit(trail, request, Caller("refused", token=auth.presented(request)), exc.status)
             return error_response(exc.status, exc.message)
         response = await handler(request)
         if writes:
-            await audit(request, caller, response.status)
+            await audit(trail, request, caller, response.status)
         return response
 
     return middleware

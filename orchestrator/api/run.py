@@ -51,7 +51,10 @@ async def serve(
     token: bytes | None = None,
     root_key: bytes | None = None,
     metrics: tuple[str, int] | None = None,
+    proxy_metrics: list[str] | None = None,
 ) -> None:
+    from orchestrator.console.routes import attach  # the web console at /ui (orchestrator.console)
+
     if metrics is not None:
         start_http_server(metrics[1], metrics[0])
     nc = await connect(nats_url, "fauxmad-api", reconnect_forever=True)
@@ -65,7 +68,9 @@ async def serve(
             await revoked.start(await revoked_tokens_bucket(js))
         auth = Auth(static_token=token, root_key=root_key, revoked=revoked)
         await broker.start(serve=False)  # placements happen here, as Fly's flaps does them (orchestrator.api.http)
-        runner = web.AppRunner(build(nc, auth=auth, broker=broker), access_log=None)
+        app = build(nc, auth=auth, broker=broker)
+        attach(app, auth, proxy_metrics=proxy_metrics)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
@@ -73,7 +78,8 @@ async def serve(
         where = f"[{bound[0]}]:{bound[1]}" if ":" in str(bound[0]) else f"{bound[0]}:{bound[1]}"
         secured = "bearer tokens required" if token is not None or root_key is not None else "no token required"
         print(
-            f"fauxmad api: listening on http://{where} (Fly's Machines API under /v1, /openapi.json, /docs; {secured})",
+            f"fauxmad api: listening on http://{where} (Fly's Machines API under /v1, /openapi.json, /docs; "
+            f"the console at /ui; {secured})",
             flush=True,
         )
         await broker.run_forever()

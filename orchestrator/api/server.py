@@ -40,7 +40,7 @@ from bus.contract.machines import (
 )
 from bus.transport.audit import AuditTrail
 from orchestrator.api import apps, metadata, metrics, placements, types, volumes
-from orchestrator.api.auth import Auth, guard
+from orchestrator.api.auth import TRAIL, Auth, guard
 from orchestrator.api.errors import error_response, from_bus
 from orchestrator.api.http import (
     BROKERS,
@@ -311,6 +311,7 @@ def build(nc: Client, *, auth: Auth | None = None, broker: Answering | None = No
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
     app.on_cleanup.append(lambda _: trail.drain())
     app[NC] = nc
+    app[TRAIL] = trail
     app[BROKERS] = Brokers(nc, broker)
     app[IMAGES] = ImageDoor(nc)
     m = "/v1/apps/{app_name}/machines"

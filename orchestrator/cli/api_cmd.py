@@ -20,9 +20,16 @@ def api(
         "expiring, revocable",
     ),
     metrics_listen: str | None = typer.Option(None, "--metrics-listen", help="HOST:PORT for Prometheus /metrics"),
+    proxy_metrics: list[str] = typer.Option(
+        [],
+        "--proxy-metrics",
+        help="an edge proxy's /metrics URL (its --admin listener), repeatable: the console's app page shows its "
+        "requests, autostarts and resumes",
+    ),
     nats: str | None = NatsOption,
 ) -> None:
-    """Serve Fly's Machines API (`/v1/apps/...`) over HTTP, with a broker of its own: creates are placed here."""
+    """Serve Fly's Machines API (`/v1/apps/...`) over HTTP, with a broker of its own: creates are placed here; and the
+    web console at `/ui` (same tokens)."""
     from orchestrator.api.run import read_root_key, read_token, serve
     from orchestrator.proxy.run import parse_listen
 
@@ -36,4 +43,7 @@ def api(
     url = nats_url(nats)
     assert url is not None
     at = (metrics.host, metrics.port) if metrics else None
-    serve_until_stopped(serve(url, where.host, where.port, token=token, root_key=root_key, metrics=at), what="api")
+    serve_until_stopped(
+        serve(url, where.host, where.port, token=token, root_key=root_key, metrics=at, proxy_metrics=proxy_metrics),
+        what="api",
+    )
