@@ -68,13 +68,15 @@ def kept_explain(found: Machine) -> dict[str, Any] | None:
     return next((event.placement for event in events if event.placement), None)
 
 
-async def releases(nc: Client, app: str) -> tuple[Head | None, list[Release]]:
+async def releases(nc: Client, app: str) -> tuple[Head | None, list[Release], bool]:
+    """The app's head and releases, and whether it has a record (`POST /v1/apps` made it)."""
     try:
         store = KVReleaseStore(await nc.jetstream().key_value(subjects.APPS_BUCKET))
     except (BucketNotFoundError, NotFoundError):
-        return None, []
+        return None, [], False
     found = Releases(store)
-    return await found.head(app), await found.list(app)
+    recorded = await store.get(f"{app}.record") is not None
+    return await found.head(app), await found.list(app), recorded
 
 
 def progress(release: Release | None, machines: list[MachineRow]) -> list[Progress]:

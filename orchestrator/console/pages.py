@@ -272,7 +272,12 @@ def app(data: AppData, logs: list[LogRecord], *, who: str) -> str:
         f'<h1>app {e(data.name)}</h1><div data-live="/ui/apps/{quote(data.name)}?part=live">{app_live(data)}</div>'
         '<h2>Logs</h2><div id="logs" class="logs">' + "".join(log_line(r, with_machine=True) for r in logs) + "</div>"
     )
-    return layout(f"app {data.name}", body, stream=f"/ui/stream?{urlencode({'app': data.name, 'logs': '1'})}", who=who)
+    return layout(
+        f"app {data.name}",
+        body,
+        stream=f"/ui/stream?{urlencode({'app': data.name, 'logs': '1', 'releases': '1'})}",
+        who=who,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -130,9 +130,9 @@ async def machine_page(request: web.Request, seen: Viewer) -> web.StreamResponse
 
 async def _app_data(request: web.Request, app: str) -> data.AppData:
     console = request.app[CONSOLE]
-    head, releases = await data.releases(request.app[NC], app)
+    head, releases, recorded = await data.releases(request.app[NC], app)
     snap = console.live.snapshot(app=app)
-    if not releases and not snap.machines and not console.live.reader.known_app(app):
+    if not recorded and not releases and not snap.machines and not console.live.reader.known_app(app):
         raise NotFound(f"app {app} not found: no release and no machine")
     return data.AppData(
         name=app,
@@ -347,6 +347,8 @@ def _frame(kind: str, raw: bytes, seen: Viewer, live: Live, mid: str | None) -> 
         return kind, _log_json(raw, seen, with_machine=mid is None)
     if kind == "job":
         return kind, _job_json(raw, seen)
+    if kind == "release":
+        return kind, b"{}"
     if kind == "tick":
         return "workers", _workers_json(live) if mid is None else None
     return kind, b"{}"
@@ -380,6 +382,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
         wanted["log"] = subjects.logs_filter(app, mid)
     if request.query.get("jobs"):
         wanted["job"] = subjects.job_events_filter(app)
+    if request.query.get("releases") and app is not None:  # a release's status is a key of the apps bucket
+        wanted["release"] = f"$KV.{subjects.APPS_BUCKET}.{app}.>"
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
     )

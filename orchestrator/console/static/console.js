@@ -84,6 +84,7 @@ function connect() {
   source.addEventListener("workers", (m) => onWorkers(JSON.parse(m.data)));
   source.addEventListener("log", (m) => onLog(JSON.parse(m.data)));
   source.addEventListener("job", () => refreshLive());
+  source.addEventListener("release", () => refreshLive());
   source.addEventListener("reload", () => location.reload());
   source.onerror = () => { status.textContent = "reconnecting…"; document.body.dataset.live = ""; };
 }

@@ -1,0 +1,211 @@
+"""The web console (`fauxmad api` at /ui) on a real dev fleet: refusals and 404s over plain HTTP, then Debian's
+Chromium driven by Playwright: log in, watch a deploy progress live, read a machine's placement, stop it from
+the page, and be refused the same action with a read-only token."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.devfleet import DevFleet, FleetSpec
+from orchestrator.security.tokens import caveats_for, mint, new_root_key
+from tests.helpers import ROOT
+from tests.orchestrator.test_api import Api, start_api
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SLEEP = {"config": {"init": {"cmd": ["sleep", "300"]}, "guest": {"cpus": 1, "memory_mb": 128}}, "region": "mad"}
+
+
+class Console:
+    def __init__(self, fleet: DevFleet, base: str, key: bytes) -> None:
+        self.fleet = fleet
+        self.base = base
+        self.operator = mint(key, []).encode()
+        self.read_only = mint(key, caveats_for(read_only=True, now=time.time())).encode()
+        self.expired = mint(key, caveats_for(ttl=-60, now=time.time())).encode()
+        self.forged = mint(new_root_key(), []).encode()
+
+    def get(self, path: str, token: str | None, *, cookie: bool = False) -> tuple[int, str]:
+        request = urllib.request.Request(self.base + path)
+        if token is not None:
+            request.add_header(
+                *(("Cookie", f"fauxmad_console={token}") if cookie else ("Authorization", f"Bearer {token}"))
+            )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return reply.status, reply.read(4096).decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def api(self) -> Api:
+        return Api(self.base, self.operator)
+
+
+@pytest.fixture(scope="module")
+def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
+    key = new_root_key()
+    key_file = tmp_path_factory.mktemp("console") / "token.key"
+    key_file.write_bytes(key)
+    spec = FleetSpec(regions=["mad", "syd"], workers_per_region=2, cpus=4, memory_mb=4096, brokers=1)
+    with DevFleet(spec) as fleet:
+        proc, base = start_api(fleet.url, ["--token-key", str(key_file)])
+        try:
+            yield Console(fleet, base, key)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def test_a_forged_or_expired_token_is_401_on_pages_and_on_the_event_stream(console: Console) -> None:
+    for token in (console.forged, console.expired, "fm1_e30.AAAA"):
+        for path in ("/ui/", "/ui/apps/web", "/ui/stream", "/ui/stream?app=web"):
+            for cookie in (False, True):
+                status, body = console.get(path, token, cookie=cookie)
+                assert status == 401, (path, token, status, body)
+                assert "/ui/login" in body and "Traceback" not in body
+    status, body = console.get("/ui/", console.expired)
+    assert "expired" in body
+    assert console.get("/ui/", console.operator)[0] == 200
+
+
+def test_an_unknown_app_or_machine_is_a_404_page(console: Console) -> None:
+    status, created = console.api().call("POST", "/v1/apps/known/machines", SLEEP)
+    assert status == 200, created
+    for path in (
+        "/ui/apps/nothing-here",
+        "/ui/apps/known/machines/0123456789abcd",
+        "/ui/apps/known/machines/not-a-machine",
+        "/ui/apps/bad%20name",
+        "/ui/no/such/page",
+    ):
+        status, body = console.get(path, console.operator)
+        assert status == 404 and "<h1>Not found</h1>" in body and "Traceback" not in body, (path, status, body)
+    assert console.get(f"/ui/apps/known/machines/{created['id']}", console.operator)[0] == 200
+
+
+def _deploy_spec(tmp_path: Path) -> Path:
+    spec = tmp_path / "fauxmad.toml"
+    spec.write_text(
+        'app = "live"\ncmd = ["sleep", "300"]\n[guest]\ncpus = 1\nmemory_mb = 128\n[regions]\nmad = 2\nsyd = 1\n'
+    )
+    return spec
+
+
+def _fauxmad(console: Console, *args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, FAUXMAD_NATS_URL=console.fleet.url, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+    )
+
+
+def _log_in(page: Any, console: Console, token: str, target: str = "/ui/") -> None:
+    page.goto(console.base + target)
+    page.fill("#token", token)
+    page.click("#login")
+    page.wait_for_selector("body[data-live='1']")  # the page's event stream is open
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (apt-get install chromium)")
+def test_in_a_browser_a_deploy_goes_live_a_machine_explains_itself_and_stops(console: Console, tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    status, record = console.api().call("POST", "/v1/apps", {"app_name": "live", "org_slug": "personal"})
+    assert status == 201, record
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(30_000)
+            _log_in(page, console, console.operator, "/ui/apps/live")
+            assert page.url.endswith("/ui/apps/live")
+            assert page.locator("#progress").count() == 0  # no release yet: no deploy to show
+            page.evaluate(
+                """() => { window.__kept = true; window.__seen = new Set();
+                new MutationObserver(() => { const t = document.getElementById('progress');
+                  if (t) window.__seen.add(t.innerText); }).observe(document.body, {subtree: true, childList: true}); }"""
+            )
+            deploy = _fauxmad(console, "deploy", "-c", str(_deploy_spec(tmp_path)))
+            page.wait_for_function(
+                """() => { const r = document.querySelector('#releases tr:nth-child(2)');
+                const p = document.getElementById('progress');
+                return r && r.innerText.includes('complete') && p && p.innerText.includes('2/2')
+                  && p.innerText.includes('1/1'); }"""
+            )
+            out, _ = deploy.communicate(timeout=60)
+            assert deploy.returncode == 0, out
+            assert page.evaluate("window.__kept === true")  # the page was never reloaded: it went live
+            assert page.evaluate("window.__seen.size") >= 1  # the deploy's table appeared on the open page
+
+            # the fleet page shows the app's machines; one opens its page
+            page.goto(console.base + "/ui/?app=live")
+            page.wait_for_selector("body[data-live='1']")
+            chip = page.locator("a.m.s-started").first
+            machine_id = chip.get_attribute("data-machine")
+            chip.click()
+            page.wait_for_selector("body[data-live='1']")
+            status, machine = console.api().call("GET", f"/v1/apps/live/machines/{machine_id}")
+            assert status == 200
+            summary = page.inner_text("#explain-summary")
+            assert f"placed on {machine['worker_id']}" in summary, summary
+            chart = page.locator("svg.explain").text_content() or ""
+            assert machine["worker_id"] + " ✓" in chart  # the winner, among the candidates with their subscores
+            assert page.locator("svg.explain rect title").count() >= 2
+
+            # stop it from the page: the page says the real outcome and its state changes
+            page.click("button[data-action=stop]")
+            page.wait_for_function("document.getElementById('state').textContent === 'stopped'")
+            assert "the machine is stopped" in page.inner_text("#outcome")
+            page.wait_for_function("document.getElementById('timeline').innerText.includes('stopping → stopped')")
+            assert console.api().call("GET", f"/v1/apps/live/machines/{machine_id}")[1]["state"] == "stopped"
+
+            # a read-only token sees the same page and is refused the action
+            reader = browser.new_context().new_page()
+            reader.set_default_timeout(30_000)
+            _log_in(reader, console, console.read_only, f"/ui/apps/live/machines/{machine_id}")
+            reader.click("button[data-action=start]")
+            reader.wait_for_function("document.getElementById('outcome').innerText.includes('refused')")
+            assert "403" in reader.inner_text("#outcome") and "read-only" in reader.inner_text("#outcome")
+            assert console.api().call("GET", f"/v1/apps/live/machines/{machine_id}")[1]["state"] == "stopped"
+        finally:
+            browser.close()
+
+
+def test_the_login_cookie_is_http_only_and_same_site_strict(console: Console) -> None:
+    data = urllib.parse.urlencode({"token": console.read_only, "next": "/ui/jobs"}).encode()
+    request = urllib.request.Request(console.base + "/ui/login", data=data, method="POST")
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    try:
+        urllib.request.build_opener(NoRedirect).open(request, timeout=30)
+        raise AssertionError("a login answers with a redirect")
+    except urllib.error.HTTPError as err:
+        assert err.code == 303 and err.headers["Location"] == "/ui/jobs"
+        cookie = err.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/ui" in cookie
+    assert json.dumps(console.read_only)[1:-1] in cookie
