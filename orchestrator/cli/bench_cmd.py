@@ -242,6 +242,24 @@ def api(
     _finish(result, bench.report(result), output, json_out)
 
 
+@bench_app.command("console")
+def console_bench(
+    machines: int = typer.Option(1000, "--machines", min=1, max=20_000, help="machines (reserve only) in the fleet"),
+    workers: int = typer.Option(50, "--workers", min=1, max=500, help="workers, spread over the regions"),
+    regions: int = typer.Option(5, "--regions", min=1, max=20),
+    loads: int = typer.Option(20, "--loads", min=1, max=1000, help="loads of the fleet page measured"),
+    events: int = typer.Option(20, "--events", min=1, max=1000, help="actions whose event is timed to the screen"),
+    output: Path = typer.Option(Path("bench-console.json"), "--output", "-o", help=OUTPUT_HELP),
+    json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """The web console in Debian's Chromium: the fleet page's first paint, and an event's time to the screen."""
+    from lab.bench import console as bench
+
+    options = bench.ConsoleOptions(machines=machines, workers=workers, regions=regions, loads=loads, events=events)
+    result = _measure(lambda: bench.run_console(options, _progress))
+    _finish(result, bench.report(result), output, json_out)
+
+
 @bench_app.command("secure")
 def secure(
     creates: int = typer.Option(500, "--creates", "-n", min=1, max=100_000, help="measured creates on each fleet"),
