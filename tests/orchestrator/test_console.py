@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -209,3 +210,18 @@ def test_the_login_cookie_is_http_only_and_same_site_strict(console: Console) ->
         cookie = err.headers["Set-Cookie"]
     assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/ui" in cookie
     assert json.dumps(console.read_only)[1:-1] in cookie
+
+
+def test_the_how_to_block_runs_as_written(console: Console, tmp_path: Path) -> None:
+    """docs/how-to/console.md: mint tokens, serve the console on its default port, a 200 and a 401."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "how-to" / "console.md").read_text(), re.S)
+    assert len(blocks) == 1, blocks
+    env = dict(os.environ, FAUXMAD_NATS_URL=console.fleet.url, PYTHONPATH=str(ROOT))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", blocks[0]], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    codes = [line for line in done.stdout.splitlines() if line.isdigit()]  # the api's own line is on stdout too
+    assert codes == ["200", "401"], done.stdout + done.stderr
+    assert (tmp_path / "web-reader.token").read_text().startswith("fm1_")
