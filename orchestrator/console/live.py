@@ -6,8 +6,9 @@ is sampled from it every `SAMPLE_EVERY` seconds into a short history (the heatma
 open streams once (`ticks`), so worker bars move without a timer per page.
 
 A page's event stream (`/ui/stream`) subscribes to exactly what the page shows (an app's or a machine's events,
-its log lines, job events) on core NATS, and hands each message to the page as a server-sent event as it
-arrives: no polling loop anywhere, and an event reaches an open page in the time NATS takes to deliver it.
+its log lines, job events, its release keys), each an ordered consumer of the stream that keeps them, from new
+messages on (a consumer, not a core subscription: the read side every role of a secure fleet is allowed), and
+hands each message to the page as a server-sent event as it arrives: no polling loop anywhere.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,12 +24,15 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from orchestrator.view.db import ViewDb
 from orchestrator.view.fold import ViewWriter
 from orchestrator.view.follower import ViewFollower
 from orchestrator.view.model import Snapshot, WorkerRow
 from orchestrator.view.query import ViewReader
+
+log = logging.getLogger(__name__)
 
 SAMPLE_EVERY = 2.0  # seconds between two samples of every worker's use
 HISTORY = 300  # samples kept: ten minutes
@@ -49,9 +54,16 @@ class Live:
         self.history: collections.deque[Sample] = collections.deque(maxlen=HISTORY)
         self._tick = asyncio.Event()
         self._sampler: asyncio.Task[None] | None = None
+        self.broken = ""  # why the view could not be followed ("" when it is): the pages say so
 
     async def start(self) -> None:
-        await self.follower.start()
+        """Follow the fleet; a failure (a secure fleet's identity that may not read the events) is kept and shown,
+        not raised: the API serves on without its console's view."""
+        try:
+            await self.follower.start()
+        except Exception as exc:
+            self.broken = f"the console cannot follow the fleet's events: {exc or type(exc).__name__}"
+            log.warning("%s", self.broken)
         self._sampler = asyncio.create_task(self._sample_forever())
 
     async def close(self) -> None:
@@ -88,9 +100,10 @@ class Live:
         await self._tick.wait()
 
     @contextlib.asynccontextmanager
-    async def subscribed(self, wanted: dict[str, str]) -> AsyncIterator[asyncio.Queue[tuple[str, bytes]]]:
-        """A queue of `(kind, data)` for each message on the subjects `wanted` maps kinds to, while the block
-        runs; a queue that overflows gets `("reload", b"")` and no more."""
+    async def subscribed(self, wanted: dict[str, tuple[str, str]]) -> AsyncIterator[asyncio.Queue[tuple[str, bytes]]]:
+        """A queue of `(kind, data)` for each new message on the `(stream, subject)` `wanted` maps kinds to, while
+        the block runs; a queue that overflows gets `("reload", b"")` and no more. A stream that cannot be read
+        (none yet, or not allowed) is left out: its kind sends nothing."""
         queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(QUEUE_MAX)
         subs: list[Any] = []
 
@@ -102,10 +115,18 @@ class Live:
 
             return on_msg
 
+        js = self.nc.jetstream()
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
         try:
-            for kind, subject in wanted.items():
-                subs.append(await self.nc.subscribe(subject, cb=handler(kind)))
-            await self.nc.flush()
+            for kind, (stream, subject) in wanted.items():
+                try:
+                    subs.append(
+                        await js.subscribe(
+                            subject, stream=stream, cb=handler(kind), ordered_consumer=True, config=config
+                        )
+                    )
+                except Exception as exc:
+                    log.info("console: no %s messages for this page (%s): %s", kind, stream, exc)
             yield queue
         finally:
             for sub in subs:

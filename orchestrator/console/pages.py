@@ -65,6 +65,10 @@ def refused(status: int, message: str) -> str:
     )
 
 
+def trouble(message: str) -> str:
+    return layout("not answered", f'<h1>Not answered</h1><p class="error">{e(message)}</p>')
+
+
 def not_found(message: str) -> str:
     return layout("not found", f'<h1>Not found</h1><p class="error">{e(message)}</p><p><a href="/ui/">Fleet</a></p>')
 
@@ -78,10 +82,9 @@ def machine_href(app: str, machine_id: str) -> str:
 
 
 def _chip(m: MachineRow) -> str:
-    return (
-        f'<a class="m s-{e(m.state)}" data-machine="{e(m.id)}" data-app="{e(m.app)}" '
-        f'href="{machine_href(m.app, m.id)}" title="{e(m.id)} {e(m.app)} {e(m.state)}"></a>'
-    )
+    """A machine's square: as small as it can be (a thousand of them on the fleet page); its tooltip is made on
+    hover by the script, from its link and its class."""
+    return f'<a class="m s-{e(m.state)}" data-machine="{e(m.id)}" href="{machine_href(m.app, m.id)}"></a>'
 
 
 def _bar(kind: str, used: float, capacity: float, unit: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ from orchestrator.console.auth import COOKIE, COOKIE_MAX_AGE, Viewer, may_act, p
 from orchestrator.console.live import Live
 from orchestrator.logs import LogRecord
 from orchestrator.security.tokens import TokenError
+
+log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE = 15.0  # seconds between two comments on a quiet event stream
@@ -77,7 +80,7 @@ def page(handler: Page) -> Callable[[web.Request], Awaitable[web.StreamResponse]
         except TokenError as exc:
             return html(pages.refused(exc.status, exc.message), exc.status)
         try:
-            return await handler(request, seen)
+            response = await handler(request, seen)
         except TokenError as exc:
             return html(pages.refused(exc.status, exc.message), exc.status)
         except ClientError as exc:
@@ -88,6 +91,14 @@ def page(handler: Page) -> Callable[[web.Request], Awaitable[web.StreamResponse]
             return html(pages.not_found(exc.message), 404)
         except FauxmadError as exc:
             return html(pages.refused(exc.code, f"the fleet did not answer: {exc.message}"), exc.code)
+        except Exception as exc:  # a read this API's identity may not make, a stream that is gone: said, not a trace
+            log.exception("console: %s", request.path)
+            return html(pages.trouble(f"this page could not be read from the fleet: {exc or type(exc).__name__}"), 502)
+        if console.live.broken and isinstance(response, web.Response) and response.text:
+            response.text = response.text.replace(
+                "<main>", f'<main><p class="error">{pages.e(console.live.broken)}</p>', 1
+            )
+        return response
 
     return wrapped
 
@@ -377,13 +388,13 @@ async def stream(request: web.Request) -> web.StreamResponse:
         return web.Response(status=exc.status, text=f"{exc.message}; log in at /ui/login\n")
     except FauxmadError as exc:
         return web.Response(status=400, text=f"{exc.message}\n")
-    wanted = {"machine": subjects.events_filter(app, mid)}
+    wanted = {"machine": (subjects.EVENTS_STREAM, subjects.events_filter(app, mid))}
     if request.query.get("logs") or mid:
-        wanted["log"] = subjects.logs_filter(app, mid)
+        wanted["log"] = (subjects.LOGS_STREAM, subjects.logs_filter(app, mid))
     if request.query.get("jobs"):
-        wanted["job"] = subjects.job_events_filter(app)
+        wanted["job"] = (subjects.JOB_EVENTS_STREAM, subjects.job_events_filter(app))
     if request.query.get("releases") and app is not None:  # a release's status is a key of the apps bucket
-        wanted["release"] = f"$KV.{subjects.APPS_BUCKET}.{app}.>"
+        wanted["release"] = (f"KV_{subjects.APPS_BUCKET}", f"$KV.{subjects.APPS_BUCKET}.{app}.>")
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store", "X-Accel-Buffering": "no"}
     )

@@ -5,7 +5,6 @@
 function setState(el, state) {
   el.className = el.className.replace(/\bs-[a-z]+/g, "").trim() + " s-" + state;
   if (el.dataset.text) el.textContent = state;
-  if (el.title) el.title = el.title.replace(/\S+$/, state);
 }
 
 function onMachine(ev) {
@@ -23,9 +22,7 @@ function onMachine(ev) {
       const a = document.createElement("a");
       a.className = "m s-" + ev.status;
       a.dataset.machine = ev.id;
-      a.dataset.app = ev.app;
       a.href = ev.href;
-      a.title = ev.id + " " + ev.app + " " + ev.status;
       box.appendChild(a);
     }
   }
@@ -119,6 +116,15 @@ async function act(button) {
     box.querySelectorAll("button").forEach((b) => (b.disabled = false));
   }
 }
+
+// a machine square's tooltip, made when hovered: "ID APP STATE" from its link and its class
+document.addEventListener("mouseover", (ev) => {
+  const chip = ev.target.closest && ev.target.closest("a.m[data-machine]");
+  if (!chip) return;
+  const app = decodeURIComponent(chip.getAttribute("href").split("/")[3] || "");
+  const state = (chip.className.match(/\bs-([a-z]+)/) || ["", ""])[1];
+  chip.title = chip.dataset.machine + " " + app + " " + state;
+});
 
 document.addEventListener("click", (ev) => {
   const button = ev.target.closest(".actions button[data-action]");
