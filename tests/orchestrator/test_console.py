@@ -43,6 +43,10 @@ class Console:
         self.read_only = mint(key, caveats_for(read_only=True, now=time.time())).encode()
         self.expired = mint(key, caveats_for(ttl=-60, now=time.time())).encode()
         self.forged = mint(new_root_key(), []).encode()
+        self.key = key
+
+    def deployer(self, app: str) -> str:
+        return mint(self.key, caveats_for(app=app, now=time.time())).encode()
 
     def get(self, path: str, token: str | None, *, cookie: bool = False) -> tuple[int, str]:
         request = urllib.request.Request(self.base + path)
@@ -225,3 +229,28 @@ def test_the_how_to_block_runs_as_written(console: Console, tmp_path: Path) -> N
     codes = [line for line in done.stdout.splitlines() if line.isdigit()]  # the api's own line is on stdout too
     assert codes == ["200", "401"], done.stdout + done.stderr
     assert (tmp_path / "web-reader.token").read_text().startswith("fm1_")
+
+
+def test_a_deployers_token_sees_its_app_only_and_the_jobs_and_heatmap_pages_answer(console: Console) -> None:
+    key_scoped = console.deployer("scoped")
+    status, made = console.api().call("POST", "/v1/apps/scoped/machines", SLEEP)
+    assert status == 200, made
+    status, body = console.get("/ui/", key_scoped)
+    assert status == 200 and made["id"] in body
+    assert 'href="/ui/apps/known/' not in body  # another app's machines are not shown
+    status, body = console.get("/ui/apps/known", key_scoped)
+    assert status == 403 and "scoped only" in body
+    assert console.get("/ui/stream?app=known", key_scoped)[0] == 403
+
+    job = _fauxmad(console, "job", "submit", "-a", "scoped", "-r", "mad", "--wait", "--", "echo", "made")
+    out, _ = job.communicate(timeout=60)
+    assert job.returncode == 0, out
+    status, body = console.get("/ui/jobs", key_scoped)
+    assert status == 200 and "succeeded" in body, body
+    job_id = re.search(r"/ui/apps/scoped/jobs/(j[0-9a-f]{15})", body)
+    assert job_id is not None, body
+    status, body = console.get(f"/ui/apps/scoped/jobs/{job_id.group(1)}", key_scoped)
+    assert status == 200 and 'id="attempts"' in body and "succeeded" in body
+
+    status, body = console.get("/ui/heatmap", console.operator)
+    assert status == 200 and 'class="heatmap"' in body and "mad-w1" in body
