@@ -103,7 +103,11 @@ def progress(release: Release | None, machines: list[MachineRow]) -> list[Progre
 
 def _scrape(url: str, app: str) -> Edge:
     with urllib.request.urlopen(url, timeout=2) as reply:  # an operator's own proxy admin URL
-        text = reply.read().decode()
+        return edge_numbers(reply.read().decode(), app)
+
+
+def edge_numbers(text: str, app: str) -> Edge:
+    """`app`'s numbers in one proxy's Prometheus exposition (`orchestrator.proxy.metrics`)."""
     requests = errors = autostarts = resumes = 0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
