@@ -108,6 +108,16 @@ def placement(
         " rounds alternating with fauxmad's, at c=1 and at --concurrency; prints both, their ratios, and the CPU"
         " per create of each side's processes (reserve only)",
     ),
+    against: str | None = typer.Option(
+        None,
+        "--against",
+        metavar="REV",
+        help="also measure git revision REV (a tag such as v0.1.0, a commit, HEAD~1) in the same run: REV is"
+        " built in a temporary git worktree into a virtualenv of its own (kept under"
+        " ~/.cache/fauxmad/bench-against/<commit>, so the next run starts at once), then rounds alternate between"
+        " this tree's bench and REV's, each with a fleet of its own, at c=1 and at --concurrency; prints both"
+        " (the median of the rounds) and this tree's ratios to REV's: p50, p99, throughput",
+    ),
     rounds: int = typer.Option(
         4,
         "--rounds",
@@ -142,6 +152,21 @@ def placement(
         echo_count=echo_count,
         supercluster=supercluster,
     )
+    if against is not None:
+        from lab.bench import against as versus
+
+        if floor or nats is not None or supercluster:
+            fail("--against starts fleets of its own: leave out --floor, --nats and --supercluster", EXIT_USAGE)
+        try:
+            compared_rev = versus.run_against(
+                versus.AgainstOptions(rev=against, placement=options, rounds=rounds), _progress
+            )
+        except versus.BadRevision as exc:
+            fail(str(exc), EXIT_USAGE)
+        except BenchError as exc:
+            fail(str(exc))
+        _finish(compared_rev, versus.report(compared_rev), output, json_out)
+        return
     if floor:
         from lab.bench import floor_run
 
