@@ -20,7 +20,7 @@ import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.security.tokens import caveats_for, mint, new_root_key
-from tests.helpers import ROOT
+from tests.helpers import ROOT, arun, audit_records, connect_nats
 from tests.orchestrator.test_api import Api, start_api
 
 CHROMIUM = "/usr/bin/chromium"
@@ -254,3 +254,40 @@ def test_a_deployers_token_sees_its_app_only_and_the_jobs_and_heatmap_pages_answ
 
     status, body = console.get("/ui/heatmap", console.operator)
     assert status == 200 and 'class="heatmap"' in body and "mad-w1" in body
+
+
+def test_actions_answer_their_real_outcome_and_are_audited(console: Console) -> None:
+    status, made = console.api().call("POST", "/v1/apps/audited/machines", SLEEP)
+    assert status == 200, made
+    path = f"/ui/apps/audited/machines/{made['id']}"
+
+    def act(action: str, token: str) -> tuple[int, Any]:
+        request = urllib.request.Request(console.base + f"{path}/{action}", data=b"{}", method="POST")
+        request.add_header("Authorization", f"Bearer {token}")
+        request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    status, body = act("stop", console.read_only)
+    assert status == 403 and "read-only" in body["error"]
+    status, body = act("stop", console.operator)
+    assert status == 200 and body["state"] == "stopped", body
+    status, body = act("suspend", console.operator)  # a stopped machine cannot be suspended: the worker's answer
+    assert status >= 400 and body["error"], body
+    status, body = act("destroy", console.operator)
+    assert status == 200 and body["state"] == "destroyed", body
+
+    async def records() -> list[Any]:
+        nc = await connect_nats(console.fleet.url)
+        try:
+            return await audit_records(nc, "audited")
+        finally:
+            await nc.close()
+
+    seen = [(r.path, r.status, r.identity) for r in arun(records()) if r.path.startswith("/ui/")]
+    assert (f"{path}/stop", 403, "refused") in seen
+    assert [s for p, s, who in seen if p == f"{path}/stop" and who.startswith("token:")] == [200]
+    assert [s for p, s, _ in seen if p == f"{path}/destroy"] == [200]
