@@ -116,9 +116,9 @@ class Live:
             return on_msg
 
         js = self.nc.jetstream()
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)
         try:
             for kind, (stream, subject) in wanted.items():
+                config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)  # one each: nats-py writes its filter in
                 try:
                     subs.append(
                         await js.subscribe(

@@ -291,3 +291,25 @@ def test_actions_answer_their_real_outcome_and_are_audited(console: Console) -> 
     assert (f"{path}/stop", 403, "refused") in seen
     assert [s for p, s, who in seen if p == f"{path}/stop" and who.startswith("token:")] == [200]
     assert [s for p, s, _ in seen if p == f"{path}/destroy"] == [200]
+
+
+def test_a_pages_stream_carries_its_apps_events_and_log_lines_as_they_happen(console: Console) -> None:
+    stream = urllib.request.Request(console.base + "/ui/stream?app=chatty&logs=1")
+    stream.add_header("Authorization", f"Bearer {console.read_only}")
+    with urllib.request.urlopen(stream, timeout=30) as reply:
+        assert reply.headers["Content-Type"].startswith("text/event-stream")
+        assert reply.readline() == b"retry: 2000\n" and reply.readline() == b"event: hello\n"
+        loud = {**SLEEP, "config": {**SLEEP["config"], "init": {"cmd": ["sh", "-c", "echo hello-console; sleep 300"]}}}
+        status, made = console.api().call("POST", "/v1/apps/chatty/machines", loud)
+        assert status == 200, made
+        kinds: dict[str, list[Any]] = {}
+        deadline = time.monotonic() + 20
+        while not ("log" in kinds and "started" in {e["status"] for e in kinds.get("machine", [])}):
+            assert time.monotonic() < deadline, kinds
+            line = reply.readline().decode()
+            if line.startswith("event: "):
+                kind = line.split(" ", 1)[1].strip()
+                data = json.loads(reply.readline().decode().split(" ", 1)[1])
+                kinds.setdefault(kind, []).append(data)
+    assert {e["id"] for e in kinds["machine"]} == {made["id"]}
+    assert any("hello-console" in line["html"] for line in kinds["log"])
