@@ -77,7 +77,7 @@ def heatmap(history: list[Sample], workers: list[str]) -> str:
     if not history or not workers:
         return '<p class="muted">no samples yet</p>'
     label_w, cell_w, cell_h = 160, 6, 14
-    width = label_w + cell_w * len(history) + 10
+    width = max(label_w + cell_w * len(history) + 10, label_w + 160)
     height = cell_h * len(workers) + 24
     out = [
         f'<svg class="heatmap" role="img" aria-label="cpu use per worker over time" viewBox="0 0 {width} {height}" '
@@ -94,16 +94,17 @@ def heatmap(history: list[Sample], workers: list[str]) -> str:
             )
     span = history[-1].at - history[0].at
     out.append(f'<text x="{label_w}" y="{height - 6}" font-size="11">{span:.0f} s ago</text>')
-    out.append(f'<text x="{width - 40}" y="{height - 6}" font-size="11">now</text>')
+    end = label_w + cell_w * len(history)
+    out.append(f'<text x="{max(end - 24, label_w + 90)}" y="{height - 6}" font-size="11">now</text>')
     out.append("</svg>")
     return "".join(out)
 
 
 def _heat(share: float) -> str:
-    """White (idle) to deep red (full), through yellow."""
+    """Light grey (idle) to deep red (full), through yellow."""
     share = max(0.0, min(1.0, share))
     if share < 0.5:
         t = share / 0.5
-        return f"rgb(255,{255 - int(t * 30)},{int(255 * (1 - t))})"
+        return f"rgb({235 + int(t * 20)},{235 - int(t * 10)},{int(235 * (1 - t))})"
     t = (share - 0.5) / 0.5
     return f"rgb({255 - int(t * 75)},{int(225 * (1 - t))},0)"

@@ -343,7 +343,7 @@ def heatmap_live(history: list[Sample], workers: list[str]) -> str:
 
 def heatmap(history: list[Sample], workers: list[str], *, who: str) -> str:
     body = (
-        "<h1>Utilization</h1><p>Each worker's cpu in use over the last minutes (a sample every few seconds; white "
+        "<h1>Utilization</h1><p>Each worker's cpu in use over the last minutes (a sample every 2 s; grey "
         'idle, red full).</p><div data-live="/ui/heatmap?part=live" data-on="tick">'
         f"{heatmap_live(history, workers)}</div>"
     )
