@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
+from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.security.tokens import caveats_for, mint, new_root_key
-from tests.helpers import ROOT, arun, audit_records, connect_nats
+from tests.helpers import ROOT, arun, audit_records, connect_nats, wait_until
 from tests.orchestrator.test_api import Api, start_api
 
 CHROMIUM = "/usr/bin/chromium"
@@ -56,7 +57,7 @@ class Console:
             )
         try:
             with urllib.request.urlopen(request, timeout=30) as reply:
-                return reply.status, reply.read(4096).decode()
+                return reply.status, reply.read().decode()
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()
 
@@ -313,3 +314,23 @@ def test_a_pages_stream_carries_its_apps_events_and_log_lines_as_they_happen(con
                 kinds.setdefault(kind, []).append(data)
     assert {e["id"] for e in kinds["machine"]} == {made["id"]}
     assert any("hello-console" in line["html"] for line in kinds["log"])
+
+
+def test_the_fleet_page_marks_a_cordoned_worker(console: Console) -> None:
+    async def cordon(cordoned: bool) -> None:
+        client = await FleetClient.connect(console.fleet.url, "console-test")
+        try:
+            await client.cordon("syd-w2", cordoned=cordoned)
+        finally:
+            await client.close()
+
+    arun(cordon(True))
+    try:
+        wait_until(
+            lambda: 'class="worker w-cordoned" data-worker="syd-w2"' in console.get("/ui/", console.operator)[1],
+            "the fleet page marks syd-w2 cordoned",
+            timeout=20,
+            interval=0.3,
+        )
+    finally:
+        arun(cordon(False))
