@@ -22,6 +22,7 @@ from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.security.tokens import caveats_for, mint, new_root_key
 from tests.helpers import ROOT, arun, audit_records, connect_nats, wait_until
+from tests.orchestrator import proxy_kit as kit
 from tests.orchestrator.test_api import Api, start_api
 
 CHROMIUM = "/usr/bin/chromium"
@@ -334,3 +335,23 @@ def test_the_fleet_page_marks_a_cordoned_worker(console: Console) -> None:
         )
     finally:
         arun(cordon(False))
+
+
+def test_the_app_page_shows_the_edges_numbers_from_a_real_proxy(console: Console, tmp_path: Path) -> None:
+    proxy = kit.ProxyProcess(console.fleet.url, "mad", tmp_path)
+    api_proc, base = start_api(console.fleet.url, ["--proxy-metrics", f"http://127.0.0.1:{proxy.admin}/metrics"])
+    try:
+        spec = kit.spec_for("edgy", {"mad": 1}, "auto_start = true\n")
+        release = arun(kit.publish(console.fleet.url, spec))
+        arun(kit.machines(console.fleet.url, spec, release, [("mad", True)]))
+        for _ in range(3):
+            assert arun(kit.get(proxy.port, "edgy.localhost")).status == 200
+        with urllib.request.urlopen(base + "/ui/apps/edgy", timeout=30) as reply:
+            page = reply.read().decode()
+        edge = re.search(r'<p id="edge">([^<]*)', page)
+        assert edge is not None and edge.group(1).startswith("3 requests (0 5xx)"), page[-2000:]
+        assert "from 1 proxies" in edge.group(1)
+    finally:
+        api_proc.terminate()
+        api_proc.wait(10)
+        proxy.stop()
