@@ -146,10 +146,15 @@ class JobSubmitReply(Reply):
 
 
 class JobTask(Reply):
-    """A message of the region's work-queue stream: which job to run (its record says how)."""
+    """A message of the region's work-queue stream: which job to run (its record says how).
+
+    `job` (an addition, left out of the JSON when not given): the record as submitted, carried by a keyless
+    submit's message so that a worker given it fresh runs it without reading the record first (the record is
+    still written to KV `fauxmad_jobs` at the submit; a message without it is read as before)."""
 
     id: str
     app: str
+    job: Job | msgspec.UnsetType = msgspec.UNSET
 
 
 class JobEvent(Reply):

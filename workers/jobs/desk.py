@@ -3,9 +3,9 @@
 A submit reaches the workers of its region (`fauxmad.v1.api.apps.<app>.jobs.submit.<region>`); status,
 list and cancel any worker (`fauxmad.v1.api.apps.<app>.jobs.<verb>`): the records are in KV
 `fauxmad_jobs`, readable from anywhere. The payload's app must be the subject's. A submit stores each
-job's record (`queued`) and publishes the job to the region's work queue, side by side for new ids (a worker
-that gets the message first waits for the record), and answers only once JetStream has acknowledged both:
-an answered submit is never lost. With an idempotency key the jobs'
+job's record (`queued`) and publishes the job to the region's work queue, side by side for new ids (the
+message then carries the record: a worker that gets it first runs from it), and answers only once
+JetStream has acknowledged both: an answered submit is never lost. With an idempotency key the jobs'
 ids come from the key, and the record's create is the claim: the same key again answers with the same
 jobs (a different request under it is a 409), never runs them twice.
 
@@ -119,12 +119,11 @@ class JobDesk:
             raise Conflict(f"idempotency key {job.idempotency_key!r} was used for a different submit")
         return existing, existing.state == "queued" and existing.attempt == 0
 
-    async def _publish(self, job: Job) -> None:
-        await self.fast.publish(
-            subjects.jobs_queue(self.region),
-            encode(JobTask(id=job.id, app=job.app)),
-            headers={"Nats-Msg-Id": job.id},
-        )
+    async def _publish(self, job: Job, carry: bool = False) -> None:
+        """`carry`: the message carries the record as submitted (keyless jobs: a worker given it fresh runs it
+        without reading the record, which is being written beside it)."""
+        task = JobTask(id=job.id, app=job.app, job=job) if carry else JobTask(id=job.id, app=job.app)
+        await self.fast.publish(subjects.jobs_queue(self.region), encode(task), headers={"Nats-Msg-Id": job.id})
 
     async def submit(self, subject: str, data: bytes) -> JobSubmitReply:
         req = same_app(subject, decode(JobSubmitRequest, data))
@@ -134,11 +133,12 @@ class JobDesk:
         # even) may take the job and publish `running` first, and a reader of the events would see the job go
         # back to queued after it ran (the contract test saw running, succeeded, queued)
         if req.idempotency_key is None:
-            # new ids: no record can be there, so the record and the message are written side by side (a
-            # worker given the message first waits for the record: workers/jobs/take.py, RECORD_GRACE)
+            # new ids: no record can be there, so the record and the message are written side by side, the
+            # message carrying the record: a worker given it first runs from it, and writes the record itself if
+            # it gets there before this write (workers/jobs/take.py, `carried`)
             for job in jobs:
                 await self.emit(job)
-            await asyncio.gather(*(self._create(job) for job in jobs), self._publish_all(jobs))
+            await asyncio.gather(*(self._create(job) for job in jobs), self._publish_all(jobs, carry=True))
             stored = [(job, True) for job in jobs]
         else:  # the record's create is the key's claim: it decides whether the jobs are published
             stored = list(await asyncio.gather(*(self._store(job) for job in jobs)))
@@ -161,12 +161,13 @@ class JobDesk:
             )
 
     async def _create(self, job: Job) -> None:
-        if await self.records.create(job) is None:  # pragma: no cover - a random id taken twice
-            raise Conflict(f"job id {job.id} is taken")
+        """A keyless job's record. Already there: the worker its message reached first wrote it (a new id is
+        random: 60 bits, never taken twice in practice)."""
+        await self.records.create(job)
 
-    async def _publish_all(self, jobs: list[Job]) -> None:
+    async def _publish_all(self, jobs: list[Job], carry: bool = False) -> None:
         try:
-            await asyncio.gather(*(self._publish(job) for job in jobs))
+            await asyncio.gather(*(self._publish(job, carry) for job in jobs))
         except Exception as exc:
             raise Unreachable(f"the work queue of {self.region} did not take the jobs: {exc!r}") from None
 

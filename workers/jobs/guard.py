@@ -49,13 +49,16 @@ class Guard:
         known: tuple[Job, int] | None,
         claim: moves.Claim | None,
         cancel: Cancel,
+        absent: Job | None = None,
         ack_wait: float,
         clock: Callable[[], float],
     ) -> None:
         """`known`: the record as last read or written (and its revision); `claim`: the claim still to write
-        (None: it is written)."""
+        (None: it is written); `absent`: the record its message carried, written by the claim if the submit's
+        write has not landed yet."""
         self.records, self.nc, self.msg, self.job = records, nc, msg, job
         self.known = known
+        self.absent = absent
         self.claim = claim
         self.cancel = cancel
         self.ack_wait, self.clock = ack_wait, clock
@@ -86,7 +89,9 @@ class Guard:
         job = self.job
         while True:
             try:
-                claimed, ok, revision = await self.records.change_from(job.app, job.id, self.claim, self.known)
+                claimed, ok, revision = await self.records.change_from(
+                    job.app, job.id, self.claim, self.known, absent=self.absent
+                )
             except FauxmadError as exc:
                 log.warning("job %s: its claim was not written (%s); trying again", job.id, exc.message)
                 self.known = None

@@ -47,19 +47,23 @@ class JobRecords:
             return None
         return job
 
-    async def change(self, app: str, job_id: str, change: Change) -> tuple[Job, bool]:
+    async def change(self, app: str, job_id: str, change: Change, absent: Job | None = None) -> tuple[Job, bool]:
         """Apply `change` to the record with compare-and-set; (the record now, whether this call changed it)."""
-        job, changed, _ = await self.change_from(app, job_id, change)
+        job, changed, _ = await self.change_from(app, job_id, change, absent=absent)
         return job, changed
 
     async def change_from(
-        self, app: str, job_id: str, change: Change, known: tuple[Job, int] | None = None
+        self, app: str, job_id: str, change: Change, known: tuple[Job, int] | None = None, absent: Job | None = None
     ) -> tuple[Job, bool, int]:
         """`change`, starting from `known` (a record and its revision, saving a read when it is current);
-        (the record now, whether this call changed it, its revision)."""
+        (the record now, whether this call changed it, its revision). `absent`: the record as submitted, carried
+        by the job's queue message: if the key has no value yet (the submit's write has not landed), the change
+        is written as its first value (whoever writes first wins; the other re-reads and decides again)."""
         for _ in range(CAS_TRIES):
             found = known or await self.read(app, job_id)
             known = None
+            if found is None and absent is not None:
+                found = (absent, 0)  # revision 0: written only if the key has no value
             if found is None:
                 raise NotFound(f"job {job_id} of app {app} not found")
             job, revision = found

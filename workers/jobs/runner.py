@@ -32,7 +32,7 @@ from workers.jobs.guard import Guard
 from workers.jobs.puller import hand_back
 from workers.jobs.records import JobRecords
 from workers.jobs.spawn import Cancel
-from workers.jobs.take import RECORD_GRACE, decide
+from workers.jobs.take import CARRIED_FRESH, RECORD_GRACE, carried, decide
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ class JobRunner:
         workers_kv: Any,
         ack_wait: float,
         clock: Callable[[], float] = time.time,
+        carried_fresh: float = CARRIED_FRESH,
     ) -> None:
+        """`carried_fresh`: a message younger than this runs from the record it carries (`take.carried`)."""
         self.nc = nc
         self.js = nc.jetstream()
         self.records = records
@@ -59,6 +61,7 @@ class JobRunner:
         self.workers_kv = workers_kv
         self.ack_wait = ack_wait
         self.clock = clock
+        self.carried_fresh = carried_fresh
         self.cancels: dict[str, Cancel] = {}
         self.ran = 0
         self._started: set[int] = set()  # the messages (ids) whose attempt has begun to run here
@@ -119,17 +122,22 @@ class JobRunner:
             return
         meta = msg.metadata
         seq = meta.sequence.stream
-        found = await self.records.read(task.app, task.id)
-        job = found[0] if found else None
         now = self.clock()
         age = now - meta.timestamp.timestamp() if meta.timestamp is not None else RECORD_GRACE
-        take = decide(
-            job, seq, now, holder_alive=await self._holder_alive(job), age=age, deliveries=meta.num_delivered or 1
-        )
+        deliveries = meta.num_delivered or 1
+        fresh = carried(task, age=age, deliveries=deliveries, fresh_for=self.carried_fresh)
+        found: tuple[Job, int] | None = None
+        if fresh is not None:  # run from the record it carries: no read before the run (its claim reads it)
+            take = decide(fresh, seq, now, holder_alive=False, age=age, deliveries=deliveries)
+        else:
+            found = await self.records.read(task.app, task.id)
+            job = found[0] if found else None
+            holder_alive = await self._holder_alive(job)
+            take = decide(job, seq, now, holder_alive=holder_alive, age=age, deliveries=deliveries)
         if take.action == "drop":
             await msg.ack()
         elif take.action == "later":
-            await msg.nak(delay=max(0.05, take.delay))
+            await msg.nak(delay=take.delay)  # the decision's own delay: 2 ms for a record not stored yet
         elif take.action == "cancel":
             now = self.clock()
             job, changed = await self.records.change(
@@ -139,7 +147,7 @@ class JobRunner:
                 await self.emit(job)
             await msg.ack()
         else:
-            await self._run(msg, task, seq, take.lost_worker, found, release)
+            await self._run(msg, task, seq, take.lost_worker, found, release, fresh)
 
     async def _run(
         self,
@@ -149,23 +157,27 @@ class JobRunner:
         lost_worker: str | None,
         read: tuple[Job, int] | None,
         release: Callable[[], None],
+        fresh: Job | None = None,
     ) -> None:
+        """`read`: the record as read (and its revision); `fresh`: else, the record its message carries, not read
+        (the first write reads it, or writes it if the submit's write has not landed yet)."""
         now = self.clock()
 
         def claim(j: Job) -> Job | None:
             return moves.claimed(j, worker_id=self.worker_id, seq=seq, now=now, lost_worker=lost_worker)
 
         known: tuple[Job, int] | None
-        deferred = read is not None and read[0].runner == "process"
+        base = read[0] if read is not None else fresh
+        deferred = base is not None and base.runner == "process"
         if deferred:  # the fast path: run at once, claim in the record only if it still runs later (guard)
-            assert read is not None
-            taken, known = claim(read[0]), read
+            assert base is not None
+            taken, known = claim(base), read
             if taken is None:
                 await msg.nak(delay=0.05)
                 return
             job = taken
         else:  # a machine may outlive this worker: its claim is written before it starts
-            job, changed, revision = await self.records.change_from(task.app, task.id, claim, read)
+            job, changed, revision = await self.records.change_from(task.app, task.id, claim, read, absent=fresh)
             if not changed:
                 await msg.nak(delay=0.05)  # it moved on meanwhile: the next delivery decides again
                 return
@@ -180,6 +192,7 @@ class JobRunner:
             job=job,
             known=known,
             claim=claim if deferred else None,
+            absent=fresh,
             cancel=cancel,
             ack_wait=self.ack_wait,
             clock=self.clock,
@@ -213,7 +226,7 @@ class JobRunner:
             log.warning("job %s: lost its hold on the queue; attempt %d abandoned", job.id, attempt)
             return
         outcome.started_at = began[0] if began else None
-        await self._record(msg, job, attempt, outcome, known, guard.claim)
+        await self._record(msg, job, attempt, outcome, known, guard.claim, fresh)
 
     async def _marked(
         self, marks: list[asyncio.Task[tuple[Job, bool, int]]], known: tuple[Job, int] | None
@@ -237,12 +250,14 @@ class JobRunner:
         outcome: Outcome,
         known: tuple[Job, int] | None,
         claim: moves.Claim | None,
+        fresh: Job | None = None,
     ) -> None:
         if outcome.no_room:
             new, ok = await self.records.change(
                 job.app,
                 job.id,
                 lambda j: moves.unclaimed(j, worker_id=self.worker_id, attempt=attempt, reason=outcome.error),
+                absent=fresh,
             )
             await msg.nak(delay=0.2)
             return
@@ -251,7 +266,7 @@ class JobRunner:
         def settle(j: Job) -> Job | None:
             return moves.settled(j, claim=claim, worker_id=self.worker_id, attempt=attempt, outcome=outcome, now=now)
 
-        new, ok, _ = await self.records.change_from(job.app, job.id, settle, known)
+        new, ok, _ = await self.records.change_from(job.app, job.id, settle, known, absent=fresh)
         if not ok:
             await msg.nak(delay=0.05)
             return
