@@ -82,7 +82,7 @@ def placement(
     count: int = typer.Option(2000, "--count", "-n", min=1, help="creates to measure"),
     start: bool = typer.Option(False, "--start", help="create and start a process machine (default: reserve only)"),
     warmup: int = typer.Option(100, "--warmup", min=0, help="creates before measuring"),
-    brokers: int = typer.Option(1, "--brokers", min=1, max=8),
+    brokers: int = typer.Option(1, "--brokers", min=1, max=8, help="broker processes"),
     per_process: int = typer.Option(
         0,
         "--workers-per-process",
