@@ -48,7 +48,7 @@ def default_cache() -> Path:
 class AgainstOptions(msgspec.Struct, frozen=True, kw_only=True):
     rev: str
     placement: PlacementOptions
-    rounds: int = 3  # per concurrency and side; --count is split over them
+    rounds: int = 4  # per concurrency and side; --count is split over them
     cache: str | None = None  # where built revisions are kept (default: default_cache())
 
 
