@@ -1,9 +1,11 @@
 """What keeps the console live: one view of the fleet per API process, and one NATS subscription per page stream.
 
 The view (`orchestrator.view`) is followed into an in-memory SQLite file by one ordered consumer on the events
-stream and one watch on the heartbeats: every page's first paint reads it, none asks the workers. A worker's use
-is sampled from it every `SAMPLE_EVERY` seconds into a short history (the heatmap), and each sample wakes the
-open streams once (`ticks`), so worker bars move without a timer per page.
+stream and one watch on the heartbeats: every page's first paint reads it, none asks the workers. It keeps current
+state only (no row per event: no page lists the view's events, a machine's timeline comes from its worker), so a
+long-running API's memory grows with the machines, not with every event; at start it reads the stream once.
+A worker's use is sampled from it every `SAMPLE_EVERY` seconds into a short history (the heatmap), and each sample
+wakes the open streams once (`ticks`), so worker bars move without a timer per page.
 
 A page's event stream (`/ui/stream`) subscribes to exactly what the page shows (an app's or a machine's events,
 its log lines, job events, its release keys), each an ordered consumer of the stream that keeps them, from new
@@ -50,7 +52,7 @@ class Live:
         self.nc = nc
         self.db = ViewDb(":memory:")
         self.reader = ViewReader(self.db)
-        self.follower = ViewFollower(nc, ViewWriter(self.db))
+        self.follower = ViewFollower(nc, ViewWriter(self.db, history=False))  # current state only: no row per event
         self.history: collections.deque[Sample] = collections.deque(maxlen=HISTORY)
         self._tick = asyncio.Event()
         self._sampler: asyncio.Task[None] | None = None

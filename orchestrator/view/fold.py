@@ -43,10 +43,15 @@ def needs_rebuild(view: StreamIdentity, first_seq: int, last_seq: int, created: 
 
 
 class ViewWriter:
-    """Everything that changes the view's file: events, heartbeats, and which stream it follows."""
+    """Everything that changes the view's file: events, heartbeats, and which stream it follows.
 
-    def __init__(self, db: ViewDb) -> None:
+    `history=False` keeps current state only (machines, apps, workers) and no row per event: a view that lives as
+    long as a process and never shows an event list (the web console's) then grows with the machines, not with
+    every event the stream carries."""
+
+    def __init__(self, db: ViewDb, *, history: bool = True) -> None:
         self.db = db
+        self.history = history
 
     def identity(self) -> StreamIdentity:
         return StreamIdentity(created=self.db.meta("stream_created"), last_seq=self.db.last_seq)
@@ -78,7 +83,7 @@ class ViewWriter:
                 if stream_seq <= last:
                     continue
                 if event is not None:
-                    apply_event(self.db.conn, stream_seq, event)
+                    apply_event(self.db.conn, stream_seq, event, history=self.history)
                 last = stream_seq
                 applied += 1
             if applied:
@@ -120,27 +125,29 @@ class ViewWriter:
                     )
 
 
-def apply_event(db: sqlite3.Connection, stream_seq: int, event: MachineEvent) -> None:
-    """Fold one event into the tables (the caller holds the transaction and checks `stream_seq`)."""
+def apply_event(db: sqlite3.Connection, stream_seq: int, event: MachineEvent, *, history: bool = True) -> None:
+    """Fold one event into the tables (the caller holds the transaction and checks `stream_seq`); `history`: keep
+    its row in `events` too."""
     ts = event.timestamp
-    db.execute(
-        "INSERT OR IGNORE INTO events (stream_seq, seq, timestamp, region, worker_id, app, machine_id, type, status,"
-        " from_state, source, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (
-            stream_seq,
-            event.seq,
-            ts,
-            event.region,
-            event.worker_id,
-            event.app,
-            event.machine_id,
-            event.type,
-            event.status,
-            event.from_state,
-            event.source,
-            event.reason,
-        ),
-    )
+    if history:
+        db.execute(
+            "INSERT OR IGNORE INTO events (stream_seq, seq, timestamp, region, worker_id, app, machine_id, type,"
+            " status, from_state, source, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                stream_seq,
+                event.seq,
+                ts,
+                event.region,
+                event.worker_id,
+                event.app,
+                event.machine_id,
+                event.type,
+                event.status,
+                event.from_state,
+                event.source,
+                event.reason,
+            ),
+        )
     db.execute(
         "INSERT INTO apps (name, first_event, last_event, events) VALUES (?, ?, ?, 1) ON CONFLICT (name) DO UPDATE"
         " SET first_event = min(first_event, excluded.first_event), last_event = max(last_event, excluded.last_event),"

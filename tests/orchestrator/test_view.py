@@ -180,6 +180,38 @@ def test_destroyed_machines_leave_the_listing_and_apps_are_known(fold: ViewWrite
     assert not query.known_app("nope") and query.snapshot(now, app="nope").workers == []
 
 
+def test_a_view_without_history_keeps_the_same_state_and_no_row_per_event() -> None:
+    """The console's view (`history=False`): machines, apps and workers folded exactly as with history, no event
+    rows, and a file that stays the same size however many events its machines go through."""
+    events = [
+        (n, event(n, status, machine))
+        for n, (status, machine) in enumerate(
+            [("created", M1), ("created", M2), ("started", M1), ("started", M2), ("stopped", M2)], start=1
+        )
+    ]
+    full, bare = ViewDb(":memory:"), ViewDb(":memory:")
+    try:
+        ViewWriter(full).apply_events(events)
+        lean = ViewWriter(bare, history=False)
+        lean.apply_events(events)
+        kept, without = ViewReader(full).dump(), ViewReader(bare).dump()
+        assert without["events"] == [] and len(kept["events"]) == 5
+        assert {k: v for k, v in kept.items() if k != "events"} == {k: v for k, v in without.items() if k != "events"}
+
+        def pages() -> int:
+            return int(bare.conn.execute("PRAGMA page_count").fetchone()[0])
+
+        churn = [(6 + n, event(6 + n, ("stopped", "started")[n % 2], M1)) for n in range(5000)]
+        lean.apply_events(churn[:100])
+        before = pages()
+        lean.apply_events(churn[100:])
+        assert pages() == before  # 4,900 more events, not one more page
+        assert ViewReader(bare).snapshot(0.0).machines[0].state == "started"
+    finally:
+        full.close()
+        bare.close()
+
+
 def test_heartbeats_expiry_and_staleness_set_worker_status(fold: ViewWriter, query: ViewReader) -> None:
     now = time.time()
     fold.put_heartbeat("mad.mad-w1", info("mad-w1", heartbeat_at=now), now)
