@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -64,6 +65,18 @@ class Console:
 
     def api(self) -> Api:
         return Api(self.base, self.operator)
+
+    def act(self, app: str, machine_id: str, action: str, token: str) -> tuple[int, Any]:
+        """A machine's action as the page's button sends it: status and JSON answer."""
+        path = f"{self.base}/ui/apps/{app}/machines/{machine_id}/{action}"
+        request = urllib.request.Request(path, data=b"{}", method="POST")
+        request.add_header("Authorization", f"Bearer {token}")
+        request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
 
 
 @pytest.fixture(scope="module")
@@ -263,23 +276,14 @@ def test_actions_answer_their_real_outcome_and_are_audited(console: Console) -> 
     assert status == 200, made
     path = f"/ui/apps/audited/machines/{made['id']}"
 
-    def act(action: str, token: str) -> tuple[int, Any]:
-        request = urllib.request.Request(console.base + f"{path}/{action}", data=b"{}", method="POST")
-        request.add_header("Authorization", f"Bearer {token}")
-        request.add_header("Content-Type", "application/json")
-        try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, json.loads(reply.read())
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read())
-
-    status, body = act("stop", console.read_only)
+    status, body = console.act("audited", made["id"], "stop", console.read_only)
     assert status == 403 and "read-only" in body["error"]
-    status, body = act("stop", console.operator)
+    status, body = console.act("audited", made["id"], "stop", console.operator)
     assert status == 200 and body["state"] == "stopped", body
-    status, body = act("suspend", console.operator)  # a stopped machine cannot be suspended: the worker's answer
+    # a stopped machine cannot be suspended: the worker's answer
+    status, body = console.act("audited", made["id"], "suspend", console.operator)
     assert status >= 400 and body["error"], body
-    status, body = act("destroy", console.operator)
+    status, body = console.act("audited", made["id"], "destroy", console.operator)
     assert status == 200 and body["state"] == "destroyed", body
 
     async def records() -> list[Any]:
@@ -355,3 +359,24 @@ def test_the_app_page_shows_the_edges_numbers_from_a_real_proxy(console: Console
         api_proc.terminate()
         api_proc.wait(10)
         proxy.stop()
+
+
+def test_the_fleet_page_marks_a_lost_worker(console: Console) -> None:
+    """A worker that stops beating (SIGSTOP: alive, silent) is marked lost once its heartbeat is older than the
+    TTL, and ready again once it beats; the region counts it."""
+    (proc,) = [p for name, p in console.fleet.processes if name == "worker-syd-w1" and p.poll() is None]
+    mark = 'class="worker w-lost" data-worker="syd-w1"'
+    assert 'data-worker="syd-w1"' in console.get("/ui/", console.operator)[1]
+    assert mark not in console.get("/ui/", console.operator)[1]
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: mark in console.get("/ui/", console.operator)[1], "syd-w1 marked lost", timeout=30)
+        body = console.get("/ui/", console.operator)[1]
+        assert '<span class="badge lost">lost</span>' in body and "1 lost" in body
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    wait_until(
+        lambda: 'class="worker w-ready" data-worker="syd-w1"' in console.get("/ui/", console.operator)[1],
+        "syd-w1 ready again once it beats",
+        timeout=30,
+    )
