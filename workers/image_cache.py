@@ -69,6 +69,7 @@ class ImageCache:
         self._manifests: dict[str, ImageManifest | None] = {}
         self._used_at: dict[str, float] = {}
         self.pulls = 0  # downloads done (a test counts them)
+        self.version = 0  # changes whenever the set of cached images does (offers are answered again until then)
         root.mkdir(parents=True, exist_ok=True)
         for leftover in root.glob("*.partial-*"):  # a pull cut short by a kill
             shutil.rmtree(leftover, ignore_errors=True)
@@ -121,6 +122,8 @@ class ImageCache:
         return Pulled(final, manifest, len(data), time.perf_counter() - started)
 
     def _touch(self, digest: str) -> None:
+        if digest not in self._used_at:
+            self.version += 1
         self._used_at[digest] = time.time()
 
     def _manifest(self, digest: str) -> ImageManifest | None:
@@ -151,6 +154,7 @@ class ImageCache:
             (self.root / f"{digest.removeprefix('sha256:')}.manifest").unlink(missing_ok=True)
             self._used_at.pop(digest, None)
             self._manifests.pop(digest, None)
+            self.version += 1
             total -= sizes[digest]
             removed.append(digest)
             log.info("image cache: evicted %s (%d bytes)", digest, sizes[digest])

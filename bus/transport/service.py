@@ -61,6 +61,7 @@ def error_payload(code: int, message: str) -> tuple[bytes, dict[str, str]]:
 
 ReplyFn = Callable[[bytes, dict[str, str] | None], Awaitable[None]]
 Handler = Callable[[str, bytes], Awaitable[Any]]
+NowHandler = Callable[[str, bytes], bytes]
 
 
 class Responder:
@@ -102,6 +103,33 @@ class Responder:
                 await answer
             else:
                 self._spawn(answer)
+
+        return on_message
+
+    def for_subscription_now(self, handler: NowHandler) -> Callable[[Msg], Awaitable[None]]:
+        """A handler that never waits (`(subject, data) -> reply bytes`), answered in the subscription's callback:
+        no task, no coroutine per request. For the hottest subjects (a worker's offers: every worker answers
+        every create's scatter). Not for mutating API subjects: nothing here audits."""
+        nc = self._nc
+        name = self._name
+
+        async def on_message(msg: Msg) -> None:
+            self.requests += 1
+            headers: dict[str, str] | None = None
+            try:
+                body = handler(msg.subject, msg.data)
+            except FauxmadError as err:
+                self.errors += 1
+                body, headers = error_payload(err.code, err.message)
+            except Exception as exc:  # the edge: anything unexpected is a 500, never a crash
+                log.exception("%s: unexpected error on %s", name, msg.subject)
+                self.errors += 1
+                body, headers = error_payload(InternalError.code, f"internal error: {exc!r}")
+            if msg.reply:
+                try:
+                    await nc.publish(msg.reply, body, headers=headers)
+                except Exception:
+                    log.exception("%s: could not send reply", name)
 
         return on_message
 

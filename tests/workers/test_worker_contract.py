@@ -167,6 +167,37 @@ def test_cordon_declines_offers_and_reservations(worker_factory: Callable[..., W
     arun(main())
 
 
+def test_offer_answers_follow_every_change(worker_factory: Callable[..., WorkerProcess]) -> None:
+    """The same question asked again is answered from the last answer only while nothing changed: a reserve, a
+    cordon and an uncordon each show in the next offer; a malformed question is a 400, not a cached answer."""
+    worker = worker_factory(cpus=2, memory_mb=1024)
+
+    async def main() -> None:
+        nc = await nats.connect(worker.nats_url)
+        raw = RawClient(nc, worker.worker_id)
+        question = json.dumps({"app": "a", "region": worker.region, "guest": {"cpus": 1, "memory_mb": 256}}).encode()
+
+        async def ask() -> dict[str, object]:
+            reply = await nc.request(f"fauxmad.v1.offers.{worker.region}", question)
+            return dict(json.loads(reply.data))
+
+        first = await ask()
+        assert first["type"] == "offer" and first["free"] == {"cpus": 2, "memory_mb": 1024}
+        assert await ask() == first
+        await raw.ok("reserve", {"app": "a", "region": worker.region, "config": {"cmd": SLEEPER}})
+        after = await ask()
+        assert after["free"] == {"cpus": 1, "memory_mb": 768} and after["app_machines"] == 1
+        await nc.request(f"fauxmad.v1.worker.{worker.worker_id}.cordon", b"")
+        assert (await ask())["reason"] == "cordoned"
+        await nc.request(f"fauxmad.v1.worker.{worker.worker_id}.uncordon", b"")
+        assert await ask() == after
+        bad = await nc.request(f"fauxmad.v1.offers.{worker.region}", b'{"app": "a"}')
+        assert bad.headers is not None and bad.headers.get("Nats-Service-Error-Code") == "400"
+        await nc.close()
+
+    arun(main())
+
+
 def test_concurrent_reservers_never_overcommit(worker_factory: Callable[..., WorkerProcess]) -> None:
     capacity = 3
     worker = worker_factory(cpus=capacity, memory_mb=capacity * 256)

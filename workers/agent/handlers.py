@@ -8,11 +8,11 @@ at the `Responder`: nothing here sees a message.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
 from bus.contract import subjects
-from bus.contract.codec import decode
+from bus.contract.codec import decode, encode
 from bus.contract.errors import BadRequest, FauxmadError
 from bus.contract.fleet import CordonRequest, InfoRequest, WorkerInfo
 from bus.contract.offers import OfferRequest
@@ -37,6 +37,7 @@ class Handlers:
         committer: GroupCommitter,
         backpressure: Backpressure,
         snapshot: Callable[[], Snapshot],
+        state: Callable[[], Hashable],
         info: Callable[[], WorkerInfo],
         put_heartbeat: Callable[[WorkerInfo], Awaitable[None]],
     ) -> None:
@@ -45,12 +46,26 @@ class Handlers:
         self.committer = committer
         self.backpressure = backpressure
         self.snapshot = snapshot
+        self.state = state  # changes whenever anything the snapshot holds may have
+        self._offer_key: tuple[bytes, Hashable] | None = None
+        self._offer = b""
         self.info = info
         self.put_heartbeat = put_heartbeat
 
     async def on_offer(self, subject: str, data: bytes) -> Any:
+        return self.offer(subject, data)
+
+    def offer(self, subject: str, data: bytes) -> bytes:
+        """The auction's question answered, encoded. Every worker of the region answers every scatter, most
+        with nothing changed since the last one: while the question's bytes and the worker's state (`state`:
+        read before the snapshot, so a change after it is a new key) are the same, the last answer goes again."""
+        key = (data, self.state())
+        if key == self._offer_key:
+            return self._offer
         request = decode(OfferRequest, data)
-        return answer_offer(request, self.snapshot(), self.backpressure)
+        body = encode(answer_offer(request, self.snapshot(), self.backpressure))
+        self._offer_key, self._offer = key, body
+        return body
 
     async def on_machines(self, subject: str, data: bytes) -> Any:
         verb = subjects.parse_verb(subject)

@@ -114,6 +114,7 @@ class WorkerAgent:
         self.image_cache: ImageCache | None = None
         self.volumes: VolumeManager | None = None
         self._states_seen: set[str] = set()  # for the per-state gauge
+        self._committed = 0  # commit hooks run (`offer_state`)
         self.jobs: JobsService | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -214,6 +215,7 @@ class WorkerAgent:
             committer=self.committer,
             backpressure=cfg.backpressure,
             snapshot=self.snapshot,
+            state=self.offer_state,
             info=self.info,
             put_heartbeat=self.heartbeat.put,
         )
@@ -263,9 +265,7 @@ class WorkerAgent:
         assert self.nc is not None
         cfg = self.config
         self._subs.append(
-            await self.nc.subscribe(
-                subjects.offers(cfg.region), cb=self.responder.for_subscription(handlers.on_offer, inline=True)
-            )
+            await self.nc.subscribe(subjects.offers(cfg.region), cb=self.responder.for_subscription_now(handlers.offer))
         )
         self._service = await add_service(
             self.nc,
@@ -346,6 +346,20 @@ class WorkerAgent:
             sandboxes=self._sandboxes,
         )
 
+    def offer_state(self) -> tuple[int, int, int, float, int]:
+        """Changes whenever what `snapshot` reads may have: a commit (the store's tables: usage, cordon), its hook
+        (the tallies and images it keeps, after the commit), a pull or eviction of the image cache, the load of
+        the last beat, the launches in flight. An offer is answered again from the same bytes while it holds."""
+        assert self.committer is not None and self.heartbeat is not None and self.manager is not None
+        cache = self.image_cache
+        return (
+            self.committer.batches,
+            self._committed,
+            cache.version if cache is not None else 0,
+            self.heartbeat.load,
+            self.manager.inflight,
+        )
+
     def info(self) -> WorkerInfo:
         assert self.store is not None
         snap = self.snapshot()
@@ -377,6 +391,7 @@ class WorkerAgent:
 
     def _on_commit(self, records: list[LogRecord]) -> None:
         assert self.outbox is not None
+        self._committed += 1  # `offer_state`: what this hook keeps (tallies, images) changes below
         for record in records:
             if isinstance(record, MachineRecord):
                 machine = record.stored.machine
