@@ -50,6 +50,8 @@ def test_a_message_trusts_its_carried_record_only_fresh_and_first() -> None:
     task = JobTask(id=job.id, app="a", job=job)
     assert carried(task, age=0.001, deliveries=1) == job
     assert carried(task, age=CARRIED_FRESH, deliveries=1) is None  # it waited in the queue: a cancel may have come
+    assert carried(task, age=-0.01, deliveries=1) == job  # clocks a little apart
+    assert carried(task, age=-CARRIED_FRESH, deliveries=1) is None  # this host's clock far behind: age unknown
     assert carried(task, age=0.001, deliveries=2) is None  # a redelivery: the record decides
     assert carried(JobTask(id=job.id, app="a"), age=0.001, deliveries=1) is None  # nothing carried
     assert carried(JobTask(id="j0000000000000ff", app="a", job=job), age=0.001, deliveries=1) is None  # not its own

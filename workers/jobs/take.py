@@ -73,9 +73,10 @@ def record_wait(deliveries: int) -> float:
 def carried(task: JobTask, *, age: float, deliveries: int, fresh_for: float = CARRIED_FRESH) -> Job | None:
     """The record a message carries, if the worker may run from it without reading the record first: a first
     delivery younger than `fresh_for` (a redelivery, or a message that waited in the queue, may find its
-    record moved on: a cancel, a lost worker) whose record is of its own job, still as submitted."""
+    record moved on: a cancel, a lost worker) whose record is of its own job, still as submitted. `age` is this
+    host's clock against the server's: a clock behind by more than `fresh_for` (a negative age) proves nothing."""
     job = task.job
-    if isinstance(job, msgspec.UnsetType) or deliveries != 1 or age >= fresh_for:
+    if isinstance(job, msgspec.UnsetType) or deliveries != 1 or not -fresh_for < age < fresh_for:
         return None
     if job.id != task.id or job.app != task.app or job.state != "queued" or job.attempt != 0:
         return None
