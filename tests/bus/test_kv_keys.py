@@ -42,7 +42,6 @@ def test_live_keys_under_a_filter(nats_url: str, unique: object) -> None:
         await kv.delete("b.back")
         await kv.put("b.back", b"again")  # a delete, then a value: live
         assert await kv_keys(kv) == ["a.deep.one", "a.x", "b.back", "b.x", "top"]
-        assert await kv_keys(kv) == sorted(await kv.keys())  # what nats-py's keys() means, when it answers
         assert await kv_keys(kv, "a.*") == ["a.x"]  # one token
         assert await kv_keys(kv, "a.>") == ["a.deep.one", "a.x"]
         assert await kv_keys(kv, "*.x") == ["a.x", "b.x"]

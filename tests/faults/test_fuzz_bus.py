@@ -61,6 +61,7 @@ from bus.contract.machines import (
 )
 from bus.contract.offers import OfferRequest
 from bus.contract.verbs import API_REQUESTS, BROKER_REQUESTS, WORKER_REQUESTS
+from bus.stores.kv_keys import kv_keys
 from bus.transport.service import ERROR_CODE_HEADER, ERROR_HEADER
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
@@ -580,12 +581,8 @@ async def bucket(js: Any, name: str) -> dict[str, Any]:
     """Every key of a KV bucket with its value and revision, and the bucket's stream position."""
     info = await js.stream_info(f"KV_{name}")
     kv = await js.key_value(name)
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py raises NoKeysError for an empty bucket
-        keys = []
     entries = {}
-    for key in sorted(keys):
+    for key in await kv_keys(kv):  # from the stream: nats-py's keys() can miss keys on a loaded host
         entry = await kv.get(key)
         entries[key] = (entry.revision, entry.value)
     return {"last_seq": info.state.last_seq, "messages": info.state.messages, "entries": entries}

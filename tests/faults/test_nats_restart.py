@@ -22,6 +22,7 @@ from bus.contract import subjects
 from bus.contract.errors import FauxmadError
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, Machine, MachineConfig
+from bus.stores.kv_keys import kv_keys
 from bus.transport.connection import connect
 from bus.transport.service import call
 from orchestrator.devfleet import DevFleet, FleetSpec
@@ -58,11 +59,7 @@ async def index_of(fleet: DevFleet, app: str) -> dict[str, str]:
     try:
         kv = await nc.jetstream().key_value("fauxmad_machines")
         out: dict[str, str] = {}
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            return out
-        for key in keys:
+        for key in await kv_keys(kv):
             entry = msgspec.json.decode((await kv.get(key)).value)
             if entry["app"] == app:
                 out[entry["id"]] = entry["worker_id"]

@@ -20,6 +20,7 @@ import pytest
 
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, MachineConfig
+from bus.stores.kv_keys import kv_keys
 from bus.transport.fleet_layout import LAYOUT_BUCKET, read_layout
 from bus.transport.layout import REPLICAS_ENV, SUPERCLUSTER_ENV, Layout
 from orchestrator.client import FleetClient
@@ -288,7 +289,7 @@ def test_a_process_told_another_layout_refuses_in_one_line_and_writes_nothing(fl
     async def intruder_key() -> list[str]:
         nc = await connect_nats(fleet.url)
         try:
-            return [k for k in await (await nc.jetstream().key_value("fauxmad_workers")).keys() if "intruder" in k]
+            return [k for k in await kv_keys(await nc.jetstream().key_value("fauxmad_workers")) if "intruder" in k]
         finally:
             await nc.close()
 
