@@ -92,9 +92,12 @@ def add_user(
     app: str | None = typer.Option(None, "--app", "-a", help="the app a deployer may deploy"),
     directory: str = DIR_OPTION,
 ) -> None:
-    """Credentials for a person or a service: operator, broker, deployer (of one app) or viewer."""
+    """Credentials for a person or a service: operator, broker, api (`fauxmad api`), deployer (of one app) or viewer."""
     if role not in ROLES or role == "worker":
-        fail(f"unknown role {role!r}: use operator, broker, deployer or viewer (workers: fleet add-worker)", EXIT_USAGE)
+        fail(
+            f"unknown role {role!r}: use one of {USER_ROLES} (workers: fleet add-worker)",
+            EXIT_USAGE,
+        )
     fleet = FleetDir(directory)
     _done(fleet, _run(lambda: fleet.add_user(name, role, app)))  # `role in ROLES` above narrows it to a Role
 

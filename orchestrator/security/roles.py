@@ -11,6 +11,10 @@ not listed is refused, and the server drops the message), built here from the co
 - `broker`: answers the API (`api.>`); asks workers (`offers.*`, `worker.*.>`); keeps idempotency claims;
   records the requests it answers in the audit stream; reads the fleet's buckets and streams; writes the
   images a checked push brings (the image store, its manifests and tags).
+- `api` (`fauxmad api`, its web console included): what a broker may (it embeds one), and what the HTTP API does
+  beside it: app records, heads and their purge in the apps bucket (`POST`/`DELETE /v1/apps`), binding the audit
+  stream, watching the revoked tokens, and asking workers for a job's status and list (the console's job pages).
+  Each HTTP request's token decides which app it may touch; the server's permissions cannot.
 - `operator`: everything, JetStream administration included.
 - `deployer` (bound to one app): that app's API subjects and its releases, the fleet-wide read-only
   queries, reading events and logs. Images: reading only; it pushes and tags through the brokers' checked
@@ -40,8 +44,8 @@ from bus.contract import subjects
 from bus.stores.secrets import PUBLIC_KEY, SECRETS_BUCKET
 from bus.transport.layout import Layout, from_env
 
-Role = Literal["worker", "broker", "operator", "deployer", "viewer"]
-ROLES: tuple[Role, ...] = ("worker", "broker", "operator", "deployer", "viewer")
+Role = Literal["worker", "broker", "api", "operator", "deployer", "viewer"]
+ROLES: tuple[Role, ...] = ("worker", "broker", "api", "operator", "deployer", "viewer")
 
 P = subjects.PREFIX
 FLEET_STREAMS = (
@@ -150,9 +154,10 @@ def permissions(identity: Identity) -> Permissions:
             ),
             allow_responses=True,
         )
-    if role == "broker":
+    if role in ("broker", "api"):
         return Permissions(
             publish=(
+                *(_api_publish() if role == "api" else ()),
                 f"{P}.offers.*",
                 f"{P}.worker.*.>",
                 subjects.kv_put(subjects.IDEMPOTENCY_BUCKET, ">"),
@@ -166,8 +171,9 @@ def permissions(identity: Identity) -> Permissions:
                 f"$JS.API.STREAM.PURGE.OBJ_{subjects.IMAGES_STORE}",
                 *read_streams(),
             ),
-            subscribe=(f"{P}.api.>", "$SRV.>", inbox),
-            allow_responses=True,
+            # the API's broker places and forwards but serves no NATS subject: it only reads its replies
+            subscribe=(f"{P}.api.>", "$SRV.>", inbox) if role == "broker" else (inbox,),
+            allow_responses=role == "broker",
         )
     fleet_queries = (subjects.API_REGIONS_LIST, subjects.API_WORKERS_LIST, subjects.API_PLACEMENTS_SIMULATE)
     if role == "deployer":
@@ -198,6 +204,19 @@ def permissions(identity: Identity) -> Permissions:
             subscribe=(inbox,),
         )
     raise ValueError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+
+
+def _api_publish() -> tuple[str, ...]:
+    """The HTTP API's own, beside its embedded broker's: app records and heads (`orchestrator/api/apps.py`), the
+    audit stream it binds at start (`orchestrator/api/run.py`), the revoked tokens it watches, and the job verbs
+    the console's job pages ask (`orchestrator/console/data.py`)."""
+    return (
+        subjects.kv_put(subjects.APPS_BUCKET, ">"),
+        f"$JS.API.STREAM.INFO.{subjects.AUDIT_STREAM}",
+        subjects.api_jobs_wildcard("status"),
+        subjects.api_jobs_wildcard("list"),
+        *read_streams((f"KV_{subjects.REVOKED_TOKENS_BUCKET}",)),
+    )
 
 
 def _required(identity: Identity, field: str) -> str:

@@ -1,10 +1,10 @@
 """The web console on a secure fleet, run as a team runs one: `fauxmad dev --secure`'s fleet (mutual TLS, an
 identity per worker and broker), the operator (`fauxmad reconcile --watch`) converging an app, an edge proxy in
-front of it, and `fauxmad api` with the console, the proxy and the API run with the operator's credentials (the
-`export FAUXMAD_CREDS=...` that `fauxmad dev --secure` prints; neither has a narrower role yet). Every page
-answers with its content, a page's event stream carries a machine's event, and the tokens act as they should:
-the operator's on any app, a deployer's on its own app only, a read-only token not at all. Plain HTTP, no
-browser."""
+front of it (with the operator's credentials, as `fauxmad dev --secure` prints them: no proxy role yet), and
+`fauxmad api` with the console as an identity of role `api` added to the fleet with `fauxmad fleet add-user` and a
+reload. Every page answers with its content, a page's event stream carries a machine's event, and the tokens act as
+they should: the operator's on any app, a deployer's on its own app only, a read-only token not at all. Plain HTTP,
+no browser."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ import pytest
 from bus.transport.credentials import CREDS_ENV
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.security.tokens import new_root_key
-from tests.helpers import ROOT, arun, wait_until
+from tests.helpers import ROOT, arun, connect_nats, wait_until
 from tests.orchestrator import proxy_kit as kit
 from tests.orchestrator.test_api import start_api
 from tests.orchestrator.test_console import SLEEP, Console
@@ -45,13 +46,21 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureConsole]:
         regions=["mad"], workers_per_region=2, cpus=4, memory_mb=4096, brokers=1, operators=True, secure=True
     )
     with DevFleet(spec) as fleet, pytest.MonkeyPatch.context() as env:
-        assert fleet.url.startswith("tls://") and fleet.operator_creds is not None
+        assert fleet.url.startswith("tls://") and fleet.operator_creds is not None and fleet.security is not None
         env.setenv(CREDS_ENV, fleet.operator_creds)  # what `fauxmad dev --secure` tells a person to export
         proxy = kit.ProxyProcess(fleet.url, "mad", here)
+        fleet_dir = str(fleet.security.root)
+        for args in (["add-user", "api-1", "--role", "api"], ["reload"]):
+            done = _cli("fleet", *args, "--dir", fleet_dir)
+            assert done.returncode == 0, done.stdout + done.stderr
+        env.setenv(CREDS_ENV, str(fleet.security.creds("api-1")))
+        wait_until(lambda: _connects(fleet.url), "the server knows api-1 (reloaded)", timeout=20, interval=0.2)
         api, base = start_api(
             fleet.url,
             ["--token-key", str(here / "token.key"), "--proxy-metrics", f"http://127.0.0.1:{proxy.admin}/metrics"],
         )
+        env.setenv(CREDS_ENV, fleet.operator_creds)  # this test's own clients and CLI commands: the operator
+        assert f"{CREDS_ENV}={fleet.security.creds('api-1')}".encode() in Path(f"/proc/{api.pid}/environ").read_bytes()
         try:
             console = SecureConsole(fleet, base, key, proxy)
             arun(kit.publish(fleet.url, kit.spec_for("web", {"mad": 1}, "auto_start = true\n")))
@@ -74,6 +83,25 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureConsole]:
             proxy.stop()
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def _connects(url: str) -> bool:
+    async def attempt() -> None:
+        nc = await connect_nats(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+        await nc.close()
+
+    try:
+        arun(attempt())
+    except Exception:
+        return False
+    return True
+
+
 def _machines(console: SecureConsole, app: str) -> list[dict[str, Any]]:
     status, found = console.api().call("GET", f"/v1/apps/{app}/machines")
     assert status == 200, found
@@ -82,10 +110,8 @@ def _machines(console: SecureConsole, app: str) -> list[dict[str, Any]]:
 
 def _job(console: SecureConsole) -> str:
     """A background job of `web` run to its end by a worker, submitted as the operator; its id."""
-    env = dict(os.environ, FAUXMAD_NATS_URL=console.fleet.url, PYTHONPATH=str(ROOT))
-    args = ["job", "submit", "-a", "web", "-r", "mad", "--wait", "--json", "--", "echo", "made"]
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env=env, timeout=60
+    done = _cli(
+        "job", "submit", "--nats", console.fleet.url, "-a", "web", "-r", "mad", "--wait", "--json", "--", "echo", "made"
     )
     assert done.returncode == 0, done.stdout + done.stderr
     found = re.search(r"\bj[0-9a-f]{15}\b", done.stdout)

@@ -49,6 +49,7 @@ Mode = Literal["pub", "sub", "req"]
 NAMES: dict[Role, str] = {
     "worker": "worker-mad-w1",
     "broker": "broker-1",
+    "api": "api-1",
     "operator": "operator",
     "deployer": "ci-web",
     "viewer": "ops-bob",
@@ -130,6 +131,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FleetDir, 
     fleet.init(port=port)
     fleet.add_worker("mad-w1", "mad")
     fleet.add_user("broker-1", "broker")
+    fleet.add_user("api-1", "api")
     fleet.add_user("ci-web", "deployer", app="web")
     fleet.add_user("ops-bob", "viewer")
     server = subprocess.Popen(

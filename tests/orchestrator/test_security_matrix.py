@@ -37,6 +37,7 @@ from tests.helpers import ROOT, arun
 COLUMNS = {
     "worker mad-w1": "worker-mad-w1",
     "broker": "broker",
+    "api": "api-1",
     "operator": "operator",
     "deployer of web": "ci-web",
     "viewer": "ops-bob",
@@ -70,6 +71,7 @@ def secure_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fle
     fleet.add_worker("mad-w1", "mad")
     fleet.add_worker("mad-w2", "mad")
     fleet.add_user("broker", "broker")
+    fleet.add_user("api-1", "api")
     fleet.add_user("ci-web", "deployer", app="web")
     fleet.add_user("ops-bob", "viewer")
     server = subprocess.Popen(
