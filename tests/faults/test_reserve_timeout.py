@@ -23,6 +23,7 @@ import pytest
 from bus.contract.errors import DeadlineExceeded
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, MachineConfig
+from bus.stores.kv_keys import kv_keys
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats, until
@@ -71,11 +72,13 @@ async def answers(fleet: DevFleet, worker_id: str) -> bool:
         await nc.close()
 
 
-def freeze(pid: int, after: float, for_: float) -> threading.Thread:
+def freeze(pid: int, after: float, for_: float, thaw: threading.Event | None = None) -> threading.Thread:
+    """SIGSTOP `pid` `after` seconds from now, for `for_` seconds or until `thaw` is set, whichever is first."""
+
     def run() -> None:
         time.sleep(after)
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(for_)
+        (thaw or threading.Event()).wait(for_)
         os.kill(pid, signal.SIGCONT)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -97,7 +100,7 @@ async def machines_everywhere(fleet: DevFleet, app: str) -> dict[str, list[str]]
             ]
         kv = await nc.jetstream().key_value("fauxmad_machines")
         indexed = []
-        for key in await kv.keys():
+        for key in await kv_keys(kv):
             entry = msgspec.json.decode((await kv.get(key)).value)
             if entry["app"] == app:
                 indexed.append(f"{entry['worker_id']}/{entry['id']}")
@@ -174,10 +177,15 @@ def test_a_worker_that_stays_silent_is_an_unknown_outcome_and_the_retry_finds_ou
             holdout = pid_of(fleet, "worker-a-w3")
             os.kill(holdout, signal.SIGSTOP)
             try:
-                # frozen through the reserve's timeout and the probe's: the broker cannot know, so it says so
-                thawed = freeze(winner, after=0.5, for_=7.0)
-                with pytest.raises(DeadlineExceeded) as raised:
-                    await client.create("silent", request)
+                # frozen through the reserve's timeout and the probe's: the broker cannot know, so it says so;
+                # thawed once the broker has said so (30 s: a bound only, should the 504 never come)
+                answered = threading.Event()
+                thawed = freeze(winner, after=0.5, for_=30.0, thaw=answered)
+                try:
+                    with pytest.raises(DeadlineExceeded) as raised:
+                        await client.create("silent", request)
+                finally:
+                    answered.set()
             finally:
                 os.kill(holdout, signal.SIGCONT)
             assert "outcome is unknown" in raised.value.message

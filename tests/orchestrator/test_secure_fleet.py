@@ -288,7 +288,10 @@ def test_certificates_rotate_without_dropping_a_connection(fleet: SecureFleet) -
             await nc.request("fauxmad.v1.api.workers.list", b"{}", timeout=10)
             rotated = fleet.cli("operator", "fleet", "rotate", "--dir", str(fleet.dir.root))
             assert rotated.returncode == 0 and "new certificates for server" in rotated.stdout, rotated.stderr
-            await asyncio.sleep(1.0)  # the SIGHUP reload
+            for _ in range(100):  # the SIGHUP reload: until new connections get the new certificate
+                if await asyncio.to_thread(_served_certificate, fleet) != before:
+                    break
+                await asyncio.sleep(0.1)
             await nc.request("fauxmad.v1.api.workers.list", b"{}", timeout=10)  # the same connection still works
             return nc.stats["reconnects"], nc.is_connected
         finally:

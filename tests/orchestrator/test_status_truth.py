@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,9 +72,14 @@ def test_checks_survive_a_relabel_and_a_lost_host_is_shown(fleet: DevFleet, tmp_
 
     victim = primaries(machines(fleet, "truth"))[0]
     fleet.kill_host(victim.worker_id)
-    time.sleep(4.0)  # the heartbeat key expires (3 s TTL)
-    rows = {r["id"]: r for r in status(fleet, tmp_path, "truth")["machines"]}
-    assert rows[victim.id]["host_status"] == "unreachable", rows[victim.id]
+    seen: list[dict[str, dict[str, Any]]] = []
+
+    def shown_unreachable() -> bool:  # once the heartbeat key expires (3 s TTL)
+        seen.append({r["id"]: r for r in status(fleet, tmp_path, "truth")["machines"]})
+        return seen[-1][victim.id]["host_status"] == "unreachable"
+
+    wait_for(shown_unreachable, 15, f"status to show {victim.worker_id} unreachable")
+    rows = seen[-1]
     assert all(r["host_status"] == "ok" for mid, r in rows.items() if mid != victim.id)
     fleet.respawn(f"worker-{victim.worker_id}")
     fleet.destroy_all_machines()
