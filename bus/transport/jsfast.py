@@ -163,6 +163,20 @@ class FastKV:
             return None
 
 
+def ack_problem(msg: Any) -> str | None:
+    """Why a JetStream publish's reply is not an ack of a stored message (nobody serves the subject, an error,
+    an undecodable reply), or None for an ack."""
+    if not msg.data and (msg.headers or {}).get("Status") == NO_RESPONDERS:
+        return "nobody serves the subject (no stream, or it has no leader now)"
+    try:
+        ack = _ack.decode(msg.data)
+    except msgspec.DecodeError as exc:
+        return f"undecodable ack: {exc}"
+    if ack.error is not None:
+        return ack.error.description or f"error {ack.error.err_code}"
+    return None
+
+
 def _is_marker(stored: _Stored) -> bool:
     return stored.hdrs is not None and b"KV-Operation" in stored.hdrs
 
