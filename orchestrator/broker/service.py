@@ -271,8 +271,12 @@ class Broker:
         except (NoCapacity, BadRequest, Conflict, NotFound):
             await claims.refused(app, key, current[0])  # refused everywhere it was tried: nothing is held
             raise
-        # anything else (a lost connection, a cancellation): a reserve may be in flight, so the claim stays
-        # for a taker, who asks every worker it tried before placing
+        except BaseException:
+            # anything else (a lost connection, a store timeout, a cancellation): a reserve may be in flight, so
+            # the claim stays for a taker, who asks every worker it tried before placing. This broker's own
+            # retry may be that taker at once: no request of its own works on the claim any more.
+            await claims.release_hold(app, key)
+            raise
         await claims.done(app, key, current[0], placed[0].worker_id)
         return placed[0], placed[1], True
 
