@@ -40,9 +40,23 @@ def driver(limits: Limits) -> Iterator[ProcessDriver]:
 
 
 def spares_of(driver: ProcessDriver) -> list[int]:
-    """The launcher's children that are waiting for a job (sleeping, no child.pid anywhere)."""
+    """The launcher's children that are waiting for a job: sleeping, childless, and still in the launcher's
+    directory (a shim that had a job is in its machine's: one whose machine just ended is also sleeping and
+    childless for a moment before it exits)."""
     assert driver.launcher_pid is not None
-    return [pid for pid, state in children_of(driver.launcher_pid) if state == "S" and not children_of(pid)]
+    home = cwd_of(driver.launcher_pid)
+    return [
+        pid
+        for pid, state in children_of(driver.launcher_pid)
+        if state == "S" and not children_of(pid) and cwd_of(pid) == home
+    ]
+
+
+def cwd_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:  # gone meanwhile
+        return None
 
 
 def open_fds(pid: int) -> dict[int, str]:
