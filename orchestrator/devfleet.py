@@ -93,6 +93,8 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # variable is set: the fleet's layout takes R3 from a cluster of three (`bus.transport.fleet_layout`)
     cluster: int = 0
     replicas: int | None = None  # the layout's replicas when the fleet is made (None: what the servers offer)
+    # each worker and broker process serves Prometheus /metrics on a free port of 127.0.0.1 (`DevFleet.metrics`)
+    metrics: bool = False
 
 
 def unmount_under(root: Path) -> int:
@@ -126,6 +128,7 @@ class DevFleet:
         self.security: FleetDir | None = None
         self.security_port: int | None = None
         self._creds: dict[str, str] = {}  # process name -> its credentials file (secure fleets)
+        self.metrics: dict[str, int] = {}  # process name -> the port of its /metrics (FleetSpec.metrics)
 
     @property
     def operator_creds(self) -> str | None:
@@ -400,7 +403,7 @@ class DevFleet:
                     args += ["--count", str(count)]
                 if not spec.fsync:
                     args += ["--no-fsync"]
-                self._spawn(f"worker-{base}", args)
+                self._spawn(f"worker-{base}", args + self._metrics_args(f"worker-{base}"))
         # one set of brokers (and an operator) for the fleet, or in a supercluster per region, connected to it
         agent_regions: list[str | None] = list(spec.regions) if self.supercluster is not None else [None]
         for scope in agent_regions:
@@ -408,13 +411,20 @@ class DevFleet:
             for i in range(spec.brokers):
                 name = f"broker-{scope}-{i + 1}" if scope else f"broker-{i + 1}"
                 args = ["broker", *where, "--name", name, "--deadline-ms", str(spec.deadline_ms)]
-                self._spawn(name, [*args, "--strategy", spec.strategy])
+                self._spawn(name, [*args, "--strategy", spec.strategy, *self._metrics_args(name)])
             if spec.operators:
                 self._spawn(f"operator-{scope}" if scope else "operator", ["reconcile", "--watch", *where])
         self.progress(
             f"{self.expected_workers} workers in {', '.join(spec.regions)} and {self.expected_brokers} broker(s)"
             + (f", an operator {'per region' if self.supercluster else ''}".rstrip() if spec.operators else "")
         )
+
+    def _metrics_args(self, name: str) -> list[str]:
+        """`--metrics-listen` on a free port for process `name` when the spec asks for metrics, else nothing."""
+        if not self.spec.metrics:
+            return []
+        self.metrics[name] = free_port()
+        return ["--metrics-listen", f"127.0.0.1:{self.metrics[name]}"]
 
     @property
     def expected_brokers(self) -> int:
