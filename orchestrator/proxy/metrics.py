@@ -33,7 +33,7 @@ class ProxyMetrics:
         )
         self.woken = Counter(
             "fauxmad_proxy_machines_woken",
-            "machines started or created for requests, by app and kind (start, create)",
+            "machines started, resumed or created for requests, by app and kind (start, resume, create)",
             ["app", "kind"],
             registry=self.registry,
         )

@@ -47,7 +47,7 @@ class Waker:
         self.pool = pool
         self.host = host
         self.ready_timeout = ready_timeout
-        self.on_woken = on_woken  # (app, "start" | "create") once the machine accepts connections
+        self.on_woken = on_woken  # (app, "start" | "resume" | "create") once the machine accepts connections
         self.starting: dict[str, asyncio.Future[MachineIndexEntry]] = {}
         self._creating: dict[tuple[str, str], asyncio.Future[MachineIndexEntry]] = {}
 
