@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 
 import pytest
@@ -51,65 +50,6 @@ def test_group_commit_batches_and_every_result_is_durable(tmp_path: Path) -> Non
     assert len(reopened.machines()) == 2000
     assert reopened.usage().cpus == 2000
     assert reopened.last_seq == 2000
-
-
-def test_one_loop_turns_operations_commit_together_on_the_loop(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db")
-    committer = GroupCommitter(store, max_batch=256)
-    threads: set[int] = set()
-
-    def op(tx: Tx, i: int) -> StoredMachine:
-        threads.add(threading.get_ident())
-        return tx.put_machine(machine(i), "reserve")
-
-    async def main() -> None:  # 600 submitted in one turn: 256 + 256 + 88, three transactions
-        await asyncio.gather(*[committer.submit(lambda tx, i=i: op(tx, i)) for i in range(600)])
-
-    arun(main())
-    assert committer.batches == 3 and committer.ops == 600
-    assert threads == {threading.get_ident()}  # no hand-off: the loop committed them
-    committer.close()
-    store.close()
-
-
-def test_while_another_thread_writes_the_loop_does_not_wait_for_the_lock(tmp_path: Path) -> None:
-    """Compaction holds LMDB's write lock in a thread: a commit meanwhile is handed to the writer thread, and the
-    loop goes on (it sets the event that lets the holder go); once the lock is free, commits run on the loop again."""
-    store = Store(tmp_path / "db")
-    committer = GroupCommitter(store)
-    taken, release = threading.Event(), threading.Event()
-    where: list[int] = []
-
-    def hold() -> bool:  # as `Store.compact` does: the flag, then the write transaction
-        store.compacting = True
-        try:
-            with store.env.begin(write=True):
-                taken.set()
-                return release.wait(timeout=10)
-        finally:
-            store.compacting = False
-
-    def op(tx: Tx, i: int) -> StoredMachine:
-        where.append(threading.get_ident())
-        return tx.put_machine(machine(i), "reserve")
-
-    async def main() -> bool:
-        holder = asyncio.ensure_future(asyncio.to_thread(hold))
-        await asyncio.to_thread(taken.wait)
-        pending = asyncio.ensure_future(committer.submit(lambda tx: op(tx, 1)))
-        await asyncio.sleep(0.05)  # the loop runs on while the commit waits for the lock
-        assert not pending.done()
-        release.set()
-        await pending
-        released_by_us = await holder
-        await committer.submit(lambda tx: op(tx, 2))
-        return released_by_us
-
-    assert arun(main()) is True  # released by the loop's event, not by the holder's timeout
-    assert where[0] != threading.get_ident() and where[1] == threading.get_ident()
-    assert len(store.machines()) == 2
-    committer.close()
-    store.close()
 
 
 def test_a_failing_operation_rolls_back_alone(tmp_path: Path) -> None:

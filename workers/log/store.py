@@ -8,9 +8,9 @@ to its `Volume` (README "Volumes"); `meta` holds `usage`
 derived tables in the same write transaction, so they can never disagree, and `rebuild` recomputes
 them from the log alone to prove it.
 
-Writes go through `workers.log.commit.GroupCommitter`: the operations of one event-loop turn run each
-in its own nested transaction (one failing operation aborts only itself) and commit together with one
-fsync. Callers get their result only after that commit, so nothing
+Writes go through `workers.log.commit.GroupCommitter`: a writer thread takes every operation queued
+meanwhile, runs each in its own nested transaction (one failing operation aborts only itself) and
+commits them all with one fsync. Callers get their result only after that commit, so nothing
 acknowledged is lost to a crash. Reads are lock-free LMDB read transactions on the caller's thread.
 
 Restart time does not grow with the log: the derived tables are persistent, so opening the store
@@ -231,8 +231,6 @@ class Store:
         self.db_meta = self.env.open_db(DB_META)
         self.db_volumes = self.env.open_db(DB_VOLUMES)
         self._seq = self._load_last_seq()
-        # set while `compact` (run in a thread) writes: the committer then takes LMDB's write lock off the loop
-        self.compacting = False
 
     def _load_last_seq(self) -> int:
         with self.env.begin(db=self.db_log) as txn:
@@ -367,13 +365,6 @@ class Store:
         horizon = self._seq - keep_last
         if horizon <= 0:
             return 0
-        self.compacting = True
-        try:
-            return self._compact(horizon, destroyed_retention, limit)
-        finally:
-            self.compacting = False
-
-    def _compact(self, horizon: int, destroyed_retention: float, limit: int) -> int:
         now = self.clock()
         deleted = 0
         latest_worker = self.worker().seq
