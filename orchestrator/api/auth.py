@@ -65,6 +65,12 @@ class Caller(msgspec.Struct, frozen=True):
 NO_TOKEN = "none given"
 
 
+def bearer(request: web.Request) -> str:
+    """The token of an `Authorization: Bearer` header, "" without one."""
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else ""
+
+
 class Auth:
     """What a request must carry: nothing (an open API), the static token, or a token from `root_key`."""
 
@@ -85,15 +91,18 @@ class Auth:
     def open(self) -> bool:
         return self.static_token is None and self.root_key is None
 
-    @staticmethod
-    def _bearer(request: web.Request) -> str:
-        scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-        return value.strip() if scheme.lower() == "bearer" else ""
+    def verify(self, text: str, *, app: str | None, write: bool) -> Token:
+        """A minted token checked against this API's root key, clock and revocations (`TokenError` if refused)."""
+        if self.root_key is None:
+            raise TokenError("missing or wrong bearer token")
+        return verify(
+            self.root_key, text, app=app, write=write, now=self.clock(), revoked=self.revoked.ids.__contains__
+        )
 
     def presented(self, request: web.Request) -> str:
         """What a refused request's audit record names: the id of the token it carried (as the token says, even
         a forged one), `static-token`, `malformed`, or `none given`."""
-        value = self._bearer(request)
+        value = bearer(request)
         if not value:
             return NO_TOKEN
         if self.static_token is not None and hmac.compare_digest(value.encode(), self.static_token):
@@ -107,21 +116,12 @@ class Auth:
         """The caller of `request`, or `TokenError` saying why it may not make it."""
         if self.open:
             return Caller("anonymous")
-        value = self._bearer(request)
+        value = bearer(request)
         if not value:
             raise TokenError("missing bearer token (Authorization: Bearer <token>)")
         if self.static_token is not None and hmac.compare_digest(value.encode(), self.static_token):
             return Caller("static-token")
-        if self.root_key is None:
-            raise TokenError("missing or wrong bearer token")
-        token: Token = verify(
-            self.root_key,
-            value,
-            app=request.match_info.get("app_name"),
-            write=request.method not in READS,
-            now=self.clock(),
-            revoked=self.revoked.ids.__contains__,
-        )
+        token = self.verify(value, app=request.match_info.get("app_name"), write=request.method not in READS)
         return Caller(f"token:{token.id}", list(token.caveats), token.id)
 
 

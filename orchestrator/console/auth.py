@@ -13,8 +13,8 @@ import hmac
 import msgspec
 from aiohttp import web
 
-from orchestrator.api.auth import Auth
-from orchestrator.security.tokens import TokenError, decode, verify
+from orchestrator.api.auth import Auth, bearer
+from orchestrator.security.tokens import TokenError, decode
 
 COOKIE = "fauxmad_console"
 COOKIE_MAX_AGE = 12 * 3600
@@ -34,10 +34,7 @@ class Viewer(msgspec.Struct, frozen=True, kw_only=True):
 
 def presented(request: web.Request) -> str:
     """The token a request carries: its `Authorization: Bearer` header first, else the console's cookie."""
-    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    return request.cookies.get(COOKIE, "").strip()
+    return bearer(request) or request.cookies.get(COOKIE, "").strip()
 
 
 def viewer(auth: Auth, text: str) -> Viewer:
@@ -52,7 +49,7 @@ def viewer(auth: Auth, text: str) -> Viewer:
         raise TokenError("wrong token")
     apps = decode(text).apps
     app = next(iter(apps)) if len(apps) == 1 else None
-    token = verify(auth.root_key, text, app=app, write=False, now=auth.clock(), revoked=auth.revoked.ids.__contains__)
+    token = auth.verify(text, app=app, write=False)
     return Viewer(identity=f"token:{token.id}", app=app, read_only=token.read_only, token=text)
 
 
@@ -62,4 +59,4 @@ def may_act(auth: Auth, seen: Viewer, app: str) -> None:
         return
     if auth.root_key is None:
         raise TokenError("wrong token")
-    verify(auth.root_key, seen.token, app=app, write=True, now=auth.clock(), revoked=auth.revoked.ids.__contains__)
+    auth.verify(seen.token, app=app, write=True)
