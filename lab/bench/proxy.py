@@ -33,6 +33,7 @@ from bus.local.ports import free_port
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources
 from lab.bench import BenchError
+from lab.bench.cpu import clock_ticks_per_second, parse_stat
 from lab.bench.http_client import Client
 from lab.bench.report import LATENCY_ALIGN, LATENCY_COLUMNS, Report, Table
 from lab.bench.stats import Latency, summarize
@@ -161,10 +162,10 @@ async def _alternating(proxy_port: int, machine_port: int, n: int) -> tuple[list
 def _cpu_seconds(pid: int) -> float:
     """A process's user + system CPU time, from /proc (0 where there is none)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        _, utime, stime = parse_stat(Path(f"/proc/{pid}/stat").read_text())
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return (utime + stime) / clock_ticks_per_second()
 
 
 def _throughput(

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from lab.bench.console import CHROMIUM, CHROMIUM_ARGS
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.security.tokens import caveats_for, mint, new_root_key
@@ -26,15 +27,6 @@ from tests.helpers import ROOT, arun, audit_records, connect_nats, wait_until
 from tests.orchestrator import proxy_kit as kit
 from tests.orchestrator.test_api import Api, start_api
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 SLEEP = {"config": {"init": {"cmd": ["sleep", "300"]}, "guest": {"cpus": 1, "memory_mb": 128}}, "region": "mad"}
 
 
