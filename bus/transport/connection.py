@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from bus.contract.errors import Forbidden, Unreachable
 from bus.transport import credentials
 from bus.transport.audit import SIGNER_ATTRIBUTE, RequestSigner
+from bus.transport.in_flight import when_disconnected
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,7 @@ async def connect(
             error_cb=on_error,
             pending_size=64 * 1024 * 1024,
             closed_cb=closed,
+            disconnected_cb=when_disconnected(made),  # requests in flight end then (`bus.transport.in_flight`)
             **reconnect_options(agent),
             **secure,
         )

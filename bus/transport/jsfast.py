@@ -24,6 +24,7 @@ import msgspec
 from nats.aio.client import Client
 
 from bus.contract.errors import Unreachable
+from bus.transport.in_flight import BROKE, on_disconnect
 
 WRONG_LAST_SEQUENCE = 10071  # JSStreamWrongLastSequenceErrCode: a compare-and-set lost
 NO_MESSAGE = 10037  # JSNoMessageFoundErr: the key has no message (a 404 like a missing stream's, 10059)
@@ -58,6 +59,9 @@ _ack = msgspec.json.Decoder(_PubAck)
 _got = msgspec.json.Decoder(_MsgGet)
 
 
+_LOST = object()  # a waiter's result when the connection broke before its reply came
+
+
 class LostRace(Exception):
     """A compare-and-set found another revision: someone wrote first."""
 
@@ -79,7 +83,14 @@ class FastJetStream:
             self._prefix = self.nc.new_inbox() + "."
             self._cut = len(self._prefix)
             self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._on_reply)
+            on_disconnect(self.nc, self._connection_lost)
         return self
+
+    def _connection_lost(self) -> None:
+        """Every request awaiting its reply fails now (`bus.transport.in_flight`)."""
+        for waiter in list(self._waiting.values()):
+            if not waiter.done():
+                waiter.set_result(_LOST)
 
     async def _on_reply(self, msg: Any) -> None:
         waiter = self._waiting.pop(msg.subject[self._cut :], None)
@@ -101,6 +112,8 @@ class FastJetStream:
             self._waiting.pop(token, None)
         if msg is None:
             raise Unreachable(f"no answer on {subject} within {self.timeout:g}s")
+        if msg is _LOST:
+            raise Unreachable(f"no answer on {subject}: {BROKE}")
         if not msg.data and (msg.headers or {}).get("Status") == NO_RESPONDERS:
             raise Unreachable(f"nobody serves {subject} (no stream, or it has no leader now)")
         return msg

@@ -27,6 +27,7 @@ from bus.contract.base import ErrorBody, ErrorDetail
 from bus.contract.codec import clip, decode, decoder, encode
 from bus.contract.errors import FauxmadError, InternalError, Unanswered, Unreachable, error_for_code
 from bus.transport.audit import REFUSED, RequestAudit, mutating, signer_of
+from bus.transport.in_flight import BROKE, lost
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,9 @@ async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) 
         msg = await nc.request(subject, data, timeout=timeout, headers=headers)
     except NoRespondersError:
         raise Unreachable(f"nobody answers on {subject}") from None
-    except NatsTimeout:
+    except NatsTimeout as exc:
+        if lost(exc):  # its server went away (`bus.transport.in_flight`): known at once, not at the timeout
+            raise Unanswered(f"no answer on {subject}: {BROKE}") from None
         raise Unanswered(f"no answer on {subject} within {timeout:g}s") from None
     except (NatsError, OSError) as exc:  # the connection broke with the request on its way: it may have arrived
         raise Unanswered(f"no answer on {subject}: {type(exc).__name__} {exc}".strip()) from None

@@ -1,0 +1,71 @@
+"""Requests in flight when the connection drops end at once, as "no answer: it may have arrived".
+
+nats-py keeps a request's reply future across a reconnect: when the server a client was connected to dies
+(kill -9, a host gone), every request sent through it waits out its whole timeout (30 s for a create) although
+its reply can no longer come the way it was asked for. A person at the CLI sees a frozen command; a retry loop
+with an idempotency key loses half a minute per lost request. So the moment nats-py reports the disconnect,
+every reply still awaited on this connection fails with `RequestLost`: nats-py's own requests (its JetStream
+and KV calls included) and those of `FastJetStream`, which keeps its own waiters and registers them here.
+
+`RequestLost` is a nats-py `TimeoutError`: every caller already treats a timeout as an unknown outcome (the
+request may have arrived and acted), and this is one, only known sooner. Requests made while disconnected are
+left alone: nats-py buffers them and sends them once it has reconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client
+
+_HOOKS_ATTRIBUTE = "fauxmad_on_disconnect"
+BROKE = "the connection to NATS broke on the way (it may have arrived)"  # how an error reply says it
+
+
+class RequestLost(nats.errors.TimeoutError):
+    """The connection broke while this request awaited its reply: it may have arrived."""
+
+    def __str__(self) -> str:
+        return "nats: the connection broke while the request awaited its reply (it may have arrived)"
+
+
+def lost(exc: BaseException) -> bool:
+    """Whether a nats-py timeout was a `RequestLost`: nats-py raises its own `TimeoutError` in place of the
+    one its wait ended with, so the lost request is that one's context."""
+    return isinstance(exc, RequestLost) or isinstance(exc.__context__, RequestLost)
+
+
+def on_disconnect(client: Client, fail: Callable[[], None]) -> None:
+    """Call `fail` whenever `client` loses its connection (a component's own waiters, e.g. `FastJetStream`'s)."""
+    hooks: list[Callable[[], None]] | None = getattr(client, _HOOKS_ATTRIBUTE, None)
+    if hooks is None:
+        hooks = []
+        setattr(client, _HOOKS_ATTRIBUTE, hooks)
+    hooks.append(fail)
+
+
+def when_disconnected(client: Client) -> Callable[[], Awaitable[None]]:
+    """nats-py's `disconnected_cb` for `client`: fail what it awaits."""
+
+    async def disconnected() -> None:
+        fail_waiting(client)
+
+    return disconnected
+
+
+def fail_waiting(client: Client) -> int:
+    """Fail every reply `client` still awaits; how many of nats-py's own there were. nats-py's are in its private
+    `_resp_map` (token → future): if a later nats-py renames it, its requests wait out their timeout again, as
+    before this module, and `tests/bus/test_in_flight.py` says so."""
+    waiting: dict[str, asyncio.Future[Any]] = getattr(client, "_resp_map", None) or {}
+    failed = 0
+    for future in list(waiting.values()):
+        if not future.done():
+            future.set_exception(RequestLost())
+            failed += 1
+    for fail in getattr(client, _HOOKS_ATTRIBUTE, None) or []:
+        fail()
+    return failed

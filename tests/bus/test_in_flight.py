@@ -1,0 +1,64 @@
+"""A request in flight when its nats-server is killed ends at once as "no answer: it may have arrived"
+(`bus.transport.in_flight`), not at its 30 s timeout: nats-py's requests (a fleet API call, its JetStream
+calls) and `FastJetStream`'s alike. The connection then reconnects and the next request is answered."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from bus.contract.errors import Unanswered, Unreachable
+from bus.local.embedded import EmbeddedNats
+from bus.transport.connection import connect
+from bus.transport.jsfast import FastJetStream
+from bus.transport.service import request
+from tests.helpers import arun, connect_nats
+
+LONG = 30.0  # the create's timeout: the requests below must end long before it
+
+
+def test_requests_in_flight_end_when_their_server_is_killed(fresh_nats: EmbeddedNats) -> None:
+    server = fresh_nats
+
+    async def main() -> None:
+        nc = await connect(server.url, "in-flight", agent=True)
+        fast = await FastJetStream(nc, timeout=LONG).start()
+        silent = await connect_nats(server.url, allow_reconnect=False)
+        heard = asyncio.Event()
+
+        async def hear(msg: object) -> None:  # receives, never answers: the killed server had the reply to carry
+            heard.set()
+
+        await silent.subscribe("slow.>", cb=hear)
+        await silent.flush()
+        api = asyncio.ensure_future(request(nc, "slow.api", b"{}", timeout=LONG))
+        lean = asyncio.ensure_future(fast.request("slow.fast", b"{}"))
+        await asyncio.wait_for(heard.wait(), 5)
+        await asyncio.to_thread(server.kill)
+        done, _ = await asyncio.wait({api, lean}, timeout=LONG / 3)
+        assert done == {api, lean}, "a request in flight waited for its timeout after its server died"
+        with pytest.raises(Unanswered, match="connection to NATS broke on the way"):
+            api.result()
+        with pytest.raises(Unreachable, match="connection to NATS broke on the way"):
+            lean.result()
+
+        await asyncio.to_thread(server.start)
+        with contextlib.suppress(Exception):
+            await silent.close()
+        answered = await connect_nats(server.url)
+        try:
+
+            async def echo(msg: object) -> None:
+                await msg.respond(b"{}")  # type: ignore[attr-defined]
+
+            await answered.subscribe("echo", cb=echo)
+            await answered.flush()
+            reply = await request(nc, "echo", b"{}", timeout=10.0)  # sent once reconnected (or buffered until then)
+            assert reply.data == b"{}"
+        finally:
+            await answered.close()
+            await nc.close()
+
+    arun(main())
