@@ -38,6 +38,7 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
+    ServiceUnavailableError,
 )
 
 from bus.contract import subjects
@@ -166,6 +167,15 @@ def forget(js: JetStreamContext) -> None:
     _known.pop(_connection(js), None)
 
 
+def why_unanswered(exc: TimeoutError | APIError) -> str:
+    """Why JetStream gave no usable answer, in words: nats-py's 503 (nobody serves the API) has no description."""
+    if isinstance(exc, TimeoutError):
+        return "no answer"
+    if isinstance(exc, ServiceUnavailableError) or exc.code == 503:
+        return "JetStream does not answer: not enabled on this server, or electing a leader"
+    return exc.description or f"error {exc.err_code}"
+
+
 async def read_layout(js: JetStreamContext) -> Layout | None:
     """The stored layout, or None when the fleet has none yet."""
     try:
@@ -174,9 +184,9 @@ async def read_layout(js: JetStreamContext) -> Layout | None:
     except (BucketNotFoundError, KeyNotFoundError, NotFoundError):
         return None
     except (TimeoutError, APIError) as exc:
-        why = "no answer" if isinstance(exc, TimeoutError) else (exc.description or f"error {exc.err_code}")
         raise Unreachable(
-            f"the fleet's layout (KV {LAYOUT_BUCKET}) cannot be read now ({why}): try again in a few seconds"
+            f"the fleet's layout (KV {LAYOUT_BUCKET}) cannot be read now ({why_unanswered(exc)}): try again in a few"
+            " seconds"
         ) from None
     assert entry.value is not None
     return msgspec.json.decode(entry.value, type=StoredLayout).layout()

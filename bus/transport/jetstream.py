@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,7 +44,7 @@ from bus.contract import subjects
 from bus.contract.base import seconds
 from bus.contract.errors import Unreachable
 from bus.transport import layout as layouts
-from bus.transport.fleet_layout import Told, fleet_layout
+from bus.transport.fleet_layout import Told, fleet_layout, why_unanswered
 from bus.transport.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -227,11 +228,36 @@ async def _bind_kv(js: JetStreamContext, bucket: str) -> KeyValue:
     except (NotFoundError, BucketNotFoundError):
         raise
     except (TimeoutError, APIError) as exc:
-        why = "no answer" if isinstance(exc, TimeoutError) else (exc.description or f"error {exc.err_code}")
+        why = why_unanswered(exc)
         raise Unreachable(
             f"the fleet's stream KV_{bucket} cannot answer now ({why}): its cluster may be electing a leader after"
             " losing a server; try again in a few seconds"
         ) from None
+
+
+AGENT_PATIENCE = 30.0  # seconds an agent's start waits for JetStream to answer
+
+
+async def ensure_fleet_resources_patiently(
+    js: JetStreamContext, config: FleetConfig | None = None, *, within: float = AGENT_PATIENCE
+) -> FleetKV:
+    """`ensure_fleet_resources` for an agent's start (a worker, a broker, a proxy): JetStream that cannot answer
+    now is asked again every half second for up to `within` seconds, said once in the log, before the one-line
+    error. A cluster that starts with the fleet, or elects a stream's leader after losing a server, does not
+    answer for a few seconds; an agent started then waits it out rather than exiting for its supervisor to
+    start it again. A command keeps failing at once with "try again in a few seconds"."""
+    give_up = time.monotonic() + within
+    said = False
+    while True:
+        try:
+            return await ensure_fleet_resources(js, config)
+        except Unreachable as exc:
+            if time.monotonic() >= give_up:
+                raise
+            if not said:
+                log.warning("%s (asking again for up to %gs)", exc, within)
+                said = True
+            await asyncio.sleep(0.5)
 
 
 async def _create_placed_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:

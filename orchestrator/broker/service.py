@@ -53,7 +53,7 @@ from bus.stores.images import Images
 from bus.stores.snapshots import snapshot_store, volumes_bucket
 from bus.transport.audit import AuditTrail, RequestAudit
 from bus.transport.connection import connect
-from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
+from bus.transport.jetstream import FleetConfig, ensure_fleet_resources_patiently
 from bus.transport.scatter import Scatterer
 from bus.transport.service import Handler, Responder, answer, call, request
 from orchestrator.broker import metrics
@@ -108,7 +108,7 @@ class Broker:
         self.nc = await connect(
             self.config.nats_url, f"fauxmad-{self.id}", reconnect_forever=True, on_closed=self._on_bus_closed
         )
-        kv = await ensure_fleet_resources(self.nc.jetstream(), FleetConfig(region=self.config.region))
+        kv = await ensure_fleet_resources_patiently(self.nc.jetstream(), FleetConfig(region=self.config.region))
         await self.registry.start(kv.workers)
         await self.index.start(kv.machines)
         self.scatterer = Scatterer(self.nc)

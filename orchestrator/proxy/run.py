@@ -20,7 +20,7 @@ from bus.contract import subjects
 from bus.contract.codec import decoder, encode
 from bus.contract.edge import ProxyActivity
 from bus.transport.connection import connect
-from bus.transport.jetstream import ensure_fleet_resources
+from bus.transport.jetstream import ensure_fleet_resources_patiently
 from orchestrator.client import FleetClient
 from orchestrator.proxy.config import ProxyConfig
 from orchestrator.proxy.http import MAX_HEAD
@@ -61,7 +61,7 @@ async def run_proxy(
     metrics = ProxyMetrics()
     pool = Pool()
     try:
-        kv = await ensure_fleet_resources(nc.jetstream())
+        kv = await ensure_fleet_resources_patiently(nc.jetstream())
         await routes.start(kv)
         client = FleetClient(nc)
         waker = Waker(

@@ -44,7 +44,7 @@ from bus.stores.snapshots import snapshot_store
 from bus.transport import credentials
 from bus.transport.audit import AuditTrail, RequestAudit
 from bus.transport.connection import connect
-from bus.transport.jetstream import FleetConfig, FleetKV, ensure_fleet_resources
+from bus.transport.jetstream import FleetConfig, FleetKV, ensure_fleet_resources_patiently
 from bus.transport.service import Responder
 from workers import metrics
 from workers.agent.claims import region_claims
@@ -132,7 +132,7 @@ class WorkerAgent:
             cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", reconnect_forever=True, on_closed=self._on_bus_closed
         )
         js = self.nc.jetstream()
-        kv = self._kv = await ensure_fleet_resources(
+        kv = self._kv = await ensure_fleet_resources_patiently(
             js, FleetConfig(heartbeat_interval=cfg.heartbeat_interval, region=cfg.region)
         )
         self.heartbeat = Heartbeat(
