@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from bus.contract.errors import FauxmadError
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, MachineConfig
 from bus.stores.kv_keys import kv_keys
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.timeout(400)
 
 REGIONS = ["mad", "syd"]
 TICKER = MachineConfig(cmd=["sh", "-c", "while true; do echo tick; sleep 0.2; done"], guest=Guest(cpus=1, memory_mb=16))
+ATTEMPT = 8.0  # seconds one create may take under load while a server is down, before it is asked again
 SLEEPER = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=16))
 
 
@@ -132,8 +134,8 @@ async def _listing(client: FleetClient) -> set[str]:
 
 
 async def _load(fleet: DevFleet, victim: str, out: dict[str, Any], killed: threading.Event) -> None:
-    """7 s of keyed creates (each key retried until acknowledged, up to 30 s) and a look at the workers list
-    every half second; `victim` killed 1.5 s in."""
+    """7 s of keyed creates (each key asked again after an error or `ATTEMPT` seconds without an answer, until
+    acknowledged, up to 30 s) and a look at the workers list every half second; `victim` killed 1.5 s in."""
     assert fleet.cluster is not None
     cluster = fleet.cluster
     workers = set(fleet.worker_ids)
@@ -150,11 +152,14 @@ async def _load(fleet: DevFleet, victim: str, out: dict[str, Any], killed: threa
                     request = CreateRequest(
                         region=REGIONS[n % 2], config=SLEEPER, skip_launch=True, idempotency_key=key
                     )
-                    out["acked"][key] = (await client.create("load", request)).id
+                    # a request in flight through the killed server is lost with it (NATS delivers at most once):
+                    # its answer never comes, so each attempt has its own deadline and the key is asked again
+                    out["acked"][key] = (await asyncio.wait_for(client.create("load", request), ATTEMPT)).id
                     await asyncio.sleep(0.1)
                     break
                 except Exception as exc:
-                    why = f"{type(exc).__name__}: {str(exc)[:80]}"
+                    lost = isinstance(exc, TimeoutError) and not isinstance(exc, FauxmadError)
+                    why = f"no answer within {ATTEMPT:g}s" if lost else f"{type(exc).__name__}: {str(exc)[:80]}"
                     out["failures"][why] = out["failures"].get(why, 0) + 1
                     if time.perf_counter() > give_up:
                         out["abandoned"].append(key)
