@@ -6,8 +6,9 @@ KV `fauxmad_apps` (a deployer of the app may write its keys already; the release
 An app exists while it has a record, a release or a machine: `GET` answers 404 otherwise. `DELETE` does
 what `fauxmad apps destroy` does, and answers only once it is done: the app's head is marked destroyed (an
 operator converges it to nothing and brings no machine back), every machine is destroyed, then its record,
-releases and head are purged. Machine counts in a listing are the workers' heartbeats (a second or so
-behind); one app's are its machines as the brokers list them.
+releases and head are purged, and the answer waits until the workers' heartbeats count none of its machines
+(so a listing right after it does not show the app). Machine counts in a listing are the workers' heartbeats
+(a second or so behind); one app's are its machines as the brokers list them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from orchestrator.reconcile.releases import Releases
 
 DESTROY_PASSES = 3  # machines made while a delete runs are destroyed too, up to this many rounds
 DESTROY_CONCURRENCY = 8
+UNLISTED_WITHIN = 10.0  # seconds a delete waits for the heartbeats to stop counting the app's machines
 
 
 def _record_key(name: str) -> str:
@@ -146,7 +148,17 @@ async def delete_app(request: web.Request) -> web.Response:
         raise ClientError(409, f"app {name}: machines were still being made while it was destroyed ({left}); try again")
     await releases.purge(name)  # its releases, head and record
     await store.purge(_record_key(name))
+    await _until_unlisted(request, name)
     return web.Response(status=202)
+
+
+async def _until_unlisted(request: web.Request, name: str) -> None:
+    """Wait until no worker's heartbeat counts a machine of `name`, so a listing right after the 202 does not show
+    the app (its counts are the heartbeats', a beat behind the brokers'), for at most `UNLISTED_WITHIN` seconds:
+    then the listing catches up by itself within a heartbeat."""
+    give_up = time.perf_counter() + UNLISTED_WITHIN
+    while (await _counts(request)).get(name) and time.perf_counter() < give_up:
+        await asyncio.sleep(0.1)
 
 
 def add_routes(app: web.Application) -> None:
