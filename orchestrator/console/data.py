@@ -18,6 +18,7 @@ from bus.contract import subjects
 from bus.contract.codec import decode
 from bus.contract.jobs import Job
 from bus.contract.machines import GetRequest, Machine, MachineEvent
+from bus.stores.kv_watch import stop_watch
 from orchestrator.api.http import Brokers
 from orchestrator.jobs.client import JobsClient
 from orchestrator.logs import LogQuery, LogRecord, read_logs
@@ -167,7 +168,7 @@ async def jobs(nc: Client, app: str | None) -> list[Job]:
                 except Exception:
                     continue
     finally:
-        await watcher.stop()
+        await stop_watch(watcher)
     found.sort(key=lambda j: j.submitted_at, reverse=True)
     return found[:JOBS_SHOWN]
 

@@ -12,12 +12,13 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import APIError, KeyNotFoundError
 
 from bus.contract import subjects
 from bus.contract.codec import decode
 from bus.contract.errors import DeadlineExceeded, NoCapacity, NotFound, Unreachable
 from bus.contract.jobs import TERMINAL, Job, JobIdRequest, JobListRequest, JobSubmitReply, JobSubmitRequest
+from bus.stores.kv_watch import stop_watch
 from bus.transport.connection import connect
 from bus.transport.service import call
 
@@ -100,7 +101,10 @@ class JobsClient:
         wanted = set(job_ids)
         done: dict[str, Job] = {}
         keys = subjects.job_key(app, job_ids[0]) if len(job_ids) == 1 else f"{subjects.check_token('app', app)}.*"
-        watcher: Any = await kv.watch(keys)
+        try:
+            watcher: Any = await kv.watch(keys)
+        except APIError as exc:  # e.g. the stream's consumers at their limit: said in words, never a traceback
+            raise Unreachable(f"cannot watch the jobs' records now: {exc.description or exc!r}") from None
         seen: set[str] = set()
         try:
             async with asyncio.timeout(timeout):  # one deadline for the whole wait, not a timer per update
@@ -123,5 +127,5 @@ class JobsClient:
                 f"{len(wanted - done.keys())} of {len(wanted)} jobs not finished within {timeout:g}s"
             ) from None
         finally:
-            await watcher.stop()
+            await stop_watch(watcher)
         return done

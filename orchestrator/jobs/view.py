@@ -18,6 +18,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from bus.contract import subjects
 from bus.contract.codec import decode
 from bus.contract.jobs import Job, JobEvent
+from bus.stores.kv_watch import stop_watch
 from orchestrator.view.history import replay
 
 
@@ -42,7 +43,7 @@ async def job_counts(nc: Client, app: str | None = None) -> list[JobCount]:
                 job = decode(Job, entry.value)
                 counts[(job.app, job.region, job.state)] += 1
     finally:
-        await watcher.stop()
+        await stop_watch(watcher)
     return [JobCount(app=a, region=r, state=s, count=n) for (a, r, s), n in sorted(counts.items())]
 
 

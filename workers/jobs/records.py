@@ -15,6 +15,7 @@ from bus.contract import subjects
 from bus.contract.codec import decode, encode
 from bus.contract.errors import Conflict, NotFound
 from bus.contract.jobs import Job
+from bus.stores.kv_watch import stop_watch
 from bus.transport.jsfast import FastKV, LostRace
 
 Change = Callable[[Job], Job | None]  # the new record, or None to leave it as it is
@@ -89,5 +90,5 @@ class JobRecords:
                 if entry.value:
                     jobs.append(decode(Job, entry.value))
         finally:
-            await watcher.stop()
+            await stop_watch(watcher)
         return jobs
