@@ -10,6 +10,12 @@ and KV calls included) and those of `FastJetStream`, which keeps its own waiters
 `RequestLost` is a nats-py `TimeoutError`: every caller already treats a timeout as an unknown outcome (the
 request may have arrived and acted), and this is one, only known sooner. Requests made while disconnected are
 left alone: nats-py buffers them and sends them once it has reconnected.
+
+The trade: a slow responder (a `stop` that waits 10 s for its machine) that answers after this connection has
+reconnected elsewhere would have been heard, and is not. That is what an HTTP client does when its connection
+drops, and what a person at the CLI expects: the command says at once that the answer was lost, and a get (or
+a create with the same idempotency key) finds out what happened. A create, the path this guards, answers in
+milliseconds, long before a reconnect.
 """
 
 from __future__ import annotations
