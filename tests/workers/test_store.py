@@ -139,3 +139,40 @@ def test_usage_follows_resource_holding_states(tmp_path: Path, n: int) -> None:
 
     store.write(destroy_first)
     assert store.usage().cpus == 2 * (n - 1) and store.usage().machines == n - 1
+
+
+def test_a_caller_cancelled_while_its_commit_waits_leaves_the_writer_alive(tmp_path: Path) -> None:
+    """A task cancelled while it awaits a commit (a restart's back-off cancelled by a destroy) cancels the
+    commit's future; the writer thread must live on: setting a cancelled future's result raised in it, the
+    thread died, and every later commit of that worker waited forever."""
+    import threading
+
+    store = Store(tmp_path / "db")
+    committer = GroupCommitter(store)
+    gate = threading.Event()
+
+    def slow(tx: Tx) -> StoredMachine:
+        gate.wait(5)  # holds the writer: the next operation queues behind it
+        return tx.put_machine(machine(0), "reserve")
+
+    async def main() -> StoredMachine:
+        first = asyncio.ensure_future(committer.submit(slow))
+        await asyncio.sleep(0.05)  # the writer has taken it up, alone, and waits in it
+        queued = asyncio.ensure_future(committer.submit(lambda tx: tx.put_machine(machine(1), "reserve")))
+        await asyncio.sleep(0.05)
+        queued.cancel()  # cancelled before the writer takes it up
+        await asyncio.sleep(0.05)
+        gate.set()
+        await first
+        result, _ = await asyncio.wait_for(committer.submit(lambda tx: tx.put_machine(machine(2), "reserve")), 5)
+        return result
+
+    try:
+        assert arun(main()).machine.id == machine(2).machine.id
+        assert committer._thread.is_alive()
+        stored = {m.machine.id for m in store.machines()}
+        assert machine(1).machine.id not in stored  # cancelled before the writer took it up: not run
+        assert {machine(0).machine.id, machine(2).machine.id} <= stored
+    finally:
+        gate.set()
+        committer.close()

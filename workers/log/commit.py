@@ -4,12 +4,15 @@ LMDB allows one writer at a time and an fsync costs about as much for one record
 so the worker funnels every write through one thread that takes whatever queued meanwhile and
 commits it together. Each operation still runs in its own nested transaction, so one that raises
 is rolled back alone and its exception reaches only its caller. Callers get their result only
-after the batch's commit is durable: nothing acknowledged is lost to a crash.
+after the batch's commit is durable: nothing acknowledged is lost to a crash. A caller cancelled while its
+operation still queues (a restart's back-off cancelled by a destroy) withdraws it; once the writer has taken an
+operation up it commits, whoever still waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -23,6 +26,8 @@ from workers.log.records import LogRecord
 from workers.log.store import Store, Tx
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class _Op:
@@ -65,25 +70,39 @@ class GroupCommitter:
 
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
-            if first is _STOP:
-                return
-            batch = [first]
-            stop = False
-            while len(batch) < self.max_batch:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    stop = True
-                    break
-                batch.append(item)
-            self._commit(batch)
-            if stop:
-                return
+            try:
+                if self._take_and_commit():
+                    return
+            except BaseException:  # never end the writer: every commit after it would wait forever
+                log.exception("lmdb-writer: unexpected error (the writer goes on)")
+
+    def _take_and_commit(self) -> bool:
+        """Commit the next batch; True when asked to stop."""
+        first = self._queue.get()
+        if first is _STOP:
+            return True
+        batch = [first]
+        stop = False
+        while len(batch) < self.max_batch:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is _STOP:
+                stop = True
+                break
+            batch.append(item)
+        self._commit(batch)
+        return stop
 
     def _commit(self, batch: list[_Op]) -> None:
+        # an operation whose caller was cancelled while it queued (a restart's back-off that a destroy cancels)
+        # is not run; the others are marked running, so no cancel can reach their futures any more: setting
+        # the result of a cancelled future raises, and in this thread that ended the writer, and with it every
+        # later commit of the worker (they waited forever)
+        batch = [op for op in batch if op.future.set_running_or_notify_cancel()]
+        if not batch:
+            return
         store = self.store
         outcomes: list[tuple[_Op, Any, list[LogRecord], BaseException | None]] = []
         started = time.perf_counter()
