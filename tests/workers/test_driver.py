@@ -626,3 +626,20 @@ def test_a_cgroup2_mount_without_favordynmods_gets_a_one_line_hint(tmp_path: Pat
     mountinfo.write_text("41 31 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw,nsdelegate,favordynmods\n")
     assert slow_migration_hint(str(mountinfo)) is None
     assert slow_migration_hint(str(tmp_path / "no-such-file")) is None  # no cgroup2: nothing to say
+
+
+def test_a_force_destroy_ends_a_machine_whose_workload_it_cannot_name(
+    driver: ProcessDriver, tasks: Tasks, tmp_path: Path
+) -> None:
+    """No `child.pid` to signal (the workload's record lost, or not written yet): the destroy kills the shim's
+    session after `KILL_PATIENCE` and returns, instead of waiting forever for a shim whose workload runs on
+    (a destroy holds the machine's lock: a CI run's `apps destroy` waited on one until its test timed out)."""
+    handle = start(driver, tasks, make_spec(tmp_path, ["sleep", "300"]))
+    wait_until(lambda: (Path(handle.workdir) / "child.pid").exists())
+    workload = read_pid(Path(handle.workdir) / "child.pid")
+    assert workload is not None
+    (Path(handle.workdir) / "child.pid").unlink()
+    driver._forget_workload((handle.pid, handle.start_ticks))
+    run(asyncio.wait_for(driver.destroy(handle, force=True), 30))
+    assert not driver.recover(handle)
+    wait_until(lambda: not Path(f"/proc/{workload}").exists() or "Z" in Path(f"/proc/{workload}/stat").read_text())

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import select
 import signal as signals
@@ -64,9 +65,12 @@ from workers.driver.fork_server import Request, make_request, prepare_workdir, p
 from workers.driver.limits import Limits
 from workers.driver.sandbox import bwrap_argv, bwrap_path
 
+log = logging.getLogger(__name__)
+
 SHIM = str(Path(__file__).with_name("shim.py"))
 CHILD_PID = "child.pid"
 DESTROY_TIMEOUT = 10.0
+KILL_PATIENCE = 5.0  # seconds a force destroy waits for the shim after its workload's SIGKILL, before killing it
 # How long `signal` waits for a just-started shim to write child.pid (~1 ms from the launcher, ~20 ms
 # when spawned directly).
 STARTUP_PATIENCE = 5.0
@@ -562,10 +566,26 @@ class ProcessDriver:
     async def destroy(self, handle: TaskHandle, force: bool) -> None:
         if force:
             await self.signal(handle, signals.SIGKILL)
-            await self.wait(handle)
+            try:
+                await asyncio.wait_for(self.wait(handle), KILL_PATIENCE)  # `wait` is shielded: the watch goes on
+            except TimeoutError:
+                await self._kill_shim(handle)
         else:
             await self.stop(handle, DESTROY_TIMEOUT, signals.SIGTERM)
         await asyncio.to_thread(self.limits.cleanup, handle.cgroups)
+
+    async def _kill_shim(self, handle: TaskHandle) -> None:
+        """The workload's SIGKILL did not end the shim (no workload was known to signal, or it outlived the
+        signal): kill the shim's session, the workload in it (a sandbox's too); `cleanup` then kills what is
+        left in the machine's cgroups. A destroy must never wait forever: it holds the machine's lock, and every
+        later verb of the machine, and the worker's own stop, would wait behind it."""
+        log.warning("shim %d alive %gs after its workload's SIGKILL: killing its session", handle.pid, KILL_PATIENCE)
+        if self._same_process(handle):  # its session id is its pid, and names no one else while it lives
+            for pid in _session_members(handle.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signals.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wait(handle), KILL_PATIENCE)
 
     # -- exec ----------------------------------------------------------------------------------------
 
@@ -702,6 +722,15 @@ class ProcessDriver:
         """The handle's shim is running: same pid, same start time, and not a zombie."""
         stat = _proc_stat(handle.pid)
         return stat is not None and stat.start_ticks == handle.start_ticks and stat.state not in ("Z", "X")
+
+
+def _session_members(session: int) -> list[int]:
+    """The processes of session `session` (a shim's: the shim and its workload, sandbox or not)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))) is not None and stat.session == session:
+            members.append(int(entry.name))
+    return members
 
 
 def _processes_of(machine_id: str) -> list[int]:

@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 # 3 ms after the signal (recorded at once, the commit and its event competed with it: the first byte through
 # the proxy had p50s of 2.7-3.4 ms in `fauxmad bench proxy`, 2.3-3.1 ms with this delay)
 RESUME_RECORD_DELAY = 0.005
+DESTROY_WAIT = 15.0  # seconds a destroy waits for its process to end after the kill (the driver kills harder at 5)
 
 
 @runtime_checkable
@@ -711,8 +712,11 @@ class MachineManager:
             running = self.driver.recover(handle)
             await self.driver.destroy(handle, force=True)
             if running:
-                status = await self.driver.wait(handle)
-                info = exit_info(status, True, read_stderr_tail(handle.stderr_path), self.clock)
+                try:  # bounded: a destroy holds the machine's lock, and nothing may wait behind it forever
+                    status = await asyncio.wait_for(self.driver.wait(handle), DESTROY_WAIT)
+                    info = exit_info(status, True, read_stderr_tail(handle.stderr_path), self.clock)
+                except TimeoutError:
+                    log.warning("machine %s: its process did not end after the kill; recorded destroyed", machine_id)
 
         def op(tx: Tx) -> StoredMachine:
             current = tx.require(machine_id)
