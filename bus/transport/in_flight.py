@@ -62,16 +62,13 @@ def when_disconnected(client: Client) -> Callable[[], Awaitable[None]]:
     return disconnected
 
 
-def fail_waiting(client: Client) -> int:
-    """Fail every reply `client` still awaits; how many of nats-py's own there were. nats-py's are in its private
-    `_resp_map` (token → future): if a later nats-py renames it, its requests wait out their timeout again, as
-    before this module, and `tests/bus/test_in_flight.py` says so."""
+def fail_waiting(client: Client) -> None:
+    """Fail every reply `client` still awaits. nats-py's are in its private `_resp_map` (token → future): if a
+    later nats-py renames it, its requests wait out their timeout again, as before this module, and
+    `tests/bus/test_in_flight.py` says so."""
     waiting: dict[str, asyncio.Future[Any]] = getattr(client, "_resp_map", None) or {}
-    failed = 0
     for future in list(waiting.values()):
         if not future.done():
             future.set_exception(RequestLost())
-            failed += 1
     for fail in getattr(client, _HOOKS_ATTRIBUTE, None) or []:
         fail()
-    return failed

@@ -52,7 +52,7 @@ import signal as signals
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -726,11 +726,7 @@ class ProcessDriver:
 
 def _session_members(session: int) -> list[int]:
     """The processes of session `session` (a shim's: the shim and its workload, sandbox or not)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := _proc_stat(int(entry.name))) is not None and stat.session == session:
-            members.append(int(entry.name))
-    return members
+    return [pid for pid, stat in _every_process() if stat.session == session]
 
 
 def _processes_of(machine_id: str) -> list[int]:
@@ -760,11 +756,14 @@ def group_stopped(states: Iterable[str]) -> bool:
 
 def _group_states(pgid: int) -> list[str]:
     """The states of the processes in group `pgid` (a scan of /proc: only when the leader is in `D`)."""
-    states = []
+    return [stat.state for _, stat in _every_process() if stat.group == pgid]
+
+
+def _every_process() -> Iterator[tuple[int, _ProcStat]]:
+    """Each process there is now, with its /proc stat (one gone meanwhile is left out)."""
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None and stat.group == pgid:
-            states.append(stat.state)
-    return states
+        if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None:
+            yield int(entry), stat
 
 
 def _ended(pidfd: int) -> bool:
