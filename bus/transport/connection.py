@@ -16,7 +16,6 @@ non-zero for its supervisor (systemd, `fauxmad dev`) to restart it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import re
@@ -30,75 +29,13 @@ from bus.contract.errors import Forbidden, Unreachable
 from bus.transport import credentials
 from bus.transport.audit import SIGNER_ATTRIBUTE, RequestSigner
 from bus.transport.in_flight import when_disconnected
+from bus.transport.refusals import REFUSALS_ATTRIBUTE, Refusals, refusals_of
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DEFAULT_URL_ENV = "FAUXMAD_NATS_URL"
-
-
-_PUBLISH_VIOLATION = re.compile(r"permissions violation for publish to [\"']?([^\"'\s]+)", re.IGNORECASE)
-
-
-class Refusals:
-    """Publishes nats-server refused (its `-ERR 'Permissions Violation for Publish to "<subject>"'`), so a
-    request to a forbidden subject fails at once as a refusal (403) instead of waiting out its timeout:
-    the server drops such a message and nothing else would ever answer. Attached to secure connections,
-    whose every request (the API's, and nats-py's own JetStream and KV requests: `SecureClient`) goes
-    through `guard`."""
-
-    def __init__(self, identity: str = "") -> None:
-        self.identity = identity
-        self._waiting: dict[str, list[asyncio.Future[None]]] = {}
-
-    def watch(self, subject: str) -> asyncio.Future[None]:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(subject.lower(), []).append(future)
-        return future
-
-    def forget(self, subject: str, future: asyncio.Future[None]) -> None:
-        key = subject.lower()
-        waiting = self._waiting.get(key, [])
-        if future in waiting:
-            waiting.remove(future)
-        if not waiting:
-            self._waiting.pop(key, None)
-
-    def noted(self, error: Exception) -> None:
-        # nats-py hands the server's -ERR over in lower case, so requests are matched by their subject in lower
-        # case: requests to two subjects that differ only in case, one of them refused, would both be refused
-        match = _PUBLISH_VIOLATION.search(str(error))
-        if match is None:
-            return
-        for future in self._waiting.pop(match.group(1).lower(), []):
-            if not future.done():
-                future.set_result(None)
-
-    def forbidden(self, subject: str) -> Forbidden:
-        """The refusal of a publish to `subject`, naming who was refused and where (one line)."""
-        who = f"identity {self.identity}" if self.identity else "this identity"
-        return Forbidden(f"{who} may not publish to {subject}: not allowed by its permissions (nats-server refused it)")
-
-    async def guard(self, subject: str, asking: Awaitable[T]) -> T:
-        """`asking`'s result (a request published to `subject`), or `Forbidden` the moment the server refuses
-        that publish (`asking` is cancelled then)."""
-        refused = self.watch(subject)
-        asked: asyncio.Future[T] = asyncio.ensure_future(asking)
-        try:
-            either: set[asyncio.Future[Any]] = {asked, refused}
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            asked.cancel()
-            raise
-        finally:
-            self.forget(subject, refused)
-        if asked.done():
-            return asked.result()
-        asked.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asked
-        raise self.forbidden(subject)
 
 
 class SecureClient(Client):
@@ -120,12 +57,6 @@ class SecureClient(Client):
         return await refusals.guard(subject, asking)
 
 
-def refusals_of(client: Client) -> Refusals | None:
-    found = getattr(client, REFUSALS_ATTRIBUTE, None)
-    return found if isinstance(found, Refusals) else None
-
-
-REFUSALS_ATTRIBUTE = "fauxmad_refusals"
 ROLE_ATTRIBUTE = "fauxmad_role"
 
 

@@ -11,7 +11,10 @@ replies are decoded by msgspec into the few fields that are read. Same subjects,
 written here reads back through nats-py's KV and stream APIs unchanged.
 
 Errors: no reply within the timeout, or nobody serving the stream, is `Unreachable` (503); any other
-JetStream error is `Unreachable` too, with the server's description.
+JetStream error is `Unreachable` too, with the server's description. On a secure fleet, a publish the identity
+may not make (nats-server drops it and says so to this connection only) is `Forbidden` (403) naming the
+subject the moment the server's refusal comes (`bus.transport.refusals`), never a timeout: the reply's future
+itself is watched, so a request costs no task or future more for it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from nats.aio.client import Client
 
 from bus.contract.errors import Unreachable
 from bus.transport.in_flight import BROKE, on_disconnect
+from bus.transport.refusals import REFUSED, refusals_of
 
 WRONG_LAST_SEQUENCE = 10071  # JSStreamWrongLastSequenceErrCode: a compare-and-set lost
 NO_MESSAGE = 10037  # JSNoMessageFoundErr: the key has no message (a 404 like a missing stream's, 10059)
@@ -98,18 +102,27 @@ class FastJetStream:
             waiter.set_result(msg)
 
     async def request(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> Any:
-        """The reply to one request on `subject`; `Unreachable` when nobody answers in time."""
+        """The reply to one request on `subject`; `Unreachable` when nobody answers in time, `Forbidden` at once
+        when the server refuses the publish."""
         loop = asyncio.get_running_loop()
         token = str(next(self._ids))
         waiter: asyncio.Future[Any] = loop.create_future()
         self._waiting[token] = waiter
         timer = loop.call_later(self.timeout, _expire, waiter)
+        refusals = refusals_of(self.nc)  # a secure connection's: the server's refusal ends the wait
+        if refusals is not None:
+            refusals.watch(subject, waiter)
         try:
             await self.nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
             msg = await waiter
         finally:
             timer.cancel()
             self._waiting.pop(token, None)
+            if refusals is not None:
+                refusals.forget(subject, waiter)
+        if msg is REFUSED:
+            assert refusals is not None
+            raise refusals.forbidden(subject)
         if msg is None:
             raise Unreachable(f"no answer on {subject} within {self.timeout:g}s")
         if msg is _LOST:
