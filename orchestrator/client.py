@@ -106,9 +106,13 @@ class ConnectionLost(Exception):
 
 
 class FleetClient:
-    def __init__(self, nc: Client, *, timeout: float = 10.0) -> None:
+    def __init__(self, nc: Client, *, timeout: float = 10.0, edge: bool = False) -> None:
+        """`edge`: an edge proxy's client on a secure fleet (role `proxy`): its create, start, stop, suspend and
+        resume go to the brokers' edge verbs (`api.apps.<app>.edge.<verb>`, answered for apps with an
+        `[http_service]` only), the only ones its identity may ask, and never straight to a worker."""
         self.nc = nc
         self.timeout = timeout
+        self.edge = edge
         self.closed = asyncio.Event()  # set when a connection made by `connect` ends for good
 
     @classmethod
@@ -122,8 +126,11 @@ class FleetClient:
     async def close(self) -> None:
         await self.nc.close()
 
+    def _verb(self, app: str, verb: str) -> str:
+        return subjects.api_edge(app, verb) if self.edge else subjects.api_machines(app, verb)
+
     async def create(self, app: str, req: CreateRequest) -> Machine:
-        return await call(self.nc, subjects.api_machines(app, "create"), req, Machine, timeout=self.timeout + 20)
+        return await call(self.nc, self._verb(app, "create"), req, Machine, timeout=self.timeout + 20)
 
     async def run(self, app: str, region: str, config: MachineConfig, **options: Any) -> Machine:
         return await self.create(app, CreateRequest(region=region, config=config, **options))
@@ -147,7 +154,7 @@ class FleetClient:
     async def start(self, app: str, machine_id: str) -> Machine:
         return await call(
             self.nc,
-            subjects.api_machines(app, "start"),
+            self._verb(app, "start"),
             StartRequest(id=machine_id),
             Machine,
             timeout=self.timeout + 20,
@@ -156,7 +163,7 @@ class FleetClient:
     async def stop(self, app: str, machine_id: str, *, signal: str = "SIGTERM", timeout: float = 10.0) -> Machine:
         return await call(
             self.nc,
-            subjects.api_machines(app, "stop"),
+            self._verb(app, "stop"),
             StopRequest(id=machine_id, signal=signal, timeout=timeout),
             Machine,
             timeout=timeout + 15,
@@ -164,11 +171,11 @@ class FleetClient:
 
     async def suspend(self, app: str, machine_id: str) -> Machine:
         request = SuspendRequest(id=machine_id)
-        return await call(self.nc, subjects.api_machines(app, "suspend"), request, Machine, timeout=self.timeout)
+        return await call(self.nc, self._verb(app, "suspend"), request, Machine, timeout=self.timeout)
 
     async def resume(self, app: str, machine_id: str) -> Machine:
         request = ResumeRequest(id=machine_id)
-        return await call(self.nc, subjects.api_machines(app, "resume"), request, Machine, timeout=self.timeout)
+        return await call(self.nc, self._verb(app, "resume"), request, Machine, timeout=self.timeout)
 
     async def wake_on(self, worker_id: str, machine_id: str, verb: str) -> Machine:
         """`start` or `resume` asked of the machine's worker itself, as fly-proxy asks flyd: an edge proxy knows

@@ -48,11 +48,16 @@ from bus.transport.jetstream import (
 from bus.transport.layout import REPLICAS_ENV
 from bus.transport.layout import SUPERCLUSTER_ENV as SUPERCLUSTER_LAYOUT_ENV
 from orchestrator.security.fleetdir import FleetDir
+from orchestrator.security.roles import Role
 
 SECURE_ENV = "FAUXMAD_DEV_SECURE"
 # `$FAUXMAD_DEV_SUPERCLUSTER=N`: dev fleets run as a supercluster of N servers per region (to run the test suite
 # on one, as $FAUXMAD_DEV_SECURE does for secure fleets)
 SUPERCLUSTER_ENV = "FAUXMAD_DEV_SUPERCLUSTER"
+
+
+# a secure dev fleet's identities for the services a person runs beside it: `fauxmad proxy` and `fauxmad api`
+SERVICE_IDENTITIES: dict[str, Role] = {"proxy-1": "proxy", "api-1": "api"}
 
 
 def _supercluster_default() -> int:
@@ -134,6 +139,10 @@ class DevFleet:
     def operator_creds(self) -> str | None:
         """The operator's credentials file of a secure fleet (what a person exports as $FAUXMAD_CREDS)."""
         return str(self.security.creds("operator")) if self.security is not None else None
+
+    def creds_of(self, name: str) -> str | None:
+        """A secure fleet's credentials file of identity `name` (`proxy-1`, `api-1`, ...), None on an open fleet."""
+        return str(self.security.creds(name)) if self.security is not None else None
 
     async def _connect(self, **options: Any) -> Any:
         """A raw connection to this fleet for the fleet's own chores (as the operator when secure)."""
@@ -319,6 +328,8 @@ class DevFleet:
                 self._creds[name] = str(self.security.add_user(name, "broker"))
             # the operator process (`fauxmad reconcile --watch`) acts as the fleet's operator identity
             self._creds[f"operator-{scope}".rstrip("-")] = str(self.security.creds("operator"))
+        for name, role in SERVICE_IDENTITIES.items():  # for processes a person starts: the edge and the HTTP API
+            self.security.add_user(name, role)
         return self.security.config
 
     def _act_as_operator(self) -> None:

@@ -36,6 +36,7 @@ from bus.contract.verbs import (
     API_REQUESTS,
     API_VOLUME_REQUESTS,
     BROKER_REQUESTS,
+    EDGE_REQUESTS,
     WORKER_REQUESTS,
     WORKER_VOLUME_REQUESTS,
 )
@@ -84,6 +85,18 @@ def channels() -> list[Channel]:
             ("app",),
         )
         for verb, kind in API_REQUESTS.items()
+    ]
+    out += [
+        Channel(
+            f"api_edge_{verb}",
+            f"{P}.api.apps.{{app}}.edge.{verb}",
+            f"The brokers' `{verb}` for an edge proxy (queue group `brokers`): as `api_machines_{verb}`, for an app "
+            "whose current release has an `[http_service]` only (403 otherwise).",
+            kind,
+            Machine,
+            ("app",),
+        )
+        for verb, kind in EDGE_REQUESTS.items()
     ]
     out += [
         Channel("offers", f"{P}.offers.{{region}}", "An auction's call for offers (scatter).", OfferRequest,

@@ -105,6 +105,15 @@ def api_machines(app: str, verb: str) -> str:
 API_MACHINES_WILDCARD = f"{PREFIX}.api.apps.*.machines.*"
 
 
+def api_edge(app: str, verb: str) -> str:
+    """The edge proxy's machine verbs for an app (queue group `brokers`): the machines verbs a proxy needs, which
+    brokers answer only for an app whose release has an `[http_service]` (README "Security": the proxy role)."""
+    return f"{PREFIX}.api.apps.{check_token('app', app)}.edge.{verb}"
+
+
+API_EDGE_WILDCARD = f"{PREFIX}.api.apps.*.edge.*"
+
+
 def api_images_push(app: str) -> str:
     """The brokers' checked image push for an app (README "Security": who may do what with images)."""
     return f"{PREFIX}.api.apps.{check_token('app', app)}.images.push"

@@ -60,6 +60,13 @@ API_REQUESTS: dict[str, type[Request]] = BROKER_REQUESTS | {
 }
 
 
+# `fauxmad.v1.api.apps.<app>.edge.<verb>`: what an edge proxy asks (autostart, autostop, scale from zero), the
+# same payloads as the machines verbs of that name; brokers answer them only for an app with an `[http_service]`
+EDGE_REQUESTS: dict[str, type[Request]] = {
+    verb: API_REQUESTS[verb] for verb in ("create", "start", "stop", "suspend", "resume")
+}
+
+
 # payloads that may be empty (`{}` assumed)
 EMPTY_OK: frozenset[type[Request]] = frozenset({ListRequest})
 

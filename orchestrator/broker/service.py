@@ -19,12 +19,13 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
+from nats.js.errors import KeyNotFoundError
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
-from bus.contract.errors import BadRequest, Conflict, FauxmadError, NoCapacity, NotFound, Unreachable
+from bus.contract.errors import BadRequest, Conflict, FauxmadError, Forbidden, NoCapacity, NotFound, Unreachable
 from bus.contract.fleet import (
     CreateRequest,
     RegionsListRequest,
@@ -48,7 +49,7 @@ from bus.contract.machines import (
 )
 from bus.contract.offers import Resources
 from bus.contract.schema import endpoint_metadata
-from bus.contract.verbs import API_REQUESTS, API_VOLUME_REQUESTS, BROKER_REQUESTS
+from bus.contract.verbs import API_REQUESTS, API_VOLUME_REQUESTS, BROKER_REQUESTS, EDGE_REQUESTS
 from bus.stores.images import Images
 from bus.stores.snapshots import snapshot_store, volumes_bucket
 from bus.transport.audit import AuditTrail, RequestAudit
@@ -70,6 +71,21 @@ VERSION = "0.1.0"
 
 # per-machine verbs, forwarded to the owning worker: how to validate the payload (a 400 never travels further)
 FORWARDED: dict[str, type[Any]] = {verb: kind for verb, kind in API_REQUESTS.items() if verb not in BROKER_REQUESTS}
+
+
+class _Head(msgspec.Struct):
+    version: int = 0
+    destroyed: bool = False
+
+
+class _Served(msgspec.Struct):
+    """Of a release's spec, only whether it has an `[http_service]` (orchestrator/reconcile/spec.py)."""
+
+    http_service: dict[str, Any] | None = None
+
+
+class _Release(msgspec.Struct):
+    spec: _Served
 
 
 def fingerprint(req: CreateRequest) -> str:
@@ -142,7 +158,9 @@ class Broker:
             ("workers", subjects.API_WORKERS_LIST, self._on_workers, ["workers_list"]),
             ("simulate", subjects.API_PLACEMENTS_SIMULATE, self._on_simulate, ["placements_simulate"]),
             ("images", subjects.API_IMAGES_PUSH_WILDCARD, self.images.handle_push, ["api_images_push"]),
+            ("edge", subjects.API_EDGE_WILDCARD, self._on_edge, [f"api_edge_{v}" for v in EDGE_REQUESTS]),
         )
+        self._apps = kv.apps
         if not serve:
             return
         await self.images.start()
@@ -196,6 +214,34 @@ class Broker:
         assert self.nc is not None
         reply = await request(self.nc, subjects.worker_machines(entry.worker_id, verb), data, timeout=timeout)
         return reply.data
+
+    async def _on_edge(self, subject: str, data: bytes) -> Any:
+        """An edge proxy's verb (`api.apps.<app>.edge.<verb>`): the machines verb of that name, for an app whose
+        current release has an `[http_service]` only. Why here: a proxy's identity may publish only these
+        subjects (orchestrator/security/roles.py), but nats-server cannot tell which apps the edge serves, so
+        that part of the proxy role is checked by the broker that answers."""
+        app = subjects.check_token("app", subjects.parse_api_app(subject))
+        verb = subjects.parse_verb(subject)
+        if verb not in EDGE_REQUESTS:
+            raise BadRequest(f"unknown edge verb {verb!r}; expected one of {', '.join(EDGE_REQUESTS)}")
+        if not await self._serves_http(app):
+            raise Forbidden(
+                f"app {app} has no [http_service] in its current release: the edge may not {verb} its machines"
+            )
+        return await self._on_machines(subjects.api_machines(app, verb), data)
+
+    async def _serves_http(self, app: str) -> bool:
+        """Whether `app`'s current release has an `[http_service]` (read from KV now: edge verbs are rare)."""
+        try:
+            head_entry = await self._apps.get(f"{app}.current")
+            head = msgspec.json.decode(head_entry.value or b"{}", type=_Head)
+            if head.destroyed or head.version <= 0:
+                return False
+            release_entry = await self._apps.get(f"{app}.releases.{head.version}")
+            release = msgspec.json.decode(release_entry.value or b"{}", type=_Release)
+        except (KeyNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+            return False
+        return release.spec.http_service is not None
 
     async def create(self, app: str, req: CreateRequest) -> Machine:
         if not req.config.cmd:

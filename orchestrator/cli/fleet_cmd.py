@@ -213,11 +213,18 @@ def dev(
             exports.append(f"export FAUXMAD_SUPERCLUSTER={','.join(spec.regions)}")
         if fleet.operator_creds:
             exports.append(f"export FAUXMAD_CREDS={fleet.operator_creds}")
+        services = []  # a secure fleet's edge and HTTP API, each as its own identity (`proxy-1`, `api-1`)
+        if fleet.creds_of("proxy-1"):
+            services = [
+                f"FAUXMAD_CREDS={fleet.creds_of('proxy-1')} fauxmad proxy --region {spec.regions[0]}",
+                f"FAUXMAD_CREDS={fleet.creds_of('api-1')} fauxmad api",
+            ]
         for line in (
             *exports,
             "fauxmad workers",
             hello_hint(spec.regions[0]),
             "fauxmad machine list --app hello",
+            *services,
         ):  # verbatim: one line each, never wrapped or highlighted, so they paste as they are
             console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
         console.print("\n[dim]Ctrl-C stops everything[/]")

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from bus.contract import subjects
 from bus.contract.codec import decoder, encode
 from bus.contract.edge import ProxyActivity
-from bus.transport.connection import connect
+from bus.transport.connection import connect, role_of
 from bus.transport.jetstream import ensure_fleet_resources_patiently
 from orchestrator.client import FleetClient
 from orchestrator.proxy.config import ProxyConfig
@@ -63,7 +63,8 @@ async def run_proxy(
     try:
         kv = await ensure_fleet_resources_patiently(nc.jetstream())
         await routes.start(kv)
-        client = FleetClient(nc)
+        # as a proxy identity (a secure fleet's `proxy` role) it may ask only the brokers' edge verbs
+        client = FleetClient(nc, edge=role_of(nc) == "proxy")
         waker = Waker(
             client,
             routes,

@@ -3,7 +3,8 @@
 A request that finds no started machine under its soft limit resumes a suspended one (`resume`: the
 process continues where it was frozen) or starts a stopped one (`start`), asking the machine's worker
 directly (`fauxmad.v1.worker.<id>.machines.<verb>`, the worker the route table names, as fly-proxy asks
-flyd; through a broker only for a machine the table does not know yet), or, with `auto_create`, creates one
+flyd; through a broker only for a machine the table does not know yet, and always for a secure fleet's proxy
+identity, whose role asks only the brokers' edge verbs), or, with `auto_create`, creates one
 through the brokers in a region that may have another (`create`, which the broker starts in the same leg);
 it is then held until the machine accepts a TCP connection, and that connection serves it. One start per
 machine and one create per app and region are in flight at a time: a burst of requests shares them. Until
@@ -76,7 +77,7 @@ class Waker:
         entry = self.routes.entry(machine_id)
         kind = "resume" if entry is not None and entry.state in ("suspended", "suspending") else "start"
         try:
-            if entry is not None and entry.worker_id:
+            if entry is not None and entry.worker_id and not self.client.edge:  # a proxy role asks the brokers
                 machine = await self.client.wake_on(entry.worker_id, machine_id, kind)
             elif kind == "resume":
                 machine = await self.client.resume(app, machine_id)

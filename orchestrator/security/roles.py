@@ -15,6 +15,14 @@ not listed is refused, and the server drops the message), built here from the co
   beside it: app records, heads and their purge in the apps bucket (`POST`/`DELETE /v1/apps`), binding the audit
   stream, watching the revoked tokens, and asking workers for a job's status and list (the console's job pages).
   Each HTTP request's token decides which app it may touch; the server's permissions cannot.
+- `proxy` (`fauxmad proxy`, the edge): only what the edge does. It reads the route table's buckets (heartbeats,
+  the routing index, apps and releases) and binds the fleet's other streams (their info only); it asks the brokers'
+  edge verbs (`api.apps.*.edge.{create,start,stop,suspend,resume}`: autostart, autostop, scale from zero) and
+  publishes and follows the edge's signals (`proxy.activity.*`: shared idleness; `proxy.unreachable.>`: a machine
+  it could not reach, for the operator's failover). Which apps: nats-server cannot tell an app with an
+  `[http_service]` from one without, so the brokers answer an edge verb only for an app whose current release has
+  one (orchestrator/broker/service.py); the machines verbs themselves (`api.apps.*.machines.*`, `destroy`, `exec`,
+  ...) and the workers' subjects are not the proxy's, so it cannot go around that check.
 - `operator`: everything, JetStream administration included.
 - `deployer` (bound to one app): that app's API subjects and its releases, the fleet-wide read-only
   queries, reading events and logs. Images: reading only; it pushes and tags through the brokers' checked
@@ -41,11 +49,12 @@ from typing import Literal
 import msgspec
 
 from bus.contract import subjects
+from bus.contract.verbs import EDGE_REQUESTS
 from bus.stores.secrets import PUBLIC_KEY, SECRETS_BUCKET
 from bus.transport.layout import Layout, from_env
 
-Role = Literal["worker", "broker", "api", "operator", "deployer", "viewer"]
-ROLES: tuple[Role, ...] = ("worker", "broker", "api", "operator", "deployer", "viewer")
+Role = Literal["worker", "broker", "api", "proxy", "operator", "deployer", "viewer"]
+ROLES: tuple[Role, ...] = ("worker", "broker", "api", "proxy", "operator", "deployer", "viewer")
 
 P = subjects.PREFIX
 FLEET_STREAMS = (
@@ -63,6 +72,11 @@ FLEET_STREAMS = (
     subjects.JOB_EVENTS_STREAM,
 )
 READ_ONLY_VERBS = ("list", "get", "wait")
+# what the edge's route table reads (orchestrator/proxy/routes.py): the layout, heartbeats, routing index, releases
+ROUTE_STREAMS = (
+    "KV_fauxmad_layout",
+    *(f"KV_{bucket}" for bucket in (subjects.WORKERS_BUCKET, subjects.MACHINES_BUCKET, subjects.APPS_BUCKET)),
+)
 
 
 class Permissions(msgspec.Struct, frozen=True, kw_only=True):
@@ -174,6 +188,18 @@ def permissions(identity: Identity) -> Permissions:
             # the API's broker places and forwards but serves no NATS subject: it only reads its replies
             subscribe=(f"{P}.api.>", "$SRV.>", inbox) if role == "broker" else (inbox,),
             allow_responses=role == "broker",
+        )
+    if role == "proxy":
+        return Permissions(
+            publish=(
+                *(f"{P}.api.apps.*.edge.{verb}" for verb in EDGE_REQUESTS),
+                subjects.PROXY_ACTIVITY_ALL,
+                subjects.PROXY_UNREACHABLE_ALL,
+                *read_streams(ROUTE_STREAMS),
+                # binding the fleet's other streams at start (`ensure_fleet_resources`) asks for their info only
+                *(f"$JS.API.STREAM.INFO.{stream}" for stream in FLEET_STREAMS if stream not in ROUTE_STREAMS),
+            ),
+            subscribe=(subjects.PROXY_ACTIVITY_ALL, inbox),
         )
     fleet_queries = (subjects.API_REGIONS_LIST, subjects.API_WORKERS_LIST, subjects.API_PLACEMENTS_SIMULATE)
     if role == "deployer":

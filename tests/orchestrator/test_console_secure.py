@@ -1,10 +1,9 @@
 """The web console on a secure fleet, run as a team runs one: `fauxmad dev --secure`'s fleet (mutual TLS, an
 identity per worker and broker), the operator (`fauxmad reconcile --watch`) converging an app, an edge proxy in
-front of it (with the operator's credentials, as `fauxmad dev --secure` prints them: no proxy role yet), and
-`fauxmad api` with the console as an identity of role `api` added to the fleet with `fauxmad fleet add-user` and a
-reload. Every page answers with its content, a page's event stream carries a machine's event, and the tokens act as
-they should: the operator's on any app, a deployer's on its own app only, a read-only token not at all. Plain HTTP,
-no browser."""
+front of it (with the operator's credentials: the proxy role's own test is test_secure_fleet's), and `fauxmad api`
+with the console as `api-1`, the identity of role `api` that the secure dev fleet makes. Every page answers with
+its content, a page's event stream carries a machine's event, and the tokens act as they should: the operator's on
+any app, a deployer's on its own app only, a read-only token not at all. Plain HTTP, no browser."""
 
 from __future__ import annotations
 
@@ -49,11 +48,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureConsole]:
         assert fleet.url.startswith("tls://") and fleet.operator_creds is not None and fleet.security is not None
         env.setenv(CREDS_ENV, fleet.operator_creds)  # what `fauxmad dev --secure` tells a person to export
         proxy = kit.ProxyProcess(fleet.url, "mad", here)
-        fleet_dir = str(fleet.security.root)
-        for args in (["add-user", "api-1", "--role", "api"], ["reload"]):
-            done = _cli("fleet", *args, "--dir", fleet_dir)
-            assert done.returncode == 0, done.stdout + done.stderr
-        env.setenv(CREDS_ENV, str(fleet.security.creds("api-1")))
+        env.setenv(CREDS_ENV, str(fleet.security.creds("api-1")))  # made with the fleet, as `fauxmad dev --secure` does
         wait_until(lambda: _connects(fleet.url), "the server knows api-1 (reloaded)", timeout=20, interval=0.2)
         api, base = start_api(
             fleet.url,

@@ -38,6 +38,7 @@ COLUMNS = {
     "worker mad-w1": "worker-mad-w1",
     "broker": "broker",
     "api": "api-1",
+    "proxy": "proxy-1",
     "operator": "operator",
     "deployer of web": "ci-web",
     "viewer": "ops-bob",
@@ -72,6 +73,7 @@ def secure_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fle
     fleet.add_worker("mad-w2", "mad")
     fleet.add_user("broker", "broker")
     fleet.add_user("api-1", "api")
+    fleet.add_user("proxy-1", "proxy")
     fleet.add_user("ci-web", "deployer", app="web")
     fleet.add_user("ops-bob", "viewer")
     server = subprocess.Popen(
@@ -272,7 +274,7 @@ def test_the_readme_commands_run_as_written_and_bad_input_is_one_line(tmp_path: 
     assert ran.returncode == 0, ran.stdout + ran.stderr
     directory = home / "fauxmad-secure"
     names = {e.identity.name for e in FleetDir(directory).entries()}
-    assert names == {"operator", "worker-mad-w1", "broker-1", "ci-web", "ops-bob"}
+    assert names == {"operator", "worker-mad-w1", "broker-1", "proxy-1", "api-1", "ci-web", "ops-bob"}
     _run_the_readme_fleet(FleetDir(directory), env, tmp_path)
 
     again = fauxmad("fleet", "init", str(directory))
