@@ -9,6 +9,18 @@ from typing import Literal
 from bus.contract.base import Reply
 
 
+class UploadOutcome(Reply):
+    """How an image upload through the brokers ended (`orchestrator/broker/images.py`): `accepted` (the bytes hash
+    to the digest and are stored, the manifest and tags recorded), `refused` (the caller's fault: other bytes than
+    the digest, more or fewer than the manifest says, a chunk out of order, another app's defaults: nothing stored)
+    or `failed` (the fleet's: the store could not take it, the upload sat idle, the broker stopped)."""
+
+    outcome: Literal["accepted", "refused", "failed"]
+    digest: str  # the digest the push named
+    size: int  # bytes received (an accepted upload's whole archive)
+    reason: str = ""  # why, for refused and failed (the error the last chunk got)
+
+
 class AuditRecord(Reply):
     """Stream `FAUXMAD_AUDIT`, subject `fauxmad.v1.audit.<app>`: one mutating API request, over HTTP (`method`
     is the HTTP method, `path` the URL path) or over NATS (`method` "NATS", `path` the subject)."""
@@ -28,6 +40,8 @@ class AuditRecord(Reply):
     # HTTP with tokens: the id of the token presented (`fauxmad token inspect` shows it), allowed or refused (a
     # refused one as it claims to be), "static-token", "malformed" or "none given"
     token: str = ""
+    # NATS, an image upload's end (`path` its upload subject, `request_id` the upload id): its outcome
+    upload: UploadOutcome | None = None
 
 
 class LogLine(Reply):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import contextvars
 import hashlib
 import logging
 import time
@@ -36,7 +37,7 @@ from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.errors import BadRequest, Forbidden
-from bus.contract.streams import AuditRecord
+from bus.contract.streams import AuditRecord, UploadOutcome
 from bus.transport.jsfast import ack_problem
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,14 @@ class Caller(msgspec.Struct, frozen=True):
 
 UNSIGNED = Caller("unsigned")
 REFUSED = Caller("refused")  # a signature that does not verify: the request went no further
+
+# who made the request being answered (set by `bus.transport.service.Responder` before its handler runs): for a
+# handler whose work ends after its reply, as an image upload opened by a push does, to record its end as theirs
+CALLER: contextvars.ContextVar[Caller] = contextvars.ContextVar("fauxmad_caller", default=UNSIGNED)
+
+
+def current_caller() -> Caller:
+    return CALLER.get()
 
 
 def identify(subject: str, data: bytes, headers: dict[str, str] | None, now: float) -> Caller:
@@ -246,7 +255,9 @@ class RequestAudit:
     def identify(self, subject: str, data: bytes, headers: dict[str, str] | None) -> Caller:
         return identify(subject, data, headers, self.clock())
 
-    async def record(self, subject: str, caller: Caller, status: int, request_id: str = "") -> None:
+    async def record(
+        self, subject: str, caller: Caller, status: int, request_id: str = "", *, upload: UploadOutcome | None = None
+    ) -> None:
         app = subjects.parse_api_app(subject)
         record = AuditRecord(
             at=self.clock(),
@@ -257,5 +268,6 @@ class RequestAudit:
             status=status,
             app=app,
             request_id=request_id,
+            upload=upload,
         )
         await self.trail.record(audit_subject(app), record)

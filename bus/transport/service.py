@@ -26,7 +26,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from bus.contract.base import ErrorBody, ErrorDetail
 from bus.contract.codec import clip, decode, decoder, encode
 from bus.contract.errors import FauxmadError, InternalError, Unanswered, Unreachable, error_for_code
-from bus.transport.audit import REFUSED, RequestAudit, mutating, signer_of
+from bus.transport.audit import CALLER, REFUSED, UNSIGNED, RequestAudit, mutating, signer_of
 from bus.transport.in_flight import BROKE, lost
 
 log = logging.getLogger(__name__)
@@ -152,9 +152,11 @@ class Responder:
         self.requests += 1
         audit = self._audit if self._audit is not None and mutating(subject) else None
         caller = REFUSED  # until the signature checks out
+        CALLER.set(UNSIGNED)
         try:
             if audit is not None:
                 caller = audit.identify(subject, data, headers)
+                CALLER.set(caller)  # the handler's (`current_caller`): this task's own context
             body = await answer(handler, subject, data, self._name)
             if audit is not None:
                 await audit.record(subject, caller, 200)

@@ -18,6 +18,11 @@ pushes here, on `fauxmad.v1.api.apps.<app>.images.push` (its permissions name it
   is a 409 (with the same defaults it simply adds its own tags). The write is a compare-and-set.
 
 Uploads left idle for `UPLOAD_IDLE` seconds are dropped (their temporary file with them).
+
+The push is audited like any mutating request (as it is answered: an upload opened is a 200), and so is how
+its upload ends, once: a record on the upload's subject, as the identity that opened it, with `upload` saying
+`accepted` (digest and size stored), `refused` (the caller's fault: nothing stored) or `failed` (the fleet's:
+the store refused the write, the upload sat idle, the broker stopped), and why.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import logging
 import secrets
 import tempfile
 import time
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import msgspec
 from nats.aio.client import Client
@@ -37,9 +42,11 @@ from nats.aio.subscription import Subscription
 
 from bus.contract import subjects
 from bus.contract.codec import decode
-from bus.contract.errors import BadRequest, Conflict, Forbidden, NoCapacity, NotFound
+from bus.contract.errors import BadRequest, Conflict, FauxmadError, Forbidden, NoCapacity, NotFound
 from bus.contract.images import MAX_ARCHIVE, ImageChunk, ImageManifest, ImagePushReply, ImagePushRequest
+from bus.contract.streams import UploadOutcome
 from bus.stores.images import DIGEST, ImageError, Images, check_bytes
+from bus.transport.audit import UNSIGNED, Caller, RequestAudit, current_caller
 from bus.transport.service import Responder
 
 log = logging.getLogger(__name__)
@@ -48,14 +55,17 @@ UPLOAD_IDLE = 60.0  # seconds an upload may wait for its next chunk
 MAX_UPLOADS = 16  # at once, per broker
 MAX_CHUNK = 4 << 20
 
+Outcome = Literal["accepted", "refused", "failed"]
+
 
 class Upload:
     """One push's bytes as they come: a temporary file and the hash so far."""
 
-    def __init__(self, app: str, manifest: ImageManifest, tags: list[str]) -> None:
+    def __init__(self, app: str, manifest: ImageManifest, tags: list[str], caller: Caller = UNSIGNED) -> None:
         self.app = app
         self.manifest = manifest
         self.tags = tags
+        self.caller = caller  # who opened it (the push's signer): its end is recorded as theirs
         self.file: IO[bytes] = tempfile.TemporaryFile(prefix="fauxmad-image-")  # noqa: SIM115 - closed by close()
         self.hash = hashlib.sha256()
         self.size = 0
@@ -94,9 +104,10 @@ def owner_check(app: str, manifest: ImageManifest) -> Any:
 class ImageGate:
     """Serves `...images.push` (an endpoint of the broker's service) and this broker's uploads."""
 
-    def __init__(self, nc: Client, images: Images, broker_id: str) -> None:
+    def __init__(self, nc: Client, images: Images, broker_id: str, audit: RequestAudit | None = None) -> None:
         self.nc = nc
         self.images = images
+        self.audit = audit  # where an upload's end is recorded (the broker's audit trail)
         self.key = secrets.token_hex(8)  # this broker's token in upload subjects
         self.uploads: dict[str, Upload] = {}
         self.responder = Responder(nc, f"{broker_id}-uploads")  # chunks belong to their audited push
@@ -135,7 +146,7 @@ class ImageGate:
         if len(self.uploads) >= MAX_UPLOADS:
             raise NoCapacity(f"this broker holds {MAX_UPLOADS} uploads already: try again shortly")
         upload = secrets.token_hex(16)
-        self.uploads[upload] = Upload(app, manifest, list(req.tags))
+        self.uploads[upload] = Upload(app, manifest, list(req.tags), current_caller())
         return ImagePushReply(broker=self.key, upload=upload, chunk_bytes=self.chunk_bytes)
 
     async def on_chunk(self, subject: str, data: bytes) -> ImagePushReply:
@@ -157,11 +168,33 @@ class ImageGate:
             if not chunk.last:
                 return ImagePushReply()
             self.uploads.pop(name, None)
-            return ImagePushReply(manifest=await self._commit(upload))
+            stored = await self._commit(upload)
+        except FauxmadError as exc:  # a 4xx is the caller's (refused), a 5xx the fleet's (failed)
+            await self._end(name, upload, exc.code, exc.message)
+            raise
+        except Exception as exc:
+            await self._end(name, upload, 500, f"internal error: {exc!r}")
+            raise
         except BaseException:
             self._drop(name)
             upload.close()
             raise
+        await self._ended(name, upload, 200, "")
+        return ImagePushReply(manifest=stored)
+
+    async def _end(self, name: str, upload: Upload, status: int, reason: str) -> None:
+        """The upload is over, unfinished: dropped, and its end recorded."""
+        self._drop(name)
+        upload.close()
+        await self._ended(name, upload, status, reason)
+
+    async def _ended(self, name: str, upload: Upload, status: int, reason: str) -> None:
+        if self.audit is None:
+            return
+        outcome: Outcome = "accepted" if status == 200 else "refused" if status < 500 else "failed"
+        subject = subjects.api_images_upload(upload.app, self.key, name)
+        said = UploadOutcome(outcome=outcome, digest=upload.manifest.digest, size=upload.size, reason=reason)
+        await self.audit.record(subject, upload.caller, status, name, upload=said)
 
     async def _commit(self, upload: Upload) -> ImageManifest:
         manifest = upload.manifest
@@ -191,7 +224,7 @@ class ImageGate:
             for name, upload in list(self.uploads.items()):
                 if now - upload.touched > UPLOAD_IDLE:
                     log.info("dropping upload %s of app %s: idle for %.0fs", name, upload.app, now - upload.touched)
-                    self._drop(name)
+                    await self._end(name, upload, 504, f"dropped after {UPLOAD_IDLE:g}s without a chunk")
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -200,5 +233,5 @@ class ImageGate:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
         await self.responder.drain(2.0)
-        for name in list(self.uploads):
-            self._drop(name)
+        for name, upload in list(self.uploads.items()):
+            await self._end(name, upload, 503, "the broker stopped before the last chunk")

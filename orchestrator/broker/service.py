@@ -139,8 +139,10 @@ class Broker:
         self._claims_of: dict[str, Idempotency] = {}
         self.trail = AuditTrail(self.nc)
         await self.trail.make_stream_if_open()
-        self.responder = Responder(self.nc, self.id, audit=RequestAudit(self.trail))
-        self.images = ImageGate(self.nc, await Images.open(js), self.id)  # the checked push (deployers')
+        audit = RequestAudit(self.trail)
+        self.responder = Responder(self.nc, self.id, audit=audit)
+        # the checked push (deployers'): an upload's end is audited too
+        self.images = ImageGate(self.nc, await Images.open(js), self.id, audit)
         self._endpoints: tuple[tuple[str, str, Handler, list[str]], ...] = (
             (
                 "machines",

@@ -27,13 +27,15 @@ from nats.aio.client import Client
 from bus.contract import subjects
 from bus.contract.errors import BadRequest, Conflict, Forbidden
 from bus.contract.images import ImageChunk, ImageManifest, ImagePushReply, ImagePushRequest
+from bus.contract.streams import AuditRecord
 from bus.local.embedded import find_binary
-from bus.stores.images import Images, build_archive, digest_of
+from bus.stores.image_push import push_image
+from bus.stores.images import Images, build_archive, digest_of, manifest_for
 from bus.transport.connection import connect
 from bus.transport.service import call, request
 from orchestrator.images import pin_image
 from orchestrator.reconcile.spec import AppSpec
-from tests.helpers import arun
+from tests.helpers import arun, audit_records
 from tests.orchestrator.test_secure_fleet import SecureFleet
 
 T = TypeVar("T")
@@ -364,3 +366,69 @@ def test_a_deployer_builds_pushes_tags_and_deploys_its_own_image(fleet: SecureFl
     ran = [m for m in json.loads(listed.stdout) if m["config"].get("image") == shipped_digest]
     assert ran and ran[0]["state"] == "started", listed.stdout
     wait_log(fleet, "web", ran[0]["id"], "shipped-stamp")
+
+
+def upload_ends(fleet: SecureFleet, digest: str) -> list[AuditRecord]:
+    """The audit trail's records of how uploads of `digest` to app `web` ended (as the operator reads them)."""
+
+    async def read(nc: Client) -> list[AuditRecord]:
+        found = await audit_records(nc, "web")
+        return [r for r in found if r.upload is not None and r.upload.digest == digest]
+
+    return as_identity(fleet, "operator", read)
+
+
+def test_an_uploads_end_is_in_the_audit_trail(fleet: SecureFleet, tmp_path: Path) -> None:
+    """Accepted (stored), refused (bytes that are not the digest) and failed (the broker stopped with the upload
+    open): each recorded once, as the deployer that pushed, with the digest, the bytes received and why."""
+    good = build_archive(image_dir(tmp_path / "good", "audited"))
+    claimed = build_archive(image_dir(tmp_path / "claimed", "audited-claimed"))
+    lost = build_archive(image_dir(tmp_path / "lost", "audited-lost"))
+
+    async def pushes(nc: Client) -> str:
+        manifest = manifest_for(good, cmd=["python3", "app.py"], env={}, workdir="", source="test")
+        await push_image(nc, good, manifest, ["web:audited"])
+        bad = ImageManifest(digest=digest_of(claimed), size=len(good), created=0, cmd=["python3", "app.py"])
+        opened = await call(nc, subjects.api_images_push("web"), ImagePushRequest(manifest=bad), ImagePushReply)
+        subject = subjects.api_images_upload("web", opened.broker, opened.upload)
+        with pytest.raises(BadRequest):
+            await call(nc, subject, ImageChunk(seq=0, data=good, last=True), ImagePushReply)
+        open_one = ImageManifest(digest=digest_of(lost), size=len(lost), created=0, cmd=["python3", "app.py"])
+        left = await call(nc, subjects.api_images_push("web"), ImagePushRequest(manifest=open_one), ImagePushReply)
+        await call(
+            nc, subjects.api_images_upload("web", left.broker, left.upload), ImageChunk(seq=0, data=lost[:100]),
+            ImagePushReply,
+        )  # fmt: skip
+        return left.upload
+
+    upload_left_open = as_identity(fleet, "ci-web", pushes)
+    restart_broker(fleet)  # SIGTERM: the broker records the upload it still holds before it exits
+
+    (accepted,) = upload_ends(fleet, digest_of(good))
+    assert accepted.upload is not None and accepted.status == 200 and accepted.name == "ci-web"
+    assert accepted.identity.startswith("nkey:U") and accepted.app == "web"
+    assert accepted.path.startswith("fauxmad.v1.api.apps.web.images.upload.")
+    assert (accepted.upload.outcome, accepted.upload.size, accepted.upload.reason) == ("accepted", len(good), "")
+
+    (refused,) = upload_ends(fleet, digest_of(claimed))
+    assert refused.upload is not None and refused.status == 400 and refused.name == "ci-web"
+    assert (refused.upload.outcome, refused.upload.size) == ("refused", len(good))
+    assert digest_of(claimed) in refused.upload.reason and digest_of(good) in refused.upload.reason
+
+    (failed,) = upload_ends(fleet, digest_of(lost))
+    assert failed.upload is not None and failed.status == 503 and failed.name == "ci-web"
+    assert failed.request_id == upload_left_open and failed.path.endswith(f".{upload_left_open}")
+    assert (failed.upload.outcome, failed.upload.size) == ("failed", 100)
+    assert failed.upload.reason == "the broker stopped before the last chunk"
+
+
+def restart_broker(fleet: SecureFleet) -> None:
+    """Stop broker-1 with SIGTERM (as systemd does), and start it again; back when it answers."""
+    (broker,) = [proc for proc in fleet.procs if "broker" in proc.args and proc.poll() is None]  # type: ignore[operator]
+    broker.terminate()
+    assert broker.wait(timeout=20) == 0
+    fleet.spawn("broker-1", "broker", "--nats", fleet.url)
+    deadline = time.monotonic() + 30
+    while fleet.cli("ci-web", "workers", "--json", "--nats", fleet.url).returncode != 0:
+        assert time.monotonic() < deadline, "broker-1 did not come back"
+        time.sleep(0.2)
