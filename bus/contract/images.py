@@ -11,6 +11,9 @@ permission can: the archive's bytes hash to the digest that names it, and its ta
   chunk marked `last` commits: hash checked, object written, manifest and tags recorded, the manifest
   answered. Only the broker that opened the upload listens there; a deployer of another app cannot
   publish there (its permissions name its own app only).
+- `fauxmad.v1.api.apps.<app>.images.rm` (`ImageRemoveRequest`): remove one of the app's images (its archive,
+  manifest and tags), which no permission could limit to the app's own: the broker checks that the image is the
+  app's (it pushed the digest first) and that no other app uses it (tags it, or pins it in its current release).
 """
 
 from __future__ import annotations
@@ -59,3 +62,11 @@ class ImageChunk(Request):
     seq: Annotated[int, msgspec.Meta(ge=0)]
     data: bytes  # base64 in JSON
     last: bool = False  # the archive is complete: check, store, record
+
+
+class ImageRemoveRequest(Request):
+    reference: Annotated[str, msgspec.Meta(max_length=200)]  # `<app>:<tag>` of the subject's app, or a digest
+
+
+class ImageRemoveReply(Reply):
+    manifest: ImageManifest  # what was removed, its tags included

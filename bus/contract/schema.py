@@ -28,7 +28,7 @@ from bus.contract.fleet import (
     WorkerInfo,
     WorkersListRequest,
 )
-from bus.contract.images import ImageChunk, ImagePushReply, ImagePushRequest
+from bus.contract.images import ImageChunk, ImagePushReply, ImagePushRequest, ImageRemoveReply, ImageRemoveRequest
 from bus.contract.machines import ExecReply, Lease, Machine, MachineEvent
 from bus.contract.offers import Decline, Offer, OfferRequest
 from bus.contract.streams import AuditRecord, LogLine
@@ -139,6 +139,10 @@ def image_channels() -> list[Channel]:
         Channel("api_images_upload", f"{P}.api.apps.{{app}}.images.upload.{{broker}}.{{upload}}",
                 "An upload's chunks, in order, to the broker that opened it; the last one commits (sha256 "
                 "checked against the digest).", ImageChunk, ImagePushReply, ("app", "broker", "upload")),
+        Channel("api_images_rm", f"{P}.api.apps.{{app}}.images.rm",
+                "Remove one of the app's images (queue group `brokers`): only an image the app pushed first and "
+                "no other app tags or pins in its current release.", ImageRemoveRequest, ImageRemoveReply,
+                ("app",)),
     ]  # fmt: skip
 
 

@@ -122,6 +122,14 @@ def api_images_push(app: str) -> str:
 API_IMAGES_PUSH_WILDCARD = f"{PREFIX}.api.apps.*.images.push"
 
 
+def api_images_rm(app: str) -> str:
+    """The brokers' checked removal of one of an app's images (a deployer's `image rm`)."""
+    return f"{PREFIX}.api.apps.{check_token('app', app)}.images.rm"
+
+
+API_IMAGES_RM_WILDCARD = f"{PREFIX}.api.apps.*.images.rm"
+
+
 def api_images_upload(app: str, broker: str, upload: str) -> str:
     """Where an upload's chunks go: `...images.upload.<broker>.<upload>`, heard by the broker that opened it."""
     tokens = (check_token("app", app), check_token("broker", broker), check_token("upload", upload))

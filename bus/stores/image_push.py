@@ -1,4 +1,4 @@
-"""How the CLI and a deploy write an image: into the store directly, or through the brokers' checked push.
+"""How the CLI and a deploy write (and remove) an image: in the store directly, or through the brokers' checks.
 
 Why two ways: a deployer may not write the image store (nats-server cannot check that bytes hash to their
 name, nor whose tag a manifest serves), so its pushes and tags go to `fauxmad.v1.api.apps.<app>.images.push`
@@ -16,8 +16,15 @@ import msgspec
 from nats.aio.client import Client
 
 from bus.contract import subjects
-from bus.contract.images import ImageChunk, ImageManifest, ImagePushReply, ImagePushRequest
-from bus.stores.images import ImageError, Images, check_bytes, check_tag, digest_of
+from bus.contract.images import (
+    ImageChunk,
+    ImageManifest,
+    ImagePushReply,
+    ImagePushRequest,
+    ImageRemoveReply,
+    ImageRemoveRequest,
+)
+from bus.stores.images import TAG, ImageError, Images, check_bytes, check_tag, digest_of
 from bus.transport.connection import role_of
 from bus.transport.service import call
 
@@ -102,4 +109,23 @@ async def tag_image(nc: Client, reference: str, tag: str) -> ImageManifest:
     )
     if reply.manifest is None:
         raise ImageError(f"image {reference} ({digest}) is not whole in the store: push it again, then tag it")
+    return reply.manifest
+
+
+async def remove_image(nc: Client, reference: str, *, app: str | None = None) -> ImageManifest:
+    """Remove the image `reference` names, the way this connection may: from the store directly (the operator, an
+    open fleet), or through the brokers (a deployer: only its app's images no other app uses). `app`: the app whose
+    image a digest is (a tag names its own)."""
+    if not checked(nc):
+        return await (await Images.open(nc.jetstream())).remove(reference)
+    if app is None and not TAG.match(reference):
+        raise ImageError(f"a deployer removes its app's images: name it APP:TAG, or give --app APP with {reference}")
+    owner = app_of(app, [reference] if TAG.match(reference) else [])
+    reply = await call(
+        nc,
+        subjects.api_images_rm(owner),
+        ImageRemoveRequest(reference=reference),
+        ImageRemoveReply,
+        timeout=PUSH_TIMEOUT,
+    )
     return reply.manifest

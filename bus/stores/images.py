@@ -35,7 +35,7 @@ import re
 import stat
 import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO
 
@@ -307,14 +307,36 @@ class Images:
         assert manifest is not None
         return await self.record(manifest, [tag])
 
-    async def remove(self, reference: str) -> ImageManifest:
-        """Delete an image (its archive, manifest and tags); workers keep what they unpacked until evicted."""
+    async def remove(
+        self, reference: str, check: Callable[[ImageManifest], Awaitable[None]] | None = None
+    ) -> ImageManifest:
+        """Delete an image (its archive, manifest and tags); workers keep what they unpacked until evicted.
+
+        `check` sees the manifest and raises to refuse (the brokers' checked removal); the manifest's delete is a
+        compare-and-set on what it saw, so a push that tags the image meanwhile makes it an `ImageError` (try
+        again) instead of a removal of an image someone just tagged."""
         digest = await self.resolve(reference)
-        manifest = await self.manifest(digest)
-        assert manifest is not None
-        for tag in manifest.tags:
-            await self.tags.delete(_tag_key(tag))
-        await self.tags.delete(_manifest_key(digest))
+        key = _manifest_key(digest)
+        try:
+            entry = await self.tags.get(key)
+        except (NotFoundError, KeyError):
+            entry = None
+        if entry is None or not entry.value:
+            raise ImageError(f"no image {reference} in the fleet's store (fauxmad image ls)")
+        manifest = msgspec.json.decode(entry.value, type=ImageManifest)
+        if check is not None:
+            await check(manifest)
+        try:
+            await self.tags.delete(key, last=entry.revision)
+        except KeyWrongLastSequenceError:
+            raise ImageError(
+                f"image {digest} changed while it was being removed (a push tagged it?): try again"
+            ) from None
+        for tag in manifest.tags:  # each that still names this image (a tag moved to another since is not touched)
+            with contextlib.suppress(NotFoundError, KeyError, KeyWrongLastSequenceError):
+                found = await self.tags.get(_tag_key(tag))
+                if found is not None and found.value == digest.encode():
+                    await self.tags.delete(_tag_key(tag), last=found.revision)
         with contextlib.suppress(ObjectNotFoundError):
             await self.store.delete(digest)
         return manifest

@@ -19,6 +19,11 @@ pushes here, on `fauxmad.v1.api.apps.<app>.images.push` (its permissions name it
 
 Uploads left idle for `UPLOAD_IDLE` seconds are dropped (their temporary file with them).
 
+A deployer removes its app's images here too (`...images.rm`: nats-server cannot tell whose an image is): only an
+image its app owns (pushed the digest first: `ImageManifest.app`), reached by a tag of its own or the digest (403
+otherwise), and only while no other app uses it: tags it, or pins it in its current release (409 naming them).
+The removal is a compare-and-set on the manifest it checked (`Images.remove`).
+
 The push is audited like any mutating request (as it is answered: an upload opened is a 200), and so is how
 its upload ends, once: a record on the upload's subject, as the identity that opened it, with `upload` saying
 `accepted` (digest and size stored), `refused` (the caller's fault: nothing stored) or `failed` (the fleet's:
@@ -39,13 +44,23 @@ from typing import IO, Any, Literal
 import msgspec
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
+from nats.js.errors import NotFoundError
 
 from bus.contract import subjects
 from bus.contract.codec import decode
 from bus.contract.errors import BadRequest, Conflict, FauxmadError, Forbidden, NoCapacity, NotFound
-from bus.contract.images import MAX_ARCHIVE, ImageChunk, ImageManifest, ImagePushReply, ImagePushRequest
+from bus.contract.images import (
+    MAX_ARCHIVE,
+    ImageChunk,
+    ImageManifest,
+    ImagePushReply,
+    ImagePushRequest,
+    ImageRemoveReply,
+    ImageRemoveRequest,
+)
 from bus.contract.streams import UploadOutcome
-from bus.stores.images import DIGEST, ImageError, Images, check_bytes
+from bus.stores.images import DIGEST, TAG, ImageError, Images, check_bytes
+from bus.stores.kv_keys import kv_keys
 from bus.transport.audit import UNSIGNED, Caller, RequestAudit, current_caller
 from bus.transport.service import Responder
 
@@ -77,6 +92,19 @@ class Upload:
             self.file.close()
 
 
+class _Head(msgspec.Struct):
+    version: int = 0
+    destroyed: bool = False
+
+
+class _Pinned(msgspec.Struct):
+    image: str | None = None
+
+
+class _Release(msgspec.Struct):
+    spec: _Pinned
+
+
 def _defaults(manifest: ImageManifest) -> tuple[list[str], dict[str, str], str]:
     return manifest.cmd, manifest.env, manifest.workdir
 
@@ -104,9 +132,12 @@ def owner_check(app: str, manifest: ImageManifest) -> Any:
 class ImageGate:
     """Serves `...images.push` (an endpoint of the broker's service) and this broker's uploads."""
 
-    def __init__(self, nc: Client, images: Images, broker_id: str, audit: RequestAudit | None = None) -> None:
+    def __init__(
+        self, nc: Client, images: Images, broker_id: str, audit: RequestAudit | None = None, apps: Any = None
+    ) -> None:
         self.nc = nc
         self.images = images
+        self.apps = apps  # KV `fauxmad_apps`: which app's current release pins an image (`handle_rm`)
         self.audit = audit  # where an upload's end is recorded (the broker's audit trail)
         self.key = secrets.token_hex(8)  # this broker's token in upload subjects
         self.uploads: dict[str, Upload] = {}
@@ -148,6 +179,58 @@ class ImageGate:
         upload = secrets.token_hex(16)
         self.uploads[upload] = Upload(app, manifest, list(req.tags), current_caller())
         return ImagePushReply(broker=self.key, upload=upload, chunk_bytes=self.chunk_bytes)
+
+    async def handle_rm(self, subject: str, data: bytes) -> ImageRemoveReply:
+        app = subjects.check_token("app", subjects.parse_api_app(subject))
+        reference = decode(ImageRemoveRequest, data).reference
+        if TAG.match(reference) and reference.partition(":")[0] != app:
+            raise Forbidden(f"tag {reference} is not app {app}'s: a deployer of {app} removes only {app}'s images")
+
+        async def check(manifest: ImageManifest) -> None:
+            if manifest.app != app:
+                owner = f"app {manifest.app}'s" if manifest.app else "the operator's"
+                raise Forbidden(f"image {manifest.digest} is {owner}, not app {app}'s: {app} removes only its own")
+            users = sorted({tag.partition(":")[0] for tag in manifest.tags} - {app})
+            if users:
+                tagged = ", ".join(tag for tag in manifest.tags if tag.partition(":")[0] != app)
+                raise Conflict(f"image {manifest.digest} is still in use by app {', '.join(users)} (tagged {tagged})")
+            pinned = await self._pinned_by(manifest.digest, but=app)
+            if pinned:
+                raise Conflict(
+                    f"image {manifest.digest} is still in use by app {', '.join(pinned)} (its current release runs it)"
+                )
+
+        try:
+            digest = await self.images.resolve(reference)
+        except ImageError as exc:  # malformed, or no such image
+            raise NotFound(str(exc)) from None
+        try:
+            return ImageRemoveReply(manifest=await self.images.remove(digest, check))
+        except ImageError as exc:  # removed or re-tagged meanwhile
+            raise Conflict(str(exc)) from None
+
+    async def _pinned_by(self, digest: str, *, but: str) -> list[str]:
+        """The apps other than `but` whose current release's spec pins `digest` (`image = "sha256:..."`)."""
+        if self.apps is None:
+            return []
+        found = []
+        for key in await kv_keys(self.apps, "*.current"):
+            name = key.partition(".")[0]
+            if name == but:
+                continue
+            try:
+                head = msgspec.json.decode((await self.apps.get(key)).value or b"{}", type=_Head)
+                if head.destroyed or head.version <= 0:
+                    continue
+                release = (await self.apps.get(f"{name}.releases.{head.version}")).value or b"{}"
+                if msgspec.json.decode(release, type=_Release).spec.image == digest:
+                    found.append(name)
+            except (NotFoundError, msgspec.DecodeError, msgspec.ValidationError):
+                continue  # gone meanwhile, or no release: pins nothing
+            except Exception as exc:  # a release that cannot be read: assume it may pin it (never remove in doubt)
+                log.warning("image rm: could not read %s's release: %s", name, exc)
+                found.append(name)
+        return sorted(found)
 
     async def on_chunk(self, subject: str, data: bytes) -> ImagePushReply:
         name = subject.rsplit(".", 1)[-1]

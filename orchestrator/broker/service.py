@@ -142,7 +142,7 @@ class Broker:
         audit = RequestAudit(self.trail)
         self.responder = Responder(self.nc, self.id, audit=audit)
         # the checked push (deployers'): an upload's end is audited too
-        self.images = ImageGate(self.nc, await Images.open(js), self.id, audit)
+        self.images = ImageGate(self.nc, await Images.open(js), self.id, audit, kv.apps)
         self._endpoints: tuple[tuple[str, str, Handler, list[str]], ...] = (
             (
                 "machines",
@@ -160,6 +160,7 @@ class Broker:
             ("workers", subjects.API_WORKERS_LIST, self._on_workers, ["workers_list"]),
             ("simulate", subjects.API_PLACEMENTS_SIMULATE, self._on_simulate, ["placements_simulate"]),
             ("images", subjects.API_IMAGES_PUSH_WILDCARD, self.images.handle_push, ["api_images_push"]),
+            ("images_rm", subjects.API_IMAGES_RM_WILDCARD, self.images.handle_rm, ["api_images_rm"]),
             ("edge", subjects.API_EDGE_WILDCARD, self._on_edge, [f"api_edge_{v}" for v in EDGE_REQUESTS]),
         )
         self._apps = kv.apps

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import typer
 
-from bus.stores.image_push import push_image, tag_image
+from bus.stores.image_push import push_image, remove_image, tag_image
 from bus.stores.images import ImageError, ImageManifest, Images, build_archive, check_tag, manifest_for
 from bus.transport.connection import connect
 from orchestrator.cli.render import console, print_json
@@ -208,13 +208,18 @@ def tag_command(
 
 @image_app.command("rm")
 def rm_command(
-    reference: str = typer.Argument(..., help="name:tag or sha256:..."), nats: str | None = NatsOption
+    reference: str = typer.Argument(..., help="name:tag or sha256:..."),
+    app: str | None = typer.Option(
+        None, "--app", "-a", help="a deployer: the app whose image a sha256: reference is (a tag names its own)"
+    ),
+    nats: str | None = NatsOption,
 ) -> None:
-    """Delete an image from the store (workers keep what they unpacked until they evict it)."""
+    """Delete an image from the store (workers keep what they unpacked until they evict it). A deployer removes
+    only its app's images, and none another app still tags or runs."""
 
     async def act(nc: Any) -> None:
         try:
-            manifest = await (await Images.open(nc.jetstream())).remove(reference)
+            manifest = await remove_image(nc, reference, app=app)
         except ImageError as exc:
             fail(str(exc), 4)
         _say(f"removed {manifest.digest} {' '.join(manifest.tags)}")

@@ -32,8 +32,11 @@ from bus.local.embedded import find_binary
 from bus.stores.image_push import push_image
 from bus.stores.images import Images, build_archive, digest_of, manifest_for
 from bus.transport.connection import connect
+from bus.transport.jetstream import ensure_fleet_resources
 from bus.transport.service import call, request
 from orchestrator.images import pin_image
+from orchestrator.reconcile.over_nats import KVReleaseStore
+from orchestrator.reconcile.releases import Releases
 from orchestrator.reconcile.spec import AppSpec
 from tests.helpers import arun, audit_records
 from tests.orchestrator.test_secure_fleet import SecureFleet
@@ -432,3 +435,61 @@ def restart_broker(fleet: SecureFleet) -> None:
     while fleet.cli("ci-web", "workers", "--json", "--nats", fleet.url).returncode != 0:
         assert time.monotonic() < deadline, "broker-1 did not come back"
         time.sleep(0.2)
+
+
+def test_a_deployer_removes_its_own_images_and_no_one_elses(fleet: SecureFleet, victim: str, tmp_path: Path) -> None:
+    """`image rm` as web's deployer: its own image goes (archive, manifest, tags); another app's is refused (by the
+    server for victim's tag, by the broker for victim's digest); an image of web's that another app tags, or pins
+    in its current release, is refused as in use. Nothing refused changes the store."""
+
+    def build(name: str, stamp: str) -> str:
+        done = fleet.cli(
+            "ci-web", "image", "build", str(image_dir(tmp_path / name, stamp)), "--tag", f"web:{name}",
+            "--cmd", "python3 app.py", "--json", "--nats", fleet.url,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return str(json.loads(done.stdout)["digest"])
+
+    def gone(digest: str) -> bool:
+        async def look(nc: Client) -> bool:
+            images = await Images.open(nc.jetstream())
+            return not await images.present(digest) and await images.manifest(digest) is None
+
+        return as_identity(fleet, "operator", look)
+
+    # its own: removed, tags and bytes with it
+    own = build("own", "own-stamp")
+    removed = fleet.cli("ci-web", "image", "rm", "web:own", "--nats", fleet.url)
+    assert removed.returncode == 0 and own in removed.stdout, removed.stderr
+    assert gone(own) and fleet.cli("operator", "image", "inspect", "web:own", "--nats", fleet.url).returncode == 4
+
+    # another app's: victim's tag (the server refuses victim's subject), victim's digest as web's (the broker)
+    by_tag = fleet.cli("ci-web", "image", "rm", "victim:v1", "--nats", fleet.url)
+    assert by_tag.returncode == 6 and "not allowed" in one_line(by_tag), by_tag.stderr
+    by_digest = fleet.cli("ci-web", "image", "rm", victim, "--app", "web", "--nats", fleet.url)
+    assert by_digest.returncode == 6 and f"image {victim} is app victim's, not app web's" in one_line(by_digest)
+    assert stored(fleet, "victim:v1")[0] == victim and not gone(victim)
+
+    # web's, in use by victim: tagged by victim's deployer (same defaults: allowed), or pinned by victim's release
+    shared = build("shared", "shared-stamp")
+    lent = fleet.cli("ci-victim", "image", "tag", "web:shared", "victim:borrowed", "--nats", fleet.url)
+    assert lent.returncode == 0, lent.stderr
+    in_use = fleet.cli("ci-web", "image", "rm", "web:shared", "--nats", fleet.url)
+    assert in_use.returncode == 5, in_use.stderr
+    assert f"image {shared} is still in use by app victim (tagged victim:borrowed)" in one_line(in_use)
+    assert stored(fleet, "web:shared")[0] == shared and stored(fleet, "victim:borrowed")[0] == shared
+
+    pinned = build("pinned", "pinned-stamp")
+
+    async def release(nc: Client) -> None:  # victim's current release runs web's image (as a deploy pins it)
+        kv = await ensure_fleet_resources(nc.jetstream())
+        releases = Releases(KVReleaseStore(kv.apps))
+        spec = AppSpec(app="victim", image=pinned, cmd=["python3", "app.py"], regions={"mad": 0})
+        made = await releases.create(spec, "image rm test")
+        await releases.point("victim", made.version)
+
+    as_identity(fleet, "operator", release)
+    still_used = fleet.cli("ci-web", "image", "rm", pinned, "--app", "web", "--nats", fleet.url)
+    assert still_used.returncode == 5, still_used.stderr
+    assert f"image {pinned} is still in use by app victim (its current release runs it)" in one_line(still_used)
+    assert stored(fleet, "web:pinned")[0] == pinned and not gone(pinned)
