@@ -214,10 +214,12 @@ def dev(
         if fleet.operator_creds:
             exports.append(f"export FAUXMAD_CREDS={fleet.operator_creds}")
         services = []  # a secure fleet's edge and HTTP API, each as its own identity (`proxy-1`, `api-1`)
-        if fleet.creds_of("proxy-1"):
+        if fleet.security is not None:
+            key = fleet.security.root / "token.key"  # the API's tokens: `mint` makes the key and the first token
             services = [
                 f"FAUXMAD_CREDS={fleet.creds_of('proxy-1')} fauxmad proxy --region {spec.regions[0]}",
-                f"FAUXMAD_CREDS={fleet.creds_of('api-1')} fauxmad api",
+                f"fauxmad token mint --key {key}",
+                f"FAUXMAD_CREDS={fleet.creds_of('api-1')} fauxmad api --token-key {key}",
             ]
         for line in (
             *exports,
