@@ -44,7 +44,6 @@ from typing import IO, Any, Literal
 import msgspec
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription
-from nats.js.errors import NotFoundError
 
 from bus.contract import subjects
 from bus.contract.codec import decode
@@ -63,6 +62,7 @@ from bus.stores.images import DIGEST, TAG, ImageError, Images, check_bytes
 from bus.stores.kv_keys import kv_keys
 from bus.transport.audit import UNSIGNED, Caller, RequestAudit, current_caller
 from bus.transport.service import Responder
+from orchestrator.broker.releases import current_spec
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +90,6 @@ class Upload:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.file.close()
-
-
-class _Head(msgspec.Struct):
-    version: int = 0
-    destroyed: bool = False
-
-
-class _Pinned(msgspec.Struct):
-    image: str | None = None
-
-
-class _Release(msgspec.Struct):
-    spec: _Pinned
 
 
 def _defaults(manifest: ImageManifest) -> tuple[list[str], dict[str, str], str]:
@@ -219,16 +206,12 @@ class ImageGate:
             if name == but:
                 continue
             try:
-                head = msgspec.json.decode((await self.apps.get(key)).value or b"{}", type=_Head)
-                if head.destroyed or head.version <= 0:
-                    continue
-                release = (await self.apps.get(f"{name}.releases.{head.version}")).value or b"{}"
-                if msgspec.json.decode(release, type=_Release).spec.image == digest:
-                    found.append(name)
-            except (NotFoundError, msgspec.DecodeError, msgspec.ValidationError):
-                continue  # gone meanwhile, or no release: pins nothing
-            except Exception as exc:  # a release that cannot be read: assume it may pin it (never remove in doubt)
+                spec = await current_spec(self.apps, name)
+            except Exception as exc:  # a release that cannot be read now: it may pin it (never remove in doubt)
                 log.warning("image rm: could not read %s's release: %s", name, exc)
+                found.append(name)
+                continue
+            if spec is not None and spec.image == digest:
                 found.append(name)
         return sorted(found)
 

@@ -19,7 +19,6 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
-from nats.js.errors import KeyNotFoundError
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
@@ -61,6 +60,7 @@ from orchestrator.broker import metrics
 from orchestrator.broker.auction import Auction, AuctionConfig, Outcome, OutcomeUnknown
 from orchestrator.broker.idempotency import Idempotency
 from orchestrator.broker.images import ImageGate
+from orchestrator.broker.releases import current_spec
 from orchestrator.broker.volumes import Volumes
 from orchestrator.replicas.machines import MachineIndex
 from orchestrator.replicas.workers import Registry
@@ -71,21 +71,6 @@ VERSION = "0.1.0"
 
 # per-machine verbs, forwarded to the owning worker: how to validate the payload (a 400 never travels further)
 FORWARDED: dict[str, type[Any]] = {verb: kind for verb, kind in API_REQUESTS.items() if verb not in BROKER_REQUESTS}
-
-
-class _Head(msgspec.Struct):
-    version: int = 0
-    destroyed: bool = False
-
-
-class _Served(msgspec.Struct):
-    """Of a release's spec, only whether it has an `[http_service]` (orchestrator/reconcile/spec.py)."""
-
-    http_service: dict[str, Any] | None = None
-
-
-class _Release(msgspec.Struct):
-    spec: _Served
 
 
 def fingerprint(req: CreateRequest) -> str:
@@ -235,16 +220,8 @@ class Broker:
 
     async def _serves_http(self, app: str) -> bool:
         """Whether `app`'s current release has an `[http_service]` (read from KV now: edge verbs are rare)."""
-        try:
-            head_entry = await self._apps.get(f"{app}.current")
-            head = msgspec.json.decode(head_entry.value or b"{}", type=_Head)
-            if head.destroyed or head.version <= 0:
-                return False
-            release_entry = await self._apps.get(f"{app}.releases.{head.version}")
-            release = msgspec.json.decode(release_entry.value or b"{}", type=_Release)
-        except (KeyNotFoundError, msgspec.DecodeError, msgspec.ValidationError):
-            return False
-        return release.spec.http_service is not None
+        spec = await current_spec(self._apps, app)
+        return spec is not None and spec.http_service is not None
 
     async def create(self, app: str, req: CreateRequest) -> Machine:
         if not req.config.cmd:
