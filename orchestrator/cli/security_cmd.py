@@ -92,7 +92,8 @@ def add_user(
     app: str | None = typer.Option(None, "--app", "-a", help="the app a deployer may deploy"),
     directory: str = DIR_OPTION,
 ) -> None:
-    """Credentials for a person or a service: operator, broker, api (`fauxmad api`), deployer (of one app) or viewer."""
+    """Credentials for a person or a service: operator, broker, api (`fauxmad api`), proxy (`fauxmad proxy`), deployer
+    (of one app) or viewer."""
     if role not in ROLES or role == "worker":
         fail(
             f"unknown role {role!r}: use one of {USER_ROLES} (workers: fleet add-worker)",
