@@ -72,18 +72,6 @@ def _headers(lines: list[bytes]) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-def parse_request_head(data: bytes) -> Head:
-    """`data` is the head up to and including the blank line."""
-    lines = data[:-4].split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[1]:
-        raise HttpError(400, "malformed request line")
-    method, target, version = parts
-    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-        raise HttpError(505 if version.startswith(b"HTTP/") else 400, "only HTTP/1.0 and HTTP/1.1 are spoken here")
-    return Head(method.upper(), target, version, _headers(lines[1:]))
-
-
 def parse_response_head(data: bytes) -> Head:
     lines = data[:-4].split(b"\r\n")
     version, _, rest = lines[0].partition(b" ")
