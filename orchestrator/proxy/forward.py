@@ -182,17 +182,18 @@ class Forwarder:
             upstream_keep = upstream_keep and b"keep-alive" in response.tokens(b"connection")
         if framing.length < 0:
             ex.client_keep = False
-        if sending is not None and not sending.done():
-            # an early response: the rest of the upload is not read, so neither connection can carry another request
-            ex.client_keep = False
-        client_head = _client_head(response, ex, machine=ex.machine or "")
-        if not framing.chunked and 0 < framing.length <= CHUNK:  # a small body: head and body in one send
-            body = await conn.reader.readexactly(framing.length)
+        if not framing.chunked and 0 <= framing.length <= CHUNK:  # a small body: head and body in one send
+            body = await conn.reader.readexactly(framing.length) if framing.length else b""
+            if sending is not None and not sending.done():
+                await asyncio.sleep(0)  # the upload's last write may be done, its task not yet resumed
+            if sending is not None and not sending.done():
+                # a whole response before the whole upload: neither connection can carry another request
+                ex.client_keep = False
             ex.responded = True
-            writer.write(client_head + body)
-        else:
+            writer.write(_client_head(response, ex, machine=ex.machine or "") + body)
+        else:  # a streamed response (full duplex: the upload may go on meanwhile); the end decides the connections
             ex.responded = True
-            writer.write(client_head)
+            writer.write(_client_head(response, ex, machine=ex.machine or ""))
             await relay_body(conn.reader, writer, framing)
         self._release(ex, conn, upstream_keep, sending)
         if writer.transport.get_write_buffer_size():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
 from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Route, Start, Wait, choose, region_order
-from orchestrator.proxy.http import HttpError, split_host
+from orchestrator.proxy.http import HttpError, copy_chunked, parse_response_head, split_host
 from orchestrator.proxy.idle import idle_victims
 from orchestrator.proxy.request import origin_form, parse_request
 
@@ -196,3 +197,47 @@ def test_a_deadline_cancels_only_its_own_wait_and_the_task_goes_on() -> None:
         return first, second
 
     assert asyncio.run(main()) == (["timed out", "timed out", "went on"], ["cancelled"])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"-1\r\nhello",
+        b"0x5\r\nhello\r\n0\r\n\r\n",
+        b"5;a\nb\r\nhello\r\n0\r\n\r\n",
+        b"0\r\nX: a\nb\r\n\r\n",
+        b"5\r\nhelloXX",
+    ],
+)
+def test_a_machines_malformed_chunked_response_is_a_502(body: bytes) -> None:
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(body)
+        reader.feed_eof()
+        sink = _Sink()
+        await copy_chunked(reader, sink)  # type: ignore[arg-type]
+
+    with pytest.raises(HttpError) as caught:
+        asyncio.run(main())
+    assert caught.value.status == 502
+
+
+def test_a_machines_response_head_with_a_bare_lf_is_a_502() -> None:
+    with pytest.raises(HttpError) as caught:
+        parse_response_head(b"HTTP/1.1 200 OK\r\nx-a: a\nx-b: b\r\n\r\n")
+    assert caught.value.status == 502
+    assert parse_response_head(b"HTTP/1.1 200 OK\r\nx-a: a\r\n\r\n").get(b"x-a") == b"a"
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.transport = self
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    async def drain(self) -> None:
+        return None
