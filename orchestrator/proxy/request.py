@@ -34,17 +34,19 @@ from orchestrator.proxy.http import CHUNK, MAX_HEAD, MAX_HEADERS, Framing, Head,
 _KNOWN_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"TRACE"})
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _NOT_IN_CONNECTION = frozenset({b"host", b"content-length", b"transfer-encoding"})
+_FRAMING = frozenset({b"host", b"connection", b"content-length", b"transfer-encoding"})  # the fields checked
 MAX_LENGTH_DIGITS = 15  # a Content-Length of up to a petabyte
 
 
 class _Fields:
     """llhttp's callbacks for one request: the target, the fields, and where it has got to."""
 
-    __slots__ = ("chunks", "ended", "headers", "in_body", "target", "trailer_bytes")
+    __slots__ = ("chunks", "ended", "framing", "headers", "in_body", "target", "trailer_bytes")
 
     def __init__(self) -> None:
         self.target = b""
         self.headers: list[tuple[bytes, bytes]] = []
+        self.framing: list[tuple[bytes, bytes]] = []  # Host, Connection, Transfer-Encoding, Content-Length
         self.in_body = False
         self.ended = False
         self.chunks = 0  # chunk heads parsed
@@ -61,7 +63,10 @@ class _Fields:
             return
         if len(self.headers) >= MAX_HEADERS:
             raise HttpError(431, f"more than {MAX_HEADERS} header fields")
-        self.headers.append((name.lower(), value.rstrip(b" \t")))  # llhttp keeps a value's trailing OWS
+        field = (name.lower(), value.rstrip(b" \t"))  # llhttp keeps a value's trailing OWS
+        self.headers.append(field)
+        if field[0] in _FRAMING:
+            self.framing.append(field)
 
     def on_headers_complete(self) -> None:
         self.in_body = True
@@ -113,42 +118,53 @@ def parse_request(data: bytes) -> Request:
     upgrade = _feed(parser, data if method in _KNOWN_METHODS else b"GET" + data[space:])
     if not fields.in_body:
         raise HttpError(400, "malformed request head")
+    version = _version(parser)
+    head = Head(method, fields.target, b"HTTP/1.1" if version == "1.1" else b"HTTP/1.0", fields.headers)
+    hosts: list[bytes] = []
+    encodings: list[bytes] = []
+    lengths: list[bytes] = []
+    for name, value in fields.framing:  # usually Host alone
+        if name == b"host":
+            hosts.append(value)
+        elif name == b"transfer-encoding":
+            encodings.append(value)
+        elif name == b"content-length":
+            lengths.append(value)
+        elif {token.strip().lower() for token in value.split(b",")} & _NOT_IN_CONNECTION:
+            raise HttpError(400, "a Connection field naming Host, Content-Length or Transfer-Encoding")
+    if len(hosts) > 1:
+        raise HttpError(400, "two Host fields")
+    if version == "1.1" and not hosts:  # even beside an absolute-form target (RFC 9112 §3.2)
+        raise HttpError(400, "a Host header is required")
+    framing = _framing(encodings, lengths) if encodings or lengths else _NO_BODY
+    absolute = None if fields.target[:1] == b"/" else _authority(fields.target)
+    authority = absolute if absolute is not None else (hosts[0] if hosts else None)
+    return Request(head, framing, authority, absolute is not None, upgrade, parser, fields)
+
+
+_NO_BODY = Framing(False, 0)
+
+
+def _version(parser: httptools.HttpRequestParser) -> str:
     version = parser.get_http_version()
     if version == "0.9":  # llhttp's reading of a request line without a version
         raise HttpError(400, "malformed request line")
     if version not in ("1.1", "1.0"):
         raise HttpError(505, "only HTTP/1.0 and HTTP/1.1 are spoken here")
-    headers = fields.headers
-    head = Head(method, fields.target, b"HTTP/1.1" if version == "1.1" else b"HTTP/1.0", headers)
-    hosts = [value for name, value in headers if name == b"host"]
-    if len(hosts) > 1:
-        raise HttpError(400, "two Host fields")
-    if head.tokens(b"connection") & _NOT_IN_CONNECTION:
-        raise HttpError(400, "a Connection field naming Host, Content-Length or Transfer-Encoding")
-    framing = _framing(head)
-    target = fields.target
-    absolute = _authority(target)
-    authority = absolute if absolute is not None else (hosts[0] if hosts else None)
-    if version == "1.1" and not hosts:  # even beside an absolute-form target (RFC 9112 §3.2)
-        raise HttpError(400, "a Host header is required")
-    return Request(head, framing, authority, absolute is not None, upgrade, parser, fields)
+    return version
 
 
-def _framing(head: Head) -> Framing:
-    encodings = [value for name, value in head.headers if name == b"transfer-encoding"]
-    lengths = [value for name, value in head.headers if name == b"content-length"]
+def _framing(encodings: list[bytes], lengths: list[bytes]) -> Framing:
     if encodings:
         if lengths:  # llhttp refuses it too; said here so that no path forwards both
             raise HttpError(400, "both Transfer-Encoding and Content-Length")
-        if len(encodings) > 1 or encodings[0].strip().lower() != b"chunked":
+        if len(encodings) > 1 or encodings[0].lower() != b"chunked":
             raise HttpError(400, "a Transfer-Encoding other than chunked")
         return Framing(True, 0)
-    if lengths:
-        value = lengths[0]  # llhttp refuses a second one, and any but digits
-        if len(lengths) > 1 or not value.isdigit() or len(value) > MAX_LENGTH_DIGITS:
-            raise HttpError(400, "an invalid Content-Length")
-        return Framing(False, int(value))
-    return Framing(False, 0)
+    value = lengths[0]  # llhttp refuses a second one, and any but digits
+    if len(lengths) > 1 or not value.isdigit() or len(value) > MAX_LENGTH_DIGITS:
+        raise HttpError(400, "an invalid Content-Length")
+    return Framing(False, int(value))
 
 
 def _authority(target: bytes) -> bytes | None:
