@@ -5,7 +5,8 @@ lenient way many servers do and logs every one it parses; a real `fauxmad proxy`
 Each case sends its bytes on a fresh client connection and checks what the client got; then a probe
 goes on the same connection if it is still open (else on a new one) and must get its own answer; then
 the machine's log must hold exactly the requests the case meant to forward and the probe: zero hidden
-requests, zero desyncs.
+requests, zero desyncs. Last, test_proxy_h11's hypothesis corpus goes through the real proxy the same way:
+what the machine parsed of each request must be what h11 reads in it, and nothing where h11 refuses it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from bus.contract.fleet import CreateRequest
 from orchestrator.client import FleetClient
@@ -27,6 +30,8 @@ from orchestrator.proxy.upstream import connect_when_up
 from orchestrator.reconcile.spec import PRIMARY, parse_spec
 from tests.helpers import arun
 from tests.orchestrator import proxy_kit as kit
+from tests.orchestrator import test_proxy_h11 as differential
+from tests.orchestrator.smuggling_cases import refused_cases
 
 REGION = "pxs"
 APP = "recorder"
@@ -164,71 +169,14 @@ def host(machine: Machine) -> bytes:
     return f"Host: {machine.app}.localhost\r\n".encode()
 
 
-def hidden(machine: Machine) -> bytes:
-    return b"GET /smuggled HTTP/1.1\r\n" + host(machine) + b"X-Forwarded-For: 6.6.6.6\r\n\r\n"
-
-
-def refused_cases(m: Machine) -> dict[str, bytes]:
-    """Each must be a 400 with the connection closed, and the machine must parse nothing of it."""
-    h = host(m)
-    smuggled = hidden(m)
-    body = b"0\r\n\r\n" + smuggled
-    chunked = b"POST /upload HTTP/1.1\r\n" + h + b"Transfer-Encoding: chunked\r\n\r\n"
-    return {
-        "bare LF hides a Transfer-Encoding": b"POST /upload HTTP/1.1\r\n"
-        + h
-        + b"Content-Length: %d\r\nX-A: b\nTransfer-Encoding: chunked\r\n\r\n" % len(body)
-        + body,
-        "bare LF injects a field": b"GET /a HTTP/1.1\r\n" + h + b"X-A: a\nX-Injected: yes\r\n\r\n",
-        "bare CR in a value": b"GET /a HTTP/1.1\r\n" + h + b"X-A: a\rb\r\n\r\n",
-        "NUL in a value": b"GET /a HTTP/1.1\r\n" + h + b"X-A: a\x00b\r\n\r\n",
-        "Connection: content-length": b"POST /upload HTTP/1.1\r\n"
-        + h
-        + b"Connection: content-length\r\nContent-Length: %d\r\n\r\n" % len(smuggled)
-        + smuggled,
-        "Connection: transfer-encoding": b"POST /upload HTTP/1.1\r\n"
-        + h
-        + b"Connection: transfer-encoding\r\nTransfer-Encoding: chunked\r\n\r\n"
-        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(smuggled), smuggled),
-        "Connection: host": b"GET /a HTTP/1.1\r\n" + h + b"Connection: host\r\n\r\n",
-        "chunk size 0x3d": chunked + b"0x3d\r\n" + b"a" * 61 + b"\r\n0\r\n\r\n",
-        "chunk size 1_0": chunked + b"1_0\r\n" + b"a" * 16 + b"\r\n0\r\n\r\n",
-        "chunk size -1": chunked + b"-1\r\n" + smuggled,
-        "chunk size of 24 digits": chunked + b"1" * 24 + b"\r\n" + smuggled,
-        "chunk extension with a bare LF": chunked + b"5;a\nb\r\nhello\r\n0\r\n\r\n" + smuggled,
-        "a trailer hiding a request": chunked + b"0\r\nX-T: a\n\n" + smuggled + b"\r\n\r\n",
-        "Transfer-Encoding: xchunked": b"POST /upload HTTP/1.1\r\n" + h + b"Transfer-Encoding: xchunked\r\n\r\n" + body,
-        "two Transfer-Encoding fields": b"POST /upload HTTP/1.1\r\n"
-        + h
-        + b"Transfer-Encoding: identity\r\nTransfer-Encoding: chunked\r\n\r\n"
-        + body,
-        "chunked, identity": b"POST /upload HTTP/1.1\r\n" + h + b"Transfer-Encoding: chunked, identity\r\n\r\n" + body,
-        "CL.TE": b"POST /upload HTTP/1.1\r\n"
-        + h
-        + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n" % len(body)
-        + body,
-        "two different Content-Lengths": b"POST /upload HTTP/1.1\r\n"
-        + h
-        + b"Content-Length: 5\r\nContent-Length: %d\r\n\r\nhello" % (5 + len(smuggled))
-        + smuggled,
-        "a malformed chunk terminator": chunked + b"5\r\nhelloXX0\r\n\r\n",
-        "two Host fields": b"GET /a HTTP/1.1\r\n" + h + b"Host: other.localhost\r\n\r\n",
-        "a target with a LF": b"GET /a\nb HTTP/1.1\r\n" + h + b"\r\n",
-        "a target with a NUL": b"GET /a\x00b HTTP/1.1\r\n" + h + b"\r\n",
-        "a target with a TAB": b"GET /a\tb HTTP/1.1\r\n" + h + b"\r\n",
-        "obs-fold": b"GET /a HTTP/1.1\r\n" + h + b"X-A: a\r\n b\r\n\r\n",
-        "a space before the colon": b"GET /a HTTP/1.1\r\n" + h + b"X-A : a\r\n\r\n",
-    }
-
-
-REFUSED = list(refused_cases(Machine(APP, Path())))
+REFUSED = list(refused_cases(APP))
 
 
 @pytest.mark.parametrize("case", REFUSED)
 def test_an_ambiguous_request_is_a_400_and_the_connection_closes(
     proxy: kit.ProxyProcess, machine: Machine, case: str
 ) -> None:
-    outcome = attack(proxy, machine, refused_cases(machine)[case])
+    outcome = attack(proxy, machine, refused_cases(machine.app)[case])
     assert outcome.first is not None and outcome.first.status == 400, outcome.first
     assert outcome.closed
     assert_probe_answered(outcome)
@@ -370,3 +318,31 @@ def test_a_kept_connection_trickling_its_next_head_is_cut_at_the_head_timeout(
     assert first is not None and first.status == 200
     assert rest.startswith(b"HTTP/1.1 408") or rest == b""  # the 408, or the connection reset under it
     assert [entry["target"] for entry in machine.parsed()[before:]] == ["/first"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.one_of(differential.valid, differential.valid, differential.requests, differential.with_host))
+def test_through_the_real_proxy_the_machine_parses_exactly_what_h11_accepts(
+    proxy: kit.ProxyProcess, machine: Machine, data: bytes
+) -> None:
+    """The differential test (test_proxy_h11) end to end: the hypothesis corpus sent to the real proxy; what
+    the recording machine parsed of it must be what h11 reads in it (nothing, where h11 refuses), and a
+    probe after it must get its own answer."""
+    data = data.replace(b"a.localhost", f"{machine.app}.localhost".encode())
+    outcome = attack(proxy, machine, data)
+    assert_probe_answered(outcome)
+    *forwarded, probe = outcome.parsed
+    assert probe["target"] == f"/probe-{outcome.tag}"
+    reference = differential.h11_reads(data)
+    event(f"machine parsed it: {bool(forwarded)}, h11 accepts it: {reference is not None}")
+    if not forwarded:
+        return
+    assert reference is not None, f"the machine parsed what h11 refuses: {data!r}"
+    (seen,) = forwarded
+    method, target, fields, body = differential._as_sent(reference)
+    assert (seen["method"], seen["target"]) == (method.decode("latin-1"), target.decode("latin-1"))
+    assert seen["body"] == body.decode("latin-1")
+    pairs = seen["fields"]
+    assert isinstance(pairs, list)
+    got = [(n, v) for n, v in pairs if n.encode() not in differential.OWNED and not n.startswith("x-forwarded-")]
+    assert got == [(n.decode("latin-1"), v.decode("latin-1")) for n, v in fields]
