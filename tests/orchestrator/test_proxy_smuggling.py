@@ -346,3 +346,23 @@ def test_through_the_real_proxy_the_machine_parses_exactly_what_h11_accepts(
     assert isinstance(pairs, list)
     got = [(n, v) for n, v in pairs if n.encode() not in differential.OWNED and not n.startswith("x-forwarded-")]
     assert got == [(n.decode("latin-1"), v.decode("latin-1")) for n, v in fields]
+
+
+@pytest.mark.parametrize(
+    "rest",
+    [
+        b"Content-Length: 100\r\n\r\n0123456789",
+        b"Transfer-Encoding: chunked\r\n\r\n5\r\nhel",
+        b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello",
+    ],
+    ids=["a length not reached", "inside a chunk", "before a chunk's terminator"],
+)
+def test_a_stalled_body_is_a_408_at_the_head_timeout_not_the_response_timeout(
+    proxy: kit.ProxyProcess, machine: Machine, rest: bytes
+) -> None:
+    """--head-timeout 1, --response-timeout 30 here, and the client waits 15 s: a proxy that left the machine
+    waiting for the body until its response timeout would not answer in time."""
+    outcome = attack(proxy, machine, b"POST /stalled HTTP/1.1\r\n" + host(machine) + rest)
+    assert outcome.first is not None and outcome.first.status == 408 and outcome.closed
+    assert_probe_answered(outcome)
+    assert [entry["target"] for entry in outcome.parsed] == [f"/probe-{outcome.tag}"]
