@@ -254,13 +254,13 @@ class Body:
             if fields.chunks == chunks:  # a trailer
                 continue
             size = _chunk_size(line)
+            if size == 0:
+                continue  # the last chunk: its trailers and blank line follow
             while size:
                 data = await self._read(min(CHUNK, size))
                 _feed(parser, data)
                 size -= len(data)
                 yield data
-            if fields.chunks > 0 and _chunk_size(line) == 0:
-                continue  # the last chunk: its trailers and blank line follow
             terminator = b""
             while len(terminator) < 2:  # llhttp judges it (a CRLF, nothing else)
                 piece = await self._read(2 - len(terminator))
