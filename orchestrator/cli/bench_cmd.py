@@ -308,6 +308,14 @@ def proxy(
     concurrency: int = typer.Option(32, "--concurrency", "-c", min=1, max=1024, help="keep-alive clients for req/s"),
     seconds: float = typer.Option(3.0, "--seconds", min=0.5, max=600, help="how long to measure req/s"),
     wakes: int = typer.Option(10, "--wakes", min=1, max=1000, help="requests to a suspended and to a stopped machine"),
+    against: str | None = typer.Option(
+        None,
+        "--against",
+        metavar="REV",
+        help="also run REV's proxy (a git revision, exported with git archive) beside this tree's, on the same"
+        " fleet and machine, in alternating rounds: overhead and req/s side by side (wakes are not timed)",
+    ),
+    rounds: int = typer.Option(4, "--rounds", min=1, max=100, help="with --against: rounds (--requests is split)"),
     output: Path = typer.Option(Path("bench-proxy.json"), "--output", "-o", help=OUTPUT_HELP),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -316,6 +324,18 @@ def proxy(
     from lab.bench import proxy as bench
 
     options = bench.ProxyOptions(requests=requests, concurrency=concurrency, seconds=seconds, wakes=wakes)
+    if against is not None:
+        from lab.bench import proxy_against as versus
+
+        def compare() -> versus.AgainstResult:
+            try:
+                return versus.run_proxy_against(options, against, rounds, _progress)
+            except versus.BadRevision as exc:
+                fail(str(exc), EXIT_USAGE)
+
+        compared = _measure(compare)
+        _finish(compared, versus.report(compared), output, json_out)
+        return
     result = _measure(lambda: bench.run_proxy_bench(options, _progress))
     _finish(result, bench.report(result), output, json_out)
 

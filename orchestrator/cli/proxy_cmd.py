@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 import typer
 
 from orchestrator.cli.runtime import NatsOption, checked, fail, nats_url, serve
@@ -34,6 +36,12 @@ def proxy(
     response_timeout: float = typer.Option(
         60.0, "--response-timeout", min=0.1, help="seconds a machine has to begin its response (else 504)"
     ),
+    trusted_proxy: list[str] = typer.Option(
+        [],
+        "--trusted-proxy",
+        help="CIDR of a hop in front of this proxy whose Forwarded, X-Forwarded-*, X-Real-IP and"
+        " Fly-Client-IP are believed (repeat); from anyone else they are dropped",
+    ),
     nats: str | None = NatsOption,
 ) -> None:
     """Route HTTP requests for <app>.<domain> to the app's machines; start or create them inside a request."""
@@ -45,6 +53,11 @@ def proxy(
         admin_at = parse_listen(admin) if admin else None
     except ValueError as exc:
         fail(str(exc), 2)
+    for cidr in trusted_proxy:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            fail(f"--trusted-proxy {cidr!r}: use an address or a CIDR such as 10.0.0.0/8", 2)
     config = ProxyConfig(
         region=checked("region", region),
         domain=domain,
@@ -53,6 +66,7 @@ def proxy(
         queue_timeout=queue_timeout,
         head_timeout=head_timeout,
         response_timeout=response_timeout,
+        trusted_proxies=tuple(trusted_proxy),
     )
     url = nats_url(nats)
     assert url is not None

@@ -24,6 +24,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_queue: int = 1024  # requests waiting per app; more are a 503 at once
     ready_timeout: float = 10.0  # a machine started for a request must accept connections within this
     avoid_for: float = 5.0  # seconds a machine that refused a connection is avoided
+    trusted_proxies: tuple[str, ...] = ()  # CIDRs of hops whose Forwarded/X-Forwarded-*/X-Real-IP are believed
 
 
 def machine_port(app: App, entry: MachineIndexEntry) -> int:

@@ -10,7 +10,7 @@ import asyncio
 from typing import Any
 
 from orchestrator.proxy.deadlines import Watch
-from orchestrator.proxy.http import Framing, Head
+from orchestrator.proxy.request import Request
 
 
 class Refused(Exception):
@@ -28,21 +28,25 @@ class Exchange:
 
     __slots__ = (
         "app",
+        "body_error",
         "client_keep",
         "framing",
         "head",
         "machine",
         "region",
+        "request",
         "request_id",
         "responded",
         "safe",
         "status",
+        "uploading",
         "waking",
         "watch",
     )
 
-    def __init__(self, head: Head, request_id: str, watch: Watch) -> None:
-        self.head = head
+    def __init__(self, request: Request, request_id: str, watch: Watch) -> None:
+        self.request = request
+        self.head = request.head
         self.watch = watch  # the connection's deadline (the response head's wait)
         self.request_id = request_id
         self.app = ""
@@ -51,6 +55,8 @@ class Exchange:
         self.status = 0
         self.responded = False  # a byte of the response went to the client
         self.client_keep = False
-        self.framing = Framing(False, 0)
+        self.framing = request.framing
+        self.uploading = False  # the request's body is being sent upstream beside the response's wait
+        self.body_error: BaseException | None = None  # why the client's body failed (its relay cancels the wait)
         self.safe = False  # idempotent and without a body: it may be sent twice
         self.waking: asyncio.Future[Any] | None = None  # the resume this request was sent ahead of

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import ipaddress
+from typing import Any
 
 from orchestrator.proxy.ahead import head_once_resumed, resumed
 from orchestrator.proxy.config import ProxyConfig, machine_port
@@ -22,11 +25,13 @@ from orchestrator.proxy.http import (
     HOP_BY_HOP,
     Framing,
     Head,
+    HttpError,
     body_framing,
     parse_response_head,
     relay_body,
     response_has_body,
 )
+from orchestrator.proxy.request import Body, Request, origin_form
 from orchestrator.proxy.routes import App, RouteTable
 from orchestrator.proxy.upstream import Conn, Pool
 
@@ -44,6 +49,7 @@ class Forwarder:
         self.config = config
         self.routes = routes
         self.pool = pool
+        self.trusted = tuple(ipaddress.ip_network(cidr, strict=False) for cidr in config.trusted_proxies)
 
     async def forward(
         self,
@@ -98,21 +104,49 @@ class Forwarder:
         client_ip: str,
         upgrade: bool,
     ) -> None:
-        head = ex.head
-        conn.writer.write(_upstream_head(head, client_ip, ex.request_id, upgrade))
+        conn.writer.write(upstream_head(ex.request, client_ip, ex.request_id, upgrade, self.trusts(client_ip)))
         sending: asyncio.Future[None] | None = None
-        if ex.framing.chunked or ex.framing.length > 0:  # full duplex: the response may begin before the body ends
-            sending = asyncio.ensure_future(relay_body(reader, conn.writer, ex.framing))
+        framing = ex.framing
+        if framing.chunked or framing.length > 0:  # full duplex: the response may begin before the body ends
+            body = Body(ex.request, reader, self.config.head_timeout)
+            sending = asyncio.ensure_future(send_body(body, conn.writer, chunked=framing.chunked))
+            task = asyncio.current_task()
+            assert task is not None
+            ex.uploading = True
+            sending.add_done_callback(functools.partial(_upload_done, ex, task))
         try:
-            await self._respond(ex, conn, reader, writer, upgrade)
-            if sending is not None:
-                await sending
+            await self._respond(ex, conn, reader, writer, upgrade, sending)
+        except asyncio.CancelledError:
+            failure = ex.body_error
+            if failure is None:
+                raise
+            ex.body_error = None
+            if task := asyncio.current_task():
+                task.uncancel()
+            raise failure from None
         finally:
+            ex.uploading = False
             if sending is not None and not sending.done():
                 sending.cancel()
 
+    def trusts(self, client_ip: str) -> bool:
+        """Whether the client is a configured trusted hop (its forwarding headers are kept and extended)."""
+        if not self.trusted:
+            return False
+        try:
+            address = ipaddress.ip_address(client_ip)
+        except ValueError:
+            return False
+        return any(address in network for network in self.trusted)
+
     async def _respond(
-        self, ex: Exchange, conn: Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upgrade: bool
+        self,
+        ex: Exchange,
+        conn: Conn,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        upgrade: bool,
+        sending: asyncio.Future[None] | None,
     ) -> None:
         head = ex.head
         ex.watch.arm(self.config.response_timeout)
@@ -148,21 +182,32 @@ class Forwarder:
             upstream_keep = upstream_keep and b"keep-alive" in response.tokens(b"connection")
         if framing.length < 0:
             ex.client_keep = False
-        client_head = _client_head(response, ex, machine=ex.machine or "")
-        if not framing.chunked and 0 < framing.length <= CHUNK:  # a small body: head and body in one send
-            body = await conn.reader.readexactly(framing.length)
+        if not framing.chunked and 0 <= framing.length <= CHUNK:  # a small body: head and body in one send
+            body = await conn.reader.readexactly(framing.length) if framing.length else b""
+            if sending is not None and not sending.done():
+                await asyncio.sleep(0)  # the upload's last write may be done, its task not yet resumed
+            if sending is not None and not sending.done():
+                # a whole response before the whole upload: neither connection can carry another request
+                ex.client_keep = False
             ex.responded = True
-            writer.write(client_head + body)
-        else:
+            writer.write(_client_head(response, ex, machine=ex.machine or "") + body)
+        else:  # a streamed response (full duplex: the upload may go on meanwhile); the end decides the connections
             ex.responded = True
-            writer.write(client_head)
+            writer.write(_client_head(response, ex, machine=ex.machine or ""))
             await relay_body(conn.reader, writer, framing)
-        if upstream_keep:
+        self._release(ex, conn, upstream_keep, sending)
+        if writer.transport.get_write_buffer_size():
+            await writer.drain()
+
+    def _release(self, ex: Exchange, conn: Conn, keep: bool, sending: asyncio.Future[None] | None) -> None:
+        """The machine's connection back to the pool only when both directions are complete: after an early
+        response the rest of the upload is not sent, and the connection (and the client's) ends instead."""
+        if sending is not None and not (sending.done() and not sending.cancelled() and sending.exception() is None):
+            keep = ex.client_keep = False
+        if keep:
             self.pool.put(conn)
         else:
             conn.close()
-        if writer.transport.get_write_buffer_size():
-            await writer.drain()
 
 
 def _dropped(head: Head, upgrade: bool) -> set[bytes]:
@@ -172,28 +217,85 @@ def _dropped(head: Head, upgrade: bool) -> set[bytes]:
     return drop
 
 
-def _upstream_head(head: Head, client_ip: str, request_id: str, upgrade: bool) -> bytes:
-    drop = _dropped(head, upgrade) | {b"x-forwarded-proto", b"x-forwarded-host", b"fauxmad-request-id"}
-    lines = [head.first, b" ", head.target, b" HTTP/1.1\r\n"]
-    forwarded_for = client_ip.encode()
-    for name, value in head.headers:
-        if name in drop:
-            continue
-        if name == b"x-forwarded-for":
-            forwarded_for = value + b", " + forwarded_for
-            continue
-        lines += [name, b": ", value, b"\r\n"]
-    lines += [b"x-forwarded-for: ", forwarded_for, b"\r\nx-forwarded-proto: http\r\n"]
-    host = head.get(b"host")
-    if host is not None:
-        lines += [b"x-forwarded-host: ", host, b"\r\n"]
+# fields that say who the client is or how it came: believed only from a trusted hop (`--trusted-proxy`)
+_FORWARDING = frozenset({b"forwarded", b"x-real-ip", b"fly-client-ip"})
+_REFRAMED = frozenset({b"content-length", b"transfer-encoding", b"fauxmad-request-id"})
+
+
+def upstream_head(request: Request, client_ip: str, request_id: str, upgrade: bool, trusted: bool) -> bytes:
+    """The head the machine gets: hop-by-hop fields dropped, the body's framing the proxy's own, forwarding
+    fields from an untrusted client dropped and written anew, an absolute-form target in origin-form with
+    its authority as Host (RFC 9112 §3.2.2), always HTTP/1.1 (the machine's connection stays reusable)."""
+    head = request.head
+    drop = _dropped(head, upgrade) | _REFRAMED
+    if request.absolute:
+        drop.add(b"host")
+    target = origin_form(head.target) if request.absolute else head.target
+    lines = [head.first, b" ", target, b" HTTP/1.1\r\n"]
+    authority = request.authority
+    if request.absolute and authority is not None:
+        lines += [b"host: ", authority, b"\r\n"]
+    forwarded_for, kept = _fields(lines, head, drop, client_ip.encode(), trusted)
+    framing = request.framing
+    if framing.chunked:
+        lines.append(b"transfer-encoding: chunked\r\n")
+    elif framing.length or head.get(b"content-length") is not None:
+        lines += [b"content-length: ", str(framing.length).encode(), b"\r\n"]
+    lines += [b"x-forwarded-for: ", forwarded_for, b"\r\n"]
+    if b"x-forwarded-proto" not in kept:
+        lines.append(b"x-forwarded-proto: http\r\n")
+    if authority is not None and b"x-forwarded-host" not in kept:
+        lines += [b"x-forwarded-host: ", authority, b"\r\n"]
     lines += [b"fauxmad-request-id: ", request_id.encode(), b"\r\n"]
     if upgrade:
         lines.append(b"connection: upgrade\r\n")
-    if head.version == b"HTTP/1.0" and not upgrade:
-        pass  # spoken upstream as HTTP/1.1: the machine's connection stays reusable
     lines.append(b"\r\n")
     return b"".join(lines)
+
+
+def _fields(
+    lines: list[bytes], head: Head, drop: set[bytes], forwarded_for: bytes, trusted: bool
+) -> tuple[bytes, set[bytes]]:
+    """The client's fields into `lines`, but those dropped, and forwarding fields only from a trusted hop;
+    (the X-Forwarded-For to send, the forwarding fields kept)."""
+    kept: set[bytes] = set()
+    for name, value in head.headers:
+        if name in drop:
+            continue
+        if name in _FORWARDING or name.startswith(b"x-forwarded-"):
+            if not trusted:
+                continue
+            if name == b"x-forwarded-for":
+                forwarded_for = value + b", " + forwarded_for
+                continue
+            kept.add(name)
+        lines += [name, b": ", value, b"\r\n"]
+    return forwarded_for, kept
+
+
+async def send_body(body: Body, writer: asyncio.StreamWriter, *, chunked: bool) -> None:
+    """The request's body to the machine, framed anew from what llhttp parsed (a length, or our own chunks)."""
+    async for data in body.pieces():
+        if chunked:
+            writer.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        else:
+            writer.write(data)
+        if writer.transport.get_write_buffer_size() > CHUNK:
+            await writer.drain()
+    if chunked:
+        writer.write(b"0\r\n\r\n")
+    await writer.drain()
+
+
+def _upload_done(ex: Exchange, task: asyncio.Task[Any], sending: asyncio.Future[None]) -> None:
+    """A client body that failed (malformed, stalled, cut) is answered at once: the wait for the response
+    is cancelled and the exchange ends with the body's error (a 400 or 408 when nothing was sent yet)."""
+    if sending.cancelled() or not ex.uploading:
+        return
+    failure = sending.exception()
+    if isinstance(failure, HttpError) and ex.body_error is None:
+        ex.body_error = failure
+        task.cancel()
 
 
 def _client_head(response: Head, ex: Exchange, *, machine: str) -> bytes:

@@ -1,10 +1,10 @@
-"""HTTP/1.1 as the proxy needs it: parse a message head, know where its body ends, relay that body.
+"""HTTP/1.1 as the proxy needs it for a machine's responses, and what requests and responses share.
 
-A proxy does not need a full HTTP library: it reads a head, decides, and copies bytes. Bodies are
-relayed in their own framing (a chunked body goes through as chunks, parsed only to find its end), so
-nothing is buffered whole and streaming works both ways. Parsing is strict where a lax parser would
-let requests be smuggled past the proxy (both Content-Length and Transfer-Encoding, two different
-lengths, whitespace before a colon: 400). Parsing does no I/O and is tested by feeding bytes.
+Requests, which come from anyone, are parsed by llhttp (`request`). A response comes from the app's own
+machine: its head is parsed here, and its body relayed in its own framing (a chunked body goes through as
+chunks, parsed only to find its end, each size plain hex and each line ended by one CRLF), so nothing is
+buffered whole and streaming works both ways. Both Content-Length and Transfer-Encoding, or two
+different lengths, are a 502. Parsing does no I/O and is tested by feeding bytes.
 """
 
 from __future__ import annotations
@@ -72,20 +72,12 @@ def _headers(lines: list[bytes]) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-def parse_request_head(data: bytes) -> Head:
-    """`data` is the head up to and including the blank line."""
-    lines = data[:-4].split(b"\r\n")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not parts[0].isalpha() or not parts[1]:
-        raise HttpError(400, "malformed request line")
-    method, target, version = parts
-    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-        raise HttpError(505 if version.startswith(b"HTTP/") else 400, "only HTTP/1.0 and HTTP/1.1 are spoken here")
-    return Head(method.upper(), target, version, _headers(lines[1:]))
-
-
 def parse_response_head(data: bytes) -> Head:
-    lines = data[:-4].split(b"\r\n")
+    text = data[:-4]
+    pairs = text.count(b"\r\n")
+    if b"\x00" in text or text.count(b"\n") != pairs or text.count(b"\r") != pairs:
+        raise HttpError(502, "the machine's response head has a bare CR or LF, or a NUL")
+    lines = text.split(b"\r\n")
     version, _, rest = lines[0].partition(b" ")
     code, _, reason = rest.partition(b" ")
     if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
@@ -170,19 +162,30 @@ async def copy_exact(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             await writer.drain()
 
 
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+
+
+def _line_ok(line: bytes) -> bool:
+    """A chunk line or trailer from a machine: one CRLF, at its end, and no NUL."""
+    inner = line[:-2]
+    return b"\r" not in inner and b"\n" not in inner and b"\x00" not in inner
+
+
 async def copy_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Relay one chunked body as it comes, chunk by chunk, trailers included."""
+    """Relay a machine's chunked response as it comes, chunk by chunk, trailers included: each chunk size
+    plain hex, each line ended by one CRLF (else a 502: the client's connection is cut)."""
     while True:
         line = await reader.readuntil(b"\r\n")
-        size_text = line.split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise HttpError(400, "malformed chunk size") from None
+        size_text = line[:-2].split(b";", 1)[0]
+        if _CHUNK_SIZE.fullmatch(size_text) is None or not _line_ok(line):
+            raise HttpError(502, "the machine sent a malformed chunk size")
+        size = int(size_text, 16)
         writer.write(line)
         if size == 0:
             while True:  # trailers, then the blank line
                 trailer = await reader.readuntil(b"\r\n")
+                if not _line_ok(trailer):
+                    raise HttpError(502, "the machine sent a malformed trailer")
                 writer.write(trailer)
                 if trailer == b"\r\n":
                     await writer.drain()
@@ -190,7 +193,7 @@ async def copy_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         await copy_exact(reader, writer, size)
         crlf = await reader.readexactly(2)
         if crlf != b"\r\n":
-            raise HttpError(400, "malformed chunk")
+            raise HttpError(502, "the machine sent a malformed chunk")
         writer.write(crlf)
         await writer.drain()
 

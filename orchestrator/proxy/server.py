@@ -31,9 +31,10 @@ from orchestrator.proxy.deadlines import Deadlines, Watch
 from orchestrator.proxy.exchange import Exchange, Refused
 from orchestrator.proxy.failover import Failover
 from orchestrator.proxy.forward import Forwarder, UpstreamFailed
-from orchestrator.proxy.http import MAX_HEAD, HttpError, body_framing, error_response, parse_request_head, split_host
+from orchestrator.proxy.http import MAX_HEAD, HttpError, error_response, split_host
 from orchestrator.proxy.metrics import ProxyMetrics
 from orchestrator.proxy.pick import Picker
+from orchestrator.proxy.request import parse_request
 from orchestrator.proxy.routes import App, RouteTable
 from orchestrator.proxy.upstream import Pool
 from orchestrator.proxy.wake import Waker
@@ -80,8 +81,7 @@ class Proxy:
         try:
             first = True
             while True:
-                timeout = self.config.head_timeout if first else self.config.keepalive_timeout
-                data = await self._read_head(reader, writer, timeout, first, watch)
+                data = await self._read_head(reader, writer, first, watch)
                 if data is None:
                     return
                 first = False
@@ -97,11 +97,20 @@ class Proxy:
                 writer.close()
 
     async def _read_head(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float, first: bool, watch: Watch
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bool, watch: Watch
     ) -> bytes | None:
-        watch.arm(timeout)  # no timer per read (asyncio.timeout's): this is the hot path
+        """The next request head. A kept connection may idle up to the keep-alive timeout, but from a head's
+        first byte on, every head has the head timeout, the first as the hundredth (slowloris)."""
+        config = self.config
+        begun = first
+        watch.arm(config.head_timeout if first else config.keepalive_timeout)  # no timer per read: the hot path
         try:
-            return await reader.readuntil(b"\r\n\r\n")
+            if first:
+                return await reader.readuntil(b"\r\n\r\n")
+            byte = await reader.readexactly(1)
+            begun = True
+            watch.arm(config.head_timeout)
+            return byte + await reader.readuntil(b"\r\n\r\n")
         except asyncio.IncompleteReadError:
             return None
         except asyncio.LimitOverrunError:
@@ -109,7 +118,7 @@ class Proxy:
         except asyncio.CancelledError:
             if not watch.expired():
                 raise
-            if not first:  # an idle keep-alive connection: just close it
+            if not begun:  # an idle keep-alive connection: just close it
                 return None
             writer.write(error_response(408, "the request head did not arrive in time", _request_id()))
         finally:
@@ -132,8 +141,7 @@ class Proxy:
         request_id = _request_id()
         ex: Exchange | None = None
         try:
-            head = parse_request_head(data)
-            ex = Exchange(head, request_id, watch)
+            ex = Exchange(parse_request(data), request_id, watch)
             await self._serve(ex, reader, writer, client_ip, held)
             return ex.client_keep
         except (HttpError, Refused) as exc:
@@ -167,7 +175,7 @@ class Proxy:
         self, ex: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, client_ip: str, held: list[str]
     ) -> None:
         head = ex.head
-        host = head.get(b"host")
+        host = ex.request.authority
         if host is None:
             raise HttpError(400, "a Host header is required")
         name = split_host(host, self.config.domain)
@@ -179,7 +187,6 @@ class Proxy:
         if app is None:
             raise Refused(404, f"unknown app {name}")
         ex.app = name
-        ex.framing = body_framing(head, request=True)
         connection = head.tokens(b"connection")
         ex.client_keep = b"close" not in connection if head.version == b"HTTP/1.1" else b"keep-alive" in connection
         upgrade = b"upgrade" in connection and head.get(b"upgrade") is not None

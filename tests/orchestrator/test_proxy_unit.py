@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
 from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Route, Start, Wait, choose, region_order
-from orchestrator.proxy.http import HttpError, body_framing, parse_request_head, split_host
+from orchestrator.proxy.http import HttpError, copy_chunked, parse_response_head, split_host
 from orchestrator.proxy.idle import idle_victims
+from orchestrator.proxy.request import origin_form, parse_request
 
 POLICY = Policy(soft_limit=2, hard_limit=4, auto_start=True, auto_create=False, max_per_region=1)
 ORDER = ["mad", "lhr", "syd"]
@@ -94,7 +96,7 @@ def test_idle_victims_keep_min_running_and_the_nearest() -> None:
 
 
 def test_a_request_head_parses_and_hosts_name_apps() -> None:
-    head = parse_request_head(b"GET /x HTTP/1.1\r\nHost: web.localhost:8080\r\nX-A:  b \r\n\r\n")
+    head = parse_request(b"GET /x HTTP/1.1\r\nHost: web.localhost:8080\r\nX-A:  b \r\n\r\n").head
     assert (head.first, head.target, head.get(b"x-a")) == (b"GET", b"/x", b"b")
     assert split_host(head.get(b"host"), "localhost") == "web"
     assert split_host(b"a.b.localhost", "localhost") is None
@@ -112,19 +114,38 @@ def test_a_request_head_parses_and_hosts_name_apps() -> None:
 )
 def test_malformed_heads_are_refused(data: bytes, status: int) -> None:
     with pytest.raises(HttpError) as caught:
-        parse_request_head(data)
+        parse_request(data)
     assert caught.value.status == status
 
 
-def test_body_framing_refuses_what_could_smuggle_a_request() -> None:
-    both = parse_request_head(b"POST / HTTP/1.1\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n")
-    with pytest.raises(HttpError):
-        body_framing(both, request=True)
-    two = parse_request_head(b"POST / HTTP/1.1\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\n")
-    with pytest.raises(HttpError):
-        body_framing(two, request=True)
-    chunked = parse_request_head(b"POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n")
-    assert body_framing(chunked, request=True).chunked
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"POST / HTTP/1.1\r\nHost: a\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: a\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: a\r\ntransfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: a\r\ntransfer-encoding: xchunked\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: a\r\nX-A: b\ntransfer-encoding: chunked\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close, Content-Length\r\n\r\n",
+    ],
+)
+def test_framing_that_could_smuggle_a_request_is_refused(data: bytes) -> None:
+    with pytest.raises(HttpError) as caught:
+        parse_request(data)
+    assert caught.value.status == 400
+
+
+def test_a_chunked_request_and_an_absolute_target() -> None:
+    chunked = parse_request(b"post / HTTP/1.1\r\nHost: a\r\ntransfer-encoding: chunked\r\n\r\n")
+    assert chunked.framing.chunked and chunked.head.first == b"post"
+    absolute = parse_request(b"GET http://web.localhost:8080/p?q HTTP/1.1\r\nHost: other.localhost\r\n\r\n")
+    assert (absolute.authority, absolute.absolute, origin_form(absolute.head.target)) == (
+        b"web.localhost:8080",
+        True,
+        b"/p?q",
+    )
+    assert origin_form(b"http://web.localhost") == b"/"
 
 
 def test_a_deadline_cancels_only_its_own_wait_and_the_task_goes_on() -> None:
@@ -176,3 +197,47 @@ def test_a_deadline_cancels_only_its_own_wait_and_the_task_goes_on() -> None:
         return first, second
 
     assert asyncio.run(main()) == (["timed out", "timed out", "went on"], ["cancelled"])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"-1\r\nhello",
+        b"0x5\r\nhello\r\n0\r\n\r\n",
+        b"5;a\nb\r\nhello\r\n0\r\n\r\n",
+        b"0\r\nX: a\nb\r\n\r\n",
+        b"5\r\nhelloXX",
+    ],
+)
+def test_a_machines_malformed_chunked_response_is_a_502(body: bytes) -> None:
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(body)
+        reader.feed_eof()
+        sink = _Sink()
+        await copy_chunked(reader, sink)  # type: ignore[arg-type]
+
+    with pytest.raises(HttpError) as caught:
+        asyncio.run(main())
+    assert caught.value.status == 502
+
+
+def test_a_machines_response_head_with_a_bare_lf_is_a_502() -> None:
+    with pytest.raises(HttpError) as caught:
+        parse_response_head(b"HTTP/1.1 200 OK\r\nx-a: a\nx-b: b\r\n\r\n")
+    assert caught.value.status == 502
+    assert parse_response_head(b"HTTP/1.1 200 OK\r\nx-a: a\r\n\r\n").get(b"x-a") == b"a"
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.transport = self
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    async def drain(self) -> None:
+        return None
