@@ -47,6 +47,14 @@ class Check(Request):
             raise ValueError("check interval must be at least 50ms")
 
 
+class Service(Request):
+    """A port the machine serves that the edge may reach (Fly's `services[].internal_port`): an app whose
+    `[http_service]` names an `internal_port` listens there, not on its `PORT`, and a worker's backhaul reaches
+    only the ports a machine's config names (README "The edge proxy")."""
+
+    internal_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
 class Mount(Request):
     """A volume the machine mounts (README "Volumes"): it runs on the volume's worker, the volume at `path`."""
 
@@ -65,6 +73,7 @@ class MachineConfig(Request):
     standbys: list[MachineId] = []
     auto_destroy: bool = False
     mounts: list[Mount] = []
+    services: list[Service] = []  # addition: ports the edge may reach besides `PORT` (Fly's services)
     # addition: the directory `cmd` runs in, absolute, on the worker's host (default: the machine's own)
     workdir: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 

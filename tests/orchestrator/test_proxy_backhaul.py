@@ -21,11 +21,12 @@ import pytest
 from bus.contract.backhaul import request_line
 from bus.contract.fleet import CreateRequest, WorkerInfo
 from bus.contract.machines import Machine
+from bus.local.ports import free_port
 from lab.bench.http_client import Client, Response
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.proxy.upstream import connect_when_up
-from orchestrator.reconcile.spec import PRIMARY
+from orchestrator.reconcile.spec import PRIMARY, parse_spec
 from tests.helpers import arun
 from tests.orchestrator import proxy_kit as kit
 from tests.orchestrator.test_api import Api, start_api
@@ -126,6 +127,39 @@ def test_a_machine_on_another_host_answers_through_the_backhaul(
     assert [m["address"] for m in json.loads(listed.stdout)] == [OTHER_HOST]
     shown = cli(fleet, "machine", "show", machine.id, "--app", name)
     assert OTHER_HOST in shown.stdout, shown.stdout
+
+
+def test_an_apps_internal_port_is_reached_through_the_backhaul(
+    fleet: DevFleet, proxy: kit.ProxyProcess, unique: Callable[[str], str]
+) -> None:
+    """`[http_service] internal_port` fixes the port the app listens on (not its `PORT`): the operator puts it
+    in each machine's config (`services`), so the worker's backhaul lets the edge reach it, and nothing else."""
+    name, port = unique("fixed"), free_port()
+    spec = parse_spec(
+        f'app = "{name}"\ncmd = ["sh", "-c", "PORT={port} exec python3 {kit.ECHO}"]\n[guest]\nmemory_mb = 64\n'
+        f"[regions]\nbhb = 1\n[http_service]\ninternal_port = {port}\n"
+    )
+    release = arun(kit.publish(fleet.url, spec))
+    config = spec.machine_config(release, PRIMARY)
+    assert [s.internal_port for s in config.services] == [port]
+
+    async def main() -> tuple[Machine, list[Response]]:
+        client = await FleetClient.connect(fleet.url)
+        http = Client(proxy.port)
+        try:
+            machine = await client.create(name, CreateRequest(region="bhb", config=config))
+            conn = await connect_when_up(("127.0.0.1", port), 10.0)  # local: the test runs on the machine's host
+            assert conn is not None, f"{machine.id} never listened on {port}"
+            conn.close()
+            return machine, [await http.request(f"{name}.localhost") for _ in range(3)]
+        finally:
+            await http.close()
+            await client.close()
+
+    machine, answers = arun(main())
+    assert machine.address == OTHER_HOST and machine.port != port
+    assert [a.status for a in answers] == [200] * 3, [a.body for a in answers]
+    assert {a.json()["machine"] for a in answers} == {machine.id}
 
 
 def test_the_http_api_gives_the_machines_private_ip(fleet: DevFleet, unique: Callable[[str], str]) -> None:

@@ -4,8 +4,8 @@ A machine listens on its host's loopback only; it is never exposed on the networ
 on every worker host, the edge forwards over the backhaul to it). So the worker, which runs on every worker
 host anyway, listens on its advertised address (`--advertise`, port `--backhaul-port`, ephemeral by
 default so many workers share a host) and serves one preamble per connection (`bus.contract.backhaul`):
-the machine must be this worker's, not destroyed, and the port its own (its `PORT`, or a port one of its
-checks names); anything else is `error <why>` and the connection is closed. Only a port the worker gave
+the machine must be this worker's, not destroyed, and the port its own (its `PORT`, or a port its services or
+its checks name); anything else is `error <why>` and the connection is closed. Only a port the worker gave
 a machine is reachable, never another service on the host's loopback (NATS, the metrics, another fleet).
 
 Then the worker connects to the machine's port on loopback and answers `ok` only once it holds that
@@ -35,8 +35,9 @@ LOCAL = "127.0.0.1"  # local: a machine listens on its own host's loopback, and 
 
 
 def allowed_ports(machine: Machine) -> set[int]:
-    """The ports of `machine` an edge may ask for: its `PORT` and those its checks name."""
+    """The ports of `machine` an edge may ask for: its `PORT`, its services' and those its checks name."""
     ports = {check.port for check in machine.config.checks.values() if check.port}
+    ports.update(service.internal_port for service in machine.config.services)
     if machine.port:
         ports.add(machine.port)
     return ports
