@@ -98,8 +98,11 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # variable is set: the fleet's layout takes R3 from a cluster of three (`bus.transport.fleet_layout`)
     cluster: int = 0
     replicas: int | None = None  # the layout's replicas when the fleet is made (None: what the servers offer)
-    # each worker and broker process serves Prometheus /metrics on a free port of 127.0.0.1 (`DevFleet.metrics`)
+    # local: each worker and broker process serves Prometheus /metrics on a free port of 127.0.0.1 (one host)
     metrics: bool = False
+    # region -> the address its workers advertise (`fauxmad worker --advertise`), e.g. 127.0.0.2 for a region an
+    # edge on this host must reach through the workers' backhaul, as a host of its own (default: NATS's side)
+    advertise: dict[str, str] = {}
 
 
 def unmount_under(root: Path) -> int:
@@ -320,7 +323,8 @@ class DevFleet:
         for region in spec.regions:
             for n in range(spec.workers_per_region):
                 worker_id = f"{region}-w{n + 1}"
-                self._creds[f"worker-{worker_id}"] = str(self.security.add_worker(worker_id, region))
+                addresses = (spec.advertise.get(region, "127.0.0.1"),)  # local: a dev fleet's NATS is on loopback
+                self._creds[f"worker-{worker_id}"] = str(self.security.add_worker(worker_id, region, addresses))
         scopes = [f"{region}-" for region in spec.regions] if spec.supercluster else [""]
         for scope in scopes:  # a supercluster's brokers are per region (`broker-mad-1`)
             for i in range(spec.brokers):
@@ -412,6 +416,8 @@ class DevFleet:
                 ]
                 if count > 1:
                     args += ["--count", str(count)]
+                if region in spec.advertise:
+                    args += ["--advertise", spec.advertise[region]]
                 if not spec.fsync:
                     args += ["--no-fsync"]
                 self._spawn(f"worker-{base}", args + self._metrics_args(f"worker-{base}"))
@@ -435,7 +441,7 @@ class DevFleet:
         if not self.spec.metrics:
             return []
         self.metrics[name] = free_port()
-        return ["--metrics-listen", f"127.0.0.1:{self.metrics[name]}"]
+        return ["--metrics-listen", f"127.0.0.1:{self.metrics[name]}"]  # local: a dev fleet is one host
 
     @property
     def expected_brokers(self) -> int:

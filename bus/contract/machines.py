@@ -47,6 +47,14 @@ class Check(Request):
             raise ValueError("check interval must be at least 50ms")
 
 
+class Service(Request):
+    """A port the machine serves that the edge may reach (Fly's `services[].internal_port`): an app whose
+    `[http_service]` names an `internal_port` listens there, not on its `PORT`, and a worker's backhaul reaches
+    only the ports a machine's config names (README "The edge proxy")."""
+
+    internal_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
 class Mount(Request):
     """A volume the machine mounts (README "Volumes"): it runs on the volume's worker, the volume at `path`."""
 
@@ -65,6 +73,7 @@ class MachineConfig(Request):
     standbys: list[MachineId] = []
     auto_destroy: bool = False
     mounts: list[Mount] = []
+    services: list[Service] = []  # addition: ports the edge may reach besides `PORT` (Fly's services)
     # addition: the directory `cmd` runs in, absolute, on the worker's host (default: the machine's own)
     workdir: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 
@@ -147,6 +156,9 @@ class Machine(Reply):
     version: int = 0
     lease: Lease | None = None
     explain: Any | msgspec.UnsetType = msgspec.UNSET
+    # addition: the address other hosts reach its worker at (`fauxmad worker --advertise`); the machine itself
+    # listens on its host's loopback only, and an edge on another host reaches it through that worker's backhaul
+    address: str | None = None
 
 
 class Lease(Reply):
@@ -285,6 +297,7 @@ class MachineIndexEntry(Reply):
     # addition: the machine's config.metadata, so a reconciler knows the role of a machine on a lost worker
     metadata: dict[str, str] = {}
     port: int | None = None  # addition: the machine's PORT, so the edge proxy can reach it
+    address: str | None = None  # addition: its worker's advertised address (None: a worker older than that)
 
 
 def index_entry(machine: Machine) -> MachineIndexEntry:
@@ -300,6 +313,7 @@ def index_entry(machine: Machine) -> MachineIndexEntry:
         version=machine.version,
         metadata=dict(machine.config.metadata),
         port=machine.port,
+        address=machine.address,
     )
 
 

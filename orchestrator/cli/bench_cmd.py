@@ -316,6 +316,9 @@ def proxy(
         " fleet and machine, in alternating rounds: overhead and req/s side by side (wakes are not timed)",
     ),
     rounds: int = typer.Option(4, "--rounds", min=1, max=100, help="with --against: rounds (--requests is split)"),
+    backhaul: bool = typer.Option(
+        False, "--backhaul", help="reach the machine through its worker's backhaul, as an edge on another host does"
+    ),
     output: Path = typer.Option(Path("bench-proxy.json"), "--output", "-o", help=OUTPUT_HELP),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -323,7 +326,9 @@ def proxy(
     byte when the machine is suspended (resumed) or stopped (started) inside the request."""
     from lab.bench import proxy as bench
 
-    options = bench.ProxyOptions(requests=requests, concurrency=concurrency, seconds=seconds, wakes=wakes)
+    options = bench.ProxyOptions(
+        requests=requests, concurrency=concurrency, seconds=seconds, wakes=wakes, backhaul=backhaul
+    )
     if against is not None:
         from lab.bench import proxy_against as versus
 

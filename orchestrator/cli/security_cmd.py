@@ -54,7 +54,9 @@ def register(fleet_app: typer.Typer) -> None:
 def init(
     directory: str = typer.Argument(..., help="where to write the fleet's CA, server config and credentials"),
     host: str = typer.Option(
-        "127.0.0.1", "--host", help="the address nats-server listens on (also in its certificate)"
+        "127.0.0.1",  # local: a one-host fleet's default; several hosts give the server's address
+        "--host",
+        help="the address nats-server listens on (also in its certificate)",
     ),
     port: int = typer.Option(4222, "--port", min=1, max=65535, help="the port nats-server listens on"),
     server_name: list[str] = typer.Option(
@@ -79,11 +81,21 @@ def init(
 def add_worker(
     worker_id: str = typer.Argument(..., help="the worker's id (as `fauxmad worker --worker-id`)"),
     region: str = typer.Option(..., "--region", "-r", help="the worker's region: it answers that region's offers only"),
+    address: list[str] = typer.Option(
+        [], "--address", help="an IP address of the worker's host (its --advertise), named in its certificate (repeat)"
+    ),
     directory: str = DIR_OPTION,
 ) -> None:
     """Credentials for one worker: it may answer only its own subjects and its region's offers."""
+    import ipaddress
+
+    for one in address:
+        try:
+            ipaddress.ip_address(one)
+        except ValueError:
+            fail(f"--address {one!r}: not an IP address", EXIT_USAGE)
     fleet = FleetDir(directory)
-    _done(fleet, _run(lambda: fleet.add_worker(worker_id, region)))
+    _done(fleet, _run(lambda: fleet.add_worker(worker_id, region, tuple(address))))
 
 
 def add_user(

@@ -24,7 +24,7 @@ import msgspec
 
 from bus.contract.base import Token, seconds
 from bus.contract.fleet import Preset
-from bus.contract.machines import Check, Guest, MachineConfig, Mount, RestartPolicy
+from bus.contract.machines import Check, Guest, MachineConfig, Mount, RestartPolicy, Service
 from bus.contract.rules import in_words
 from orchestrator.reconcile.http_service import HttpService
 
@@ -152,7 +152,14 @@ class AppSpec(_Strict, frozen=True):
             metadata=metadata,
             standbys=[standby_of] if standby_of else [],
             mounts=list(self.mounts),
+            services=self._services(),
         )
+
+    def _services(self) -> list[Service]:
+        """The port the edge reaches this app's machines on, when `[http_service]` fixes one: a worker's
+        backhaul lets an edge on another host reach only the ports a machine's config names."""
+        port = self.http_service.internal_port if self.http_service else None
+        return [Service(internal_port=port)] if port else []
 
 
 _AT = re.compile(r"^(.*) - at `\$\.?(.*)`$")
