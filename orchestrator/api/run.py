@@ -75,12 +75,12 @@ def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         context.load_cert_chain(str(cert), str(key))
+    except ssl.SSLError as exc:  # an OSError too: first
+        raise ValueError(f"{cert} and {key} are not a certificate and its key ({exc.reason or exc})") from None
     except FileNotFoundError as exc:
         raise ValueError(f"cannot read {exc.filename or cert}: no such file") from None
     except OSError as exc:
         raise ValueError(f"cannot read {cert} or {key}: {exc.strerror or exc}") from None
-    except ssl.SSLError as exc:
-        raise ValueError(f"{cert} and {key} are not a certificate and its key ({exc.reason or exc})") from None
     return context
 
 
