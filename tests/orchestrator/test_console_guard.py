@@ -1,11 +1,17 @@
 """The console's same-origin rules as pure functions (`orchestrator.console.guard`): which requests may act, which
-origin a request addressed, which peers' forwarding headers count. The fleet tests (test_console_csrf) show the
-same rules on a real API and in a real browser."""
+origin a request addressed, which peers' forwarding headers count; and the HTTPS certificate a secure fleet's API
+identity is issued (files only, no server). The fleet tests (test_console_csrf) show the same rules on a real API
+and in a real browser."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from orchestrator.api.run import fleet_certificate, https_files, tls_context
 from orchestrator.console.guard import (
     FORM,
     JSON,
@@ -18,6 +24,8 @@ from orchestrator.console.guard import (
     parse_proxy,
     refusal,
 )
+from orchestrator.security.fleetdir import FleetDir
+from orchestrator.security.pki import server_names
 
 OWN = "http://127.0.0.1:4280"
 KEY = csrf_key(b"k" * 32, None)
@@ -102,3 +110,31 @@ def test_only_the_named_proxies_are_trusted() -> None:
     assert "127.0.0.1" not in TrustedProxies()
     with pytest.raises(ValueError, match="not an IP address or a CIDR"):
         parse_proxy("proxy.example")
+
+
+def test_an_api_identity_gets_an_https_certificate_from_the_fleets_ca(tmp_path: Path) -> None:
+    """What `fauxmad api` serves on a secure fleet by default: a server certificate for the NATS server's names,
+    from the fleet's CA, beside the api identity's credentials (none for other roles), renewed by `rotate` and gone
+    with the identity."""
+    fleet = FleetDir(tmp_path / "fleet")
+    fleet.init(host="127.0.0.1", port=4222)
+    fleet.add_user("api-1", "api")
+    fleet.add_user("reader", "viewer")
+    creds = fleet.creds("api-1")
+    found = fleet_certificate("tls://127.0.0.1:4222", str(creds))
+    assert found == https_files("api-1", creds.parent) and found is not None
+    cert = x509.load_pem_x509_certificate(found[0].read_bytes())
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    assert sorted(server_names(found[0])) == sorted(server_names(fleet.root / "server.pem"))
+    ca = x509.load_pem_x509_certificate((fleet.root / "ca.pem").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    tls_context(*found)  # the pair loads as a server's
+
+    assert fleet_certificate("tls://127.0.0.1:4222", str(fleet.creds("reader"))) is None
+    assert fleet_certificate("nats://127.0.0.1:4222", str(creds)) is None  # an open fleet: no identity
+    before = found[0].read_bytes()
+    fleet.rotate(["api-1"])
+    assert found[0].read_bytes() != before
+    fleet.remove("api-1")
+    assert not found[0].exists() and not found[1].exists()
