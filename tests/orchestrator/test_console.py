@@ -227,7 +227,8 @@ def test_the_login_cookie_is_http_only_and_same_site_strict(console: Console) ->
 
 
 def test_the_how_to_block_runs_as_written(console: Console, tmp_path: Path) -> None:
-    """docs/how-to/console.md: mint tokens, serve the console on its default port, a 200 and a 401."""
+    """docs/how-to/console.md: mint tokens, serve the console on its default port, a 200, a 401, and a 403 for the
+    operator's cookie sent from another origin."""
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "how-to" / "console.md").read_text(), re.S)
     assert len(blocks) == 1, blocks
     env = dict(os.environ, FAUXMAD_NATS_URL=console.fleet.url, PYTHONPATH=str(ROOT))
@@ -237,7 +238,7 @@ def test_the_how_to_block_runs_as_written(console: Console, tmp_path: Path) -> N
     )
     assert done.returncode == 0, done.stdout + done.stderr
     codes = [line for line in done.stdout.splitlines() if line.isdigit()]  # the api's own line is on stdout too
-    assert codes == ["200", "401"], done.stdout + done.stderr
+    assert codes == ["200", "401", "403"], done.stdout + done.stderr
     assert (tmp_path / "web-reader.token").read_text().startswith("fm1_")
 
 
