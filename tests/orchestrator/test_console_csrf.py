@@ -462,6 +462,9 @@ def test_in_a_browser_pages_of_other_origins_on_the_same_host_can_neither_act_no
                 page.wait_for_function("() => document.getElementById('state').textContent === 'stopped'")
                 assert "the machine is stopped" in page.inner_text("#outcome")
                 assert setting.state("victim", mid) == "stopped"
+                page.click("header button[type=submit]")  # log out: the form sends its session's token
+                page.wait_for_url(api.base + "/ui/login")
+                assert context.cookies() == []
             finally:
                 browser.close()
     finally:
