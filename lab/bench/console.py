@@ -152,7 +152,7 @@ async def _browse(
             for _ in range(options.loads + 1):  # the first load warms the cache (stylesheet, script)
                 page = await context.new_page()
                 await page.goto(base + "/ui/", wait_until="load")
-                await page.wait_for_function("performance.getEntriesByName('first-contentful-paint').length > 0")
+                await page.wait_for_function("() => performance.getEntriesByName('first-contentful-paint').length > 0")
                 got: dict[str, Any] = await page.evaluate(PAINT_JS)
                 paints.append(float(got["fcp"]) / 1000)
                 servers.append(float(got["server"]) / 1000)
@@ -167,7 +167,7 @@ async def _browse(
                 await page.evaluate(WATCH_JS, machine_id)
                 started = time.time() * 1000
                 await client.start(app, machine_id)
-                await page.wait_for_function("window.__changed !== null", timeout=30_000)
+                await page.wait_for_function("() => window.__changed !== null", timeout=30_000)
                 events.append((float(await page.evaluate("window.__changed")) - started) / 1000)
         finally:
             await browser.close()

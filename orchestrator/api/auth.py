@@ -102,7 +102,10 @@ class Auth:
     def presented(self, request: web.Request) -> str:
         """What a refused request's audit record names: the id of the token it carried (as the token says, even
         a forged one), `static-token`, `malformed`, or `none given`."""
-        value = bearer(request)
+        return self.named(bearer(request))
+
+    def named(self, value: str) -> str:
+        """What an audit record names for a token's text (see `presented`)."""
         if not value:
             return NO_TOKEN
         if self.static_token is not None and hmac.compare_digest(value.encode(), self.static_token):

@@ -2,6 +2,11 @@
 CLI's `serve` cancels it on SIGTERM or SIGINT) or the broker's connection ends for good (then exit non-zero for the
 supervisor). No server at start is one line and exit 3; once connected it reconnects forever.
 
+HTTPS: with a certificate and its key (`--tls-cert`/`--tls-key`) the listener serves TLS itself. On a secure fleet
+the default is the certificate the fleet's CA issued to the API's identity for it (`fauxmad fleet add-user NAME
+--role api` writes `creds/NAME-https.pem` beside the credentials; see `orchestrator.security.fleetdir`): the
+console's cookie then travels encrypted and is marked `Secure`.
+
 On the way out the server closes its listener and waits for the audit records still being acknowledged
 (`AuditTrail.drain`), then closes the NATS connection, which flushes what it still holds."""
 
@@ -10,17 +15,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import ssl
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import start_http_server
 
 from bus.contract.errors import Unreachable
+from bus.transport import credentials
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_audit_stream, revoked_tokens_bucket
 from orchestrator.api.auth import Auth, RevokedTokens
 from orchestrator.api.server import build
 from orchestrator.broker.service import Broker, BrokerConfig
+from orchestrator.console.guard import Network, TrustedProxies
 from orchestrator.security.tokens import KEY_BYTES
 
 
@@ -43,6 +51,39 @@ def read_root_key(path: Path | None) -> bytes | None:
     return key
 
 
+def https_files(name: str, base: Path) -> tuple[Path, Path]:
+    """Where the HTTPS certificate and key the fleet's CA issued to API identity `name` are (beside its
+    credentials file, in `base`)."""
+    return base / f"{name}-https.pem", base / f"{name}-https-key.pem"
+
+
+def fleet_certificate(nats_url: str, creds: str | None = None) -> tuple[Path, Path] | None:
+    """The HTTPS certificate and key of this process's identity on a secure fleet (`creds`, default
+    `$FAUXMAD_CREDS`), or None: an open fleet, or an identity the CA issued none to (not of role `api`)."""
+    path = creds or credentials.default_path()
+    if not nats_url.startswith("tls://") or not path:
+        return None
+    identity, base = credentials.load(path)
+    cert, key = https_files(identity.name, base)
+    return (cert, key) if cert.exists() and key.exists() else None
+
+
+def tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """A server's TLS context for `cert` (PEM, with its chain) and its `key`; `ValueError` in words if they do not
+    load (missing, unreadable, or not a pair)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(str(cert), str(key))
+    except ssl.SSLError as exc:  # an OSError too: first
+        raise ValueError(f"{cert} and {key} are not a certificate and its key ({exc.reason or exc})") from None
+    except FileNotFoundError as exc:
+        raise ValueError(f"cannot read {exc.filename or cert}: no such file") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {cert} or {key}: {exc.strerror or exc}") from None
+    return context
+
+
 async def serve(
     nats_url: str,
     host: str,
@@ -52,6 +93,8 @@ async def serve(
     root_key: bytes | None = None,
     metrics: tuple[str, int] | None = None,
     proxy_metrics: list[str] | None = None,
+    tls: ssl.SSLContext | None = None,
+    trusted_proxies: list[Network] | None = None,
 ) -> None:
     from orchestrator.console.routes import attach  # the web console at /ui (orchestrator.console)
 
@@ -69,16 +112,17 @@ async def serve(
         auth = Auth(static_token=token, root_key=root_key, revoked=revoked)
         await broker.start(serve=False)  # placements happen here, as Fly's flaps does them (orchestrator.api.http)
         app = build(nc, auth=auth, broker=broker)
-        attach(app, auth, proxy_metrics=proxy_metrics)
+        attach(app, auth, proxy_metrics=proxy_metrics, trusted=TrustedProxies(trusted_proxies or []))
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=tls)
         await site.start()
         bound = runner.addresses[0] if runner.addresses else (host, port)
         where = f"[{bound[0]}]:{bound[1]}" if ":" in str(bound[0]) else f"{bound[0]}:{bound[1]}"
         secured = "bearer tokens required" if token is not None or root_key is not None else "no token required"
         print(
-            f"fauxmad api: listening on http://{where} (Fly's Machines API under /v1, /openapi.json, /docs; "
+            f"fauxmad api: listening on {'https' if tls else 'http'}://{where} "
+            "(Fly's Machines API under /v1, /openapi.json, /docs; "
             f"the console at /ui; {secured})",
             flush=True,
         )

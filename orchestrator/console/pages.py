@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from html import escape
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import quote, urlencode
 
 from bus.contract.jobs import Job
@@ -26,21 +26,33 @@ def e(value: object) -> str:
     return escape(str(value), quote=True)
 
 
-def layout(title: str, body: str, *, stream: str = "", who: str = "", status: int = 200) -> str:
+class Who(NamedTuple):
+    """The viewer as a page shows it: `name` in the header (none: an open API, no logout), and the anti-CSRF
+    token of its session, which the page's actions and its logout form send back (`orchestrator.console.guard`)."""
+
+    name: str = ""
+    csrf: str = ""
+
+
+NOBODY = Who()  # the pages with no viewer: logging in, refusals, not found
+
+
+def layout(title: str, body: str, *, stream: str = "", who: Who = NOBODY, status: int = 200) -> str:
     del status
     nav = (
         '<nav><a href="/ui/">Fleet</a> <a href="/ui/jobs">Jobs</a> <a href="/ui/heatmap">Heatmap</a>'
         + (
-            f' <span class="who">{e(who)}</span> <form method="post" action="/ui/logout" class="inline">'
-            '<button type="submit">log out</button></form>'
-            if who
+            f' <span class="who">{e(who.name)}</span> <form method="post" action="/ui/logout" class="inline">'
+            f'<input type="hidden" name="csrf" value="{e(who.csrf)}"><button type="submit">log out</button></form>'
+            if who.name
             else ""
         )
         + "</nav>"
     )
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        f'<meta name="viewport" content="width=device-width"><title>{e(title)} · fauxmad</title>'
+        f'<meta name="viewport" content="width=device-width"><meta name="fauxmad-csrf" content="{e(who.csrf)}">'
+        f"<title>{e(title)} · fauxmad</title>"
         '<link rel="stylesheet" href="/ui/static/console.css"><script src="/ui/static/console.js" defer></script>'
         f'</head><body data-stream="{e(stream)}"><header><b>fauxmad</b> {nav}</header><main>{body}</main>'
         '<p id="live-status" class="muted" aria-live="polite"></p></body></html>'
@@ -87,10 +99,19 @@ def _chip(m: MachineRow) -> str:
     return f'<a class="m s-{e(m.state)}" data-machine="{e(m.id)}" href="{machine_href(m.app, m.id)}"></a>'
 
 
+def fill(share: float) -> str:
+    """A bar's filled part, `share` of it (0 to 1): an SVG rectangle, whose width is an attribute, since the
+    console's Content-Security-Policy allows no inline style (the script moves it the same way)."""
+    return (
+        '<svg viewBox="0 0 100 1" preserveAspectRatio="none" aria-hidden="true">'
+        f'<rect width="{min(100.0, max(0.0, share * 100)):.0f}" height="1"/></svg>'
+    )
+
+
 def _bar(kind: str, used: float, capacity: float, unit: str) -> str:
     share = used / capacity if capacity else 0.0
     return (
-        f'<div class="bar" data-bar="{kind}" title="{kind}"><span style="width:{min(100, share * 100):.0f}%"></span>'
+        f'<div class="bar" data-bar="{kind}" title="{kind}">{fill(share)}'
         f"<em>{kind} {used:g}/{capacity:g}{unit}</em></div>"
     )
 
@@ -113,7 +134,7 @@ def legend() -> str:
     return '<p class="legend">' + " ".join(f'<span class="m s-{s}"></span>{s}' for s in states) + "</p>"
 
 
-def fleet(snap: Snapshot, *, app: str | None, apps: list[str], who: str) -> str:
+def fleet(snap: Snapshot, *, app: str | None, apps: list[str], who: Who) -> str:
     by_worker: dict[str, list[MachineRow]] = {}
     for m in snap.machines:
         by_worker.setdefault(m.worker_id, []).append(m)
@@ -177,7 +198,7 @@ def log_line(record: LogRecord, *, with_machine: bool = False) -> str:
     return f'<div class="log {e(line.stream)}">{e(iso_time(line.timestamp))} {who}{e(line.line)}</div>'
 
 
-def machine(found: Machine, kept: dict[str, Any] | None, logs: list[LogRecord], *, who: str, may_act: bool) -> str:
+def machine(found: Machine, kept: dict[str, Any] | None, logs: list[LogRecord], *, who: Who, may_act: bool) -> str:
     events = sorted(found.events if isinstance(found.events, list) else [], key=lambda ev: (ev.timestamp, ev.seq))
     checks = "".join(
         f'<tr><td>{e(name)}</td><td class="c-{e(c.status)}">{e(c.status)}</td><td>{e(c.output)}</td></tr>'
@@ -228,8 +249,8 @@ def app_live(data: AppData) -> str:
     head = f"current: v{data.head.version}" if data.head and data.head.version else "no current release"
     progress = "".join(
         f'<tr data-progress-region="{e(p.region)}"><td>{e(p.region)}</td><td>{p.started}/{p.wanted}</td>'
-        f'<td><div class="bar"><span style="width:{min(100, p.started * 100 / p.wanted if p.wanted else 100):.0f}%">'
-        f"</span></div></td><td>{p.of_release}</td><td>{p.older}</td></tr>"
+        f'<td><div class="bar">{fill(p.started / p.wanted if p.wanted else 1.0)}</div></td>'
+        f"<td>{p.of_release}</td><td>{p.older}</td></tr>"
         for p in data.progress
     )
     newest = data.releases[-1] if data.releases else None
@@ -272,7 +293,7 @@ def app_live(data: AppData) -> str:
     )
 
 
-def app(data: AppData, logs: list[LogRecord], *, who: str) -> str:
+def app(data: AppData, logs: list[LogRecord], *, who: Who) -> str:
     body = (
         f'<h1>app {e(data.name)}</h1><div data-live="/ui/apps/{quote(data.name)}?part=live">{app_live(data)}</div>'
         '<h2>Logs</h2><div id="logs" class="logs">' + "".join(log_line(r, with_machine=True) for r in logs) + "</div>"
@@ -312,7 +333,7 @@ def jobs_live(found: list[Job]) -> str:
     )
 
 
-def jobs(found: list[Job], *, app: str | None, who: str) -> str:
+def jobs(found: list[Job], *, app: str | None, who: Who) -> str:
     query = f"?{urlencode({'app': app})}" if app else ""
     body = (
         f'<h1>Jobs</h1><div data-live="/ui/jobs?part=live{"&" + query[1:] if query else ""}">{jobs_live(found)}</div>'
@@ -322,7 +343,7 @@ def jobs(found: list[Job], *, app: str | None, who: str) -> str:
     )
 
 
-def job(found: Job, *, who: str) -> str:
+def job(found: Job, *, who: Who) -> str:
     attempts = "".join(
         f"<tr><td>{a.attempt}</td><td>{e(a.worker_id)}</td><td>{e(a.machine_id or '-')}</td><td>{e(a.outcome)}</td>"
         f"<td>{'-' if a.exit_code is None else a.exit_code}</td><td>{e(ago(a.claimed_at))}</td>"
@@ -343,7 +364,7 @@ def heatmap_live(history: list[Sample], workers: list[str]) -> str:
     return charts.heatmap(history, workers)
 
 
-def heatmap(history: list[Sample], workers: list[str], *, who: str) -> str:
+def heatmap(history: list[Sample], workers: list[str], *, who: Who) -> str:
     body = (
         "<h1>Utilization</h1><p>Each worker's cpu in use over the last minutes (a sample every 2 s; grey "
         'idle, red full).</p><div data-live="/ui/heatmap?part=live" data-on="tick">'

@@ -7,6 +7,9 @@ error of the fleet (never a stack trace). A request with no token at all is sent
 Actions (`POST /ui/apps/APP/machines/ID/ACTION`) are answered by the HTTP API's own handlers
 (`orchestrator.api.server`) after the same token check a `/v1` write gets, are recorded in the audit stream as
 `/v1` writes are, and reply with the machine's state after the action: the real outcome, or the API's error.
+Every request that changes anything (an action, logging in or out) must first be the console's own page's:
+same origin, the media type the page sends, the session's anti-CSRF token (`guard`), or it is a 403 saying
+why, audited as a refused write. Every answer under `/ui` carries the console's security headers (`guard`).
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ from bus.contract.jobs import JobEvent
 from bus.contract.machines import MachineEvent, ResumeRequest, SuspendRequest
 from bus.contract.streams import LogLine
 from orchestrator.api import server
-from orchestrator.api.auth import TRAIL, Auth, Caller, audit
+from orchestrator.api.auth import TRAIL, Auth, Caller, audit, bearer
 from orchestrator.api.errors import error_response, from_bus
 from orchestrator.api.http import BROKERS, NC, ClientError, app_name, ask, json, machine_id
-from orchestrator.console import data, pages
+from orchestrator.console import data, guard, pages
 from orchestrator.console.auth import COOKIE, COOKIE_MAX_AGE, Viewer, may_act, presented, viewer
 from orchestrator.console.live import Live
 from orchestrator.logs import LogRecord
@@ -46,11 +49,27 @@ Page = Callable[[web.Request, Viewer], Awaitable[web.StreamResponse]]
 
 
 class Console:
-    def __init__(self, auth: Auth, live: Live, proxy_metrics: list[str]) -> None:
+    def __init__(self, auth: Auth, live: Live, proxy_metrics: list[str], trusted: guard.TrustedProxies) -> None:
         self.auth = auth
         self.live = live
         self.proxy_metrics = proxy_metrics
+        self.trusted = trusted
+        self.csrf_key = guard.csrf_key(auth.root_key, auth.static_token)
         self.streams: set[asyncio.Task[Any]] = set()
+
+    def csrf(self, request: web.Request) -> str:
+        """The anti-CSRF token of the request's session (its cookie)."""
+        return guard.csrf_token(self.csrf_key, request.cookies.get(COOKIE, "").strip())
+
+    def refusal(self, request: web.Request, *, wants: str, token: str | None, checked: bool = True) -> str | None:
+        """Why this state-changing request is not the console's own page's (`guard.refusal`), or None."""
+        seen = guard.asked(request, self.trusted, cookie=COOKIE in request.cookies, bearer=bool(bearer(request)))
+        return guard.refusal(seen, wants=wants, token=token, expected=self.csrf(request) if checked else None)
+
+    async def audit_refused(self, request: web.Request, status: int) -> None:
+        """Record a refused write, naming the token it carried (its header's, else its cookie's)."""
+        caller = Caller("refused", token=self.auth.named(presented(request)))
+        await audit(request.app[TRAIL], request, caller, status)
 
 
 CONSOLE: web.AppKey[Console] = web.AppKey("console", Console)
@@ -60,11 +79,12 @@ def html(text: str, status: int = 200) -> web.Response:
     return web.Response(text=text, status=status, content_type="text/html", headers={"Cache-Control": "no-store"})
 
 
-def _who(seen: Viewer) -> str:
+def _who(request: web.Request, seen: Viewer) -> pages.Who:
+    csrf = request.app[CONSOLE].csrf(request)
     if seen.identity == "anonymous":
-        return ""
+        return pages.Who(csrf=csrf)
     scope = f" (app {seen.app})" if seen.app else ""
-    return f"{seen.identity}{scope}{' read-only' if seen.read_only else ''}"
+    return pages.Who(f"{seen.identity}{scope}{' read-only' if seen.read_only else ''}", csrf)
 
 
 def page(handler: Page) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -122,7 +142,7 @@ async def fleet(request: web.Request, seen: Viewer) -> web.StreamResponse:
     wanted = seen.app or request.query.get("app") or None
     snap = live.snapshot(app=wanted)
     apps = [seen.app] if seen.app else snap.apps
-    return html(pages.fleet(snap, app=wanted, apps=apps, who=_who(seen)))
+    return html(pages.fleet(snap, app=wanted, apps=apps, who=_who(request, seen)))
 
 
 async def machine_page(request: web.Request, seen: Viewer) -> web.StreamResponse:
@@ -135,7 +155,7 @@ async def machine_page(request: web.Request, seen: Viewer) -> web.StreamResponse
         acting = True
     except TokenError:
         acting = False
-    body = pages.machine(found, data.kept_explain(found), logs, who=_who(seen), may_act=acting)
+    body = pages.machine(found, data.kept_explain(found), logs, who=_who(request, seen), may_act=acting)
     return html(body)
 
 
@@ -160,7 +180,7 @@ async def app_page(request: web.Request, seen: Viewer) -> web.StreamResponse:
     found = await _app_data(request, app)
     if request.query.get("part") == "live":
         return html(pages.app_live(found))
-    return html(pages.app(found, await data.logs(request.app[NC], app), who=_who(seen)))
+    return html(pages.app(found, await data.logs(request.app[NC], app), who=_who(request, seen)))
 
 
 async def jobs_page(request: web.Request, seen: Viewer) -> web.StreamResponse:
@@ -168,7 +188,7 @@ async def jobs_page(request: web.Request, seen: Viewer) -> web.StreamResponse:
     found = await data.jobs(request.app[NC], app)
     if request.query.get("part") == "live":
         return html(pages.jobs_live(found))
-    return html(pages.jobs(found, app=app, who=_who(seen)))
+    return html(pages.jobs(found, app=app, who=_who(request, seen)))
 
 
 async def job_page(request: web.Request, seen: Viewer) -> web.StreamResponse:
@@ -177,7 +197,7 @@ async def job_page(request: web.Request, seen: Viewer) -> web.StreamResponse:
         found = await data.job(request.app[NC], app, request.match_info["job_id"])
     except (NotFound, FauxmadError) as exc:
         raise ClientError(404, f"job {request.match_info['job_id']} of app {app} not found ({exc.message})") from None
-    return html(pages.job(found, who=_who(seen)))
+    return html(pages.job(found, who=_who(request, seen)))
 
 
 async def heatmap_page(request: web.Request, seen: Viewer) -> web.StreamResponse:
@@ -186,7 +206,7 @@ async def heatmap_page(request: web.Request, seen: Viewer) -> web.StreamResponse
     history = list(live.history)
     if request.query.get("part") == "live":
         return html(pages.heatmap_live(history, workers))
-    return html(pages.heatmap(history, workers, who=_who(seen)))
+    return html(pages.heatmap(history, workers, who=_who(request, seen)))
 
 
 async def not_found(request: web.Request) -> web.Response:
@@ -206,6 +226,11 @@ async def login_form(request: web.Request) -> web.Response:
 
 
 async def login(request: web.Request) -> web.Response:
+    console = request.app[CONSOLE]
+    refused = console.refusal(request, wants=guard.FORM, token=None, checked=False)  # no session yet to bind to
+    if refused is not None:
+        await console.audit_refused(request, 403)
+        return html(pages.refused(403, refused), 403)
     form = await request.post()
     text = str(form.get("token", "")).strip()
     target = _next(str(form.get("next", "/ui/")))
@@ -214,15 +239,24 @@ async def login(request: web.Request) -> web.Response:
     except TokenError as exc:
         return html(pages.login(exc.message, next_url=target), exc.status)
     response = web.HTTPSeeOther(target)
+    secure = guard.is_secure(request, console.trusted)  # over TLS, directly or as a trusted proxy says
     response.set_cookie(
-        COOKIE, text, max_age=COOKIE_MAX_AGE, path="/ui", httponly=True, samesite="Strict", secure=request.secure
+        COOKIE, text, max_age=COOKIE_MAX_AGE, path="/ui", httponly=True, samesite="Strict", secure=secure
     )
     raise response
 
 
 async def logout(request: web.Request) -> web.Response:
+    console = request.app[CONSOLE]
+    token = None
+    if request.content_type == guard.FORM:
+        token = str((await request.post()).get(guard.CSRF_FIELD, ""))
+    refused = console.refusal(request, wants=guard.FORM, token=token)
+    if refused is not None:
+        await console.audit_refused(request, 403)
+        return html(pages.refused(403, refused), 403)
     response = web.HTTPSeeOther("/ui/login")
-    response.del_cookie(COOKIE, path="/ui")
+    response.del_cookie(COOKIE, path="/ui", secure=guard.is_secure(request, console.trusted), samesite="Strict")
     raise response
 
 
@@ -264,13 +298,17 @@ async def act(request: web.Request) -> web.Response:
     action = request.match_info["action"]
     if action not in ACTIONS:
         return error_response(404, f"no action {action!r}: use one of {', '.join(ACTIONS)}")
+    refused = console.refusal(request, wants=guard.JSON, token=request.headers.get(guard.CSRF_HEADER))
+    if refused is not None:  # before the token is looked at: a forged request learns nothing of it
+        await console.audit_refused(request, 403)
+        return error_response(403, refused)
     try:
         seen = viewer(console.auth, presented(request))
         app = _app(request, seen)
         mid = machine_id(request)
         may_act(console.auth, seen, app)
     except TokenError as exc:
-        await audit(request.app[TRAIL], request, Caller("refused", token=console.auth.presented(request)), exc.status)
+        await console.audit_refused(request, exc.status)
         return error_response(exc.status, exc.message)
     except ClientError as exc:
         return error_response(exc.status, exc.message)
@@ -435,10 +473,18 @@ async def stream(request: web.Request) -> web.StreamResponse:
 # wiring
 
 
-def attach(app: web.Application, auth: Auth, *, proxy_metrics: list[str] | None = None) -> None:
-    """Serve the console at `/ui` of `app` (the API's application, before it starts)."""
-    console = Console(auth, Live(app[NC]), list(proxy_metrics or []))
+def attach(
+    app: web.Application,
+    auth: Auth,
+    *,
+    proxy_metrics: list[str] | None = None,
+    trusted: guard.TrustedProxies | None = None,
+) -> None:
+    """Serve the console at `/ui` of `app` (the API's application, before it starts); `trusted`: the proxies whose
+    `X-Forwarded-Proto` and `X-Forwarded-Host` count (`--trusted-proxy`)."""
+    console = Console(auth, Live(app[NC]), list(proxy_metrics or []), trusted or guard.TrustedProxies())
     app[CONSOLE] = console
+    app.on_response_prepare.append(guard.add_headers)
 
     async def start(_: web.Application) -> None:
         await console.live.start()

@@ -13,7 +13,10 @@ identity rewrites `users.conf` and reloads the server (which JWTs avoid); fine a
 Layout: `ca.pem` `ca-key.pem` `server.pem` `server-key.pem` `nats.conf` `users.conf` `identities.json`
 (names, roles, bindings and public keys: the source `users.conf` is rendered from), `secrets.key` (the
 fleet's secrets key: it goes into workers' credentials only) and
-`creds/<name>.json` with `creds/<name>.pem`, `creds/<name>-key.pem`. Keys and credentials are 0600.
+`creds/<name>.json` with `creds/<name>.pem`, `creds/<name>-key.pem`. Keys and credentials are 0600. An identity
+of role `api` also gets `creds/<name>-https.pem` and `creds/<name>-https-key.pem`: a server certificate for the
+names the NATS server's certificate has, from the same CA, which `fauxmad api` serves HTTPS with by default
+(a client certificate cannot serve: browsers want the server usage; and the NATS server's own key stays its own).
 """
 
 from __future__ import annotations
@@ -161,10 +164,23 @@ class FleetDir:
             key=f"{identity.name}-key.pem",
             secrets_key=(self.root / "secrets.key").read_text().strip() if identity.role == "worker" else None,
         )
+        if identity.role == "api":
+            self._issue_https(ca, identity.name)
         path = self.creds(identity.name)
         _write_private(path, msgspec.json.format(msgspec.json.encode(document)) + b"\n")
         self._save([*entries, Entry(identity=identity, public_key=public)])
         return path
+
+    def _issue_https(self, ca: object, name: str) -> None:
+        """The HTTPS server certificate of API identity `name` (see the module docstring), replaced by a rename."""
+        pki = _pki()
+        names = pki.server_names(self.root / "server.pem")
+        cert, key = pki.issue(ca, f"{name} (https)", server_names=names, client=False)
+        creds_dir = self.root / "creds"
+        pki.write_key(creds_dir / f"{name}-https-key.pem.new", key)
+        pki.write_cert(creds_dir / f"{name}-https.pem.new", cert)
+        os.replace(creds_dir / f"{name}-https-key.pem.new", creds_dir / f"{name}-https-key.pem")
+        os.replace(creds_dir / f"{name}-https.pem.new", creds_dir / f"{name}-https.pem")
 
     def remove(self, name: str) -> None:
         """Revoke an identity: it leaves users.conf (reload the server to cut it off) and its files go."""
@@ -172,8 +188,8 @@ class FleetDir:
         if not any(entry.identity.name == name for entry in entries):
             raise FleetDirError(f"no identity {name!r} in {self.root}")
         self._save([entry for entry in entries if entry.identity.name != name])
-        for path in (self.creds(name), self.root / "creds" / f"{name}.pem", self.root / "creds" / f"{name}-key.pem"):
-            path.unlink(missing_ok=True)
+        for suffix in (".json", ".pem", "-key.pem", "-https.pem", "-https-key.pem"):
+            (self.root / "creds" / f"{name}{suffix}").unlink(missing_ok=True)
 
     def entries(self) -> list[Entry]:
         path = self.root / IDENTITIES
@@ -199,7 +215,8 @@ class FleetDir:
         Returns what was rotated ("server" included)."""
         pki = _pki()
         ca = pki.load_ca(self.root / "ca.pem", self.root / "ca-key.pem")
-        known = {entry.identity.name for entry in self.entries()}
+        roles = {entry.identity.name: entry.identity.role for entry in self.entries()}
+        known = set(roles)
         chosen = sorted(known) if names is None else names
         unknown = sorted(set(chosen) - known)
         if unknown:
@@ -226,6 +243,8 @@ class FleetDir:
             pki.write_cert(creds_dir / f"{name}.pem.new", cert)
             os.replace(creds_dir / f"{name}-key.pem.new", creds_dir / f"{name}-key.pem")
             os.replace(creds_dir / f"{name}.pem.new", creds_dir / f"{name}.pem")
+            if roles[name] == "api":
+                self._issue_https(ca, name)
             rotated.append(name)
         return rotated
 

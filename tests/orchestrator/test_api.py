@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -22,9 +23,10 @@ SLEEP = {"config": {"init": {"cmd": ["sleep", "300"]}, "guest": {"cpus": 1, "mem
 
 
 class Api:
-    def __init__(self, base: str, token: str | None = None) -> None:
+    def __init__(self, base: str, token: str | None = None, context: ssl.SSLContext | None = None) -> None:
         self.base = base
         self.token = token
+        self.context = context  # an https base's: the CA it trusts
 
     def call(
         self,
@@ -43,20 +45,23 @@ class Api:
         for key, value in (headers or {}).items():
             req.add_header(key, value)
         try:
-            with urllib.request.urlopen(req, timeout=90) as resp:
+            with urllib.request.urlopen(req, timeout=90, context=self.context) as resp:
                 return resp.status, json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read() or b"null")
 
 
-def start_api(url: str, extra: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_api(
+    url: str, extra: list[str] | None = None, *, context: ssl.SSLContext | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """An API process and its base URL; `context`: it serves HTTPS (a secure fleet's default), trusting that."""
     port = free_port()
     cmd = [sys.executable, "-m", "orchestrator.cli", "api", "--listen", f"127.0.0.1:{port}", "--nats", url]
     proc = subprocess.Popen([*cmd, *(extra or [])])
-    base = f"http://127.0.0.1:{port}"
+    base = f"{'https' if context else 'http'}://127.0.0.1:{port}"
     for _ in range(300):
         try:
-            with urllib.request.urlopen(base + "/openapi.json", timeout=5):
+            with urllib.request.urlopen(base + "/openapi.json", timeout=5, context=context):
                 return proc, base
         except OSError:
             assert proc.poll() is None, "the API process exited"

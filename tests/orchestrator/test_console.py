@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -31,9 +32,10 @@ SLEEP = {"config": {"init": {"cmd": ["sleep", "300"]}, "guest": {"cpus": 1, "mem
 
 
 class Console:
-    def __init__(self, fleet: DevFleet, base: str, key: bytes) -> None:
+    def __init__(self, fleet: DevFleet, base: str, key: bytes, context: ssl.SSLContext | None = None) -> None:
         self.fleet = fleet
         self.base = base
+        self.context = context  # an https base's: the CA it trusts
         self.operator = mint(key, []).encode()
         self.read_only = mint(key, caveats_for(read_only=True, now=time.time())).encode()
         self.expired = mint(key, caveats_for(ttl=-60, now=time.time())).encode()
@@ -50,13 +52,13 @@ class Console:
                 *(("Cookie", f"fauxmad_console={token}") if cookie else ("Authorization", f"Bearer {token}"))
             )
         try:
-            with urllib.request.urlopen(request, timeout=30) as reply:
+            with urllib.request.urlopen(request, timeout=30, context=self.context) as reply:
                 return reply.status, reply.read().decode()
         except urllib.error.HTTPError as err:
             return err.code, err.read().decode()
 
     def api(self) -> Api:
-        return Api(self.base, self.operator)
+        return Api(self.base, self.operator, self.context)
 
     def act(self, app: str, machine_id: str, action: str, token: str) -> tuple[int, Any]:
         """A machine's action as the page's button sends it: status and JSON answer."""
@@ -65,7 +67,7 @@ class Console:
         request.add_header("Authorization", f"Bearer {token}")
         request.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
+            with urllib.request.urlopen(request, timeout=60, context=self.context) as reply:
                 return reply.status, json.loads(reply.read())
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read())
@@ -188,9 +190,9 @@ def test_in_a_browser_a_deploy_goes_live_a_machine_explains_itself_and_stops(con
 
             # stop it from the page: the page says the real outcome and its state changes
             page.click("button[data-action=stop]")
-            page.wait_for_function("document.getElementById('state').textContent === 'stopped'")
+            page.wait_for_function("() => document.getElementById('state').textContent === 'stopped'")
             assert "the machine is stopped" in page.inner_text("#outcome")
-            page.wait_for_function("document.getElementById('timeline').innerText.includes('stopping → stopped')")
+            page.wait_for_function("() => document.getElementById('timeline').innerText.includes('stopping → stopped')")
             assert console.api().call("GET", f"/v1/apps/live/machines/{machine_id}")[1]["state"] == "stopped"
 
             # a read-only token sees the same page and is refused the action
@@ -198,7 +200,7 @@ def test_in_a_browser_a_deploy_goes_live_a_machine_explains_itself_and_stops(con
             reader.set_default_timeout(30_000)
             _log_in(reader, console, console.read_only, f"/ui/apps/live/machines/{machine_id}")
             reader.click("button[data-action=start]")
-            reader.wait_for_function("document.getElementById('outcome').innerText.includes('refused')")
+            reader.wait_for_function("() => document.getElementById('outcome').innerText.includes('refused')")
             assert "403" in reader.inner_text("#outcome") and "read-only" in reader.inner_text("#outcome")
             assert console.api().call("GET", f"/v1/apps/live/machines/{machine_id}")[1]["state"] == "stopped"
         finally:
@@ -208,6 +210,7 @@ def test_in_a_browser_a_deploy_goes_live_a_machine_explains_itself_and_stops(con
 def test_the_login_cookie_is_http_only_and_same_site_strict(console: Console) -> None:
     data = urllib.parse.urlencode({"token": console.read_only, "next": "/ui/jobs"}).encode()
     request = urllib.request.Request(console.base + "/ui/login", data=data, method="POST")
+    request.add_header("Origin", console.base)  # as the login page's form sends it (another origin: a 403)
 
     class NoRedirect(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, *args: Any, **kwargs: Any) -> None:
@@ -224,7 +227,8 @@ def test_the_login_cookie_is_http_only_and_same_site_strict(console: Console) ->
 
 
 def test_the_how_to_block_runs_as_written(console: Console, tmp_path: Path) -> None:
-    """docs/how-to/console.md: mint tokens, serve the console on its default port, a 200 and a 401."""
+    """docs/how-to/console.md: mint tokens, serve the console on its default port, a 200, a 401, and a 403 for the
+    operator's cookie sent from another origin."""
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "how-to" / "console.md").read_text(), re.S)
     assert len(blocks) == 1, blocks
     env = dict(os.environ, FAUXMAD_NATS_URL=console.fleet.url, PYTHONPATH=str(ROOT))
@@ -234,7 +238,7 @@ def test_the_how_to_block_runs_as_written(console: Console, tmp_path: Path) -> N
     )
     assert done.returncode == 0, done.stdout + done.stderr
     codes = [line for line in done.stdout.splitlines() if line.isdigit()]  # the api's own line is on stdout too
-    assert codes == ["200", "401"], done.stdout + done.stderr
+    assert codes == ["200", "401", "403"], done.stdout + done.stderr
     assert (tmp_path / "web-reader.token").read_text().startswith("fm1_")
 
 

@@ -1,15 +1,18 @@
 """The web console on a secure fleet, run as a team runs one: `fauxmad dev --secure`'s fleet (mutual TLS, an
 identity per worker and broker), the operator (`fauxmad reconcile --watch`) converging an app, an edge proxy in
-front of it (with the operator's credentials: the proxy role's own test is test_secure_fleet's), and `fauxmad api`
-with the console as `api-1`, the identity of role `api` that the secure dev fleet makes. Every page answers with
-its content, a page's event stream carries a machine's event, and the tokens act as they should: the operator's on
-any app, a deployer's on its own app only, a read-only token not at all. Plain HTTP, no browser."""
+front of it (with the operator's credentials: the proxy role's own test is test_proxy_role's), and `fauxmad api`
+with the console as `api-1`, the identity of role `api` that the secure dev fleet makes. The API serves HTTPS with
+the certificate the fleet's CA issued to `api-1` (no option: a secure fleet's default), which a client trusting the
+fleet's CA accepts. Every page answers with its content, a page's event stream carries a machine's event, and the
+tokens act as they should: the operator's on any app, a deployer's on its own app only, a read-only token not at
+all. No browser."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -31,8 +34,10 @@ from tests.orchestrator.test_console import SLEEP, Console
 
 
 class SecureConsole(Console):
-    def __init__(self, fleet: DevFleet, base: str, key: bytes, proxy: kit.ProxyProcess) -> None:
-        super().__init__(fleet, base, key)
+    def __init__(
+        self, fleet: DevFleet, base: str, key: bytes, proxy: kit.ProxyProcess, context: ssl.SSLContext
+    ) -> None:
+        super().__init__(fleet, base, key, context)
         self.proxy = proxy
 
 
@@ -50,14 +55,17 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureConsole]:
         proxy = kit.ProxyProcess(fleet.url, "mad", here)
         env.setenv(CREDS_ENV, str(fleet.security.creds("api-1")))  # made with the fleet, as `fauxmad dev --secure` does
         wait_until(lambda: _connects(fleet.url), "the server knows api-1 (reloaded)", timeout=20, interval=0.2)
+        context = ssl.create_default_context(cafile=str(fleet.security.root / "ca.pem"))  # the fleet's CA only
         api, base = start_api(
             fleet.url,
             ["--token-key", str(here / "token.key"), "--proxy-metrics", f"http://127.0.0.1:{proxy.admin}/metrics"],
+            context=context,
         )
+        assert base.startswith("https://")
         env.setenv(CREDS_ENV, fleet.operator_creds)  # this test's own clients and CLI commands: the operator
         assert f"{CREDS_ENV}={fleet.security.creds('api-1')}".encode() in Path(f"/proc/{api.pid}/environ").read_bytes()
         try:
-            console = SecureConsole(fleet, base, key, proxy)
+            console = SecureConsole(fleet, base, key, proxy, context)
             arun(kit.publish(fleet.url, kit.spec_for("web", {"mad": 1}, "auto_start = true\n")))
             wait_until(  # the operator process converges it: one machine, started, served by the edge
                 lambda: [m["state"] for m in _machines(console, "web")] == ["started"],
@@ -151,7 +159,7 @@ def test_the_stream_carries_a_machine_event_and_each_token_acts_as_far_as_it_may
 
     stream = urllib.request.Request(secure.base + "/ui/stream?app=tools")
     stream.add_header("Authorization", f"Bearer {secure.read_only}")
-    with urllib.request.urlopen(stream, timeout=30) as reply:
+    with urllib.request.urlopen(stream, timeout=30, context=secure.context) as reply:
         assert reply.readline() == b"retry: 2000\n" and reply.readline() == b"event: hello\n"
         status, body = secure.act("tools", tool["id"], "stop", secure.operator)
         assert status == 200 and body["state"] == "stopped", body

@@ -40,7 +40,7 @@ function onWorkers(workers) {
       const bar = box.querySelector('[data-bar="' + kind + '"]');
       if (!bar) continue;
       const share = pair[1] ? pair[0] / pair[1] : 0;
-      bar.querySelector("span").style.width = Math.min(100, share * 100).toFixed(0) + "%";
+      bar.querySelector("rect").setAttribute("width", Math.min(100, share * 100).toFixed(0));
       bar.querySelector("em").textContent = kind + " " + pair[0] + "/" + pair[1] + unit;
     }
   }
@@ -86,6 +86,12 @@ function connect() {
   source.onerror = () => { status.textContent = "reconnecting…"; document.body.dataset.live = ""; };
 }
 
+// the anti-CSRF token of this page's session, which the server put in the page: every action sends it back
+function csrfToken() {
+  const meta = document.querySelector('meta[name="fauxmad-csrf"]');
+  return meta ? meta.content : "";
+}
+
 async function act(button) {
   const box = button.closest(".actions");
   const action = button.dataset.action;
@@ -99,7 +105,8 @@ async function act(button) {
   box.querySelectorAll("button").forEach((b) => (b.disabled = true));
   try {
     const reply = await fetch(url, {
-      method: "POST", credentials: "same-origin", headers: { "Content-Type": "application/json" }, body: "{}",
+      method: "POST", credentials: "same-origin", body: "{}",
+      headers: { "Content-Type": "application/json", "X-Fauxmad-Csrf": csrfToken() },
     });
     const body = await reply.json().catch(() => ({}));
     if (reply.ok) {
