@@ -34,6 +34,10 @@ class WorkerInfo(Reply):
     # additions (README "Volumes"): the volumes' sizes it may hold, and holds
     volume_capacity_gb: int = 0
     volume_used_gb: int = 0
+    # additions (data plane across hosts): the address other hosts reach this worker at, and the port of its
+    # backhaul, where an edge on another host asks for a machine's port (0: none; an older worker)
+    address: str = ""
+    backhaul: int = 0
 
 
 # How a broker finds candidates: ask the region (`scatter`), ask two sampled workers (`p2c`), `scatter` and

@@ -147,6 +147,9 @@ class Machine(Reply):
     version: int = 0
     lease: Lease | None = None
     explain: Any | msgspec.UnsetType = msgspec.UNSET
+    # addition: the address other hosts reach its worker at (`fauxmad worker --advertise`); the machine itself
+    # listens on its host's loopback only, and an edge on another host reaches it through that worker's backhaul
+    address: str | None = None
 
 
 class Lease(Reply):
@@ -285,6 +288,7 @@ class MachineIndexEntry(Reply):
     # addition: the machine's config.metadata, so a reconciler knows the role of a machine on a lost worker
     metadata: dict[str, str] = {}
     port: int | None = None  # addition: the machine's PORT, so the edge proxy can reach it
+    address: str | None = None  # addition: its worker's advertised address (None: a worker older than that)
 
 
 def index_entry(machine: Machine) -> MachineIndexEntry:
@@ -300,6 +304,7 @@ def index_entry(machine: Machine) -> MachineIndexEntry:
         version=machine.version,
         metadata=dict(machine.config.metadata),
         port=machine.port,
+        address=machine.address,
     )
 
 

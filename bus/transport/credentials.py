@@ -41,6 +41,33 @@ class Credentials(msgspec.Struct, frozen=True, kw_only=True):
         context.load_cert_chain(str(base / self.cert), str(base / self.key))
         return {"nkeys_seed_str": self.seed, "inbox_prefix": self.inbox_prefix, "tls": context}
 
+    def backhaul_server_context(self, base: Path) -> ssl.SSLContext:
+        """A worker's backhaul listener: its certificate, and a client certificate from the fleet's CA required."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(base / self.ca))
+        context.load_cert_chain(str(base / self.cert), str(base / self.key))
+        context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def backhaul_client_context(self, base: Path) -> ssl.SSLContext:
+        """An edge dialing a worker's backhaul: its own certificate, and the worker's from the fleet's CA. The
+        worker is checked by the name its certificate was issued to (`worker-<id>`, `backhaul_peer_ok`), not by
+        host name: its address may be the default the kernel picked, which no certificate issued earlier names."""
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(base / self.ca))
+        context.check_hostname = False
+        context.load_cert_chain(str(base / self.cert), str(base / self.key))
+        return context
+
+
+def peer_name(peercert: Any) -> str:
+    """The common name of a verified peer certificate (`SSLObject.getpeercert()`), or ''."""
+    if not isinstance(peercert, dict):
+        return ""
+    for rdn in peercert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return ""
+
 
 def default_path() -> str | None:
     return os.environ.get(CREDS_ENV) or None

@@ -146,6 +146,24 @@ def worker(
     jobs_ack_wait: float = typer.Option(
         6.0, "--jobs-ack-wait", min=0.5, help="seconds before a job taken by a silent worker goes to another"
     ),
+    advertise: str | None = typer.Option(
+        None,
+        "--advertise",
+        envvar="FAUXMAD_ADVERTISE",
+        help="the IP address other hosts reach this worker at (its backhaul listens there) [default: the local "
+        "address of its NATS connection; loopback when NATS is on loopback]",
+        show_default=False,
+    ),
+    backhaul_port: int = typer.Option(
+        0,
+        "--backhaul-port",
+        envvar="FAUXMAD_BACKHAUL_PORT",
+        min=0,
+        max=65535,
+        help="the port of the backhaul, where edge proxies on other hosts reach this host's machines [default: a "
+        "free port, advertised in the heartbeat]",
+        show_default=False,
+    ),
     count: int = typer.Option(
         1,
         "--count",
@@ -168,6 +186,8 @@ def worker(
     from workers.offers import Backpressure
 
     serve_metrics(metrics_listen)
+    if advertise is not None:
+        advertise = _check_advertise(advertise)
     wid = worker_id if worker_id is not None else default_worker_id()
     url = nats_url(nats, required=False)
     server = None
@@ -200,6 +220,8 @@ def worker(
             volume_capacity_gb=volume_capacity_gb or None,
             job_slots=job_slots,
             jobs_ack_wait=jobs_ack_wait,
+            advertise=advertise,
+            backhaul_port=backhaul_port if count == 1 else 0,
         )
         for one in ids
     ]
@@ -233,6 +255,16 @@ def _register_subcommands() -> None:
 
 
 _register_subcommands()
+
+
+def _check_advertise(value: str) -> str:
+    """`--advertise`: an IP address of this host (the backhaul binds it), else one line and exit 2."""
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(value.strip("[]")))
+    except ValueError:
+        fail(f"--advertise {value!r}: not an IP address (give the address other hosts reach this one at)", EXIT_USAGE)
 
 
 def _read_secrets_key(path: Path | None) -> str | None:

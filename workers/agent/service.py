@@ -42,11 +42,13 @@ from bus.contract.verbs import WORKER_REQUESTS, WORKER_VOLUME_REQUESTS
 from bus.stores.secrets import load_private_key, secrets_bucket
 from bus.stores.snapshots import snapshot_store
 from bus.transport import credentials
+from bus.transport.addresses import source_address_for_url
 from bus.transport.audit import AuditTrail, RequestAudit
 from bus.transport.connection import connect
 from bus.transport.jetstream import FleetConfig, FleetKV, ensure_fleet_resources_patiently
 from bus.transport.service import Responder
 from workers import metrics
+from workers.agent.backhaul import Backhaul
 from workers.agent.claims import region_claims
 from workers.agent.compaction import compact_forever
 from workers.agent.config import WorkerConfig
@@ -116,6 +118,8 @@ class WorkerAgent:
         self._states_seen: set[str] = set()  # for the per-state gauge
         self._committed = 0  # commit hooks run (`offer_state`)
         self.jobs: JobsService | None = None
+        self.address = config.advertise or ""  # the address other hosts reach this worker at (`start`)
+        self.backhaul: Backhaul | None = None
 
     # ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -131,6 +135,7 @@ class WorkerAgent:
         self.nc = await connect(
             cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", reconnect_forever=True, on_closed=self._on_bus_closed
         )
+        self.address = cfg.advertise or _nats_source_address(self.nc, cfg.nats_url)
         js = self.nc.jetstream()
         kv = self._kv = await ensure_fleet_resources_patiently(
             js, FleetConfig(heartbeat_interval=cfg.heartbeat_interval, region=cfg.region)
@@ -161,6 +166,7 @@ class WorkerAgent:
             worker_id=cfg.worker_id,
             index_bucket=layout.machines_bucket(cfg.region),
             events_stream=layout.events_stream(cfg.region),
+            address=self.address,
         )
         self.store = Store(data / "lmdb", sync=cfg.fsync, map_size=cfg.map_size)
         # before anything of this run commits: what the last run's outbox held in memory may never have
@@ -187,6 +193,7 @@ class WorkerAgent:
                 data_dir=str(data),
                 backoff=cfg.backoff,
                 run_as=cfg.machine_user,
+                address=self.address,
             ),
             self.store,
             self.committer,
@@ -229,6 +236,7 @@ class WorkerAgent:
                 self.follower.follow(
                     stored.machine.id, stored.machine.app, self.manager.workdir(stored.machine.id), from_offset_now=True
                 )
+        await self._start_backhaul()  # before the first heartbeat, which says its port
         await self._start_jobs()  # before the info endpoint answers: a ready worker takes jobs
         await self._subscribe(handlers)
         await self.heartbeat.once()
@@ -299,6 +307,30 @@ class WorkerAgent:
                 )
             )
         await self.nc.flush()
+
+    async def _start_backhaul(self) -> None:
+        """The backhaul (`workers.agent.backhaul`) on the advertised address: mutual TLS with the fleet's CA on a
+        secure fleet (the worker's credentials), plain TCP on a dev fleet."""
+        assert self.store is not None and self.manager is not None
+        manager, store = self.manager, self.store
+
+        def machine(machine_id: str) -> Machine | None:
+            stored = store.get(machine_id)
+            return None if stored is None else manager.view(stored)
+
+        tls = None
+        path = credentials.default_path()
+        if path:
+            creds, base = credentials.load(path)
+            tls = creds.backhaul_server_context(base)
+        self.backhaul = Backhaul(machine, tls=tls)
+        try:
+            await self.backhaul.start(self.address, self.config.backhaul_port)
+        except OSError as exc:
+            raise FauxmadError(
+                f"the backhaul cannot listen on {self.address}:{self.config.backhaul_port}: {exc.strerror or exc}"
+                " (see --advertise and --backhaul-port)"
+            ) from None
 
     async def _start_jobs(self) -> None:
         """Background jobs (workers/jobs): this region's job desk, and pulls bounded by free slots."""
@@ -384,6 +416,8 @@ class WorkerAgent:
             sandboxes=list(snap.sandboxes),
             volume_capacity_gb=self.volumes.capacity_gb if self.volumes else 0,
             volume_used_gb=self.volumes.held_gb() if self.volumes else 0,
+            address=self.address,
+            backhaul=self.backhaul.port if self.backhaul is not None else 0,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -456,6 +490,10 @@ class WorkerAgent:
         if self.jobs is not None:
             await self.jobs.close()
 
+    async def _close_backhaul(self) -> None:
+        if self.backhaul is not None:
+            await self.backhaul.close()
+
     async def close(self) -> None:
         """Stop serving, promptly: every step is bounded, and machines are left running. Jobs first: a job pulled but
         not started goes back to the queue at once, for another worker (see `JobsService.close`)."""
@@ -474,6 +512,7 @@ class WorkerAgent:
             await _bounded(self.responder.drain(), 3.0)  # answer what is in flight
             await self.trail.drain()
             self.responder.cancel_all()
+        await _bounded(self._close_backhaul(), 1.0)
         if self.manager is not None:
             await _bounded(self.manager.close(), 2.0)
         if hasattr(self, "secrets"):
@@ -494,6 +533,18 @@ def _secrets_key(config: WorkerConfig) -> PrivateKey | None:
     if text is None and credentials.default_path():
         text = credentials.load(credentials.default_path() or "")[0].secrets_key
     return load_private_key(text) if text else None
+
+
+def _nats_source_address(nc: Client, url: str) -> str:
+    """The local address of the worker's NATS connection (the address the kernel picked to reach the server it is
+    connected to): what the worker advertises unless told (`--advertise`)."""
+    connected = nc.connected_url
+    if connected is not None and connected.hostname:
+        try:
+            return source_address_for_url(f"nats://{connected.hostname}:{connected.port or 4222}")
+        except OSError:
+            pass
+    return source_address_for_url(url)
 
 
 async def _bounded(awaitable: Any, seconds: float) -> None:

@@ -96,6 +96,7 @@ class ManagerConfig(msgspec.Struct, frozen=True, kw_only=True):
     check_host: str = "127.0.0.1"
     stop_timeout: float = 10.0
     run_as: tuple[int, int] | None = None  # (uid, gid) of the worker's --machine-user
+    address: str | None = None  # the worker's advertised address, shown on each of its machines
 
 
 FENCED = "fenced: its idempotency key was placed elsewhere while this worker was away"
@@ -148,7 +149,9 @@ class MachineManager:
         return machine.state
 
     def view(self, stored: StoredMachine, *, events: bool = False) -> Machine:
-        machine = msgspec.structs.replace(stored.machine, state=self._state(stored.machine))
+        machine = msgspec.structs.replace(
+            stored.machine, state=self._state(stored.machine), address=self.config.address or stored.machine.address
+        )
         if events:
             machine.events = list(reversed(stored.events))
         return machine
@@ -327,6 +330,7 @@ class MachineManager:
                 created_at=stamp,
                 updated_at=stamp,
                 port=port,
+                address=self.config.address,
             ),
             idempotency_key=request.idempotency_key,
         )

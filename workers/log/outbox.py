@@ -135,8 +135,10 @@ class Outbox:
         retry_min: float = 0.05,
         retry_max: float = 1.0,
         clock: Callable[[], float] = time.time,
+        address: str | None = None,
     ) -> None:
         self._nc = nc
+        self.address = address  # the worker's advertised address: every index entry names it
         self._js = nc.jetstream(timeout=timeout)  # for the start-up lookups
         self._publisher = BatchPublisher(nc, timeout=timeout)
         self._index_bucket = index_bucket
@@ -168,7 +170,10 @@ class Outbox:
         self.index(machine)
 
     def index(self, machine: Machine) -> None:
-        self._index[machine.id] = index_entry(machine)
+        entry = index_entry(machine)
+        if self.address and entry.address != self.address:  # a machine of before a restart at another address
+            entry = msgspec.structs.replace(entry, address=self.address)
+        self._index[machine.id] = entry
         self._wake.set()
 
     def _queue_events(self, machine: Machine, numbered: Iterable[tuple[int, MachineEvent]]) -> None:
