@@ -220,8 +220,6 @@ class DevFleet:
         spec = self.spec
         try:
             if spec.hosts:
-                if spec.supercluster or spec.cluster or spec.secure:
-                    raise ValueError("a fleet of hosts runs one open nats-server for now (no cluster, no --secure)")
                 self.hosts = Hosts(spec.hosts).up()
                 self.progress(
                     f"{spec.hosts} hosts on bridge {self.hosts.bridge}: "
@@ -270,6 +268,8 @@ class DevFleet:
             root=self.root / "nats",
             relays=True,
             secure_dir=self.root / "secure" if spec.secure else None,
+            host=self.hosts.gateway if self.hosts is not None else "127.0.0.1",  # the relays: on the laptop
+            hosts=self._server_hosts(),
         )
         self._layout_before = {name: os.environ.get(name) for name in (SUPERCLUSTER_LAYOUT_ENV, REPLICAS_ENV)}
         os.environ[SUPERCLUSTER_LAYOUT_ENV] = ",".join(spec.regions)
@@ -292,7 +292,10 @@ class DevFleet:
         the fleet's layout comes from what the servers offer; the fleet's buckets and streams made."""
         spec = self.spec
         self.cluster = LoopbackCluster(
-            spec.cluster, root=self.root / "nats", secure_dir=self.root / "secure" if spec.secure else None
+            spec.cluster,
+            root=self.root / "nats",
+            secure_dir=self.root / "secure" if spec.secure else None,
+            hosts=self._server_hosts(),
         )
         if spec.secure:
             self._secure_setup(url=self.cluster.url)
@@ -305,6 +308,10 @@ class DevFleet:
         )
         asyncio.run(self._prepare_supercluster())
         self._act_as_operator()
+
+    def _server_hosts(self) -> list[tuple[str, list[str]]]:
+        """Where a cluster's servers go round (a fleet of hosts: every host in turn, from a), else nowhere."""
+        return [(h.address, h.command([])) for h in self.hosts.hosts] if self.hosts is not None else []
 
     async def _prepare_supercluster(self, timeout: float = 60.0) -> None:
         """Create the fleet's buckets and streams once JetStream has elected its leaders (a few seconds)."""
@@ -329,9 +336,13 @@ class DevFleet:
         spec = self.spec
         if spec.workers_per_process > 1:
             raise ValueError("a secure dev fleet runs one worker per process (each worker is an identity)")
-        self.security_port = spec.port or free_port()
+        self.security_port = spec.port or (4222 if self.hosts is not None else free_port())
+        if url is None and self.hosts is not None:  # one server, on host a
+            url = f"tls://{self.hosts.hosts[0].address}:{self.security_port}"
         self.security = FleetDir(self.root / "secure")
-        self.security.init(port=self.security_port, url=url)
+        # a fleet of hosts: the servers' certificates name every host's address (a server may run on any of them)
+        addresses = tuple(h.address for h in self.hosts.hosts) if self.hosts is not None else ()
+        self.security.init(port=self.security_port, url=url, server_names=addresses)
         for region in spec.regions:
             for n in range(spec.workers_per_region):
                 worker_id = f"{region}-w{n + 1}"
@@ -343,6 +354,8 @@ class DevFleet:
                 self._creds[name] = str(self.security.add_user(name, "broker"))
             # the operator process (`fauxmad reconcile --watch`) acts as the fleet's operator identity
             self._creds[f"operator-{scope}".rstrip("-")] = str(self.security.creds("operator"))
+        if self.hosts is not None:  # the edge on host a: there is no proxy role yet, a proxy acts as the operator
+            self._creds["proxy"] = str(self.security.creds("operator"))
         return self.security.config
 
     def _act_as_operator(self) -> None:

@@ -164,10 +164,7 @@ def _on_hosts(spec: FleetSpec, hosts: int, *, others: bool) -> FleetSpec:
     if hosts < 2:
         fail("--hosts: at least 2 (host a runs NATS, the broker and the edge; the workers run on the others)")
     if others:
-        fail(
-            "--hosts runs one open nats-server on host a's port 4222: leave out --supercluster, --cluster,"
-            " --secure and --port"
-        )
+        fail("--hosts puts NATS on the hosts' own addresses at the standard ports: leave out --port")
     why = unavailable()
     if why:
         fail(f"--hosts: {why}")
@@ -238,7 +235,7 @@ def dev(
             fail("--cluster picks free ports for its servers, and is one cluster: leave out --port and --supercluster")
         spec = msgspec.structs.replace(spec, cluster=cluster)
     if hosts:
-        spec = _on_hosts(spec, hosts, others=supercluster or bool(cluster) or secure or port is not None)
+        spec = _on_hosts(spec, hosts, others=port is not None)
     if port is not None and not _port_free(port):
         fail(f"port {port} is in use: choose another --port, or leave --port out for a free one")
     fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
