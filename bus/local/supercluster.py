@@ -195,7 +195,7 @@ class LoopbackSupercluster:
         self.host = host
         self.relay: GatewayRelay | None = GatewayRelay(host) if relays else None
         self.wraps: dict[str, list[str]] = {}  # server name -> the command it runs under (`hosts`)
-        servers = []
+        servers: list[ServerAddress] = []
         for region in regions:
             for i in range(1, per_region + 1):
                 if hosts:
