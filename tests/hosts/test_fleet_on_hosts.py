@@ -125,7 +125,8 @@ def test_deploy_lands_the_apps_machines_on_the_three_worker_hosts(fleet: DevFlee
 
 
 class Load:
-    """Requests through the edge one after another, each with when it was sent and how it was answered."""
+    """Requests through the edge, four streams of one after another (a request held up on the cut host holds up
+    only its own stream), each with when it was sent and how it was answered."""
 
     def __init__(self, fleet: DevFleet) -> None:
         self.fleet = fleet
@@ -133,6 +134,9 @@ class Load:
         self.running = True
 
     async def run(self) -> None:
+        await asyncio.gather(*(self.stream() for _ in range(4)))
+
+    async def stream(self) -> None:
         while self.running:
             sent = time.monotonic()
             status, machine = await get(self.fleet, APP)
