@@ -101,6 +101,9 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # runs nats-server, the brokers, the operator and the edge proxy; the workers go round the other hosts; the
     # CLI stays in the root namespace (the laptop), which reaches every host's address. 0: all on loopback
     hosts: int = 0
+    # region -> the address its workers advertise (`fauxmad worker --advertise`), e.g. 127.0.0.2 for a region an
+    # edge on this host must reach through the workers' backhaul, as a host of its own (default: NATS's side)
+    advertise: dict[str, str] = {}
 
 
 def unmount_under(root: Path) -> int:
@@ -346,7 +349,8 @@ class DevFleet:
         for region in spec.regions:
             for n in range(spec.workers_per_region):
                 worker_id = f"{region}-w{n + 1}"
-                self._creds[f"worker-{worker_id}"] = str(self.security.add_worker(worker_id, region))
+                addresses = (spec.advertise.get(region, "127.0.0.1"),)
+                self._creds[f"worker-{worker_id}"] = str(self.security.add_worker(worker_id, region, addresses))
         scopes = [f"{region}-" for region in spec.regions] if spec.supercluster else [""]
         for scope in scopes:  # a supercluster's brokers are per region (`broker-mad-1`)
             for i in range(spec.brokers):
@@ -449,6 +453,8 @@ class DevFleet:
                 ]
                 if count > 1:
                     args += ["--count", str(count)]
+                if region in spec.advertise:
+                    args += ["--advertise", spec.advertise[region]]
                 if not spec.fsync:
                     args += ["--no-fsync"]
                 self._host_for(f"worker-{base}", len(self.worker_ids) - len(ids))

@@ -1,11 +1,12 @@
 """The backhaul's preamble: what an edge proxy on another host says to a worker before the bytes of a request.
 
-A machine listens on its host's loopback only. An edge proxy on another host connects to the machine's worker
-(`WorkerInfo.address`, port `WorkerInfo.backhaul`) and sends one line naming the machine and its port; the worker
-answers `ok` once it holds a connection to that port on its loopback, or `error <why>` and closes. After `ok` the
-connection is the machine's: bytes both ways, unchanged, until either side closes. One line each way (not a
-header block, not a frame) because it is read once per connection and the connection is then pooled by the
-proxy for many requests: the preamble costs one round trip per new connection, never one per request.
+A machine listens on its host's loopback only. An edge proxy on another host connects to the machine's
+worker (`WorkerInfo.address`, port `WorkerInfo.backhaul`) and sends one line naming the machine and its
+port (or `ping`); the worker answers `ok` once it holds a connection to that port on its loopback, or
+`error <why>` and closes. After `ok` the connection is the machine's: bytes both ways, unchanged, until
+either side closes. One line each way (not a header block, not a frame) because it is read once per
+connection and the proxy then pools the connection for many requests: the preamble costs one round trip
+per new connection, never one per request.
 
 Both sides import it from here (the proxy is `orchestrator`, the worker `workers`; both import `bus`).
 """
@@ -30,13 +31,20 @@ def request_line(machine_id: str, port: int) -> bytes:
     return f"{MAGIC} {machine_id} {port}\n".encode("ascii")
 
 
-def parse_request(line: bytes) -> tuple[str, int]:
-    """The machine id and port a preamble names; `PreambleError` for anything else."""
+def ping_line() -> bytes:
+    """`FAUXMAD-BACKHAUL/1 ping\n`: is the host there? The worker answers `ok` itself, and closes."""
+    return f"{MAGIC} ping\n".encode("ascii")
+
+
+def parse_request(line: bytes) -> tuple[str, int] | None:
+    """The machine id and port a preamble names, None for a ping; `PreambleError` for anything else."""
     try:
         text = line.decode("ascii").rstrip("\r\n")
     except UnicodeDecodeError:
         raise PreambleError("the preamble is not ASCII") from None
     parts = text.split(" ")
+    if parts == [MAGIC, "ping"]:
+        return None
     if len(parts) != 3 or parts[0] != MAGIC:
         raise PreambleError(f"expected '{MAGIC} <machine id> <port>'")
     machine_id, port = parts[1], parts[2]

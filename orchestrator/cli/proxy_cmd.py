@@ -26,7 +26,19 @@ def proxy(
     latency: list[str] = typer.Option(
         [], "--latency", help="REGION=MS: how far another region is (repeat); unknown regions come last"
     ),
-    machine_host: str = typer.Option("127.0.0.1", "--machine-host", help="where machines' ports are reached"),
+    machine_host: str | None = typer.Option(
+        None,
+        "--machine-host",
+        help="deprecated: dial every machine's port at this host, whatever its worker advertises (a fleet of one "
+        "host); by default a machine on this host is dialed on loopback and any other through its worker's backhaul",
+        show_default=False,
+    ),
+    backhaul: str = typer.Option(
+        "auto",
+        "--backhaul",
+        help="auto: machines on other hosts through their worker's backhaul, this host's directly; always: every "
+        "machine through the backhaul (to measure or test it on one host)",
+    ),
     queue_timeout: float = typer.Option(5.0, "--queue-timeout", min=0, help="seconds a request waits for a slot"),
     head_timeout: float = typer.Option(
         10.0, "--head-timeout", min=0.1, help="seconds a client has to send a whole request head (else 408)"
@@ -45,10 +57,13 @@ def proxy(
         admin_at = parse_listen(admin) if admin else None
     except ValueError as exc:
         fail(str(exc), 2)
+    if backhaul not in ("auto", "always"):
+        fail(f"--backhaul {backhaul!r}: use auto or always", 2)
     config = ProxyConfig(
         region=checked("region", region),
         domain=domain,
         machine_host=machine_host,
+        backhaul_always=backhaul == "always",
         latency=_latency(latency),
         queue_timeout=queue_timeout,
         head_timeout=head_timeout,

@@ -79,11 +79,21 @@ def init(
 def add_worker(
     worker_id: str = typer.Argument(..., help="the worker's id (as `fauxmad worker --worker-id`)"),
     region: str = typer.Option(..., "--region", "-r", help="the worker's region: it answers that region's offers only"),
+    address: list[str] = typer.Option(
+        [], "--address", help="an IP address of the worker's host (its --advertise), named in its certificate (repeat)"
+    ),
     directory: str = DIR_OPTION,
 ) -> None:
     """Credentials for one worker: it may answer only its own subjects and its region's offers."""
+    import ipaddress
+
+    for one in address:
+        try:
+            ipaddress.ip_address(one)
+        except ValueError:
+            fail(f"--address {one!r}: not an IP address", EXIT_USAGE)
     fleet = FleetDir(directory)
-    _done(fleet, _run(lambda: fleet.add_worker(worker_id, region)))
+    _done(fleet, _run(lambda: fleet.add_worker(worker_id, region, tuple(address))))
 
 
 def add_user(

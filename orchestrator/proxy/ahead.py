@@ -30,14 +30,12 @@ class ResumeFailed(Exception):
     """The resume a request was sent ahead of failed: the machine never read it; the reason."""
 
 
-def resume_ahead(
-    waker: Waker, routes: RouteTable, pool: Pool, host: str, app: App, machine_id: str
-) -> asyncio.Future[Any] | None:
+def resume_ahead(waker: Waker, routes: RouteTable, pool: Pool, app: App, machine_id: str) -> asyncio.Future[Any] | None:
     """Begin the machine's resume for a request sent ahead of it (None: not this way)."""
     entry = routes.entry(machine_id)
     if entry is None or entry.state not in ("suspended", "suspending") or machine_id in waker.starting:
         return None
-    if not pool.has_idle((host, machine_port(app, entry))):
+    if not pool.has_idle(pool.address(entry, machine_port(app, entry))):
         return None  # no connection open from before it was frozen: its resume must show it listens first
     waking = waker.begin(app.name, machine_id, ahead=True)
     waking.add_done_callback(_mark_retrieved)

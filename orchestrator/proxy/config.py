@@ -15,7 +15,10 @@ from orchestrator.proxy.routes import App
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     region: str
     domain: str = "localhost"
-    machine_host: str = "127.0.0.1"  # where machines' ports are reached (fauxmad dev: one host)
+    # `--machine-host` (deprecated): every machine's port is dialed at this host, whatever its worker's address;
+    # None: each machine where its worker says (its own host's loopback here, else the worker's backhaul)
+    machine_host: str | None = None
+    backhaul_always: bool = False  # through the backhaul even to a worker on this host (tests, benchmarks)
     latency: dict[str, float] = {}  # region -> milliseconds from this proxy's region
     head_timeout: float = 10.0  # a request head must arrive whole within this (slowloris)
     keepalive_timeout: float = 75.0  # an idle client connection is closed after this

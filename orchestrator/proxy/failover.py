@@ -56,7 +56,7 @@ class Failover:
         """The machine failed a request: avoid it, drop its kept connections, say so (the first time)."""
         entry = self.routes.entry(machine_id)
         if entry is not None:
-            self.pool.drop((self.config.machine_host, machine_port(app, entry)))
+            self.pool.drop(self.pool.address(entry, machine_port(app, entry)))
         first = machine_id not in self.bad
         self.bad[machine_id] = self.clock() + self.config.avoid_for
         self.metrics.refused.labels(app.name).inc()

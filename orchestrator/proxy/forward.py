@@ -61,7 +61,7 @@ class Forwarder:
         if entry is None or not (app.service.internal_port or entry.port):
             raise UpstreamFailed(f"{machine_id} has no known port", resend=True)
         ex.machine, ex.region = machine_id, entry.region
-        address = (self.config.machine_host, machine_port(app, entry))
+        address = self.pool.address(entry, machine_port(app, entry))
         try:
             conn = await self.pool.get(address, fresh=fresh)
         except OSError as exc:

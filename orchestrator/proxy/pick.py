@@ -126,7 +126,7 @@ class Picker:
         waker = self.waker
         assert waker is not None
         if ex.safe and ex.head.first in AHEAD:
-            waking = resume_ahead(waker, self.routes, self.pool, self.config.machine_host, app, machine_id)
+            waking = resume_ahead(waker, self.routes, self.pool, app, machine_id)
             if waking is not None:
                 ex.waking = waking
                 return True
@@ -165,8 +165,8 @@ class Picker:
             entry = self.routes.entry(machine_id)
             if entry is None or entry.state != "started" or not (entry.port or app.service.internal_port):
                 continue
-            address = (self.config.machine_host, machine_port(app, entry))
-            conn = await connect_when_up(address, self.config.ready_timeout)
+            address = self.pool.address(entry, machine_port(app, entry))
+            conn = await connect_when_up(address, self.config.ready_timeout, pool=self.pool)
             if conn is None:
                 return None
             self.pool.put(conn)

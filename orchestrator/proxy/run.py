@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import ssl
 import time
 
 import msgspec
@@ -19,9 +20,12 @@ from nats.aio.msg import Msg
 from bus.contract import subjects
 from bus.contract.codec import decoder, encode
 from bus.contract.edge import ProxyActivity
+from bus.transport import credentials
+from bus.transport.addresses import host_addresses, source_address_for_url
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources_patiently
 from orchestrator.client import FleetClient
+from orchestrator.proxy.backhaul import Dialer
 from orchestrator.proxy.config import ProxyConfig
 from orchestrator.proxy.http import MAX_HEAD
 from orchestrator.proxy.idle import IdleStopper
@@ -59,7 +63,11 @@ async def run_proxy(
     nc = await connect(nats_url, "fauxmad-proxy", reconnect_forever=True)
     routes = RouteTable()
     metrics = ProxyMetrics()
-    pool = Pool()
+    dialer = Dialer(
+        routes.registry.in_region, local=_own_addresses(nats_url), always=config.backhaul_always, tls=_backhaul_tls()
+    )
+    pool = Pool(dialer, machine_host=config.machine_host)
+    dialer.on_suspect = lambda host: pool.drop_host(*host)
     try:
         kv = await ensure_fleet_resources_patiently(nc.jetstream())
         await routes.start(kv)
@@ -68,7 +76,6 @@ async def run_proxy(
             client,
             routes,
             pool,
-            host=config.machine_host,
             ready_timeout=config.ready_timeout,
             on_woken=lambda app, kind: metrics.woken.labels(app, kind).inc(),
         )
@@ -124,7 +131,25 @@ async def run_proxy(
             if admin_server is not None:
                 admin_server.close()
     finally:
+        dialer.close()
         pool.close()
         await routes.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), 2.0)
+
+
+def _own_addresses(nats_url: str) -> set[str]:
+    """This host's addresses: a machine whose worker advertises one of them is dialed on loopback, directly."""
+    found = host_addresses()
+    with contextlib.suppress(OSError):
+        found.add(source_address_for_url(nats_url))
+    return found
+
+
+def _backhaul_tls() -> ssl.SSLContext | None:
+    """Mutual TLS with the fleet's CA for the backhaul, from this proxy's credentials (a secure fleet), else None."""
+    path = credentials.default_path()
+    if not path:
+        return None
+    creds, base = credentials.load(path)
+    return creds.backhaul_client_context(base)

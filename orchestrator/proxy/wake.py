@@ -38,14 +38,12 @@ class Waker:
         routes: RouteTable,
         pool: Pool,
         *,
-        host: str = "127.0.0.1",
         ready_timeout: float = 10.0,
         on_woken: Callable[[str, str], None] = lambda app, kind: None,
     ) -> None:
         self.client = client
         self.routes = routes
         self.pool = pool
-        self.host = host
         self.ready_timeout = ready_timeout
         self.on_woken = on_woken  # (app, "start" | "resume" | "create") once the machine accepts connections
         self.starting: dict[str, asyncio.Future[MachineIndexEntry]] = {}
@@ -103,16 +101,18 @@ class Waker:
             raise WakeError(f"{machine.id} is {machine.state} after its {kind}")
         entry = index_entry(machine)
         self.routes.remember(entry)
-        port = self.port_of(entry)
-        if kind == "resume" and (ahead or self.pool.has_idle((self.host, port))):
+        address = self.pool.address(entry, self.port_of(entry))
+        if kind == "resume" and (ahead or self.pool.has_idle(address)):
             # it listened before it was frozen, and connections kept from then are served again now: a new
             # connection would prove nothing (the kernel queues connects to a frozen process) and cost the
             # app an accept (and a fork, for an app with a process per connection) on the held request
             self.on_woken(machine.app, kind)
             return entry
-        conn = await connect_when_up((self.host, port), self.ready_timeout)
+        conn = await connect_when_up(address, self.ready_timeout, pool=self.pool)
         if conn is None:
-            raise WakeError(f"{machine.id} did not accept connections on port {port} within {self.ready_timeout:g}s")
+            raise WakeError(
+                f"{machine.id} did not accept connections on port {address.port} within {self.ready_timeout:g}s"
+            )
         self.pool.put(conn)
         self.on_woken(machine.app, kind)
         return entry

@@ -212,6 +212,10 @@ class Registry(KVReplica):
     def is_live(self, worker_id: str) -> bool:
         return any(info.worker_id == worker_id and self._alive(key, info) for key, info in self._workers.items())
 
+    def in_region(self, region: str, worker_id: str) -> WorkerInfo | None:
+        """A worker's last heartbeat, alive or not, found in O(1) (the edge asks on every new connection)."""
+        return self._by_region.get(region, {}).get(worker_id)
+
     def get(self, worker_id: str) -> WorkerInfo | None:
         for info in self._workers.values():
             if info.worker_id == worker_id:

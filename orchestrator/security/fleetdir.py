@@ -115,10 +115,13 @@ class FleetDir:
         )
 
     # -- identities --------------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, region: str) -> Path:
+    def add_worker(self, worker_id: str, region: str, addresses: tuple[str, ...] = ()) -> Path:
+        """A worker's credentials; its certificate also serves its backhaul (`workers.agent.backhaul`), and names
+        `addresses` (the host's, as `fauxmad worker --advertise`) as IP SANs."""
         check_token("worker id", worker_id)
         check_token("region", region)
-        return self.add(Identity(name=f"worker-{worker_id}", role="worker", worker_id=worker_id, region=region))
+        identity = Identity(name=f"worker-{worker_id}", role="worker", worker_id=worker_id, region=region)
+        return self.add(identity, addresses)
 
     def add_user(self, name: str, role: Role, app: str | None = None) -> Path:
         check_token("name", name)
@@ -126,7 +129,7 @@ class FleetDir:
             check_token("app", app)
         return self.add(Identity(name=name, role=role, app=app))
 
-    def add(self, identity: Identity) -> Path:
+    def add(self, identity: Identity, addresses: tuple[str, ...] = ()) -> Path:
         """Issue `identity` a seed and a client certificate, write its credentials, re-render users.conf."""
         entries = self.entries()
         if any(entry.identity.name == identity.name for entry in entries):
@@ -136,7 +139,8 @@ class FleetDir:
         public = nkeys.from_seed(bytearray(seed)).public_key.decode()
         pki = _pki()
         ca = pki.load_ca(self.root / "ca.pem", self.root / "ca-key.pem")
-        cert, key = pki.issue(ca, identity.name)
+        worker = identity.role == "worker"
+        cert, key = pki.issue(ca, identity.name, server_names=addresses if worker else (), server=worker)
         creds_dir = self.root / "creds"
         pki.write_cert(creds_dir / f"{identity.name}.pem", cert)
         pki.write_key(creds_dir / f"{identity.name}-key.pem", key)
@@ -205,9 +209,14 @@ class FleetDir:
             os.replace(self.root / "server-key.pem.new", self.root / "server-key.pem")
             os.replace(self.root / "server.pem.new", self.root / "server.pem")
             rotated.append("server")
+        roles = {entry.identity.name: entry.identity.role for entry in self.entries()}
         for name in chosen:
-            cert, key = pki.issue(ca, name)
             creds_dir = self.root / "creds"
+            if roles.get(name) == "worker":  # the backhaul's server too, naming the addresses it named
+                names = pki.server_names(creds_dir / f"{name}.pem") if (creds_dir / f"{name}.pem").exists() else []
+                cert, key = pki.issue(ca, name, server_names=names, server=True)
+            else:
+                cert, key = pki.issue(ca, name)
             pki.write_key(creds_dir / f"{name}-key.pem.new", key)
             pki.write_cert(creds_dir / f"{name}.pem.new", cert)
             os.replace(creds_dir / f"{name}-key.pem.new", creds_dir / f"{name}-key.pem")

@@ -92,12 +92,16 @@ def issue(
     *,
     server_names: Iterable[str] = (),
     client: bool = True,
+    server: bool = False,
     days: int = DEFAULT_DAYS,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A certificate signed by `ca`: a server's (with `server_names` as SANs) or a client's."""
+    """A certificate signed by `ca`: a server's (with `server_names` as SANs) or a client's; `server` with
+    `client`: both (a worker: a client of NATS, and the server of its backhaul, naming its host's addresses)."""
     ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH] if client else [ExtendedKeyUsageOID.SERVER_AUTH]
+    if client and server:
+        usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(common_name))

@@ -88,12 +88,17 @@ class Backhaul:
             line = await asyncio.wait_for(reader.readuntil(b"\n"), PREAMBLE_TIMEOUT)
             if len(line) > MAX_LINE:
                 raise PreambleError(f"the preamble is over {MAX_LINE} bytes")
-            machine_id, port = parse_request(line)
+            asked = parse_request(line)
         except (asyncio.LimitOverrunError, asyncio.IncompleteReadError, TimeoutError):
             return None
         except PreambleError as exc:
             await _refuse(writer, str(exc))
             return None
+        if asked is None:  # a ping: this host and its worker answer
+            writer.write(OK)
+            await asyncio.wait_for(writer.drain(), PREAMBLE_TIMEOUT)
+            return None
+        machine_id, port = asked
         machine = self.machine(machine_id)
         if machine is None or machine.state == "destroyed":
             await _refuse(writer, f"machine {machine_id} is not on this worker")
