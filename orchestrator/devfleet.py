@@ -101,9 +101,23 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # runs nats-server, the brokers, the operator and the edge proxy; the workers go round the other hosts; the
     # CLI stays in the root namespace (the laptop), which reaches every host's address. 0: all on loopback
     hosts: int = 0
+    # worker id -> its host's clock offset under libfaketime (Debian's `faketime`), e.g. "+3s" or "-30s": the
+    # worker and its machines see a wall clock that far off (their monotonic clock is left alone)
+    skew: dict[str, str] = {}
     # region -> the address its workers advertise (`fauxmad worker --advertise`), e.g. 127.0.0.2 for a region an
     # edge on this host must reach through the workers' backhaul, as a host of its own (default: NATS's side)
     advertise: dict[str, str] = {}
+
+
+FAKETIME_LIBRARY = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+def skewed_clock(offset: str) -> dict[str, str]:
+    """The environment that runs a process with its wall clock `offset` off (libfaketime: "+3s", "-30s")."""
+    found = [p for p in (Path(FAKETIME_LIBRARY), *Path("/usr/lib").glob("*/faketime/libfaketime.so.1")) if p.exists()]
+    if not found:
+        raise ValueError("a skewed clock needs libfaketime (Debian's `faketime` package)")
+    return {"LD_PRELOAD": str(found[0]), "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
 
 
 def unmount_under(root: Path) -> int:
@@ -185,6 +199,9 @@ class DevFleet:
         env.pop(CREDS_ENV, None)
         if name in self._creds:
             env[CREDS_ENV] = self._creds[name]
+        offset = self.spec.skew.get(name.removeprefix("worker-")) if name.startswith("worker-") else None
+        if offset is not None:
+            env.update(skewed_clock(offset))
         argv = [sys.executable, "-m", "orchestrator.cli", *args]
         if name in self.placement:
             argv = self.placement[name].command(argv)
