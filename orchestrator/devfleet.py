@@ -95,7 +95,7 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # variable is set: the fleet's layout takes R3 from a cluster of three (`bus.transport.fleet_layout`)
     cluster: int = 0
     replicas: int | None = None  # the layout's replicas when the fleet is made (None: what the servers offer)
-    # each worker and broker process serves Prometheus /metrics on a free port of 127.0.0.1 (`DevFleet.metrics`)
+    # local: each worker and broker process serves Prometheus /metrics on a free port of 127.0.0.1 (one host)
     metrics: bool = False
     # N hosts of their own (`orchestrator.devhosts`: network namespaces on a bridge, root and Linux only): host a
     # runs nats-server, the brokers, the operator and the edge proxy; the workers go round the other hosts; the
@@ -366,7 +366,7 @@ class DevFleet:
         for region in spec.regions:
             for n in range(spec.workers_per_region):
                 worker_id = f"{region}-w{n + 1}"
-                addresses = (spec.advertise.get(region, "127.0.0.1"),)
+                addresses = (spec.advertise.get(region, "127.0.0.1"),)  # local: a dev fleet's NATS is on loopback
                 self._creds[f"worker-{worker_id}"] = str(self.security.add_worker(worker_id, region, addresses))
         scopes = [f"{region}-" for region in spec.regions] if spec.supercluster else [""]
         for scope in scopes:  # a supercluster's brokers are per region (`broker-mad-1`)
@@ -516,7 +516,7 @@ class DevFleet:
         if not self.spec.metrics:
             return []
         self.metrics[name] = free_port()
-        return ["--metrics-listen", f"127.0.0.1:{self.metrics[name]}"]
+        return ["--metrics-listen", f"127.0.0.1:{self.metrics[name]}"]  # local: a dev fleet is one host
 
     @property
     def expected_brokers(self) -> int:

@@ -14,7 +14,7 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-LOOPBACK = "127.0.0.1"
+LOOPBACK = "127.0.0.1"  # local: what a host is to itself
 
 
 def source_address(host: str, port: int) -> str:
@@ -44,13 +44,13 @@ def is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
-        return address == "localhost"
+        return address == "localhost"  # local: a name for loopback
 
 
 def host_addresses() -> set[str]:
     """Addresses this host answers at, as far as the resolver and the routing table tell without privileges:
-    127.0.0.1, ::1, its host name's addresses, and the source address toward a public and a private range."""
-    found = {LOOPBACK, "::1", "localhost"}
+    loopback, its host name's addresses, and the source address toward a public and a private range."""
+    found = {LOOPBACK, "::1", "localhost"}  # local: loopback, always
     with contextlib.suppress(OSError):
         for info in socket.getaddrinfo(socket.gethostname(), None):
             found.add(str(info[4][0]))

@@ -60,6 +60,9 @@ class ProxyOptions(msgspec.Struct, frozen=True, kw_only=True):
     concurrency: int = 32
     seconds: float = 3.0
     wakes: int = 10
+    # every machine through its worker's backhaul (`fauxmad proxy --backhaul always`), as an edge on another host
+    # reaches it: what the backhaul adds, measured on one host
+    backhaul: bool = False
 
 
 class Throughput(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,9 +92,11 @@ class ProxyResult(msgspec.Struct, kw_only=True):
     native_after_create: Latency | None = None
 
 
-def _start_proxy(url: str, log: Path) -> tuple[subprocess.Popen[bytes], int]:
+def _start_proxy(url: str, log: Path, *, backhaul: bool = False) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     argv = [sys.executable, "-m", "orchestrator.cli", "proxy", "--listen", f"127.0.0.1:{port}", "--region", REGION]
+    if backhaul:
+        argv += ["--backhaul", "always"]
     with log.open("ab") as out:
         proc = subprocess.Popen([*argv, "--nats", url], stdout=out, stderr=out, env=dict(os.environ))
     deadline = time.monotonic() + 20
@@ -292,7 +297,7 @@ def run_proxy_bench(options: ProxyOptions, progress: Callable[[str], None] = lam
     spec = FleetSpec(regions=[REGION], workers_per_region=1, cpus=8, memory_mb=4096)
     with DevFleet(spec, progress=progress) as fleet:
         machine_id, machine_port = asyncio.run(_machine(fleet.url))
-        proc, proxy_port = _start_proxy(fleet.url, fleet.root / "logs" / "proxy.log")
+        proc, proxy_port = _start_proxy(fleet.url, fleet.root / "logs" / "proxy.log", backhaul=options.backhaul)
         try:
             progress(f"{options.requests} GETs direct and through the proxy, alternating")
             direct, proxied, errors = asyncio.run(_alternating(proxy_port, machine_port, options.requests))
@@ -377,8 +382,12 @@ def report(result: ProxyResult) -> Report:
             if lat is not None
         ),
     )
+    path = " (through the worker's backhaul)" if result.options.backhaul else ""
     table = Table(
-        title="edge proxy: one echo machine, one proxy process", columns=LATENCY_COLUMNS, align=LATENCY_ALIGN, rows=rows
+        title=f"edge proxy: one echo machine, one proxy process{path}",
+        columns=LATENCY_COLUMNS,
+        align=LATENCY_ALIGN,
+        rows=rows,
     )
     notes = (
         f"proxy overhead: p50 +{result.overhead_p50_ms:.2f} ms, p99 +{result.overhead_p99_ms:.2f} ms "

@@ -226,6 +226,10 @@ class FlyMachine(msgspec.Struct, kw_only=True):
     created_at: str
     updated_at: str
     events: list[FlyMachineEvent] | msgspec.UnsetType = msgspec.UNSET
+    # Fly's: where the machine is reached in the fleet, its worker's advertised address (its own host's; fauxmad
+    # has no private network, so an edge on another host reaches it through that worker's backhaul); absent
+    # for a machine whose worker advertises none (a worker older than the field)
+    private_ip: str | msgspec.UnsetType = msgspec.UNSET
     # extensions (README "HTTP API"): where it runs, and how its process last ended
     worker_id: str = ""
     exit: dict[str, Any] | None = None
@@ -321,6 +325,7 @@ def machine(m: Machine, *, summary: bool = False) -> FlyMachine:
             created_at=m.created_at,
             updated_at=m.updated_at,
             worker_id=m.worker_id,
+            private_ip=m.address or msgspec.UNSET,
         )
     events = [event(e) for e in m.events] if isinstance(m.events, list) else []
     return FlyMachine(
@@ -334,6 +339,7 @@ def machine(m: Machine, *, summary: bool = False) -> FlyMachine:
         created_at=m.created_at,
         updated_at=m.updated_at,
         events=events,
+        private_ip=m.address or msgspec.UNSET,
         worker_id=m.worker_id,
         exit=msgspec.to_builtins(m.exit) if m.exit is not None else None,
     )

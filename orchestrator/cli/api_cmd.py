@@ -11,7 +11,7 @@ from orchestrator.cli.runtime import serve as serve_until_stopped
 
 
 def api(
-    listen: str = typer.Option("127.0.0.1:4280", "--listen", help="HOST:PORT to serve HTTP on"),
+    listen: str = typer.Option("127.0.0.1:4280", "--listen", help="HOST:PORT to serve HTTP on"),  # local: default
     token_file: Path | None = typer.Option(None, "--token-file", help="a file holding the bearer token to require"),
     token_key: Path | None = typer.Option(
         None,

@@ -308,6 +308,9 @@ def proxy(
     concurrency: int = typer.Option(32, "--concurrency", "-c", min=1, max=1024, help="keep-alive clients for req/s"),
     seconds: float = typer.Option(3.0, "--seconds", min=0.5, max=600, help="how long to measure req/s"),
     wakes: int = typer.Option(10, "--wakes", min=1, max=1000, help="requests to a suspended and to a stopped machine"),
+    backhaul: bool = typer.Option(
+        False, "--backhaul", help="reach the machine through its worker's backhaul, as an edge on another host does"
+    ),
     output: Path = typer.Option(Path("bench-proxy.json"), "--output", "-o", help=OUTPUT_HELP),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -315,7 +318,9 @@ def proxy(
     byte when the machine is suspended (resumed) or stopped (started) inside the request."""
     from lab.bench import proxy as bench
 
-    options = bench.ProxyOptions(requests=requests, concurrency=concurrency, seconds=seconds, wakes=wakes)
+    options = bench.ProxyOptions(
+        requests=requests, concurrency=concurrency, seconds=seconds, wakes=wakes, backhaul=backhaul
+    )
     result = _measure(lambda: bench.run_proxy_bench(options, _progress))
     _finish(result, bench.report(result), output, json_out)
 

@@ -91,7 +91,7 @@ def _fleet_spec(regions_csv: str, per_region: int, cpus: int, memory_mb: int, po
 # The command `fauxmad dev` suggests, verbatim. No shell runs a machine's command (its argv is exec'd
 # as given), so `$PORT` is expanded by a shell the command starts itself: the worker does not invent
 # shell semantics, and what a user pastes is what runs. `exec` makes the server the machine's process.
-HELLO_CMD = ["sh", "-c", 'exec python3 -m http.server --bind 127.0.0.1 "$PORT"']
+HELLO_CMD = ["sh", "-c", 'exec python3 -m http.server --bind 127.0.0.1 "$PORT"']  # local: machines listen on loopback
 
 
 def hello_hint(region: str) -> str:
@@ -135,7 +135,7 @@ def _wait_for_ctrl_c() -> None:
             time.sleep(3600)
 
 
-def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:  # local: `fauxmad dev` starts NATS on this host
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server does: TIME_WAIT is no conflict
         try:
@@ -341,7 +341,7 @@ def _demo_run(url: str, region_names: list[str], answers: dict[str, object]) -> 
     time.sleep(0.5)
     heading("each machine answers on its own port")
     for machine, _ in placed:
-        body = _http_get(f"http://127.0.0.1:{machine.port}/")
+        body = _http_get(f"http://127.0.0.1:{machine.port}/")  # local: the demo's fleet runs on this host
         answers[machine.id] = json.loads(body) if body.startswith("{") else body
         console.print(f"{machine.region} :{machine.port} -> {body}", markup=False, highlight=False)
     heading("the fleet")

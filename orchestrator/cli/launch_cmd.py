@@ -25,7 +25,7 @@ from orchestrator.cli.runtime import EXIT_USAGE, JsonOption, NatsOption, check_a
 SPEC_NAME = "fauxmad.toml"
 PYTHON_FILES = ("app.py", "main.py", "server.py")
 NODE_FILES = ("server.js", "index.js", "app.js")
-STATIC_CMD = ["sh", "-c", 'exec python3 -m http.server --bind 127.0.0.1 "$PORT"']
+STATIC_CMD = ["sh", "-c", 'exec python3 -m http.server --bind 127.0.0.1 "$PORT"']  # local: machines listen on loopback
 
 
 class Choice(msgspec.Struct, kw_only=True):

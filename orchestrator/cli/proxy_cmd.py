@@ -19,9 +19,9 @@ def _latency(pairs: list[str]) -> dict[str, float]:
 
 
 def proxy(
-    listen: str = typer.Option("127.0.0.1:8080", "--listen", help="HOST:PORT to serve HTTP on"),
+    listen: str = typer.Option("127.0.0.1:8080", "--listen", help="HOST:PORT to serve HTTP on"),  # local: default
     region: str = typer.Option(..., "--region", help="the region this proxy stands in (its machines go first)"),
-    domain: str = typer.Option("localhost", "--domain", help="apps are served at <app>.<domain>"),
+    domain: str = typer.Option("localhost", "--domain", help="apps are served at <app>.<domain>"),  # local: default
     admin: str | None = typer.Option(None, "--admin", help="HOST:PORT for /metrics and /healthz (off by default)"),
     latency: list[str] = typer.Option(
         [], "--latency", help="REGION=MS: how far another region is (repeat); unknown regions come last"

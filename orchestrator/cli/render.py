@@ -129,13 +129,14 @@ STATE_STYLE = {"started": "green", "failed": "red", "stopped": "yellow", "destro
 def machines_table(machines: list[Machine], title: str | None = None) -> Table:
     wide = console.width >= 120
     table = FitTable(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-    columns = ["id", "region", "worker", "state", "port", "checks"] + (["name", "cmd"] if wide else [])
+    columns = ["id", "region", "worker", "address", "state", "port", "checks"] + (["name", "cmd"] if wide else [])
     for col in columns:
-        table.add_column(col, overflow="fold", no_wrap=col in KEYS)
+        table.add_column(col, overflow="fold", no_wrap=col in KEYS or col == "address")
     for m in machines:
         checks = ", ".join(f"{n}:{c.status}" for n, c in sorted(m.checks.items())) or "-"
         style = STATE_STYLE.get(m.state, "")
-        row = [m.id, m.region, m.worker_id, f"[{style}]{m.state}[/]" if style else m.state, str(m.port or "-"), checks]
+        state = f"[{style}]{m.state}[/]" if style else m.state
+        row = [m.id, m.region, m.worker_id, m.address or "-", state, str(m.port or "-"), checks]
         if wide:
             row += [m.name, " ".join(m.config.cmd)[:60]]
         table.add_row(*row)

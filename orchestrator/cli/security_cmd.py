@@ -54,7 +54,9 @@ def register(fleet_app: typer.Typer) -> None:
 def init(
     directory: str = typer.Argument(..., help="where to write the fleet's CA, server config and credentials"),
     host: str = typer.Option(
-        "127.0.0.1", "--host", help="the address nats-server listens on (also in its certificate)"
+        "127.0.0.1",  # local: a one-host fleet's default; several hosts give the server's address
+        "--host",
+        help="the address nats-server listens on (also in its certificate)",
     ),
     port: int = typer.Option(4222, "--port", min=1, max=65535, help="the port nats-server listens on"),
     server_name: list[str] = typer.Option(

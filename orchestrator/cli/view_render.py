@@ -125,12 +125,13 @@ def regions_table(regions: list[model.RegionRow]) -> Table:
 
 def workers_table(workers: list[model.WorkerRow], now: float) -> Table:
     table = FitTable(title="workers", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-    for col in ("region", "worker", "status", "cpus", "memory", "mach", "heartbeat"):
-        table.add_column(col, no_wrap=col in KEYS, overflow="fold")
+    for col in ("region", "worker", "address", "status", "cpus", "memory", "mach", "heartbeat"):
+        table.add_column(col, no_wrap=col in KEYS or col == "address", overflow="fold")
     for w in workers:
         table.add_row(
             w.region,
             w.worker_id,
+            w.address or "-",
             styled(w.status),
             cpu_use(w.used, w.capacity, 6),
             mem_use(w.used, w.capacity, 6),

@@ -190,7 +190,9 @@ def machine(found: Machine, kept: dict[str, Any] | None, logs: list[LogRecord], 
     )
     body = (
         f'<h1>machine {e(found.id)}</h1><p>app <a href="/ui/apps/{quote(found.app)}">{e(found.app)}</a> · region '
-        f"{e(found.region)} · worker {e(found.worker_id)} · state "
+        f"{e(found.region)} · worker {e(found.worker_id)}"
+        + (f" · address {e(found.address)}" if found.address else "")
+        + " · state "
         f'<b id="state" class="s-{e(found.state)}" data-machine="{e(found.id)}" data-text="1">{e(found.state)}</b></p>'
         f'<div class="actions" data-app="{e(found.app)}" data-id="{e(found.id)}">{buttons}</div>'
         '<p id="outcome" role="status"></p>'

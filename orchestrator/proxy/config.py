@@ -14,7 +14,7 @@ from orchestrator.proxy.routes import App
 
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     region: str
-    domain: str = "localhost"
+    domain: str = "localhost"  # local: <app>.localhost resolves to this host; an edge of a fleet sets --domain
     # `--machine-host` (deprecated): every machine's port is dialed at this host, whatever its worker's address;
     # None: each machine where its worker says (its own host's loopback here, else the worker's backhaul)
     machine_host: str | None = None

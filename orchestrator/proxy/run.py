@@ -44,7 +44,7 @@ class Listen(msgspec.Struct, frozen=True):
 
 
 def parse_listen(text: str) -> Listen:
-    """`127.0.0.1:8080`, `:8080` (all interfaces) or `8080`."""
+    """`127.0.0.1:8080`, `:8080` (all interfaces) or `8080`."""  # local: an example
     host, _, port = text.rpartition(":")
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"invalid address {text!r}: use HOST:PORT")

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from orchestrator.proxy.backhaul import Dialer
 
 MAX_IDLE_PER_MACHINE = 64
-LOOPBACK = "127.0.0.1"
+LOOPBACK = "127.0.0.1"  # local: a machine on the edge's own host is dialed on its loopback (`backhaul.Dialer`)
 
 
 class HostUnreachable(ConnectionError):

@@ -67,7 +67,12 @@ class FleetDir:
 
     # -- init --------------------------------------------------------------------------------------
     def init(
-        self, *, host: str = "127.0.0.1", port: int = 4222, server_names: tuple[str, ...] = (), url: str | None = None
+        self,
+        *,
+        host: str = "127.0.0.1",  # local: a one-host fleet's default; `fleet init --host` for several hosts
+        port: int = 4222,
+        server_names: tuple[str, ...] = (),
+        url: str | None = None,
     ) -> Path:
         """Make the CA, the server's certificate and config, and the operator's credentials. `url`: what the
         credentials name as the fleet's (several comma-separated servers: a region's cluster); default
@@ -81,7 +86,7 @@ class FleetDir:
         ca = pki.make_ca()
         pki.write_cert(self.root / "ca.pem", ca[0])
         pki.write_key(self.root / "ca-key.pem", ca[1])
-        names = tuple(dict.fromkeys(("localhost", "127.0.0.1", host, *server_names)))
+        names = tuple(dict.fromkeys(("localhost", "127.0.0.1", host, *server_names)))  # local: and host's names
         server = pki.issue(ca, "nats-server", server_names=names, client=False)
         pki.write_cert(self.root / "server.pem", server[0])
         pki.write_key(self.root / "server-key.pem", server[1])

@@ -38,6 +38,7 @@ class WorkerRow(Record, frozen=True, kw_only=True):
     load: float = 0.0
     heartbeat_at: float | None = None  # epoch seconds of the last heartbeat the view saw
     states: dict[str, int] = {}
+    address: str = ""  # where other hosts reach the worker (and its machines, through its backhaul)
 
 
 class RegionRow(Record, frozen=True, kw_only=True):

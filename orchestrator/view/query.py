@@ -151,6 +151,7 @@ class ViewReader:
                     load=info.load if info else 0.0,
                     heartbeat_at=heartbeat_at,
                     states=dict(info.states) if info else {},
+                    address=info.address if info else "",
                 )
             )
         return out

@@ -260,6 +260,7 @@ def test_status_json_shape_is_stable(fold: ViewWriter, query: ViewReader) -> Non
         "load",
         "heartbeat_at",
         "states",
+        "address",  # addition (hosts): where other hosts reach the worker
     }
     assert set(shape["machines"][0]) == {
         "id",

@@ -93,7 +93,7 @@ class ManagerConfig(msgspec.Struct, frozen=True, kw_only=True):
     memory_mb: int
     data_dir: str
     backoff: Backoff = Backoff()
-    check_host: str = "127.0.0.1"
+    check_host: str = "127.0.0.1"  # local: a worker's health check runs on the machine's own host
     stop_timeout: float = 10.0
     run_as: tuple[int, int] | None = None  # (uid, gid) of the worker's --machine-user
     address: str | None = None  # the worker's advertised address, shown on each of its machines

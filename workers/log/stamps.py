@@ -48,4 +48,4 @@ def _second(seconds: int) -> str:
 def pick_port(held: Container[int] = ()) -> int:
     """A machine's `PORT`: below the ephemeral range, so no connection this host opens takes it (bus.local.ports),
     and none of `held`, the ports of this worker's machines (a stopped one binds its port again when started)."""
-    return free_port("127.0.0.1", held)
+    return free_port("127.0.0.1", held)  # local: a machine's port is on its own host's loopback
