@@ -104,6 +104,8 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # worker id -> its host's clock offset under libfaketime (Debian's `faketime`), e.g. "+3s" or "-30s": the
     # worker and its machines see a wall clock that far off (their monotonic clock is left alone)
     skew: dict[str, str] = {}
+    # a supercluster's WAN: seconds one way added on every gateway link (`bus.local.gateway_relay`)
+    wan_delay: float = 0.0
     # region -> the address its workers advertise (`fauxmad worker --advertise`), e.g. 127.0.0.2 for a region an
     # edge on this host must reach through the workers' backhaul, as a host of its own (default: NATS's side)
     advertise: dict[str, str] = {}
@@ -290,6 +292,7 @@ class DevFleet:
             secure_dir=self.root / "secure" if spec.secure else None,
             host=self.hosts.gateway if self.hosts is not None else "127.0.0.1",  # the relays: on the laptop
             hosts=self._server_hosts(),
+            delay=spec.wan_delay,
         )
         self._layout_before = {name: os.environ.get(name) for name in (SUPERCLUSTER_LAYOUT_ENV, REPLICAS_ENV)}
         os.environ[SUPERCLUSTER_LAYOUT_ENV] = ",".join(spec.regions)

@@ -180,8 +180,10 @@ class LoopbackSupercluster:
         host: str = "127.0.0.1",
         secure_dir: str | Path | None = None,
         hosts: Sequence[tuple[str, list[str]]] = (),
+        delay: float = 0.0,
     ) -> None:
-        """`hosts`: (address, the command a process runs under there) of each host the servers go round, in
+        """`delay`: seconds one way on every gateway link (the relays', so `relays` must be on): WAN between regions.
+        `hosts`: (address, the command a process runs under there) of each host the servers go round, in
         turn (`fauxmad dev --hosts`: network namespaces, `ip netns exec <host>`); each server then listens on
         its host's address at the standard ports (4222 clients, 6222 routes, 7222 gateways; +1 for a host's
         second server), and the relays (if any) on `host`, which must reach them all (the bridge's own address).
@@ -193,7 +195,7 @@ class LoopbackSupercluster:
         self.connect_options: dict[str, Any] = {}
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="fauxmad-sc-"))
         self.host = host
-        self.relay: GatewayRelay | None = GatewayRelay(host) if relays else None
+        self.relay: GatewayRelay | None = GatewayRelay(host, delay) if relays else None
         self.wraps: dict[str, list[str]] = {}  # server name -> the command it runs under (`hosts`)
         servers: list[ServerAddress] = []
         for region in regions:
