@@ -231,3 +231,8 @@ class GatewayRelay:
         for link in list(self._links):
             link.close()
         self._links.clear()
+        # every connection's pumps and held bytes end here, on the relay's own loop, before it is closed
+        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
