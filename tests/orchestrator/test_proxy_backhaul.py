@@ -205,3 +205,70 @@ def test_a_frozen_host_is_left_for_the_apps_other_machines(
     assert statuses == [200] * 10, statuses
     assert served == {near.id}
     assert far.id != near.id
+
+
+def test_autostop_suspend_and_a_resume_inside_the_request_across_hosts(
+    fleet: DevFleet, proxy: kit.ProxyProcess, unique: Callable[[str], str]
+) -> None:
+    """Autostop suspends the idle machine on "another host"; the next request resumes it through the backhaul:
+    the same process answers (its kept connection, through the worker, is served again)."""
+    name = unique("sus")
+    (machine,) = make_app(fleet, name, [("bhb", "bhb-w2")], 'auto_stop = "suspend"\nidle_timeout = "1s"')
+
+    async def main() -> tuple[Response, str, Response]:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            first = await kit.get(proxy.port, f"{name}.localhost")
+            state = ""
+            for _ in range(100):  # the proxy's autostop round runs every second
+                state = (await client.get(name, machine.id, events=False)).state
+                if state == "suspended":
+                    break
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.3)  # the proxy's replica of the index sees it suspended
+            return first, state, await kit.get(proxy.port, f"{name}.localhost")
+        finally:
+            await client.close()
+
+    first, state, again = arun(main())
+    assert first.status == 200 and state == "suspended"
+    assert again.status == 200 and again.json()["pid"] == first.json()["pid"]
+
+
+def test_autostart_of_a_stopped_machine_across_hosts(
+    fleet: DevFleet, proxy: kit.ProxyProcess, unique: Callable[[str], str]
+) -> None:
+    name = unique("ast")
+    (machine,) = make_app(fleet, name, [("bhb", "bhb-w1")])
+
+    async def main() -> Response:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            await client.stop(name, machine.id)
+            await client.wait(name, machine.id, "stopped", timeout=10)
+            await asyncio.sleep(0.3)  # the proxy's replica of the index sees it stopped
+            return await kit.get(proxy.port, f"{name}.localhost")
+        finally:
+            await client.close()
+
+    answer = arun(main())
+    assert answer.status == 200 and answer.json()["machine"] == machine.id
+
+
+def test_a_machine_created_inside_the_request_on_another_host(
+    fleet: DevFleet, proxy: kit.ProxyProcess, unique: Callable[[str], str]
+) -> None:
+    name = unique("cir")
+    arun(kit.publish(fleet.url, kit.spec_for(name, {"bhb": 1}, "auto_create = true")))
+    answer = arun(kit.get(proxy.port, f"{name}.localhost"))
+    assert answer.status == 200
+
+    async def listed() -> list[Machine]:
+        client = await FleetClient.connect(fleet.url)
+        try:
+            return await client.list(name)
+        finally:
+            await client.close()
+
+    (made,) = arun(listed())
+    assert made.address == OTHER_HOST and answer.json()["machine"] == made.id
