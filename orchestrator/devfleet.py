@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,7 @@ from bus.transport.jetstream import (
 )
 from bus.transport.layout import REPLICAS_ENV
 from bus.transport.layout import SUPERCLUSTER_ENV as SUPERCLUSTER_LAYOUT_ENV
+from orchestrator.devhosts import Host, Hosts
 from orchestrator.security.fleetdir import FleetDir
 from orchestrator.security.roles import Role
 
@@ -100,9 +102,29 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     replicas: int | None = None  # the layout's replicas when the fleet is made (None: what the servers offer)
     # local: each worker and broker process serves Prometheus /metrics on a free port of 127.0.0.1 (one host)
     metrics: bool = False
+    # N hosts of their own (`orchestrator.devhosts`: network namespaces on a bridge, root and Linux only): host a
+    # runs nats-server, the brokers, the operator and the edge proxy; the workers go round the other hosts; the
+    # CLI stays in the root namespace (the laptop), which reaches every host's address. 0: all on loopback
+    hosts: int = 0
+    # worker id -> its host's clock offset under libfaketime (Debian's `faketime`), e.g. "+3s" or "-30s": the
+    # worker and its machines see a wall clock that far off (their monotonic clock is left alone)
+    skew: dict[str, str] = {}
+    # a supercluster's WAN: seconds one way added on every gateway link (`bus.local.gateway_relay`)
+    wan_delay: float = 0.0
     # region -> the address its workers advertise (`fauxmad worker --advertise`), e.g. 127.0.0.2 for a region an
     # edge on this host must reach through the workers' backhaul, as a host of its own (default: NATS's side)
     advertise: dict[str, str] = {}
+
+
+FAKETIME_LIBRARY = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+def skewed_clock(offset: str) -> dict[str, str]:
+    """The environment that runs a process with its wall clock `offset` off (libfaketime: "+3s", "-30s")."""
+    found = [p for p in (Path(FAKETIME_LIBRARY), *Path("/usr/lib").glob("*/faketime/libfaketime.so.1")) if p.exists()]
+    if not found:
+        raise ValueError("a skewed clock needs libfaketime (Debian's `faketime` package)")
+    return {"LD_PRELOAD": str(found[0]), "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
 
 
 def unmount_under(root: Path) -> int:
@@ -137,6 +159,9 @@ class DevFleet:
         self.security_port: int | None = None
         self._creds: dict[str, str] = {}  # process name -> its credentials file (secure fleets)
         self.metrics: dict[str, int] = {}  # process name -> the port of its /metrics (FleetSpec.metrics)
+        self.hosts: Hosts | None = None  # FleetSpec.hosts
+        self.placement: dict[str, Host] = {}  # process name -> the host it runs on (FleetSpec.hosts)
+        self.edge: str | None = None  # HOST:PORT of the edge proxy a fleet of hosts runs on host a
 
     @property
     def operator_creds(self) -> str | None:
@@ -185,9 +210,15 @@ class DevFleet:
         env.pop(CREDS_ENV, None)
         if name in self._creds:
             env[CREDS_ENV] = self._creds[name]
+        offset = self.spec.skew.get(name.removeprefix("worker-")) if name.startswith("worker-") else None
+        if offset is not None:
+            env.update(skewed_clock(offset))
+        argv = [sys.executable, "-m", "orchestrator.cli", *args]
+        if name in self.placement:
+            argv = self.placement[name].command(argv)
         with log_path.open("ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.cli", *args],
+                argv,
                 stdout=log,
                 stderr=log,
                 stdin=subprocess.DEVNULL,
@@ -219,6 +250,13 @@ class DevFleet:
         data directory if it is this fleet's own, and raise."""
         spec = self.spec
         try:
+            if spec.hosts:
+                self.hosts = Hosts(spec.hosts).up()
+                self.progress(
+                    f"{spec.hosts} hosts on bridge {self.hosts.bridge}: "
+                    + ", ".join(f"{h.name} {h.address}" for h in self.hosts.hosts)
+                    + f"; this machine is {self.hosts.gateway}"
+                )
             if spec.supercluster or spec.cluster:
                 self._start_supercluster() if spec.supercluster else self._start_cluster()
                 self._start_processes()
@@ -226,12 +264,15 @@ class DevFleet:
                 return self
             config = self._secure_setup() if spec.secure else None
             port = self.security_port if config else spec.port
+            on = self.hosts.hosts[0] if self.hosts is not None else None
             self.nats = EmbeddedNats(
-                port=port,
+                port=port or (4222 if on is not None else None),  # a host of its own: the standard port is free
+                host=on.address if on is not None else "127.0.0.1",
                 store_dir=self.root / "nats",
                 name="fauxmad-dev",
                 config_file=config,
                 sync_always=self.spec.nats_sync,
+                wrap=on.command([]) if on is not None else None,
             )
             try:
                 self.nats.start()
@@ -258,6 +299,9 @@ class DevFleet:
             root=self.root / "nats",
             relays=True,
             secure_dir=self.root / "secure" if spec.secure else None,
+            host=self.hosts.gateway if self.hosts is not None else "127.0.0.1",  # the relays: on the laptop
+            hosts=self._server_hosts(),
+            delay=spec.wan_delay,
         )
         self._layout_before = {name: os.environ.get(name) for name in (SUPERCLUSTER_LAYOUT_ENV, REPLICAS_ENV)}
         os.environ[SUPERCLUSTER_LAYOUT_ENV] = ",".join(spec.regions)
@@ -280,7 +324,10 @@ class DevFleet:
         the fleet's layout comes from what the servers offer; the fleet's buckets and streams made."""
         spec = self.spec
         self.cluster = LoopbackCluster(
-            spec.cluster, root=self.root / "nats", secure_dir=self.root / "secure" if spec.secure else None
+            spec.cluster,
+            root=self.root / "nats",
+            secure_dir=self.root / "secure" if spec.secure else None,
+            hosts=self._server_hosts(),
         )
         if spec.secure:
             self._secure_setup(url=self.cluster.url)
@@ -293,6 +340,10 @@ class DevFleet:
         )
         asyncio.run(self._prepare_supercluster())
         self._act_as_operator()
+
+    def _server_hosts(self) -> list[tuple[str, list[str]]]:
+        """Where a cluster's servers go round (a fleet of hosts: every host in turn, from a), else nowhere."""
+        return [(h.address, h.command([])) for h in self.hosts.hosts] if self.hosts is not None else []
 
     async def _prepare_supercluster(self, timeout: float = 60.0) -> None:
         """Create the fleet's buckets and streams once JetStream has elected its leaders (a few seconds)."""
@@ -317,9 +368,13 @@ class DevFleet:
         spec = self.spec
         if spec.workers_per_process > 1:
             raise ValueError("a secure dev fleet runs one worker per process (each worker is an identity)")
-        self.security_port = spec.port or free_port()
+        self.security_port = spec.port or (4222 if self.hosts is not None else free_port())
+        if url is None and self.hosts is not None:  # one server, on host a
+            url = f"tls://{self.hosts.hosts[0].address}:{self.security_port}"
         self.security = FleetDir(self.root / "secure")
-        self.security.init(port=self.security_port, url=url)
+        # a fleet of hosts: the servers' certificates name every host's address (a server may run on any of them)
+        addresses = tuple(h.address for h in self.hosts.hosts) if self.hosts is not None else ()
+        self.security.init(port=self.security_port, url=url, server_names=addresses)
         for region in spec.regions:
             for n in range(spec.workers_per_region):
                 worker_id = f"{region}-w{n + 1}"
@@ -334,6 +389,8 @@ class DevFleet:
             self._creds[f"operator-{scope}".rstrip("-")] = str(self.security.creds("operator"))
         for name, role in SERVICE_IDENTITIES.items():  # for processes a person starts: the edge and the HTTP API
             self.security.add_user(name, role)
+        if self.hosts is not None:  # the edge on host a runs as the proxy identity, as a team runs it
+            self._creds["proxy"] = str(self.security.creds("proxy-1"))
         return self.security.config
 
     def _act_as_operator(self) -> None:
@@ -382,6 +439,17 @@ class DevFleet:
                 f.write(new_private_key() + "\n")
         return path
 
+    def _host_for(self, name: str, number: int | None = None) -> None:
+        """Put process `name` on a host (a fleet of hosts): worker `number` (0-based) on the hosts after `a` in
+        turn, everything else on `a`."""
+        if self.hosts is None:
+            return
+        hosts = self.hosts.hosts
+        if number is None or len(hosts) == 1:
+            self.placement[name] = hosts[0]
+        else:
+            self.placement[name] = hosts[1 + number % (len(hosts) - 1)]
+
     def _start_processes(self) -> None:
         spec = self.spec
         secrets_key = self._secrets_key()
@@ -420,6 +488,7 @@ class DevFleet:
                     args += ["--advertise", spec.advertise[region]]
                 if not spec.fsync:
                     args += ["--no-fsync"]
+                self._host_for(f"worker-{base}", len(self.worker_ids) - len(ids))
                 self._spawn(f"worker-{base}", args + self._metrics_args(f"worker-{base}"))
         # one set of brokers (and an operator) for the fleet, or in a supercluster per region, connected to it
         agent_regions: list[str | None] = list(spec.regions) if self.supercluster is not None else [None]
@@ -428,9 +497,29 @@ class DevFleet:
             for i in range(spec.brokers):
                 name = f"broker-{scope}-{i + 1}" if scope else f"broker-{i + 1}"
                 args = ["broker", *where, "--name", name, "--deadline-ms", str(spec.deadline_ms)]
+                self._host_for(name)
                 self._spawn(name, [*args, "--strategy", spec.strategy, *self._metrics_args(name)])
             if spec.operators:
+                self._host_for(f"operator-{scope}" if scope else "operator")
                 self._spawn(f"operator-{scope}" if scope else "operator", ["reconcile", "--watch", *where])
+        if self.hosts is not None:  # the edge on host a, as a team puts its edge on a host of its own
+            edge = self.hosts.hosts[0].address
+            self.edge = f"{edge}:8080"
+            self._host_for("proxy")
+            self._spawn(
+                "proxy",
+                [
+                    "proxy",
+                    "--nats",
+                    self.url,
+                    "--region",
+                    spec.regions[0],
+                    "--listen",
+                    self.edge,
+                    "--admin",
+                    f"{edge}:9091",
+                ],
+            )
         self.progress(
             f"{self.expected_workers} workers in {', '.join(spec.regions)} and {self.expected_brokers} broker(s)"
             + (f", an operator {'per region' if self.supercluster else ''}".rstrip() if spec.operators else "")
@@ -475,10 +564,21 @@ class DevFleet:
                     tail = (self.root / "logs" / f"{name}.log").read_text(errors="replace")[-1500:]
                     raise Unreachable(f"{name} exited with code {proc.returncode}: {tail.strip()}")
             workers, brokers = asyncio.run(counts())
-            if workers >= self.expected_workers and brokers >= self.expected_brokers:
+            if workers >= self.expected_workers and brokers >= self.expected_brokers and self._edge_up():
                 return
             time.sleep(0.1)
         raise Unreachable(f"the fleet did not come up within {timeout:g}s (see {self.root / 'logs'})")
+
+    def _edge_up(self) -> bool:
+        """Whether the edge proxy of a fleet of hosts accepts connections (True when there is none)."""
+        if self.edge is None:
+            return True
+        host, port = self.edge.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+        except OSError:
+            return False
+        return True
 
     # ------------------------------------------------------------------------------------------
     def destroy_all_machines(self) -> int:
@@ -553,6 +653,9 @@ class DevFleet:
             self._restore_layout_env()
             self._restore_creds_env()
         self._kill_untracked_children()
+        if self.hosts is not None:  # whatever is left inside the hosts is killed with them
+            self.hosts.down()
+            self.hosts = None
         if self._own_dir:
             unmount_under(self.root)  # volumes' loop mounts (README "Volumes"): freed with their loop devices
             shutil.rmtree(self.root, ignore_errors=True)

@@ -38,6 +38,9 @@ class WorkerInfo(Reply):
     # backhaul, where an edge on another host asks for a machine's port (0: none; an older worker)
     address: str = ""
     backhaul: int = 0
+    # addition (skewed clocks): how far this worker's clock is ahead of its NATS server's (negative: behind), as
+    # last measured (`workers.agent.heartbeat`); past `MAX_CLOCK_SKEW` it reserves nothing
+    clock_skew: float = 0.0
 
 
 # How a broker finds candidates: ask the region (`scatter`), ask two sampled workers (`p2c`), `scatter` and

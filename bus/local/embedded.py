@@ -62,6 +62,7 @@ class EmbeddedNats:
         config_file: str | Path | None = None,
         sync_always: bool = True,
         tls: bool | None = None,
+        wrap: list[str] | None = None,
     ) -> None:
         """`config_file`: run with that config (a secure fleet's, `orchestrator.security`: TLS required, so the
         URL is `tls://`) instead of the JetStream-only one written here; `tls=False`: that config is an open one
@@ -76,6 +77,9 @@ class EmbeddedNats:
         self.config_file = Path(config_file) if config_file else None
         self.sync_always = sync_always  # False: nats-server's default (flush every 2 min), for benchmarks only
         self.tls = self.config_file is not None if tls is None else tls
+        # a command the server runs under (`ip netns exec <host>`: a host of `fauxmad dev --hosts`), which must
+        # exec it, so the child's pid stays the server's own
+        self.wrap = list(wrap or [])
 
     @property
     def url(self) -> str:
@@ -95,6 +99,7 @@ class EmbeddedNats:
                 + "}\n"
             )
         args = [
+            *self.wrap,
             binary,
             "-c",
             str(config),

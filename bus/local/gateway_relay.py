@@ -8,6 +8,12 @@ which region dialled in from the first line the dialling server sends, its `CONN
 "<region>"}`. `cut(region)` closes every connection into or out of `region` and refuses new ones until
 `heal(region)`; nats-server's gateways then reconnect on their own.
 
+WAN between regions: `delay` holds every byte `delay` seconds in each direction before passing it on (a
+propagation delay, one way; no bandwidth limit, no loss, no reordering), what a link between two data centres
+adds to a gateway, since this kernel has no netem. `set_delay` changes it while running (a latency spike).
+`crossings` counts the messages that crossed between regions by subject (each `RMSG` a gateway forwards, the
+subject as the relay saw it), so a test can count a verb's WAN round trips instead of timing them.
+
 The relays run on their own event loop in a daemon thread, so a test's or `fauxmad dev`'s loop, busy or
 blocked, never stalls the supercluster's traffic.
 """
@@ -15,9 +21,11 @@ blocked, never stalls the supercluster's traffic.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
+import re
 import socket
 import threading
 from collections.abc import Callable
@@ -27,6 +35,7 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
+_RMSG = re.compile(rb"(?:^|\r\n)RMSG \S+ (\S+) ")
 _FIRST_LINE_LIMIT = 64 * 1024
 _CHUNK = 64 * 1024
 
@@ -67,8 +76,10 @@ def _gateway_of(line: bytes) -> str | None:
 
 
 class GatewayRelay:
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", delay: float = 0.0) -> None:
         self.host = host
+        self.delay = delay  # seconds one way (see the top)
+        self.crossings: collections.Counter[str] = collections.Counter()
         self._fronts: list[_Front] = []
         self._cut: set[str] = set()
         self._links: set[_Link] = set()
@@ -108,6 +119,10 @@ class GatewayRelay:
 
     def heal(self, region: str) -> None:
         self._call(lambda: self._cut.discard(region))
+
+    def set_delay(self, seconds: float) -> None:
+        """One-way delay from now on (bytes already held keep theirs)."""
+        self.delay = seconds
 
     def cut_regions(self) -> set[str]:
         return set(self._cut)
@@ -163,8 +178,7 @@ class GatewayRelay:
             link.source = _gateway_of(first)
             if link.source in self._cut or front.region in self._cut:
                 return
-            up_writer.write(first)
-            await self._pump(reader, up_writer, link)
+            await self._pump(reader, up_writer, link, first)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass
         finally:
@@ -172,16 +186,44 @@ class GatewayRelay:
             self._links.discard(link)
             back.cancel()
 
-    @staticmethod
-    async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link) -> None:
-        try:
-            while data := await reader.read(_CHUNK):
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link, first: bytes = b""
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        held: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:  # in order, each chunk once its delay is over
+            while True:
+                due, data = await held.get()
+                if not data:
+                    return
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
                 writer.write(data)
                 await writer.drain()
+
+        delivering = loop.create_task(deliver())
+        try:
+            data = first or await reader.read(_CHUNK)
+            while data:
+                self._count(data)
+                await held.put((loop.time() + self.delay, data))
+                if delivering.done():
+                    break
+                data = await reader.read(_CHUNK)
+            await held.put((0.0, b""))
+            await delivering
         except (OSError, asyncio.CancelledError):
             pass
         finally:
+            delivering.cancel()
             link.close()
+
+    def _count(self, data: bytes) -> None:
+        """Count the `RMSG <account> <subject> ...` lines in `data` by subject (a line split between two reads
+        is missed: good enough for counting a verb's messages, whose lines are short)."""
+        for match in _RMSG.finditer(data):
+            self.crossings[match.group(1).decode(errors="replace")] += 1
 
     async def _close(self) -> None:
         for server in self._servers:
@@ -189,3 +231,8 @@ class GatewayRelay:
         for link in list(self._links):
             link.close()
         self._links.clear()
+        # every connection's pumps and held bytes end here, on the relay's own loop, before it is closed
+        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)

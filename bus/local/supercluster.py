@@ -179,8 +179,15 @@ class LoopbackSupercluster:
         relays: bool = False,
         host: str = "127.0.0.1",
         secure_dir: str | Path | None = None,
+        hosts: Sequence[tuple[str, list[str]]] = (),
+        delay: float = 0.0,
     ) -> None:
-        """`secure_dir`: a secure fleet's directory (`fauxmad fleet init`: CA, server certificate, users.conf):
+        """`delay`: seconds one way on every gateway link (the relays', so `relays` must be on): WAN between regions.
+        `hosts`: (address, the command a process runs under there) of each host the servers go round, in
+        turn (`fauxmad dev --hosts`: network namespaces, `ip netns exec <host>`); each server then listens on
+        its host's address at the standard ports (4222 clients, 6222 routes, 7222 gateways; +1 for a host's
+        second server), and the relays (if any) on `host`, which must reach them all (the bridge's own address).
+        `secure_dir`: a secure fleet's directory (`fauxmad fleet init`: CA, server certificate, users.conf):
         every server then requires mutual TLS and those users from clients, as the deployed files do; set
         `connect_options` (the operator's) before `start` so this object's own checks can connect."""
         self._own_root = root is None
@@ -188,22 +195,29 @@ class LoopbackSupercluster:
         self.connect_options: dict[str, Any] = {}
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="fauxmad-sc-"))
         self.host = host
-        self.relay: GatewayRelay | None = GatewayRelay(host) if relays else None
-        servers = []
+        self.relay: GatewayRelay | None = GatewayRelay(host, delay) if relays else None
+        self.wraps: dict[str, list[str]] = {}  # server name -> the command it runs under (`hosts`)
+        servers: list[ServerAddress] = []
         for region in regions:
             for i in range(1, per_region + 1):
-                gateway_port = free_port(host)
+                if hosts:
+                    where, wrap = hosts[len(servers) % len(hosts)]
+                    nth = len(servers) // len(hosts)
+                    ports = (4222 + nth, 6222 + nth, 7222 + nth)
+                    self.wraps[f"{region}-{i}"] = list(wrap)
+                else:
+                    where, ports = host, (free_port(host), free_port(host), free_port(host))
                 advertise = None
                 if self.relay is not None:
-                    advertise = f"{host}:{self.relay.front(region, host, gateway_port)}"
+                    advertise = f"{host}:{self.relay.front(region, where, ports[2])}"
                 servers.append(
                     ServerAddress(
                         region=region,
                         index=i,
-                        host=host,
-                        client_port=free_port(host),
-                        cluster_port=free_port(host),
-                        gateway_port=gateway_port,
+                        host=where,
+                        client_port=ports[0],
+                        cluster_port=ports[1],
+                        gateway_port=ports[2],
                         gateway_advertise=advertise,
                     )
                 )
@@ -237,7 +251,7 @@ class LoopbackSupercluster:
                         self.topology,
                         address,
                         store_dir=str(directory / "js"),
-                        listen_host=self.host,
+                        listen_host=address.host,
                         # nats-server joins an include's path to the config's directory, even an absolute one
                         secure_include=os.path.relpath(secure / "users.conf", directory) if secure else None,
                         fleet_dir=str(secure) if secure else "",
@@ -246,7 +260,8 @@ class LoopbackSupercluster:
                 )
                 server = EmbeddedNats(
                     port=address.client_port,
-                    host=self.host,
+                    host=address.host,
+                    wrap=self.wraps.get(address.name),
                     store_dir=directory,
                     name=address.name,
                     config_file=config,
@@ -322,8 +337,9 @@ class LoopbackCluster(LoopbackSupercluster):
         root: str | Path | None = None,
         host: str = "127.0.0.1",
         secure_dir: str | Path | None = None,
+        hosts: Sequence[tuple[str, list[str]]] = (),
     ) -> None:
-        super().__init__([name], size, root=root, relays=False, host=host, secure_dir=secure_dir)
+        super().__init__([name], size, root=root, relays=False, host=host, secure_dir=secure_dir, hosts=hosts)
         self.gateways = False
         self.name = name
 

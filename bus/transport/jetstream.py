@@ -53,6 +53,10 @@ OTHER_REGION_WAIT = 3.0  # seconds a process waits for a region not its own befo
 
 HEARTBEAT_INTERVAL = 1.0
 WORKER_TTL = 3 * HEARTBEAT_INTERVAL
+# seconds a host's clock may be off its NATS server's (docs/explanation/faults.md "Skewed clocks"): the broker's
+# wait after a timed-out reserve allows this much (`orchestrator.broker.auction.CLOCK_SKEW`), and a worker whose
+# measured skew is surely past it refuses every reserve, saying by how much
+MAX_CLOCK_SKEW = 0.25
 
 EVENTS_MAX_AGE_ENV = "FAUXMAD_EVENTS_MAX_AGE"
 EVENTS_MAX_BYTES_ENV = "FAUXMAD_EVENTS_MAX_BYTES"

@@ -51,8 +51,9 @@ async def read_response(reader: asyncio.StreamReader, method: str = "GET") -> Re
 class Client:
     """One keep-alive connection to the proxy."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, address: str = "127.0.0.1") -> None:
         self.port = port
+        self.address = address  # a proxy on another host (`fauxmad dev --hosts`): its own address
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
@@ -66,7 +67,7 @@ class Client:
         body: bytes = b"",
     ) -> Response:
         if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+            self.reader, self.writer = await asyncio.open_connection(self.address, self.port)
         assert self.reader is not None
         extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         length = f"content-length: {len(body)}\r\n" if body else ""

@@ -42,6 +42,7 @@ from bus.contract.fleet import CreateRequest, Strategy
 from bus.contract.ids import new_machine_id
 from bus.contract.machines import DestroyRequest, Machine, ReserveRequest
 from bus.contract.offers import OfferGuest, OfferRequest
+from bus.transport.jetstream import MAX_CLOCK_SKEW
 from bus.transport.scatter import Scatterer
 from bus.transport.service import call
 from orchestrator.broker.gather import Heartbeats, Offers, Scatter, TwoChoices
@@ -57,8 +58,9 @@ BeforeReserve = Callable[[str], Awaitable[None]]
 
 
 # How far apart the clocks of a broker and a worker may be: a broker waits this long past a reserve's
-# `expires_at` before it trusts a probe's "not reserved". NTP keeps hosts within milliseconds.
-CLOCK_SKEW = 0.25
+# `expires_at` before it trusts a probe's "not reserved". NTP keeps hosts within milliseconds; a worker further off
+# its server's clock than this refuses every reserve (`bus.transport.jetstream.MAX_CLOCK_SKEW`, the same number)
+CLOCK_SKEW = MAX_CLOCK_SKEW
 
 
 class AuctionConfig(msgspec.Struct, frozen=True, kw_only=True):

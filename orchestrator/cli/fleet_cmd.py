@@ -155,6 +155,35 @@ def _start(fleet: DevFleet, what: str) -> None:
         fail(f"the fleet did not start: {exc.message}")
 
 
+def _on_hosts(spec: FleetSpec, hosts: int, *, others: bool) -> FleetSpec:
+    """`fauxmad dev --hosts N`'s spec, or a one-line reason it cannot run here."""
+    import msgspec
+
+    from orchestrator.devhosts import unavailable
+
+    if hosts < 2:
+        fail("--hosts: at least 2 (host a runs NATS, the broker and the edge; the workers run on the others)")
+    if others:
+        fail("--hosts puts NATS on the hosts' own addresses at the standard ports: leave out --port")
+    why = unavailable()
+    if why:
+        fail(f"--hosts: {why}")
+    return msgspec.structs.replace(spec, hosts=hosts)
+
+
+def _print_hosts(fleet: DevFleet) -> None:
+    """Each host of a fleet of hosts: its address, namespace and what runs on it; then the edge (else nothing)."""
+    if fleet.hosts is None:
+        return
+    for host in fleet.hosts.hosts:
+        on = sorted(name for name, where in fleet.placement.items() if where == host)
+        line = f"  host {host.name} {host.address} ({host.netns}): {', '.join(on) or 'nothing'}"
+        console.print(
+            line + (", nats-server" if host.index == 0 else ""), soft_wrap=True, markup=False, highlight=False
+        )
+    console.print(f"  the edge: http://{fleet.edge} (Host: <app>.localhost)\n", markup=False, highlight=False)
+
+
 def dev(
     regions_csv: str = typer.Option(
         "mad,syd,gru", "--regions", help="comma-separated region names", callback=check_regions
@@ -182,6 +211,14 @@ def dev(
         max=5,
         help="one NATS cluster of N servers (routes, no gateways): with 3, every bucket and stream is R3",
     ),
+    hosts: int = typer.Option(
+        0,
+        "--hosts",
+        min=0,
+        max=20,
+        help="N hosts with their own addresses (network namespaces on a bridge; root, Linux): NATS, the broker and"
+        " the edge on host a, the workers on the others, this shell the laptop",
+    ),
 ) -> None:
     """A local fleet in the foreground: NATS, workers per region (real processes) and a broker. Ctrl-C stops all."""
     import msgspec
@@ -197,12 +234,15 @@ def dev(
         if supercluster or port is not None:
             fail("--cluster picks free ports for its servers, and is one cluster: leave out --port and --supercluster")
         spec = msgspec.structs.replace(spec, cluster=cluster)
+    if hosts:
+        spec = _on_hosts(spec, hosts, others=port is not None)
     if port is not None and not _port_free(port):
         fail(f"port {port} is in use: choose another --port, or leave --port out for a free one")
     fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
     with _fleet_lifetime(fleet):
         _start(fleet, "starting the fleet")
         console.print(f"\n[bold green]fleet up[/]: NATS at [bold]{fleet.url}[/]\n")
+        _print_hosts(fleet)
         if fleet.supercluster is not None:
             for region in spec.regions:
                 console.print(f"  {region}: {fleet.region_url(region)}", soft_wrap=True, markup=False, highlight=False)

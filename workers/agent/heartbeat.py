@@ -25,9 +25,21 @@ from nats.aio.client import Client
 from bus.contract import subjects
 from bus.contract.codec import encode
 from bus.contract.fleet import WorkerInfo
-from bus.transport.jetstream import FleetKV
+from bus.transport.jetstream import MAX_CLOCK_SKEW, FleetKV
 
 log = logging.getLogger(__name__)
+
+
+SKEW_EVERY = 5  # beats between two measurements of the clock's skew (the first beat measures)
+
+
+def skew_refusal(worker_id: str, skew: float) -> str:
+    """The one line a worker with a skewed clock answers a reserve with."""
+    way = "ahead of" if skew > 0 else "behind"
+    return (
+        f"worker {worker_id}'s clock is {abs(skew):.1f} s {way} its NATS server's, more than the {MAX_CLOCK_SKEW:g} s"
+        " the fleet tolerates: it reserves nothing until the host's clock is set right (NTP)"
+    )
 
 
 class Heartbeat:
@@ -57,6 +69,11 @@ class Heartbeat:
         self.on_return = on_return  # an absence just ended
         self.absences = 0  # absences seen to end
         self._last_beat = time.perf_counter()  # when the registry last acknowledged a beat
+        # how far this host's clock is ahead of the NATS server's (negative: behind), and the measurement's
+        # uncertainty (half its round trip): from the time the server stored a beat (`_measure`)
+        self.skew = 0.0
+        self.skew_error = 0.0
+        self._beats = 0
 
     def away(self) -> bool:
         """Whether no beat was acknowledged for longer than `away_after` (a freeze or a cut is going on)."""
@@ -75,11 +92,35 @@ class Heartbeat:
         on the same connection), and not at all while disconnected: no stale beat is buffered."""
         key = subjects.worker_key(self.region, self.worker_id)
         if acked:
-            await self.kv.workers.put(key, encode(info))
+            sent = time.time()
+            revision = await self.kv.workers.put(key, encode(info))
+            answered = time.time()
             self._beaten()
+            if self._beats % SKEW_EVERY == 0:
+                with contextlib.suppress(Exception):  # a measurement missed is taken at a later beat
+                    await self._measure(revision, sent, answered)
+            self._beats += 1
         elif self.nc.is_connected:
             bucket = self.kv.layout.workers_bucket(self.region)
             await self.nc.publish(subjects.kv_put(bucket, key), encode(info))
+
+    async def _measure(self, revision: int, sent: float, answered: float) -> None:
+        """This host's clock against the server's: the server stamps each stored message with its own time, so
+        a beat's stamp read back, against the middle of the put's round trip, is the skew (+- half of it)."""
+        stored = await self.nc.jetstream().get_msg(f"KV_{self.kv.layout.workers_bucket(self.region)}", revision)
+        if stored.time is None:
+            return
+        skew = (sent + answered) / 2 - stored.time.timestamp()
+        error = (answered - sent) / 2
+        if abs(skew) - error > MAX_CLOCK_SKEW and abs(self.skew) - self.skew_error <= MAX_CLOCK_SKEW:
+            log.warning("worker %s: %s", self.worker_id, skew_refusal(self.worker_id, skew))
+        self.skew, self.skew_error = skew, error
+
+    def skewed(self) -> str | None:
+        """Why this worker must reserve nothing (its clock is surely off by more than the fleet allows), or None."""
+        if abs(self.skew) - self.skew_error > MAX_CLOCK_SKEW:
+            return skew_refusal(self.worker_id, self.skew)
+        return None
 
     async def once(self, *, acked: bool = True) -> None:
         try:

@@ -205,6 +205,7 @@ class WorkerAgent:
             images=self.image_cache,
             volumes=self.volumes,
             fence=fence,
+            skewed=heartbeat.skewed,
         )
         self._images = frozenset(self.store.images())
         # derived from LMDB at start and kept in step by _on_commit: info() must not scan every machine
@@ -416,6 +417,7 @@ class WorkerAgent:
             sandboxes=list(snap.sandboxes),
             volume_capacity_gb=self.volumes.capacity_gb if self.volumes else 0,
             volume_used_gb=self.volumes.held_gb() if self.volumes else 0,
+            clock_skew=round(self.heartbeat.skew, 3) if self.heartbeat is not None else 0.0,
             address=self.address,
             backhaul=self.backhaul.port if self.backhaul is not None else 0,
         )

@@ -25,7 +25,6 @@ from bus.contract.codec import decode, encode
 from bus.contract.errors import FauxmadError
 from bus.contract.fleet import WorkerInfo
 from bus.contract.jobs import Job, JobTask, event_of, retry_delay
-from bus.transport.jetstream import WORKER_TTL
 from workers.jobs import outcome as moves
 from workers.jobs.execute import Executor, Outcome
 from workers.jobs.guard import Guard
@@ -94,9 +93,10 @@ class JobRunner:
         if not entry.value:
             return False
         info = decode(WorkerInfo, entry.value)
-        # beating, and the same process that claimed it (a worker restarted since has forgotten it)
-        fresh = self.clock() - info.heartbeat_at < WORKER_TTL + 1.0
-        return fresh and (job.claimed_at is None or info.started_at < job.claimed_at)
+        # beating (its entry is there: the registry's TTL, on the server's clock, removes a silent worker's; its
+        # heartbeat_at is its own clock's, which may be off this one's), and the same process that claimed it
+        # (a worker restarted since has forgotten it; both times are the holder's own clock)
+        return job.claimed_at is None or info.started_at < job.claimed_at
 
     async def handle(self, msg: Any, release: Callable[[], None] = lambda: None) -> None:
         """Carry one delivered message through; `release` frees its slot once its process has ended.

@@ -118,8 +118,10 @@ class MachineManager:
         volumes: VolumeManager | None = None,
         fence: Fence | None = None,
         clock: Callable[[], float] = time.time,
+        skewed: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.config = config
+        self.skewed = skewed  # why this worker's clock is too far off to reserve anything (its heartbeat measures)
         self.fence = fence  # keyed machines reserved before an absence run only if still the key's
         self.store = store
         self.driver = driver
@@ -300,6 +302,9 @@ class MachineManager:
 
     def _check_room(self, tx: Tx, request: ReserveRequest, machine_id: str) -> None:
         """Refuse a reserve this worker must not commit: expired, cordoned, or no room (all in the commit)."""
+        skewed = self.skewed()
+        if skewed is not None:  # its clock decides whether a reserve expired: with it off, nothing is safe
+            raise NoCapacity(skewed)
         if request.expires_at is not None and tx.now > request.expires_at:
             # the broker has given up on this reserve and may place elsewhere: never commit it late
             raise DeadlineExceeded(f"reservation of {machine_id} expired before it was committed: nothing reserved")
