@@ -235,18 +235,28 @@ def _click_exit(exc: Exception) -> int | None:
     return None
 
 
+def _say(line: str) -> None:
+    """One line of an error to stderr; on a terminal, control characters in it (a name, a machine's stderr
+    echoed back) are shown as escapes (`render.visible`), never obeyed."""
+    if sys.stderr.isatty():
+        from orchestrator.cli.render import visible
+
+        line = visible(line)
+    typer.echo(line, err=True)
+
+
 def report(exc: Exception) -> int:
     """Say what went wrong in one line (and a CliError's details below it); return the exit code."""
     code = _click_exit(exc)
     if code is not None:
         return code
     if isinstance(exc, CliError):  # messages in words: a pattern's rule, never its regex (`rules.in_words`)
-        typer.echo(f"fauxmad: {in_words(str(exc))}", err=True)
+        _say(f"fauxmad: {in_words(str(exc))}")
         for line in exc.details:
-            typer.echo(f"  {in_words(line)}", err=True)
+            _say(f"  {in_words(line)}")
         return exc.code
     if isinstance(exc, FauxmadError):
-        typer.echo(f"fauxmad: {in_words(exc.message)}", err=True)
+        _say(f"fauxmad: {in_words(exc.message)}")
         return exit_code_for(exc)
     if os.environ.get("FAUXMAD_DEBUG"):
         raise exc

@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from rich.text import Text
 
 from bus.transport.connection import DEFAULT_URL_ENV
 from orchestrator.cli.render import (
     console,
     explain_table,
     heading,
+    literal,
     machines_table,
     print_json,
     regions_table,
@@ -199,10 +201,10 @@ def dev(
         spec = msgspec.structs.replace(spec, cluster=cluster)
     if port is not None and not _port_free(port):
         fail(f"port {port} is in use: choose another --port, or leave --port out for a free one")
-    fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
+    fleet = DevFleet(spec, progress=lambda line: console.print(Text.assemble(("…", "dim"), " ", literal(line))))
     with _fleet_lifetime(fleet):
         _start(fleet, "starting the fleet")
-        console.print(f"\n[bold green]fleet up[/]: NATS at [bold]{fleet.url}[/]\n")
+        console.print(Text.assemble("\n", ("fleet up", "bold green"), ": NATS at ", (fleet.url, "bold"), "\n"))
         if fleet.supercluster is not None:
             for region in spec.regions:
                 console.print(f"  {region}: {fleet.region_url(region)}", soft_wrap=True, markup=False, highlight=False)
@@ -220,7 +222,7 @@ def dev(
             "fauxmad machine list --app hello",
         ):  # verbatim: one line each, never wrapped or highlighted, so they paste as they are
             console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
-        console.print("\n[dim]Ctrl-C stops everything[/]")
+        console.print(Text("\nCtrl-C stops everything", "dim"))
         console.file.flush()  # the hints must reach a pipe (`fauxmad dev | tee`) now, not at exit
         _wait_for_ctrl_c()
     console.print("fleet stopped; nothing left running")
@@ -242,14 +244,16 @@ def demo(
     spec = _fleet_spec(regions_csv, workers_per_region, 4, 4096, None)
     answers: dict[str, object] = {}
     with contextlib.redirect_stdout(sys.stderr) if json_out else contextlib.nullcontext():
-        fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
+        fleet = DevFleet(spec, progress=lambda line: console.print(Text.assemble(("…", "dim"), " ", literal(line))))
         with _fleet_lifetime(fleet):
             _start(fleet, "starting a dev fleet: nats-server, workers, broker")
             machines = _demo_run(fleet.url, spec.regions, answers)
             if keep:
-                console.print(f"\nfleet left running at [bold]{fleet.url}[/]; Ctrl-C stops it")
+                console.print(Text.assemble("\nfleet left running at ", (fleet.url, "bold"), "; Ctrl-C stops it"))
                 _wait_for_ctrl_c()
-        console.print(f"[bold green]demo done[/]: {len(machines)} machines placed, served and cleaned up")
+        console.print(
+            Text.assemble(("demo done", "bold green"), f": {len(machines)} machines placed, served and cleaned up")
+        )
     if json_out:
         print_json({"machines": machines, "answers": answers})
 
@@ -293,8 +297,12 @@ def _demo_run(url: str, region_names: list[str], answers: dict[str, object]) -> 
     placed = run(place())
     for machine, ms in placed:
         console.print(
-            f"[bold]{machine.region}[/]: machine {machine.id} on [bold]{machine.worker_id}[/] "
-            f"(placed and started in {ms:.1f} ms)"
+            Text.assemble(
+                (machine.region, "bold"),
+                f": machine {machine.id} on ",
+                (machine.worker_id, "bold"),
+                f" (placed and started in {ms:.1f} ms)",
+            )
         )
         if machine.explain:
             console.print(explain_table(machine.explain))

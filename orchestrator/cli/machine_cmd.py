@@ -49,12 +49,12 @@ class Wait(msgspec.Struct, frozen=True):
     detach: bool
 
 
-def _parse_env(pairs: list[str]) -> dict[str, str]:
+def _parse_env(pairs: list[str], option: str = "--env") -> dict[str, str]:
     env: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            fail(f"invalid --env {pair!r}: use KEY=VALUE", EXIT_USAGE)
+            fail(f"invalid {option} {pair!r}: use KEY=VALUE", EXIT_USAGE)
         env[key] = value
     return env
 
@@ -116,6 +116,7 @@ def run_machine(
     ),
     restart: str = typer.Option("on-failure", "--restart", help="restart policy: no, always, on-failure"),
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),
+    metadata: list[str] = typer.Option([], "--metadata", help="KEY=VALUE, repeatable: a label of yours"),
     volume: list[str] = typer.Option(
         [], "--volume", "-v", help="VOLUME_ID:/path, repeatable: mount it (the machine runs on its worker)"
     ),
@@ -155,6 +156,7 @@ def run_machine(
         config = MachineConfig(
             cmd=cmd or [],
             env=_parse_env(env),
+            metadata=_parse_env(metadata, "--metadata"),
             mounts=mounts,
             image=image,
             guest=Guest(cpus=cpus, memory_mb=memory_mb, sandbox=sandbox),  # type: ignore[arg-type]
@@ -246,6 +248,15 @@ def show(
     origin = made_by(machine)
     if origin is not None:
         console.print(f"  made by: {origin}")
+    config = machine.config
+    if machine.name:
+        console.print(f"  name: {machine.name}")
+    if config.cmd:
+        console.print(f"  cmd: {' '.join(config.cmd)}")
+    for key, value in sorted(config.metadata.items()):
+        console.print(f"  metadata: {key}={value}")
+    for key, value in sorted(config.env.items()):
+        console.print(f"  env: {key}={value}")
     for event in machine.events or []:
         console.print(f"  {event.seq:>6}  {event.type:<10} {event.status:<10} {event.reason or ''}")
 

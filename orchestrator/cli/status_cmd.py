@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import typer
 
-from orchestrator.cli.render import console, print_json
+from orchestrator.cli.render import console, print_json, visible
 from orchestrator.cli.runtime import (
     JsonOption,
     NatsOption,
@@ -50,6 +50,11 @@ ViewOption = typer.Option(
     help="the view's SQLite file (default: $FAUXMAD_VIEW, else a file per NATS URL under $XDG_CACHE_HOME/fauxmad)",
     show_default=False,
 )
+
+
+def shown(line: str) -> str:
+    """A line of events as written to a pipe; on a terminal, its control characters visible (`render.visible`)."""
+    return visible(line, keep="\t") if sys.stdout.isatty() else line
 
 
 def note(message: str) -> None:
@@ -157,7 +162,7 @@ def _emit_job_event(json_out: bool) -> Callable[[int, JobEvent], None]:
             at = datetime.fromtimestamp(event.at).strftime("%H:%M:%S.%f")[:-3]
             where = f"{event.region}/{event.worker_id or '-'}"
             line = f"{at}  {stream_seq:>6}  {where}  {event.app}  {event.id}  {event.state}  #{event.attempt}"
-            line += f"  {event.reason}"
+            line = shown(line + f"  {event.reason}")
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
@@ -190,7 +195,7 @@ def events(
         if json_out:
             line = msgspec.json.encode({**msgspec.structs.asdict(event), "stream_seq": stream_seq}).decode()
         else:
-            line = event_line(stream_seq, event)
+            line = shown(event_line(stream_seq, event))
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
