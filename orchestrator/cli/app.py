@@ -28,6 +28,7 @@ from bus.contract.errors import (
     Unreachable,
 )
 from bus.contract.rules import in_words
+from orchestrator.cli.names import Unknown
 from orchestrator.cli.runtime import (
     EXIT_CONFLICT,
     EXIT_FAILED,
@@ -245,19 +246,30 @@ def _say(line: str) -> None:
     typer.echo(line, err=True)
 
 
+def _not_found(message: str, code: int) -> str:
+    """A not-found error said by the name the fleet does not know, with the closest ones (`names.explained`)."""
+    if code != EXIT_NOT_FOUND:
+        return message
+    from orchestrator.cli.names import explained
+
+    return explained(message)
+
+
 def report(exc: Exception) -> int:
     """Say what went wrong in one line (and a CliError's details below it); return the exit code."""
     code = _click_exit(exc)
     if code is not None:
         return code
     if isinstance(exc, CliError):  # messages in words: a pattern's rule, never its regex (`rules.in_words`)
-        _say(f"fauxmad: {in_words(str(exc))}")
+        said = str(exc) if isinstance(exc, Unknown) else _not_found(str(exc), exc.code)
+        _say(f"fauxmad: {in_words(said)}")
         for line in exc.details:
             _say(f"  {in_words(line)}")
         return exc.code
     if isinstance(exc, FauxmadError):
-        _say(f"fauxmad: {in_words(exc.message)}")
-        return exit_code_for(exc)
+        code = exit_code_for(exc)
+        _say(f"fauxmad: {in_words(_not_found(exc.message, code))}")
+        return code
     if os.environ.get("FAUXMAD_DEBUG"):
         raise exc
     if _lost_connection(exc):

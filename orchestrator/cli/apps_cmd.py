@@ -8,6 +8,7 @@ import typer
 from rich import box
 
 from orchestrator.cli.app_options import with_reconciler
+from orchestrator.cli.names import client_of, require_app
 from orchestrator.cli.render import KEYS, FitTable, console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, fail
 from orchestrator.reconcile.destroy import destroy_app
@@ -68,6 +69,7 @@ def apps_destroy(
         typer.confirm(f"Destroy app {app} and all its machines?", abort=True)
 
     async def go(r: Reconciler) -> Any:
+        await require_app(client_of(r), app)
         return await destroy_app(r, app)
 
     result = with_reconciler(nats, go)

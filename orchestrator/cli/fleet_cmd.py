@@ -19,6 +19,7 @@ import typer
 from rich.text import Text
 
 from bus.transport.connection import DEFAULT_URL_ENV
+from orchestrator.cli.names import require_regions
 from orchestrator.cli.render import (
     console,
     explain_table,
@@ -50,6 +51,7 @@ from orchestrator.cli.runtime import (
 if TYPE_CHECKING:
     from bus.contract.fleet import WorkerInfo
     from bus.contract.machines import Machine
+    from orchestrator.client import FleetClient
     from orchestrator.devfleet import DevFleet, FleetSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
@@ -61,7 +63,14 @@ def workers(
     json_out: bool = JsonOption,
 ) -> None:
     """The live workers (from their heartbeats) with capacity and utilization."""
-    infos = with_client(nats, lambda c: c.workers(region))
+
+    async def live(client: FleetClient) -> list[WorkerInfo]:
+        found = await client.workers(region)
+        if region is not None and not found:
+            await require_regions(client, [region])
+        return found
+
+    infos = with_client(nats, live)
     if json_out:
         print_json(infos)
     elif not infos:

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -31,6 +32,9 @@ from orchestrator.cli.runtime import (
 )
 from orchestrator.logs import DEFAULT_LINES, LogQuery, LogRecord, json_line, plain_line
 from orchestrator.view.history import SINCE_HELP, parse_since
+
+if TYPE_CHECKING:
+    from orchestrator.client import FleetClient
 
 SinceOption = typer.Option(None, "--since", help=f"the history from: {SINCE_HELP}", show_default=False)
 LinesOption = typer.Option(
@@ -72,6 +76,8 @@ def logs(
     """Machines' stdout and stderr, oldest first: the last lines kept, then stop (-f: new ones as they come)."""
     query = LogQuery(app=app, machine_id=machine, region=region, since=_since(since), lines=lines, follow=follow)
     count = _print(nats, query, json_out=json_out, with_app=app is None, raw=raw)
+    if count == 0 and (app is not None or region is not None):  # no lines: is it a name the fleet does not know?
+        with_client(nats, functools.partial(_known, app, region))
     if count == 0 and not follow and lines != 0:
         scope = " ".join(
             filter(
@@ -105,6 +111,16 @@ def machine_logs(
     return 0
 
 
+async def _known(app: str | None, region: str | None, client: FleetClient) -> None:
+    """Nothing if the fleet knows `app` and `region`, else exit 4 with the closest names (`names`)."""
+    from orchestrator.cli.names import require_app, require_regions
+
+    if app is not None:
+        await require_app(client, app)
+    if region is not None:
+        await require_regions(client, [region])
+
+
 def _since(text: str | None) -> float | None:
     if text is None:
         return None
@@ -136,7 +152,7 @@ def _print(
     url: str | None, query: LogQuery, *, json_out: bool, with_app: bool, must_exist: bool = False, raw: bool = False
 ) -> int:
     """Print what `query` matches; returns how many lines."""
-    from orchestrator.client import ConnectionLost, FleetClient
+    from orchestrator.client import ConnectionLost
 
     escape = not (json_out or raw) and sys.stdout.isatty()
 

@@ -9,12 +9,14 @@ stderr when it exits or crash-loops instead. `--detach` returns at once.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import typer
+from typer.core import TyperCommand
 
 from orchestrator.cli import logs_cmd
+from orchestrator.cli.names import require_app, require_regions
 from orchestrator.cli.render import console, explain_table, kept_table, machines_table, made_by, print_json
 from orchestrator.cli.runtime import (
     EXIT_USAGE,
@@ -29,8 +31,25 @@ from orchestrator.cli.runtime import (
 )
 
 if TYPE_CHECKING:
+    from typer._click.core import Context
+
     from bus.contract.machines import Machine, MachineConfig
     from orchestrator.client import FleetClient
+
+
+class MachineCommand(TyperCommand):
+    """A command of one machine: its id may be a unique prefix of one of the app's (`names.resolve_machine`),
+    resolved before the command runs (one list of the app's machines; a whole id costs nothing)."""
+
+    def invoke(self, ctx: Context) -> Any:
+        from orchestrator.cli.names import MACHINE_ID_LENGTH, resolve_machine
+
+        given, app = ctx.params.get("machine_id"), ctx.params.get("app")
+        if isinstance(given, str) and isinstance(app, str) and len(given) != MACHINE_ID_LENGTH:
+            nats = ctx.params.get("nats")
+            ctx.params["machine_id"] = with_client(nats, lambda c: resolve_machine(c, app, given))
+        return super().invoke(ctx)
+
 
 machine_app = typer.Typer(help="Run and manage machines (through the brokers).", no_args_is_help=True)
 
@@ -178,6 +197,7 @@ def run_machine(
 
     async def create(client: FleetClient) -> Machine:
         nonlocal request
+        await require_regions(client, [region])
         if image is not None:  # pinned to its digest; no CMD: the image's own
             request = msgspec.structs.replace(request, config=await _pin(client, request.config, image))
         created = await client.create(app, request)
@@ -203,7 +223,14 @@ def list_machines(
     json_out: bool = JsonOption,
 ) -> None:
     """List an app's machines across every region."""
-    machines = with_client(nats, lambda c: c.list(app, state=state, include_destroyed=all_))
+
+    async def listed(client: FleetClient) -> list[Machine]:
+        found = await client.list(app, state=state, include_destroyed=all_)
+        if not found:
+            await require_app(client, app)
+        return found
+
+    machines = with_client(nats, listed)
     if json_out:
         print_json(machines)
     elif not machines:
@@ -212,7 +239,7 @@ def list_machines(
         console.print(machines_table(machines))
 
 
-@machine_app.command("explain")
+@machine_app.command("explain", cls=MachineCommand)
 def explain_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -232,7 +259,7 @@ def explain_machine(
     console.print(kept_table(kept))
 
 
-@machine_app.command("show")
+@machine_app.command("show", cls=MachineCommand)
 def show(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -261,7 +288,7 @@ def show(
         console.print(f"  {event.seq:>6}  {event.type:<10} {event.status:<10} {event.reason or ''}")
 
 
-@machine_app.command("start")
+@machine_app.command("start", cls=MachineCommand)
 def start(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -280,7 +307,7 @@ def start(
     _print_machine(with_client(nats, act), json_out)
 
 
-@machine_app.command("restart")
+@machine_app.command("restart", cls=MachineCommand)
 def restart_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -322,7 +349,7 @@ async def _pin(client: FleetClient, config: MachineConfig, image: str) -> Machin
 STOP_TIMEOUT_MAX = 86400.0  # what a worker's stop waits at most, as the HTTP API's
 
 
-@machine_app.command("stop")
+@machine_app.command("stop", cls=MachineCommand)
 def stop_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -342,7 +369,7 @@ def stop_machine(
     _print_machine(with_client(nats, act), json_out)
 
 
-@machine_app.command("destroy")
+@machine_app.command("destroy", cls=MachineCommand)
 def destroy_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -364,7 +391,7 @@ def clone_config(config: MachineConfig) -> MachineConfig:
     return msgspec.structs.replace(config, metadata=metadata, standbys=[])
 
 
-@machine_app.command("clone")
+@machine_app.command("clone", cls=MachineCommand)
 def clone_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -418,14 +445,14 @@ def _freeze_verb(verb: Literal["suspend", "resume"], help_text: str) -> None:
         _print_machine(with_client(nats, act), json_out)
 
     command.__doc__ = help_text
-    machine_app.command(verb)(command)
+    machine_app.command(verb, cls=MachineCommand)(command)
 
 
 _freeze_verb("suspend", "Freeze a started machine (SIGSTOP of its processes): it keeps its memory, uses no CPU.")
 _freeze_verb("resume", "Continue a suspended machine where it was frozen (SIGCONT).")
 
 
-@machine_app.command("update")
+@machine_app.command("update", cls=MachineCommand)
 def update(
     machine_id: str = MachineIdArgument,
     cmd: list[str] | None = typer.Argument(None, help="a new command, after --", show_default=False),
@@ -502,7 +529,7 @@ async def _image_command(client: FleetClient, reference: str | None) -> list[str
         return None
 
 
-@machine_app.command("signal")
+@machine_app.command("signal", cls=MachineCommand)
 def signal_machine(
     machine_id: str = MachineIdArgument,
     signal: str = typer.Argument(..., help="a signal name or number: SIGHUP, HUP, USR1, 10", show_default=False),
@@ -518,7 +545,7 @@ def signal_machine(
         console.print(f"{machine.id}: sent {signal}", markup=False, highlight=False)
 
 
-@machine_app.command("exec")
+@machine_app.command("exec", cls=MachineCommand)
 def exec_machine(
     machine_id: str = MachineIdArgument,
     cmd: list[str] = typer.Argument(..., help="the command, after --", show_default=False),
@@ -554,7 +581,7 @@ def exec_machine(
     return code
 
 
-@machine_app.command("wait")
+@machine_app.command("wait", cls=MachineCommand)
 def wait(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -568,4 +595,4 @@ def wait(
     _print_machine(machine, json_out)
 
 
-machine_app.command("logs")(logs_cmd.machine_logs)  # history from stream FAUXMAD_LOGS, then follows
+machine_app.command("logs", cls=MachineCommand)(logs_cmd.machine_logs)  # history from stream FAUXMAD_LOGS, then follows

@@ -19,6 +19,7 @@ import typer
 
 from orchestrator.cli.render import console, print_json, visible
 from orchestrator.cli.runtime import (
+    EXIT_NOT_FOUND,
     JsonOption,
     NatsOption,
     check_app,
@@ -89,7 +90,7 @@ def status(
     if not result.caught_up:
         note(f"the view did not catch up with the stream within {CATCH_UP_TIMEOUT:g}s: it may be behind")
     if app is not None and not result.known:
-        note(f"no app {app!r} in the view: nothing has ever run under that name")
+        fail(f"no app {app!r} in the view: nothing has ever run under that name", EXIT_NOT_FOUND)
     if json_out:
         print_json({**snap.status_json(str(path)), "jobs": result.jobs})
         return 0
@@ -211,6 +212,10 @@ def events(
     count = 0
     with contextlib.suppress(KeyboardInterrupt):
         count = with_client(nats, read, name="fauxmad-events")
+    if count == 0 and app is not None:  # no events: is it an app the fleet does not know?
+        from orchestrator.cli.names import require_app
+
+        with_client(nats, lambda client: require_app(client, app))
     if count == 0 and not follow:
         scope = " ".join(filter(None, [f"app {app}" if app else "", f"machine {machine}" if machine else ""]))
         note("no events" + (f" for {scope}" if scope else "") + (f" since {since}" if since else ""))
