@@ -24,6 +24,7 @@ from orchestrator.cli.runtime import (
     check_app,
     check_region,
     fail,
+    with_client,
     with_connected,
 )
 
@@ -115,8 +116,12 @@ def submit(
     (0.5 s, doubling) up to --max-attempts, then the job is dead-lettered. With --image the job runs in
     that image, pinned to its digest when submitted (an unknown one is refused, exit 2).
     """
+    from orchestrator.cli.names import require_regions
     from orchestrator.jobs.spec import SubmitOptions, submit_request
     from orchestrator.reconcile.spec import SpecError, load_spec
+
+    if region is not None:  # as `machine run`: an unknown region is exit 4, naming the regions there are
+        with_client(nats, lambda client: require_regions(client, [region]))
 
     try:
         spec = load_spec(spec_path) if spec_path is not None else None

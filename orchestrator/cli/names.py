@@ -92,8 +92,8 @@ def unknown_region(region: str, known: list[str]) -> CliError:
 
 async def resolve_machine(client: FleetClient, app: str, machine_id: str) -> str:
     """The machine of `app` whose id is `machine_id` or starts with it; exit 4 for none, 2 for several."""
-    if len(machine_id) == MACHINE_ID_LENGTH:
-        return machine_id
+    if len(machine_id) == MACHINE_ID_LENGTH or not all(c in "0123456789abcdef" for c in machine_id.lower()):
+        return machine_id  # whole, or no id at all (the fleet says what an id is)
     ids = [m.id for m in await client.list(app, include_destroyed=True)]
     matches = [i for i in ids if i.startswith(machine_id.lower())]
     if len(matches) == 1:
@@ -101,7 +101,7 @@ async def resolve_machine(client: FleetClient, app: str, machine_id: str) -> str
     if not matches:
         if not ids:
             await require_app(client, app)
-        raise Unknown(f"no machine {machine_id!r} in app {app}{did_you_mean(machine_id, ids)}", EXIT_NOT_FOUND)
+        raise Unknown(f"machine {machine_id} not found in app {app}{did_you_mean(machine_id, ids)}", EXIT_NOT_FOUND)
     raise Unknown(
         f"machine id {machine_id!r} is ambiguous in app {app}: it starts {', '.join(sorted(matches))}", EXIT_USAGE
     )
@@ -112,7 +112,7 @@ def explained(message: str) -> str:
     machine or the region the fleet does not know, with the closest names. `message` if none of them is
     unknown, or the fleet cannot be asked."""
     names = given()
-    if not names.keys() - {"nats"}:
+    if not names.keys() - {"nats"} or message.startswith("job "):  # jobs have their own ids and apps
         return message
 
     async def look(client: FleetClient) -> str:
@@ -125,7 +125,7 @@ def explained(message: str) -> str:
         if machine is not None and app is not None:
             ids = [m.id for m in await client.list(app, include_destroyed=True)]
             if machine not in ids:
-                return f"no machine {machine!r} in app {app}{did_you_mean(machine, ids)}"
+                return f"{message}{did_you_mean(machine, ids)}"
         return message
 
     async def bounded(client: FleetClient) -> str:

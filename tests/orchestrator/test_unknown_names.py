@@ -114,7 +114,7 @@ def test_a_machine_id_is_whole_or_a_unique_prefix(fleet: tuple[str, str]) -> Non
     typo = mid[:-1] + ("0" if mid[-1] != "0" else "1")
     for verb in ("show", "stop", "logs"):
         one_line_not_found(
-            fauxmad(url, "machine", verb, typo, "--app", APP), f"no machine '{typo}' in app {APP}", f"'{mid}'"
+            fauxmad(url, "machine", verb, typo, "--app", APP), f"{typo}", "not found", f"did you mean '{mid}'"
         )
     other = "f" if not mid.startswith("f") else "0"
-    one_line_not_found(fauxmad(url, "machine", "show", other, "--app", APP), f"no machine '{other}' in app {APP}")
+    one_line_not_found(fauxmad(url, "machine", "show", other, "--app", APP), f"machine {other} not found in app {APP}")
