@@ -218,8 +218,10 @@ def _nats_timeout(exc: Exception) -> bool:
 
 def _click_exit(exc: Exception) -> int | None:
     """The exit code of typer's and click's own exceptions (after saying why), or None for others."""
-    if isinstance(exc, NoArgsIsHelpError):
-        typer.echo(exc.ctx.get_help() if exc.ctx else "")
+    if isinstance(exc, NoArgsIsHelpError):  # its help was made once, when it was raised: printed already (rich
+        text = exc.format_message()  # help prints as it formats) or kept here; never asked for again
+        if text.strip():
+            typer.echo(text)
         return 0
     if isinstance(exc, UsageError):
         path = exc.ctx.command_path if exc.ctx else "fauxmad"
