@@ -248,6 +248,15 @@ def _say(line: str) -> None:
     typer.echo(line, err=True)
 
 
+NATS_HINT = " (start a fleet with `fauxmad dev`, or point FAUXMAD_NATS_URL or --nats at a running one)"
+
+
+def _reach_hint(exc: FauxmadError) -> str:
+    """What resolves "cannot reach NATS": the command that starts a fleet, the variable and flag that name one."""
+    unreachable = isinstance(exc, Unreachable) and not isinstance(exc, Unanswered)
+    return NATS_HINT if unreachable and exc.message.startswith("cannot reach NATS at") else ""
+
+
 def _not_found(message: str, code: int) -> str:
     """A not-found error said by the name the fleet does not know, with the closest ones (`names.explained`)."""
     if code != EXIT_NOT_FOUND:
@@ -270,7 +279,7 @@ def report(exc: Exception) -> int:
         return exc.code
     if isinstance(exc, FauxmadError):
         code = exit_code_for(exc)
-        _say(f"fauxmad: {in_words(_not_found(exc.message, code))}")
+        _say(f"fauxmad: {in_words(_not_found(exc.message, code))}{_reach_hint(exc)}")
         return code
     if os.environ.get("FAUXMAD_DEBUG"):
         raise exc

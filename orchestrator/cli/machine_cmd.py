@@ -19,6 +19,7 @@ from orchestrator.cli import logs_cmd
 from orchestrator.cli.names import require_app, require_regions
 from orchestrator.cli.render import console, explain_table, kept_table, machines_table, made_by, print_json
 from orchestrator.cli.runtime import (
+    EXIT_CONFLICT,
     EXIT_USAGE,
     CliError,
     JsonOption,
@@ -378,7 +379,16 @@ def destroy_machine(
     json_out: bool = JsonOption,
 ) -> None:
     """Destroy a machine and release its resources (--force if it is running)."""
-    _print_machine(with_client(nats, lambda c: c.destroy(app, machine_id, force=force)), json_out)
+    from bus.contract.errors import Conflict
+
+    try:
+        _print_machine(with_client(nats, lambda c: c.destroy(app, machine_id, force=force)), json_out)
+    except Conflict as exc:  # the worker says "stop it first or destroy with force": name the commands
+        if force or "destroy with force" not in exc.message:
+            raise
+        stop = f"`fauxmad machine stop {machine_id} -a {app}`"
+        said = exc.message.replace("stop it first or destroy with force", f"stop it first ({stop}) or pass --force")
+        fail(said, EXIT_CONFLICT)
 
 
 # fauxmad's own labels say what made a machine (a release, its role, what it replaces): a clone is nobody's

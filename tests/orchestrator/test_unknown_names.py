@@ -118,3 +118,10 @@ def test_a_machine_id_is_whole_or_a_unique_prefix(fleet: tuple[str, str]) -> Non
         )
     other = "f" if not mid.startswith("f") else "0"
     one_line_not_found(fauxmad(url, "machine", "show", other, "--app", APP), f"machine {other} not found in app {APP}")
+
+
+def test_destroying_a_running_machine_names_the_commands_that_do_it(fleet: tuple[str, str]) -> None:
+    url, mid = fleet
+    refused = fauxmad(url, "machine", "destroy", mid, "--app", APP)
+    assert refused.returncode == 5 and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert f"`fauxmad machine stop {mid} -a {APP}`" in refused.stderr and "--force" in refused.stderr
