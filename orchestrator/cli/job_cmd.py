@@ -57,7 +57,7 @@ def _since(start: float | None, end: float | None) -> str:
 
 def _jobs_table(jobs: list[Job]) -> None:
     table = FitTable(header_style="bold", box=None)
-    for column in ("ID", "STATE", "ATTEMPT", "WORKER", "EXIT", "WAITED", "RAN", "REASON"):
+    for column in ("id", "state", "attempt", "worker", "exit", "waited", "ran", "reason"):  # lower case, as every table
         table.add_column(column, no_wrap=column in KEYS, overflow="fold")
     for job in jobs:
         table.add_row(

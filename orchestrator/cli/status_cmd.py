@@ -115,7 +115,7 @@ def jobs_table(counts: list[JobCount]) -> Table:
     for count in counts:
         rows.setdefault((count.app, count.region), {})[count.state] = count.count
     table = FitTable(title="jobs", title_justify="left", header_style="bold", box=None)
-    for column in ("APP", "REGION", *(state.upper() for state in states)):
+    for column in ("app", "region", *states):  # lower case, as every table
         table.add_column(column, no_wrap=column in KEYS, overflow="fold")  # app names are never cut
     for (app_name, region), by_state in sorted(rows.items()):
         table.add_row(app_name, region, *(str(by_state.get(state, 0)) for state in states))

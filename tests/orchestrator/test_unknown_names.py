@@ -3,18 +3,22 @@
 A table: every command taking `--app`, `--region` or a machine id, given a name the fleet does not know,
 exits 4 with one line on stderr, suggesting the closest name when one is near (`sandwhich` -> `sandwich`);
 an unknown region lists the regions there are; region names ignore case; a machine id may be a unique
-prefix. Real processes against one dev fleet for the module.
+prefix. And "the apps" are one set: `apps list` shows an app made by `machine run`. `image ls` is a table
+with a header and sizes people read, `image inspect` says when in ISO 8601. Real processes against one dev
+fleet for the module.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import pytest
 
+from orchestrator.cli.image_cmd import human_size
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT
 from tests.orchestrator.test_output_fits import _env
@@ -125,3 +129,34 @@ def test_destroying_a_running_machine_names_the_commands_that_do_it(fleet: tuple
     refused = fauxmad(url, "machine", "destroy", mid, "--app", APP)
     assert refused.returncode == 5 and len(refused.stderr.splitlines()) == 1, refused.stderr
     assert f"`fauxmad machine stop {mid} -a {APP}`" in refused.stderr and "--force" in refused.stderr
+
+
+def test_apps_list_shows_an_app_made_by_machine_run(fleet: tuple[str, str]) -> None:
+    url, _ = fleet
+    listed = json.loads(fauxmad(url, "apps", "list", "--json").stdout)
+    assert {"app": APP, "release": None, "status": None, "strategy": None, "regions": {}} in listed
+    table = fauxmad(url, "apps", "list").stdout
+    assert re.search(rf"{APP}\s+-\s+machines only", table), table
+
+
+def test_image_ls_is_a_table_and_inspect_says_when_in_iso_8601(fleet: tuple[str, str]) -> None:
+    url, _ = fleet
+    built = fauxmad(url, "image", "build", str(ROOT / "examples" / "sandwich"), "--tag", "sandwich:v1", "--cmd", "true")
+    assert built.returncode == 0, built.stderr
+    table = fauxmad(url, "image", "ls").stdout.splitlines()
+    header = next(line for line in table if "digest" in line)
+    assert header.split() == ["digest", "size", "created", "tags"]
+    row = next(line for line in table if "sandwich:v1" in line)
+    assert re.search(r"\d[\d,.]* (B|kB|MB)\s+\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", row), row
+    inspected = json.loads(fauxmad(url, "image", "inspect", "sandwich:v1").stdout)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", inspected["created"]), inspected["created"]
+
+
+def test_sizes_read_as_people_read_them() -> None:
+    assert [human_size(n) for n in (0, 3_970, 12_345, 3_400_000, 2_500_000_000)] == [
+        "0 B",
+        "3,970 B",
+        "12.3 kB",
+        "3.4 MB",
+        "2.5 GB",
+    ]
