@@ -28,6 +28,7 @@ from bus.contract.errors import (
     Unreachable,
 )
 from bus.contract.rules import in_words
+from orchestrator.cli.names import Unknown
 from orchestrator.cli.runtime import (
     EXIT_CONFLICT,
     EXIT_FAILED,
@@ -217,8 +218,10 @@ def _nats_timeout(exc: Exception) -> bool:
 
 def _click_exit(exc: Exception) -> int | None:
     """The exit code of typer's and click's own exceptions (after saying why), or None for others."""
-    if isinstance(exc, NoArgsIsHelpError):
-        typer.echo(exc.ctx.get_help() if exc.ctx else "")
+    if isinstance(exc, NoArgsIsHelpError):  # its help was made once, when it was raised: printed already (rich
+        text = exc.format_message()  # help prints as it formats) or kept here; never asked for again
+        if text.strip():
+            typer.echo(text)
         return 0
     if isinstance(exc, UsageError):
         path = exc.ctx.command_path if exc.ctx else "fauxmad"
@@ -235,19 +238,49 @@ def _click_exit(exc: Exception) -> int | None:
     return None
 
 
+def _say(line: str) -> None:
+    """One line of an error to stderr; on a terminal, control characters in it (a name, a machine's stderr
+    echoed back) are shown as escapes (`render.visible`), never obeyed."""
+    if sys.stderr.isatty():
+        from orchestrator.cli.render import visible
+
+        line = visible(line)
+    typer.echo(line, err=True)
+
+
+NATS_HINT = " (start a fleet with `fauxmad dev`, or point FAUXMAD_NATS_URL or --nats at a running one)"
+
+
+def _reach_hint(exc: FauxmadError) -> str:
+    """What resolves "cannot reach NATS": the command that starts a fleet, the variable and flag that name one."""
+    unreachable = isinstance(exc, Unreachable) and not isinstance(exc, Unanswered)
+    return NATS_HINT if unreachable and exc.message.startswith("cannot reach NATS at") else ""
+
+
+def _not_found(message: str, code: int) -> str:
+    """A not-found error said by the name the fleet does not know, with the closest ones (`names.explained`)."""
+    if code != EXIT_NOT_FOUND:
+        return message
+    from orchestrator.cli.names import explained
+
+    return explained(message)
+
+
 def report(exc: Exception) -> int:
     """Say what went wrong in one line (and a CliError's details below it); return the exit code."""
     code = _click_exit(exc)
     if code is not None:
         return code
     if isinstance(exc, CliError):  # messages in words: a pattern's rule, never its regex (`rules.in_words`)
-        typer.echo(f"fauxmad: {in_words(str(exc))}", err=True)
+        said = str(exc) if isinstance(exc, Unknown) else _not_found(str(exc), exc.code)
+        _say(f"fauxmad: {in_words(said)}")
         for line in exc.details:
-            typer.echo(f"  {in_words(line)}", err=True)
+            _say(f"  {in_words(line)}")
         return exc.code
     if isinstance(exc, FauxmadError):
-        typer.echo(f"fauxmad: {in_words(exc.message)}", err=True)
-        return exit_code_for(exc)
+        code = exit_code_for(exc)
+        _say(f"fauxmad: {in_words(_not_found(exc.message, code))}{_reach_hint(exc)}")
+        return code
     if os.environ.get("FAUXMAD_DEBUG"):
         raise exc
     if _lost_connection(exc):

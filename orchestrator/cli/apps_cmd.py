@@ -1,4 +1,8 @@
-"""`fauxmad apps list` and `apps destroy`: the apps that have releases, and an app removed with all its machines."""
+"""`fauxmad apps list` and `apps destroy`: the apps the fleet knows, and an app removed with all its machines.
+
+"The apps" are one set wherever they are listed (`names.app_names`, as `GET /v1/apps`): those with releases,
+with machines (`machine run --app hello` makes one), or with a record made through the HTTP API.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,13 @@ import typer
 from rich import box
 
 from orchestrator.cli.app_options import with_reconciler
+from orchestrator.cli.names import app_names, client_of, require_app
 from orchestrator.cli.render import KEYS, FitTable, console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, fail
 from orchestrator.reconcile.destroy import destroy_app
 from orchestrator.reconcile.reconciler import Reconciler
 
-apps_app = typer.Typer(help="The apps that have releases in KV fauxmad_apps.", no_args_is_help=True)
+apps_app = typer.Typer(help="The apps: with releases, with machines, or made through the API.", no_args_is_help=True)
 
 
 @apps_app.command("list")
@@ -22,7 +27,7 @@ def apps_list(nats: str | None = NatsOption, json_out: bool = JsonOption) -> Non
 
     async def go(r: Reconciler) -> list[dict[str, Any]]:
         out = []
-        for name in await r.releases.apps():
+        for name in sorted(set(await r.releases.apps()) | await app_names(client_of(r))):
             head = await r.releases.head(name)
             rel = await r.releases.current(name)
             # no current release: being destroyed, or its only deploys failed (null: nothing to describe)
@@ -42,7 +47,7 @@ def apps_list(nats: str | None = NatsOption, json_out: bool = JsonOption) -> Non
         print_json(found)
         return
     if not found:
-        console.print("no apps (deploy one with `fauxmad deploy -c fauxmad.toml`)")
+        console.print("no apps (deploy one with `fauxmad deploy -c fauxmad.toml`, or `fauxmad machine run`)")
         return
     table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
     for col in ("app", "release", "status", "strategy", "regions"):
@@ -50,7 +55,7 @@ def apps_list(nats: str | None = NatsOption, json_out: bool = JsonOption) -> Non
     for row in found:
         regions = ", ".join(f"{k}={v}" for k, v in row["regions"].items())
         release = f"v{row['release']}" if row["release"] is not None else "-"
-        status = row["status"] or "no current release"
+        status = row["status"] or ("no current release" if row["release"] is not None else "machines only")
         table.add_row(row["app"], release, status, row["strategy"] or "-", regions or "-")
     console.print(table)
 
@@ -68,6 +73,7 @@ def apps_destroy(
         typer.confirm(f"Destroy app {app} and all its machines?", abort=True)
 
     async def go(r: Reconciler) -> Any:
+        await require_app(client_of(r), app)
         return await destroy_app(r, app)
 
     result = with_reconciler(nats, go)

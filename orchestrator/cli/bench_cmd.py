@@ -15,13 +15,12 @@ from typing import Any, TypeVar
 import msgspec
 import typer
 from rich import box
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from lab.bench import BenchError
 from lab.bench.report import Report, plain
-from orchestrator.cli.render import console, print_json
+from orchestrator.cli.render import console, make_console, print_json
 from orchestrator.cli.runtime import EXIT_USAGE, fail, nats_option
 
 T = TypeVar("T")
@@ -31,7 +30,7 @@ bench_app = typer.Typer(
     no_args_is_help=True,
 )
 
-_stderr = Console(stderr=True)
+_stderr = make_console(stderr=True)
 
 OUTPUT_HELP = "where to write the JSON"
 JSON_HELP = "print the JSON result instead of the tables"

@@ -11,8 +11,9 @@ from typing import Any, NoReturn
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
-from orchestrator.cli.render import console
+from orchestrator.cli.render import console, literal
 from orchestrator.cli.runtime import fail
 from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.plan import Plan
@@ -26,10 +27,10 @@ class DeployDisplay:
     def __init__(self, title: str) -> None:
         self.live = console.is_terminal
         self.progress = Progress(
-            TextColumn("{task.description:>10}"),
+            TextColumn("{task.description:>10}", markup=False),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[note]}"),
+            TextColumn("{task.fields[note]}", markup=False),
             TimeElapsedColumn(),
             console=console,
             disable=not self.live,
@@ -90,7 +91,7 @@ def warn(lines: list[str]) -> None:
 
 def print_outcome(outcome: DeployOutcome) -> None:
     if outcome.ok:
-        console.print(f"[green]{outcome.message}[/] in {outcome.seconds:.1f}s", highlight=False)
+        console.print(Text.assemble(literal(outcome.message, "green"), f" in {outcome.seconds:.1f}s"))
         return
     fail_lines(outcome.lines())
 

@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from rich.text import Text
 
 from bus.transport.connection import DEFAULT_URL_ENV
+from orchestrator.cli.names import require_regions
 from orchestrator.cli.render import (
     console,
     explain_table,
     heading,
+    literal,
     machines_table,
     print_json,
     regions_table,
@@ -48,6 +51,7 @@ from orchestrator.cli.runtime import (
 if TYPE_CHECKING:
     from bus.contract.fleet import WorkerInfo
     from bus.contract.machines import Machine
+    from orchestrator.client import FleetClient
     from orchestrator.devfleet import DevFleet, FleetSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
@@ -59,7 +63,14 @@ def workers(
     json_out: bool = JsonOption,
 ) -> None:
     """The live workers (from their heartbeats) with capacity and utilization."""
-    infos = with_client(nats, lambda c: c.workers(region))
+
+    async def live(client: FleetClient) -> list[WorkerInfo]:
+        found = await client.workers(region)
+        if region is not None and not found:
+            await require_regions(client, [region])
+        return found
+
+    infos = with_client(nats, live)
     if json_out:
         print_json(infos)
     elif not infos:
@@ -184,6 +195,36 @@ def _print_hosts(fleet: DevFleet) -> None:
     console.print(f"  the edge: http://{fleet.edge} (Host: <app>.localhost)\n", markup=False, highlight=False)
 
 
+def _print_hints(fleet: DevFleet, regions: list[str]) -> None:
+    """The lines to paste into another terminal: the exports, a first few commands, a secure fleet's services."""
+    if fleet.supercluster is not None:
+        for region in regions:
+            console.print(f"  {region}: {fleet.region_url(region)}", soft_wrap=True, markup=False, highlight=False)
+        console.print("  (any region's URL reaches every region; a process connects to its own)\n")
+    console.print("try, in another terminal:")
+    exports = [f"export {DEFAULT_URL_ENV}={fleet.url}"]
+    if fleet.supercluster is not None:
+        exports.append(f"export FAUXMAD_SUPERCLUSTER={','.join(regions)}")
+    if fleet.operator_creds:
+        exports.append(f"export FAUXMAD_CREDS={fleet.operator_creds}")
+    services = []  # a secure fleet's edge and HTTP API, each as its own identity (`proxy-1`, `api-1`)
+    if fleet.security is not None:
+        key = fleet.security.root / "token.key"  # the API's tokens: `mint` makes the key and the first token
+        services = [
+            f"FAUXMAD_CREDS={fleet.creds_of('proxy-1')} fauxmad proxy --region {regions[0]}",
+            f"fauxmad token mint --key {key}",
+            f"FAUXMAD_CREDS={fleet.creds_of('api-1')} fauxmad api --token-key {key}",
+        ]
+    for line in (
+        *exports,
+        "fauxmad workers",
+        hello_hint(regions[0]),
+        "fauxmad machine list --app hello",
+        *services,
+    ):  # verbatim: one line each, never wrapped or highlighted, so they paste as they are
+        console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
+
+
 def dev(
     regions_csv: str = typer.Option(
         "mad,syd,gru", "--regions", help="comma-separated region names", callback=check_regions
@@ -238,38 +279,13 @@ def dev(
         spec = _on_hosts(spec, hosts, others=port is not None)
     if port is not None and not _port_free(port):
         fail(f"port {port} is in use: choose another --port, or leave --port out for a free one")
-    fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
+    fleet = DevFleet(spec, progress=lambda line: console.print(Text.assemble(("…", "dim"), " ", literal(line))))
     with _fleet_lifetime(fleet):
         _start(fleet, "starting the fleet")
-        console.print(f"\n[bold green]fleet up[/]: NATS at [bold]{fleet.url}[/]\n")
+        console.print(Text.assemble("\n", ("fleet up", "bold green"), ": NATS at ", (fleet.url, "bold"), "\n"))
         _print_hosts(fleet)
-        if fleet.supercluster is not None:
-            for region in spec.regions:
-                console.print(f"  {region}: {fleet.region_url(region)}", soft_wrap=True, markup=False, highlight=False)
-            console.print("  (any region's URL reaches every region; a process connects to its own)\n")
-        console.print("try, in another terminal:")
-        exports = [f"export {DEFAULT_URL_ENV}={fleet.url}"]
-        if fleet.supercluster is not None:
-            exports.append(f"export FAUXMAD_SUPERCLUSTER={','.join(spec.regions)}")
-        if fleet.operator_creds:
-            exports.append(f"export FAUXMAD_CREDS={fleet.operator_creds}")
-        services = []  # a secure fleet's edge and HTTP API, each as its own identity (`proxy-1`, `api-1`)
-        if fleet.security is not None:
-            key = fleet.security.root / "token.key"  # the API's tokens: `mint` makes the key and the first token
-            services = [
-                f"FAUXMAD_CREDS={fleet.creds_of('proxy-1')} fauxmad proxy --region {spec.regions[0]}",
-                f"fauxmad token mint --key {key}",
-                f"FAUXMAD_CREDS={fleet.creds_of('api-1')} fauxmad api --token-key {key}",
-            ]
-        for line in (
-            *exports,
-            "fauxmad workers",
-            hello_hint(spec.regions[0]),
-            "fauxmad machine list --app hello",
-            *services,
-        ):  # verbatim: one line each, never wrapped or highlighted, so they paste as they are
-            console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
-        console.print("\n[dim]Ctrl-C stops everything[/]")
+        _print_hints(fleet, spec.regions)
+        console.print(Text("\nCtrl-C stops everything", "dim"))
         console.file.flush()  # the hints must reach a pipe (`fauxmad dev | tee`) now, not at exit
         _wait_for_ctrl_c()
     console.print("fleet stopped; nothing left running")
@@ -291,14 +307,16 @@ def demo(
     spec = _fleet_spec(regions_csv, workers_per_region, 4, 4096, None)
     answers: dict[str, object] = {}
     with contextlib.redirect_stdout(sys.stderr) if json_out else contextlib.nullcontext():
-        fleet = DevFleet(spec, progress=lambda line: console.print(f"[dim]…[/] {line}"))
+        fleet = DevFleet(spec, progress=lambda line: console.print(Text.assemble(("…", "dim"), " ", literal(line))))
         with _fleet_lifetime(fleet):
             _start(fleet, "starting a dev fleet: nats-server, workers, broker")
             machines = _demo_run(fleet.url, spec.regions, answers)
             if keep:
-                console.print(f"\nfleet left running at [bold]{fleet.url}[/]; Ctrl-C stops it")
+                console.print(Text.assemble("\nfleet left running at ", (fleet.url, "bold"), "; Ctrl-C stops it"))
                 _wait_for_ctrl_c()
-        console.print(f"[bold green]demo done[/]: {len(machines)} machines placed, served and cleaned up")
+        console.print(
+            Text.assemble(("demo done", "bold green"), f": {len(machines)} machines placed, served and cleaned up")
+        )
     if json_out:
         print_json({"machines": machines, "answers": answers})
 
@@ -342,8 +360,12 @@ def _demo_run(url: str, region_names: list[str], answers: dict[str, object]) -> 
     placed = run(place())
     for machine, ms in placed:
         console.print(
-            f"[bold]{machine.region}[/]: machine {machine.id} on [bold]{machine.worker_id}[/] "
-            f"(placed and started in {ms:.1f} ms)"
+            Text.assemble(
+                (machine.region, "bold"),
+                f": machine {machine.id} on ",
+                (machine.worker_id, "bold"),
+                f" (placed and started in {ms:.1f} ms)",
+            )
         )
         if machine.explain:
             console.print(explain_table(machine.explain))

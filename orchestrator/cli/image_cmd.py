@@ -5,15 +5,16 @@ from __future__ import annotations
 import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import typer
+from rich import box
 
 from bus.stores.image_push import push_image, remove_image, tag_image
 from bus.stores.images import ImageError, ImageManifest, Images, build_archive, check_tag, manifest_for
 from bus.transport.connection import connect
-from orchestrator.cli.render import console, print_json
+from orchestrator.cli.render import FitTable, console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, fail, with_connected
 
 image_app = typer.Typer(
@@ -162,9 +163,19 @@ def ls_command(nats: str | None = NatsOption, json_out: bool = JsonOption) -> No
             return
         if not found:
             _say("no images (fauxmad image build DIR --tag NAME:TAG)")
+            return
+        table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
+        for col in ("digest", "size", "created", "tags"):
+            justify: Literal["left", "right"] = "right" if col == "size" else "left"
+            table.add_column(col, no_wrap=col in ("digest", "created"), overflow="fold", justify=justify)
         for manifest in found:
-            built = time.strftime("%Y-%m-%d %H:%M", time.localtime(manifest.created))
-            _say(f"{manifest.digest[:19]}  {manifest.size / 1e6:8.2f} MB  {built}  {' '.join(manifest.tags)}")
+            table.add_row(
+                manifest.digest[:19],
+                human_size(manifest.size),
+                iso_utc(manifest.created),
+                " ".join(manifest.tags) or "-",
+            )
+        console.print(table)
 
     with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
 
@@ -181,7 +192,9 @@ def inspect_command(
             manifest = await images.manifest(await images.resolve(reference))
         except ImageError as exc:
             fail(str(exc), 4)
-        print_json(manifest)
+        if manifest is None:  # removed between the two reads
+            fail(f"image {reference} has no manifest in the store", 4)
+        print_json({**msgspec.structs.asdict(manifest), "created": iso_utc(manifest.created)})
 
     with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
 
@@ -225,6 +238,21 @@ def rm_command(
         _say(f"removed {manifest.digest} {' '.join(manifest.tags)}")
 
     with_connected(nats, lambda url: connect(url, "fauxmad-image"), act)
+
+
+def human_size(size: int) -> str:
+    """Bytes as people read them: `3,970 B`, `4.0 kB`, `12.3 MB` (decimal units, as `image build` says MB)."""
+    if size < 10_000:
+        return f"{size:,} B"
+    for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9)):
+        if size < scale * 1000 or unit == "GB":
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"  # pragma: no cover
+
+
+def iso_utc(moment: float) -> str:
+    """A time as ISO 8601 in UTC, to the second: `2026-11-29T02:51:08Z`."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(moment))
 
 
 def _show(manifest: ImageManifest, json_out: bool, line: str) -> None:

@@ -24,6 +24,7 @@ from orchestrator.cli.runtime import (
     check_app,
     check_region,
     fail,
+    with_client,
     with_connected,
 )
 
@@ -56,7 +57,7 @@ def _since(start: float | None, end: float | None) -> str:
 
 def _jobs_table(jobs: list[Job]) -> None:
     table = FitTable(header_style="bold", box=None)
-    for column in ("ID", "STATE", "ATTEMPT", "WORKER", "EXIT", "WAITED", "RAN", "REASON"):
+    for column in ("id", "state", "attempt", "worker", "exit", "waited", "ran", "reason"):  # lower case, as every table
         table.add_column(column, no_wrap=column in KEYS, overflow="fold")
     for job in jobs:
         table.add_row(
@@ -80,6 +81,20 @@ def _parse_env(pairs: list[str]) -> dict[str, str]:
             fail(f"invalid --env {pair!r}: use KEY=VALUE", EXIT_USAGE)
         env[key] = value
     return env
+
+
+def _check_region(nats: str | None, region: str) -> None:
+    """Exit 4 if the fleet's brokers list no live worker in `region`; nothing if none answers (a fleet of
+    workers only runs jobs too: their queue waits for a worker of the region)."""
+    from bus.contract.errors import FauxmadError
+    from orchestrator.cli.names import Unknown, require_regions
+
+    try:
+        with_client(nats, lambda client: require_regions(client, [region]))
+    except Unknown:
+        raise
+    except FauxmadError:
+        return
 
 
 @job_app.command("submit", context_settings={"allow_interspersed_args": False})
@@ -117,6 +132,9 @@ def submit(
     """
     from orchestrator.jobs.spec import SubmitOptions, submit_request
     from orchestrator.reconcile.spec import SpecError, load_spec
+
+    if region is not None:  # as `machine run`: an unknown region is exit 4, naming the regions there are
+        _check_region(nats, region)
 
     try:
         spec = load_spec(spec_path) if spec_path is not None else None

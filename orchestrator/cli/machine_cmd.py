@@ -9,14 +9,17 @@ stderr when it exits or crash-loops instead. `--detach` returns at once.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import typer
+from typer.core import TyperCommand
 
 from orchestrator.cli import logs_cmd
+from orchestrator.cli.names import require_app, require_regions
 from orchestrator.cli.render import console, explain_table, kept_table, machines_table, made_by, print_json
 from orchestrator.cli.runtime import (
+    EXIT_CONFLICT,
     EXIT_USAGE,
     CliError,
     JsonOption,
@@ -29,8 +32,25 @@ from orchestrator.cli.runtime import (
 )
 
 if TYPE_CHECKING:
+    from typer._click.core import Context
+
     from bus.contract.machines import Machine, MachineConfig
     from orchestrator.client import FleetClient
+
+
+class MachineCommand(TyperCommand):
+    """A command of one machine: its id may be a unique prefix of one of the app's (`names.resolve_machine`),
+    resolved before the command runs (one list of the app's machines; a whole id costs nothing)."""
+
+    def invoke(self, ctx: Context) -> Any:
+        from orchestrator.cli.names import MACHINE_ID_LENGTH, resolve_machine
+
+        given, app = ctx.params.get("machine_id"), ctx.params.get("app")
+        if isinstance(given, str) and isinstance(app, str) and len(given) != MACHINE_ID_LENGTH:
+            nats = ctx.params.get("nats")
+            ctx.params["machine_id"] = with_client(nats, lambda c: resolve_machine(c, app, given))
+        return super().invoke(ctx)
+
 
 machine_app = typer.Typer(help="Run and manage machines (through the brokers).", no_args_is_help=True)
 
@@ -49,12 +69,12 @@ class Wait(msgspec.Struct, frozen=True):
     detach: bool
 
 
-def _parse_env(pairs: list[str]) -> dict[str, str]:
+def _parse_env(pairs: list[str], option: str = "--env") -> dict[str, str]:
     env: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            fail(f"invalid --env {pair!r}: use KEY=VALUE", EXIT_USAGE)
+            fail(f"invalid {option} {pair!r}: use KEY=VALUE", EXIT_USAGE)
         env[key] = value
     return env
 
@@ -116,6 +136,7 @@ def run_machine(
     ),
     restart: str = typer.Option("on-failure", "--restart", help="restart policy: no, always, on-failure"),
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),
+    metadata: list[str] = typer.Option([], "--metadata", help="KEY=VALUE, repeatable: a label of yours"),
     volume: list[str] = typer.Option(
         [], "--volume", "-v", help="VOLUME_ID:/path, repeatable: mount it (the machine runs on its worker)"
     ),
@@ -155,6 +176,7 @@ def run_machine(
         config = MachineConfig(
             cmd=cmd or [],
             env=_parse_env(env),
+            metadata=_parse_env(metadata, "--metadata"),
             mounts=mounts,
             image=image,
             guest=Guest(cpus=cpus, memory_mb=memory_mb, sandbox=sandbox),  # type: ignore[arg-type]
@@ -176,6 +198,7 @@ def run_machine(
 
     async def create(client: FleetClient) -> Machine:
         nonlocal request
+        await require_regions(client, [region])
         if image is not None:  # pinned to its digest; no CMD: the image's own
             request = msgspec.structs.replace(request, config=await _pin(client, request.config, image))
         created = await client.create(app, request)
@@ -201,7 +224,14 @@ def list_machines(
     json_out: bool = JsonOption,
 ) -> None:
     """List an app's machines across every region."""
-    machines = with_client(nats, lambda c: c.list(app, state=state, include_destroyed=all_))
+
+    async def listed(client: FleetClient) -> list[Machine]:
+        found = await client.list(app, state=state, include_destroyed=all_)
+        if not found:
+            await require_app(client, app)
+        return found
+
+    machines = with_client(nats, listed)
     if json_out:
         print_json(machines)
     elif not machines:
@@ -210,7 +240,7 @@ def list_machines(
         console.print(machines_table(machines))
 
 
-@machine_app.command("explain")
+@machine_app.command("explain", cls=MachineCommand)
 def explain_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -230,7 +260,7 @@ def explain_machine(
     console.print(kept_table(kept))
 
 
-@machine_app.command("show")
+@machine_app.command("show", cls=MachineCommand)
 def show(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -246,11 +276,20 @@ def show(
     origin = made_by(machine)
     if origin is not None:
         console.print(f"  made by: {origin}")
+    config = machine.config
+    if machine.name:
+        console.print(f"  name: {machine.name}")
+    if config.cmd:
+        console.print(f"  cmd: {' '.join(config.cmd)}")
+    for key, value in sorted(config.metadata.items()):
+        console.print(f"  metadata: {key}={value}")
+    for key, value in sorted(config.env.items()):
+        console.print(f"  env: {key}={value}")
     for event in machine.events or []:
         console.print(f"  {event.seq:>6}  {event.type:<10} {event.status:<10} {event.reason or ''}")
 
 
-@machine_app.command("start")
+@machine_app.command("start", cls=MachineCommand)
 def start(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -269,7 +308,7 @@ def start(
     _print_machine(with_client(nats, act), json_out)
 
 
-@machine_app.command("restart")
+@machine_app.command("restart", cls=MachineCommand)
 def restart_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -311,7 +350,7 @@ async def _pin(client: FleetClient, config: MachineConfig, image: str) -> Machin
 STOP_TIMEOUT_MAX = 86400.0  # what a worker's stop waits at most, as the HTTP API's
 
 
-@machine_app.command("stop")
+@machine_app.command("stop", cls=MachineCommand)
 def stop_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -331,7 +370,7 @@ def stop_machine(
     _print_machine(with_client(nats, act), json_out)
 
 
-@machine_app.command("destroy")
+@machine_app.command("destroy", cls=MachineCommand)
 def destroy_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -340,7 +379,16 @@ def destroy_machine(
     json_out: bool = JsonOption,
 ) -> None:
     """Destroy a machine and release its resources (--force if it is running)."""
-    _print_machine(with_client(nats, lambda c: c.destroy(app, machine_id, force=force)), json_out)
+    from bus.contract.errors import Conflict
+
+    try:
+        _print_machine(with_client(nats, lambda c: c.destroy(app, machine_id, force=force)), json_out)
+    except Conflict as exc:  # the worker says "stop it first or destroy with force": name the commands
+        if force or "destroy with force" not in exc.message:
+            raise
+        stop = f"`fauxmad machine stop {machine_id} -a {app}`"
+        said = exc.message.replace("stop it first or destroy with force", f"stop it first ({stop}) or pass --force")
+        fail(said, EXIT_CONFLICT)
 
 
 # fauxmad's own labels say what made a machine (a release, its role, what it replaces): a clone is nobody's
@@ -353,7 +401,7 @@ def clone_config(config: MachineConfig) -> MachineConfig:
     return msgspec.structs.replace(config, metadata=metadata, standbys=[])
 
 
-@machine_app.command("clone")
+@machine_app.command("clone", cls=MachineCommand)
 def clone_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -407,14 +455,14 @@ def _freeze_verb(verb: Literal["suspend", "resume"], help_text: str) -> None:
         _print_machine(with_client(nats, act), json_out)
 
     command.__doc__ = help_text
-    machine_app.command(verb)(command)
+    machine_app.command(verb, cls=MachineCommand)(command)
 
 
 _freeze_verb("suspend", "Freeze a started machine (SIGSTOP of its processes): it keeps its memory, uses no CPU.")
 _freeze_verb("resume", "Continue a suspended machine where it was frozen (SIGCONT).")
 
 
-@machine_app.command("update")
+@machine_app.command("update", cls=MachineCommand)
 def update(
     machine_id: str = MachineIdArgument,
     cmd: list[str] | None = typer.Argument(None, help="a new command, after --", show_default=False),
@@ -491,7 +539,7 @@ async def _image_command(client: FleetClient, reference: str | None) -> list[str
         return None
 
 
-@machine_app.command("signal")
+@machine_app.command("signal", cls=MachineCommand)
 def signal_machine(
     machine_id: str = MachineIdArgument,
     signal: str = typer.Argument(..., help="a signal name or number: SIGHUP, HUP, USR1, 10", show_default=False),
@@ -507,7 +555,7 @@ def signal_machine(
         console.print(f"{machine.id}: sent {signal}", markup=False, highlight=False)
 
 
-@machine_app.command("exec")
+@machine_app.command("exec", cls=MachineCommand)
 def exec_machine(
     machine_id: str = MachineIdArgument,
     cmd: list[str] = typer.Argument(..., help="the command, after --", show_default=False),
@@ -543,7 +591,7 @@ def exec_machine(
     return code
 
 
-@machine_app.command("wait")
+@machine_app.command("wait", cls=MachineCommand)
 def wait(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
@@ -557,4 +605,4 @@ def wait(
     _print_machine(machine, json_out)
 
 
-machine_app.command("logs")(logs_cmd.machine_logs)  # history from stream FAUXMAD_LOGS, then follows
+machine_app.command("logs", cls=MachineCommand)(logs_cmd.machine_logs)  # history from stream FAUXMAD_LOGS, then follows

@@ -12,6 +12,7 @@ from rich import box
 
 from orchestrator.cli.app_options import APP, with_reconciler
 from orchestrator.cli.deploy_progress import DeployDisplay, cannot_deploy, print_outcome
+from orchestrator.cli.names import client_of, require_app, require_regions
 from orchestrator.cli.render import KEYS, FitTable, console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_regions, fail, split_names
 from orchestrator.reconcile import rollout
@@ -38,6 +39,7 @@ def rollback(
     """
 
     async def go(r: Reconciler) -> DeployOutcome:
+        await require_app(client_of(r), app)
         _, target = await rollout.rollback_target(r, app, version, force=force)  # refused before anything is shown
         with DeployDisplay(f"rolling {app} back to v{target.version}") as show:
             r.on_plan, r.on_result = show.on_plan, show.on_result
@@ -55,7 +57,10 @@ def releases(app: str = APP, nats: str | None = NatsOption, json_out: bool = Jso
 
     async def go(r: Reconciler) -> tuple[list[Release], int]:
         head = await r.releases.head(app)
-        return await r.releases.list(app), head.version if head else 0
+        found = await r.releases.list(app)
+        if not found:
+            await require_app(client_of(r), app)
+        return found, head.version if head else 0
 
     found, current = with_reconciler(nats, go)
     found.reverse()
@@ -111,9 +116,12 @@ def scale_count(
     """Run COUNT machines, spread round robin over the regions: a new release with the same config."""
 
     async def go(r: Reconciler) -> DeployOutcome:
+        if region:
+            await require_regions(client_of(r), split_names("region", region))
         current = await r.releases.current(app)
         if current is None:
-            fail(f"app {app} has no current release: deploy it first")
+            await require_app(client_of(r), app)
+            fail(f"app {app} has no current release: deploy it first (`fauxmad deploy -c fauxmad.toml`)")
         names = split_names("region", region) if region else list(current.spec.regions)
         if not names:
             fail("--region needs at least one region")

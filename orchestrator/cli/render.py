@@ -1,15 +1,28 @@
-"""Rendering for people (rich tables) and for programs (`--json`): one place for both."""
+"""Rendering for people (rich tables) and for programs (`--json`): one place for both.
+
+One rule for text a user or a machine wrote (names, commands, metadata, env values, reasons, log lines,
+messages echoed back): it is printed as written, never obeyed. The CLI's console reads no markup, no
+emoji codes and highlights nothing, so a `[/x]` or `:smile:` in a command is shown as typed (rich would
+read it as a style, drop it, or raise `MarkupError`); our own styles are `Text` styles, never markup. A
+control character is shown as an escape (`visible`), so a machine cannot drive the operator's terminal
+(OSC 0 titles, OSC 52 clipboard writes, colours): in what rich renders always (a table cell cannot hold a
+carriage return as written anyway; a newline stays a line break), in line-by-line output (`logs`,
+`events`) on a terminal only, so a pipe gets the bytes; `--json` is always exact, and `logs --raw` writes
+the bytes to a terminal too (docs/reference/status-events-logs.md, "User text in every other output").
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgspec
 from rich import box
 from rich.console import Console, ConsoleOptions, RenderResult
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -20,11 +33,55 @@ from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
 UNBOUNDED = 10_000  # the width of a pipe or a file: wide enough that no table is squeezed
 
 
+def _escapes() -> dict[int, str]:
+    table = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+    table.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+    return table
+
+
+ESCAPES = _escapes()  # C0 controls, DEL and C1 controls: `\x1b`, `\x07`, `\x9b`; `\n`, `\r`, `\t` by name
+
+
+@functools.cache
+def _escapes_but(keep: str) -> dict[int, str]:
+    return {c: e for c, e in ESCAPES.items() if chr(c) not in keep}
+
+
+def visible(text: str, keep: str = "") -> str:
+    """`text` with each control character (but those in `keep`) shown as an escape: ESC as `\\x1b`, a newline
+    as `\\n`. Everything else, right-to-left marks and emoji included, is left as written (a backslash too:
+    `--json` and `logs --raw` are the exact forms)."""
+    return text.translate(_escapes_but(keep) if keep else ESCAPES)
+
+
+def literal(text: str, style: str = "") -> Text:
+    """`text` as a `Text` that shows it as written (no markup read, control characters visible) on any console."""
+    return Text(visible(text, keep="\n"), style)
+
+
+class CliConsole(Console):
+    """A console that shows every string it is given literally (`visible`, no markup, no emoji codes), and,
+    writing to a terminal, lets no control character through in text it did not make itself (its own
+    escape sequences are styles and control segments)."""
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:
+        return super().render_str(visible(text, keep="\n"), **kwargs)  # a newline is a line break, as written
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        if self.is_terminal:  # a Text made from user text elsewhere, whole lines' "\n" kept
+            buffer = [
+                seg if seg.control or not seg.text else Segment(visible(seg.text, keep="\n"), seg.style)
+                for seg in buffer
+            ]
+        return super()._render_buffer(buffer)
+
+
 def make_console(stderr: bool = False) -> Console:
     """The CLI's console. Prose is never hard-wrapped (`soft_wrap`: a line meant to be pasted, such as an
     `export` or a command, stays one line; a terminal wraps it for the eye only). A pipe or a file
-    (no terminal, no $COLUMNS asked for) gets plain text at no width limit, so nothing is cut or folded."""
-    made = Console(soft_wrap=True, stderr=stderr)
+    (no terminal, no $COLUMNS asked for) gets plain text at no width limit, so nothing is cut or folded.
+    User text is shown as written (`CliConsole`)."""
+    made = CliConsole(soft_wrap=True, stderr=stderr, markup=False, emoji=False, highlight=False)
     if not made.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
         made.width = UNBOUNDED
     return made
@@ -82,10 +139,14 @@ class FitTable(Table):
             for column, width in zip(self.columns, kept, strict=True):
                 column.width = width
 
+    def add_row(self, *renderables: Any, **kwargs: Any) -> None:
+        """A row whose strings are shown as written on any console (`literal`): styles come as `Text`."""
+        super().add_row(*(literal(r) if isinstance(r, str) else r for r in renderables), **kwargs)
+
     def _cell(self, console: Console, value: Any) -> Text:
         if isinstance(value, Text):
             return value
-        return console.render_str(value, highlight=False) if isinstance(value, str) else Text(str(value))
+        return literal(value) if isinstance(value, str) else Text(str(value))
 
     def _blocks(self, console: Console) -> Iterator[Text]:
         if self.title:
@@ -135,8 +196,8 @@ def machines_table(machines: list[Machine], title: str | None = None) -> Table:
     for m in machines:
         checks = ", ".join(f"{n}:{c.status}" for n, c in sorted(m.checks.items())) or "-"
         style = STATE_STYLE.get(m.state, "")
-        state = f"[{style}]{m.state}[/]" if style else m.state
-        row = [m.id, m.region, m.worker_id, m.address or "-", state, str(m.port or "-"), checks]
+        row: list[str | Text] = [m.id, m.region, m.worker_id, m.address or "-", Text(m.state, style)]
+        row += [str(m.port or "-"), checks]
         if wide:
             row += [m.name, " ".join(m.config.cmd)[:60]]
         table.add_row(*row)
@@ -171,7 +232,7 @@ def workers_table(workers: list[WorkerInfo]) -> Table:
             f"{bar(w.used.memory_mb, w.capacity.memory_mb, 6)} {mem(w.used.memory_mb)}/{mem(w.capacity.memory_mb)}",
             str(w.machines),
             f"{w.load:.2f}",
-            "[yellow]cordoned[/]" if w.cordoned else "[green]ready[/]",
+            Text("cordoned", "yellow") if w.cordoned else Text("ready", "green"),
         )
     return table
 
@@ -183,7 +244,7 @@ def regions_table(regions: list[RegionSummary]) -> Table:
     for r in regions:
         workers = f"{r.workers}" + (f" ({r.cordoned} cordoned)" if r.cordoned else "")
         table.add_row(
-            r.region if r.reachable else f"{r.region} [red](unreachable)[/]",
+            r.region if r.reachable else Text.assemble(r.region, " ", ("(unreachable)", "red")),
             workers,
             f"{bar(r.used.cpus, r.capacity.cpus)} {r.used.cpus}/{r.capacity.cpus}",
             f"{bar(r.used.memory_mb, r.capacity.memory_mb)} {pct(r.used.memory_mb, r.capacity.memory_mb)}",
@@ -204,7 +265,7 @@ def explain_table(explain: dict[str, Any]) -> Table:
         table.add_column(col, no_wrap=col == "worker", overflow="fold")
     for w in explain["workers"]:
         won = w["worker_id"] == explain.get("winner")
-        name = f"[bold green]{w['worker_id']} ✓[/]" if won else w["worker_id"]
+        name = Text(f"{w['worker_id']} ✓", "bold green") if won else w["worker_id"]
         if w["outcome"] == "candidate":
             s = w.get("subscores", {})
             table.add_row(
@@ -214,7 +275,7 @@ def explain_table(explain: dict[str, Any]) -> Table:
                 *(f"{s.get(k, 0):+.2f}" for k in SUBSCORES),
             )
         else:
-            table.add_row("-", name, "[red]no[/]", w.get("reason", ""), "", "", "", "", "")
+            table.add_row("-", name, Text("no", "red"), w.get("reason", ""), "", "", "", "", "")
     return table
 
 
@@ -235,7 +296,7 @@ def kept_table(kept: dict[str, Any]) -> Table:
         table.add_column(col, no_wrap=col == "worker", overflow="fold")
     for c in kept.get("candidates", []):
         won = c["worker_id"] == kept["chosen"]
-        name = f"[bold green]{c['worker_id']} ✓[/]" if won else c["worker_id"]
+        name = Text(f"{c['worker_id']} ✓", "bold green") if won else c["worker_id"]
         s = c.get("subscores", {})
         table.add_row(str(c["rank"]), name, f"{c['total']:.3f}", *(f"{s.get(k, 0):+.2f}" for k in SUBSCORES))
     for attempt in kept.get("attempts", []):

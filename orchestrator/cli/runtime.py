@@ -81,13 +81,24 @@ def split_names(kind: str, csv: str) -> list[str]:
     return [checked(kind, name) for name in (part.strip() for part in csv.split(",")) if name]
 
 
-def _names(kind: str, *, csv: bool = False) -> Callable[[str | None], str | None]:
+_given: dict[str, str] = {}  # the names this command line gave ("app", "machine id", ...), for `names.explained`
+
+
+def given() -> dict[str, str]:
+    return dict(_given)
+
+
+def _names(kind: str, *, csv: bool = False, fold: bool = False) -> Callable[[str | None], str | None]:
+    """`fold`: the name ignores case (regions: `MAD` is `mad`)."""
+
     def callback(value: str | None) -> str | None:
         if value is not None:
+            if fold:
+                value = value.lower()
             if csv:
                 split_names(kind, value)
             else:
-                checked(kind, value)
+                _given[kind] = checked(kind, value)
         return value
 
     return callback
@@ -95,8 +106,8 @@ def _names(kind: str, *, csv: bool = False) -> Callable[[str | None], str | None
 
 # typer callbacks for every option and argument that takes a name: `typer.Option(..., callback=check_app)`
 check_app = _names("app")
-check_region = _names("region")
-check_regions = _names("region", csv=True)  # a comma-separated list
+check_region = _names("region", fold=True)
+check_regions = _names("region", csv=True, fold=True)  # a comma-separated list
 check_machine_id = _names("machine id")
 check_worker_id = _names("worker id")
 check_fleet_name = _names("fleet name")
@@ -329,6 +340,7 @@ def nats_url(value: str | None, *, required: bool = True) -> str | None:
     fleet: a host must not join a fleet because someone once ran `fauxmad fleet use` on it.
     """
     if value:
+        _given["nats"] = value
         return check_url(value)
     if _selected_fleet is not None:
         return check_url(fleet_url(_selected_fleet))

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 import msgspec
 import typer
 
-from orchestrator.cli.render import console, print_json
+from orchestrator.cli.render import console, print_json, visible
 from orchestrator.cli.runtime import (
+    EXIT_NOT_FOUND,
     JsonOption,
     NatsOption,
     check_app,
@@ -50,6 +51,11 @@ ViewOption = typer.Option(
     help="the view's SQLite file (default: $FAUXMAD_VIEW, else a file per NATS URL under $XDG_CACHE_HOME/fauxmad)",
     show_default=False,
 )
+
+
+def shown(line: str) -> str:
+    """A line of events as written to a pipe; on a terminal, its control characters visible (`render.visible`)."""
+    return visible(line, keep="\t") if sys.stdout.isatty() else line
 
 
 def note(message: str) -> None:
@@ -84,7 +90,7 @@ def status(
     if not result.caught_up:
         note(f"the view did not catch up with the stream within {CATCH_UP_TIMEOUT:g}s: it may be behind")
     if app is not None and not result.known:
-        note(f"no app {app!r} in the view: nothing has ever run under that name")
+        fail(f"no app {app!r} in the view: nothing has ever run under that name", EXIT_NOT_FOUND)
     if json_out:
         print_json({**snap.status_json(str(path)), "jobs": result.jobs})
         return 0
@@ -109,7 +115,7 @@ def jobs_table(counts: list[JobCount]) -> Table:
     for count in counts:
         rows.setdefault((count.app, count.region), {})[count.state] = count.count
     table = FitTable(title="jobs", title_justify="left", header_style="bold", box=None)
-    for column in ("APP", "REGION", *(state.upper() for state in states)):
+    for column in ("app", "region", *states):  # lower case, as every table
         table.add_column(column, no_wrap=column in KEYS, overflow="fold")  # app names are never cut
     for (app_name, region), by_state in sorted(rows.items()):
         table.add_row(app_name, region, *(str(by_state.get(state, 0)) for state in states))
@@ -157,7 +163,7 @@ def _emit_job_event(json_out: bool) -> Callable[[int, JobEvent], None]:
             at = datetime.fromtimestamp(event.at).strftime("%H:%M:%S.%f")[:-3]
             where = f"{event.region}/{event.worker_id or '-'}"
             line = f"{at}  {stream_seq:>6}  {where}  {event.app}  {event.id}  {event.state}  #{event.attempt}"
-            line += f"  {event.reason}"
+            line = shown(line + f"  {event.reason}")
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
@@ -190,7 +196,7 @@ def events(
         if json_out:
             line = msgspec.json.encode({**msgspec.structs.asdict(event), "stream_seq": stream_seq}).decode()
         else:
-            line = event_line(stream_seq, event)
+            line = shown(event_line(stream_seq, event))
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
@@ -206,6 +212,10 @@ def events(
     count = 0
     with contextlib.suppress(KeyboardInterrupt):
         count = with_client(nats, read, name="fauxmad-events")
+    if count == 0 and app is not None:  # no events: is it an app the fleet does not know?
+        from orchestrator.cli.names import require_app
+
+        with_client(nats, lambda client: require_app(client, app))
     if count == 0 and not follow:
         scope = " ".join(filter(None, [f"app {app}" if app else "", f"machine {machine}" if machine else ""]))
         note("no events" + (f" for {scope}" if scope else "") + (f" since {since}" if since else ""))

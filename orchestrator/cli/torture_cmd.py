@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
+from orchestrator.cli.render import make_console
 from orchestrator.cli.runtime import EXIT_FAILED, EXIT_USAGE, fail
 
 FAULTS_HELP = (
@@ -78,7 +78,7 @@ def torture(
     options = TortureOptions(
         seed=chosen_seed, duration=_parse_duration(duration), faults=_parse_faults(faults), keep=keep
     )
-    stderr = Console(stderr=True)
+    stderr = make_console(stderr=True)
 
     def progress(line: str) -> None:
         stderr.print(Text(f"… {line}", style="dim"))

@@ -17,7 +17,7 @@ from rich.text import Text
 
 from bus.contract.machines import MachineEvent
 from bus.contract.offers import Resources
-from orchestrator.cli.render import KEYS, STATE_STYLE, FitTable, bar, mem
+from orchestrator.cli.render import KEYS, STATE_STYLE, FitTable, bar, literal, mem, visible
 from orchestrator.view import model
 from orchestrator.view.model import CORDONED, LOST, READY
 
@@ -52,9 +52,9 @@ STATE_ORDER = (
 SPARE = "spare"
 
 
-def styled(value: str, style_key: str | None = None) -> str:
-    style = STYLES.get(style_key or value, "")
-    return f"[{style}]{value}[/]" if style and value else value or "-"
+def styled(value: str, style_key: str | None = None) -> Text:
+    """`value` in the style of its state (a `Text`: our styles are never markup, `render.literal`)."""
+    return literal(value or "-", STYLES.get(style_key or value, "") if value else "")
 
 
 def ago(moment: float | None, now: float) -> str:
@@ -82,9 +82,9 @@ def transition(status: str, from_state: str | None, kind: str) -> str:
     return f"{from_state}→{status}" if from_state else status
 
 
-def states_text(states: dict[str, int]) -> str:
+def states_text(states: dict[str, int]) -> Text:
     ordered = sorted(states.items(), key=lambda item: (_rank(item[0]), item[0]))
-    return " ".join(f"{styled(str(n), state)} {state}" for state, n in ordered if n) or "-"
+    return Text(" ").join(Text.assemble(styled(str(n), state), f" {state}") for state, n in ordered if n) or Text("-")
 
 
 def cpu_use(used: Resources, capacity: Resources, width: int) -> str:
@@ -112,13 +112,13 @@ def regions_table(regions: list[model.RegionRow]) -> Table:
     for col in ("region", "workers", "cpus", "memory", "machines"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for r in regions:
-        extra = [f"{r.cordoned} cordoned"] * bool(r.cordoned) + [styled(f"{r.lost} lost", LOST)] * bool(r.lost)
+        extra = [Text(f"{r.cordoned} cordoned")] * bool(r.cordoned) + [styled(f"{r.lost} lost", LOST)] * bool(r.lost)
         table.add_row(
             r.region,
-            f"{r.workers}" + (f" ({', '.join(extra)})" if extra else ""),
+            Text.assemble(f"{r.workers}", Text.assemble(" (", Text(", ").join(extra), ")") if extra else ""),
             cpu_use(r.used, r.capacity, 8),
             mem_use(r.used, r.capacity, 8),
-            f"{r.machines}: {states_text(r.states)}" if r.machines else "0",
+            Text.assemble(f"{r.machines}: ", states_text(r.states)) if r.machines else "0",
         )
     return table
 
@@ -148,10 +148,12 @@ def machines_table(machines: list[model.MachineRow]) -> Table:
     for m in machines:
         state = styled(m.state)
         if m.state in ("stopped", "failed") and m.exit_code is not None:
-            state += f" ({m.exit_code})"
+            state.append(f" ({m.exit_code})")
         if m.host_status != "ok":
-            state += f" [red]host {m.host_status}[/]"  # as its worker last said; the host is not answering
-        checks = ", ".join(f"{name}:{styled(status)}" for name, status in sorted(m.checks.items())) or "-"
+            state.append(f" host {m.host_status}", "red")  # as its worker last said; the host is not answering
+        checks = Text(", ").join(
+            Text.assemble(literal(name), ":", styled(status)) for name, status in sorted(m.checks.items())
+        ) or Text("-")
         table.add_row(m.id, m.app, m.region, m.worker_id, state, m.release or "-", m.role or "-", checks)
     return table
 
@@ -210,18 +212,23 @@ def header(snap: model.Snapshot, source: str, app: str | None) -> RenderableType
             states[group.state] += group.count
     lost = len(snap.workers) - len(beating)
     cordoned = sum(w.status == CORDONED for w in beating)
-    title = Text.from_markup(
-        f"[bold]fauxmad status[/]{f' · app [bold]{app}[/]' if app else ''}  [dim]{source}[/]  "
-        f"{time.strftime('%H:%M:%S', time.localtime(snap.taken_at))}  [dim]event #{snap.stream_seq} · q quits[/]"
+    title = Text.assemble(
+        ("fauxmad status", "bold"),
+        Text.assemble(" · app ", (app, "bold")) if app else "",
+        "  ",
+        (visible(source), "dim"),
+        f"  {time.strftime('%H:%M:%S', time.localtime(snap.taken_at))}  ",
+        (f"event #{snap.stream_seq} · q quits", "dim"),
     )
-    fleet = Text.from_markup(
-        f"{plural(len(snap.regions), 'region')} · workers {len(beating) - cordoned} {styled(READY)}"
-        + (f", {cordoned} {styled('cordoned')}" if cordoned else "")
-        + (f", {lost} {styled('lost')}" if lost else "")
-        + f" · cpu {cpu_use(used, capacity, 8)} · mem {mem_use(used, capacity, 8)}"
+    fleet = Text.assemble(
+        f"{plural(len(snap.regions), 'region')} · workers {len(beating) - cordoned} ",
+        styled(READY),
+        Text.assemble(f", {cordoned} ", styled("cordoned")) if cordoned else "",
+        Text.assemble(f", {lost} ", styled("lost")) if lost else "",
+        f" · cpu {cpu_use(used, capacity, 8)} · mem {mem_use(used, capacity, 8)}",
     )
-    machines = Text.from_markup(
-        f"machines {sum(states.values())}: {states_text(dict(states))}" + (f" · spares {spares}" if spares else "")
+    machines = Text.assemble(
+        f"machines {sum(states.values())}: ", states_text(dict(states)), f" · spares {spares}" if spares else ""
     )
     return Group(title, fleet, machines)
 
@@ -244,7 +251,7 @@ def region_panel(
         grid.add_column(no_wrap=True)
     for w in _workers_of(region.region, workers):
         grid.add_row(
-            w.worker_id,
+            literal(w.worker_id),
             f"cpu {cpu_use(w.used, w.capacity, bars)}",
             f"mem {mem_use(w.used, w.capacity, bars)}",
             f"{w.machines}m",
@@ -259,16 +266,18 @@ def region_panel(
         spares: dict[str, int] = defaultdict(int)
         for group in mine:
             (spares if group.role == SPARE else states)[group.state] += group.count
-        text = states_text(dict(states)) if states else ""
+        text = states_text(dict(states)) if states else Text()
         if spares:
-            text += f"{' · ' if text else ''}spares {sum(spares.values())}"
-            text += f" ({states_text(dict(spares))})" if set(spares) != {"created"} else ""
-        apps.add_row(app_name, text)
-    title = (
-        f"[bold]{region.region}[/] {plural(region.workers, 'worker')}"
-        + (f", {styled(f'{region.lost} lost', LOST)}" if region.lost else "")
-        + f" · cpu {region.used.cpus}/{region.capacity.cpus} · mem {mem(region.used.memory_mb)}/"
-        f"{mem(region.capacity.memory_mb)} · {plural(region.machines, 'machine')}"
+            text.append(f"{' · ' if text else ''}spares {sum(spares.values())}")
+            if set(spares) != {"created"}:
+                text.append_text(Text.assemble(" (", states_text(dict(spares)), ")"))
+        apps.add_row(literal(app_name), text)
+    title = Text.assemble(
+        (region.region, "bold"),
+        f" {plural(region.workers, 'worker')}",
+        Text.assemble(", ", styled(f"{region.lost} lost", LOST)) if region.lost else "",
+        f" · cpu {region.used.cpus}/{region.capacity.cpus} · mem {mem(region.used.memory_mb)}/"
+        f"{mem(region.capacity.memory_mb)} · {plural(region.machines, 'machine')}",
     )
     return Panel(Group(grid, apps), title=title, title_align="left", box=box.ROUNDED, padding=(0, 1))
 
@@ -284,11 +293,11 @@ def events_panel(events: list[model.EventRow]) -> Panel:
     for e in events:
         grid.add_row(
             clock_time(e.timestamp),
-            e.worker_id,
-            e.app,
-            e.machine_id,
+            literal(e.worker_id),
+            literal(e.app),
+            literal(e.machine_id),
             styled(transition(e.status, e.from_state, e.type), e.status),
-            e.reason or "",
+            literal(e.reason or ""),
         )
     if not events:
         grid.add_row("", "", "", Text("no events yet", style="dim"), "", "")

@@ -17,6 +17,7 @@ import math
 import os
 import re
 import tomllib
+import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -174,13 +175,24 @@ def _one_line(source: str, exc: msgspec.ValidationError) -> str:
     unknown = re.match(r"Object contains unknown field `(.+)`", message)
     if unknown:
         key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
-        return f"{source}: unknown key `{key}`"
+        home = "" if path else _table_of(unknown.group(1))
+        return f"{source}: unknown key `{key}`" + (f" (it belongs under [{home}])" if home else "")
     missing = re.match(r"Object missing required field `(.+)`", message)
     if missing:
         key = f"{path}.{missing.group(1)}" if path else missing.group(1)
         return f"{source}: missing required key `{key}`"
     message = message[0].lower() + message[1:] if message else message
     return f"{source}: `{path}`: {message}" if path else f"{source}: {message}"
+
+
+def _table_of(key: str) -> str | None:
+    """The table of the spec a top-level `key` belongs in (`cpus`: `guest`), or None."""
+    for field in msgspec.structs.fields(AppSpec):
+        kinds = typing.get_args(field.type) or (field.type,)  # `HttpService | None`: each
+        for kind in kinds:
+            if isinstance(kind, type) and issubclass(kind, msgspec.Struct) and key in kind.__struct_fields__:
+                return field.name
+    return None
 
 
 _TABLES: dict[str, object] = {"regions": dict[Token, Count], "checks": dict[str, Check]}

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bus.local.ports import free_port
-from orchestrator.cli.app import app, main, register
+from orchestrator.cli.app import COMMANDS, app, main, register
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT
 
@@ -226,3 +226,15 @@ def test_dev_leaves_no_process_after_ctrl_c() -> None:
     assert "nothing left running" in rest
     assert _processes_mentioning("FAUXMAD_APP=devclean") == []
     assert _processes_mentioning(f"127.0.0.1:{port}") == []
+
+
+# every group that prints its help when bare (`worker` runs a worker; `schema` asks for its command)
+BARE_HELP = ["", *(name for name, _, _, group in COMMANDS if group and name not in ("worker", "schema"))]
+
+
+@pytest.mark.parametrize("group", BARE_HELP)
+def test_a_bare_group_prints_its_help_once(group: str) -> None:
+    """`fauxmad`, `fauxmad apps`, ... print one `Usage:` block, exit 0 (issue 41: two, 27 lines for `apps`)."""
+    result = fauxmad(*filter(None, [group]))
+    assert result.returncode == 0, result.stderr
+    assert (result.stdout + result.stderr).count("Usage:") == 1, result.stdout + result.stderr

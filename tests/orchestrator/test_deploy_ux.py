@@ -54,6 +54,12 @@ def releases(fleet: DevFleet, app: str) -> dict[str, object]:
     return found
 
 
+def assert_unknown(fleet: DevFleet, app: str) -> None:
+    """`app` has no release, no machine, no record: `releases` says so, exit 4 (docs/reference/exit-codes.md)."""
+    result = fauxmad(fleet, "releases", "-a", app, "--json")
+    assert result.returncode == 4 and f"no app '{app}'" in result.stderr, result.stderr
+
+
 def statuses(fleet: DevFleet, app: str) -> dict[int, tuple[str, str]]:
     found = releases(fleet, app)["releases"]
     assert isinstance(found, list)
@@ -222,7 +228,7 @@ def test_a_region_without_workers_or_room_fails_before_anything_is_touched(fleet
     assert any("mad" in line and "room for" in line and "40" in line for line in lines), lines
     assert_no_log_lines(result.stderr)
     assert machines(fleet, "nowhere") == []
-    assert releases(fleet, "nowhere") == {"app": "nowhere", "current": None, "releases": []}
+    assert_unknown(fleet, "nowhere")  # no release, no record: the fleet does not know the app
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -279,7 +285,7 @@ def test_dry_run_shows_the_plan_and_touches_nothing(fleet: DevFleet, tmp_path: P
     )
     assert all(a["machine_id"] is None and a["from_release"] is None for a in plan["actions"])
     assert machines(fleet, "preview") == []
-    assert releases(fleet, "preview")["releases"] == []
+    assert_unknown(fleet, "preview")
 
 
 def test_dry_run_of_an_update_and_unlabelled_machines_in_json(fleet: DevFleet, tmp_path: Path) -> None:

@@ -133,9 +133,9 @@ def test_a_region_with_no_workers_says_the_same_for_a_machine_and_a_job(
     app = unique("noregion")
     machine = fauxmad(fleet, "machine", "run", "-a", app, "-r", "lhr", "--", "sleep", "1")
     job = fauxmad(fleet, "job", "submit", "-a", app, "-r", "lhr", "--", "true")
-    expected = "fauxmad: no capacity in lhr: no live workers in that region\n"
-    assert (machine.returncode, machine.stderr) == (1, expected)
-    assert (job.returncode, job.stderr) == (1, expected)
+    expected = "fauxmad: no region 'lhr': the regions are hba, hbb\n"  # docs/reference/exit-codes.md
+    assert (machine.returncode, machine.stderr) == (4, expected)
+    assert (job.returncode, job.stderr) == (4, expected)
 
 
 def test_job_wait_of_an_unknown_id_exits_4_at_once(fleet: DevFleet, unique: Callable[[str], str]) -> None:

@@ -277,7 +277,8 @@ def test_logs_history_verbatim_with_filters(fleet: DevFleet, capfd: pytest.Captu
     assert lines("--machine", syd) == ["from-syd"]
     assert lines("--region", "syd") == ["from-syd"]
     assert len(lines("--region", "mad")) == 5 and "from-syd" not in lines("--region", "mad")
-    assert lines("--region", "gru") == []
+    code, out, err = in_process(fleet, capfd, "logs", "-a", app, "--region", "gru")  # no worker there: unknown
+    assert (code, out) == (4, "") and "no region 'gru': the regions are mad, syd" in err
     assert len(lines("--since", "1h")) == 6
     assert lines("-n", "1") == [found[-1]["line"]]
     assert lines("--machine", mad, "-n", "2") == [line["line"] for line in found if line["machine_id"] == mad][-2:]

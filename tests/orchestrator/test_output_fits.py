@@ -70,6 +70,11 @@ def piped(url: str | None, *args: str, columns: int | None = None, **extra: str)
 
 def in_terminal(url: str, *args: str, columns: int) -> str:
     """The command's stdout as a person sees it in a terminal `columns` wide (a pty: rich asks its size)."""
+    return ANSI.sub("", raw_terminal(url, *args, columns=columns)).replace("\r\n", "\n")
+
+
+def raw_terminal(url: str, *args: str, columns: int) -> str:
+    """What the command wrote to a terminal `columns` wide, escape sequences and all; it must exit 0."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
     proc = subprocess.Popen(
@@ -94,7 +99,7 @@ def in_terminal(url: str, *args: str, columns: int) -> str:
     assert proc.wait(120) == 0, proc.stderr.read().decode() if proc.stderr else ""
     if proc.stderr:
         proc.stderr.close()
-    return ANSI.sub("", b"".join(chunks).decode()).replace("\r\n", "\n")
+    return b"".join(chunks).decode()
 
 
 def whole(value: str, text: str) -> bool:

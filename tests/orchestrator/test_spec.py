@@ -69,6 +69,9 @@ def test_a_spec_without_a_file_keeps_the_machines_own_directory() -> None:
         ('app = "a.b"\ncmd = ["a"]\n[regions]\nmad = 1\n', "`app`"),
         ('app = "x"\ncmd = ["a"]\n[regions]\nmad = -1\n', "`regions.mad`"),
         ('app = "x"\ncmd = ["a"]\n[regions]\nmad = 1\n[placement]\npreset = "packed"\n', "`placement.preset`"),
+        # a key of a table written at the top: the table it belongs under (issue 41)
+        ('app = "x"\ncmd = ["a"]\ncpus = 2\n[regions]\nmad = 1\n', "unknown key `cpus` (it belongs under [guest])"),
+        ('app = "x"\ncmd = ["a"]\nstrategy = "canary"\n[regions]\nmad = 1\n', "(it belongs under [deploy])"),
     ],
 )
 def test_bad_specs_name_the_problem(text: str, needle: str) -> None:

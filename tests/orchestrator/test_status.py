@@ -135,10 +135,10 @@ def test_status_tables_unknown_app_and_unreachable_bus(fleet: DevFleet, tmp_path
     for needle in ("regions", "workers", "machines", "mad-w1", "syd-w2", "ready", machine_id, "tables", "started"):
         assert needle in result.stdout, needle
 
+    # an app the fleet never knew: exit 4, one line (docs/reference/exit-codes.md, "Unknown names")
     unknown = fauxmad("status", "--app", "never-ran-here", "--json", "--view", view, url=fleet.url)
-    assert unknown.returncode == 0
-    assert json.loads(unknown.stdout)["machines"] == [] and json.loads(unknown.stdout)["workers"] == []
-    assert "no app 'never-ran-here'" in unknown.stderr
+    assert unknown.returncode == 4 and unknown.stdout == ""
+    assert unknown.stderr.startswith("fauxmad: no app 'never-ran-here'") and unknown.stderr.count("\n") == 1
     assert fauxmad("status", "--app", "bad.app", url=fleet.url).returncode == 2
 
     for args in (["status"], ["status", "--watch"], ["events"]):
@@ -187,8 +187,8 @@ def test_events_filters_json_since_and_follow(fleet: DevFleet) -> None:
     )
     future = fauxmad("events", "--app", "evts", "--since", "2999-01-01T00:00:00Z", url=fleet.url)
     assert future.returncode == 0 and future.stdout == "" and "no events for app evts since" in future.stderr
-    nothing = fauxmad("events", "--app", "no-such-app", url=fleet.url)
-    assert nothing.returncode == 0 and nothing.stdout == "" and "no events for app no-such-app" in nothing.stderr
+    nothing = fauxmad("events", "--app", "no-such-app", url=fleet.url)  # an app the fleet never knew: exit 4
+    assert nothing.returncode == 4 and nothing.stdout == "" and "no app 'no-such-app'" in nothing.stderr
     bad = fauxmad("events", "--since", "a while", url=fleet.url)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "invalid --since" in bad.stderr
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from bus.local.embedded import EmbeddedNats
+from orchestrator.cli.app import NATS_HINT
 
 pytestmark = pytest.mark.fleet
 
@@ -252,7 +253,7 @@ def test_no_server_at_start_is_one_line_and_exit_3(scratch: Path) -> None:
     for command, (code, seconds, err) in done.items():
         lines = err.strip().splitlines()
         assert code == 3, (command, code, err)
-        assert lines == [f"fauxmad: cannot reach NATS at {url}: connection refused"], (command, err)
+        assert lines == [f"fauxmad: cannot reach NATS at {url}: connection refused{NATS_HINT}"], (command, err)
         assert seconds < PATIENCE, command
 
 
