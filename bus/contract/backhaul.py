@@ -20,6 +20,10 @@ OK = b"ok\n"
 ERROR = "error"
 MAX_LINE = 256  # bytes of a preamble or an answer, newline included
 _MACHINE_ID = re.compile(r"[0-9a-f]{14}")  # `base.MachineId`
+# On a secure fleet, the roles whose certificates may open a machine's connection through a worker's backhaul:
+# the edge's own, and the operator's (which may do anything). A deployer's certificate comes from the same CA, but
+# the backhaul would take it to any app's machines; the role is in the certificate (its organizational unit).
+BACKHAUL_ROLES = frozenset({"proxy", "operator"})
 
 
 class PreambleError(ValueError):

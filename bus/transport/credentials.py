@@ -60,11 +60,20 @@ class Credentials(msgspec.Struct, frozen=True, kw_only=True):
 
 def peer_name(peercert: Any) -> str:
     """The common name of a verified peer certificate (`SSLObject.getpeercert()`), or ''."""
+    return _subject(peercert, "commonName")
+
+
+def peer_role(peercert: Any) -> str:
+    """The role a verified peer certificate was issued for (its organizational unit), or '' (none written)."""
+    return _subject(peercert, "organizationalUnitName")
+
+
+def _subject(peercert: Any, attribute: str) -> str:
     if not isinstance(peercert, dict):
         return ""
     for rdn in peercert.get("subject", ()):
         for key, value in rdn:
-            if key == "commonName":
+            if key == attribute:
                 return str(value)
     return ""
 

@@ -148,7 +148,9 @@ class FleetDir:
         pki = _pki()
         ca = pki.load_ca(self.root / "ca.pem", self.root / "ca-key.pem")
         worker = identity.role == "worker"
-        cert, key = pki.issue(ca, identity.name, server_names=addresses if worker else (), server=worker)
+        cert, key = pki.issue(
+            ca, identity.name, server_names=addresses if worker else (), server=worker, role=identity.role
+        )
         creds_dir = self.root / "creds"
         pki.write_cert(creds_dir / f"{identity.name}.pem", cert)
         pki.write_key(creds_dir / f"{identity.name}-key.pem", key)
@@ -236,9 +238,9 @@ class FleetDir:
             creds_dir = self.root / "creds"
             if roles.get(name) == "worker":  # the backhaul's server too, naming the addresses it named
                 names = pki.server_names(creds_dir / f"{name}.pem") if (creds_dir / f"{name}.pem").exists() else []
-                cert, key = pki.issue(ca, name, server_names=names, server=True)
+                cert, key = pki.issue(ca, name, server_names=names, server=True, role="worker")
             else:
-                cert, key = pki.issue(ca, name)
+                cert, key = pki.issue(ca, name, role=roles[name])
             pki.write_key(creds_dir / f"{name}-key.pem.new", key)
             pki.write_cert(creds_dir / f"{name}.pem.new", cert)
             os.replace(creds_dir / f"{name}-key.pem.new", creds_dir / f"{name}-key.pem")

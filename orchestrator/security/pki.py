@@ -22,10 +22,13 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 DEFAULT_DAYS = 365
 
 
-def _name(common_name: str) -> x509.Name:
-    return x509.Name(
-        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fauxmad"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
-    )
+def _name(common_name: str, role: str | None = None) -> x509.Name:
+    """`O=fauxmad, CN=<identity>`, with `OU=<role>` for an identity's certificate (what the backhaul checks)."""
+    attributes = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fauxmad")]
+    if role:
+        attributes.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
+    attributes.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
+    return x509.Name(attributes)
 
 
 def _now() -> datetime.datetime:
@@ -93,10 +96,12 @@ def issue(
     server_names: Iterable[str] = (),
     client: bool = True,
     server: bool = False,
+    role: str | None = None,
     days: int = DEFAULT_DAYS,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A certificate signed by `ca`: a server's (with `server_names` as SANs) or a client's; `server` with
-    `client`: both (a worker: a client of NATS, and the server of its backhaul, naming its host's addresses)."""
+    `client`: both (a worker: a client of NATS, and the server of its backhaul, naming its host's addresses).
+    `role`: the identity's role, written in the subject (`OU`)."""
     ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH] if client else [ExtendedKeyUsageOID.SERVER_AUTH]
@@ -104,7 +109,7 @@ def issue(
         usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
     builder = (
         x509.CertificateBuilder()
-        .subject_name(_name(common_name))
+        .subject_name(_name(common_name, role))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())

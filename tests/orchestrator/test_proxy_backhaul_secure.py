@@ -87,3 +87,35 @@ def test_the_backhaul_refuses_a_client_without_a_fleet_certificate(fleet: DevFle
 
     assert arun(plain(worker)) == b""  # a TLS server reads no preamble in clear: no answer, the connection ends
     assert arun(tls_without_certificate(worker, fleet.security.root / "ca.pem")) == b""
+
+
+def test_only_the_edges_and_the_operators_certificates_open_a_machine(
+    fleet: DevFleet, unique: Callable[[str], str]
+) -> None:
+    """Every identity's certificate comes from the fleet's CA, so the CA alone would let a deployer of one app reach
+    any app's machines through a backhaul. The worker reads the role its certificate names: proxy and operator
+    may; a deployer (even of the machine's own app) and a broker are refused in one line naming the role."""
+    assert fleet.security is not None
+    name = unique("roles")
+    (machine,) = make_app(fleet, name, [("bhs", "bhs-w1")])
+    assert machine.port is not None
+    (worker,) = workers(fleet, "bhs")
+    fleet.security.add_user(f"dep-{name}", "deployer", app=name)
+    root = fleet.security.root
+
+    async def answer(identity: str) -> bytes:
+        context = ssl.create_default_context(cafile=str(root / "ca.pem"))
+        context.check_hostname = False
+        context.load_cert_chain(str(root / "creds" / f"{identity}.pem"), str(root / "creds" / f"{identity}-key.pem"))
+        reader, writer = await asyncio.open_connection(worker.address, worker.backhaul, ssl=context)
+        try:
+            writer.write(request_line(machine.id, machine.port or 0))
+            return await asyncio.wait_for(reader.readline(), 10)
+        finally:
+            writer.close()
+
+    assert arun(answer("proxy-1")) == b"ok\n"
+    assert arun(answer("operator")) == b"ok\n"
+    refused = arun(answer(f"dep-{name}"))
+    assert refused.startswith(b"error ") and b"role deployer" in refused, refused
+    assert arun(answer("broker-1")).startswith(b"error "), "a broker has no business with machines' bytes"

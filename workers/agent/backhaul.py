@@ -12,7 +12,8 @@ Then the worker connects to the machine's port on loopback and answers `ok` only
 connection: a machine that refuses is an error line the edge reads as a refused connection, so the edge's
 handling of a dead machine (failover, the late binder) is the same across hosts. After `ok` the bytes are
 spliced both ways. On a secure fleet the listener is mutual TLS with the fleet's CA (the worker's
-credentials): an edge without a certificate from that CA never reaches the preamble.
+credentials): an edge without a certificate from that CA never reaches the preamble, and one whose certificate
+names a role outside `BACKHAUL_ROLES` (a deployer's) is refused in one line.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import logging
 import ssl
 from collections.abc import Callable
 
-from bus.contract.backhaul import MAX_LINE, OK, PreambleError, error_line, parse_request
+from bus.contract.backhaul import BACKHAUL_ROLES, MAX_LINE, OK, PreambleError, error_line, parse_request
 from bus.contract.machines import Machine
+from bus.transport.credentials import peer_name, peer_role
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,10 @@ class Backhaul:
             writer.write(OK)
             await asyncio.wait_for(writer.drain(), PREAMBLE_TIMEOUT)
             return None
+        refusal = self._refusal_of_peer(writer)
+        if refusal:
+            await _refuse(writer, refusal)
+            return None
         machine_id, port = asked
         machine = self.machine(machine_id)
         if machine is None or machine.state == "destroyed":
@@ -115,6 +121,20 @@ class Backhaul:
             return None
         writer.write(OK)
         return upstream
+
+    def _refusal_of_peer(self, writer: asyncio.StreamWriter) -> str:
+        """Why the peer may not open a machine's connection ('' when it may): on a secure fleet, a certificate
+        of a role in `BACKHAUL_ROLES` (the CA's other certificates, a deployer's among them, are refused)."""
+        if self.tls is None:
+            return ""
+        peercert = writer.get_extra_info("peercert")
+        role = peer_role(peercert)
+        if role in BACKHAUL_ROLES:
+            return ""
+        name = peer_name(peercert) or "?"
+        if not role:
+            return f"the certificate of {name} names no role: renew it with `fauxmad fleet rotate {name}`"
+        return f"{name} has role {role}: only the proxy and operator roles may use the backhaul"
 
 
 async def _refuse(writer: asyncio.StreamWriter, why: str) -> None:
