@@ -134,7 +134,9 @@ exec sleep 100000
 
     def read(self, paths: list[str]) -> bytes:
         """A tar of `paths` under the fleet directory (what scp would carry)."""
-        return subprocess.run([*self.enter("/"), "tar", "-C", FLEET, "-cf", "-", *paths], capture_output=True, check=True).stdout
+        return subprocess.run(
+            [*self.enter("/"), "tar", "-C", FLEET, "-cf", "-", *paths], capture_output=True, check=True
+        ).stdout
 
     def write(self, archive: bytes) -> None:
         unpack = f"mkdir -p {FLEET} && tar -C {FLEET} -xpf -"
