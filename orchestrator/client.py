@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 from typing import Any
 
 import msgspec
@@ -53,7 +54,7 @@ from bus.contract.volumes import (
     VolumeSnapshot,
 )
 from bus.transport.connection import connect
-from bus.transport.service import call, request
+from bus.transport.service import NoResponders, call, request
 from orchestrator.logs import Emit, LogQuery, has_lines, read_logs
 from orchestrator.view.history import EmitEvent, EventQuery, read_events
 
@@ -130,6 +131,13 @@ class FleetClient:
         return subjects.api_edge(app, verb) if self.edge else subjects.api_machines(app, verb)
 
     async def create(self, app: str, req: CreateRequest) -> Machine:
+        """Sent to the brokers of the machine's region (`api.apps.<app>.machines.create.<region>`), so in a
+        supercluster the auction runs inside that region and a create from another region crosses the WAN once;
+        when no broker listens there (older brokers, a region cut off), the fleet's subject, as before."""
+        if not self.edge and subjects.TOKEN.fullmatch(req.region):
+            with contextlib.suppress(NoResponders):
+                subject = subjects.api_machines_create_in(app, req.region)
+                return await call(self.nc, subject, req, Machine, timeout=self.timeout + 20)
         return await call(self.nc, self._verb(app, "create"), req, Machine, timeout=self.timeout + 20)
 
     async def run(self, app: str, region: str, config: MachineConfig, **options: Any) -> Machine:

@@ -548,9 +548,12 @@ class DevFleet:
                 inbox = nc.new_inbox()
                 sub = await nc.subscribe(inbox)
                 await nc.publish(f"$SRV.PING.{subjects.BROKER_SERVICE}", b"", reply=inbox)
+                # every pong expected, or a wait long enough for one from a region a WAN away (a gap of 0.2 s
+                # between pongs missed every other region's at 150 ms one way: the fleet never came up)
+                until = time.monotonic() + 0.5 + 4 * self.spec.wan_delay
                 with contextlib.suppress(Exception):
-                    while True:
-                        await sub.next_msg(timeout=0.2)
+                    while pings < self.expected_brokers and (left := until - time.monotonic()) > 0:
+                        await sub.next_msg(timeout=left)
                         pings += 1
                 return workers, pings
             except Exception:

@@ -21,6 +21,7 @@ from bus.contract.base import Ack, ErrorBody
 from bus.contract.edge import ProxyActivity, ProxyUnreachable
 from bus.contract.fleet import (
     CordonRequest,
+    CreateRequest,
     InfoRequest,
     RegionsListRequest,
     RegionSummary,
@@ -98,6 +99,18 @@ def channels() -> list[Channel]:
         )
         for verb, kind in EDGE_REQUESTS.items()
     ]
+    out.append(
+        Channel(
+            "api_machines_create_in_region",
+            f"{P}.api.apps.{{app}}.machines.create.{{region}}",
+            "A create answered by the brokers of the request's region (queue group `brokers`): in a supercluster "
+            "the auction runs inside that region and only the request and its reply cross the WAN. The payload's "
+            "`region` must be the subject's (else 400).",
+            CreateRequest,
+            Machine,
+            ("app", "region"),
+        )
+    )
     out += [
         Channel("offers", f"{P}.offers.{{region}}", "An auction's call for offers (scatter).", OfferRequest,
                 Offer | Decline, ("region",)),

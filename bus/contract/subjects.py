@@ -38,7 +38,7 @@ API_VERBS = tuple(API_REQUESTS)
 WORKER_VOLUME_VERBS = tuple(WORKER_VOLUME_REQUESTS)
 API_VOLUME_VERBS = tuple(API_VOLUME_REQUESTS)
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # one subject token a user may name
 
 
 def check_token(kind: str, value: str) -> str:
@@ -47,7 +47,7 @@ def check_token(kind: str, value: str) -> str:
     The one check of user-given names (apps, regions, machine and worker ids), wherever they enter:
     the CLI's options, the broker's subjects, the worker's config. The message shows the value clipped.
     """
-    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
+    if not isinstance(value, str) or not TOKEN.fullmatch(value):
         raise BadRequest(f"invalid {kind} {clip(repr(value))}: use 1-64 letters, digits, '-' or '_'")
     return value
 
@@ -103,6 +103,17 @@ def api_machines(app: str, verb: str) -> str:
 
 
 API_MACHINES_WILDCARD = f"{PREFIX}.api.apps.*.machines.*"
+
+
+def api_machines_create_in(app: str, region: str) -> str:
+    """`fauxmad.v1.api.apps.<app>.machines.create.<region>` (an addition): a create answered by `<region>`'s
+    brokers, so in a supercluster the auction runs inside the region and only the request and reply cross."""
+    return f"{api_machines(app, 'create')}.{check_token('region', region)}"
+
+
+def api_machines_create_in_wildcard(region: str | None) -> str:
+    """What a broker of `region` answers (every region's, `*`, for a broker of no region: one server)."""
+    return f"{PREFIX}.api.apps.*.machines.create.{check_token('region', region) if region else '*'}"
 
 
 def api_edge(app: str, verb: str) -> str:

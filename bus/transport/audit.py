@@ -143,7 +143,10 @@ API_SUBJECTS = f"{subjects.PREFIX}.api."
 
 def mutating(subject: str) -> bool:
     """Whether a request is an API request that changes something (and so is signed and recorded)."""
-    return subject.startswith(API_SUBJECTS) and subject.rpartition(".")[2] not in READ_VERBS
+    # a region's own create (`...machines.create.<region>`) ends in its region, which may be named like a read verb
+    return subject.startswith(API_SUBJECTS) and (
+        subject.rpartition(".")[2] not in READ_VERBS or subject.rpartition(".")[0].endswith(".machines.create")
+    )
 
 
 class AuditTrail:

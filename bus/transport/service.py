@@ -221,6 +221,11 @@ def raise_for_reply(msg: Msg) -> None:
     raise error_for_code(number, message or f"error {code}")
 
 
+class NoResponders(Unreachable):
+    """Nobody listens on the subject at all (the server said so at once): the request was not delivered, so a
+    caller may send it elsewhere (a region's own subject falling back to the fleet's)."""
+
+
 async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) -> Msg:
     """Send a request; raise `FauxmadError` for an error reply, `Unreachable` if nobody answers."""
     data = payload if isinstance(payload, bytes) else encode(payload)
@@ -230,7 +235,7 @@ async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) 
         # on a secure connection, a publish the server refuses is `Forbidden` at once (`SecureClient`)
         msg = await nc.request(subject, data, timeout=timeout, headers=headers)
     except NoRespondersError:
-        raise Unreachable(f"nobody answers on {subject}") from None
+        raise NoResponders(f"nobody answers on {subject}") from None
     except NatsTimeout as exc:
         if lost(exc):  # its server went away (`bus.transport.in_flight`): known at once, not at the timeout
             raise Unanswered(f"no answer on {subject}: {BROKE}") from None

@@ -51,6 +51,7 @@ class PlacementOptions(msgspec.Struct, frozen=True, kw_only=True):
     nats: str | None = None  # measure that fleet instead of starting one
     echo_count: int = 500
     supercluster: int = 0  # servers per region of a loopback supercluster; 0: one nats-server
+    wan_delay: float = 0.0  # the supercluster's gateway links: seconds one way (`bus.local.gateway_relay`)
 
     @property
     def region_names(self) -> list[str]:
@@ -66,6 +67,7 @@ class CreateRun(msgspec.Struct, kw_only=True):
     wall_s: float
     first_error: str | None = None
     first_refusal: str | None = None
+    by_region: dict[str, list[float]] = {}  # the successful creates' latencies of each region
 
 
 class PlacementResult(msgspec.Struct, kw_only=True):
@@ -84,6 +86,8 @@ class PlacementResult(msgspec.Struct, kw_only=True):
     host: dict[str, object]
     first_error: str | None = None
     first_refusal: str | None = None
+    wan_delay_ms: float = 0.0  # one way, between the supercluster's regions
+    per_region: dict[str, Latency] = {}  # with several regions: each one's creates (through its own servers)
 
 
 def fleet_spec(options: PlacementOptions) -> FleetSpec:
@@ -100,6 +104,7 @@ def fleet_spec(options: PlacementOptions) -> FleetSpec:
         strategy=options.strategy,
         heartbeat=1.0 if workers <= 100 else 2.0,
         supercluster=options.supercluster,
+        wan_delay=options.wan_delay if options.supercluster else 0.0,
     )
 
 
@@ -168,7 +173,7 @@ async def measure_creates(
         for region in dict.fromkeys(regions)
     }
     config = machine_config(start)
-    run = CreateRun(samples=[], refused=0, errors=0, wall_s=0.0)
+    run = CreateRun(samples=[], refused=0, errors=0, wall_s=0.0, by_region={region: [] for region in clients})
     todo = iter(range(count))
 
     async def creator(index: int) -> None:
@@ -183,7 +188,8 @@ async def measure_creates(
             began = time.perf_counter()
             try:
                 await client.create(APP, request)
-                run.samples.append(time.perf_counter() - began)
+                run.samples.append(took := time.perf_counter() - began)
+                run.by_region[request.region].append(took)
             except NoCapacity as exc:
                 run.refused += 1
                 run.first_refusal = run.first_refusal or exc.message
@@ -244,13 +250,16 @@ def run_placement(options: PlacementOptions, progress: Callable[[str], None] = l
         host=host_info(),
         first_error=run.first_error,
         first_refusal=run.first_refusal,
+        wan_delay_ms=options.wan_delay * 1000 if options.supercluster else 0.0,
+        per_region={r: summarize(samples) for r, samples in run.by_region.items()} if len(regions) > 1 else {},
     )
 
 
 def report(result: PlacementResult) -> Report:
     what = "create+start" if result.start else "create (reserve)"
+    wan = f", {result.wan_delay_ms:g} ms one way between regions" if result.wan_delay_ms else ""
     title = (
-        f"placement on {result.layout}: {result.strategy}, {result.workers_per_region} workers x {result.regions}"
+        f"placement on {result.layout}{wan}: {result.strategy}, {result.workers_per_region} workers x {result.regions}"
         f" region(s), concurrency {result.concurrency}"
     )
     notes = [
@@ -262,7 +271,8 @@ def report(result: PlacementResult) -> Report:
         notes.append(f"first error: {result.first_error}")
     if result.first_refusal:
         notes.append(f"first refusal: {result.first_refusal}")
-    table = latency_table(title, [(what, result.create), ("bus round trip (echo, other process)", result.bus_rtt)])
+    rows = [(what, result.create), *((f"{what} in {r}", latency) for r, latency in result.per_region.items())]
+    table = latency_table(title, [*rows, ("bus round trip (echo, other process)", result.bus_rtt)])
     return Report(tables=(table,), notes=tuple(notes))
 
 

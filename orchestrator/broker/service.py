@@ -23,7 +23,7 @@ from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
 from bus.contract import subjects
-from bus.contract.codec import decode, encode
+from bus.contract.codec import clip, decode, encode
 from bus.contract.errors import BadRequest, Conflict, FauxmadError, Forbidden, NoCapacity, NotFound, Unreachable
 from bus.contract.fleet import (
     CreateRequest,
@@ -128,6 +128,7 @@ class Broker:
         self.responder = Responder(self.nc, self.id, audit=audit)
         # the checked push (deployers'): an upload's end is audited too
         self.images = ImageGate(self.nc, await Images.open(js), self.id, audit, kv.apps)
+        config = self.config
         self._endpoints: tuple[tuple[str, str, Handler, list[str]], ...] = (
             (
                 "machines",
@@ -140,6 +141,12 @@ class Broker:
                 subjects.API_VOLUMES_WILDCARD,
                 self.volumes.handle,
                 [f"api_volumes_{v}" for v in API_VOLUME_REQUESTS],
+            ),
+            (
+                "machines_create_in_region",
+                subjects.api_machines_create_in_wildcard(config.region if kv.layout.supercluster else None),
+                self._on_create_in_region,
+                ["api_machines_create_in_region"],
             ),
             ("regions", subjects.API_REGIONS_LIST, self._on_regions, ["regions_list"]),
             ("workers", subjects.API_WORKERS_LIST, self._on_workers, ["workers_list"]),
@@ -202,6 +209,18 @@ class Broker:
         assert self.nc is not None
         reply = await request(self.nc, subjects.worker_machines(entry.worker_id, verb), data, timeout=timeout)
         return reply.data
+
+    async def _on_create_in_region(self, subject: str, data: bytes) -> Any:
+        """`api.apps.<app>.machines.create.<region>`: a create sent to the brokers of its region. In a supercluster a
+        broker of region R subscribes only to R's, so NATS carries the request across the gateway once and the
+        auction (offers, reserve, start) runs inside R: a create from another region pays one WAN round trip, not
+        the several of an auction run from the caller's region. A broker of no region answers every region's."""
+        app = subjects.check_token("app", subjects.parse_api_app(subject))
+        region = subjects.parse_verb(subject)
+        req = decode(CreateRequest, data)
+        if req.region != region:
+            raise BadRequest(f"region {clip(repr(req.region))} is not the subject's region {region!r}")
+        return await self.create(app, req)
 
     async def _on_edge(self, subject: str, data: bytes) -> Any:
         """An edge proxy's verb (`api.apps.<app>.edge.<verb>`): the machines verb of that name, for an app whose

@@ -98,6 +98,14 @@ def placement(
         help="N > 0: measure on one server, then on a loopback supercluster of N servers per region (each region's"
         " creates through its own servers), in the same run",
     ),
+    wan_delay: float = typer.Option(
+        0.0,
+        "--wan-delay",
+        min=0.0,
+        max=5.0,
+        help="with --supercluster: seconds one way added on every gateway link between regions (a WAN: the relay of"
+        " bus/local/gateway_relay.py); each region's creates are also shown on their own",
+    ),
     floor: bool = typer.Option(
         False,
         "--floor",
@@ -150,7 +158,10 @@ def placement(
         nats=nats,
         echo_count=echo_count,
         supercluster=supercluster,
+        wan_delay=wan_delay,
     )
+    if wan_delay and not supercluster:
+        fail("--wan-delay is the delay between a supercluster's regions: give --supercluster too", EXIT_USAGE)
     if against is not None:
         from lab.bench import against as versus
 

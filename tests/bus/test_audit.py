@@ -68,5 +68,9 @@ def test_reads_are_not_recorded() -> None:
     for verb in ("create", "destroy", "start", "stop", "update", "exec", "suspend", "resume", "lease", "release"):
         assert mutating(f"fauxmad.v1.api.apps.web.machines.{verb}")
     assert mutating("fauxmad.v1.api.apps.web.jobs.submit.mad") and mutating("fauxmad.v1.api.apps.web.jobs.cancel")
+    # a region's own create is signed and recorded, even in a region named like a read verb
+    assert mutating("fauxmad.v1.api.apps.web.machines.create.mad") and mutating(
+        "fauxmad.v1.api.apps.web.machines.create.get"
+    )
     assert not mutating("fauxmad.v1.api.apps.web.jobs.status")
     assert not mutating("fauxmad.v1.worker.mad-w1.machines.start")  # the fleet's own traffic, not the API

@@ -24,9 +24,15 @@ def test_subjects_are_built_in_one_place_and_reject_wildcards() -> None:
     assert subjects.worker_machines("w1", "reserve") == "fauxmad.v1.worker.w1.machines.reserve"
     assert subjects.api_machines("app", "create") == "fauxmad.v1.api.apps.app.machines.create"
     assert subjects.events("mad", "w1", "app", "m") == "fauxmad.v1.events.mad.w1.app.m"
+    assert subjects.api_machines_create_in("app", "mad") == "fauxmad.v1.api.apps.app.machines.create.mad"
+    assert subjects.matches(subjects.api_machines_create_in_wildcard(None), "fauxmad.v1.api.apps.a.machines.create.x")
+    # a region's own create is not one of the fleet's machines verbs (no broker answers it twice)
+    assert not subjects.matches(subjects.API_MACHINES_WILDCARD, subjects.api_machines_create_in("app", "mad"))
     for bad in ("a.b", "*", ">", "", "x" * 65, "sp ace"):
         with pytest.raises(BadRequest):
             subjects.offers(bad)
+        with pytest.raises(BadRequest):
+            subjects.api_machines_create_in("app", bad)
 
 
 def test_strict_requests_name_the_bad_field() -> None:

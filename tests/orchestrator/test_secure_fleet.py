@@ -372,7 +372,7 @@ def test_every_mutating_nats_request_is_audited_with_the_identity_that_signed_it
             await nc.close()
 
     nats_records = [r for r in asyncio.run(records()) if r.method == "NATS"]
-    by_path = {(r.path.rsplit(".", 1)[1], r.identity, r.status) for r in nats_records}
+    by_path = {(r.path.split(".")[6], r.identity, r.status) for r in nats_records}  # the verb (a region may follow)
     assert ("create", f"nkey:{web_key}", 200) in by_path
     assert ("destroy", f"nkey:{web_key}", 200) in by_path
     assert [r.status for r in nats_records if r.identity == "refused"] == [403, 403, 403]
