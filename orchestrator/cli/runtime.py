@@ -43,7 +43,7 @@ NATS_HELP = (
     "`fauxmad fleet use`)"
 )
 
-# Exit codes (README "Exit codes"): applied at one edge, `orchestrator.cli.app.main`.
+# Exit codes (docs/reference/exit-codes.md): applied at one edge, `orchestrator.cli.app.main`.
 EXIT_OK = 0
 EXIT_FAILED = 1  # the operation failed (no capacity, a timeout, a machine that did not stay up, ...)
 EXIT_USAGE = 2  # usage or invalid input, a 400 from the fleet included

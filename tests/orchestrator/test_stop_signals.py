@@ -1,4 +1,4 @@
-"""Every long-running command stops when told, in every state (README "Stopping").
+"""Every long-running command stops when told, in every state (docs/reference/exit-codes.md#stopping).
 
 `worker`, `broker`, `api`, `proxy`, `reconcile --watch` and `status --watch`, each a real process, each told
 SIGTERM or SIGINT while connecting (a server that accepts the connection and never says INFO), while serving, and
