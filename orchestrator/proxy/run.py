@@ -33,7 +33,7 @@ from orchestrator.proxy.metrics import ProxyMetrics, serve_admin
 from orchestrator.proxy.routes import RouteTable
 from orchestrator.proxy.server import Proxy
 from orchestrator.proxy.upstream import Pool
-from orchestrator.proxy.wake import Waker
+from orchestrator.proxy.wake import Waker, Woken
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ async def run_proxy(
             routes,
             pool,
             ready_timeout=config.ready_timeout,
-            on_woken=lambda app, kind: metrics.woken.labels(app, kind).inc(),
+            on_woken=lambda woken: _woken(metrics, woken),
         )
 
         sending: set[asyncio.Future[None]] = set()
@@ -110,7 +110,7 @@ async def run_proxy(
             region=config.region,
             latency=config.latency,
             clock=time.monotonic,
-            on_stopped=lambda app: metrics.stopped.labels(app).inc(),
+            on_stopped=lambda app, machine_id, why: _stopped(metrics, app, machine_id, why),
             share=share,
         )
         await nc.subscribe(subjects.PROXY_ACTIVITY_ALL, cb=on_activity)
@@ -137,6 +137,26 @@ async def run_proxy(
         await routes.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.close(), 2.0)
+
+
+# One line on stdout per machine the proxy woke or stopped (beside the listening line): an operator sees why a
+# machine started or stopped without turning on logging. App names and machine ids are tokens (the contract's
+# patterns), so nothing here is text a client chose.
+PAST = {"start": "started", "resume": "resumed", "create": "created"}
+
+
+def _woken(metrics: ProxyMetrics, woken: Woken) -> None:
+    metrics.woken.labels(woken.app, woken.kind).inc()
+    print(
+        f"fauxmad proxy: autostart: {PAST.get(woken.kind, woken.kind)} machine {woken.machine_id} of app {woken.app}"
+        f" in {woken.region}: {woken.why}",
+        flush=True,
+    )
+
+
+def _stopped(metrics: ProxyMetrics, app: str, machine_id: str, why: str) -> None:
+    metrics.stopped.labels(app).inc()
+    print(f"fauxmad proxy: autostop: machine {machine_id} of app {app} {why}", flush=True)
 
 
 def _own_addresses(nats_url: str) -> set[str]:
