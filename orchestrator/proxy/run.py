@@ -13,6 +13,7 @@ import logging
 import secrets
 import ssl
 import time
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -128,15 +129,14 @@ async def run_proxy(
             idle_task.cancel()
             server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(proxy.deadlines.close(), 1.0)
+                await asyncio.wait_for(proxy.deadlines.close(), 0.2)
             if admin_server is not None:
                 admin_server.close()
     finally:
         dialer.close()
         pool.close()
-        await routes.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.close(), 2.0)
+        with contextlib.suppress(Exception):  # a TimeoutError too: what is not done by then is left undone
+            await asyncio.wait_for(_close(routes, nc), STOP_BUDGET)
 
 
 # One line on stdout per machine the proxy woke or stopped (beside the listening line): an operator sees why a
@@ -157,6 +157,17 @@ def _woken(metrics: ProxyMetrics, woken: Woken) -> None:
 def _stopped(metrics: ProxyMetrics, app: str, machine_id: str, why: str) -> None:
     metrics.stopped.labels(app).inc()
     print(f"fauxmad proxy: autostop: machine {machine_id} of app {app} {why}", flush=True)
+
+
+# The stop (SIGTERM): the CLI ends the proxy 1 s after the signal whatever it is doing (`STATELESS_GRACE`, for
+# the 2 s promised); the route table's watches and NATS's close get this much of it (the connections in flight
+# are cut: the proxy keeps nothing, and a client retries elsewhere).
+STOP_BUDGET = 0.5
+
+
+async def _close(routes: RouteTable, nc: Any) -> None:
+    await routes.close()
+    await nc.close()
 
 
 def _own_addresses(nats_url: str) -> set[str]:
