@@ -360,7 +360,11 @@ def test_idle_machines_are_suspended_and_a_request_resumes_the_same_process(
 
     seen, took, after = arun(main())
     assert seen[-1] == "suspended" and after == "started"
-    said = [line.split(": ", 2)[1:] for line in proxy.log_path.read_text().splitlines() if name in line]
+    said = [
+        line.split(": ", 2)[1:]
+        for line in proxy.log_path.read_text().splitlines()
+        if line.startswith("fauxmad proxy: auto") and f" of app {name} " in line
+    ]
     assert [what for what, _ in said] == ["autostop", "autostart"], said
     assert said[0][1].startswith(f"machine {machine_id} of app {name} suspended in pxa: no request for")
     assert said[1][1].startswith(f"resumed machine {machine_id} of app {name} in pxa: a request found")
