@@ -348,7 +348,7 @@ class FleetClient:
         return reader.result()
 
     # ------------------------------------------------------------------------------------------
-    # volumes (README "Volumes"): the brokers' `fauxmad.v1.api.apps.<app>.volumes.<verb>`
+    # volumes (docs/tutorials/images-and-volumes.md): the brokers' `fauxmad.v1.api.apps.<app>.volumes.<verb>`
 
     async def volume_create(
         self, app: str, region: str, name: str, size_gb: int = 1, *, snapshot_id: str | None = None

@@ -92,7 +92,7 @@ class FleetSpec(msgspec.Struct, frozen=True, kw_only=True):
     # the same setup a production fleet gets (orchestrator/security): mutual TLS, an identity per process;
     # $FAUXMAD_DEV_SECURE=1 makes it the default (to run the test suite against secure fleets)
     secure: bool = os.environ.get(SECURE_ENV) == "1"
-    # servers per region of a supercluster (README "Beyond one server"): 0 = one nats-server (the default);
+    # servers per region of a supercluster (docs/how-to/supercluster.md): 0 = one nats-server (the default);
     # 3 = the deployed layout (R3 inside each region); 1 = the same shape, lighter
     supercluster: int = msgspec.field(default_factory=_supercluster_default)
     operators: bool = False  # start `fauxmad reconcile --watch` (one per region in a supercluster)
@@ -660,7 +660,8 @@ class DevFleet:
             self.hosts.down()
             self.hosts = None
         if self._own_dir:
-            unmount_under(self.root)  # volumes' loop mounts (README "Volumes"): freed with their loop devices
+            # volumes' loop mounts (docs/tutorials/images-and-volumes.md): freed with their loop devices
+            unmount_under(self.root)
             shutil.rmtree(self.root, ignore_errors=True)
 
     def _stop_processes(self) -> None:

@@ -4,7 +4,7 @@
 Requests are strict (`forbid_unknown_fields`): a misspelt field is a 400 naming it rather than a
 silently ignored option. Replies are lenient, so a newer worker or broker can add fields without
 breaking older callers. Field names follow the Fly Machines API where one exists. Every addition to
-the contract in DESIGN.md is listed in the README.
+the contract in DESIGN.md is listed in docs/reference/nats-contract.md.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class WorkerInfo(Reply):
     # addition: machines per app (what an offer's app_machines says), for placement from the replica
     app_machines: dict[str, int] = {}
     sandboxes: list[str] = []  # addition: as an offer's
-    # additions (README "Volumes"): the volumes' sizes it may hold, and holds
+    # additions (docs/tutorials/images-and-volumes.md): the volumes' sizes it may hold, and holds
     volume_capacity_gb: int = 0
     volume_used_gb: int = 0
     # additions (data plane across hosts): the address other hosts reach this worker at, and the port of its
@@ -49,7 +49,7 @@ class WorkerInfo(Reply):
 Strategy = Literal["scatter", "p2c", "hedged", "replica"]
 
 
-# An app's placement policy, `[placement] preset` in fauxmad.toml (see the README for the curves).
+# An app's placement policy, `[placement] preset` in fauxmad.toml (docs/explanation/placement.md: the curves).
 Preset = Literal["balanced", "binpack", "spread"]
 
 

@@ -1,4 +1,5 @@
-"""Images on the bus (an addition; README "Images" and "Security"): the manifest, and the checked push.
+"""Images on the bus (an addition; docs/tutorials/images-and-volumes.md, docs/how-to/secure-fleet.md): the manifest,
+and the checked push.
 
 Why a push verb: nats-server's permissions name subjects, they cannot hash bytes. So an identity that may
 not be trusted with the image store (a deployer) pushes through the brokers, which check what no

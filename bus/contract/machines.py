@@ -17,7 +17,8 @@ class Guest(Request):
     cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
     memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
     cpu_kind: Literal["shared", "performance"] = "shared"
-    # addition: "bwrap" runs the machine in its own pid, mount, ipc and uts namespaces (README "Sandboxes")
+    # addition: "bwrap" runs the machine in its own pid, mount, ipc and uts namespaces
+    # (docs/tutorials/images-and-volumes.md)
     sandbox: Sandbox = "none"
 
 
@@ -50,13 +51,14 @@ class Check(Request):
 class Service(Request):
     """A port the machine serves that the edge may reach (Fly's `services[].internal_port`): an app whose
     `[http_service]` names an `internal_port` listens there, not on its `PORT`, and a worker's backhaul reaches
-    only the ports a machine's config names (README "The edge proxy")."""
+    only the ports a machine's config names (docs/tutorials/edge.md)."""
 
     internal_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
 class Mount(Request):
-    """A volume the machine mounts (README "Volumes"): it runs on the volume's worker, the volume at `path`."""
+    """A volume the machine mounts (docs/tutorials/images-and-volumes.md): it runs on the volume's worker, the volume at
+    `path`."""
 
     volume: Annotated[str, msgspec.Meta(pattern=r"^vol_[0-9a-z]{16}$")]
     path: Annotated[str, msgspec.Meta(pattern=r"^/[^\0]*$", max_length=4096)]
@@ -124,7 +126,7 @@ class MachineEvent(Reply):
     app: str = ""
     region: str = ""
     worker_id: str = ""
-    # additions (documented in the README): the config's labels where a config is (re)written
+    # additions (documented in docs/reference/nats-contract.md): the config's labels where a config is (re)written
     # (`reserve`, `update`), so the systemwide view knows a machine's release and role; and the
     # check that changed, on `check` events
     metadata: dict[str, str] | None = None
@@ -148,7 +150,7 @@ class Machine(Reply):
     created_at: str
     updated_at: str
     events: list[MachineEvent] | msgspec.UnsetType = msgspec.UNSET
-    # additions to the Fly field set (documented in the README)
+    # additions to the Fly field set (documented in docs/reference/nats-contract.md)
     port: int | None = None
     checks: dict[str, CheckStatus] = {}
     exit: ExitInfo | None = None

@@ -144,7 +144,7 @@ def channels() -> list[Channel]:
 
 
 def image_channels() -> list[Channel]:
-    """The brokers' checked image push (README "Security": who may do what with images)."""
+    """The brokers' checked image push (docs/how-to/secure-fleet.md: who may do what with images)."""
     return [
         Channel("api_images_push", f"{P}.api.apps.{{app}}.images.push",
                 "Push an image of the app (queue group `brokers`): recorded at once when the store holds its "
@@ -164,7 +164,7 @@ def _volume_reply(verb: str) -> Any:
 
 
 def volume_channels() -> list[Channel]:
-    """The volume verbs (README "Volumes"): a worker's own, and the brokers' per app."""
+    """The volume verbs (docs/tutorials/images-and-volumes.md): a worker's own, and the brokers' per app."""
     out = [
         Channel(
             f"worker_volumes_{verb}",
@@ -193,7 +193,7 @@ def volume_channels() -> list[Channel]:
 
 
 def job_channels() -> list[Channel]:
-    """Background jobs (an addition, README "Background jobs")."""
+    """Background jobs (an addition, docs/how-to/jobs.md)."""
     return [
         Channel("jobs_submit", f"{P}.api.apps.{{app}}.jobs.submit.{{region}}",
                 "Submit jobs to a region's work queue (its workers, queue group `jobs`).", j.JobSubmitRequest,

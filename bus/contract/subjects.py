@@ -24,7 +24,8 @@ IMAGES_STORE = "fauxmad_images"
 IMAGE_TAGS_BUCKET = "fauxmad_image_tags"  # image manifests and tags
 REVOKED_TOKENS_BUCKET = "fauxmad_revoked_tokens"  # ids of revoked HTTP API tokens (value: when and why)
 AUDIT_STREAM = "FAUXMAD_AUDIT"
-VOLUMES_BUCKET = "fauxmad_volumes"  # routing index: volume id -> worker, app, region, state (README "Volumes")
+# routing index: volume id -> worker, app, region, state (docs/tutorials/images-and-volumes.md)
+VOLUMES_BUCKET = "fauxmad_volumes"
 SNAPSHOTS_STORE = "fauxmad_volume_snapshots"  # volume snapshots: objects named by snapshot id
 EVENTS_STREAM = "FAUXMAD_EVENTS"
 LOGS_STREAM = "FAUXMAD_LOGS"
@@ -82,7 +83,8 @@ def worker_cordon(worker_id: str, cordon: bool) -> str:
 
 
 def worker_volumes(worker_id: str, verb: str) -> str:
-    """A worker's volume verbs (README "Volumes"): `create`, `list`, `get`, `extend`, `destroy`, `snapshot`."""
+    """A worker's volume verbs (docs/tutorials/images-and-volumes.md): `create`, `list`, `get`, `extend`, `destroy`,
+    `snapshot`."""
     return f"{worker_prefix(worker_id)}.volumes.{verb}"
 
 
@@ -118,7 +120,8 @@ def api_machines_create_in_wildcard(region: str | None) -> str:
 
 def api_edge(app: str, verb: str) -> str:
     """The edge proxy's machine verbs for an app (queue group `brokers`): the machines verbs a proxy needs, which
-    brokers answer only for an app whose release has an `[http_service]` (README "Security": the proxy role)."""
+    brokers answer only for an app whose release has an `[http_service]` (docs/how-to/secure-fleet.md: the proxy
+    role)."""
     return f"{PREFIX}.api.apps.{check_token('app', app)}.edge.{verb}"
 
 
@@ -126,7 +129,7 @@ API_EDGE_WILDCARD = f"{PREFIX}.api.apps.*.edge.*"
 
 
 def api_images_push(app: str) -> str:
-    """The brokers' checked image push for an app (README "Security": who may do what with images)."""
+    """The brokers' checked image push for an app (docs/how-to/secure-fleet.md: who may do what with images)."""
     return f"{PREFIX}.api.apps.{check_token('app', app)}.images.push"
 
 
@@ -189,7 +192,7 @@ def logs_filter(app: str | None = None, machine_id: str | None = None) -> str:
 
 
 def proxy_unreachable(app: str, machine_id: str) -> str:
-    """Where an edge proxy says a machine refused or dropped a connection (README "The edge proxy")."""
+    """Where an edge proxy says a machine refused or dropped a connection (docs/tutorials/edge.md)."""
     return f"{PREFIX}.proxy.unreachable.{check_token('app', app)}.{check_token('machine', machine_id)}"
 
 
@@ -197,7 +200,7 @@ PROXY_UNREACHABLE_ALL = f"{PREFIX}.proxy.unreachable.>"
 
 
 def proxy_activity(app: str) -> str:
-    """Where each edge proxy says which of an app's machines it served lately (README "The edge proxy")."""
+    """Where each edge proxy says which of an app's machines it served lately (docs/tutorials/edge.md)."""
     return f"{PREFIX}.proxy.activity.{check_token('app', app)}"
 
 
@@ -223,7 +226,7 @@ def worker_key(region: str, worker_id: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Background jobs (addition, README "Background jobs")
+# Background jobs (addition, docs/how-to/jobs.md)
 
 JOBS_BUCKET = "fauxmad_jobs"  # key `<app>.<job id>`: the job's record
 JOBS_DEAD_STREAM = "FAUXMAD_JOBS_DEAD"
@@ -296,7 +299,7 @@ def parse_api_app(subject: str) -> str:
     return parts[4] if len(parts) >= 7 and parts[3] == "apps" else ""
 
 
-# -- supercluster additions (README "Beyond one server: a supercluster") ---------------------------------------
+# -- supercluster additions (docs/how-to/supercluster.md) ---------------------------------------
 
 
 def regional(name: str, region: str) -> str:

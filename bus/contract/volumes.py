@@ -1,5 +1,5 @@
-"""Volumes (an addition; README "Volumes"): flyd's other state machine, with Fly's field names, and their
-snapshots. A volume lives on one worker, and a machine that mounts it can only be placed on that worker.
+"""Volumes (an addition; docs/tutorials/images-and-volumes.md): flyd's other state machine, with Fly's field names,
+and their snapshots. A volume lives on one worker, and a machine that mounts it can only be placed on that worker.
 """
 
 from __future__ import annotations

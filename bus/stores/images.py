@@ -12,7 +12,7 @@ format, the digest and the store's names live here, in the bus.
   `t.<name>.<tag>`. A tag's name is an app's: only the operator and that app's deployer (through the
   brokers' checked push, `orchestrator.broker.images`) write `t.<app>.*`; the store's objects and the
   `m.*` manifests are written by the operator and the brokers only, never by a deployer directly, since no
-  permission can check that bytes hash to their name (README "Security": who may do what with images).
+  permission can check that bytes hash to their name (docs/how-to/secure-fleet.md: who may do what with images).
 - Content addressing holds end to end: a push hashes the archive and refuses bytes that are not the
   manifest's digest (nothing stored, no manifest, no tag moved); an object counts as present only when the
   store's own SHA-256 of it (`ObjectInfo.digest`, `bus.stores.objects.stored_digest`) is that digest, so a

@@ -574,7 +574,7 @@ async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: St
 
 
 # ---------------------------------------------------------------------------------------------------
-# Background jobs (addition, README "Background jobs")
+# Background jobs (addition, docs/how-to/jobs.md)
 
 JOBS_ACK_WAIT = 6.0  # a taken job not acked or renewed for this long is given to another worker
 JOBS_DEAD_MAX_AGE = 30 * 24 * 3600.0

@@ -5,15 +5,16 @@
 - `reference/asyncapi.json`: the NATS contract, as `fauxmad schema asyncapi` prints it.
 
 They are added to the build (`on_files`), never written into docs/, so `mkdocs build --strict` checks the links
-to them like any page's.
+to them like any page's. `cli_reference` needs no mkdocs (tests/orchestrator/test_docs.py reads its pointers).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mkdocs.structure.files import File, Files
+if TYPE_CHECKING:
+    from mkdocs.structure.files import Files
 
 
 def _usage(command: Any, ctx: Any) -> str:
@@ -77,6 +78,8 @@ def _json(document: dict[str, Any]) -> str:
 
 
 def on_files(files: Files, config: Any) -> Files:
+    from mkdocs.structure.files import File
+
     from bus.contract.schema import asyncapi
     from orchestrator.api.openapi import document
 

@@ -1,7 +1,7 @@
 """Placement: create latency and throughput on a fleet of N workers, with the bus round trip beside it.
 
 With `supercluster=N` the fleet is a loopback supercluster (a NATS cluster of N servers per region, joined
-by gateways: README "Beyond one server"), and each region's creates go through clients connected to that
+by gateways: docs/how-to/supercluster.md), and each region's creates go through clients connected to that
 region's own servers, as its processes are; `run_comparison` measures one server and then the supercluster
 with the same options, in the same run.
 

@@ -217,6 +217,7 @@ DOCS_HTML = """<!doctype html>
 <html><head><meta charset="utf-8"><title>fauxmad Machines API</title></head>
 <body><h1>fauxmad Machines API</h1>
 <p>Fly's Machines API paths under <code>/v1</code>, answered by fauxmad's brokers over NATS.
-The machine-readable document is <a href="/openapi.json">/openapi.json</a>; the README's "HTTP API"
-section lists what fauxmad adds (extensions) and what it leaves out.</p></body></html>
+The machine-readable document is <a href="/openapi.json">/openapi.json</a>; what fauxmad adds
+(extensions) and what it leaves out: <code>docs/reference/http-api.md</code> and
+<code>docs/fly-api-conformance.md</code> in fauxmad's repository.</p></body></html>
 """

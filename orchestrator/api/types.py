@@ -230,7 +230,7 @@ class FlyMachine(msgspec.Struct, kw_only=True):
     # has no private network, so an edge on another host reaches it through that worker's backhaul); absent
     # for a machine whose worker advertises none (a worker older than the field)
     private_ip: str | msgspec.UnsetType = msgspec.UNSET
-    # extensions (README "HTTP API"): where it runs, and how its process last ended
+    # extensions (docs/reference/http-api.md): where it runs, and how its process last ended
     worker_id: str = ""
     exit: dict[str, Any] | None = None
 
@@ -412,7 +412,8 @@ class PlacementsResponse(msgspec.Struct, kw_only=True):
 
 
 # ---------------------------------------------------------------------------------------------------
-# volumes (README "Volumes"): the response is the bus's `Volume`, whose fields are Fly's plus extensions
+# volumes (docs/tutorials/images-and-volumes.md): the response is the bus's `Volume`, whose fields are Fly's plus
+# extensions
 
 
 class CreateVolumeRequest(Body):
@@ -420,7 +421,8 @@ class CreateVolumeRequest(Body):
     region: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     size_gb: Annotated[int, msgspec.Meta(ge=1, le=500)] = 1
     snapshot_id: SnapshotIdText | None = None  # restore that snapshot into the new volume (on any worker)
-    # sent by Fly's clients; accepted and not acted on (README "Volumes": no encryption, no zones here)
+    # sent by Fly's clients; accepted and not acted on (no encryption, no zones here:
+    # docs/tutorials/images-and-volumes.md)
     encrypted: bool = False
     fstype: Literal["ext4"] | None = None
     require_unique_zone: bool = False

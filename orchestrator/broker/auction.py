@@ -184,7 +184,8 @@ class Auction:
         self._two = TwoChoices(nc, registry, self.picks, config.deadline, self.rng)
         self._heartbeats = Heartbeats(registry, self.picks)
         self._background: set[asyncio.Task[None]] = set()
-        # (volume id, worker) of the volume a create mounts, or None: the broker looks it up (README "Volumes")
+        # (volume id, worker) of the volume a create mounts, or None: the broker looks it up
+        # (docs/tutorials/images-and-volumes.md)
         self.volume_host: Callable[[str, CreateRequest], Awaitable[tuple[str, str] | None]] = _no_volume
 
     # ------------------------------------------------------------------------------------------
@@ -372,7 +373,7 @@ class Auction:
         for answer in answers:
             if isinstance(answer, BaseException) and not isinstance(answer, FauxmadError):
                 raise answer
-        # a worker whose heartbeat has expired is not waited for: it is fenced instead (see the README)
+        # a worker whose heartbeat has expired is not waited for: it is fenced instead (docs/explanation/faults.md)
         return found, [w for w in silent if w in region_live], [w for w in silent if w not in region_live]
 
     async def _reserve_in_order(

@@ -3,7 +3,7 @@
 nats-server enforces subjects, so it could let a deployer write the image store, or not; it cannot tell
 whether the bytes written under `sha256:<hex>` hash to that name, nor whose tag a manifest serves. Left to
 the server, a deployer of `web` rewrote `victim`'s manifest (its default command) or put other bytes under
-a digest `victim` runs. So a deployer has no write permission on the store at all (README "Security"), and
+a digest `victim` runs. So a deployer has no write permission on the store at all (docs/how-to/secure-fleet.md), and
 pushes here, on `fauxmad.v1.api.apps.<app>.images.push` (its permissions name its own app only):
 
 - every tag must be `<app>:<tag>` of the subject's app (403 otherwise): an app's tags are its own;

@@ -104,8 +104,8 @@ class Broker:
     async def start(self, *, serve: bool = True) -> None:
         """Connect, follow the fleet's replicas and, with `serve`, answer the API subjects over NATS. Without it
         the broker answers only in its own process (`answer`): the HTTP API embeds one that way."""
-        # no server at start: one line and exit 3, as every command (README "Stopping"); once connected it
-        # reconnects forever, as an agent does
+        # no server at start: one line and exit 3, as every command (docs/reference/exit-codes.md#stopping);
+        # once connected it reconnects forever, as an agent does
         self.nc = await connect(
             self.config.nats_url, f"fauxmad-{self.id}", reconnect_forever=True, on_closed=self._on_bus_closed
         )

@@ -1,4 +1,4 @@
-"""The brokers' volume verbs (`fauxmad.v1.api.apps.<app>.volumes.<verb>`, README "Volumes").
+"""The brokers' volume verbs (`fauxmad.v1.api.apps.<app>.volumes.<verb>`, docs/tutorials/images-and-volumes.md).
 
 `create` picks a worker of the region with room (the most free volume space by the heartbeats, then the
 next on a refusal: a worker's own check in its commit is what counts) and records where the volume went

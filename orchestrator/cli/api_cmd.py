@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from orchestrator.cli.runtime import NatsOption, fail, nats_url
+from orchestrator.cli.runtime import STATELESS_GRACE, NatsOption, fail, nats_url
 from orchestrator.cli.runtime import serve as serve_until_stopped
 
 
@@ -86,4 +86,5 @@ def api(
             trusted_proxies=trusted,
         ),
         what="api",
+        grace=STATELESS_GRACE,
     )

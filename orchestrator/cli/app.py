@@ -1,6 +1,6 @@
 """The typer application and `main`, the edge where every error becomes one line and an exit code.
 
-The exit codes (README "Exit codes") are decided here and nowhere else: 0 ok, 1 the operation
+The exit codes (docs/reference/exit-codes.md) are decided here and nowhere else: 0 ok, 1 the operation
 failed, 2 usage or invalid input, 3 the fleet cannot be reached, 4 not found, 5 conflict, 70 a bug,
 130 interrupted. A command either returns its code or raises; `main` maps what it raised.
 """
@@ -119,7 +119,7 @@ COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
     ("status", "status_cmd", "status", False),
     ("events", "status_cmd", "events", False),
     ("logs", "logs_cmd", "logs", False),
-    ("job", "job_cmd", "job_app", True),  # background jobs (README "Background jobs")
+    ("job", "job_cmd", "job_app", True),  # background jobs (docs/how-to/jobs.md)
 )
 _registered: set[str] = set()
 

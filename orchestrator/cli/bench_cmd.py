@@ -76,7 +76,9 @@ def _measure(run: Callable[[], T]) -> T:
 def placement(
     workers: int = typer.Option(10, "--workers", min=1, max=5000, help="workers per region"),
     regions_count: int = typer.Option(1, "--regions", min=1, max=20, help="number of regions"),
-    strategy: str = typer.Option("scatter", "--strategy", help="scatter, p2c, hedged or replica (see the README)"),
+    strategy: str = typer.Option(
+        "scatter", "--strategy", help="scatter, p2c, hedged or replica (docs/explanation/placement.md)"
+    ),
     concurrency: int = typer.Option(1, "--concurrency", "-c", min=1, max=1024, help="creates in flight"),
     count: int = typer.Option(2000, "--count", "-n", min=1, help="creates to measure"),
     start: bool = typer.Option(False, "--start", help="create and start a process machine (default: reserve only)"),

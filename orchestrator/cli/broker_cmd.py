@@ -19,7 +19,9 @@ def broker(
     nats: str | None = NatsOption,
     deadline_ms: float = typer.Option(50.0, "--deadline-ms", min=1, max=60_000, help="how long an auction waits"),
     strategy: str = typer.Option(
-        "scatter", "--strategy", help="default strategy: scatter, p2c, hedged or replica (see the README)"
+        "scatter",
+        "--strategy",
+        help="default strategy: scatter, p2c, hedged or replica (docs/explanation/placement.md)",
     ),
     placement: Path | None = typer.Option(None, "--placement", help="TOML or JSON file: curves and weights"),
     name: str = typer.Option("", "--name", help="a name for this broker (shown in discovery)"),

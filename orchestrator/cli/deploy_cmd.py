@@ -239,8 +239,7 @@ def reconcile(
 
     The operator reacts to worker heartbeats expiring (spares start), machines' events and new
     releases; a timer is only a backstop. With --region it plans, starts and fails over in that region
-    only, and keeps going on the last release it saw when the app specs do not answer (README "Beyond one
-    server: a supercluster").
+    only, and keeps going on the last release it saw when the app specs do not answer (docs/how-to/supercluster.md).
     """
     spec = load_app_spec(config) if config is not None else None
     names = [spec.app] if spec is not None else [app] if app else None

@@ -234,13 +234,15 @@ def dev(
     memory_mb: int = typer.Option(4096, "--memory-mb", min=64, help="memory per worker"),
     port: int | None = typer.Option(None, "--port", min=1, max=65535, help="NATS port [default: a free one]"),
     secure: bool = typer.Option(
-        False, "--secure", help="mutual TLS and an identity with least privilege per process (README 'Security')"
+        False,
+        "--secure",
+        help="mutual TLS and an identity with least privilege per process (docs/how-to/secure-fleet.md)",
     ),
     supercluster: bool = typer.Option(
         False,
         "--supercluster",
         help="a NATS cluster per region joined by gateways, a broker and an operator per region, each process"
-        " connected to its own region (README 'Beyond one server')",
+        " connected to its own region (docs/how-to/supercluster.md)",
     ),
     servers_per_region: int = typer.Option(
         3, "--servers-per-region", min=1, max=5, help="with --supercluster: nats-servers per region (R3 needs 3)"

@@ -1,4 +1,4 @@
-"""`fauxmad job submit|status|list|cancel|logs|wait`: background jobs (README "Background jobs").
+"""`fauxmad job submit|status|list|cancel|logs|wait`: background jobs (docs/how-to/jobs.md).
 
 Parse, call `orchestrator.jobs.client.JobsClient`, render. A job's output is printed verbatim (never
 through rich), like a machine's logs.

@@ -74,10 +74,15 @@ def app_name_for(directory: Path) -> str:
     return name or "app"
 
 
+# where every key of fauxmad.toml is explained (tests/orchestrator/test_docs.py checks the page exists)
+SPEC_REFERENCE = "every key: docs/reference/fauxmad-toml.md in fauxmad's repository"
+
+
 def spec_text(app: str, choice: Choice, regions: dict[str, int], memory_mb: int) -> str:
     region_lines = "".join(f"{region} = {count}\n" for region, count in regions.items())
     return (
-        f'# written by `fauxmad launch` ({choice.kind}: {choice.found}); edit freely (README "Apps")\n'
+        f"# written by `fauxmad launch` ({choice.kind}: {choice.found}); edit freely\n"
+        f"# {SPEC_REFERENCE}\n"
         f"app = {json.dumps(app)}\n"
         f"cmd = {json.dumps(choice.cmd)}\n"
         'workdir = "."                          # the command runs in this directory\n'

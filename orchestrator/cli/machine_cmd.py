@@ -132,7 +132,9 @@ def run_machine(
     cpus: int = typer.Option(1, "--cpus", min=1, help="cpus to reserve"),
     memory_mb: int = typer.Option(256, "--memory-mb", min=1, help="memory to reserve and enforce"),
     sandbox: str = typer.Option(
-        "none", "--sandbox", help="none, or bwrap: its own pid, mount, ipc and uts namespaces (see the README)"
+        "none",
+        "--sandbox",
+        help="none, or bwrap: its own pid, mount, ipc and uts namespaces (docs/tutorials/images-and-volumes.md)",
     ),
     restart: str = typer.Option("on-failure", "--restart", help="restart policy: no, always, on-failure"),
     env: list[str] = typer.Option([], "--env", "-e", help="KEY=VALUE, repeatable"),

@@ -6,7 +6,7 @@ import ipaddress
 
 import typer
 
-from orchestrator.cli.runtime import NatsOption, checked, fail, nats_url, serve
+from orchestrator.cli.runtime import STATELESS_GRACE, NatsOption, checked, fail, nats_url, serve
 
 
 def _latency(pairs: list[str]) -> dict[str, float]:
@@ -85,4 +85,4 @@ def proxy(
     )
     url = nats_url(nats)
     assert url is not None
-    serve(run_proxy(config, url, where, admin=admin_at), what="proxy")
+    serve(run_proxy(config, url, where, admin=admin_at), what="proxy", grace=STATELESS_GRACE)

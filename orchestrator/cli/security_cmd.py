@@ -127,7 +127,7 @@ def rotate(
     names: list[str] | None = typer.Argument(None, help="identities to rotate (default: the server and everyone)"),
     directory: str = DIR_OPTION,
 ) -> None:
-    """New TLS certificates from the same CA, then a reload: no connection drops (see the README)."""
+    """New TLS certificates from the same CA, then a reload: no connection drops (docs/how-to/secure-fleet.md)."""
     fleet = FleetDir(directory)
     rotated = _run(lambda: fleet.rotate(names or None))
     reloaded = fleet.reload()
@@ -162,7 +162,8 @@ def prepare(
         await ensure_audit_stream(nc.jetstream())
         await revoked_tokens_bucket(nc.jetstream())
         await Images.open(nc.jetstream())  # the images store and its tags bucket
-        await snapshot_store(nc.jetstream())  # volumes (README "Volumes"): snapshots and the routing index
+        # volumes (docs/tutorials/images-and-volumes.md): snapshots and the routing index
+        await snapshot_store(nc.jetstream())
         await volumes_bucket(nc.jetstream())
 
     with_connected(nats, lambda url: connect(url, "fauxmad-prepare"), ensure)

@@ -107,7 +107,7 @@ def status(
 
 
 def jobs_table(counts: list[JobCount]) -> Table:
-    """Background jobs by app and region: how many in each state (README "Background jobs")."""
+    """Background jobs by app and region: how many in each state (docs/how-to/jobs.md)."""
     from orchestrator.cli.render import KEYS, FitTable
 
     states = ("queued", "running", "succeeded", "failed", "cancelled")

@@ -1,6 +1,6 @@
 """`fauxmad volume create|list|show|extend|destroy|snapshot|snapshots`: thin; the verbs are the brokers'.
 
-A volume lives on one worker of its region (README "Volumes"); a machine that mounts it
+A volume lives on one worker of its region (docs/tutorials/images-and-volumes.md); a machine that mounts it
 (`machine run --volume VOL:/path`, or `[[mounts]]` in fauxmad.toml) runs on that worker.
 """
 

@@ -39,7 +39,7 @@ def not_avoided(request: Ask, offer: Offer) -> str | None:
 
 
 def on_volume_host(request: Ask, offer: Offer) -> str | None:
-    """A machine that mounts a volume runs where the volume's bytes are (README "Volumes")."""
+    """A machine that mounts a volume runs where the volume's bytes are (docs/tutorials/images-and-volumes.md)."""
     if request.volume is not None and offer.worker_id != request.volume[1]:
         return f"volume {request.volume[0]} is on worker {request.volume[1]}"
     return None

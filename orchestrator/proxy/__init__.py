@@ -5,5 +5,5 @@ path never asks a broker; the choice of machine is one pure function (`choose`);
 `http`, upstream connections in `upstream`; starting or creating a machine inside a request is `wake`,
 stopping idle ones `idle`. `server` is the connection handler: `pick` chooses and wakes a machine for a
 request (`ahead`: a suspended one resumed with the request on its way), `forward` sends it and relays the
-answer, `failover` avoids and reports a machine that failed. See README "The edge proxy".
+answer, `failover` avoids and reports a machine that failed. See docs/tutorials/edge.md.
 """

@@ -61,7 +61,7 @@ class IdleStopper:
         latency: Mapping[str, float],
         clock: Callable[[], float],
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        on_stopped: Callable[[str], None] = lambda app: None,
+        on_stopped: Callable[[str, str, str], None] = lambda app, machine_id, why: None,
         share: Callable[[str, list[str]], None] | None = None,
     ) -> None:
         self.routes = routes
@@ -72,7 +72,7 @@ class IdleStopper:
         self.latency = latency
         self.clock = clock
         self.sleep = sleep
-        self.on_stopped = on_stopped
+        self.on_stopped = on_stopped  # (app, machine id, what and why) once the brokers stopped or suspended it
         self.share = share  # tells the other proxies which of an app's machines this one used since the last round
         self.peer_used: dict[str, float] = {}  # machine id -> when another proxy last said it used it
         self._reported = clock()
@@ -132,8 +132,12 @@ class IdleStopper:
                 except (FauxmadError, TimeoutError) as exc:
                     log.warning("proxy: %s idle %s failed: %s", app.service.auto_stop, machine_id, exc)
                     continue
+                idle = now - used.get(machine_id, now)
                 self.last_used.pop(machine_id, None)
                 self.peer_used.pop(machine_id, None)
                 stopped.append(machine_id)
-                self.on_stopped(name)
+                region = next(m.region for m in machines if m.id == machine_id)
+                done = "suspended" if app.service.auto_stop == "suspend" else "stopped"
+                why = f"{done} in {region}: no request for {idle:.0f}s (idle_timeout {app.service.idle_seconds:g}s)"
+                self.on_stopped(name, machine_id, why)
         return stopped

@@ -46,6 +46,14 @@ class ProxyMetrics:
             ["app"],
             registry=self.registry,
         )
+        # by code only: an unknown app's name is the client's to choose, and a label of it would let any client
+        # grow the registry without bound
+        self.refusals = Counter(
+            "fauxmad_proxy_refusals",
+            "responses the proxy wrote itself instead of a machine's, by status code (also those naming no app)",
+            ["code"],
+            registry=self.registry,
+        )
 
         # each label set's counter and histogram, looked up once: `labels()` costs more than the count itself
         self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
@@ -60,6 +68,9 @@ class ProxyMetrics:
             )
         children[0].inc()
         children[1].observe(seconds)
+
+    def refusal(self, status: int) -> None:
+        self.refusals.labels(str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,6 +13,7 @@ import logging
 import secrets
 import ssl
 import time
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
@@ -33,7 +34,7 @@ from orchestrator.proxy.metrics import ProxyMetrics, serve_admin
 from orchestrator.proxy.routes import RouteTable
 from orchestrator.proxy.server import Proxy
 from orchestrator.proxy.upstream import Pool
-from orchestrator.proxy.wake import Waker
+from orchestrator.proxy.wake import Waker, Woken
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ async def run_proxy(
             routes,
             pool,
             ready_timeout=config.ready_timeout,
-            on_woken=lambda app, kind: metrics.woken.labels(app, kind).inc(),
+            on_woken=lambda woken: _woken(metrics, woken),
         )
 
         sending: set[asyncio.Future[None]] = set()
@@ -110,7 +111,7 @@ async def run_proxy(
             region=config.region,
             latency=config.latency,
             clock=time.monotonic,
-            on_stopped=lambda app: metrics.stopped.labels(app).inc(),
+            on_stopped=lambda app, machine_id, why: _stopped(metrics, app, machine_id, why),
             share=share,
         )
         await nc.subscribe(subjects.PROXY_ACTIVITY_ALL, cb=on_activity)
@@ -128,15 +129,45 @@ async def run_proxy(
             idle_task.cancel()
             server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(proxy.deadlines.close(), 1.0)
+                await asyncio.wait_for(proxy.deadlines.close(), 0.2)
             if admin_server is not None:
                 admin_server.close()
     finally:
         dialer.close()
         pool.close()
-        await routes.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(nc.close(), 2.0)
+        with contextlib.suppress(Exception):  # a TimeoutError too: what is not done by then is left undone
+            await asyncio.wait_for(_close(routes, nc), STOP_BUDGET)
+
+
+# One line on stdout per machine the proxy woke or stopped (beside the listening line): an operator sees why a
+# machine started or stopped without turning on logging. App names and machine ids are tokens (the contract's
+# patterns), so nothing here is text a client chose.
+PAST = {"start": "started", "resume": "resumed", "create": "created"}
+
+
+def _woken(metrics: ProxyMetrics, woken: Woken) -> None:
+    metrics.woken.labels(woken.app, woken.kind).inc()
+    print(
+        f"fauxmad proxy: autostart: {PAST.get(woken.kind, woken.kind)} machine {woken.machine_id} of app {woken.app}"
+        f" in {woken.region}: {woken.why}",
+        flush=True,
+    )
+
+
+def _stopped(metrics: ProxyMetrics, app: str, machine_id: str, why: str) -> None:
+    metrics.stopped.labels(app).inc()
+    print(f"fauxmad proxy: autostop: machine {machine_id} of app {app} {why}", flush=True)
+
+
+# The stop (SIGTERM): the CLI ends the proxy 1 s after the signal whatever it is doing (`STATELESS_GRACE`, for
+# the 2 s promised); the route table's watches and NATS's close get this much of it (the connections in flight
+# are cut: the proxy keeps nothing, and a client retries elsewhere).
+STOP_BUDGET = 0.5
+
+
+async def _close(routes: RouteTable, nc: Any) -> None:
+    await routes.close()
+    await nc.close()
 
 
 def _own_addresses(nats_url: str) -> set[str]:

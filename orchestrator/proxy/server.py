@@ -114,13 +114,13 @@ class Proxy:
         except asyncio.IncompleteReadError:
             return None
         except asyncio.LimitOverrunError:
-            writer.write(error_response(431, f"request head over {MAX_HEAD} bytes", _request_id()))
+            self._refuse(writer, 431, f"request head over {MAX_HEAD} bytes", _request_id())
         except asyncio.CancelledError:
             if not watch.expired():
                 raise
             if not begun:  # an idle keep-alive connection: just close it
                 return None
-            writer.write(error_response(408, "the request head did not arrive in time", _request_id()))
+            self._refuse(writer, 408, "the request head did not arrive in time", _request_id())
         finally:
             watch.disarm()
         with contextlib.suppress(Exception):
@@ -151,7 +151,7 @@ class Proxy:
             if ex is not None:
                 ex.status = status
             if ex is None or not ex.responded:
-                writer.write(error_response(status, message, request_id, retry_after=retry))
+                self._refuse(writer, status, message, request_id, retry)
                 with contextlib.suppress(Exception):
                     await writer.drain()
             return False
@@ -159,17 +159,25 @@ class Proxy:
             if ex is not None and not ex.responded:
                 ex.status = 502
                 app = ex.app or "the app"
-                writer.write(error_response(502, f"no machine of {app} could take this request ({exc})", request_id))
+                self._refuse(writer, 502, f"no machine of {app} could take this request ({exc})", request_id)
             return False
         except Exception:
             log.exception("proxy: request %s failed", request_id)
             if ex is not None and not ex.responded:
                 ex.status = 502
-                writer.write(error_response(502, "the proxy failed to forward this request", request_id))
+                self._refuse(writer, 502, "the proxy failed to forward this request", request_id)
             return False
         finally:
             if ex is not None and ex.app:
                 self.metrics.observe(ex.app, ex.region, ex.status, self.clock() - began)
+
+    def _refuse(
+        self, writer: asyncio.StreamWriter, status: int, message: str, request_id: str, retry: int | None = None
+    ) -> None:
+        """The proxy's own answer (then the connection closes), counted by code in /metrics: a refusal that names
+        no app (a 400, a 404 for an unknown one, a 408 or 431 before any head) has no other trace there."""
+        writer.write(error_response(status, message, request_id, retry_after=retry))
+        self.metrics.refusal(status)
 
     async def _serve(
         self, ex: Exchange, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, client_ip: str, held: list[str]

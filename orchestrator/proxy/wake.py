@@ -27,6 +27,19 @@ from orchestrator.proxy.upstream import Pool, connect_when_up
 from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
 from orchestrator.reconcile.spec import PRIMARY
 
+# why a request wakes a machine: `choose` starts one only when no started machine is under its soft limit
+WHY_START = "a request found no started machine under its soft limit"
+
+
+class Woken(msgspec.Struct, frozen=True):
+    """A machine started, resumed or created for a request: what the proxy logs and counts."""
+
+    app: str
+    machine_id: str
+    region: str
+    kind: str  # "start" | "resume" | "create"
+    why: str
+
 
 class WakeError(Exception):
     """A start or create for a request did not give a machine that accepts connections; the reason."""
@@ -40,13 +53,13 @@ class Waker:
         pool: Pool,
         *,
         ready_timeout: float = 10.0,
-        on_woken: Callable[[str, str], None] = lambda app, kind: None,
+        on_woken: Callable[[Woken], None] = lambda woken: None,
     ) -> None:
         self.client = client
         self.routes = routes
         self.pool = pool
         self.ready_timeout = ready_timeout
-        self.on_woken = on_woken  # (app, "start" | "resume" | "create") once the machine accepts connections
+        self.on_woken = on_woken  # once the machine accepts connections (the proxy counts it and says so)
         self.starting: dict[str, asyncio.Future[MachineIndexEntry]] = {}
         self._creating: dict[tuple[str, str], asyncio.Future[MachineIndexEntry]] = {}
 
@@ -83,21 +96,22 @@ class Waker:
                 machine = await self.client.start(app, machine_id)
         except (FauxmadError, TimeoutError) as exc:
             raise WakeError(f"{'resuming' if kind == 'resume' else 'starting'} {machine_id} failed: {exc}") from None
-        return await self._ready(machine, kind, ahead)
+        return await self._ready(machine, kind, WHY_START, ahead)
 
     async def _create(self, app: App, region: str) -> MachineIndexEntry:
         if app.spec is None:
             raise WakeError(f"{app.name} has no release to create a machine from")
         config = app.spec.machine_config(app.release, PRIMARY)
-        origin = {CREATED_BY_KEY: "proxy", CREATED_FOR_KEY: f"a request found no machine to serve it in {region}"}
+        why = f"a request found no machine to serve it in {region}"
+        origin = {CREATED_BY_KEY: "proxy", CREATED_FOR_KEY: why}
         config = msgspec.structs.replace(config, metadata={**config.metadata, **origin})
         try:
             machine = await self.client.create(app.name, CreateRequest(region=region, config=config))
         except (FauxmadError, TimeoutError) as exc:
             raise WakeError(f"creating a machine in {region} failed: {exc}") from None
-        return await self._ready(machine, "create")
+        return await self._ready(machine, "create", why)
 
-    async def _ready(self, machine: Machine, kind: str, ahead: bool = False) -> MachineIndexEntry:
+    async def _ready(self, machine: Machine, kind: str, why: str, ahead: bool = False) -> MachineIndexEntry:
         if machine.state != "started" or machine.port is None:
             raise WakeError(f"{machine.id} is {machine.state} after its {kind}")
         entry = index_entry(machine)
@@ -107,7 +121,7 @@ class Waker:
             # it listened before it was frozen, and connections kept from then are served again now: a new
             # connection would prove nothing (the kernel queues connects to a frozen process) and cost the
             # app an accept (and a fork, for an app with a process per connection) on the held request
-            self.on_woken(machine.app, kind)
+            self.on_woken(Woken(machine.app, machine.id, machine.region, kind, why))
             return entry
         conn = await connect_when_up(address, self.ready_timeout, pool=self.pool)
         if conn is None:
@@ -115,7 +129,7 @@ class Waker:
                 f"{machine.id} did not accept connections on port {address.port} within {self.ready_timeout:g}s"
             )
         self.pool.put(conn)
-        self.on_woken(machine.app, kind)
+        self.on_woken(Woken(machine.app, machine.id, machine.region, kind, why))
         return entry
 
     def port_of(self, entry: MachineIndexEntry) -> int:

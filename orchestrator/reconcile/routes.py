@@ -2,7 +2,7 @@
 
 Why two routes: the operator's role may speak to every worker (`fauxmad.v1.worker.<id>.machines.<verb>`), and
 the reconciler asks workers straight away, one hop, even while no broker answers. A deployer's role names its
-app's API subjects and no worker's (README "Security"): granting it worker subjects would let it act on every
+app's API subjects and no worker's (docs/how-to/secure-fleet.md): granting it worker subjects would let it act on every
 app's machines, because nothing in a worker subject names the app. So a reconciler acting as any other identity
 sends the same verbs to `fauxmad.v1.api.apps.<app>.machines.<verb>`: the brokers forward each one to the
 machine's worker after checking that the machine belongs to the app, and a list names the worker it is about

@@ -85,7 +85,7 @@ class PlacementSpec(_Strict, frozen=True):
 
 
 class JobsSpec(_Strict, frozen=True):
-    """`[jobs]`: the defaults of `fauxmad job submit -c fauxmad.toml` for this app (README "Background jobs")."""
+    """`[jobs]`: the defaults of `fauxmad job submit -c fauxmad.toml` for this app (docs/how-to/jobs.md)."""
 
     region: Token | None = None
     cmd: list[str] = []  # default: the app's `cmd`
@@ -115,9 +115,9 @@ class AppSpec(_Strict, frozen=True):
     checks: dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")], Check] = {}
     deploy: DeploySpec = msgspec.field(default_factory=DeploySpec)
     placement: PlacementSpec = msgspec.field(default_factory=PlacementSpec)
-    http_service: HttpService | None = None  # read by `fauxmad proxy` only (README "The edge proxy")
-    mounts: list[Mount] = []  # `[[mounts]] volume = "vol_...", path = "/data"` (README "Volumes")
-    jobs: JobsSpec | None = None  # read by `fauxmad job submit -c` only (README "Background jobs")
+    http_service: HttpService | None = None  # read by `fauxmad proxy` only (docs/tutorials/edge.md)
+    mounts: list[Mount] = []  # `[[mounts]] volume = "vol_...", path = "/data"` (docs/tutorials/images-and-volumes.md)
+    jobs: JobsSpec | None = None  # read by `fauxmad job submit -c` only (docs/how-to/jobs.md)
 
     def __post_init__(self) -> None:
         if not self.regions:

@@ -3,7 +3,7 @@
 Why a private CA: every NATS connection of a secure fleet is mutual TLS, and the only parties are the
 fleet's own processes, so the fleet signs for itself (no public CA can vouch for a worker's client
 certificate). `cryptography` (the Python Cryptographic Authority's library) does the X.509 work; nothing
-here is hand-rolled crypto. Keys are EC P-256; certificates last `days` (rotation: see the README).
+here is hand-rolled crypto. Keys are EC P-256; certificates last `days` (rotation: docs/how-to/secure-fleet.md).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ events stream (`bus.transport.layout`) are added beside the fleet's: a worker wr
 into its own region's buckets, a broker keeps claims in every region's idempotency bucket, and everyone who
 reads the fleet's streams reads the regions' too.
 
-Known limits (see the README's security section): the routing index is keyed by machine id and the log
+Known limits (docs/how-to/secure-fleet.md): the routing index is keyed by machine id and the log
 subjects carry no worker id, so a worker's writes there cannot be narrowed to its own machines by subject.
 """
 
@@ -153,7 +153,7 @@ def permissions(identity: Identity) -> Permissions:
                 # the fence: a worker back from an absence settles its keyed machines' claims on itself
                 # (bus/contract/idempotency.py); it hosts any app's machines, so any app's claims
                 subjects.kv_put(layout.idempotency_bucket(region), ">"),
-                f"$O.{subjects.SNAPSHOTS_STORE}.>",  # its volumes' snapshots (README "Volumes")
+                f"$O.{subjects.SNAPSHOTS_STORE}.>",  # its volumes' snapshots (docs/tutorials/images-and-volumes.md)
                 subjects.AUDIT_ALL,  # the audit records of the job requests it answers (`bus.transport.audit`)
                 *read_streams(),
                 *_worker_jobs_publish(region),

@@ -23,7 +23,7 @@ Caveats are plain strings, so a person can read what a token allows (`fauxmad to
 
 Why not a library: pymacaroons (the common Python one) has had no release since 2018, and the part we
 need is a dozen lines of `hmac` over bytes; the wire format is ours (`fm1_<payload>.<signature>`, both
-base64url), documented in the README. The verifier is a pure function with the clock passed in.
+base64url), documented in docs/reference/http-api.md. The verifier is a pure function with the clock passed in.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The fence: a worker that comes back never runs a keyed machine the fleet placed elsewhere, and a worker
-killed mid-start never runs a machine twice (README "Faults").
+killed mid-start never runs a machine twice (docs/explanation/faults.md).
 
 Found by a seeded random fault run (`fauxmad torture`), reproduced here at the exact step with the fault
 points workers honour in tests (bus/local/fault_points.py):

@@ -92,7 +92,7 @@ def test_a_client_built_from_flys_spec_creates_waits_stops_and_destroys(base: st
 
 
 # ---------------------------------------------------------------------------------------------------
-# the four differences a third-party client found (README "The HTTP Machines API", docs/fly-api-conformance.md)
+# the four differences a third-party client found (docs/reference/http-api.md, docs/fly-api-conformance.md)
 
 SLEEP: dict[str, Any] = {"init": {"cmd": ["sleep", "300"]}, "guest": {"cpus": 1, "memory_mb": 64}}
 

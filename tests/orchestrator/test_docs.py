@@ -10,11 +10,13 @@ test_secrets, the supercluster in test_dev_supercluster, jobs in test_jobs_readm
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -40,8 +42,109 @@ def test_no_link_leaves_the_repository() -> None:
         assert not external, f"{path.relative_to(ROOT)} links outside the repository: {external}"
         if path == README:  # mkdocs checks the pages' links; the README's are checked here
             for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
-                generated = target == "docs/reference/cli.md"  # made by docs/hooks/generated.py at build time
-                assert generated or (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+                assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
+
+
+# Pointers to nowhere: the pages docs/hooks/generated.py adds to the built site exist nowhere in the repository
+GENERATED = ("reference/cli.md", "reference/openapi.json", "reference/asyncapi.json")
+# the README's sections as cited: README "X", README 'X', the README's "X"
+README_SECTION = re.compile(r"""README(?:'s)? (["'])([A-Z][^"'\n]*)\1""")
+# a page of the docs cited by its path from the repository's root, with its anchor if any
+DOCS_PATH = re.compile(r"\bdocs/([\w./-]+\.md)(?:#([\w-]+))?")
+SOURCES = [
+    p
+    for top in ("bus", "orchestrator", "workers", "lab", "tests", "deploy", "docs", "examples")
+    for p in sorted((ROOT / top).rglob("*"))
+    if p.suffix in {".py", ".md", ".html", ".js", ".toml", ".conf", ".service", ".yml"} and p.is_file()
+] + [README, ROOT / "pyproject.toml", ROOT / "justfile"]
+
+
+def slug(heading: str) -> str:
+    """The anchor mkdocs (Python-Markdown's toc) gives a heading."""
+    text = re.sub(r"[^\w\s-]", "", unicodedata.normalize("NFKD", heading).encode("ascii", "ignore").decode()).strip()
+    return re.sub(r"[-\s]+", "-", text.lower())
+
+
+def headings(path: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # a `# comment` in a block is no heading
+    return [h.strip() for h in re.findall(r"^#+ (.+)$", text, re.M)]
+
+
+def dangling(text: str) -> list[str]:
+    """The README sections and docs pages (and their anchors) `text` cites that do not exist."""
+    sections = headings(README)
+    missing = [
+        f'README "{name}"' for _, name in README_SECTION.findall(text) if not any(h.startswith(name) for h in sections)
+    ]
+    for page, anchor in DOCS_PATH.findall(text):
+        if page.startswith(GENERATED) or not (DOCS / page).is_file():
+            missing.append(f"docs/{page}")
+        elif anchor and anchor not in {slug(h) for h in headings(DOCS / page)}:
+            missing.append(f"docs/{page}#{anchor}")
+    return missing
+
+
+def test_every_readme_section_and_docs_page_cited_exists() -> None:
+    """In code, comments, docs and deploy/: a citation of a README section or a docs page names one that is."""
+    assert len(SOURCES) > 100
+    for path in [p for p in SOURCES if p != Path(__file__)]:  # this file's own examples are meant to fail
+        missing = dangling(path.read_text(errors="replace"))
+        assert not missing, f"{path.relative_to(ROOT)} cites {missing}, which do not exist"
+    assert dangling('README "Volumes", docs/how-to/missing.md, docs/reference/exit-codes.md#nowhere') == [
+        'README "Volumes"',
+        "docs/how-to/missing.md",
+        "docs/reference/exit-codes.md#nowhere",
+    ]  # the check itself can fail
+    assert dangling('README "The first hour", docs/reference/exit-codes.md#stopping') == []
+
+
+def test_the_deploy_readme_links_and_installs_what_exists() -> None:
+    deploy = ROOT / "deploy" / "README.md"
+    text = deploy.read_text()
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        assert (deploy.parent / target).exists(), f"deploy/README.md links to {target}, which does not exist"
+    for name in re.findall(r"`(?:deploy/)?((?:nats|systemd|prometheus|grafana)/[\w./<>-]*\w)`", text):
+        if "<" not in name:
+            assert (deploy.parent / name).exists(), f"deploy/README.md names {name}"
+    assert not re.search(r"pip install fauxmad\b", text), "fauxmad is not on PyPI: install from a clone"
+
+
+def test_no_page_in_the_repository_links_a_generated_page() -> None:
+    """They exist only in the built site: a reader of the repository follows such a link to a 404."""
+    for path in [README, *PAGES, ROOT / "deploy" / "README.md"]:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", path.read_text()):
+            assert not target.endswith(GENERATED), f"{path.relative_to(ROOT)} links to {target} (built site only)"
+
+
+def generated_cli_reference() -> str:
+    spec = importlib.util.spec_from_file_location("generated_pages", DOCS / "hooks" / "generated.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return str(module.cli_reference())
+
+
+def test_what_the_cli_and_the_api_print_points_somewhere(tmp_path: Path) -> None:
+    """Every command's help (the generated page), the API's /docs page, the spec `launch` writes: each README
+    section, docs page and command they name exists."""
+    from orchestrator.api.openapi import DOCS_HTML
+    from orchestrator.cli.launch_cmd import Choice, spec_text
+
+    reference = generated_cli_reference()
+    assert "### `fauxmad dev`" in reference and "--supercluster" in reference
+    launched = spec_text("app", Choice(kind="command", found="true", cmd=["true"]), {"mad": 1}, 256)
+    for where, text in (("the CLI's help", reference), ("/docs", DOCS_HTML), ("launch's spec", launched)):
+        assert not dangling(text), f"{where} cites {dangling(text)}"
+        bare = re.findall(r"[^\n]*\bREADME\b(?!(?:'s)? [\"'])[^\n]*", text)
+        assert not bare, f"{where} points to the README without a section: {bare}"
+    assert "docs/reference/fauxmad-toml.md" in launched and "docs/reference/http-api.md" in DOCS_HTML
+    commands = set(re.findall(r"^#+ `(fauxmad[\w -]*)`", reference, re.M))
+    named = re.findall(r"`(fauxmad(?: [a-z][a-z-]*)+)", reference + DOCS_HTML + launched)
+    for command in named:  # the longest prefix of what is named that is a command
+        words = command.split()
+        assert any(" ".join(words[:n]) in commands for n in range(len(words), 1, -1)), f"no command `{command}`"
+    for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", reference):  # the generated page's own links
+        assert (DOCS / "reference" / link).exists(), f"the generated reference/cli.md links to {link}"
 
 
 def test_the_readme_is_short_and_its_first_hour_is_the_tutorial() -> None:

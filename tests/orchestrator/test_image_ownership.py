@@ -1,7 +1,7 @@
 """Images belong to apps, on a secure fleet with real processes (nats-server with TLS and the generated
 permissions, a worker and a broker each its own identity, the CLI as deployers of `web` and of `victim`).
 
-What must hold (README "Security", who may do what with images):
+What must hold (docs/how-to/secure-fleet.md, who may do what with images):
 - a deployer of `web` cannot move or rewrite `victim`'s tag, nor the manifest (default command) it names:
   directly the server refuses it, through the brokers' push the broker does; `victim:v1` is unchanged;
 - nobody changes the bytes under a digest in use: a deployer cannot write the object store at all, and a

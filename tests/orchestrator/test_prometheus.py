@@ -208,7 +208,8 @@ def api_call(base: str, path: str) -> int:
 
 async def traffic(stack: Stack, app: str) -> None:
     """Creates (one placed with a passing check, one too big, one that exits and is restarted once), a stop and
-    a destroy; a request through the proxy to the app's stopped machine (woken, then stopped when idle); API calls."""
+    a destroy; a request through the proxy to the app's stopped machine (woken, then stopped when idle), one to an
+    app that does not exist (refused); API calls."""
     client = await FleetClient.connect(stack.fleet.url)
     try:
         check = Check(type="cmd", command=["true"], interval="100ms", timeout="1s")
@@ -241,6 +242,7 @@ async def traffic(stack: Stack, app: str) -> None:
         return (await kit.get(stack.proxy.port, f"{spec.app}.localhost")).status == 200
 
     await until(served, "a request through the proxy served", timeout=30, interval=0.2)
+    assert (await kit.get(stack.proxy.port, f"{app}-none.localhost")).status == 404  # a refusal the proxy counts
     assert api_call(stack.api, f"/v1/apps/{app}/machines") == 200
     assert api_call(stack.api, f"/v1/apps/{app}/machines/0123456789abcd") == 404
 
@@ -297,6 +299,7 @@ def test_prometheus_scrapes_every_target_and_the_documented_series(stack: Stack,
         "fauxmad_proxy_request_seconds_count",
         'fauxmad_proxy_machines_woken_total{kind="start"}',
         "fauxmad_proxy_machines_stopped_total",  # the woken machine, idle for 1 s
+        'fauxmad_proxy_refusals_total{code="404"}',  # an unknown app
     }
     assert {exposed(n) for n in documented() - NOT_EXERCISED} <= {re.sub(r"\{.*", "", s) for s in counted}
 

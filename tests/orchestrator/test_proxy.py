@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -65,6 +66,34 @@ def state_of(fleet: DevFleet, app: str, machine_id: str) -> str:
     return arun(main())
 
 
+def scrape(admin: int) -> str:
+    """The proxy's /metrics, from its admin listener."""
+
+    async def main() -> str:
+        reader, writer = await asyncio.open_connection("127.0.0.1", admin)
+        writer.write(b"GET /metrics HTTP/1.1\r\nhost: admin\r\n\r\n")
+        data = await reader.read()
+        writer.close()
+        return data.decode()
+
+    return arun(main())
+
+
+def refusals(admin: int) -> dict[str, float]:
+    """`fauxmad_proxy_refusals_total` by code: the answers the proxy wrote itself."""
+    found = re.findall(r'^fauxmad_proxy_refusals_total\{code="(\d+)"\} (\S+)$', scrape(admin), re.M)
+    return {code: float(value) for code, value in found}
+
+
+def counted_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {code: after[code] - before.get(code, 0.0) for code in after if after[code] != before.get(code, 0.0)}
+
+
+def lines_of(proxy: kit.ProxyProcess, word: str) -> list[str]:
+    """The proxy's output lines that say `word` (autostart, autostop)."""
+    return [line for line in proxy.log_path.read_text().splitlines() if f"fauxmad proxy: {word}: " in line]
+
+
 # ---------------------------------------------------------------------------------------------------
 # routing
 
@@ -95,11 +124,15 @@ def test_the_host_picks_the_app_and_the_machine_sees_forwarded_headers(proxy: ki
 
 
 def test_unknown_apps_and_bad_hosts_are_answered_by_the_proxy(proxy: kit.ProxyProcess) -> None:
+    before = refusals(proxy.admin)
     unknown = arun(kit.get(proxy.port, "nosuchapp.localhost"))
     assert unknown.status == 404 and unknown.body == b"unknown app nosuchapp\n"
     other_domain = arun(kit.get(proxy.port, "web.example.com"))
     assert other_domain.status == 404
     assert arun(kit.get(proxy.port, "bad host!")).status == 400
+    # each counted in /metrics by code, though none names an app (the requests counter has no series for them)
+    assert counted_since(before, refusals(proxy.admin)) == {"404": 2.0, "400": 1.0}
+    assert "nosuchapp" not in scrape(proxy.admin)
 
 
 def test_an_app_with_no_started_machine_and_no_autostart_is_a_502_saying_why(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
@@ -186,10 +219,12 @@ def test_at_the_hard_limit_a_request_waits_then_gets_a_503(fleet: DevFleet, app,
 
     try:
         statuses, over = arun(main())
+        counted = refusals(quick.admin)
     finally:
         quick.stop()
     assert statuses == [200, 200]
     assert over.status == 503 and over.headers["retry-after"] == "1"
+    assert counted == {"503": 1.0}, counted
     assert over.body.decode() == f"every machine of {name} is at its hard limit\n"
 
 
@@ -219,6 +254,11 @@ def test_autostart_starts_a_stopped_machine_and_serves_the_request_from_it(
     response = arun(kit.get(proxy.port, f"{name}.localhost"))
     assert response.status == 200 and response.json()["machine"] == stopped
     assert state_of(fleet, name, stopped) == "started"
+    # one line in the proxy's output: which machine, of which app, where and why
+    assert lines_of(proxy, "autostart") and [line for line in lines_of(proxy, "autostart") if name in line] == [
+        f"fauxmad proxy: autostart: started machine {stopped} of app {name} in pxa:"
+        " a request found no started machine under its soft limit"
+    ]
 
 
 def test_over_the_soft_limit_autostart_starts_a_spare_in_the_nearest_region(proxy: kit.ProxyProcess, app) -> None:  # type: ignore[no-untyped-def]
@@ -255,6 +295,10 @@ def test_scale_from_zero_creates_a_machine_inside_the_request(proxy: kit.ProxyPr
 
     (made,) = arun(listed())
     assert made["fauxmad_created_by"] == "proxy" and made["region"] == "pxa"
+    assert [line for line in lines_of(proxy, "autostart") if name in line] == [
+        f"fauxmad proxy: autostart: created machine {machines.pop()} of app {name} in pxa:"
+        " a request found no machine to serve it in pxa"
+    ]
 
 
 def test_idle_machines_are_stopped_keeping_min_machines_running(proxy: kit.ProxyProcess, app, fleet: DevFleet) -> None:  # type: ignore[no-untyped-def]
@@ -274,7 +318,15 @@ def test_idle_machines_are_stopped_keeping_min_machines_running(proxy: kit.Proxy
         finally:
             await client.close()
 
-    assert sorted(arun(main())) == ["started", "stopped"]
+    states = arun(main())
+    assert sorted(states) == ["started", "stopped"]
+    stopped = ids[states.index("stopped")]
+    (line,) = [line for line in lines_of(proxy, "autostop") if name in line]  # the one stopped, not the one kept
+    assert re.fullmatch(
+        rf"fauxmad proxy: autostop: machine {stopped} of app {name} stopped in pxa: no request for \d+s"
+        r" \(idle_timeout 1s\)",
+        line,
+    ), line
     # and a request afterwards is served by the one kept (or wakes the other): never an error
     assert arun(kit.get(proxy.port, f"{name}.localhost")).status == 200
 
@@ -308,6 +360,14 @@ def test_idle_machines_are_suspended_and_a_request_resumes_the_same_process(
 
     seen, took, after = arun(main())
     assert seen[-1] == "suspended" and after == "started"
+    said = [
+        line.split(": ", 2)[1:]
+        for line in proxy.log_path.read_text().splitlines()
+        if line.startswith("fauxmad proxy: auto") and f" of app {name} " in line
+    ]
+    assert [what for what, _ in said] == ["autostop", "autostart"], said
+    assert said[0][1].startswith(f"machine {machine_id} of app {name} suspended in pxa: no request for")
+    assert said[1][1].startswith(f"resumed machine {machine_id} of app {name} in pxa: a request found")
     print(f"\nfirst byte after resume from suspend: {took * 1000:.1f} ms")
 
 
@@ -507,8 +567,11 @@ def test_malformed_requests_get_4xx_or_are_cut_and_the_proxy_stays_up(fleet: Dev
         answers = arun(main())
         after = arun(kit.get(strict.port, f"{name}.localhost"))
         alive = strict.alive()
+        counted = refusals(strict.admin)
     finally:
         strict.stop()
+    # every answer the proxy wrote itself is counted by its code (a 431 or 408 even when the client, cut, missed it)
+    assert counted == {"400": 4.0, "431": 1.0, "408": 1.0, "505": 1.0}, counted
     assert answers["garbage"].startswith(b"HTTP/1.1 400")
     assert answers["no host"].startswith(b"HTTP/1.1 400")
     assert answers["bad header"].startswith(b"HTTP/1.1 400")
@@ -527,14 +590,7 @@ def test_metrics_count_requests_by_app_and_status(proxy: kit.ProxyProcess, app) 
     for _ in range(3):
         assert arun(kit.get(proxy.port, f"{name}.localhost")).status == 200
 
-    async def scrape() -> str:
-        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.admin)
-        writer.write(b"GET /metrics HTTP/1.1\r\nhost: admin\r\n\r\n")
-        data = await reader.read()
-        writer.close()
-        return data.decode()
-
-    text = arun(scrape())
+    text = scrape(proxy.admin)
     assert f'fauxmad_proxy_requests_total{{app="{name}",region="pxa",status="200"}} 3.0' in text
     assert f'fauxmad_proxy_request_seconds_count{{app="{name}"}} 3.0' in text
 

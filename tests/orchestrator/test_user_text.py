@@ -1,4 +1,4 @@
-"""What a user or a machine wrote is shown as written, never obeyed (issue 41, docs/reference/output.md).
+"""What a user or a machine wrote is shown as written, never obeyed (issue 41, docs/reference/status-events-logs.md#user-text-in-every-other-output).
 
 A property test: text drawn from markup (`[`, `]`, `[/x]`, `[bold]`), escape sequences (OSC 0 titles,
 OSC 52 clipboard writes, colours), control characters, right-to-left marks, emoji and 10 KB lines goes

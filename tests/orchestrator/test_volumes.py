@@ -1,4 +1,4 @@
-"""Volumes end to end (README "Volumes"): placement on the volume's worker and its own capacity error, the
+"""Volumes end to end (docs/tutorials/images-and-volumes.md): placement on the volume's worker and its own capacity error, the
 size enforced, a snapshot restored on another worker with its data intact, illegal transitions 409, a worker
 SIGKILLed mid-restore recovering from its log, the CLI as a user runs it.
 

@@ -130,8 +130,8 @@ class WorkerAgent:
             for private in (data, data / "machines"):
                 private.mkdir(exist_ok=True)
                 private.chmod(0o711)
-        # no server at start: one line and exit 3, as every command (README "Stopping"); once connected it
-        # reconnects forever, as an agent does
+        # no server at start: one line and exit 3, as every command (docs/reference/exit-codes.md#stopping);
+        # once connected it reconnects forever, as an agent does
         self.nc = await connect(
             cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", reconnect_forever=True, on_closed=self._on_bus_closed
         )

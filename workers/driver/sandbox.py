@@ -106,7 +106,8 @@ def bwrap_argv(
         argv += ["--bind", path, path]
     for path in dict.fromkeys(readonly):  # an image: shared by machines, written by none
         argv += ["--ro-bind", path, path]
-    for host, inside in binds:  # volumes (README "Volumes"): bwrap makes the mount point in its own root
+    # volumes (docs/tutorials/images-and-volumes.md): bwrap makes the mount point in its own root
+    for host, inside in binds:
         argv += ["--bind", host, inside]
     argv += ["--remount-ro", "/", "--chdir", cwd, "--", *cmd]  # the sandbox's own root: read-only too
     return argv

@@ -129,7 +129,8 @@ class MachineManager:
         self.secret_env = secret_env  # the app's secrets in clear, for the environment only (workers/secrets.py)
         self.held_ports = held_ports  # ports of this worker's machines not destroyed: a create passes them over
         self.images = images  # machines whose config.image is a digest run in their unpacked image
-        self.volumes = volumes  # machines with config.mounts run with those volumes (README "Volumes")
+        # machines with config.mounts run with those volumes (docs/tutorials/images-and-volumes.md)
+        self.volumes = volumes
         self.clock = clock
         self.inflight = 0
         # resumes answered, their records being made: reads show these machines `started` already, as the

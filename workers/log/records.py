@@ -82,7 +82,7 @@ class ImageRecord(msgspec.Struct, tag="image", kw_only=True):
 
 
 class VolumeRecord(msgspec.Struct, tag="volume", kw_only=True):
-    """A volume's new value (README "Volumes"): created, attached, detached, extended, destroyed."""
+    """A volume's new value (docs/tutorials/images-and-volumes.md): created, attached, detached, extended, destroyed."""
 
     seq: int
     at: float

@@ -3,7 +3,7 @@
 Layout (one place owns it): sub-database `log` maps an 8-byte big-endian sequence number to a
 record; `machines` maps a machine id to its `StoredMachine`; `idempotency` maps an idempotency key
 to a machine id; `images` maps an image name to the last time it was used; `volumes` maps a volume id
-to its `Volume` (README "Volumes"); `meta` holds `usage`
+to its `Volume` (docs/tutorials/images-and-volumes.md); `meta` holds `usage`
 (resources held) and `worker` (cordon state). Every change appends one log record and updates the
 derived tables in the same write transaction, so they can never disagree, and `rebuild` recomputes
 them from the log alone to prove it.
