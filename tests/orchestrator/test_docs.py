@@ -51,11 +51,15 @@ GENERATED = ("reference/cli.md", "reference/openapi.json", "reference/asyncapi.j
 README_SECTION = re.compile(r"""README(?:'s)? (["'])([A-Z][^"'\n]*)\1""")
 # a page of the docs cited by its path from the repository's root, with its anchor if any
 DOCS_PATH = re.compile(r"\bdocs/([\w./-]+\.md)(?:#([\w-]+))?")
+# what installs put inside the tree (`npm ci` of tests/bus/asyncapi in .ci/run, caches): other projects' text
+INSTALLED = frozenset({"node_modules", "__pycache__"})
 SOURCES = [
     p
     for top in ("bus", "orchestrator", "workers", "lab", "tests", "deploy", "docs", "examples")
     for p in sorted((ROOT / top).rglob("*"))
-    if p.suffix in {".py", ".md", ".html", ".js", ".toml", ".conf", ".service", ".yml"} and p.is_file()
+    if p.suffix in {".py", ".md", ".html", ".js", ".toml", ".conf", ".service", ".yml"}
+    and p.is_file()
+    and not INSTALLED & set(p.relative_to(ROOT).parts)
 ] + [README, ROOT / "pyproject.toml", ROOT / "justfile"]
 
 
