@@ -92,18 +92,24 @@ class ProxyResult(msgspec.Struct, kw_only=True):
     native_after_create: Latency | None = None
 
 
-def _start_proxy(url: str, log: Path, *, backhaul: bool = False) -> tuple[subprocess.Popen[bytes], int]:
+def _start_proxy(
+    url: str, log: Path, *, backhaul: bool = False, tree: Path | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """A `fauxmad proxy` on a free port, once it listens; `tree`: run another checkout's code (`--against`)."""
     port = free_port()
     argv = [sys.executable, "-m", "orchestrator.cli", "proxy", "--listen", f"127.0.0.1:{port}", "--region", REGION]
     if backhaul:
         argv += ["--backhaul", "always"]
+    env = dict(os.environ) if tree is None else dict(os.environ, PYTHONPATH=str(tree))
     with log.open("ab") as out:
-        proc = subprocess.Popen([*argv, "--nats", url], stdout=out, stderr=out, env=dict(os.environ))
+        proc = subprocess.Popen(
+            [*argv, "--nats", url], stdout=out, stderr=out, env=env, cwd=None if tree is None else str(tree)
+        )
     deadline = time.monotonic() + 20
     while b"listening on" not in log.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise BenchError(f"the proxy did not start: {log.read_text()[-500:]}")
+            raise BenchError(f"the proxy{f' of {tree}' if tree else ''} did not start: {log.read_text()[-500:]}")
         time.sleep(0.05)
     return proc, port
 

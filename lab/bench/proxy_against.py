@@ -13,10 +13,8 @@ median of each side's rounds; the ratios are this tree's over REV's.
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,7 +22,6 @@ from pathlib import Path
 
 import msgspec
 
-from bus.local.ports import free_port
 from lab.bench import BenchError
 from lab.bench import proxy as bench
 from lab.bench.http_client import Client
@@ -83,31 +80,6 @@ def _export(rev: str, into: Path) -> str:
     return commit
 
 
-def _start_proxy_from(tree: Path, url: str, log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """A `fauxmad proxy` run from `tree`'s own code."""
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "orchestrator.cli",
-        "proxy",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--region",
-        bench.REGION,
-    ]
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    with log.open("ab") as out:
-        proc = subprocess.Popen([*argv, "--nats", url], stdout=out, stderr=out, env=env, cwd=str(tree))
-    deadline = time.monotonic() + 20
-    while b"listening on" not in log.read_bytes():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise BenchError(f"the proxy of {tree} did not start: {log.read_text()[-500:]}")
-        time.sleep(0.05)
-    return proc, port
-
-
 async def _three_ways(
     machine_port: int, ports: tuple[int, int], n: int
 ) -> tuple[list[float], list[float], list[float], int, int]:
@@ -144,7 +116,7 @@ def run_proxy_against(
             logs = fleet.root / "logs"
             this_proc, this_port = bench._start_proxy(fleet.url, logs / "proxy-this.log")
             try:
-                other_proc, other_port = _start_proxy_from(tree, fleet.url, logs / "proxy-against.log")
+                other_proc, other_port = bench._start_proxy(fleet.url, logs / "proxy-against.log", tree=tree)
                 try:
                     return _rounds(options, rev, commit, rounds, fleet, machine_port, progress,
                                    (this_proc, this_port), (other_proc, other_port))  # fmt: skip
