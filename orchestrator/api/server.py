@@ -14,6 +14,7 @@ is reported as before, by `wait` and the machine's state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, get_args
 
@@ -167,17 +168,46 @@ async def stop_machine(request: web.Request) -> web.Response:
 
 
 async def restart_machine(request: web.Request) -> web.Response:
-    """Stop (SIGTERM, then SIGKILL after `?timeout=`: seconds or a Go duration, default 10 s), then start."""
+    """Stop (SIGTERM, then SIGKILL after `?timeout=`: seconds or a Go duration, default 10 s), then start, under
+    the caller's lease or one of the restart's own."""
     mid = machine_id(request)
     given = request.query.get("timeout") or "10"
     try:
         timeout = min(seconds(float(given) if given.replace(".", "", 1).isdigit() else given), STOP_TIMEOUT_MAX)
     except ValueError as exc:
         raise ClientError(400, f"timeout: {exc}") from None
-    await ask(request, "stop", StopRequest(id=mid, timeout=timeout, lease_nonce=nonce(request)), timeout=timeout + 15)
-    start = StartRequest(id=mid, lease_nonce=nonce(request))
-    await started(request, await ask(request, "start", start, timeout=35))
+    callers = nonce(request)
+    if callers is not None:  # the caller's own lease covers both steps
+        await _stop_then_start(request, mid, timeout, callers)
+        return json({"ok": True})
+    # No lease given: the restart holds one of its own from the stop to the start. Without it, an operator
+    # (`fauxmad reconcile --watch`) that sees the machine stopped in between leases it to start it, and this
+    # restart's start is refused (409 "leased by fauxmad-reconciler@...") though nobody else asked for anything.
+    held = await request.app[BROKERS].call(
+        subjects.api_machines(app_name(request), "lease"),
+        LeaseRequest(
+            id=mid, ttl=min(timeout + RESTART_LEASE_MARGIN, STOP_TIMEOUT_MAX), holder="a restart through the API"
+        ),
+        Lease,
+        timeout=10,
+    )
+    try:
+        await _stop_then_start(request, mid, timeout, held.nonce)
+    finally:
+        with contextlib.suppress(FauxmadError, TimeoutError):  # it lapses by itself at the end of its ttl anyway
+            subject = subjects.api_machines(app_name(request), "release")
+            await request.app[BROKERS].call(subject, ReleaseRequest(id=mid, nonce=held.nonce), Machine, timeout=10)
     return json({"ok": True})
+
+
+# the restart's own lease: the stop's timeout plus this, the start's 35 s and the requests' own time
+RESTART_LEASE_MARGIN = 60.0
+
+
+async def _stop_then_start(request: web.Request, mid: str, timeout: float, lease_nonce: str) -> None:
+    await ask(request, "stop", StopRequest(id=mid, timeout=timeout, lease_nonce=lease_nonce), timeout=timeout + 15)
+    start = StartRequest(id=mid, lease_nonce=lease_nonce)
+    await started(request, await ask(request, "start", start, timeout=35))
 
 
 async def signal_machine(request: web.Request) -> web.Response:

@@ -7,6 +7,7 @@ import os
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -128,6 +129,35 @@ def test_lease_refuses_a_mutation_without_its_nonce(api: Api) -> None:
     assert status == 200
     status, _ = api.call("DELETE", path + "?force=true")
     assert status == 200
+
+
+def test_a_restart_holds_the_machines_lease_from_its_stop_to_its_start(api: Api) -> None:
+    """A restart is one action: between its stop and its start nobody else may act on the machine. An operator
+    (`reconcile --watch`) that saw it stopped leased it to start it, and the console's restart then got a 409
+    ("leased by fauxmad-reconciler@..."). The machine ignores SIGTERM, so the stop lasts its 3 s timeout."""
+    ignores_term = ["sh", "-c", "trap '' TERM; sleep 300"]
+    stubborn = {"config": {"init": {"cmd": ignores_term}, "guest": {"cpus": 1, "memory_mb": 128}}, "region": "mad"}
+    status, machine = api.call("POST", "/v1/apps/restarted/machines", stubborn)
+    assert status == 200, machine
+    path = f"/v1/apps/restarted/machines/{machine['id']}"
+    status, waited = api.call("GET", path + "/wait?state=started&timeout=30")
+    assert status == 200, waited
+    answer: list[tuple[int, Any]] = []
+    restart = threading.Thread(target=lambda: answer.append(api.call("POST", path + "/restart?timeout=3")))
+    restart.start()
+    try:
+        assert eventually(lambda: api.call("GET", path + "/lease")[0] == 200), "the restart took no lease"
+        status, lease = api.call("GET", path + "/lease")
+        assert status == 200 and lease["data"]["owner"] == "a restart through the API", lease
+        status, refused = api.call("POST", path + "/lease", {"ttl": 15, "description": "an operator"})
+        assert status in (409, 412) and "leased" in refused["error"], refused
+    finally:
+        restart.join(60)
+    assert answer and answer[0][0] == 200, answer
+    status, got = api.call("GET", path)
+    assert status == 200 and got["state"] == "started", got
+    assert api.call("GET", path + "/lease")[0] == 404  # released at its end
+    assert api.call("DELETE", path + "?force=true")[0] == 200
 
 
 @pytest.mark.parametrize(
