@@ -64,8 +64,14 @@ PIECES = [
 CHARS = st.characters(codec="utf-8", exclude_characters="\x00\n")  # NUL: no argv; \n: a new line
 FRAGMENT = st.one_of(st.sampled_from(PIECES), st.text(CHARS, min_size=1, max_size=6))
 SHORT = st.lists(FRAGMENT, min_size=1, max_size=10).map("".join)
-# a 10 KB line (in UTF-8; the worker keeps 16 KB of a line, workers/output.py)
-LONG = SHORT.map(lambda t: (t * (10_240 // len(t) + 1)).encode()[:10_240].decode(errors="ignore"))
+
+
+def _long(text: str) -> str:
+    """`text` repeated to a 10 KB line (in UTF-8; the worker keeps 16 KB of a line, workers/output.py)."""
+    return (text * (10_240 // len(text) + 1)).encode()[:10_240].decode(errors="ignore")
+
+
+LONG = SHORT.map(_long)
 TEXT = st.one_of(SHORT, SHORT, LONG)
 NAME = st.from_regex(r"[a-z0-9][a-z0-9_-]{0,20}", fullmatch=True)
 
@@ -136,6 +142,14 @@ def logs_of(url: str, app: str, count: int) -> list[dict[str, Any]]:
 )
 @given(name=NAME, said=TEXT, meta=TEXT, env=TEXT)
 @example(name="talk", said="[info] hello [/x] world", meta="[bold]x[/bold]", env="\x1b]0;PWNED\x07\x1b[31mRED")
+# a fresh-clone CI run's draw (before derandomize): a 10 KB env value of CRs, C1 and C0 bytes and a character of
+# the astral plane (two columns wide), beside a 10 KB command line; `machine show` in a terminal missed its line
+@example(
+    name="0nsmyr",
+    said=_long(" \xa6%B\xa8\xde\x1b[31mREDL"),
+    meta="\x1b]0;PWNED\x07",
+    env=_long("\r\x9d\x16\U000262c93\x17\xb6?\xbf\x07\x96O"),
+)
 def test_user_text_is_shown_as_written(url: str, name: str, said: str, meta: str, env: str) -> None:
     app = f"said-{next(counter)}"
     machine = as_json(
