@@ -127,7 +127,10 @@ def test_keyed_creates_land_while_a_servers_host_is_cut_and_one_machine_per_key_
     print(f"every stream whole again {arun(_whole(fleet.url, 90.0)):.1f}s after the worker was listed")
 
     async def machines() -> list[tuple[str, str, str]]:
+        assert fleet.hosts is not None
         client = await FleetClient.connect(fleet.url)
+        server = client.nc.connected_url.netloc if client.nc.connected_url else "?"
+        print(f"the keys asked again through the server at {server} (host c: {fleet.hosts[CUT].address})")
         try:
             for key in acked:  # the same key again after the heal: the same machine, never a second one
                 again = CreateRequest(region=REGION, config=SLEEPER, name=key, skip_launch=True, idempotency_key=key)
