@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from bus.contract import subjects
+from bus.contract.base import VOLUME_ID_PATTERN
 from bus.contract.volumes import (
     Volume,
     VolumeApiCreateRequest,
@@ -23,7 +24,7 @@ from orchestrator.api import types
 from orchestrator.api.http import BROKERS, ClientError, app_name, body, json
 
 T = TypeVar("T")
-_VOLUME_ID = re.compile(r"^vol_[0-9a-z]{16}$")
+_VOLUME_ID = re.compile(VOLUME_ID_PATTERN)
 
 
 def volume_id(request: web.Request) -> str:
