@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from bus.contract.base import Cpus, MachineId, MemoryMb, Name, Reply, Request, Seconds, State, Token, VolumeId, seconds
+from bus.contract.errors import BadRequest
 
 Sandbox = Literal["none", "bwrap"]
 
@@ -89,6 +90,11 @@ class MachineConfig(Request):
             raise ValueError("workdir must be an absolute path")
         if len({mount.volume for mount in self.mounts}) != len(self.mounts):
             raise ValueError("mounts: a volume can be mounted once")
+
+    def require_command(self) -> None:
+        """A config may leave `cmd` out where an image's manifest gives one; what is run must have one."""
+        if not self.cmd:
+            raise BadRequest("config.cmd is required: the process driver needs a command to run")
 
 
 class ExitInfo(Reply):

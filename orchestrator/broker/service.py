@@ -243,8 +243,7 @@ class Broker:
         return spec is not None and spec.http_service is not None
 
     async def create(self, app: str, req: CreateRequest) -> Machine:
-        if not req.config.cmd:
-            raise BadRequest("config.cmd is required: the process driver needs a command to run")
+        req.config.require_command()
         strategy = req.strategy or self.config.auction.strategy
         if req.idempotency_key:
             key = req.idempotency_key
