@@ -126,7 +126,7 @@ async def create_machine(request: web.Request) -> web.Response:
     req = await body(request, types.CreateMachineRequest)
     config = await machine_config(request, req.config)
     create = CreateRequest(region=req.region, config=config, name=req.name, skip_launch=req.skip_launch)
-    return json(types.machine(await started(request, await ask(request, "create", create, timeout=40))))
+    return json(types.machine(await started(request, await ask(request, "create", create))))
 
 
 async def get_machine(request: web.Request) -> web.Response:
@@ -139,7 +139,7 @@ async def update_machine(request: web.Request) -> web.Response:
     req = await body(request, types.UpdateMachineRequest)
     config = await machine_config(request, req.config)
     update = UpdateRequest(id=mid, config=config, lease_nonce=nonce(request))
-    return json(types.machine(await started(request, await ask(request, "update", update, timeout=45))))
+    return json(types.machine(await started(request, await ask(request, "update", update))))
 
 
 async def delete_machine(request: web.Request) -> web.Response:
@@ -150,7 +150,7 @@ async def delete_machine(request: web.Request) -> web.Response:
 
 async def start_machine(request: web.Request) -> web.Response:
     start = StartRequest(id=machine_id(request), lease_nonce=nonce(request))
-    await started(request, await ask(request, "start", start, timeout=35))
+    await started(request, await ask(request, "start", start))
     return json({"previous_state": "", "migrated": False, "new_host": ""})
 
 
@@ -162,7 +162,7 @@ async def stop_machine(request: web.Request) -> web.Response:
     except ValueError as exc:
         raise ClientError(400, str(exc)) from None
     stop = StopRequest(id=mid, signal=req.signal, timeout=timeout, lease_nonce=nonce(request))
-    await ask(request, "stop", stop, timeout=timeout + 15)
+    await ask(request, "stop", stop, own_timeout=timeout)
     return json({"ok": True})
 
 
@@ -174,9 +174,9 @@ async def restart_machine(request: web.Request) -> web.Response:
         timeout = min(seconds(float(given) if given.replace(".", "", 1).isdigit() else given), STOP_TIMEOUT_MAX)
     except ValueError as exc:
         raise ClientError(400, f"timeout: {exc}") from None
-    await ask(request, "stop", StopRequest(id=mid, timeout=timeout, lease_nonce=nonce(request)), timeout=timeout + 15)
+    await ask(request, "stop", StopRequest(id=mid, timeout=timeout, lease_nonce=nonce(request)), own_timeout=timeout)
     start = StartRequest(id=mid, lease_nonce=nonce(request))
-    await started(request, await ask(request, "start", start, timeout=35))
+    await started(request, await ask(request, "start", start))
     return json({"ok": True})
 
 
@@ -206,7 +206,7 @@ async def wait_machine(request: web.Request) -> web.Response:
     states, timeout = _wait_args(request)
     mid = machine_id(request)
     waits = [
-        asyncio.ensure_future(ask(request, "wait", WaitRequest(id=mid, state=s, timeout=timeout), timeout + 10))  # type: ignore[arg-type]
+        asyncio.ensure_future(ask(request, "wait", WaitRequest(id=mid, state=s, timeout=timeout), own_timeout=timeout))  # type: ignore[arg-type]
         for s in states
     ]
     try:
