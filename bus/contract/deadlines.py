@@ -28,7 +28,7 @@ VOLUME_EXTRA_WAIT = {  # volume verbs, on top of the base
     "extend": 60.0,
     "destroy": 60.0,
 }
-HOP_MARGIN = 5.0  # the broker waits this much less than its caller
+HOP_MARGIN = 2.0  # the broker waits this much less than its caller: enough to answer in words, no more
 
 
 def caller_wait(verb: str, own_timeout: float | None = None, *, base: float = DEFAULT_WAIT) -> float:
