@@ -19,6 +19,7 @@ from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.codec import decode
+from bus.contract.deadlines import caller_wait, volume_wait
 from bus.contract.errors import NotFound
 from bus.contract.fleet import (
     CordonRequest,
@@ -127,6 +128,10 @@ class FleetClient:
     async def close(self) -> None:
         await self.nc.close()
 
+    def _wait(self, verb: str) -> float:
+        """How long this client waits for `verb` (`bus.contract.deadlines`, from this client's base `timeout`)."""
+        return caller_wait(verb, base=self.timeout)
+
     def _verb(self, app: str, verb: str) -> str:
         return subjects.api_edge(app, verb) if self.edge else subjects.api_machines(app, verb)
 
@@ -137,8 +142,8 @@ class FleetClient:
         if not self.edge and subjects.TOKEN.fullmatch(req.region):
             with contextlib.suppress(NoResponders):
                 subject = subjects.api_machines_create_in(app, req.region)
-                return await call(self.nc, subject, req, Machine, timeout=self.timeout + 20)
-        return await call(self.nc, self._verb(app, "create"), req, Machine, timeout=self.timeout + 20)
+                return await call(self.nc, subject, req, Machine, timeout=self._wait("create"))
+        return await call(self.nc, self._verb(app, "create"), req, Machine, timeout=self._wait("create"))
 
     async def run(self, app: str, region: str, config: MachineConfig, **options: Any) -> Machine:
         return await self.create(app, CreateRequest(region=region, config=config, **options))
@@ -165,7 +170,7 @@ class FleetClient:
             self._verb(app, "start"),
             StartRequest(id=machine_id),
             Machine,
-            timeout=self.timeout + 20,
+            timeout=self._wait("start"),
         )
 
     async def stop(self, app: str, machine_id: str, *, signal: str = "SIGTERM", timeout: float = 10.0) -> Machine:
@@ -174,7 +179,7 @@ class FleetClient:
             self._verb(app, "stop"),
             StopRequest(id=machine_id, signal=signal, timeout=timeout),
             Machine,
-            timeout=timeout + 15,
+            timeout=caller_wait("stop", timeout),
         )
 
     async def suspend(self, app: str, machine_id: str) -> Machine:
@@ -183,7 +188,7 @@ class FleetClient:
 
     async def resume(self, app: str, machine_id: str) -> Machine:
         request = ResumeRequest(id=machine_id)
-        return await call(self.nc, self._verb(app, "resume"), request, Machine, timeout=self.timeout)
+        return await call(self.nc, self._verb(app, "resume"), request, Machine, timeout=self._wait("resume"))
 
     async def wake_on(self, worker_id: str, machine_id: str, verb: str) -> Machine:
         """`start` or `resume` asked of the machine's worker itself, as fly-proxy asks flyd: an edge proxy knows
@@ -195,14 +200,14 @@ class FleetClient:
                 subjects.worker_machines(worker_id, "resume"),
                 ResumeRequest(id=machine_id),
                 Machine,
-                timeout=self.timeout,
+                timeout=self._wait("resume"),
             )
         return await call(
             self.nc,
             subjects.worker_machines(worker_id, "start"),
             StartRequest(id=machine_id),
             Machine,
-            timeout=self.timeout + 20,
+            timeout=self._wait("start"),
         )
 
     async def destroy(self, app: str, machine_id: str, *, force: bool = False) -> Machine:
@@ -211,7 +216,7 @@ class FleetClient:
             subjects.api_machines(app, "destroy"),
             DestroyRequest(id=machine_id, force=force),
             Machine,
-            timeout=self.timeout + 15,
+            timeout=self._wait("destroy"),
         )
 
     async def wait(self, app: str, machine_id: str, state: str, timeout: float = 60.0) -> Machine:
@@ -220,7 +225,7 @@ class FleetClient:
             subjects.api_machines(app, "wait"),
             WaitRequest(id=machine_id, state=state, timeout=timeout),  # type: ignore[arg-type]
             Machine,
-            timeout=timeout + 10,
+            timeout=caller_wait("wait", timeout),
         )
 
     async def update(self, app: str, machine_id: str, config: MachineConfig) -> Machine:
@@ -229,7 +234,7 @@ class FleetClient:
             subjects.api_machines(app, "update"),
             UpdateRequest(id=machine_id, config=config),
             Machine,
-            timeout=self.timeout + 30,
+            timeout=self._wait("update"),
         )
 
     async def signal(self, app: str, machine_id: str, signal: str) -> Machine:
@@ -248,7 +253,7 @@ class FleetClient:
             subjects.api_machines(app, "exec"),
             ExecRequest(id=machine_id, cmd=cmd, timeout=timeout),
             ExecReply,
-            timeout=timeout + 10,
+            timeout=caller_wait("exec", timeout),
         )
 
     async def wait_up(
@@ -354,7 +359,9 @@ class FleetClient:
         self, app: str, region: str, name: str, size_gb: int = 1, *, snapshot_id: str | None = None
     ) -> Volume:
         req = VolumeApiCreateRequest(region=region, name=name, size_gb=size_gb, snapshot_id=snapshot_id)
-        return await call(self.nc, subjects.api_volumes(app, "create"), req, Volume, timeout=self.timeout + 600)
+        return await call(
+            self.nc, subjects.api_volumes(app, "create"), req, Volume, timeout=volume_wait("create", base=self.timeout)
+        )
 
     async def volume_list(self, app: str, *, include_destroyed: bool = False) -> builtins.list[Volume]:
         req = VolumeApiListRequest(include_destroyed=include_destroyed)
@@ -366,16 +373,24 @@ class FleetClient:
 
     async def volume_extend(self, app: str, volume_id: str, size_gb: int) -> Volume:
         req = VolumeExtendRequest(id=volume_id, size_gb=size_gb)
-        return await call(self.nc, subjects.api_volumes(app, "extend"), req, Volume, timeout=self.timeout + 60)
+        return await call(
+            self.nc, subjects.api_volumes(app, "extend"), req, Volume, timeout=volume_wait("extend", base=self.timeout)
+        )
 
     async def volume_destroy(self, app: str, volume_id: str) -> Volume:
         req = VolumeIdRequest(id=volume_id)
-        return await call(self.nc, subjects.api_volumes(app, "destroy"), req, Volume, timeout=self.timeout + 60)
+        return await call(
+            self.nc,
+            subjects.api_volumes(app, "destroy"),
+            req,
+            Volume,
+            timeout=volume_wait("destroy", base=self.timeout),
+        )
 
     async def volume_snapshot(self, app: str, volume_id: str) -> VolumeSnapshot:
         req = VolumeIdRequest(id=volume_id)
         subject = subjects.api_volumes(app, "snapshot")
-        return await call(self.nc, subject, req, VolumeSnapshot, timeout=self.timeout + 600)
+        return await call(self.nc, subject, req, VolumeSnapshot, timeout=volume_wait("snapshot", base=self.timeout))
 
     async def volume_snapshots(self, app: str, volume_id: str) -> builtins.list[VolumeSnapshot]:
         req = VolumeIdRequest(id=volume_id)

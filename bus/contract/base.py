@@ -20,7 +20,8 @@ MACHINE_ID = re.compile(r"^[0-9a-f]{14}$")
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
 
 
-Token = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # one subject token a user may name: an app, a region, a key
+Token = Annotated[str, msgspec.Meta(pattern=TOKEN_PATTERN)]
 
 
 MachineId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{14}$")]
@@ -30,6 +31,20 @@ Name = Annotated[str, msgspec.Meta(pattern=NAME)]
 
 
 Seconds = Annotated[float, msgspec.Meta(ge=0, le=86400)]
+
+
+# A guest's bounds, written once: machines, offers, jobs, the HTTP API and the app spec all size a guest with them.
+Cpus = Annotated[int, msgspec.Meta(ge=1, le=1024)]
+
+
+MemoryMb = Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)]
+
+
+VOLUME_ID_PATTERN = r"^vol_[0-9a-z]{16}$"
+VolumeId = Annotated[str, msgspec.Meta(pattern=VOLUME_ID_PATTERN)]
+
+
+SnapshotId = Annotated[str, msgspec.Meta(pattern=r"^vs_[0-9a-z]{16}$")]
 
 
 State = Literal[

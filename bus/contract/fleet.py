@@ -9,8 +9,8 @@ from typing import Annotated, Literal
 import msgspec
 
 from bus.contract.base import Name, Reply, Request, Token
-from bus.contract.machines import MachineConfig
-from bus.contract.offers import OfferGuest, Resources
+from bus.contract.machines import Guest, MachineConfig
+from bus.contract.offers import Resources
 
 
 class WorkerInfo(Reply):
@@ -74,7 +74,7 @@ class SimulateRequest(Request):
 
     app: Token
     region: Token
-    guest: OfferGuest = msgspec.field(default_factory=OfferGuest)
+    guest: Guest = msgspec.field(default_factory=Guest)
     image: str | None = None
     strategy: Strategy | None = None
     placement_preset: Preset | None = None

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from bus.contract.base import Reply, Request, Token
+from bus.contract.base import Cpus, MemoryMb, Reply, Request, Token
 
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -49,8 +49,8 @@ class JobSubmitRequest(Request):
     app: Token
     cmd: Annotated[list[str], msgspec.Meta(max_length=4096)] = []
     env: dict[str, str] = {}
-    cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
+    cpus: Cpus = 1
+    memory_mb: MemoryMb = 256
     timeout: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 3600.0
     max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
     count: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)] = 1

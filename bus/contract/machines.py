@@ -8,14 +8,15 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from bus.contract.base import MachineId, Name, Reply, Request, Seconds, State, Token, seconds
+from bus.contract.base import Cpus, MachineId, MemoryMb, Name, Reply, Request, Seconds, State, Token, VolumeId, seconds
+from bus.contract.errors import BadRequest
 
 Sandbox = Literal["none", "bwrap"]
 
 
 class Guest(Request):
-    cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
+    cpus: Cpus = 1
+    memory_mb: MemoryMb = 256
     cpu_kind: Literal["shared", "performance"] = "shared"
     # addition: "bwrap" runs the machine in its own pid, mount, ipc and uts namespaces
     # (docs/tutorials/images-and-volumes.md)
@@ -60,7 +61,7 @@ class Mount(Request):
     """A volume the machine mounts (docs/tutorials/images-and-volumes.md): it runs on the volume's worker, the volume at
     `path`."""
 
-    volume: Annotated[str, msgspec.Meta(pattern=r"^vol_[0-9a-z]{16}$")]
+    volume: VolumeId
     path: Annotated[str, msgspec.Meta(pattern=r"^/[^\0]*$", max_length=4096)]
 
 
@@ -89,6 +90,11 @@ class MachineConfig(Request):
             raise ValueError("workdir must be an absolute path")
         if len({mount.volume for mount in self.mounts}) != len(self.mounts):
             raise ValueError("mounts: a volume can be mounted once")
+
+    def require_command(self) -> None:
+        """A config may leave `cmd` out where an image's manifest gives one; what is run must have one."""
+        if not self.cmd:
+            raise BadRequest("config.cmd is required: the process driver needs a command to run")
 
 
 class ExitInfo(Reply):

@@ -4,12 +4,10 @@ worker's answer, an offer with its numbers or a decline with a named reason.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
-
 import msgspec
 
 from bus.contract.base import Reply, Request, Token
-from bus.contract.machines import Sandbox
+from bus.contract.machines import Guest
 
 
 class Resources(Reply):
@@ -17,17 +15,10 @@ class Resources(Reply):
     memory_mb: int = 0
 
 
-class OfferGuest(Request):
-    cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
-    cpu_kind: Literal["shared", "performance"] = "shared"
-    sandbox: Sandbox = "none"  # addition
-
-
 class OfferRequest(Request):
     app: Token
     region: Token
-    guest: OfferGuest = msgspec.field(default_factory=OfferGuest)
+    guest: Guest = msgspec.field(default_factory=Guest)
     image: str | None = None
     request_id: str | None = None
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import re
 from typing import Any, get_type_hints
 
-from bus.contract.base import MachineId, Name, Token
+from bus.contract.base import MachineId, Name, SnapshotId, Token, VolumeId
 from bus.contract.images import Digest, ImageTag, UploadId
 from bus.contract.jobs import JobId
 from bus.contract.machines import Mount
-from bus.contract.volumes import SnapshotId, VolumeId
 
 TOKEN_RULE = "1-64 letters, digits, '-' or '_'"
 

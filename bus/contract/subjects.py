@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from bus.contract.base import TOKEN_PATTERN
 from bus.contract.codec import clip
 from bus.contract.errors import BadRequest
 from bus.contract.verbs import API_REQUESTS, API_VOLUME_REQUESTS, WORKER_REQUESTS, WORKER_VOLUME_REQUESTS
@@ -39,7 +40,7 @@ API_VERBS = tuple(API_REQUESTS)
 WORKER_VOLUME_VERBS = tuple(WORKER_VOLUME_REQUESTS)
 API_VOLUME_VERBS = tuple(API_VOLUME_REQUESTS)
 
-TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # one subject token a user may name
+TOKEN = re.compile(TOKEN_PATTERN)  # one subject token a user may name
 
 
 def check_token(kind: str, value: str) -> str:

@@ -8,13 +8,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from bus.contract.base import Name, Reply, Request, Token
-
-VolumeId = Annotated[str, msgspec.Meta(pattern=r"^vol_[0-9a-z]{16}$")]
-
-
-SnapshotId = Annotated[str, msgspec.Meta(pattern=r"^vs_[0-9a-z]{16}$")]
-
+from bus.contract.base import Name, Reply, Request, SnapshotId, Token, VolumeId
 
 SizeGb = Annotated[int, msgspec.Meta(ge=1, le=500)]  # Fly's largest volume
 

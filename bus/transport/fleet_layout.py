@@ -45,6 +45,7 @@ from bus.contract import subjects
 from bus.contract.errors import Conflict, Unreachable
 from bus.transport import layout as layouts
 from bus.transport.layout import Layout
+from bus.transport.placed_kv import create_placed_kv
 
 log = logging.getLogger(__name__)
 
@@ -281,9 +282,7 @@ async def _layout_bucket(js: JetStreamContext, layout: Layout) -> Any:
         config.placement = Placement(cluster=layout.home)
     try:
         if config.placement is not None:
-            from bus.transport.jetstream import _create_placed_kv
-
-            return await _create_placed_kv(js, config)
+            return await create_placed_kv(js, config)
         return await js.create_key_value(config)
     except BadRequestError:  # made meanwhile by another process
         return await js.key_value(LAYOUT_BUCKET)

@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, KeyValueConfig, PersistMode, Placement, StorageType, StreamConfig, StreamSource
+from nats.js.api import KeyValueConfig, PersistMode, Placement, StorageType, StreamConfig, StreamSource
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -46,6 +46,7 @@ from bus.contract.errors import Unreachable
 from bus.transport import layout as layouts
 from bus.transport.fleet_layout import Told, fleet_layout, why_unanswered
 from bus.transport.layout import Layout
+from bus.transport.placed_kv import create_placed_kv
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig) -> Key
     place_at_home(config, await fleet_layout(js, fresh=True))  # created now: as the fleet's layout says now
     try:
         if config.placement is not None:
-            return await _create_placed_kv(js, config)
+            return await create_placed_kv(js, config)
         return await js.create_key_value(config)
     except BadRequestError:
         # created meanwhile by another process, with a different config (an older layout): bind to it
@@ -262,38 +263,6 @@ async def ensure_fleet_resources_patiently(
                 log.warning("%s (asking again for up to %gs)", exc, within)
                 said = True
             await asyncio.sleep(0.5)
-
-
-async def _create_placed_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
-    """A KV bucket in the cluster `config.placement` names: nats-py's `create_key_value` leaves placement out of
-    the stream it creates (the stream would land wherever the request did), so the stream is made here with
-    the settings nats-py gives a bucket, plus the placement, and then bound as a bucket."""
-    assert config.bucket is not None
-    marker_ttl = config.limit_marker_ttl if config.limit_marker_ttl and config.limit_marker_ttl > 0 else None
-    await js.add_stream(
-        StreamConfig(
-            name=f"KV_{config.bucket}",
-            description=config.description,
-            subjects=[subjects.kv_put(config.bucket, ">")],
-            allow_direct=config.direct,
-            allow_rollup_hdrs=True,
-            allow_msg_ttl=True,
-            deny_delete=True,
-            discard=DiscardPolicy.NEW,
-            duplicate_window=min(120.0, config.ttl) if config.ttl else 120.0,
-            max_age=config.ttl,
-            max_bytes=config.max_bytes,
-            max_consumers=-1,
-            max_msg_size=config.max_value_size,
-            max_msgs=-1,
-            max_msgs_per_subject=config.history,
-            num_replicas=config.replicas,
-            storage=config.storage,
-            placement=config.placement,
-            subject_delete_marker_ttl=marker_ttl,
-        )
-    )
-    return await js.key_value(config.bucket)
 
 
 async def ensure_fleet_resources(

@@ -2,7 +2,9 @@
 
 - `reference/cli.md`: every `fauxmad` command, group and option, walked from the typer app's click tree;
 - `reference/openapi.json`: the OpenAPI document `fauxmad api` serves at `/openapi.json`;
-- `reference/asyncapi.json`: the NATS contract, as `fauxmad schema asyncapi` prints it.
+- `reference/asyncapi.json`: the NATS contract, as `fauxmad schema asyncapi` prints it;
+- the architecture page's Layout (`on_page_markdown`): every package and module of the tree, each package said in
+  the first sentence of its own docstring, so the page cannot go stale when a module is added, moved or removed.
 
 They are added to the build (`on_files`), never written into docs/, so `mkdocs build --strict` checks the links
 to them like any page's. `cli_reference` needs no mkdocs (tests/orchestrator/test_docs.py reads its pointers).
@@ -10,7 +12,9 @@ to them like any page's. `cli_reference` needs no mkdocs (tests/orchestrator/tes
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -75,6 +79,43 @@ def cli_reference() -> str:
 
 def _json(document: dict[str, Any]) -> str:
     return json.dumps(document, indent=2, sort_keys=False) + "\n"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = ("lab", "orchestrator", "workers", "bus")  # top to bottom: the arrows of the import contracts go down
+LAYOUT_MARKER = "<!-- generated: layout -->"
+
+
+def _first_sentence(path: Path) -> str:
+    docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+    paragraph = " ".join(docstring.split("\n\n")[0].split())
+    end = paragraph.find(". ")
+    return paragraph if end < 0 else paragraph[: end + 1]
+
+
+def _package_lines(package: Path, depth: int, out: list[str]) -> None:
+    relative = package.relative_to(ROOT).as_posix()
+    indent = "    " * depth
+    out.append(f"{indent}- **`{relative}/`** {_first_sentence(package / '__init__.py')}")
+    modules = sorted(p.stem for p in package.glob("*.py") if p.stem != "__init__")
+    if modules:
+        out.append(f"{indent}    Modules: {', '.join(f'`{m}`' for m in modules)}.")
+    for child in sorted(p.parent for p in package.glob("*/__init__.py")):
+        _package_lines(child, depth + 1, out)
+
+
+def layout() -> str:
+    """The tree's packages and modules, from the code itself: what the Layout section of the architecture page shows."""
+    out: list[str] = []
+    for layer in LAYERS:
+        _package_lines(ROOT / layer, 0, out)
+    return "\n".join(out) + "\n"
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    if LAYOUT_MARKER in markdown:
+        return markdown.replace(LAYOUT_MARKER, layout())
+    return markdown
 
 
 def on_files(files: Files, config: Any) -> Files:

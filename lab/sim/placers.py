@@ -13,7 +13,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from bus.contract.offers import OfferGuest, OfferRequest
+from bus.contract.machines import Guest
+from bus.contract.offers import OfferRequest
 from lab.sim.model import Arrival, SimWorker
 from orchestrator.placement.config import PlacementConfig, with_preset
 from orchestrator.placement.stack import rank
@@ -24,7 +25,7 @@ STRATEGIES = ("scatter", "p2c-2", "p2c-3", "p2c-2-strict", "binpack", "spread", 
 
 def _request(arrival: Arrival) -> OfferRequest:
     return OfferRequest(
-        app=arrival.app, region=arrival.region, guest=OfferGuest(cpus=arrival.cpus, memory_mb=arrival.memory_mb)
+        app=arrival.app, region=arrival.region, guest=Guest(cpus=arrival.cpus, memory_mb=arrival.memory_mb)
     )
 
 

@@ -16,7 +16,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import msgspec
 
-from bus.contract.offers import OfferGuest, OfferRequest
+from bus.contract.machines import Guest
+from bus.contract.offers import OfferRequest
 from lab.sim.model import Arrival, Departures, Fleet, SimWorker, trace
 from lab.sim.placers import placer
 from orchestrator.placement.config import PlacementConfig, with_preset
@@ -128,7 +129,7 @@ def balls_into_bins(n: int, seed: int) -> BallsIntoBins:
     """n unit balls into n bins, choosing among d sampled bins with the real chain (preset `spread`, so the
     less loaded bin of the sample scores higher); the maximum load for d = 1, 2, 3."""
     config = with_preset(PlacementConfig(), "spread")
-    request = OfferRequest(app="balls", region="r", guest=OfferGuest(cpus=1, memory_mb=1))
+    request = OfferRequest(app="balls", region="r", guest=Guest(cpus=1, memory_mb=1))
     result: dict[int, int] = {}
     for d in (1, 2, 3):
         rng = random.Random(seed + d)

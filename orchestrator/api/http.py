@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from bus.contract import subjects
 from bus.contract.base import MACHINE_ID
 from bus.contract.codec import decode, encode
+from bus.contract.deadlines import caller_wait
 from bus.contract.errors import BadRequest, Unanswered
 from bus.contract.machines import Machine
 from bus.contract.rules import in_words
@@ -102,9 +103,10 @@ def flag(request: web.Request, name: str) -> bool:
     return request.query.get(name, "").lower() in ("1", "true", "yes")
 
 
-async def ask(request: web.Request, verb: str, payload: Any, timeout: float = 30.0) -> Machine:
+async def ask(request: web.Request, verb: str, payload: Any, *, own_timeout: float | None = None) -> Machine:
+    """`verb` asked of the brokers, waited for as long as the contract's table says (`bus.contract.deadlines`)."""
     subject = subjects.api_machines(app_name(request), verb)
-    return await request.app[BROKERS].call(subject, payload, Machine, timeout=timeout)
+    return await request.app[BROKERS].call(subject, payload, Machine, timeout=caller_wait(verb, own_timeout))
 
 
 def nonce(request: web.Request) -> str | None:

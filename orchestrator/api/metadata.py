@@ -40,7 +40,7 @@ async def _relabel(request: web.Request, key: str, value: str | None) -> web.Res
     else:
         labels[key] = value
     config = msgspec.structs.replace(got.config, metadata=labels)
-    await ask(request, "update", UpdateRequest(id=mid, config=config, lease_nonce=nonce(request)), timeout=45)
+    await ask(request, "update", UpdateRequest(id=mid, config=config, lease_nonce=nonce(request)))
     return web.Response(status=204)
 
 

@@ -7,7 +7,7 @@ from typing import Any, get_args
 
 import msgspec
 
-from bus.contract.base import State
+from bus.contract.base import TOKEN_PATTERN, VOLUME_ID_PATTERN, State
 from bus.contract.volumes import Volume, VolumeSnapshot
 from orchestrator.api import types
 
@@ -43,14 +43,14 @@ _APP = {
     "name": "app_name",
     "in": "path",
     "required": True,
-    "schema": {"type": "string", "pattern": r"^[A-Za-z0-9_-]{1,64}$"},
+    "schema": {"type": "string", "pattern": TOKEN_PATTERN},
 }
 _ID = {"name": "machine_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _VOLUME = {
     "name": "volume_id",
     "in": "path",
     "required": True,
-    "schema": {"type": "string", "pattern": r"^vol_[0-9a-z]{16}$"},
+    "schema": {"type": "string", "pattern": VOLUME_ID_PATTERN},
 }
 
 

@@ -12,7 +12,7 @@ from aiohttp import web
 from bus.contract import subjects
 from bus.contract.codec import decode
 from bus.contract.fleet import RegionSummary, SimulateRequest, WorkerInfo, WorkersListRequest
-from bus.contract.offers import OfferGuest
+from bus.contract.machines import Guest
 from orchestrator.api import types
 from orchestrator.api.http import BROKERS, body, json
 
@@ -37,7 +37,7 @@ async def placements(req_: web.Request) -> web.Response:
     else:
         regions = req.region.split(",")
     out = []
-    guest = OfferGuest(cpus=req.compute.cpus, memory_mb=req.compute.memory_mb, cpu_kind=req.compute.cpu_kind)
+    guest = Guest(cpus=req.compute.cpus, memory_mb=req.compute.memory_mb, cpu_kind=req.compute.cpu_kind)
     for region in regions:
         workers = await brokers.call(
             subjects.API_WORKERS_LIST, WorkersListRequest(region=region), list[WorkerInfo], timeout=10

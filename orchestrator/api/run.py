@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import secrets
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,6 @@ from bus.transport.jetstream import ensure_audit_stream, revoked_tokens_bucket
 from orchestrator.api.auth import Auth, RevokedTokens
 from orchestrator.api.server import build
 from orchestrator.broker.service import Broker, BrokerConfig
-from orchestrator.console.guard import Network, TrustedProxies
 from orchestrator.security.tokens import KEY_BYTES
 
 
@@ -109,12 +109,11 @@ async def serve(
     token: bytes | None = None,
     root_key: bytes | None = None,
     metrics: tuple[str, int] | None = None,
-    proxy_metrics: list[str] | None = None,
     tls: ssl.SSLContext | None = None,
-    trusted_proxies: list[Network] | None = None,
+    extend: Callable[[web.Application, Auth], None] | None = None,
 ) -> None:
-    from orchestrator.console.routes import attach  # the web console at /ui (orchestrator.console)
-
+    """Serve the API until cancelled. `extend` adds what is served beside it with the same tokens (the CLI passes the
+    web console's routes, `orchestrator.console.routes.attach`: the console stands on the API, not the reverse)."""
     if metrics is not None:
         start_http_server(metrics[1], metrics[0])
     nc = await connect(nats_url, "fauxmad-api", reconnect_forever=True)
@@ -129,7 +128,8 @@ async def serve(
         auth = Auth(static_token=token, root_key=root_key, revoked=revoked)
         await broker.start(serve=False)  # placements happen here, as Fly's flaps does them (orchestrator.api.http)
         app = build(nc, auth=auth, broker=broker)
-        attach(app, auth, proxy_metrics=proxy_metrics, trusted=TrustedProxies(trusted_proxies or []))
+        if extend is not None:
+            extend(app, auth)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT)
         await runner.setup()
         site = web.TCPSite(runner, host, port, ssl_context=tls)

@@ -23,6 +23,7 @@ from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.base import State, seconds
+from bus.contract.deadlines import caller_wait
 from bus.contract.errors import FauxmadError
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import (
@@ -86,7 +87,7 @@ async def list_machines(request: web.Request) -> web.Response:
     include_deleted = include_deleted or "destroyed" in states
     wanted = ListRequest(state=states[0] if len(states) == 1 else None, include_destroyed=include_deleted)  # type: ignore[arg-type]
     found = await request.app[BROKERS].call(
-        subjects.api_machines(app_name(request), "list"), wanted, list[Machine], timeout=10
+        subjects.api_machines(app_name(request), "list"), wanted, list[Machine], timeout=caller_wait("list")
     )
     if region is not None:
         found = [m for m in found if m.region == region]
@@ -127,7 +128,7 @@ async def create_machine(request: web.Request) -> web.Response:
     req = await body(request, types.CreateMachineRequest)
     config = await machine_config(request, req.config)
     create = CreateRequest(region=req.region, config=config, name=req.name, skip_launch=req.skip_launch)
-    return json(types.machine(await started(request, await ask(request, "create", create, timeout=40))))
+    return json(types.machine(await started(request, await ask(request, "create", create))))
 
 
 async def get_machine(request: web.Request) -> web.Response:
@@ -140,7 +141,7 @@ async def update_machine(request: web.Request) -> web.Response:
     req = await body(request, types.UpdateMachineRequest)
     config = await machine_config(request, req.config)
     update = UpdateRequest(id=mid, config=config, lease_nonce=nonce(request))
-    return json(types.machine(await started(request, await ask(request, "update", update, timeout=45))))
+    return json(types.machine(await started(request, await ask(request, "update", update))))
 
 
 async def delete_machine(request: web.Request) -> web.Response:
@@ -151,7 +152,7 @@ async def delete_machine(request: web.Request) -> web.Response:
 
 async def start_machine(request: web.Request) -> web.Response:
     start = StartRequest(id=machine_id(request), lease_nonce=nonce(request))
-    await started(request, await ask(request, "start", start, timeout=35))
+    await started(request, await ask(request, "start", start))
     return json({"previous_state": "", "migrated": False, "new_host": ""})
 
 
@@ -163,7 +164,7 @@ async def stop_machine(request: web.Request) -> web.Response:
     except ValueError as exc:
         raise ClientError(400, str(exc)) from None
     stop = StopRequest(id=mid, signal=req.signal, timeout=timeout, lease_nonce=nonce(request))
-    await ask(request, "stop", stop, timeout=timeout + 15)
+    await ask(request, "stop", stop, own_timeout=timeout)
     return json({"ok": True})
 
 
@@ -189,14 +190,16 @@ async def restart_machine(request: web.Request) -> web.Response:
             id=mid, ttl=min(timeout + RESTART_LEASE_MARGIN, STOP_TIMEOUT_MAX), holder="a restart through the API"
         ),
         Lease,
-        timeout=10,
+        timeout=caller_wait("lease"),
     )
     try:
         await _stop_then_start(request, mid, timeout, held.nonce)
     finally:
         with contextlib.suppress(FauxmadError, TimeoutError):  # it lapses by itself at the end of its ttl anyway
             subject = subjects.api_machines(app_name(request), "release")
-            await request.app[BROKERS].call(subject, ReleaseRequest(id=mid, nonce=held.nonce), Machine, timeout=10)
+            await request.app[BROKERS].call(
+                subject, ReleaseRequest(id=mid, nonce=held.nonce), Machine, timeout=caller_wait("release")
+            )
     return json({"ok": True})
 
 
@@ -205,9 +208,9 @@ RESTART_LEASE_MARGIN = 60.0
 
 
 async def _stop_then_start(request: web.Request, mid: str, timeout: float, lease_nonce: str) -> None:
-    await ask(request, "stop", StopRequest(id=mid, timeout=timeout, lease_nonce=lease_nonce), timeout=timeout + 15)
+    await ask(request, "stop", StopRequest(id=mid, timeout=timeout, lease_nonce=lease_nonce), own_timeout=timeout)
     start = StartRequest(id=mid, lease_nonce=lease_nonce)
-    await started(request, await ask(request, "start", start, timeout=35))
+    await started(request, await ask(request, "start", start))
 
 
 async def signal_machine(request: web.Request) -> web.Response:
@@ -236,7 +239,7 @@ async def wait_machine(request: web.Request) -> web.Response:
     states, timeout = _wait_args(request)
     mid = machine_id(request)
     waits = [
-        asyncio.ensure_future(ask(request, "wait", WaitRequest(id=mid, state=s, timeout=timeout), timeout + 10))  # type: ignore[arg-type]
+        asyncio.ensure_future(ask(request, "wait", WaitRequest(id=mid, state=s, timeout=timeout), own_timeout=timeout))  # type: ignore[arg-type]
         for s in states
     ]
     try:
@@ -275,7 +278,7 @@ async def acquire_lease(request: web.Request) -> web.Response:
     req = await body(request, types.LeaseRequest)
     lease = LeaseRequest(id=mid, ttl=req.ttl, holder=req.description, nonce=nonce(request))
     subject = subjects.api_machines(app_name(request), "lease")
-    held = await request.app[BROKERS].call(subject, lease, Lease, timeout=10)
+    held = await request.app[BROKERS].call(subject, lease, Lease, timeout=caller_wait("lease"))
     return json(_lease(held))
 
 
@@ -285,7 +288,9 @@ async def release_lease(request: web.Request) -> web.Response:
     if given is None:
         raise ClientError(400, "releasing a lease needs its nonce in the fly-machine-lease-nonce header")
     subject = subjects.api_machines(app_name(request), "release")
-    await request.app[BROKERS].call(subject, ReleaseRequest(id=mid, nonce=given), dict[str, Any], timeout=10)
+    await request.app[BROKERS].call(
+        subject, ReleaseRequest(id=mid, nonce=given), dict[str, Any], timeout=caller_wait("release")
+    )
     return json({"ok": True})
 
 

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from bus.contract.base import State
+from bus.contract.base import Cpus, MemoryMb, Name, SnapshotId, State, Token, VolumeId
 from bus.contract.codec import encode
 from bus.contract.machines import Guest, Machine, MachineConfig, MachineEvent, Mount, RestartPolicy
 from bus.contract.volumes import Volume
@@ -40,8 +40,8 @@ class FlyInit(Body):
 
 
 class FlyGuest(Body):
-    cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
+    cpus: Cpus = 1
+    memory_mb: MemoryMb = 256
     cpu_kind: Literal["shared", "performance"] = "shared"
 
 
@@ -50,15 +50,13 @@ class FlyRestart(Body):
     max_retries: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
 
 
-VolumeIdText = Annotated[str, msgspec.Meta(pattern=r"^vol_[0-9a-z]{16}$")]
-SnapshotIdText = Annotated[str, msgspec.Meta(pattern=r"^vs_[0-9a-z]{16}$")]
 MountPath = Annotated[str, msgspec.Meta(pattern=r"^/[^\x00]*$", max_length=4096)]
 
 
 class FlyMount(Body):
     """A volume the machine mounts at `path` (it then runs on the volume's worker)."""
 
-    volume: VolumeIdText
+    volume: VolumeId
     path: MountPath
     name: str | None = None  # Fly's volume name; accepted, the id is what counts
 
@@ -76,8 +74,8 @@ class FlyMachineConfig(Body):
 
 class CreateMachineRequest(Body):
     config: FlyMachineConfig
-    region: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # required: no "nearest region" here
-    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")] | None = None
+    region: Token  # required: no "nearest region" here
+    name: Name | None = None
     skip_launch: bool = False
     lease_ttl: int | None = None
 
@@ -346,7 +344,7 @@ def machine(m: Machine, *, summary: bool = False) -> FlyMachine:
 
 
 class CreateAppRequest(Body):
-    app_name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    app_name: Token
     org_slug: str = "personal"
     network: str | None = None
 
@@ -397,7 +395,7 @@ class PlacementsRequest(Body):
     count: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 1
     region: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}(,[A-Za-z0-9_-]{1,64})*$")] | None = None
     org_slug: str = "personal"
-    app: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")] = "placements"  # extension
+    app: Token = "placements"  # extension
 
 
 class RegionPlacement(msgspec.Struct, kw_only=True):
@@ -417,10 +415,10 @@ class PlacementsResponse(msgspec.Struct, kw_only=True):
 
 
 class CreateVolumeRequest(Body):
-    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")]
-    region: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    name: Name
+    region: Token
     size_gb: Annotated[int, msgspec.Meta(ge=1, le=500)] = 1
-    snapshot_id: SnapshotIdText | None = None  # restore that snapshot into the new volume (on any worker)
+    snapshot_id: SnapshotId | None = None  # restore that snapshot into the new volume (on any worker)
     # sent by Fly's clients; accepted and not acted on (no encryption, no zones here:
     # docs/tutorials/images-and-volumes.md)
     encrypted: bool = False

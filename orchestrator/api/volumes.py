@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from bus.contract import subjects
+from bus.contract.base import VOLUME_ID_PATTERN
+from bus.contract.deadlines import volume_wait
 from bus.contract.volumes import (
     Volume,
     VolumeApiCreateRequest,
@@ -23,7 +25,7 @@ from orchestrator.api import types
 from orchestrator.api.http import BROKERS, ClientError, app_name, body, json
 
 T = TypeVar("T")
-_VOLUME_ID = re.compile(r"^vol_[0-9a-z]{16}$")
+_VOLUME_ID = re.compile(VOLUME_ID_PATTERN)
 
 
 def volume_id(request: web.Request) -> str:
@@ -33,9 +35,9 @@ def volume_id(request: web.Request) -> str:
     return value
 
 
-async def _ask(request: web.Request, verb: str, payload: Any, kind: type[T], timeout: float = 30.0) -> T:
+async def _ask(request: web.Request, verb: str, payload: Any, kind: type[T]) -> T:
     subject = subjects.api_volumes(app_name(request), verb)
-    return await request.app[BROKERS].call(subject, payload, kind, timeout=timeout)
+    return await request.app[BROKERS].call(subject, payload, kind, timeout=volume_wait(verb))
 
 
 async def list_volumes(request: web.Request) -> web.Response:
@@ -46,7 +48,7 @@ async def create_volume(request: web.Request) -> web.Response:
     app_name(request)
     req = await body(request, types.CreateVolumeRequest)
     create = VolumeApiCreateRequest(region=req.region, name=req.name, size_gb=req.size_gb, snapshot_id=req.snapshot_id)
-    return json(await _ask(request, "create", create, Volume, timeout=620))
+    return json(await _ask(request, "create", create, Volume))
 
 
 async def get_volume(request: web.Request) -> web.Response:
@@ -56,14 +58,14 @@ async def get_volume(request: web.Request) -> web.Response:
 async def extend_volume(request: web.Request) -> web.Response:
     vid = volume_id(request)
     req = await body(request, types.ExtendVolumeRequest)
-    volume = await _ask(request, "extend", VolumeExtendRequest(id=vid, size_gb=req.size_gb), Volume, 90)
+    volume = await _ask(request, "extend", VolumeExtendRequest(id=vid, size_gb=req.size_gb), Volume)
     # the worker grows it online where the kernel lets it; else it grows when its machine starts again
     grown = volume.size_limit != "loop" or volume.blocks * volume.block_size >= volume.size_gb * 0.9 * (1 << 30)
     return json(types.ExtendVolumeResponse(needs_restart=not grown, volume=volume))
 
 
 async def destroy_volume(request: web.Request) -> web.Response:
-    return json(await _ask(request, "destroy", VolumeIdRequest(id=volume_id(request)), Volume, 90))
+    return json(await _ask(request, "destroy", VolumeIdRequest(id=volume_id(request)), Volume))
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
@@ -72,7 +74,7 @@ async def list_snapshots(request: web.Request) -> web.Response:
 
 
 async def create_snapshot(request: web.Request) -> web.Response:
-    snap = await _ask(request, "snapshot", VolumeIdRequest(id=volume_id(request)), VolumeSnapshot, 620)
+    snap = await _ask(request, "snapshot", VolumeIdRequest(id=volume_id(request)), VolumeSnapshot)
     return json(snap)
 
 

@@ -40,8 +40,8 @@ from bus.contract import subjects
 from bus.contract.errors import DeadlineExceeded, FauxmadError, NoCapacity, Unanswered, Unreachable
 from bus.contract.fleet import CreateRequest, Strategy
 from bus.contract.ids import new_machine_id
-from bus.contract.machines import DestroyRequest, Machine, ReserveRequest
-from bus.contract.offers import OfferGuest, OfferRequest
+from bus.contract.machines import DestroyRequest, Guest, Machine, ReserveRequest
+from bus.contract.offers import OfferRequest
 from bus.transport.jetstream import MAX_CLOCK_SKEW
 from bus.transport.scatter import Scatterer
 from bus.transport.service import call
@@ -193,7 +193,7 @@ class Auction:
         self,
         app: str,
         region: str,
-        guest: OfferGuest,
+        guest: Guest,
         image: str | None,
         strategy: str,
         *,
@@ -286,12 +286,7 @@ class Auction:
         which workers may hold its machine); if it raises, that reserve is not sent.
         """
         strategy = request.strategy or self.config.strategy
-        guest = OfferGuest(
-            cpus=request.config.guest.cpus,
-            memory_mb=request.config.guest.memory_mb,
-            cpu_kind=request.config.guest.cpu_kind,
-            sandbox=request.config.guest.sandbox,
-        )
+        guest = request.config.guest
         volume = await self.volume_host(app, request)
         outcome = await self.rank(
             app,

@@ -24,6 +24,7 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 
 from bus.contract import subjects
 from bus.contract.codec import clip, decode, encode
+from bus.contract.deadlines import broker_wait
 from bus.contract.errors import BadRequest, Conflict, FauxmadError, Forbidden, NoCapacity, NotFound, Unreachable
 from bus.contract.fleet import (
     CreateRequest,
@@ -205,7 +206,7 @@ class Broker:
             raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.API_VERBS)}")
         parsed: IdRequest | LeaseRequest | ReleaseRequest | ExecRequest = decode(kind, data)
         entry = await self.index.locate(parsed.id, app)
-        timeout = getattr(parsed, "timeout", 10.0) + 5.0
+        timeout = broker_wait(verb, getattr(parsed, "timeout", None))
         assert self.nc is not None
         reply = await request(self.nc, subjects.worker_machines(entry.worker_id, verb), data, timeout=timeout)
         return reply.data
@@ -243,8 +244,7 @@ class Broker:
         return spec is not None and spec.http_service is not None
 
     async def create(self, app: str, req: CreateRequest) -> Machine:
-        if not req.config.cmd:
-            raise BadRequest("config.cmd is required: the process driver needs a command to run")
+        req.config.require_command()
         strategy = req.strategy or self.config.auction.strategy
         if req.idempotency_key:
             key = req.idempotency_key

@@ -48,7 +48,8 @@ def api(
     web console at `/ui` (same tokens)."""
     from bus.contract.errors import BadRequest
     from orchestrator.api.run import fleet_certificate, read_root_key, read_token, serve, tls_context
-    from orchestrator.console.guard import parse_proxy
+    from orchestrator.console.guard import TrustedProxies, parse_proxy
+    from orchestrator.console.routes import attach
     from orchestrator.proxy.run import parse_listen
 
     try:
@@ -81,9 +82,10 @@ def api(
             token=token,
             root_key=root_key,
             metrics=at,
-            proxy_metrics=proxy_metrics,
             tls=tls,
-            trusted_proxies=trusted,
+            extend=lambda app, auth: attach(
+                app, auth, proxy_metrics=proxy_metrics, trusted=TrustedProxies(trusted)
+            ),  # the web console at /ui
         ),
         what="api",
         grace=STATELESS_GRACE,

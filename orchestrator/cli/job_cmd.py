@@ -24,6 +24,7 @@ from orchestrator.cli.runtime import (
     check_app,
     check_region,
     fail,
+    key_values,
     with_client,
     with_connected,
 )
@@ -71,16 +72,6 @@ def _jobs_table(jobs: list[Job]) -> None:
             job.reason,
         )
     console.print(table)
-
-
-def _parse_env(pairs: list[str]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            fail(f"invalid --env {pair!r}: use KEY=VALUE", EXIT_USAGE)
-        env[key] = value
-    return env
 
 
 def _check_region(nats: str | None, region: str) -> None:
@@ -142,7 +133,7 @@ def submit(
             app=app,
             region=region,
             cmd=list(cmd or []),
-            env=_parse_env(env),
+            env=key_values(env),
             count=count,
             cpus=cpus,
             memory_mb=memory_mb,

@@ -28,6 +28,7 @@ from orchestrator.cli.runtime import (
     NatsOption,
     check_region,
     fail,
+    key_values,
     with_client,
 )
 
@@ -67,16 +68,6 @@ class Wait(msgspec.Struct, frozen=True):
     up_for: float
     timeout: float
     detach: bool
-
-
-def _parse_env(pairs: list[str], option: str = "--env") -> dict[str, str]:
-    env: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            fail(f"invalid {option} {pair!r}: use KEY=VALUE", EXIT_USAGE)
-        env[key] = value
-    return env
 
 
 async def _until_up(
@@ -177,8 +168,8 @@ def run_machine(
     try:
         config = MachineConfig(
             cmd=cmd or [],
-            env=_parse_env(env),
-            metadata=_parse_env(metadata, "--metadata"),
+            env=key_values(env),
+            metadata=key_values(metadata, "--metadata"),
             mounts=mounts,
             image=image,
             guest=Guest(cpus=cpus, memory_mb=memory_mb, sandbox=sandbox),  # type: ignore[arg-type]
@@ -490,7 +481,7 @@ def update(
 
     if not (cmd or env or cpus or memory_mb or image or restart):
         fail("nothing to update: give --env, --cpus, --memory-mb, --image, --restart or a command after --", EXIT_USAGE)
-    changes = _parse_env(env)
+    changes = key_values(env)
     wait = Wait(wait_up, wait_timeout, detach)
 
     async def act(client: FleetClient) -> Machine:

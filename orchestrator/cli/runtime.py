@@ -68,6 +68,17 @@ def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     raise CliError(message, code)
 
 
+def key_values(pairs: list[str], option: str = "--env") -> dict[str, str]:
+    """`KEY=VALUE` options (--env, --metadata) as a dict; a pair without `=` or a key exits 2 naming it."""
+    values: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            fail(f"invalid {option} {pair!r}: use KEY=VALUE", EXIT_USAGE)
+        values[key] = value
+    return values
+
+
 def checked(kind: str, value: str) -> str:
     """`value` if it is a valid name of `kind`, else fail with the bus's message and exit 2."""
     try:

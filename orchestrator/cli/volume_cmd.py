@@ -11,6 +11,7 @@ import re
 import typer
 from rich import box
 
+from bus.contract.base import VOLUME_ID_PATTERN
 from bus.contract.volumes import Volume, VolumeSnapshot
 from orchestrator.cli.render import KEYS, FitTable, console, print_json
 from orchestrator.cli.runtime import (
@@ -26,7 +27,7 @@ volume_app = typer.Typer(
     help="Volumes: disk of a fixed size on one worker, for the machine that mounts it; snapshots move it.",
     no_args_is_help=True,
 )
-VOLUME_ID = re.compile(r"^vol_[0-9a-z]{16}$")
+VOLUME_ID = re.compile(VOLUME_ID_PATTERN)
 SNAPSHOT_ID = re.compile(r"^vs_[0-9a-z]{16}$")
 
 

@@ -279,7 +279,7 @@ async def _suspend(request: web.Request) -> web.Response:
 
 
 async def _resume(request: web.Request) -> web.Response:
-    await ask(request, "resume", ResumeRequest(id=machine_id(request)), timeout=35)
+    await ask(request, "resume", ResumeRequest(id=machine_id(request)))
     return json({"ok": True})
 
 

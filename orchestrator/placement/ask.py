@@ -15,13 +15,14 @@ from collections.abc import Iterable
 
 import msgspec
 
-from bus.contract.offers import OfferGuest, OfferRequest
+from bus.contract.machines import Guest
+from bus.contract.offers import OfferRequest
 
 
 class Ask(msgspec.Struct, frozen=True, kw_only=True):
     app: str
     region: str
-    guest: OfferGuest
+    guest: Guest
     image: str | None = None
     avoid: frozenset[str] = frozenset()
     away: frozenset[str] = frozenset()

@@ -16,12 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from bus.contract.machines import MachineIndexEntry
-
-if TYPE_CHECKING:
-    from orchestrator.proxy.backhaul import Dialer
 
 MAX_IDLE_PER_MACHINE = 64
 LOOPBACK = "127.0.0.1"  # local: a machine on the edge's own host is dialed on its loopback (`backhaul.Dialer`)
@@ -61,6 +58,16 @@ class Conn:
     def closed(self) -> bool:
         """Closed by the machine (end of file read) or by us."""
         return self.reader.at_eof() or self.writer.is_closing()
+
+
+class Dialer(Protocol):
+    """What the pool asks of the backhaul's dialer (`backhaul.Dialer`), said here so this module needs nothing of it."""
+
+    def address(self, entry: MachineIndexEntry, port: int) -> Address: ...
+    def check(self, address: Address) -> None: ...
+    async def open(self, address: Address) -> Conn: ...
+    def in_use(self, conn: Conn) -> None: ...
+    def idle(self, conn: Conn) -> None: ...
 
 
 class Pool:

@@ -23,7 +23,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from bus.contract.base import Token, seconds
+from bus.contract.base import Cpus, MemoryMb, Token, seconds
 from bus.contract.fleet import Preset
 from bus.contract.machines import Check, Guest, MachineConfig, Mount, RestartPolicy, Service
 from bus.contract.rules import in_words
@@ -89,8 +89,8 @@ class JobsSpec(_Strict, frozen=True):
 
     region: Token | None = None
     cmd: list[str] = []  # default: the app's `cmd`
-    cpus: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
-    memory_mb: Annotated[int, msgspec.Meta(gt=0, le=16 * 1024 * 1024)] = 256
+    cpus: Cpus = 1
+    memory_mb: MemoryMb = 256
     timeout: float | str = "1h"
     max_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
     runner: Literal["machine", "process"] = "machine"
@@ -112,7 +112,7 @@ class AppSpec(_Strict, frozen=True):
     guest: Guest = msgspec.field(default_factory=Guest)
     regions: dict[Token, Count] = {}
     restart: RestartPolicy = msgspec.field(default_factory=RestartPolicy)
-    checks: dict[Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")], Check] = {}
+    checks: dict[Token, Check] = {}
     deploy: DeploySpec = msgspec.field(default_factory=DeploySpec)
     placement: PlacementSpec = msgspec.field(default_factory=PlacementSpec)
     http_service: HttpService | None = None  # read by `fauxmad proxy` only (docs/tutorials/edge.md)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,12 +121,33 @@ def test_no_page_in_the_repository_links_a_generated_page() -> None:
             assert not target.endswith(GENERATED), f"{path.relative_to(ROOT)} links to {target} (built site only)"
 
 
-def generated_cli_reference() -> str:
+def generated_pages() -> Any:
     spec = importlib.util.spec_from_file_location("generated_pages", DOCS / "hooks" / "generated.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return str(module.cli_reference())
+    return module
+
+
+def generated_cli_reference() -> str:
+    return str(generated_pages().cli_reference())
+
+
+def test_the_architecture_pages_layout_names_every_package_and_module() -> None:
+    """The Layout is generated from the tree: a module added anywhere shows, and nothing is listed by hand."""
+    page = (DOCS / "explanation" / "architecture.md").read_text()
+    hooks = generated_pages()
+    assert hooks.LAYOUT_MARKER in page
+    layout = hooks.layout()
+    for layer in hooks.LAYERS:
+        for path in (ROOT / layer).rglob("*.py"):
+            if "node_modules" in path.parts:
+                continue
+            package = path.parent.relative_to(ROOT).as_posix()
+            assert f"**`{package}/`**" in layout, f"the Layout leaves out {package}/"
+            if path.stem != "__init__":
+                listed = re.search(rf"\*\*`{re.escape(package)}/`\*\*.*\n\s+Modules: (.*)\n", layout)
+                assert listed and f"`{path.stem}`" in listed.group(1), f"the Layout leaves out {package}/{path.name}"
 
 
 def test_what_the_cli_and_the_api_print_points_somewhere(tmp_path: Path) -> None:

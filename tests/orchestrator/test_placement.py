@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bus.contract.fleet import WorkerInfo
-from bus.contract.offers import Decline, Offer, OfferGuest, OfferRequest, Resources
+from bus.contract.machines import Guest
+from bus.contract.offers import Decline, Offer, OfferRequest, Resources
 from orchestrator.placement import (
     NO_ANSWER,
     SCORERS,
@@ -29,7 +30,7 @@ CONFIG = PlacementConfig()
 
 
 def request(cpus: int = 1, memory_mb: int = 256, image: str | None = None, region: str = "mad") -> OfferRequest:
-    return OfferRequest(app="web", region=region, guest=OfferGuest(cpus=cpus, memory_mb=memory_mb), image=image)
+    return OfferRequest(app="web", region=region, guest=Guest(cpus=cpus, memory_mb=memory_mb), image=image)
 
 
 def offer(

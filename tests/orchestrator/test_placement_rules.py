@@ -39,9 +39,10 @@ def test_the_away_penalty_is_configuration() -> None:
 
 
 def test_a_sandboxed_machine_goes_only_where_the_sandbox_exists() -> None:
-    from bus.contract.offers import OfferGuest, OfferRequest
+    from bus.contract.machines import Guest
+    from bus.contract.offers import OfferRequest
 
-    sandboxed = OfferRequest(app="web", region="mad", guest=OfferGuest(sandbox="bwrap"))
+    sandboxed = OfferRequest(app="web", region="mad", guest=Guest(sandbox="bwrap"))
     replies = [offer("plain"), offer("boxed", sandboxes=["bwrap"])]
     ranking = rank(sandboxed, replies, {"plain", "boxed"}, CONFIG)
     assert ids(ranking) == ["boxed"]

@@ -110,11 +110,9 @@ def _me(**overrides: object) -> Snapshot:
     ],
 )
 def test_offers(me: Snapshot, guest: dict[str, int], reason: str | None) -> None:
-    from bus.contract.offers import OfferGuest
+    from bus.contract.machines import Guest
 
-    reply = answer_offer(
-        OfferRequest(app="a", region="mad", guest=OfferGuest(**guest), image="img:1"), me, Backpressure()
-    )
+    reply = answer_offer(OfferRequest(app="a", region="mad", guest=Guest(**guest), image="img:1"), me, Backpressure())
     if reason is None:
         assert reply.__class__.__name__ == "Offer"
         assert reply.free == Resources(cpus=1, memory_mb=512) and reply.image_cached  # type: ignore[union-attr]
@@ -123,9 +121,9 @@ def test_offers(me: Snapshot, guest: dict[str, int], reason: str | None) -> None
 
 
 def test_a_max_load_of_zero_never_declines_for_load_but_still_ranks_by_it() -> None:
-    from bus.contract.offers import OfferGuest
+    from bus.contract.machines import Guest
 
-    request = OfferRequest(app="a", region="mad", guest=OfferGuest(cpus=1), image="img:1")
+    request = OfferRequest(app="a", region="mad", guest=Guest(cpus=1), image="img:1")
     reply = answer_offer(request, _me(load=40.0), Backpressure(max_load=0))
     assert reply.__class__.__name__ == "Offer" and reply.load == 40.0  # type: ignore[union-attr]
     assert answer_offer(request, _me(inflight=64), Backpressure(max_load=0)).reason.startswith("overloaded")  # type: ignore[union-attr]

@@ -260,8 +260,7 @@ class MachineManager:
         it before answering: one request and two commits for a create+start instead of two and three."""
         if request.region != self.config.region:
             raise BadRequest(f"worker {self.config.worker_id} is in region {self.config.region}, not {request.region}")
-        if not request.config.cmd:
-            raise BadRequest("config.cmd is required: the process driver needs a command to run")
+        request.config.require_command()
         self._check_workdir(request.config)
         try:
             sandbox.check(request.config.guest.sandbox, self.config.worker_id)
@@ -746,8 +745,7 @@ class MachineManager:
     # update: a new config (and instance id); a running machine is replaced in place
 
     async def update(self, request: UpdateRequest) -> Machine:
-        if not request.config.cmd:
-            raise BadRequest("config.cmd is required: the process driver needs a command to run")
+        request.config.require_command()
         self._check_workdir(request.config)
         try:
             sandbox.check(request.config.guest.sandbox, self.config.worker_id)
