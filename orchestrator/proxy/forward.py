@@ -201,16 +201,12 @@ class Forwarder:
             conn.close()
 
 
-def _dropped(head: Head, upgrade: bool) -> set[bytes]:
-    drop = set(HOP_BY_HOP) | head.tokens(b"connection")
-    if upgrade:
-        drop -= {b"upgrade"}
-    return drop
-
-
 # fields that say who the client is or how it came: believed only from a trusted hop (`--trusted-proxy`)
 _FORWARDING = frozenset({b"forwarded", b"x-real-ip", b"fly-client-ip"})
 _REFRAMED = frozenset({b"content-length", b"transfer-encoding", b"fauxmad-request-id"})
+_DROP = HOP_BY_HOP | _REFRAMED  # what no request's head keeps (built once: this is every request's path)
+_DROP_ABSOLUTE = _DROP | {b"host"}  # an absolute-form target's authority is the Host
+_UPGRADE = frozenset({b"upgrade"})
 
 
 def upstream_head(request: Request, client_ip: str, request_id: str, upgrade: bool, trusted: bool) -> bytes:
@@ -218,9 +214,10 @@ def upstream_head(request: Request, client_ip: str, request_id: str, upgrade: bo
     fields from an untrusted client dropped and written anew, an absolute-form target in origin-form with
     its authority as Host (RFC 9112 §3.2.2), always HTTP/1.1 (the machine's connection stays reusable)."""
     head = request.head
-    drop = _dropped(head, upgrade) | _REFRAMED
-    if request.absolute:
-        drop.add(b"host")
+    drop = _DROP_ABSOLUTE if request.absolute else _DROP
+    named = head.tokens(b"connection")  # hop-by-hop too (RFC 9110 §7.6.1), but Upgrade on an upgrade
+    if named or upgrade:
+        drop = (drop | named) - _UPGRADE if upgrade else drop | named
     target = origin_form(head.target) if request.absolute else head.target
     lines = [head.first, b" ", target, b" HTTP/1.1\r\n"]
     authority = request.authority
@@ -245,7 +242,7 @@ def upstream_head(request: Request, client_ip: str, request_id: str, upgrade: bo
 
 
 def _fields(
-    lines: list[bytes], head: Head, drop: set[bytes], forwarded_for: bytes, trusted: bool
+    lines: list[bytes], head: Head, drop: frozenset[bytes], forwarded_for: bytes, trusted: bool
 ) -> tuple[bytes, set[bytes]]:
     """The client's fields into `lines`, but those dropped, and forwarding fields only from a trusted hop;
     (the X-Forwarded-For to send, the forwarding fields kept)."""
