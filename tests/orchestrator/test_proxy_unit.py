@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -12,6 +13,7 @@ from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Rout
 from orchestrator.proxy.http import HttpError, copy_chunked, parse_response, parse_response_head, split_host
 from orchestrator.proxy.idle import idle_victims
 from orchestrator.proxy.metrics import BUCKETS, ProxyMetrics, Served
+from orchestrator.proxy.pick import Picker
 from orchestrator.proxy.request import origin_form, parse_request
 
 POLICY = Policy(soft_limit=2, hard_limit=4, auto_start=True, auto_create=False, max_per_region=1)
@@ -82,6 +84,22 @@ def test_no_machine_says_why() -> None:
     assert refused == NoMachine("1 machine(s) refused the connection or failed")
     off = pick([Candidate("s", "mad", "stopped", 0)], POLICY._replace(auto_start=False))
     assert off == NoMachine("none is started (states: stopped) and auto_start is off")
+
+
+@pytest.mark.parametrize("state", ["started", "stopped", "suspended"])
+@pytest.mark.parametrize("load", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("avoided", [False, True])
+def test_one_machines_shortcut_routes_only_where_choose_routes_the_same(state: str, load: int, avoided: bool) -> None:
+    """`Picker._one` skips `choose` for an app of one machine; whenever it answers, `choose` answers the same."""
+    picker = SimpleNamespace(failover=SimpleNamespace(bad={}))
+    only = [Candidate("m1", "lhr", state, load)]
+    avoid = {"m1"} if avoided else set()
+    shortcut = Picker._one(picker, only, POLICY, avoid)  # type: ignore[arg-type]
+    full = choose(only, POLICY, ORDER, random.Random(0), frozenset(avoid))
+    assert shortcut is None or shortcut == full
+    assert (shortcut is not None) == (state == "started" and load < POLICY.soft_limit and not avoided)
+    picker.failover.bad = {"m2": 1.0}  # a machine avoided lately: the full choice, which reads the failover
+    assert Picker._one(picker, only, POLICY, avoid) is None  # type: ignore[arg-type]
 
 
 def test_idle_victims_keep_min_running_and_the_nearest() -> None:
