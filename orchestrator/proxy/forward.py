@@ -20,17 +20,7 @@ from typing import Any
 from orchestrator.proxy.ahead import head_once_resumed, resumed
 from orchestrator.proxy.config import ProxyConfig, machine_port
 from orchestrator.proxy.exchange import Exchange, Refused
-from orchestrator.proxy.http import (
-    CHUNK,
-    HOP_BY_HOP,
-    Framing,
-    Head,
-    HttpError,
-    body_framing,
-    parse_response_head,
-    relay_body,
-    response_has_body,
-)
+from orchestrator.proxy.http import CHUNK, HOP_BY_HOP, Head, HttpError, Response, parse_response, relay_body
 from orchestrator.proxy.request import Body, Request, origin_form
 from orchestrator.proxy.routes import App, RouteTable
 from orchestrator.proxy.upstream import Conn, Pool
@@ -162,13 +152,13 @@ class Forwarder:
             raise UpstreamFailed(f"{ex.machine} closed the connection ({type(exc).__name__})", resend=False) from None
         finally:
             ex.watch.disarm()
-        response = parse_response_head(data)
-        status = int(response.first)
+        response = parse_response(data)
+        status = response.status
         while 100 <= status < 200 and status != 101:  # interim responses (100 Continue): pass on, read on
             writer.write(data)
             data = await asyncio.wait_for(conn.reader.readuntil(b"\r\n\r\n"), self.config.response_timeout)
-            response = parse_response_head(data)
-            status = int(response.first)
+            response = parse_response(data)
+            status = response.status
         ex.status = status
         if status == 101 and upgrade:
             ex.client_keep = False
@@ -176,10 +166,11 @@ class Forwarder:
             writer.write(data)
             await _tunnel(reader, writer, conn)
             return
-        framing = body_framing(response, request=False) if response_has_body(head.first, status) else Framing(False, 0)
-        upstream_keep = b"close" not in response.tokens(b"connection") and framing.length >= 0
+        framing = response.framing(head.first)
+        connection = response.connection
+        upstream_keep = b"close" not in connection and framing.length >= 0
         if response.version != b"HTTP/1.1":
-            upstream_keep = upstream_keep and b"keep-alive" in response.tokens(b"connection")
+            upstream_keep = upstream_keep and b"keep-alive" in connection
         if framing.length < 0:
             ex.client_keep = False
         if not framing.chunked and 0 <= framing.length <= CHUNK:  # a small body: head and body in one send
@@ -210,16 +201,12 @@ class Forwarder:
             conn.close()
 
 
-def _dropped(head: Head, upgrade: bool) -> set[bytes]:
-    drop = set(HOP_BY_HOP) | head.tokens(b"connection")
-    if upgrade:
-        drop -= {b"upgrade"}
-    return drop
-
-
 # fields that say who the client is or how it came: believed only from a trusted hop (`--trusted-proxy`)
 _FORWARDING = frozenset({b"forwarded", b"x-real-ip", b"fly-client-ip"})
 _REFRAMED = frozenset({b"content-length", b"transfer-encoding", b"fauxmad-request-id"})
+_DROP = HOP_BY_HOP | _REFRAMED  # what no request's head keeps (built once: this is every request's path)
+_DROP_ABSOLUTE = _DROP | {b"host"}  # an absolute-form target's authority is the Host
+_UPGRADE = frozenset({b"upgrade"})
 
 
 def upstream_head(request: Request, client_ip: str, request_id: str, upgrade: bool, trusted: bool) -> bytes:
@@ -227,9 +214,10 @@ def upstream_head(request: Request, client_ip: str, request_id: str, upgrade: bo
     fields from an untrusted client dropped and written anew, an absolute-form target in origin-form with
     its authority as Host (RFC 9112 §3.2.2), always HTTP/1.1 (the machine's connection stays reusable)."""
     head = request.head
-    drop = _dropped(head, upgrade) | _REFRAMED
-    if request.absolute:
-        drop.add(b"host")
+    drop = _DROP_ABSOLUTE if request.absolute else _DROP
+    named = head.tokens(b"connection")  # hop-by-hop too (RFC 9110 §7.6.1), but Upgrade on an upgrade
+    if named or upgrade:
+        drop = (drop | named) - _UPGRADE if upgrade else drop | named
     target = origin_form(head.target) if request.absolute else head.target
     lines = [head.first, b" ", target, b" HTTP/1.1\r\n"]
     authority = request.authority
@@ -254,7 +242,7 @@ def upstream_head(request: Request, client_ip: str, request_id: str, upgrade: bo
 
 
 def _fields(
-    lines: list[bytes], head: Head, drop: set[bytes], forwarded_for: bytes, trusted: bool
+    lines: list[bytes], head: Head, drop: frozenset[bytes], forwarded_for: bytes, trusted: bool
 ) -> tuple[bytes, set[bytes]]:
     """The client's fields into `lines`, but those dropped, and forwarding fields only from a trusted hop;
     (the X-Forwarded-For to send, the forwarding fields kept)."""
@@ -298,9 +286,9 @@ def _upload_done(ex: Exchange, task: asyncio.Task[Any], sending: asyncio.Future[
         task.cancel()
 
 
-def _client_head(response: Head, ex: Exchange, *, machine: str) -> bytes:
-    drop = set(HOP_BY_HOP) | response.tokens(b"connection")
-    lines = [b"HTTP/1.1 ", response.first, b" ", response.target, b"\r\n"]
+def _client_head(response: Response, ex: Exchange, *, machine: str) -> bytes:
+    drop = HOP_BY_HOP | response.connection if response.connection else HOP_BY_HOP
+    lines = [b"HTTP/1.1 %d " % response.status, response.reason, b"\r\n"]
     for name, value in response.headers:
         if name not in drop:
             lines += [name, b": ", value, b"\r\n"]

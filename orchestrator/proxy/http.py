@@ -1,10 +1,11 @@
 """HTTP/1.1 as the proxy needs it for a machine's responses, and what requests and responses share.
 
 Requests, which come from anyone, are parsed by llhttp (`request`). A response comes from the app's own
-machine: its head is parsed here, and its body relayed in its own framing (a chunked body goes through as
-chunks, parsed only to find its end, each size plain hex and each line ended by one CRLF), so nothing is
-buffered whole and streaming works both ways. Both Content-Length and Transfer-Encoding, or two
-different lengths, are a 502. Parsing does no I/O and is tested by feeding bytes.
+machine: its head is parsed by llhttp too (strict, and in C: every request's path, where a hand-written
+parser cost twice as much), and its body relayed in its own framing (a chunked body goes through as chunks,
+parsed only to find its end, each size plain hex and each line ended by one CRLF), so nothing is buffered
+whole and streaming works both ways. Both Content-Length and Transfer-Encoding, two Content-Lengths, or
+anything else malformed in a response head, are a 502. Parsing does no I/O and is tested by feeding bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import re
 from typing import NamedTuple
+
+import httptools
 
 MAX_HEAD = 32 * 1024  # bytes of request line and headers; more is a 431
 MAX_HEADERS = 100
@@ -55,34 +58,7 @@ class Head(NamedTuple):
         return out
 
 
-# A field name is a token (RFC 9110 5.1): no whitespace (before the colon, a smuggling vector), no separators.
-_FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-
-
-def _headers(lines: list[bytes]) -> list[tuple[bytes, bytes]]:
-    if len(lines) > MAX_HEADERS:
-        raise HttpError(431, f"more than {MAX_HEADERS} header fields")
-    headers = []
-    field = _FIELD_NAME.fullmatch
-    for line in lines:
-        name, colon, value = line.partition(b":")
-        if not colon or field(name) is None:
-            raise HttpError(400, "malformed header field")
-        headers.append((name.lower(), value.strip()))
-    return headers
-
-
-def parse_response_head(data: bytes) -> Head:
-    text = data[:-4]
-    pairs = text.count(b"\r\n")
-    if b"\x00" in text or text.count(b"\n") != pairs or text.count(b"\r") != pairs:
-        raise HttpError(502, "the machine's response head has a bare CR or LF, or a NUL")
-    lines = text.split(b"\r\n")
-    version, _, rest = lines[0].partition(b" ")
-    code, _, reason = rest.partition(b" ")
-    if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
-        raise HttpError(502, "the machine's response is not HTTP/1.x")
-    return Head(code, reason, version, _headers(lines[1:]))
+_NOTHING: frozenset[bytes] = frozenset()
 
 
 class Framing(NamedTuple):
@@ -92,23 +68,91 @@ class Framing(NamedTuple):
     length: int  # -1: until close (responses); 0: none
 
 
-def body_framing(head: Head, *, request: bool) -> Framing:
-    te = head.get(b"transfer-encoding")
-    lengths = {value for key, value in head.headers if key == b"content-length"}
-    if te is not None:
-        if lengths:
-            raise HttpError(400 if request else 502, "both Transfer-Encoding and Content-Length")
-        if not te.lower().endswith(b"chunked"):
-            raise HttpError(400 if request else 502, "a Transfer-Encoding that does not end in chunked")
-        return Framing(True, 0)
-    if len(lengths) > 1:
-        raise HttpError(400 if request else 502, "several different Content-Length values")
-    if lengths:
-        value = lengths.pop()
+_NO_BODY = Framing(False, 0)
+_CHUNKED = Framing(True, 0)
+_UNTIL_CLOSE = Framing(False, -1)
+_RESPONSE_FRAMING = frozenset({b"connection", b"content-length", b"transfer-encoding"})
+
+
+class Response:
+    """A machine's response head as llhttp's callbacks fill it, in one pass: status, reason, fields (names
+    lower-cased, in order), Connection's tokens, and what frames its body (`framing`, given the method)."""
+
+    __slots__ = ("connection", "encoding", "headers", "lengths", "reason", "status", "version")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.version = b"HTTP/1.1"
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.connection = _NOTHING  # lower-cased tokens
+        self.encoding: bytes | None = None  # the first Transfer-Encoding field's value
+        self.lengths = _NOTHING  # the Content-Length values (llhttp refuses a second one)
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.lower()
+        value = value.rstrip(b" \t")  # llhttp keeps a value's trailing OWS
+        self.headers.append((key, value))
+        if key in _RESPONSE_FRAMING:
+            if key == b"connection":
+                self.connection = self.connection | {part.strip().lower() for part in value.split(b",")}
+            elif key == b"content-length":
+                self.lengths = self.lengths | {value}
+            elif self.encoding is None:
+                self.encoding = value
+
+    def framing(self, method: bytes) -> Framing:
+        """Both Content-Length and Transfer-Encoding, a coding that does not end in chunked, two different
+        lengths or one not all digits: a 502 (the machine's answer could be read two ways)."""
+        if not response_has_body(method, self.status):
+            return _NO_BODY
+        if self.encoding is not None:
+            if self.lengths:
+                raise HttpError(502, "both Transfer-Encoding and Content-Length")
+            if not self.encoding.lower().endswith(b"chunked"):
+                raise HttpError(502, "a Transfer-Encoding that does not end in chunked")
+            return _CHUNKED
+        if not self.lengths:
+            return _UNTIL_CLOSE
+        if len(self.lengths) > 1:
+            raise HttpError(502, "several different Content-Length values")
+        (value,) = self.lengths
         if not value.isdigit() or len(value) > 15:
-            raise HttpError(400 if request else 502, "an invalid Content-Length")
+            raise HttpError(502, "an invalid Content-Length")
         return Framing(False, int(value))
-    return Framing(False, 0 if request else -1)
+
+
+def parse_response(data: bytes) -> Response:
+    """`data`: a machine's response head up to its blank line, parsed by llhttp in its strict mode (a bare CR
+    or LF, a NUL or control character in a field, a name that is not a token, obs-fold, two Content-Lengths,
+    both framings: refused), and what it lets through checked here (a version other than HTTP/1.x, a NUL in
+    the reason). Anything malformed is a 502: the machine's fault, not the client's."""
+    if not data.startswith(b"HTTP/1."):  # llhttp also takes HTTP/2.0, RTSP/ and ICE/
+        raise HttpError(502, "the machine's response is not HTTP/1.x")
+    response = Response()
+    parser = httptools.HttpResponseParser(response)
+    try:
+        parser.feed_data(data)
+    except httptools.HttpParserUpgrade:  # a 101: its head is whole, the tunnel's bytes are not fed
+        pass
+    except httptools.HttpParserError as exc:
+        raise HttpError(502, f"the machine's response head is malformed ({exc})") from None
+    if b"\x00" in response.reason:
+        raise HttpError(502, "the machine's response head has a NUL")
+    if len(response.headers) > MAX_HEADERS:
+        raise HttpError(502, f"the machine's response has more than {MAX_HEADERS} header fields")
+    response.status = parser.get_status_code()
+    response.version = data[:8]
+    return response
+
+
+def parse_response_head(data: bytes) -> Head:
+    """A machine's response head as a `Head` (`first`: the status code, `target`: the reason)."""
+    response = parse_response(data)
+    return Head(b"%d" % response.status, response.reason, response.version, response.headers)
 
 
 def response_has_body(method: bytes, status: int) -> bool:

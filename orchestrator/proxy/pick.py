@@ -18,7 +18,18 @@ from collections.abc import Callable
 
 from bus.contract.machines import MachineIndexEntry
 from orchestrator.proxy.ahead import AHEAD, resume_ahead
-from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Route, Start, Wait, choose, region_order
+from orchestrator.proxy.choose import (
+    Candidate,
+    Create,
+    Decision,
+    NoMachine,
+    Policy,
+    Route,
+    Start,
+    Wait,
+    choose,
+    region_order,
+)
 from orchestrator.proxy.config import ProxyConfig, machine_port
 from orchestrator.proxy.exchange import Exchange, Refused
 from orchestrator.proxy.failover import Failover
@@ -92,12 +103,7 @@ class Picker:
         policy = self._policy(app)
         while True:
             candidates = self._candidates(app)
-            regions = {c.region for c in candidates}
-            if policy.auto_create:
-                regions.update(self.routes.regions())
-            order = self._region_order(regions, prefer)
-            bad = self.failover.avoided()
-            decision = choose(candidates, policy, order, self.rng, avoid | bad if bad else avoid)
+            decision = self._one(candidates, policy, avoid) or self._choose(candidates, policy, prefer, avoid)
             match decision:
                 case Route(machine_id):
                     if await self._started(machine_id):
@@ -120,6 +126,24 @@ class Picker:
                     if late is None:
                         raise Refused(502, f"no machine of {app.name} could take this request ({why})")
                     return late
+
+    def _one(self, candidates: list[Candidate], policy: Policy, avoid: set[str]) -> Route | None:
+        """An app of one machine (most apps), started and under its soft limit: the Route `choose` would give,
+        without its regions and dicts (this is every request's path); else None."""
+        if len(candidates) != 1 or self.failover.bad:
+            return None
+        only = candidates[0]
+        if only.state != "started" or only.load >= policy.soft_limit or only.id in avoid:
+            return None
+        return Route(only.id)
+
+    def _choose(self, candidates: list[Candidate], policy: Policy, prefer: str | None, avoid: set[str]) -> Decision:
+        regions = {c.region for c in candidates}
+        if policy.auto_create:
+            regions.update(self.routes.regions())
+        order = self._region_order(regions, prefer)
+        bad = self.failover.avoided()
+        return choose(candidates, policy, order, self.rng, avoid | bad if bad else avoid)
 
     async def _woken(self, app: App, machine_id: str, ex: Exchange) -> bool:
         """Start or resume a machine for this request; False if that failed (logged)."""

@@ -109,13 +109,15 @@ def parse_request(data: bytes) -> Request:
     """`data`: one head, from the request line up to and including its blank line."""
     space = data.find(b" ")
     method = data[:space]
-    if space <= 0 or _TOKEN.fullmatch(method) is None:
-        raise HttpError(400, "malformed request line")
-    if method == b"CONNECT":
-        raise HttpError(400, "CONNECT is not served here")
+    known = method in _KNOWN_METHODS
+    if not known:
+        if space <= 0 or _TOKEN.fullmatch(method) is None:
+            raise HttpError(400, "malformed request line")
+        if method == b"CONNECT":
+            raise HttpError(400, "CONNECT is not served here")
     fields = _Fields()
     parser = httptools.HttpRequestParser(fields)
-    upgrade = _feed(parser, data if method in _KNOWN_METHODS else b"GET" + data[space:])
+    upgrade = _feed(parser, data if known else b"GET" + data[space:])
     if not fields.in_body:
         raise HttpError(400, "malformed request head")
     version = _version(parser)

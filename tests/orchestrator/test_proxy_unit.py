@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Route, Start, Wait, choose, region_order
-from orchestrator.proxy.http import HttpError, copy_chunked, parse_response_head, split_host
+from orchestrator.proxy.http import HttpError, copy_chunked, parse_response, parse_response_head, split_host
 from orchestrator.proxy.idle import idle_victims
+from orchestrator.proxy.metrics import BUCKETS, ProxyMetrics, Served
+from orchestrator.proxy.pick import Picker
 from orchestrator.proxy.request import origin_form, parse_request
 
 POLICY = Policy(soft_limit=2, hard_limit=4, auto_start=True, auto_create=False, max_per_region=1)
@@ -80,6 +84,22 @@ def test_no_machine_says_why() -> None:
     assert refused == NoMachine("1 machine(s) refused the connection or failed")
     off = pick([Candidate("s", "mad", "stopped", 0)], POLICY._replace(auto_start=False))
     assert off == NoMachine("none is started (states: stopped) and auto_start is off")
+
+
+@pytest.mark.parametrize("state", ["started", "stopped", "suspended"])
+@pytest.mark.parametrize("load", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("avoided", [False, True])
+def test_one_machines_shortcut_routes_only_where_choose_routes_the_same(state: str, load: int, avoided: bool) -> None:
+    """`Picker._one` skips `choose` for an app of one machine; whenever it answers, `choose` answers the same."""
+    picker = SimpleNamespace(failover=SimpleNamespace(bad={}))
+    only = [Candidate("m1", "lhr", state, load)]
+    avoid = {"m1"} if avoided else set()
+    shortcut = Picker._one(picker, only, POLICY, avoid)  # type: ignore[arg-type]
+    full = choose(only, POLICY, ORDER, random.Random(0), frozenset(avoid))
+    assert shortcut is None or shortcut == full
+    assert (shortcut is not None) == (state == "started" and load < POLICY.soft_limit and not avoided)
+    picker.failover.bad = {"m2": 1.0}  # a machine avoided lately: the full choice, which reads the failover
+    assert Picker._one(picker, only, POLICY, avoid) is None  # type: ignore[arg-type]
 
 
 def test_idle_victims_keep_min_running_and_the_nearest() -> None:
@@ -227,6 +247,67 @@ def test_a_machines_response_head_with_a_bare_lf_is_a_502() -> None:
         parse_response_head(b"HTTP/1.1 200 OK\r\nx-a: a\nx-b: b\r\n\r\n")
     assert caught.value.status == 502
     assert parse_response_head(b"HTTP/1.1 200 OK\r\nx-a: a\r\n\r\n").get(b"x-a") == b"a"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"HTTP/1.1 200 OK\r\nx(a: a\r\n\r\n",  # a name that is not a token
+        b"HTTP/1.1 200 OK\r\nx-a : a\r\n\r\n",  # a space before the colon
+        b"HTTP/1.1 200 OK\r\nx-a: a\r\n b\r\n\r\n",  # obs-fold
+        b"HTTP/1.1 200 OK\r\nx-a: a\x00b\r\n\r\n",
+        b"HTTP/1.1 200 O\x00K\r\n\r\n",  # a NUL in the reason, which llhttp lets through
+        b"HTTP/1.1 200 O\rK\r\n\r\n",
+        b"HTTP/2.0 200 OK\r\n\r\n",
+        b"RTSP/1.0 200 OK\r\n\r\n",
+        b"HTTP/1.1 2000 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 2\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+    ],
+)
+def test_a_machines_malformed_response_head_is_a_502_not_the_clients_400(data: bytes) -> None:
+    with pytest.raises(HttpError) as caught:
+        parse_response(data).framing(b"GET")
+    assert caught.value.status == 502
+
+
+def test_a_response_is_framed_as_before_the_parser_and_its_fields_kept_in_order() -> None:
+    response = parse_response(
+        b"HTTP/1.1 200 OK\r\nX-B:  b \r\nContent-Length: 5\r\nConnection: Keep-Alive, X-B\r\n\r\n"
+    )
+    assert (response.status, response.reason, response.version) == (200, b"OK", b"HTTP/1.1")
+    assert response.headers == [(b"x-b", b"b"), (b"content-length", b"5"), (b"connection", b"Keep-Alive, X-B")]
+    assert response.connection == {b"keep-alive", b"x-b"}
+    assert response.framing(b"GET") == (False, 5)
+    assert response.framing(b"HEAD") == (False, 0)
+    assert parse_response(b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n").framing(b"GET") == (True, 0)
+    assert parse_response(b"HTTP/1.0 200 OK\r\n\r\n").framing(b"GET") == (False, -1)  # until the machine closes
+    assert parse_response(b"HTTP/1.1 204 No Content\r\n\r\n").framing(b"GET") == (False, 0)
+    with pytest.raises(HttpError):
+        parse_response(b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n").framing(b"GET")
+
+
+def test_the_request_counts_and_latency_read_as_prometheus_clients_own_would() -> None:
+    """`Served` counts in plain dicts; its exposition is the one a Counter and a Histogram give (less `_created`)."""
+    metrics = ProxyMetrics()
+    registry = CollectorRegistry()
+    requests = Counter("fauxmad_proxy_requests", Served.REQUESTS[1], ["app", "region", "status"], registry=registry)
+    latency = Histogram("fauxmad_proxy_request_seconds", Served.LATENCY[1], ["app"], buckets=BUCKETS, registry=registry)
+    draw = random.Random(7)
+    for _ in range(500):
+        app, region, status = draw.choice(["web", "api"]), draw.choice(["mad", ""]), draw.choice([200, 404, 502])
+        seconds = draw.choice([0.0005, 0.001, 10.0, 11.0, draw.random() / 10])  # bounds themselves, and beyond
+        metrics.observe(app, region, status, seconds)
+        requests.labels(app, region, str(status)).inc()
+        latency.labels(app).observe(seconds)
+
+    def lines(text: bytes) -> list[str]:
+        return [line for line in text.decode().splitlines() if "_created" not in line]
+
+    ours = [line for line in lines(metrics.render()) if "fauxmad_proxy_request" in line]
+    assert ours == lines(generate_latest(registry))
+    assert len(ours) >= 50  # 12 counts, 2 apps x 17 histogram lines, 4 HELP and TYPE
 
 
 class _Sink:
