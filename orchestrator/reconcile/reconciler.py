@@ -38,7 +38,7 @@ import msgspec
 from bus.contract.errors import BadRequest, NoCapacity, Unreachable
 from bus.transport.connection import connect, role_of
 from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
-from orchestrator.client import FleetClient
+from orchestrator.client import PROGRESS_CAP, FleetClient
 from orchestrator.reconcile.executor import Executor, Result
 from orchestrator.reconcile.follow import Following
 from orchestrator.reconcile.observe import Observer
@@ -53,8 +53,6 @@ from orchestrator.replicas.workers import Registry
 log = logging.getLogger(__name__)
 
 NO_ROOM_BACKOFF = 10.0  # seconds before trying again to place a spare in a region that had no room
-# a wait that keeps making progress still ends at this many times its timeout (a loop that changes forever)
-PROGRESS_CAP = 3.0
 
 
 class Converged(msgspec.Struct, kw_only=True):
