@@ -4,9 +4,10 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 python := env_var_or_default("PYTHON", "python3")
 
-jobs := env_var_or_default("FAUXMAD_TEST_JOBS", "1")
+jobs := env_var_or_default("FAUXMAD_TEST_JOBS", "2")
 
-# run the whole test suite (real nats-server, real worker processes); FAUXMAD_TEST_JOBS=3: three files at a time
+# run the whole test suite (real nats-server, real worker processes), two files at a time (FAUXMAD_TEST_JOBS=1:
+# one); a failing test names the directory that keeps its fleets' logs
 test *args:
     {{python}} -m pytest -q -n {{jobs}} --dist loadfile --durations=25 {{args}}
 

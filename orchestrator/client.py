@@ -59,6 +59,10 @@ from bus.transport.service import NoResponders, call, request
 from orchestrator.logs import Emit, LogQuery, has_lines, read_logs
 from orchestrator.view.history import EmitEvent, EventQuery, read_events
 
+# A client-side wait ends for a reason: done, failed, or its timeout with no progress (docs/explanation/faults.md,
+# "Deadlines that follow progress"); one that keeps making progress still ends at this many times its timeout
+PROGRESS_CAP = 3.0
+
 
 class UpResult(msgspec.Struct, frozen=True, kw_only=True):
     """What `FleetClient.wait_up` saw: `up`, or `problem` (one line) and the machine as it was then."""
@@ -263,15 +267,22 @@ class FleetClient:
 
         Up: started, and then either every check of its config passing, or (with no checks) still
         running the same process `up_for` seconds later. Not up: it exited (any exit: a machine is
-        meant to keep running), it restarted (a crash the restart policy hides), or `timeout` passed.
+        meant to keep running), it restarted (a crash the restart policy hides), or `timeout` seconds passed
+        without progress: the clock starts again when the machine reaches a state it was not seen in yet
+        (its worker is working: replacing, starting, started), up to PROGRESS_CAP times `timeout` in all.
         """
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        began = loop.time()
+        deadline = began + timeout
         restarts = machine.restarts
         current = machine
         up_since: float | None = None
+        seen: set[str] = set()
         while True:
             now = loop.time()
+            if current.state not in seen:
+                seen.add(current.state)
+                deadline = max(deadline, min(now + timeout, began + PROGRESS_CAP * timeout))
             problem = self._not_up(current, restarts)
             if problem:
                 return UpResult(up=False, machine=current, problem=problem)
@@ -284,7 +295,7 @@ class FleetClient:
                     return UpResult(up=True, machine=current)
             if now >= deadline:
                 why = _checks_problem(current) if current.state == "started" else f"it is {current.state}"
-                return UpResult(up=False, machine=current, problem=f"not up within {timeout:g}s: {why}")
+                return UpResult(up=False, machine=current, problem=f"not up, no progress for {timeout:g}s: {why}")
             await asyncio.sleep(poll)
             current = await self.get(app, machine.id, events=False)
 

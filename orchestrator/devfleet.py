@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import nats
@@ -69,6 +69,11 @@ def _supercluster_default() -> int:
 
 ROOT = Path(__file__).resolve().parent.parent
 DESTROY_ALL_WITHIN = 30.0  # seconds a fleet's stop spends destroying machines politely (the rest are killed)
+
+# Called with each fleet just before its stop removes its own directory, logs and all: the test suite keeps a
+# failing test's fleets' logs this way (tests/conftest.py), since a fleet stopped inside a test is gone by the
+# time the test is known to have failed. A person's `fauxmad dev` registers none.
+BEFORE_REMOVAL: list[Callable[[DevFleet], None]] = []
 
 
 async def _quiet(exc: Exception) -> None:
@@ -142,6 +147,8 @@ def unmount_under(root: Path) -> int:
 
 
 class DevFleet:
+    running: ClassVar[set[DevFleet]] = set()  # the fleets of this process started and not stopped yet
+
     def __init__(self, spec: FleetSpec, *, progress: Callable[[str], None] = lambda line: None) -> None:
         self.spec = spec
         self.progress = progress
@@ -228,6 +235,11 @@ class DevFleet:
         self.processes.append((name, proc))
         self.commands[name] = args
 
+    def log_files(self) -> list[Path]:
+        """The fleet's logs: each process's (`logs/<name>.log`) and each nats-server's, relative to `root`."""
+        found = [*self.root.glob("logs/*.log"), *self.root.glob("nats/**/*.log")]
+        return sorted(path.relative_to(self.root) for path in found if path.is_file())
+
     def kill(self, name: str) -> None:
         """SIGKILL one process of the fleet (`worker-mad-w1`, `broker-1`): chaos on demand."""
         for known, proc in self.processes:
@@ -249,6 +261,7 @@ class DevFleet:
         """Start NATS, the workers and the brokers; on any failure (or Ctrl-C) stop what started, remove the
         data directory if it is this fleet's own, and raise."""
         spec = self.spec
+        DevFleet.running.add(self)
         try:
             if spec.hosts:
                 self.hosts = Hosts(spec.hosts).up()
@@ -659,7 +672,11 @@ class DevFleet:
         if self.hosts is not None:  # whatever is left inside the hosts is killed with them
             self.hosts.down()
             self.hosts = None
+        DevFleet.running.discard(self)
         if self._own_dir:
+            for keep in BEFORE_REMOVAL:
+                with contextlib.suppress(Exception):  # keeping logs must never stop a fleet from stopping
+                    keep(self)
             # volumes' loop mounts (docs/tutorials/images-and-volumes.md): freed with their loop devices
             unmount_under(self.root)
             shutil.rmtree(self.root, ignore_errors=True)

@@ -10,6 +10,12 @@ module's own `pytestmark`; the rest is the fast layer (`just test-fast`: pure fu
 components with injected clocks). Under pytest-xdist each xdist worker has its own nats-server (a session
 each) and its own slice of the ports `bus.local.ports` hands out ($FAUXMAD_PORT_RANGE, inherited by every
 process it starts), so two slices never race for one port.
+
+A failing test keeps the logs of every fleet it ran or ran beside (`DevFleet`: each process's and each
+nats-server's) under `<basetemp>/fleet-logs/<test>/<fleet>/`, and its report names that directory: a failure
+of two files at a time can be read after the run (pytest keeps the last three basetemps). A fleet stopped
+inside the test is copied as it stops (its directory goes with it); one still running when the test fails
+(a module's fleet) is copied then. A test that passes leaves nothing there.
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ import compileall
 import inspect
 import itertools
 import os
-from collections.abc import Callable, Iterator
+import re
+import shutil
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
 
 from bus.local.embedded import EmbeddedNats
+from orchestrator import devfleet
+from orchestrator.devfleet import DevFleet
 from tests.helpers import WorkerProcess
 
 _ids = itertools.count(1)
@@ -63,6 +73,61 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_sessionstart(session: pytest.Session) -> None:
     for package in ("bus", "orchestrator", "workers", "tests"):
         compileall.compile_dir(ROOT / package, quiet=1, workers=0)
+    devfleet.BEFORE_REMOVAL.append(_keep_logs_of)
+
+
+# --- a failing test's fleets' logs ---------------------------------------------------------------------------
+_current: list[pytest.Item] = []  # the test running now (fleets stopped between tests belong to none)
+_failed = pytest.StashKey[bool]()
+
+
+_kept = pytest.StashKey[Path]()
+
+
+def _fleet_logs_dir(item: pytest.Item) -> Path:
+    if _kept not in item.stash:
+        base = item.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+        item.stash[_kept] = Path(base) / "fleet-logs" / re.sub(r"[^\w.-]+", "_", item.nodeid)[-120:]
+    return item.stash[_kept]
+
+
+def _copy_logs(fleet: DevFleet, into: Path) -> None:
+    for relative in fleet.log_files():
+        target = into / fleet.root.name / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(fleet.root / relative, target)
+
+
+def _keep_logs_of(fleet: DevFleet) -> None:
+    """`devfleet.BEFORE_REMOVAL`: a fleet stopping during a test leaves its logs with the test, until it passes."""
+    if _current:
+        _copy_logs(fleet, _fleet_logs_dir(_current[-1]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    _current.append(item)
+    try:
+        yield
+    finally:
+        _current.remove(item)
+        logs = item.stash.get(_kept, None)
+        if logs is not None and not item.stash.get(_failed, False):
+            shutil.rmtree(logs, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if not report.failed:
+        return
+    item.stash[_failed] = True
+    logs = _fleet_logs_dir(item)
+    for fleet in list(DevFleet.running):  # fleets still up: a module's, or the test's own before its stop
+        _copy_logs(fleet, logs)
+    if logs.exists():
+        report.sections.append(("fleet logs", f"the logs of this test's fleets: {logs}"))
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,14 @@
 The command claims the release and points the app at it (so its number is known, and the feasibility
 check holds), then starts `fauxmad deploy --finish-app APP --finish-release N` in a session of its own,
 writing to a log file; that process converges the release (or rolls it back) and logs how it went.
+
+The file is named after the fleet too (a digest of its NATS URL, as the view's cache file): two fleets on one
+host (two `fauxmad dev`, a team's CI jobs) deploy the same app and release number, and appended to one file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -43,9 +47,10 @@ async def start_detached(r: Reconciler, spec: AppSpec, nats: str | None) -> Deta
     release = await rollout.begin(r, spec, "deploy (detached)")
     log_dir = _log_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
-    path = log_dir / f"deploy-{spec.app}-v{release.version}.log"
     url = nats_url(nats)
     assert url is not None
+    fleet = hashlib.sha256(url.encode()).hexdigest()[:8]
+    path = log_dir / f"deploy-{spec.app}-v{release.version}-{fleet}.log"
     args = [sys.executable, "-m", "orchestrator.cli", "deploy", "--nats", url]
     args += ["--finish-app", spec.app, "--finish-release", str(release.version)]
     with path.open("ab") as log:

@@ -101,6 +101,7 @@ class Picker:
     async def pick(self, app: App, prefer: str | None, avoid: set[str], deadline: float, ex: Exchange) -> str:
         """A machine ready for this request (`avoid`: those that failed it), or `Refused`."""
         policy = self._policy(app)
+        looked_again = False
         while True:
             candidates = self._candidates(app)
             decision = self._one(candidates, policy, avoid) or self._choose(candidates, policy, prefer, avoid)
@@ -122,10 +123,10 @@ class Picker:
                 case Wait():
                     await self._wait_for_slot(app.name, deadline)
                 case NoMachine(why):
-                    late = await self._late_binder(app, avoid)
-                    if late is None:
-                        raise Refused(502, f"no machine of {app.name} could take this request ({why})")
-                    return late
+                    # none known: unless the machines index runs behind (it caught up: choose again, once)
+                    if not (looked_again or candidates) and (looked_again := await self.routes.caught_up(app.name)):
+                        continue
+                    return await self._last_resort(app, avoid, why)
 
     def _one(self, candidates: list[Candidate], policy: Policy, avoid: set[str]) -> Route | None:
         """An app of one machine (most apps), started and under its soft limit: the Route `choose` would give,
@@ -181,6 +182,12 @@ class Picker:
         except WakeError:
             return False
         return True
+
+    async def _last_resort(self, app: App, avoid: set[str], why: str) -> str:
+        late = await self._late_binder(app, avoid)
+        if late is None:
+            raise Refused(502, f"no machine of {app.name} could take this request ({why})")
+        return late
 
     async def _late_binder(self, app: App, refused: set[str]) -> str | None:
         """Last resort, when every machine refused this request: a `started` machine may not have bound its

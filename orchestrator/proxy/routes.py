@@ -36,6 +36,7 @@ DEFAULT_SERVICE = HttpService()
 LIVE_FOR = 0.1  # seconds a region's live workers are reused between requests (heartbeats expire in seconds)
 MISSED_FOR = 1.0  # seconds an app name KV did not know is not asked for again
 MISSED_KEPT = 10_000  # names remembered as missing, at most (then forgotten all at once)
+CATCH_UP = 1.0  # seconds a request for an app with no machines known waits for the machines index to catch up
 
 
 class _Head(msgspec.Struct):
@@ -180,6 +181,7 @@ class RouteTable:
         self.apps = AppsReplica()
         self._by_app: dict[str, list[MachineIndexEntry]] | None = None
         self._live: dict[str, tuple[float, set[str]]] = {}  # region -> (when, its live workers)
+        self._caught: dict[str, float] = {}  # app -> when `caught_up` last waited for the index on its behalf
         self.index.on_change = self._changed
 
     def _changed(self, key: str) -> None:
@@ -194,6 +196,19 @@ class RouteTable:
     async def close(self) -> None:
         for replica in (self.apps, self.index, self.registry):
             await replica.close()
+
+    async def caught_up(self, app: str, clock: Callable[[], float] = time.monotonic) -> bool:
+        """Whether the machines index now holds every update its bucket had a moment ago (`KVReplica.caught_up`,
+        within CATCH_UP): asked before an app is answered "no machines", which a watch running behind (a
+        machine created a moment ago, a busy host) would otherwise say of machines that exist. At most once a
+        second per app: an app that has none is refused at once after that."""
+        now = clock()
+        if now - self._caught.get(app, -MISSED_FOR) < MISSED_FOR:
+            return False
+        if len(self._caught) > MISSED_KEPT:
+            self._caught.clear()
+        self._caught[app] = now
+        return await self.index.caught_up(CATCH_UP)
 
     def remember(self, entry: MachineIndexEntry) -> None:
         """What a start or create through a broker answered: known before the index's watch says so."""

@@ -16,6 +16,7 @@ from bus.contract import subjects
 from bus.contract.errors import NotFound
 from bus.contract.fleet import CordonRequest, CreateRequest, WorkerInfo
 from bus.contract.machines import Machine
+from orchestrator.client import PROGRESS_CAP
 from orchestrator.reconcile.observe import health
 from orchestrator.reconcile.reconciler import Reconciler
 
@@ -23,7 +24,9 @@ from orchestrator.reconcile.reconciler import Reconciler
 async def drain_worker(
     r: Reconciler, worker_id: str, *, timeout: float = 300.0, progress: Callable[[str], None] = lambda line: None
 ) -> int:
-    """Cordon `worker_id` and move its machines to other workers of its region; returns how many moved."""
+    """Cordon `worker_id` and move its machines to other workers of its region; returns how many moved. It
+    gives up when `timeout` seconds pass with no machine moved off (docs/explanation/faults.md, "Deadlines
+    that follow progress")."""
     info = await r.bus.call(
         subjects.worker_cordon(worker_id, True), CordonRequest(reason="drain"), WorkerInfo, timeout=5
     )
@@ -32,12 +35,16 @@ async def drain_worker(
     while worker_id not in r.observer.cordoned() and r.timer() < deadline:
         await r.wait_for_change(0.1)  # the planner must see the cordon before it plans the move
     moved: set[str] = set()
+    began, fewest = r.timer(), None
     while True:
         machines = [m for m in await r.observer.machines_on(worker_id, None) if m.state != "destroyed"]
         if not machines:
             return len(moved)
+        if fewest is None or len(machines) < fewest:  # one more moved off: progress, the clock starts again
+            fewest = len(machines)
+            deadline = max(deadline, min(r.timer() + timeout, began + PROGRESS_CAP * timeout))
         if r.timer() > deadline:
-            raise TimeoutError(f"{len(machines)} machine(s) still on {worker_id} after {timeout:.0f}s")
+            raise TimeoutError(f"{len(machines)} machine(s) still on {worker_id}, none moved for {timeout:.0f}s")
         for app in sorted({m.app for m in machines}):
             desired = await r.desired(app)
             if desired is not None and desired.spec is not None:

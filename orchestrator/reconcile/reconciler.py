@@ -38,7 +38,7 @@ import msgspec
 from bus.contract.errors import BadRequest, NoCapacity, Unreachable
 from bus.transport.connection import connect, role_of
 from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
-from orchestrator.client import FleetClient
+from orchestrator.client import PROGRESS_CAP, FleetClient
 from orchestrator.reconcile.executor import Executor, Result
 from orchestrator.reconcile.follow import Following
 from orchestrator.reconcile.observe import Observer
@@ -75,7 +75,13 @@ class AppLoop(msgspec.Struct, kw_only=True):
     """What one app's loop remembers between passes: clocks, not decisions."""
 
     unhealthy_since: dict[str, float] = {}
+    # the states each unready machine has been seen in while its clock ran: a state not seen before is progress
+    # (the worker is working: replacing, starting, started), and starts its clock again; a crash loop's states
+    # come round again and do not (docs/explanation/faults.md, "Deadlines that follow progress")
+    unready_states: dict[str, frozenset[str]] = {}
     no_room: dict[str, float] = {}
+    seen: set[tuple[str, str, bool, float]] = set()  # every (machine, state, healthy, instance) observed
+    moved_at: float = 0.0  # the timer when `seen` last grew: the app's machines last made progress
 
     def spares_blocked(self, now: float) -> frozenset[str]:
         return frozenset(region for region, at in self.no_room.items() if now - at < NO_ROOM_BACKOFF)
@@ -232,8 +238,19 @@ class Reconciler:
             exits_since=exits_since,
             only_region=self.region,
         )
+        states = {m.id: m.state for m in observed.machines}
+        since = {
+            i: at if states.get(i) in loop.unready_states.get(i, frozenset()) else now
+            for i, at in loop.unhealthy_since.items()
+        }
+        observed = msgspec.structs.replace(observed, unhealthy_since=since)
+        marks = {(m.id, m.state, m.healthy, m.instance_at) for m in observed.machines}
+        if not marks <= loop.seen:
+            loop.moved_at = self.timer()
+        loop.seen = {mark for mark in loop.seen if mark[0] in states} | marks  # destroyed machines forgotten
         result = plan(desired, observed, now)
-        loop.unhealthy_since = {i: loop.unhealthy_since.get(i, now) for i in result.unready}
+        loop.unhealthy_since = {i: since.get(i, now) for i in result.unready}
+        loop.unready_states = {i: loop.unready_states.get(i, frozenset()) | {states.get(i, "")} for i in result.unready}
         if self.on_plan is not None:
             self.on_plan(app, result)
         results = await self.executor.apply(app, result.actions, self.result_hook(app))
@@ -255,8 +272,12 @@ class Reconciler:
         stop: asyncio.Event | None = None,
         exits_since: float | None = None,
     ) -> Converged:
-        """Step until the primaries are in place (or everything, with `until="all"`), a failure, or `timeout`."""
+        """Step until the primaries are in place (or everything, with `until="all"`), a failure, or `timeout`
+        seconds without progress: the clock starts again whenever the app's machines reach a state not seen
+        before in this wait (the workers are working), up to PROGRESS_CAP times `timeout` in all."""
         started = self.timer()
+        loop = self.loops.setdefault(desired.app, AppLoop())
+        loop.moved_at, loop.seen = started, set()
         passes = 0
         last = Plan()
         first: Plan | None = None
@@ -268,8 +289,8 @@ class Reconciler:
                 self.check_connected()  # unless nothing can answer any more
                 log.info("converge: pass failed (%s); trying again", exc)
                 await self.wait_for_change(self.poll)
-                if self.timer() - started > timeout:
-                    return self._timed_out(last, passes, started)
+                if self._out_of_time(desired.app, started, timeout):
+                    return self._timed_out(last, passes, started, timeout)
                 continue
             first = first or last
             failures = list(last.failures) + self._refused(results)
@@ -279,8 +300,8 @@ class Reconciler:
             done = last.converged if until == "all" else last.primaries_done
             if done:
                 return Converged(ok=True, plan=last, passes=passes, seconds=elapsed, first=first)
-            if elapsed > timeout:
-                return self._timed_out(last, passes, started)
+            if self._out_of_time(desired.app, started, timeout):
+                return self._timed_out(last, passes, started, timeout)
             if stop is not None and stop.is_set():
                 return Converged(
                     ok=False,
@@ -291,6 +312,12 @@ class Reconciler:
                 )
             if not last.actions:
                 await self.wait_for_change(self.poll)
+
+    def _out_of_time(self, app: str, started: float, timeout: float) -> bool:
+        """`timeout` seconds since the app's machines last made progress, or PROGRESS_CAP times it in all."""
+        now = self.timer()
+        moved = self.loops[app].moved_at if app in self.loops else started
+        return now - max(started, moved) > timeout or now - started > PROGRESS_CAP * timeout
 
     @staticmethod
     def _refused(results: list[Result]) -> list[Failure]:
@@ -308,8 +335,8 @@ class Reconciler:
             out.append(Failure(region=action.region, machine_id=r.machine_id, reason=f"{what} failed", detail=r.error))
         return out
 
-    def _timed_out(self, last: Plan, passes: int, started: float) -> Converged:
-        waiting = "; ".join(last.waiting) or "no progress"
+    def _timed_out(self, last: Plan, passes: int, started: float, timeout: float) -> Converged:
+        waiting = "; ".join(last.waiting) or f"no progress for {timeout:g}s"
         return Converged(
             ok=False,
             plan=last,

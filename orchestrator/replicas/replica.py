@@ -41,6 +41,8 @@ class KVReplica:
         self._ready = asyncio.Event()
         self._present: set[str] = set()  # keys with a value, as far as this replica knows
         self.on_change: Callable[[str], None] | None = None  # called with the key after each update
+        self._applied = 0  # the bucket's stream sequence of the last update applied here
+        self._moved = asyncio.Event()  # set (and replaced) at each update: what `caught_up` waits on
 
     def apply(self, key: str, value: bytes | None) -> None:
         """One update; `value=None`: the key was deleted or expired."""
@@ -71,6 +73,33 @@ class KVReplica:
                 continue
             seen.add(entry.key)
             self._update(entry.key, None if entry.operation in ("DEL", "PURGE") else entry.value)
+            revision = getattr(entry, "revision", None)
+            if isinstance(revision, int) and revision > self._applied:
+                self._applied = revision
+            self._moved.set()
+            self._moved = asyncio.Event()
+
+    async def caught_up(self, within: float) -> bool:
+        """Wait until every update the bucket holds now is applied here: its stream's last sequence, read now,
+        then the watch reaching it; at most `within` seconds. False when it did not, or cannot be told (a
+        region-merged bucket). For an answer that must not rest on a watch running behind (a proxy about to
+        say an app has no machines, a moment after one was created)."""
+        js, stream = getattr(self._kv, "_js", None), getattr(self._kv, "_stream", None)
+        if js is None or stream is None:
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        try:
+            last = int((await asyncio.wait_for(js.stream_info(stream), within)).state.last_seq)
+        except Exception:  # not answered in time, or JetStream away: nothing known
+            return False
+        while self._applied < last:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._moved.wait(), left)
+        return True
 
     def _update(self, key: str, value: bytes | None) -> None:
         if value is None:

@@ -334,7 +334,7 @@ def test_json_detach_no_changes_and_the_scale_warning(fleet: DevFleet, tmp_path:
     assert "v4" in detached.stdout and "background" in detached.stdout, detached.stdout
     wait_for(lambda: statuses(fleet, "knobs").get(4, ("", ""))[0] == "complete", 60, "v4 to complete")
     assert_converged(machines(fleet, "knobs"), {"mad": 2, "syd": 1}, "4", "v2")
-    logs = list((tmp_path / "home").glob("**/deploy-knobs-v4.log"))
+    logs = list((tmp_path / "home").glob("**/deploy-knobs-v4-*.log"))  # -<fleet>: two fleets never share one
     assert logs and "v4 deployed" in logs[0].read_text()
     assert spares(machines(fleet, "knobs")) == []
     destroy(fleet, "knobs")
