@@ -161,7 +161,7 @@ class Client:
         assert self.fleet is not None
         for tries in range(1, CREATE_ATTEMPTS + 1):
             slot.attempts += 1
-            op = self._op(step, "create", key=key, attempt=slot.attempts)
+            op = self._op(step, "create", key=key, attempt=slot.attempts, region=region)
             request = CreateRequest(region=region, config=self._config(key), idempotency_key=key)
             machine = await self._request(op, self.fleet.create(self.app, request))
             if machine is not None:
@@ -183,7 +183,7 @@ class Client:
             self._skip(step, "slot holds no machine")
             return
         assert self.fleet is not None
-        op = self._op(step, "create", key=slot.key, replay=True)
+        op = self._op(step, "create", key=slot.key, replay=True, region=slot.region)
         request = CreateRequest(region=slot.region, config=self._config(slot.key), idempotency_key=slot.key)
         await self._request(op, self.fleet.create(self.app, request))
 
