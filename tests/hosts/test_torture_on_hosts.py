@@ -216,3 +216,14 @@ def test_a_short_seeded_run_on_hosts_strikes_with_every_kind_and_finds_no_violat
     assert {kind for kind, n in result["faults"].items() if n >= 1} == set(offered), result["faults"]
     assert result["operations"]["create"].get("ok", 0) > 0, result["operations"]
     assert result["violations"] == [], json.dumps(result["violations"], indent=1)[:4000]
+
+
+def test_a_502_that_says_no_answer_came_is_unknown_and_one_that_says_nobody_listens_is_refused() -> None:
+    from bus.contract.errors import Unreachable
+    from bus.transport.in_flight import BROKE
+    from lab.torture.workload import outcome_of
+
+    # the first run on hosts: a destroy answered 502 "no answer ... (it may have arrived)" had destroyed the machine
+    maybe = Unreachable(f"no answer on fauxmad.v1.worker.t1-w1.machines.destroy: {BROKE}")
+    assert outcome_of(maybe)[0] == "unknown"
+    assert outcome_of(Unreachable("nobody answers on fauxmad.v1.worker.t1-w1.machines.destroy"))[0] == "refused"
