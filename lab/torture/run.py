@@ -127,7 +127,7 @@ async def _torture(
             progress(f"restarted {', '.join(restarted)}")
         progress(f"faults over ({len(nemesis.faults)}); settling")
         sampler.phase = "settle"
-        if not await sampler.settled(60.0):
+        if not await _settle(fleet, sampler, 60.0, progress):
             progress("not every worker answered within 60s of the faults ending")
         await asyncio.sleep(max(options.settle, HOSTS_SETTLE_S) if on_hosts else options.settle)
         stop_sampling.set()
@@ -145,6 +145,20 @@ async def _torture(
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(sampling, 5)
         await sampler.close()
+
+
+async def _settle(fleet: TortureFleet, sampler: Sampler, timeout: float, progress: Callable[[str], None]) -> bool:
+    """Until every worker answers (False at the deadline), starting again any process of the fleet that exited
+    meanwhile, as its supervisor would (systemd's `Restart=on-failure`): a worker started while its JetStream did
+    not answer gives up after 30 s, and it is the supervisor's to start it again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        restarted = fleet.ensure_up()
+        if restarted:
+            progress(f"restarted {', '.join(restarted)} (it had exited)")
+        if await sampler.settled(min(5.0, max(0.5, deadline - time.monotonic()))):
+            return True
+    return False
 
 
 def result_of(options: TortureOptions, run_dir: Path, kept: bool, verdict: Verdict) -> TortureResult:
