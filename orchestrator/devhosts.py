@@ -12,10 +12,11 @@ a lock file (`/run/fauxmad-hosts/<fleet>.lock`, flock) held for the harness's li
 released its lock with its process, and the next one sweeps every namespace and bridge of our prefix whose
 lock nobody holds (killing the processes still inside: a namespace lives as long as one process does).
 
-Faults, both verified on this kernel without iptables or netem: `cut(host)` sets the host's veth down
+Faults, each verified on this kernel without iptables or netem: `cut(host)` sets the host's veth down
 (both directions fail, as a pulled cable); `cut_outgoing(host)` puts a `blackhole` qdisc on the host's
 interface, which silently drops every packet the host sends (others' packets still arrive; its answers
-never leave), a one-way partition.
+never leave), a one-way partition; `slow(host, rate, queue)` puts a `tbf` qdisc there instead (a token bucket:
+the host's packets wait their turn at `rate`), a latency spike for what the host sends.
 
 Needs root and Linux; `unavailable()` says in one line why not otherwise.
 """
@@ -256,6 +257,20 @@ class Hosts:
         )
         if done.returncode != 0:
             raise RuntimeError(f"tc could not drop {name}'s packets: {done.stderr.strip()}")
+
+    def slow(self, name: str, rate: str, queue: str) -> None:
+        """Slow host `name`'s sending to `rate` (a `tbf` qdisc), its packets queued up to `queue` and then dropped: a
+        latency spike that grows with what the host sends (this kernel has no netem to add a fixed delay)."""
+        done = subprocess.run(
+            self[name].command(
+                ["tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "4kb", "latency", queue]
+            ),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"tc could not slow {name}'s link: {done.stderr.strip()}")
 
     def heal_outgoing(self, name: str) -> None:
         subprocess.run(

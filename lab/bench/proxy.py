@@ -12,6 +12,13 @@ platform's own part of a start shows. The tiny app also times a create inside th
 `auto_create` and no machine, whose machine is destroyed after each round. Where the host has a C compiler
 (`cc`), the start and the create are timed a third time with examples/echo/tiny.c, which listens about a
 millisecond after its exec: what is left is the platform's own part of a start.
+
+`hosts`: the same across hosts (`orchestrator.devhosts`, root only): nats-server and the edge (`fauxmad proxy`,
+the one a fleet of hosts runs) on host a, the worker and its machines on host b, a bridge between them. A
+machine listens on its host's loopback only, so the alternating GETs are sent from a client on host b: directly
+to the machine there, and through the edge on host a, which reaches the machine through b's worker (the
+backhaul): two crossings of the bridge and the worker's relay, what an edge on another host adds. The wakes,
+the creates and the req/s are sent from this machine (the laptop) to the edge on host a.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from lab.bench.http_client import Client
 from lab.bench.report import LATENCY_ALIGN, LATENCY_COLUMNS, Report, Table
 from lab.bench.stats import Latency, summarize
 from orchestrator.client import FleetClient
-from orchestrator.devfleet import DevFleet, FleetSpec
+from orchestrator.devfleet import ROOT, DevFleet, FleetSpec
 from orchestrator.proxy.upstream import connect_when_up
 from orchestrator.reconcile.over_nats import KVReleaseStore
 from orchestrator.reconcile.releases import Releases
@@ -63,6 +70,8 @@ class ProxyOptions(msgspec.Struct, frozen=True, kw_only=True):
     # every machine through its worker's backhaul (`fauxmad proxy --backhaul always`), as an edge on another host
     # reaches it: what the backhaul adds, measured on one host
     backhaul: bool = False
+    # the edge on host a and the machine on host b (network namespaces on a bridge): what crossing hosts adds
+    hosts: bool = False
 
 
 class Throughput(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,8 +140,11 @@ async def _publish(url: str, app: str, cmd: str, *, count: int = 1, auto_create:
     return spec, release.version
 
 
-async def _machine(url: str, app: str = APP, cmd: str = f'["python3", "{ECHO}"]') -> tuple[str, int]:
-    """Publish the app and start its one machine; (id, port) once it listens."""
+async def _machine(
+    url: str, app: str = APP, cmd: str = f'["python3", "{ECHO}"]', *, edge: tuple[str, int] | None = None
+) -> tuple[str, int]:
+    """Publish the app and start its one machine; (id, port) once it listens on this host's loopback, or with
+    `edge` (address, port: the machine is on another host) once a GET through that edge answers 200."""
     spec, version = await _publish(url, app, cmd)
     client = await FleetClient.connect(url)
     try:
@@ -141,6 +153,13 @@ async def _machine(url: str, app: str = APP, cmd: str = f'["python3", "{ECHO}"]'
     finally:
         await client.close()
     assert machine.port is not None
+    if edge is not None:
+        deadline = time.monotonic() + 20
+        while not (await _first_byte(edge[1], app, edge[0]))[1]:
+            if time.monotonic() > deadline:
+                raise BenchError(f"the {app} machine never answered through the edge at {edge[0]}:{edge[1]}")
+            await asyncio.sleep(0.2)
+        return machine.id, machine.port
     conn = await connect_when_up(("127.0.0.1", machine.port), 10.0)
     if conn is None:
         raise BenchError(f"the {app} machine never listened on {machine.port}")
@@ -148,8 +167,10 @@ async def _machine(url: str, app: str = APP, cmd: str = f'["python3", "{ECHO}"]'
     return machine.id, machine.port
 
 
-async def _alternating(proxy_port: int, machine_port: int, n: int) -> tuple[list[float], list[float], int]:
-    direct, proxied, errors = Client(machine_port), Client(proxy_port), 0
+async def _alternating(
+    proxy_port: int, machine_port: int, n: int, proxy_address: str = "127.0.0.1"
+) -> tuple[list[float], list[float], int]:
+    direct, proxied, errors = Client(machine_port), Client(proxy_port, proxy_address), 0
     host = f"{APP}.localhost"
     direct_times: list[float] = []
     proxied_times: list[float] = []
@@ -180,16 +201,23 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _throughput(
-    proxy: subprocess.Popen[bytes], proxy_port: int, app: str, upstream: str, options: ProxyOptions
+    proxy: subprocess.Popen[bytes],
+    proxy_port: int,
+    app: str,
+    upstream: str,
+    options: ProxyOptions,
+    proxy_address: str = "127.0.0.1",
 ) -> Throughput:
     """Keep-alive clients as fast as the proxy answers: wrk where it is installed (a C load generator leaves
     the proxy the CPU a Python client would take on a small host), else the asyncio client."""
     wrk = shutil.which("wrk")
     cpu_before, started = _cpu_seconds(proxy.pid), time.perf_counter()
     if wrk is not None:
-        rate, errors = _wrk(wrk, proxy_port, app, options.concurrency, options.seconds)
+        rate, errors = _wrk(wrk, proxy_port, app, options.concurrency, options.seconds, proxy_address)
     else:
-        rate, errors = asyncio.run(_asyncio_clients(proxy_port, app, options.concurrency, options.seconds))
+        rate, errors = asyncio.run(
+            _asyncio_clients(proxy_port, app, options.concurrency, options.seconds, proxy_address)
+        )
     cpu = _cpu_seconds(proxy.pid) - cpu_before
     requests = rate * (time.perf_counter() - started)
     return Throughput(
@@ -201,12 +229,14 @@ def _throughput(
     )
 
 
-def _wrk(wrk: str, proxy_port: int, app: str, concurrency: int, seconds: float) -> tuple[float, int]:
+def _wrk(
+    wrk: str, proxy_port: int, app: str, concurrency: int, seconds: float, address: str = "127.0.0.1"
+) -> tuple[float, int]:
     """(requests/s, errors) from one wrk run: non-2xx answers and socket errors count as errors."""
     import re
 
     argv = [wrk, "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "-H", f"Host: {app}.localhost"]
-    done = subprocess.run([*argv, f"http://127.0.0.1:{proxy_port}/"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*argv, f"http://{address}:{proxy_port}/"], capture_output=True, text=True, timeout=120)
     rate = re.search(r"Requests/sec:\s+([\d.]+)", done.stdout)
     if done.returncode != 0 or rate is None:
         raise BenchError(f"wrk failed: {(done.stderr or done.stdout).strip()[-300:]}")
@@ -216,14 +246,16 @@ def _wrk(wrk: str, proxy_port: int, app: str, concurrency: int, seconds: float) 
     return float(rate.group(1)), errors
 
 
-async def _asyncio_clients(proxy_port: int, app: str, concurrency: int, seconds: float) -> tuple[float, int]:
+async def _asyncio_clients(
+    proxy_port: int, app: str, concurrency: int, seconds: float, address: str = "127.0.0.1"
+) -> tuple[float, int]:
     host = f"{app}.localhost"
     done = errors = 0
     stop = time.perf_counter() + seconds
 
     async def one() -> None:
         nonlocal done, errors
-        client = Client(proxy_port)
+        client = Client(proxy_port, address)
         try:
             while time.perf_counter() < stop:
                 errors += (await client.request(host)).status != 200
@@ -237,7 +269,7 @@ async def _asyncio_clients(proxy_port: int, app: str, concurrency: int, seconds:
 
 
 async def _wake(
-    url: str, proxy_port: int, machine_id: str, how: str, rounds: int, app: str = APP
+    url: str, proxy_port: int, machine_id: str, how: str, rounds: int, app: str = APP, address: str = "127.0.0.1"
 ) -> tuple[list[float], int]:
     """Suspend (or stop) the machine, wait until the proxy's replica sees it, time one request's first byte."""
     client = await FleetClient.connect(url)
@@ -247,7 +279,7 @@ async def _wake(
         for _ in range(rounds):
             await (client.suspend(app, machine_id) if how == "resume" else client.stop(app, machine_id))
             await asyncio.sleep(0.3)  # the routing index's watch reaches the proxy
-            took, ok = await _first_byte(proxy_port, app)
+            took, ok = await _first_byte(proxy_port, app, address)
             times.append(took)
             errors += not ok
     finally:
@@ -255,9 +287,9 @@ async def _wake(
     return times, errors
 
 
-async def _first_byte(proxy_port: int, app: str) -> tuple[float, bool]:
+async def _first_byte(proxy_port: int, app: str, address: str = "127.0.0.1") -> tuple[float, bool]:
     """One GET through the proxy on a fresh connection: (seconds to its whole answer, whether it was a 200)."""
-    fresh = Client(proxy_port)
+    fresh = Client(proxy_port, address)
     try:
         started = time.perf_counter()
         ok = (await fresh.request(f"{app}.localhost")).status == 200
@@ -277,7 +309,12 @@ def _compile_tiny(into: Path) -> Path | None:
 
 
 async def _creates(
-    url: str, proxy_port: int, rounds: int, app: str = CREATE_APP, cmd: str = f'["python3", "-S", "{TINY}"]'
+    url: str,
+    proxy_port: int,
+    rounds: int,
+    app: str = CREATE_APP,
+    cmd: str = f'["python3", "-S", "{TINY}"]',
+    address: str = "127.0.0.1",
 ) -> tuple[list[float], int]:
     """An app with `auto_create` and no machine: time the first byte of a request that creates one, destroy it."""
     await _publish(url, app, cmd, count=0, auto_create=True)
@@ -287,7 +324,7 @@ async def _creates(
     errors = 0
     try:
         for _ in range(rounds):
-            took, ok = await _first_byte(proxy_port, app)
+            took, ok = await _first_byte(proxy_port, app, address)
             times.append(took)
             errors += not ok
             for machine in await client.list(app):
@@ -299,51 +336,79 @@ async def _creates(
     return times, errors
 
 
+def _alternating_on_host(fleet: DevFleet, machine_port: int, edge: tuple[str, int], n: int) -> tuple[Any, ...]:
+    """`_alternating` run by a client on the machine's host (host b), to the machine there and through the edge."""
+    assert fleet.hosts is not None
+    host = fleet.placement[f"worker-{fleet.worker_ids[0]}"]
+    argv = [sys.executable, "-m", "lab.bench.proxy", edge[0], str(edge[1]), str(machine_port), str(n)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(host.command(argv), capture_output=True, text=True, env=env, timeout=600, cwd=str(ROOT))
+    if done.returncode != 0:
+        raise BenchError(f"the client on host {host.name} failed: {done.stderr.strip()[-500:]}")
+    direct, proxied, errors = msgspec.json.decode(done.stdout.strip().splitlines()[-1])
+    return direct, proxied, errors
+
+
 def run_proxy_bench(options: ProxyOptions, progress: Callable[[str], None] = lambda line: None) -> ProxyResult:
-    spec = FleetSpec(regions=[REGION], workers_per_region=1, cpus=8, memory_mb=4096)
+    spec = FleetSpec(regions=[REGION], workers_per_region=1, cpus=8, memory_mb=4096, hosts=2 if options.hosts else 0)
     with DevFleet(spec, progress=progress) as fleet:
-        machine_id, machine_port = asyncio.run(_machine(fleet.url))
-        proc, proxy_port = _start_proxy(fleet.url, fleet.root / "logs" / "proxy.log", backhaul=options.backhaul)
+        own_proxy = not options.hosts
+        if options.hosts:  # the edge a fleet of hosts runs: `fauxmad proxy` on host a
+            assert fleet.edge is not None
+            address, port = fleet.edge.rsplit(":", 1)
+            proc, proxy_port, edge = dict(fleet.processes)["proxy"], int(port), (address, int(port))
+        else:
+            proc, proxy_port = _start_proxy(fleet.url, fleet.root / "logs" / "proxy.log", backhaul=options.backhaul)
+            address, edge = "127.0.0.1", None
         try:
-            progress(f"{options.requests} GETs direct and through the proxy, alternating")
-            direct, proxied, errors = asyncio.run(_alternating(proxy_port, machine_port, options.requests))
+            machine_id, machine_port = asyncio.run(_machine(fleet.url, edge=edge))
+            if edge is not None:
+                progress(f"{options.requests} GETs from host b direct and through the edge on host a, alternating")
+                direct, proxied, errors = _alternating_on_host(fleet, machine_port, edge, options.requests)
+            else:
+                progress(f"{options.requests} GETs direct and through the proxy, alternating")
+                direct, proxied, errors = asyncio.run(_alternating(proxy_port, machine_port, options.requests))
             binary = _compile_tiny(fleet.root)
             native_id = None
             if binary is not None:  # the cheapest upstream, so the throughput is the proxy's
-                native_id, _ = asyncio.run(_machine(fleet.url, NATIVE_APP, f'["{binary}"]'))
+                native_id, _ = asyncio.run(_machine(fleet.url, NATIVE_APP, f'["{binary}"]', edge=edge))
             upstream, app = ("examples/echo/tiny.c", NATIVE_APP) if native_id else ("examples/echo/app.py", APP)
             generator = "wrk" if shutil.which("wrk") else "an asyncio client (no wrk installed)"
             progress(
                 f"{options.concurrency} keep-alive clients for {options.seconds:g} s through the proxy to {upstream}, "
                 f"from {generator}"
             )
-            throughput = _throughput(proc, proxy_port, app, upstream, options)
+            throughput = _throughput(proc, proxy_port, app, upstream, options, address)
             progress(f"{options.wakes} requests to a suspended machine, {options.wakes} to a stopped one")
-            resumes, e1 = asyncio.run(_wake(fleet.url, proxy_port, machine_id, "resume", options.wakes))
-            starts, e2 = asyncio.run(_wake(fleet.url, proxy_port, machine_id, "start", options.wakes))
-            progress(f"the same with a machine of examples/echo/tiny.py, and {options.wakes} creates in a request")
-            tiny_id, _ = asyncio.run(_machine(fleet.url, TINY_APP, f'["python3", "-S", "{TINY}"]'))
-            tiny_resumes, e3 = asyncio.run(_wake(fleet.url, proxy_port, tiny_id, "resume", options.wakes, TINY_APP))
-            tiny_starts, e4 = asyncio.run(_wake(fleet.url, proxy_port, tiny_id, "start", options.wakes, TINY_APP))
-            creates, e5 = asyncio.run(_creates(fleet.url, proxy_port, options.wakes))
+            wakes = options.wakes
+            resumes, e1 = asyncio.run(_wake(fleet.url, proxy_port, machine_id, "resume", wakes, APP, address))
+            starts, e2 = asyncio.run(_wake(fleet.url, proxy_port, machine_id, "start", wakes, APP, address))
+            progress(f"the same with a machine of examples/echo/tiny.py, and {wakes} creates in a request")
+            tiny_id, _ = asyncio.run(_machine(fleet.url, TINY_APP, f'["python3", "-S", "{TINY}"]', edge=edge))
+            tiny_resumes, e3 = asyncio.run(_wake(fleet.url, proxy_port, tiny_id, "resume", wakes, TINY_APP, address))
+            tiny_starts, e4 = asyncio.run(_wake(fleet.url, proxy_port, tiny_id, "start", wakes, TINY_APP, address))
+            creates, e5 = asyncio.run(
+                _creates(fleet.url, proxy_port, wakes, CREATE_APP, f'["python3", "-S", "{TINY}"]', address)
+            )
             native_resumes = native_starts = native_creates = None
             if native_id is not None:
                 progress("the same with a machine of examples/echo/tiny.c, built with cc")
                 native_resumes, e8 = asyncio.run(
-                    _wake(fleet.url, proxy_port, native_id, "resume", options.wakes, NATIVE_APP)
+                    _wake(fleet.url, proxy_port, native_id, "resume", wakes, NATIVE_APP, address)
                 )
                 native_starts, e6 = asyncio.run(
-                    _wake(fleet.url, proxy_port, native_id, "start", options.wakes, NATIVE_APP)
+                    _wake(fleet.url, proxy_port, native_id, "start", wakes, NATIVE_APP, address)
                 )
                 native_creates, e7 = asyncio.run(
-                    _creates(fleet.url, proxy_port, options.wakes, NATIVE_CREATE_APP, f'["{binary}"]')
+                    _creates(fleet.url, proxy_port, wakes, NATIVE_CREATE_APP, f'["{binary}"]', address)
                 )
                 e5 += e6 + e7 + e8
             else:
                 progress("no C compiler (cc): the compiled app's start is not measured")
         finally:
-            proc.terminate()
-            proc.wait(10)
+            if own_proxy:
+                proc.terminate()
+                proc.wait(10)
     d, p = summarize(direct), summarize(proxied)
     return ProxyResult(
         options=options,
@@ -389,6 +454,8 @@ def report(result: ProxyResult) -> Report:
         ),
     )
     path = " (through the worker's backhaul)" if result.options.backhaul else ""
+    if result.options.hosts:
+        path = " across hosts (the edge on host a, the machine on host b, through b's worker over the bridge)"
     table = Table(
         title=f"edge proxy: one echo machine, one proxy process{path}",
         columns=LATENCY_COLUMNS,
@@ -403,3 +470,22 @@ def report(result: ProxyResult) -> Report:
         f"{result.throughput.proxy_cpu_us_per_request:.0f} us a request; {result.errors} errors",
     )
     return Report(tables=(table,), notes=notes)
+
+
+def _client_on_host(argv: list[str]) -> None:
+    """`python -m lab.bench.proxy EDGE_ADDRESS EDGE_PORT MACHINE_PORT N`, run inside the machine's host: the
+    alternating GETs, printed as one JSON line [direct, proxied, errors]."""
+    address, edge_port, machine_port, n = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+
+    async def run() -> tuple[list[float], list[float], int]:
+        conn = await connect_when_up(("127.0.0.1", machine_port), 10.0)
+        if conn is None:
+            raise BenchError(f"the machine never listened on {machine_port} on this host")
+        conn.close()
+        return await _alternating(edge_port, machine_port, n, address)
+
+    sys.stdout.write(msgspec.json.encode(asyncio.run(run())).decode() + "\n")
+
+
+if __name__ == "__main__":
+    _client_on_host(sys.argv[1:])

@@ -1,5 +1,6 @@
 """The project's own nemesis behind `fauxmad torture`: a mixed workload under a seeded fault schedule, a
-recorded history, and a checker over it (Jepsen's shape, on one host, with the project's real processes).
+recorded history, and a checker over it (Jepsen's shape, with the project's real processes: on one host, or on
+hosts of their own with the network's faults too, `fauxmad torture --hosts`).
 
 - `plan`: the seeded fault schedule and client steps (pure: the same seed attempts the same things).
 - `fleet`: the processes (nats-server, workers, brokers, the operator): start, kill -9, freeze, restart.

@@ -21,6 +21,22 @@ properties, each a function here:
    last started machine of the operator's app in a region, by the machines' own events (a fail-back that
    stops both copies; until the probe, which does this on purpose).
 
+Three more for the network's faults (a run on hosts: `cut`, `oneway`, `flap`, `region` split the fleet):
+
+11. `minority`: an acknowledged create on the minority side (its machine seen on a worker of the cut-off host
+    or region before the heal, or a create asked of the cut-off region while it was cut) is never lost: its
+    machine is in the fleet at the end unless its client destroyed it.
+12. `one-copy`: after every heal, one running copy of each machine: in the last sample before the next fault
+    (at least `HEAL_SETTLE_S` after the heal, every worker answering; else the final snapshot), no machine runs
+    in two processes or is listed started by two workers, no key has two started machines, and no region of
+    the operator's app has more started primaries than its count (a replaced copy left running beside its
+    replacement).
+13. `region-cut`: a cut-off region keeps placing and serving its own traffic: while it was cut, a create asked
+    through its own servers was acknowledged and its list then showed the machine started (`RegionProbe`).
+
+A worker restarted under a skewed clock stamps leases and events with its own clock: the checker takes the
+fault's skew back out of what that worker stamped meanwhile (`Fault.skew`), as it judges real time.
+
 Only acknowledged facts count against the fleet: a refused request did nothing, an unknown one may have
 done anything, so it excuses what follows it rather than accusing.
 """
@@ -33,7 +49,8 @@ from typing import Any
 
 import msgspec
 
-from lab.torture.history import End, Event, Fault, Listed, Meta, Op, Probe, Record, Sample
+from lab.torture.history import End, Event, Fault, Listed, Meta, Op, Probe, Record, RegionProbe, Sample
+from lab.torture.plan import PARTITIONS
 
 ACTIONS = ("create", "start", "stop", "destroy")
 RUNNING = frozenset({"started"})
@@ -50,7 +67,11 @@ CHECKS = (
     "operator-count",
     "operator-replace",
     "operator-last-copy",
+    "minority",
+    "one-copy",
+    "region-cut",
 )
+HEAL_SETTLE_S = 15.0  # one-copy: a heal's effects (stale copies retired) are judged this long after it at the least
 
 
 class Violation(msgspec.Struct, kw_only=True):
@@ -78,6 +99,7 @@ class _History:
         self.samples: list[Sample] = []
         self.probes: list[Probe] = []
         self.events: list[Event] = []
+        self.region_probes: list[RegionProbe] = []
         for record in records:
             if isinstance(record, Meta):
                 self.meta = record
@@ -91,11 +113,33 @@ class _History:
                 self.probes.append(record)
             elif isinstance(record, Event):
                 self.events.append(record)
+            elif isinstance(record, RegionProbe):
+                self.region_probes.append(record)
             elif isinstance(record, End):
                 pass
         self.t0 = self.meta.started_at if self.meta else min((o.invoke for o in self.ops), default=0.0)
         finals = [s for s in self.samples if s.phase == "final"]
         self.final: Sample | None = finals[-1] if finals else None
+        self.skews = [f for f in self.faults if f.kind == "skew" and f.skew]
+        self._unskew_events()
+
+    def _unskew_events(self) -> None:
+        """Each event a worker stamped under a skewed clock, back in real time."""
+        for event in self.events:
+            for fault in self.skews:
+                real = event.at - fault.skew
+                if event.worker_id == fault.target and fault.start <= real <= (fault.end or real) + 1.0:
+                    event.at = real
+                    break
+
+    def real_expiry(self, op: Op, seen_on: dict[str, list[tuple[str, float]]]) -> float:
+        """A lease's expiry in real time: a worker under a skewed clock granted it with its own."""
+        assert op.expires_at is not None and op.complete is not None
+        workers = {w for w, _ in seen_on.get(op.machine_id or "", [])}
+        for fault in self.skews:
+            if fault.target in workers and fault.start <= op.complete <= (fault.end or op.complete):
+                return op.expires_at - fault.skew
+        return op.expires_at
 
     def t(self, at: float | None) -> str:
         return "?" if at is None else f"t+{at - self.t0:.2f}s"
@@ -108,6 +152,23 @@ class _History:
                 for machine in view.listed or []:
                     found[machine.id].append((view.worker_id, machine))
         return found
+
+    def seen_on(self) -> dict[str, list[tuple[str, float]]]:
+        """machine id -> [(worker id, sample time)] of every sample that listed it."""
+        found: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        for sample in self.samples:
+            for view in sample.workers:
+                for machine in view.listed or []:
+                    found[machine.id].append((view.worker_id, sample.at))
+        return found
+
+    def side_of(self, fault: Fault) -> set[str]:
+        """The workers a partition cut off: the target host's, or the target region's."""
+        if self.meta is None:
+            return set()
+        if fault.kind == "region":
+            return {w for w, region in self.meta.workers.items() if region == fault.target}
+        return set(self.meta.hosts.get(fault.target, []))
 
 
 # -- 1 -----------------------------------------------------------------------------------------------
@@ -368,9 +429,11 @@ def check_leases(h: _History) -> list[Violation]:
         if op.kind == "release" and op.nonce and op.outcome != "skipped":
             released[op.nonce] = min(released.get(op.nonce, op.invoke), op.invoke)
     held: dict[str, list[tuple[float, float, Op]]] = defaultdict(list)
+    seen_on = h.seen_on() if h.skews else {}
     for op in h.ops:
         if op.kind == "lease" and op.outcome == "ok" and op.machine_id and op.complete and op.expires_at:
-            end = min(op.expires_at, released.get(op.nonce or "", op.expires_at))
+            expires = h.real_expiry(op, seen_on)
+            end = min(expires, released.get(op.nonce or "", expires))
             if end > op.complete:
                 held[op.machine_id].append((op.complete, end, op))
     out = []
@@ -512,6 +575,139 @@ def check_operator_last_copy(h: _History) -> list[Violation]:
     return out
 
 
+# -- 11 ----------------------------------------------------------------------------------------------
+def check_minority(h: _History) -> list[Violation]:
+    partitions = [f for f in h.faults if f.kind in PARTITIONS and f.end is not None]
+    if h.final is None or not partitions:
+        return []
+    present = h.final_listing()
+    maybe_destroyed = {o.machine_id for o in h.ops if o.kind == "destroy" and o.outcome in ("ok", "unknown")}
+    seen_on = h.seen_on()
+    acked: dict[str, Op] = {}
+    for op in h.ops:
+        if op.kind == "create" and op.outcome == "ok" and op.machine_id and op.complete:
+            acked.setdefault(op.machine_id, op)
+    out = []
+    for machine_id, op in acked.items():
+        if machine_id in present or machine_id in maybe_destroyed:
+            continue
+        for fault in partitions:
+            assert fault.end is not None and op.complete is not None
+            if op.complete > fault.end:
+                continue  # acknowledged after this heal: not this partition's minority
+            side = h.side_of(fault)
+            asked_there = fault.kind == "region" and op.region == fault.target and op.complete >= fault.start
+            lived_there = any(w in side and at <= fault.end for w, at in seen_on.get(machine_id, []))
+            if asked_there or lived_there:
+                where = "asked of" if asked_there else "on"
+                out.append(
+                    Violation(
+                        check="minority",
+                        message=f"machine {machine_id} (key {op.key}, client {op.client}), acknowledged at"
+                        f" {h.t(op.complete)} {where} the minority side of {fault.kind} {fault.target}"
+                        f" ({h.t(fault.start)}..{h.t(fault.end)}), is gone after the heal and nobody destroyed it",
+                        evidence={
+                            "machine_id": machine_id,
+                            "key": op.key,
+                            "acked_at": op.complete,
+                            "fault": [fault.kind, fault.target, fault.start, fault.end],
+                        },
+                    )
+                )
+                break
+    return out
+
+
+# -- 12 ----------------------------------------------------------------------------------------------
+def _copies(h: _History, sample: Sample) -> list[str]:
+    """What runs more than once in `sample`: machines, keys, and the operator app's primaries over its count."""
+    listed: Counter[str] = Counter()
+    keys: dict[str, set[str]] = defaultdict(set)
+    primaries: Counter[str] = Counter()
+    app = h.meta.operator_app if h.meta else ""
+    for view in sample.workers:
+        for m in view.listed or []:
+            if m.state not in RUNNING:
+                continue
+            listed[m.id] += 1
+            if m.key:
+                keys[m.key].add(m.id)
+            if m.app == app and m.role == "primary":
+                primaries[view.region] += 1
+    processes = Counter(p.machine_id for p in sample.procs)
+    found = [f"machine {m} listed started by {n} workers" for m, n in sorted(listed.items()) if n > 1]
+    found += [f"machine {m} in {n} processes" for m, n in sorted(processes.items()) if n > 1]
+    found += [
+        f"key {k} on {len(ids)} started machines ({', '.join(sorted(ids))})" for k, ids in keys.items() if len(ids) > 1
+    ]
+    want = h.meta.operator_counts if h.meta else {}
+    found += [
+        f"{app} has {n} started primaries in {region}, its count is {want[region]}"
+        for region, n in sorted(primaries.items())
+        if region in want and n > want[region]
+    ]
+    return found
+
+
+def check_one_copy(h: _History) -> list[Violation]:
+    heals = sorted((f for f in h.faults if f.kind in PARTITIONS and f.end is not None), key=lambda f: f.start)
+    out = []
+    said: set[str] = set()
+    for fault in heals:
+        assert fault.end is not None
+        later = [f.start for f in h.faults if f.start > fault.end]
+        until = min(later, default=float("inf"))
+        quiet = [
+            s
+            for s in h.samples
+            if s.phase != "final"
+            and fault.end + HEAL_SETTLE_S <= s.at < until
+            and all(v.listed is not None for v in s.workers)
+        ]
+        judged = quiet[-1] if quiet else h.final
+        if judged is None:
+            continue
+        for problem in _copies(h, judged):
+            if problem in said:
+                continue
+            said.add(problem)
+            out.append(
+                Violation(
+                    check="one-copy",
+                    message=f"after the heal of {fault.kind} {fault.target} at {h.t(fault.end)}, at {h.t(judged.at)}"
+                    f" ({judged.phase}): {problem}",
+                    evidence={"fault": [fault.kind, fault.target, fault.start, fault.end], "at": judged.at},
+                )
+            )
+    return out
+
+
+# -- 13 ----------------------------------------------------------------------------------------------
+def check_region_cut(h: _History) -> list[Violation]:
+    out = []
+    for fault in (f for f in h.faults if f.kind == "region"):
+        end = fault.end if fault.end is not None else float("inf")
+        probes = [p for p in h.region_probes if p.region == fault.target and fault.start <= p.at <= end]
+        if probes and probes[-1].placed and probes[-1].served:
+            continue
+        probe = probes[-1] if probes else None
+        why = (
+            "nobody asked it"
+            if probe is None
+            else ("it placed nothing" if not probe.placed else f"it did not list its machine {probe.machine_id}")
+            + (f": {probe.error}" if probe.error else "")
+        )
+        out.append(
+            Violation(
+                check="region-cut",
+                message=f"region {fault.target}, cut off {h.t(fault.start)}..{h.t(fault.end)}, did not place and"
+                f" serve its own traffic: {why}",
+                evidence={"region": fault.target, "start": fault.start, "end": fault.end},
+            )
+        )
+    return out
+
+
 CHECKERS = (
     check_lost,
     check_keys,
@@ -523,6 +719,9 @@ CHECKERS = (
     check_operator_count,
     check_operator_replace,
     check_operator_last_copy,
+    check_minority,
+    check_one_copy,
+    check_region_cut,
 )
 
 

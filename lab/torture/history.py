@@ -5,8 +5,9 @@ the way Jepsen's checkers read a history: it never asks the fleet anything. So e
 record here: each client operation with its invoke and completion times and its outcome (`ok` with what
 the fleet answered, `refused` with the error's code, `unknown` when no answer came), each fault, the
 periodic samples of the host's machine processes and the workers' listings, the final snapshot, the
-operator probe, and the operator app's machine events. Times are wall-clock epoch seconds (`time.time()`),
-the clock a worker stamps a lease's `expires_at` and an event's `timestamp` with, so they compare.
+operator probe, the operator app's machine events, and on hosts what a cut-off region did on its own. Times
+are wall-clock epoch seconds (`time.time()`), the clock a worker stamps a lease's `expires_at` and an event's
+`timestamp` with, so they compare (a worker under a skewed clock stamps its own: `Fault.skew` says by how much).
 
 The file is one record per line, tagged by `type`, appended and flushed as the run goes: a run killed
 halfway still leaves what it saw.
@@ -37,6 +38,8 @@ class Meta(msgspec.Struct, tag="meta", kw_only=True):
     operator_app: str
     operator_counts: dict[str, int]  # region -> primaries the operator must keep
     client_apps: list[str]
+    topology: str = "local"  # local (one host) | cluster (3 hosts, 3 servers) | supercluster (3 regions of hosts)
+    hosts: dict[str, list[str]] = {}  # host name -> the worker ids it runs (a run on hosts)
 
 
 class Op(msgspec.Struct, tag="op", kw_only=True):
@@ -53,6 +56,7 @@ class Op(msgspec.Struct, tag="op", kw_only=True):
     error: str = ""
     machine_id: str | None = None  # the machine acted on (for create: the one acknowledged)
     key: str | None = None  # create: the idempotency key
+    region: str | None = None  # create: the region asked for
     replay: bool = False  # create: a re-send of a key already acknowledged (not an action of its own)
     attempt: int = 1  # create: the attempt of this key (a key is retried after a timeout or a 5xx)
     holder: str | None = None  # lease
@@ -70,6 +74,7 @@ class Fault(msgspec.Struct, tag="fault", kw_only=True):
     end: float | None = None
     trigger: str = "schedule"  # schedule | reserve (struck as a reserve went out) | timeout (no reserve came)
     detail: str = ""
+    skew: float = 0.0  # skew: seconds the target worker's wall clock ran ahead (negative: behind)
 
 
 class Proc(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -138,12 +143,23 @@ class Event(msgspec.Struct, tag="event", kw_only=True):
     reason: str = ""
 
 
+class RegionProbe(msgspec.Struct, tag="region_probe", kw_only=True):
+    """While a region was cut from the others: did it place a machine of its own and answer for it?"""
+
+    region: str
+    at: float
+    placed: bool = False  # a create in the region, sent to its own servers, was acknowledged
+    served: bool = False  # the region's API then listed that machine, started
+    machine_id: str = ""
+    error: str = ""
+
+
 class End(msgspec.Struct, tag="end", kw_only=True):
     at: float
     note: str = ""
 
 
-Record = Meta | Op | Fault | Sample | Probe | Event | End
+Record = Meta | Op | Fault | Sample | Probe | Event | RegionProbe | End
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Record)

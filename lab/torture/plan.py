@@ -17,6 +17,14 @@ from collections.abc import Iterator, Sequence
 import msgspec
 
 FAULT_KINDS = ("kill", "freeze", "nats", "broker", "operator")
+# on hosts of their own (`fauxmad torture --hosts`): a host's link cut both ways, its outgoing packets dropped, its
+# link flapping, its link slowed (a latency spike), a worker restarted under a skewed clock; and in a supercluster
+# a region cut from the others (its gateways)
+HOST_FAULT_KINDS = ("cut", "oneway", "flap", "latency", "skew")
+REGION_FAULT_KINDS = ("region",)
+ALL_FAULT_KINDS = FAULT_KINDS + HOST_FAULT_KINDS + REGION_FAULT_KINDS
+PARTITIONS = frozenset({"cut", "oneway", "flap", "region"})  # the faults that split the fleet in two sides
+SKEWS = ("+3s", "-30s")  # a skew fault's offsets: past the 0.25 s the fleet tolerates, both ways (test_skew's)
 STEP_KINDS = ("create", "start", "stop", "destroy", "lease", "lease_race", "replay")
 STEP_WEIGHTS = (30, 12, 12, 10, 18, 6, 12)
 
@@ -27,6 +35,7 @@ class FaultStep(msgspec.Struct, frozen=True, kw_only=True):
     target: str  # a worker id, a broker's process name, "nats" or "operator"
     hold: float  # seconds down (a kill's restart delay) or frozen
     on_reserve: bool  # kill/freeze: strike the moment a reserve goes out to the target
+    skew: str = ""  # skew: the clock offset the worker runs under ("+3s", "-30s")
 
 
 class ClientStep(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,14 +60,25 @@ def fault_schedule(
     kinds: Sequence[str],
     workers: Sequence[str],
     brokers: Sequence[str],
+    *,
+    hosts: Sequence[str] = (),
+    regions: Sequence[str] = (),
+    servers: Sequence[str] = (),
+    operators: Sequence[str] = (),
+    spacing: tuple[float, float] = (5.0, 10.0),
 ) -> list[FaultStep]:
-    """One fault every 5-10 s (the first after 3-6 s) until `duration`; kinds come from a shuffled bag of the
-    enabled ones, so every kind appears once in each round of len(kinds) faults."""
+    """One fault every `spacing` s (5-10 s; the first after 3-6 s) until `duration`; kinds come from a shuffled bag
+    of the enabled ones, so every kind appears once in each round of len(kinds) faults, and the first round is
+    always scheduled whole, even past `duration`: every enabled kind strikes at least once per run.
+
+    `hosts`, `regions`: the targets of the host faults and of a region cut; `servers`: the nats-servers a `nats`
+    fault picks from (default: the one, target "nats"); `operators`: the operator processes (default "operator").
+    A run on one host draws exactly what it drew before these existed (the same seed, the same schedule)."""
     rng = random.Random(_seed_of(seed, "nemesis"))
     steps: list[FaultStep] = []
     at = rng.uniform(3.0, 6.0)
     bag: list[str] = []
-    while at < duration and kinds:
+    while (at < duration or len(steps) < len(kinds)) and kinds:
         if not bag:
             bag = list(kinds)
             rng.shuffle(bag)
@@ -66,14 +86,43 @@ def fault_schedule(
         worker = rng.choice(list(workers))
         broker = rng.choice(list(brokers))
         on_reserve = rng.random() < 0.5
-        hold = {
+        holds = {  # every one drawn whatever the kind, so one kind never shifts the next fault's draws
             "kill": rng.uniform(1.0, 4.0),
             "freeze": rng.uniform(3.0, 8.0),
             "nats": rng.uniform(1.0, 3.0),
             "broker": rng.uniform(0.5, 2.0),
             "operator": rng.uniform(0.5, 2.0),
-        }[kind]
-        target = {"kill": worker, "freeze": worker, "nats": "nats", "broker": broker, "operator": "operator"}[kind]
+        }
+        target = {"kill": worker, "freeze": worker, "nats": "nats", "broker": broker, "operator": "operator"}.get(
+            kind, ""
+        )
+        skew = ""
+        if hosts or regions or servers or operators:  # drawn only on hosts: a one-host run's draws stay as they were
+            host = rng.choice(list(hosts)) if hosts else ""
+            region = rng.choice(list(regions)) if regions else ""
+            server = rng.choice(list(servers)) if servers else "nats"
+            operator = rng.choice(list(operators)) if operators else "operator"
+            offset = rng.choice(SKEWS)
+            holds |= {
+                "cut": rng.uniform(3.0, 8.0),
+                "oneway": rng.uniform(3.0, 8.0),
+                "flap": rng.uniform(3.0, 6.0),
+                "latency": rng.uniform(3.0, 6.0),
+                "skew": rng.uniform(4.0, 8.0),
+                "region": rng.uniform(5.0, 9.0),
+            }
+            target = {
+                "nats": server,
+                "operator": operator,
+                "cut": host,
+                "oneway": host,
+                "flap": host,
+                "latency": host,
+                "skew": worker,
+                "region": region,
+            }.get(kind, target)
+            skew = offset if kind == "skew" else ""
+        hold = holds[kind]
         steps.append(
             FaultStep(
                 at=round(at, 3),
@@ -81,9 +130,10 @@ def fault_schedule(
                 target=target,
                 hold=round(hold, 3),
                 on_reserve=on_reserve and kind in ("kill", "freeze"),
+                skew=skew,
             )
         )
-        at += rng.uniform(5.0, 10.0)
+        at += rng.uniform(*spacing)
     return steps
 
 

@@ -33,6 +33,9 @@ from lab.torture.workload import Client
 CLIENTS = 5
 SETTLE_S = 10.0
 CLIENT_DRAIN_S = 30.0  # at most this long for the clients' last requests after the duration
+# on hosts, one fault every 2-4 s (after the last one's recovery): a short run still strikes with every kind
+HOSTS_SPACING = (2.0, 4.0)
+HOSTS_SETTLE_S = 20.0  # on hosts, connections through a cut server are noticed dead by pings (seconds), then settle
 
 
 class TortureOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,11 +45,13 @@ class TortureOptions(msgspec.Struct, frozen=True, kw_only=True):
     keep: Path | None = None
     settle: float = SETTLE_S
     clients: int = CLIENTS
+    topology: str = "local"  # local | cluster | supercluster (on hosts of their own: `lab.torture.fleet`)
 
 
 class TortureResult(msgspec.Struct, kw_only=True):
     seed: int
     duration_s: float
+    topology: str
     faults_enabled: list[str]
     run_dir: str
     kept: bool
@@ -64,6 +69,7 @@ async def _torture(
 ) -> None:
     workers = fleet.workers
     regions = sorted(set(workers.values()))
+    on_hosts = fleet.topology != "local"
     sampler = Sampler(workers, fleet.marker, fleet.url, history)
     await sampler.open()
     stop_sampling = asyncio.Event()
@@ -83,12 +89,27 @@ async def _torture(
                 operator_app=OPERATOR_APP,
                 operator_counts=fleet.operator_counts,
                 client_apps=[f"torture-c{i}" for i in range(options.clients)],
+                topology=fleet.topology,
+                hosts=fleet.host_workers,
             )
         )
-        schedule = fault_schedule(options.seed, options.duration, options.faults, list(workers), fleet.brokers)
+        schedule = fault_schedule(
+            options.seed,
+            options.duration,
+            options.faults,
+            list(workers),
+            fleet.brokers,
+            hosts=fleet.host_names,
+            regions=list(fleet.regions) if fleet.topology == "supercluster" else [],
+            servers=fleet.servers,
+            operators=fleet.operators if on_hosts else [],
+            spacing=HOSTS_SPACING if on_hosts else (5.0, 10.0),
+        )
         nemesis = Nemesis(fleet, schedule, history, fleet.url, progress)
         stop_clients = asyncio.Event()
-        clients = [Client(i, options.seed, regions, fleet.url, fleet.marker, history) for i in range(options.clients)]
+        clients = [
+            Client(i, options.seed, regions, fleet.client_url(i), fleet.marker, history) for i in range(options.clients)
+        ]
         client_tasks = [asyncio.create_task(c.run(stop_clients)) for c in clients]
         faulting = asyncio.create_task(nemesis.run(t0))
         progress(f"workload and nemesis running for {options.duration:g}s ({len(schedule)} faults scheduled)")
@@ -106,9 +127,9 @@ async def _torture(
             progress(f"restarted {', '.join(restarted)}")
         progress(f"faults over ({len(nemesis.faults)}); settling")
         sampler.phase = "settle"
-        if not await sampler.settled(60.0):
+        if not await _settle(fleet, sampler, 60.0, progress):
             progress("not every worker answered within 60s of the faults ending")
-        await asyncio.sleep(options.settle)
+        await asyncio.sleep(max(options.settle, HOSTS_SETTLE_S) if on_hosts else options.settle)
         stop_sampling.set()
         await sampling
         await sampler.final()
@@ -126,10 +147,25 @@ async def _torture(
         await sampler.close()
 
 
+async def _settle(fleet: TortureFleet, sampler: Sampler, timeout: float, progress: Callable[[str], None]) -> bool:
+    """Until every worker answers (False at the deadline), starting again any process of the fleet that exited
+    meanwhile, as its supervisor would (systemd's `Restart=on-failure`): a worker started while its JetStream did
+    not answer gives up after 30 s, and it is the supervisor's to start it again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        restarted = fleet.ensure_up()
+        if restarted:
+            progress(f"restarted {', '.join(restarted)} (it had exited)")
+        if await sampler.settled(min(5.0, max(0.5, deadline - time.monotonic()))):
+            return True
+    return False
+
+
 def result_of(options: TortureOptions, run_dir: Path, kept: bool, verdict: Verdict) -> TortureResult:
     return TortureResult(
         seed=options.seed,
         duration_s=options.duration,
+        topology=options.topology,
         faults_enabled=list(options.faults),
         run_dir=str(run_dir),
         kept=kept,
@@ -153,12 +189,15 @@ def run(options: TortureOptions, progress: Callable[[str], None] = lambda line: 
     progress(f"run directory: {run_dir}")
     marker = f"{options.seed}-{os.getpid()}-{time.time_ns()}"
     history = HistoryWriter(run_dir / "history.jsonl")
-    fleet = TortureFleet(run_dir / "fleet", marker)
+    fleet = TortureFleet(run_dir / "fleet", marker, options.topology)
     finished = False
     try:
         fleet.start()
         progress(f"fleet up at {fleet.url}: workers {', '.join(fleet.workers)}, {len(fleet.brokers)} brokers, operator")
+        if fleet.host_names:
+            progress("hosts: " + "; ".join(f"{h}: {', '.join(w) or '-'}" for h, w in fleet.host_workers.items()))
         fleet.deploy_operator_app()
+        fleet.start_operators()
         progress(f"{OPERATOR_APP} deployed (a primary and a spare per region)")
         uvloop.run(_torture(fleet, options, history, progress))
         finished = True
@@ -178,7 +217,8 @@ def run(options: TortureOptions, progress: Callable[[str], None] = lambda line: 
 def render(result: TortureResult) -> str:
     """The plain report: seed, counts, and `0 violations` or each violation with its evidence."""
     lines = [
-        f"seed {result.seed}, {result.duration_s:g}s, faults {','.join(result.faults_enabled) or 'none'}",
+        f"seed {result.seed}, {result.duration_s:g}s, faults {','.join(result.faults_enabled) or 'none'}"
+        + ("" if result.topology == "local" else f", on hosts ({result.topology})"),
         f"run directory: {result.run_dir}" + ("" if result.kept else " (removed)"),
         "operations:",
     ]

@@ -9,7 +9,8 @@ reconnects forever, as an agent's does: a client outlives a nats-server restart)
 wrap) with `bus.transport.service.call`. Requests are sequential within a client.
 
 Outcomes: `ok`; `refused` when the fleet said no (4xx, 503 no capacity, 502 nobody serving the subject: the
-request was not carried out); `unknown` when no answer came in time, or a 504/500 (it may have happened).
+request was not carried out); `unknown` when no answer came in time, or a 504/500, or a 502 that says no answer
+came from behind the broker (it may have happened: a worker behind a cut link got the request and acted).
 A create is retried with the same idempotency key after an unknown outcome or a 5xx, a few times at once
 and again by a later create step of the same slot, so a key may be retried many times; every machine
 carries its key in `config.metadata.torture_key`.
@@ -44,6 +45,7 @@ OP_TIMEOUT = 10.0  # seconds a client waits for any answer
 LEASE_TIMEOUT = 4.0
 REFUSED_CODES = frozenset({400, 403, 404, 409, 412, 502, 503})
 RETRY_CODES = frozenset({500, 502, 503, 504})
+NOT_DELIVERED = "nobody answers on"  # `NoResponders`' message: nobody listens, so the request went nowhere
 
 
 class Slot:
@@ -63,6 +65,10 @@ def outcome_of(exc: BaseException) -> tuple[str, int | None, str]:
     if isinstance(exc, Unanswered):
         return "unknown", None, exc.message
     if isinstance(exc, FauxmadError):
+        if exc.code == 502 and not exc.message.startswith(NOT_DELIVERED):
+            # a 502 relayed from behind a broker is either "nobody listens" (not delivered) or "no answer" (it may
+            # have arrived: `Unanswered` has 502 too); only the message tells them apart on the wire
+            return "unknown", exc.code, exc.message
         return ("refused" if exc.code in REFUSED_CODES else "unknown"), exc.code, exc.message
     if isinstance(exc, TimeoutError):
         return "unknown", None, "no answer within the client's timeout"
@@ -161,7 +167,7 @@ class Client:
         assert self.fleet is not None
         for tries in range(1, CREATE_ATTEMPTS + 1):
             slot.attempts += 1
-            op = self._op(step, "create", key=key, attempt=slot.attempts)
+            op = self._op(step, "create", key=key, attempt=slot.attempts, region=region)
             request = CreateRequest(region=region, config=self._config(key), idempotency_key=key)
             machine = await self._request(op, self.fleet.create(self.app, request))
             if machine is not None:
@@ -183,7 +189,7 @@ class Client:
             self._skip(step, "slot holds no machine")
             return
         assert self.fleet is not None
-        op = self._op(step, "create", key=slot.key, replay=True)
+        op = self._op(step, "create", key=slot.key, replay=True, region=slot.region)
         request = CreateRequest(region=slot.region, config=self._config(slot.key), idempotency_key=slot.key)
         await self._request(op, self.fleet.create(self.app, request))
 

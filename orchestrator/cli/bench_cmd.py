@@ -331,6 +331,11 @@ def proxy(
     backhaul: bool = typer.Option(
         False, "--backhaul", help="reach the machine through its worker's backhaul, as an edge on another host does"
     ),
+    hosts: bool = typer.Option(
+        False,
+        "--hosts",
+        help="across hosts (root, Linux: network namespaces on a bridge): the edge on host a, the machine on host b",
+    ),
     output: Path = typer.Option(Path("bench-proxy.json"), "--output", "-o", help=OUTPUT_HELP),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
@@ -338,8 +343,15 @@ def proxy(
     byte when the machine is suspended (resumed) or stopped (started) inside the request."""
     from lab.bench import proxy as bench
 
+    if hosts:
+        from orchestrator.devhosts import unavailable
+
+        if against is not None or backhaul:
+            fail("--hosts measures the edge of a fleet of hosts: not with --against or --backhaul", EXIT_USAGE)
+        if (reason := unavailable()) is not None:
+            fail(f"--hosts cannot run here: {reason}", EXIT_USAGE)
     options = bench.ProxyOptions(
-        requests=requests, concurrency=concurrency, seconds=seconds, wakes=wakes, backhaul=backhaul
+        requests=requests, concurrency=concurrency, seconds=seconds, wakes=wakes, backhaul=backhaul, hosts=hosts
     )
     if against is not None:
         from lab.bench import proxy_against as versus

@@ -17,7 +17,14 @@ from orchestrator.cli.render import make_console
 from orchestrator.cli.runtime import EXIT_FAILED, EXIT_USAGE, fail
 
 FAULTS_HELP = (
-    "comma-separated fault kinds: kill (worker kill -9), freeze (SIGSTOP a worker's host), nats, broker, operator"
+    "comma-separated fault kinds: kill (worker kill -9), freeze (SIGSTOP a worker's host), nats, broker, operator;"
+    " with --hosts also cut (a host's link, both ways), oneway (a host's outgoing packets dropped), flap (its link"
+    " down and up), latency (its link slowed), skew (a worker's clock +3s or -30s); with --hosts supercluster also"
+    " region (a region's gateways cut). Default: every kind the topology offers"
+)
+HOSTS_HELP = (
+    "run on hosts of their own (root, Linux: network namespaces on a bridge): cluster (3 hosts, a 3-server NATS"
+    " cluster) or supercluster (3 regions, one host each, gateways between them)"
 )
 SEED_HELP = "the seed of the fault schedule and the clients' steps (default: a random one, printed)"
 KEEP_HELP = (
@@ -38,20 +45,50 @@ def _parse_duration(text: str) -> float:
     return value
 
 
-def _parse_faults(text: str) -> tuple[str, ...]:
-    from lab.torture.plan import FAULT_KINDS
+def _offered(hosts: str | None) -> tuple[str, ...]:
+    """The fault kinds a topology offers."""
+    from lab.torture.plan import FAULT_KINDS, HOST_FAULT_KINDS, REGION_FAULT_KINDS
 
+    if hosts is None:
+        return FAULT_KINDS
+    return FAULT_KINDS + HOST_FAULT_KINDS + (REGION_FAULT_KINDS if hosts == "supercluster" else ())
+
+
+def _parse_faults(text: str | None, hosts: str | None) -> tuple[str, ...]:
+    offered = _offered(hosts)
+    if text is None:
+        return offered
     chosen = [kind.strip() for kind in text.split(",") if kind.strip()]
-    unknown = [kind for kind in chosen if kind not in FAULT_KINDS]
+    from lab.torture.plan import ALL_FAULT_KINDS
+
+    unknown = [kind for kind in chosen if kind not in ALL_FAULT_KINDS]
     if unknown:
-        fail(f"unknown fault kind {', '.join(unknown)}: use {', '.join(FAULT_KINDS)}", EXIT_USAGE)
+        fail(f"unknown fault kind {', '.join(unknown)}: use {', '.join(ALL_FAULT_KINDS)}", EXIT_USAGE)
+    elsewhere = [kind for kind in chosen if kind not in offered]
+    if elsewhere:
+        where = "--hosts supercluster" if elsewhere == ["region"] else "--hosts"
+        fail(f"fault kind {', '.join(elsewhere)} needs {where}", EXIT_USAGE)
     return tuple(dict.fromkeys(chosen))
+
+
+def _parse_hosts(text: str | None) -> str | None:
+    if text is None:
+        return None
+    if text not in ("cluster", "supercluster"):
+        fail(f"invalid --hosts {text!r}: use cluster or supercluster", EXIT_USAGE)
+    from orchestrator.devhosts import unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        fail(f"--hosts cannot run here: {reason}", EXIT_USAGE)
+    return text
 
 
 def torture(
     seed: int | None = typer.Option(None, "--seed", help=SEED_HELP, show_default=False),
     duration: str = typer.Option("90s", "--duration", help="how long the workload and the faults run (90s, 2m, 45)"),
-    faults: str = typer.Option("kill,freeze,nats,broker,operator", "--faults", help=FAULTS_HELP),
+    faults: str | None = typer.Option(None, "--faults", help=FAULTS_HELP, show_default=False),
+    hosts: str | None = typer.Option(None, "--hosts", help=HOSTS_HELP, show_default=False),
     json_out: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
     keep: Path | None = typer.Option(None, "--keep", help=KEEP_HELP, show_default=False),
 ) -> None:
@@ -67,6 +104,12 @@ def torture(
     overcommit, the workers' registries matching the processes, the last acknowledged action holding,
     no doubled lease, the operator's app at its count and never taken down by a stop it asked for.
 
+    With --hosts, the fleet runs on hosts of their own (network namespaces on a bridge; root, Linux) and the
+    nemesis also cuts links both ways and one way, flaps them, slows them, restarts a worker under a skewed
+    clock and, in a supercluster, cuts a region off; three more checks: an acknowledged create on the minority
+    side is never lost, one running copy of each machine after every heal, and a cut-off region goes on
+    placing and serving its own traffic. Every enabled kind strikes at least once per run.
+
     The same seed attempts the same faults and client steps. Exit 0: no violation; 1: violations (the run
     directory is kept); 2: a bad option.
     """
@@ -75,8 +118,13 @@ def torture(
     from orchestrator.cli.render import print_json
 
     chosen_seed = seed if seed is not None else random.SystemRandom().randrange(1, 1_000_000)
+    topology = _parse_hosts(hosts)
     options = TortureOptions(
-        seed=chosen_seed, duration=_parse_duration(duration), faults=_parse_faults(faults), keep=keep
+        seed=chosen_seed,
+        duration=_parse_duration(duration),
+        faults=_parse_faults(faults, topology),
+        keep=keep,
+        topology=topology or "local",
     )
     stderr = make_console(stderr=True)
 

@@ -32,7 +32,13 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"needs hosts: {REASO
 
 REGION = "hst"
 APP = "spread"
-NOTICE = 3.0  # the edge marks an unreachable host suspect within 2 s (docs/explanation/faults.md), plus a beat
+# The promise (issue 40, docs/explanation/architecture.md "An unreachable host is noticed as fast as a dead
+# machine"): the edge notices a cut host within 2 s (a ping every 0.5 s while requests are in flight, 0.75 s for
+# its answer), and from then on every request answers 200 from the machines left. MARGIN is what a loaded 2-core
+# box may add to the edge's own timers (its event loop shares the box with the fleet, the load and CI): a
+# request sent NOTICE + MARGIN after the cut must never wait for host b.
+NOTICE = 2.0
+MARGIN = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +216,20 @@ def test_host_bs_link_cut_under_load_the_edge_serves_from_the_others_and_one_cop
         operator.terminate()
         operator.wait(10)
     assert lost.id in {machine for sent, _, machine in load.answers if sent < cut}, "b's machine served nothing before"
-    after = load.since(cut + NOTICE)
+    # the requests sent between the cut and the heal that failed or were answered from b: none may come later than
+    # the promise (the edge fails a request over to another machine, so there are usually none at all)
+    answered = sorted(a for a in load.since(cut) if a[0] < healed)
+    bad = [sent for sent, status, machine in answered if status != 200 or machine == lost.id]
+    noticed = (max(bad) - cut) if bad else 0.0
+    print(
+        f"\n{len(answered)} requests between host b's cut and its heal; {len(bad)} failed or came from b"
+        + (f", the last sent {noticed:.2f}s after the cut" if bad else "")
+    )
+    after = load.since(cut + NOTICE + MARGIN)
     assert after, "no request was sent after the edge noticed the cut"
     assert {status for _, status, _ in after} == {200}, [a for a in after if a[1] != 200][:10]
     assert lost.id not in {machine for sent, _, machine in after if sent < healed}
+    assert noticed <= NOTICE + MARGIN, f"a request sent {noticed:.2f}s after the cut still went to host b or failed"
 
 
 def test_autostop_autostart_and_create_in_request_across_hosts(fleet: DevFleet, tmp_path: Path) -> None:
