@@ -5,6 +5,14 @@
 function setState(el, state) {
   el.className = el.className.replace(/\bs-[a-z]+/g, "").trim() + " s-" + state;
   if (el.dataset.text) el.textContent = state;
+  if (el.id === "state") enableActions(state);
+}
+
+// a machine's buttons: each enabled only in the states where its action does something (its data-when)
+function enableActions(state) {
+  document.querySelectorAll(".actions button[data-action]").forEach((b) => {
+    b.disabled = !(b.dataset.when || "").split(" ").includes(state);
+  });
 }
 
 function onMachine(ev) {
@@ -120,7 +128,7 @@ async function act(button) {
     outcome.textContent = action + " failed: " + err;
     outcome.className = "error";
   } finally {
-    box.querySelectorAll("button").forEach((b) => (b.disabled = false));
+    enableActions(document.getElementById("state").textContent);
   }
 }
 
