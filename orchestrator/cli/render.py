@@ -108,18 +108,19 @@ class FitTable(Table):
 
     Its natural width when that fits. Else the other columns give way by a stated priority (`cut_first`:
     headers, least important first; then right to left): the least important is cut short with an ellipsis
-    down to its header's width, then the next; when all are that short and the table is still too wide, the
-    least important is left out (and the others have their room back), and a line under the table names the
-    columns left out and `--wide`. `--wide` (`show_wide`) draws every column whole: the terminal wraps it.
+    if that is enough (to no less than its header's width), else left out, then the next the same way; a line
+    under the table names the columns left out and `--wide`. A column in `whole` (a bar and its numbers) is
+    never cut, only left out. `--wide` draws every column whole: the terminal wraps it.
     Only when the key columns alone are wider than the screen: one record per block (the first column's
     value, then each other column's `header  value` on its own line).
     """
 
     FLOOR = 6  # a cut column keeps at least this many cells (or its header's width, or its whole value)
 
-    def __init__(self, *args: Any, cut_first: Sequence[str] = (), **kwargs: Any) -> None:
+    def __init__(self, *args: Any, cut_first: Sequence[str] = (), whole: Sequence[str] = (), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.cut_first = tuple(cut_first)
+        self.whole = frozenset(whole)
 
     def _cut_order(self) -> list[int]:
         """The columns that may give way, least important first (the keys never do)."""
@@ -144,25 +145,30 @@ class FitTable(Table):
         return view
 
     def _plan(self, console: Console, options: ConsoleOptions) -> tuple[list[int], dict[int, int]] | None:
-        """The columns to show and the widths of those cut short, fitting `options.max_width`; None: blocks."""
+        """The columns to show and the widths of those cut short, fitting `options.max_width`; None: blocks.
+
+        The least important column gives way first, and wholly before the next is touched: cut short if that
+        is enough, else left out; then the next. So a more important column is never cut to keep a lesser one."""
         wide = options.update_width(UNBOUNDED)
         most = [
             self._measure_column(console, wide, c).maximum - self._get_padding_width(c._index) for c in self.columns
         ]
-        order = self._cut_order()
-        for dropped in range(len(order) + 1):
-            keep = [i for i in range(len(self.columns)) if i not in order[:dropped]]
+        keep = list(range(len(self.columns)))
+
+        def room() -> int:
             view = self._view(keep, {})
-            room = options.max_width - view._extra_width - sum(view._get_padding_width(n) for n in range(len(keep)))
-            widths = {i: most[i] for i in keep}
-            if sum(widths.values()) <= room:
+            return options.max_width - view._extra_width - sum(view._get_padding_width(n) for n in range(len(keep)))
+
+        if sum(most) <= room():
+            return keep, {}
+        for i in self._cut_order():
+            over = sum(most[k] for k in keep) - room()
+            floor = min(most[i], max(self.FLOOR, cell_len(str(self.columns[i].header))))
+            if most[i] - over >= floor and str(self.columns[i].header) not in self.whole:
+                return keep, {i: most[i] - over}
+            keep.remove(i)
+            if sum(most[k] for k in keep) <= room():
                 return keep, {}
-            cut: dict[int, int] = {}
-            for i in order[dropped:]:
-                floor = min(most[i], max(self.FLOOR, cell_len(str(self.columns[i].header))))
-                cut[i] = widths[i] = max(floor, widths[i] - (sum(widths.values()) - room))
-                if sum(widths.values()) <= room:
-                    return keep, cut
         return None
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
@@ -289,7 +295,9 @@ def mem(mb: int) -> str:
 
 
 def workers_table(workers: list[WorkerInfo]) -> Table:
-    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD, cut_first=("load", "memory", "cpus"))
+    table = FitTable(
+        header_style="bold", box=box.SIMPLE_HEAD, cut_first=("load", "memory", "cpus"), whole=("cpus", "memory")
+    )
     for col in ("region", "worker", "cpus", "memory", "mach", "load", "state"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for w in workers:

@@ -109,7 +109,12 @@ def _rank(state: str) -> int:
 
 def regions_table(regions: list[model.RegionRow]) -> Table:
     table = FitTable(
-        title="regions", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, cut_first=("memory", "cpus")
+        title="regions",
+        title_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        cut_first=("memory", "cpus"),
+        whole=("cpus", "memory"),  # a bar without its numbers says nothing
     )
     for col in ("region", "workers", "cpus", "memory", "machines"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")
@@ -132,6 +137,7 @@ def workers_table(workers: list[model.WorkerRow], now: float) -> Table:
         header_style="bold",
         box=box.SIMPLE_HEAD,
         cut_first=("address", "heartbeat", "memory", "cpus"),  # at 80 columns (`FitTable`)
+        whole=("cpus", "memory"),  # a bar without its numbers says nothing
     )
     for col in ("region", "worker", "address", "status", "cpus", "memory", "mach", "heartbeat"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")
