@@ -52,7 +52,7 @@ function onWorkers(workers) {
       bar.querySelector("em").textContent = kind + " " + pair[0] + "/" + pair[1] + unit;
     }
   }
-  document.querySelectorAll('[data-live][data-on="tick"]').forEach(refresh);
+  document.querySelectorAll('[data-live^="/"][data-on="tick"]').forEach(refresh);
 }
 
 function onLog(line) {
@@ -70,7 +70,9 @@ function refreshLive() {
   if (pending) return;
   pending = setTimeout(() => {
     pending = null;
-    document.querySelectorAll("[data-live]:not([data-on])").forEach(refresh);
+    // a section names the path it is fetched from; <body data-live="1"> only says the stream is open (it was
+    // fetched as a path too: GET /ui/apps/1, a 404 on every change)
+    document.querySelectorAll('[data-live^="/"]:not([data-on])').forEach(refresh);
   }, 300);
 }
 
