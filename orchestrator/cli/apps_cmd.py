@@ -13,7 +13,7 @@ from rich import box
 
 from orchestrator.cli.app_options import with_reconciler
 from orchestrator.cli.names import app_names, client_of, require_app
-from orchestrator.cli.render import KEYS, FitTable, console, print_json
+from orchestrator.cli.render import KEYS, FitTable, WideOption, console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, fail
 from orchestrator.reconcile.destroy import destroy_app
 from orchestrator.reconcile.reconciler import Reconciler
@@ -22,7 +22,7 @@ apps_app = typer.Typer(help="The apps: with releases, with machines, or made thr
 
 
 @apps_app.command("list")
-def apps_list(nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
+def apps_list(nats: str | None = NatsOption, json_out: bool = JsonOption, wide: bool = WideOption) -> None:
     """Apps with their current release and desired counts."""
 
     async def go(r: Reconciler) -> list[dict[str, Any]]:
@@ -49,11 +49,11 @@ def apps_list(nats: str | None = NatsOption, json_out: bool = JsonOption) -> Non
     if not found:
         console.print("no apps (deploy one with `fauxmad deploy -c fauxmad.toml`, or `fauxmad machine run`)")
         return
-    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD, cut_first=("strategy", "status", "regions"))
     for col in ("app", "release", "status", "strategy", "regions"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for row in found:
-        regions = ", ".join(f"{k}={v}" for k, v in row["regions"].items())
+        regions = ",".join(f"{k}={v}" for k, v in row["regions"].items())  # one word
         release = f"v{row['release']}" if row["release"] is not None else "-"
         status = row["status"] or ("no current release" if row["release"] is not None else "machines only")
         table.add_row(row["app"], release, status, row["strategy"] or "-", regions or "-")

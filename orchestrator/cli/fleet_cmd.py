@@ -21,6 +21,7 @@ from rich.text import Text
 from bus.transport.connection import DEFAULT_URL_ENV
 from orchestrator.cli.names import require_regions
 from orchestrator.cli.render import (
+    WideOption,
     console,
     explain_table,
     heading,
@@ -61,6 +62,7 @@ def workers(
     region: str | None = typer.Option(None, "--region", "-r", help="only this region", callback=check_region),
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """The live workers (from their heartbeats) with capacity and utilization."""
 
@@ -79,7 +81,7 @@ def workers(
         console.print(workers_table(infos))
 
 
-def regions(nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
+def regions(nats: str | None = NatsOption, json_out: bool = JsonOption, wide: bool = WideOption) -> None:
     """Regions with their workers, capacity and utilization."""
     summaries = with_client(nats, lambda c: c.regions())
     if json_out:

@@ -14,7 +14,7 @@ from rich import box
 from bus.stores.image_push import push_image, remove_image, tag_image
 from bus.stores.images import ImageError, ImageManifest, Images, build_archive, check_tag, manifest_for
 from bus.transport.connection import connect
-from orchestrator.cli.render import FitTable, console, print_json
+from orchestrator.cli.render import FitTable, WideOption, console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, fail, with_connected
 
 image_app = typer.Typer(
@@ -153,7 +153,7 @@ def import_command(
 
 
 @image_app.command("ls")
-def ls_command(nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
+def ls_command(nats: str | None = NatsOption, json_out: bool = JsonOption, wide: bool = WideOption) -> None:
     """The fleet's images: digest, size, tags, when built."""
 
     async def act(nc: Any) -> None:
@@ -164,10 +164,10 @@ def ls_command(nats: str | None = NatsOption, json_out: bool = JsonOption) -> No
         if not found:
             _say("no images (fauxmad image build DIR --tag NAME:TAG)")
             return
-        table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
+        table = FitTable(header_style="bold", box=box.SIMPLE_HEAD, cut_first=("created", "size"))
         for col in ("digest", "size", "created", "tags"):
             justify: Literal["left", "right"] = "right" if col == "size" else "left"
-            table.add_column(col, no_wrap=col in ("digest", "created"), overflow="fold", justify=justify)
+            table.add_column(col, no_wrap=col == "digest", overflow="fold", justify=justify)
         for manifest in found:
             table.add_row(
                 manifest.digest[:19],

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import typer
+from rich import box
 
 from bus.contract.jobs import Job
-from orchestrator.cli.render import KEYS, FitTable, console, print_json
+from orchestrator.cli.render import KEYS, FitTable, WideOption, console, print_json
 from orchestrator.cli.runtime import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -57,7 +58,7 @@ def _since(start: float | None, end: float | None) -> str:
 
 
 def _jobs_table(jobs: list[Job]) -> None:
-    table = FitTable(header_style="bold", box=None)
+    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD, cut_first=("reason", "waited", "ran", "exit"))
     for column in ("id", "state", "attempt", "worker", "exit", "waited", "ran", "reason"):  # lower case, as every table
         table.add_column(column, no_wrap=column in KEYS, overflow="fold")
     for job in jobs:
@@ -113,6 +114,7 @@ def submit(
     wait_timeout: float = typer.Option(3600.0, "--wait-timeout", min=0, help="with --wait: give up after this long"),
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """Submit a job: `fauxmad job submit -a APP -r REGION -- CMD...`; prints each job's id.
 
@@ -168,7 +170,11 @@ def submit(
 
 @job_app.command("status")
 def status(
-    job_id: str = JobIdArgument, app: str = AppOption, nats: str | None = NatsOption, json_out: bool = JsonOption
+    job_id: str = JobIdArgument,
+    app: str = AppOption,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """A job's state, attempts (worker, machine, exit) and why."""
     job = _client(nats, lambda client: client.status(app, job_id))
@@ -190,6 +196,7 @@ def list_jobs(
     limit: int = typer.Option(100, "--limit", "-n", min=1, max=100_000, help="at most this many, newest first"),
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """An app's jobs, newest first."""
     if state is not None and state not in ("queued", "running", "succeeded", "failed", "cancelled"):
@@ -250,6 +257,7 @@ def wait_jobs(
     timeout: float = typer.Option(3600.0, "--timeout", min=0, help="give up after this long (exit 1)"),
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """Wait until every job has finished; exit 0 if all succeeded, else 1. An id the app has no job of is
     exit 4 at once (not a wait of --timeout)."""

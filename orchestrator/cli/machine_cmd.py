@@ -17,7 +17,7 @@ from typer.core import TyperCommand
 
 from orchestrator.cli import logs_cmd
 from orchestrator.cli.names import require_app, require_regions
-from orchestrator.cli.render import console, explain_table, kept_table, machines_table, made_by, print_json
+from orchestrator.cli.render import WideOption, console, explain_table, kept_table, machines_table, made_by, print_json
 from orchestrator.cli.runtime import (
     EXIT_CONFLICT,
     EXIT_USAGE,
@@ -146,6 +146,7 @@ def run_machine(
     detach: bool = DETACH,
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """Place a machine in a region, start it and wait until it is up: `fauxmad machine run -a web -r mad -- CMD`.
 
@@ -215,6 +216,7 @@ def list_machines(
     all_: bool = typer.Option(False, "--all", help="include destroyed machines"),
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """List an app's machines across every region."""
 
@@ -239,6 +241,7 @@ def explain_machine(
     app: str = MachineAppOption,
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """Why a machine is on its worker: the auction it won, as kept in its `created` event."""
     machine = with_client(nats, lambda c: c.get(app, machine_id))
@@ -259,6 +262,7 @@ def show(
     app: str = MachineAppOption,
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """Show one machine with its recent events."""
     machine = with_client(nats, lambda c: c.get(app, machine_id))
@@ -407,6 +411,7 @@ def clone_machine(
     detach: bool = DETACH,
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """A new machine with this one's config (image, command, env, guest, restart, checks, metadata), placed in
     --region (default: the original's), started and waited for like `run`.
@@ -441,6 +446,7 @@ def _freeze_verb(verb: Literal["suspend", "resume"], help_text: str) -> None:
         app: str = MachineAppOption,
         nats: str | None = NatsOption,
         json_out: bool = JsonOption,
+        wide: bool = WideOption,
     ) -> None:
         async def act(c: FleetClient) -> Machine:
             return await (c.suspend if verb == "suspend" else c.resume)(app, machine_id)

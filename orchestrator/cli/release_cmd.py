@@ -13,7 +13,7 @@ from rich import box
 from orchestrator.cli.app_options import APP, with_reconciler
 from orchestrator.cli.deploy_progress import DeployDisplay, cannot_deploy, print_outcome
 from orchestrator.cli.names import client_of, require_app, require_regions
-from orchestrator.cli.render import KEYS, FitTable, console, print_json
+from orchestrator.cli.render import KEYS, FitTable, WideOption, console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_regions, fail, split_names
 from orchestrator.reconcile import rollout
 from orchestrator.reconcile.reconciler import Reconciler
@@ -52,7 +52,9 @@ def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
-def releases(app: str = APP, nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
+def releases(
+    app: str = APP, nats: str | None = NatsOption, json_out: bool = JsonOption, wide: bool = WideOption
+) -> None:
     """An app's releases, newest first, with status and the current one marked."""
 
     async def go(r: Reconciler) -> tuple[list[Release], int]:
@@ -71,12 +73,16 @@ def releases(app: str = APP, nats: str | None = NatsOption, json_out: bool = Jso
         console.print(f"app {app} has no releases (deploy it with `fauxmad deploy -c fauxmad.toml`)")
         return
     # reasons go under the table, wrapped: one long reason must not squeeze every column to nothing
-    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
+    # at 80 columns the description, then when and how, give way first (`FitTable`); a release's regions are
+    # one word (`mad=3,syd=2`), never folded over two lines
+    table = FitTable(
+        header_style="bold", box=box.SIMPLE_HEAD, cut_first=("description", "created", "strategy", "status")
+    )
     for col in ("version", "status", "strategy", "regions", "created", "description"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for rel in found:
         mark = " (current)" if rel.version == current else ""
-        regions = ", ".join(f"{k}={v}" for k, v in rel.spec.regions.items())
+        regions = ",".join(f"{k}={v}" for k, v in rel.spec.regions.items())
         status = rel.status + (" *" if rel.reason else "")
         table.add_row(
             f"v{rel.version}{mark}", status, rel.spec.deploy.strategy, regions, _when(rel.created_at), rel.description

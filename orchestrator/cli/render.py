@@ -13,14 +13,18 @@ the bytes to a terminal too (docs/reference/status-events-logs.md, "User text in
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import msgspec
+import typer
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.segment import Segment
 from rich.table import Table
@@ -99,45 +103,91 @@ def heading(title: str) -> None:
 
 
 class FitTable(Table):
-    """A table that keeps its `no_wrap` columns (ids and names, which people copy) whole at any width.
+    """A table that fits the screen one line a record, keeping its `no_wrap` columns (ids and names, which
+    people copy) whole at any width.
 
-    Its natural width when that fits; else the other columns wrap at spaces (never inside a word); and
-    when even the narrowest such layout is wider than the screen, one record per block: the first
-    column's value, then each other column's `header  value` on its own line.
+    Its natural width when that fits. Else the other columns give way by a stated priority (`cut_first`:
+    headers, least important first; then right to left): the least important is cut short with an ellipsis
+    if that is enough (to no less than its header's width), else left out, then the next the same way; a line
+    under the table names the columns left out and `--wide`. A column in `whole` (a bar and its numbers) is
+    never cut, only left out. `--wide` draws every column whole: the terminal wraps it.
+    Only when the key columns alone are wider than the screen: one record per block (the first column's
+    value, then each other column's `header  value` on its own line).
     """
 
-    def _plan(self, console: Console, options: ConsoleOptions) -> list[int | None] | None:
-        """Column widths (None: as measured) that fit `options.max_width`, or None: blocks."""
+    FLOOR = 6  # a cut column keeps at least this many cells (or its header's width, or its whole value)
+
+    def __init__(self, *args: Any, cut_first: Sequence[str] = (), whole: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cut_first = tuple(cut_first)
+        self.whole = frozenset(whole)
+
+    def _cut_order(self) -> list[int]:
+        """The columns that may give way, least important first (the keys never do)."""
+        headers = [str(c.header) for c in self.columns]
+        named = [headers.index(h) for h in self.cut_first if h in headers]
+        rest = [i for i in reversed(range(len(self.columns))) if i not in named]
+        return [i for i in [*named, *rest] if not self.columns[i].no_wrap]
+
+    def _view(self, keep: list[int], cut: dict[int, int]) -> Table:
+        """This table with only the columns `keep`, those in `cut` at that width, one line a cell."""
+        view = copy.copy(self)
+        view.columns = [
+            replace(
+                self.columns[i],
+                _index=n,
+                width=cut.get(i, self.columns[i].width),
+                no_wrap=True,
+                overflow="ellipsis" if i in cut else self.columns[i].overflow,
+            )
+            for n, i in enumerate(keep)
+        ]
+        return view
+
+    def _plan(self, console: Console, options: ConsoleOptions) -> tuple[list[int], dict[int, int]] | None:
+        """The columns to show and the widths of those cut short, fitting `options.max_width`; None: blocks.
+
+        The least important column gives way first, and wholly before the next is touched: cut short if that
+        is enough, else left out; then the next. So a more important column is never cut to keep a lesser one."""
         wide = options.update_width(UNBOUNDED)
-        ranges = [self._measure_column(console, wide, column) for column in self.columns]
-        most = [r.maximum for r in ranges]
-        least = [r.maximum if c.no_wrap else r.minimum for r, c in zip(ranges, self.columns, strict=True)]
-        room = (self.width or options.max_width) - self._extra_width
-        if sum(most) <= room:
-            return [c.width for c in self.columns]
-        if sum(least) > room:
-            return None
-        slack, growth = room - sum(least), [m - n for m, n in zip(most, least, strict=True)]
-        total = sum(growth) or 1
-        widths = [n + slack * g // total for n, g in zip(least, growth, strict=True)]
-        return [w - self._get_padding_width(c._index) for w, c in zip(widths, self.columns, strict=True)]
+        most = [
+            self._measure_column(console, wide, c).maximum - self._get_padding_width(c._index) for c in self.columns
+        ]
+        keep = list(range(len(self.columns)))
+
+        def room() -> int:
+            view = self._view(keep, {})
+            return options.max_width - view._extra_width - sum(view._get_padding_width(n) for n in range(len(keep)))
+
+        if sum(most) <= room():
+            return keep, {}
+        for i in self._cut_order():
+            over = sum(most[k] for k in keep) - room()
+            floor = min(most[i], max(self.FLOOR, cell_len(str(self.columns[i].header))))
+            if most[i] - over >= floor and str(self.columns[i].header) not in self.whole:
+                return keep, {i: most[i] - over}
+            keep.remove(i)
+            if sum(most[k] for k in keep) <= room():
+                return keep, {}
+        return None
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         if not self.columns:
             yield from super().__rich_console__(console, options)
             return
+        if WIDE.on:
+            yield from super().__rich_console__(console, options.update_width(UNBOUNDED))
+            return
         plan = self._plan(console, options)
         if plan is None:
             yield from self._blocks(console)
             return
-        kept = [c.width for c in self.columns]
-        for column, width in zip(self.columns, plan, strict=True):
-            column.width = width
-        try:
-            yield from super().__rich_console__(console, options)
-        finally:
-            for column, width in zip(self.columns, kept, strict=True):
-                column.width = width
+        keep, cut = plan
+        yield from Table.__rich_console__(self._view(keep, cut), console, options)
+        left_out = [str(c.header) for i, c in enumerate(self.columns) if i not in keep]
+        if left_out:
+            note = f"(left out at {options.max_width} columns: {', '.join(left_out)}; --wide shows them)"
+            yield Text(note, "dim", no_wrap=False, overflow="fold")  # prose: wrapped at the width
 
     def add_row(self, *renderables: Any, **kwargs: Any) -> None:
         """A row whose strings are shown as written on any console (`literal`): styles come as `Text`."""
@@ -164,6 +214,26 @@ class FitTable(Table):
             yield self._cell(console, self.caption)
 
 
+class _Wide:
+    """`--wide`: every table drawn whole, every column at its natural width (set by the option's callback)."""
+
+    on = False
+
+
+WIDE = _Wide()
+
+
+def set_wide(value: bool) -> bool:
+    """The `--wide` option's callback."""
+    WIDE.on = WIDE.on or value
+    return value
+
+
+WideOption = typer.Option(
+    False, "--wide", help="every column of every table, whole (the terminal wraps long lines)", callback=set_wide
+)
+
+
 def print_json(value: Any) -> None:
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(value), indent=2).decode() + "\n")
 
@@ -188,18 +258,22 @@ STATE_STYLE = {"started": "green", "failed": "red", "stopped": "yellow", "destro
 
 
 def machines_table(machines: list[Machine], title: str | None = None) -> Table:
-    wide = console.width >= 120
-    table = FitTable(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-    columns = ["id", "region", "worker", "address", "state", "port", "checks"] + (["name", "cmd"] if wide else [])
-    for col in columns:
-        table.add_column(col, overflow="fold", no_wrap=col in KEYS or col == "address")
+    """Machines as `machine list` shows them: at 80 columns the cmd, then the name, then the address give
+    way first (cut short, then left out; `FitTable`), the id, region and worker never."""
+    table = FitTable(
+        title=title,
+        title_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        cut_first=("cmd", "name", "address", "port", "checks"),
+    )
+    for col in ("id", "region", "worker", "state", "checks", "port", "address", "name", "cmd"):
+        table.add_column(col, overflow="fold", no_wrap=col in ("id", "region", "worker"))  # a name is free text
     for m in machines:
         checks = ", ".join(f"{n}:{c.status}" for n, c in sorted(m.checks.items())) or "-"
         style = STATE_STYLE.get(m.state, "")
-        row: list[str | Text] = [m.id, m.region, m.worker_id, m.address or "-", Text(m.state, style)]
-        row += [str(m.port or "-"), checks]
-        if wide:
-            row += [m.name, " ".join(m.config.cmd)[:60]]
+        row: list[str | Text] = [m.id, m.region, m.worker_id, Text(m.state, style), checks]
+        row += [str(m.port or "-"), m.address or "-", m.name or "-", " ".join(m.config.cmd)]
         table.add_row(*row)
     return table
 
@@ -221,7 +295,9 @@ def mem(mb: int) -> str:
 
 
 def workers_table(workers: list[WorkerInfo]) -> Table:
-    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(
+        header_style="bold", box=box.SIMPLE_HEAD, cut_first=("load", "memory", "cpus"), whole=("cpus", "memory")
+    )
     for col in ("region", "worker", "cpus", "memory", "mach", "load", "state"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for w in workers:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import typer
 
-from orchestrator.cli.render import console, print_json, visible
+from orchestrator.cli.render import WideOption, console, print_json, visible
 from orchestrator.cli.runtime import (
     EXIT_NOT_FOUND,
     JsonOption,
@@ -70,6 +70,7 @@ def status(
     rebuild: bool = typer.Option(False, "--rebuild", help="forget the view and rebuild it from the stream"),
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> int:
     """Regions, workers and machines, from the systemwide view (no worker is asked)."""
     from orchestrator.view.paths import default_view_path
@@ -114,7 +115,9 @@ def jobs_table(counts: list[JobCount]) -> Table:
     rows: dict[tuple[str, str], dict[str, int]] = {}
     for count in counts:
         rows.setdefault((count.app, count.region), {})[count.state] = count.count
-    table = FitTable(title="jobs", title_justify="left", header_style="bold", box=None)
+    from rich import box
+
+    table = FitTable(title="jobs", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
     for column in ("app", "region", *states):  # lower case, as every table
         table.add_column(column, no_wrap=column in KEYS, overflow="fold")  # app names are never cut
     for (app_name, region), by_state in sorted(rows.items()):

@@ -108,7 +108,14 @@ def _rank(state: str) -> int:
 
 
 def regions_table(regions: list[model.RegionRow]) -> Table:
-    table = FitTable(title="regions", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(
+        title="regions",
+        title_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        cut_first=("memory", "cpus"),
+        whole=("cpus", "memory"),  # a bar without its numbers says nothing
+    )
     for col in ("region", "workers", "cpus", "memory", "machines"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for r in regions:
@@ -124,9 +131,16 @@ def regions_table(regions: list[model.RegionRow]) -> Table:
 
 
 def workers_table(workers: list[model.WorkerRow], now: float) -> Table:
-    table = FitTable(title="workers", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(
+        title="workers",
+        title_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        cut_first=("address", "heartbeat", "memory", "cpus"),  # at 80 columns (`FitTable`)
+        whole=("cpus", "memory"),  # a bar without its numbers says nothing
+    )
     for col in ("region", "worker", "address", "status", "cpus", "memory", "mach", "heartbeat"):
-        table.add_column(col, no_wrap=col in KEYS or col == "address", overflow="fold")
+        table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for w in workers:
         table.add_row(
             w.region,
@@ -142,7 +156,13 @@ def workers_table(workers: list[model.WorkerRow], now: float) -> Table:
 
 
 def machines_table(machines: list[model.MachineRow]) -> Table:
-    table = FitTable(title="machines", title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(
+        title="machines",
+        title_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        cut_first=("checks", "role", "release"),  # at 80 columns (`FitTable`); the state stays
+    )
     for col in ("id", "app", "region", "worker", "state", "release", "role", "checks"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")  # ids and names are never cut
     for m in machines:

@@ -13,7 +13,7 @@ from rich import box
 
 from bus.contract.base import VOLUME_ID_PATTERN
 from bus.contract.volumes import Volume, VolumeSnapshot
-from orchestrator.cli.render import KEYS, FitTable, console, print_json
+from orchestrator.cli.render import KEYS, FitTable, WideOption, console, print_json
 from orchestrator.cli.runtime import (
     JsonOption,
     NatsOption,
@@ -55,7 +55,7 @@ def _gb(volume: Volume) -> str:
 
 
 def volumes_table(volumes: list[Volume]) -> FitTable:
-    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD, cut_first=("limit", "size", "state"))
     for col in ("id", "name", "region", "worker", "state", "size", "attached", "limit"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for v in volumes:
@@ -66,7 +66,7 @@ def volumes_table(volumes: list[Volume]) -> FitTable:
 
 
 def snapshots_table(snapshots: list[VolumeSnapshot]) -> FitTable:
-    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD)
+    table = FitTable(header_style="bold", box=box.SIMPLE_HEAD, cut_first=("digest", "size", "created"))
     for col in ("id", "volume", "created", "size", "worker", "digest"):
         table.add_column(col, no_wrap=col in KEYS, overflow="fold")
     for s in snapshots:
@@ -110,6 +110,7 @@ def list_volumes(
     all_: bool = typer.Option(False, "--all", help="include destroyed volumes"),
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """List an app's volumes in every region."""
     volumes = with_client(nats, lambda c: c.volume_list(app, include_destroyed=all_))
@@ -123,7 +124,11 @@ def list_volumes(
 
 @volume_app.command("show")
 def show(
-    volume_id: str = VolumeArgument, app: str = AppOption, nats: str | None = NatsOption, json_out: bool = JsonOption
+    volume_id: str = VolumeArgument,
+    app: str = AppOption,
+    nats: str | None = NatsOption,
+    json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """One volume: its worker, state, size and usage, and the machine it is attached to."""
     volume = with_client(nats, lambda c: c.volume_get(app, volume_id))
@@ -176,6 +181,7 @@ def snapshots(
     app: str = AppOption,
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
+    wide: bool = WideOption,
 ) -> None:
     """List a volume's snapshots."""
     found = with_client(nats, lambda c: c.volume_snapshots(app, volume_id))

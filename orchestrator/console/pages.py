@@ -20,6 +20,26 @@ from orchestrator.logs import LogRecord, iso_time
 from orchestrator.view.model import LOST, MachineRow, Snapshot, WorkerRow
 
 ACTIONS = ("start", "stop", "restart", "suspend", "resume", "destroy")
+# the states in which each action does something (the worker's rules: workers/lifecycle/manager.py, STARTABLE in
+# workers/log/machine_states.py); in any other its button is disabled, and the script keeps that as the state moves
+ACTS_IN = {
+    "start": ("created", "stopped", "failed"),
+    "stop": ("started", "starting", "suspending", "suspended"),
+    "restart": ("created", "started", "stopped", "failed", "suspended"),
+    "suspend": ("started",),
+    "resume": ("suspended",),
+    "destroy": (
+        "created",
+        "starting",
+        "started",
+        "stopping",
+        "stopped",
+        "failed",
+        "suspending",
+        "suspended",
+        "replacing",
+    ),
+}
 
 
 def e(value: object) -> str:
@@ -53,9 +73,11 @@ def layout(title: str, body: str, *, stream: str = "", who: Who = NOBODY, status
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         f'<meta name="viewport" content="width=device-width"><meta name="fauxmad-csrf" content="{e(who.csrf)}">'
         f"<title>{e(title)} · fauxmad</title>"
+        # its icon: without one a browser asks /favicon.ico, a 404
+        '<link rel="icon" href="/ui/static/favicon.svg" type="image/svg+xml">'
         '<link rel="stylesheet" href="/ui/static/console.css"><script src="/ui/static/console.js" defer></script>'
-        f'</head><body data-stream="{e(stream)}"><header><b>fauxmad</b> {nav}</header><main>{body}</main>'
-        '<p id="live-status" class="muted" aria-live="polite"></p></body></html>'
+        f'</head><body data-stream="{e(stream)}"><header><b>fauxmad</b> {nav}</header><main>{body}'
+        '<p id="live-status" class="muted" aria-live="polite"></p></main></body></html>'  # inside the margin
     )
 
 
@@ -206,7 +228,9 @@ def machine(found: Machine, kept: dict[str, Any] | None, logs: list[LogRecord], 
     )
     hint = "" if may_act else ' title="your token may not act on this app"'
     buttons = "".join(
-        f'<button type="button" data-action="{a}" class="{"danger" if a == "destroy" else ""}"{hint}>{a}</button>'
+        f'<button type="button" data-action="{a}" data-when="{" ".join(ACTS_IN[a])}"'
+        f' class="{"danger" if a == "destroy" else ""}"{hint}{"" if found.state in ACTS_IN[a] else " disabled"}>'
+        f"{a}</button>"
         for a in ACTIONS
     )
     body = (

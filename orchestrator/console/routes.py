@@ -265,7 +265,7 @@ async def static(request: web.Request) -> web.Response:
     path = STATIC / name
     if name not in {p.name for p in STATIC.iterdir()}:
         return html(pages.not_found(f"no file {name}"), 404)
-    kind = "text/css" if name.endswith(".css") else "text/javascript"
+    kind = {".css": "text/css", ".svg": "image/svg+xml"}.get(path.suffix, "text/javascript")
     return web.Response(body=path.read_bytes(), content_type=kind, headers={"Cache-Control": "max-age=300"})
 
 

@@ -70,7 +70,20 @@ def test_the_job_commands(
     late = cli(nats_url, tmp_path, "job", "wait", slow, "-a", app, "--timeout", "1")
     assert late.returncode != 0 and late.stderr.count("\n") == 1, late.stderr
     assert "1 of 1 jobs not finished within 1s" in late.stderr
+    for _ in range(100):  # its machine runs (the id is in the record) before the cancel
+        if json.loads(cli(nats_url, tmp_path, "job", "status", slow, "-a", app, "--json").stdout)["machine_id"]:
+            break
     assert cli(nats_url, tmp_path, "job", "cancel", slow, "-a", app).returncode == 0
+    assert cli(nats_url, tmp_path, "job", "wait", slow, "-a", app, "--timeout", "30").returncode == 1
+    # its events in order: running (claimed), running (its machine's id), the cancel, cancelled; never a
+    # `running` after the cancel (its machine's id was announced when the run ended, after the cancel's event)
+    lines = cli(nats_url, tmp_path, "events", "--jobs", "-a", app, "--json").stdout.splitlines()
+    mine = [(e["state"], e["reason"]) for e in map(json.loads, lines) if e["id"] == slow]
+    asked = mine.index(("running", "cancel requested"))
+    assert [state for state, _ in mine[asked + 1 :]] == ["cancelled"], mine
+    assert [state for state, _ in mine[:asked]] == ["queued", "running", "running"], mine
+    shown = cli(nats_url, tmp_path, "events", "--jobs", "-a", app).stdout.splitlines()
+    assert sum(slow in line and "running" in line for line in shown) == 3, shown  # the cancel's is one of them
 
 
 def test_bad_job_arguments_are_one_line_and_exit_2(nats_url: str, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -405,7 +406,6 @@ def _audit(url: str) -> list[dict[str, Any]]:
 
 
 def test_the_readme_token_commands_run_as_written(fleet: DevFleet, tmp_path: Path) -> None:
-    import re
 
     section = (
         (Path(__file__).resolve().parents[2] / "docs" / "reference" / "http-api.md")
@@ -429,3 +429,45 @@ def test_the_readme_token_commands_run_as_written(fleet: DevFleet, tmp_path: Pat
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
     finally:
         key.unlink(missing_ok=True)
+
+
+def curl_calls(block: str) -> set[tuple[str, str]]:
+    """(method, path) of each curl in a shell block: `-X M` or GET, the path after `$API` up to `?` or `"`."""
+    calls = set()
+    for line in block.replace("\\\n", " ").splitlines():
+        for call in re.findall(r"curl (.*?)(?:\||$)", line):
+            method = re.search(r"-X (\w+)", call)
+            (path,) = re.findall(r'"\$API(/[^"?]*)', call)
+            calls.add((method.group(1) if method else "GET", path))
+    return calls
+
+
+def test_every_endpoint_has_a_curl_example_that_runs_as_written(fleet: DevFleet) -> None:
+    """docs/reference/http-api.md, "Every endpoint with curl": one curl per operation the API serves (its own
+    /openapi.json), and the block runs verbatim against a real API (curl -f: any 4xx or 5xx fails it)."""
+    from orchestrator.api.openapi import document
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "http-api.md").read_text()
+    section = text.split("### Every endpoint with curl", 1)[1].split("\n### ", 1)[0]
+    [block] = re.findall(r"```bash\n(.*?)```", section, re.S)
+    calls = curl_calls(block)
+    served = [
+        (method.upper(), path)
+        for path, operations in document()["paths"].items()
+        for method in operations
+        if method in ("get", "post", "put", "delete", "patch")
+    ] + [("GET", "/openapi.json"), ("GET", "/docs")]
+    for method, path in served:
+        pattern = re.compile("^" + re.sub(r"\\\{\w+\\\}", r"[^/]+", re.escape(path)) + "$")
+        assert any(m == method and pattern.match(p) for m, p in calls), f"no curl example of {method} {path}"
+    proc, base = start_api(fleet.url)
+    try:
+        env = {**os.environ, "API": base}
+        done = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "fauxmad Machines API" in done.stdout
+    finally:
+        proc.terminate()
+        proc.wait(10)

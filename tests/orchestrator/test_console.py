@@ -115,6 +115,66 @@ def test_an_unknown_app_or_machine_is_a_404_page(console: Console) -> None:
     assert console.get(f"/ui/apps/known/machines/{created['id']}", console.operator)[0] == 200
 
 
+def contrast(one: str, two: str) -> float:
+    """WCAG's contrast ratio of two colours, `#rrggbb` or `rgb(r, g, b)`."""
+
+    def luminance(colour: str) -> float:
+        if colour.startswith("#"):
+            parts = [int(colour[i : i + 2], 16) for i in (1, 3, 5)]
+        else:
+            parts = [int(float(x)) for x in re.findall(r"[\d.]+", colour)[:3]]
+        linear = [c / 255 / 12.92 if c / 255 <= 0.03928 else ((c / 255 + 0.055) / 1.055) ** 2.4 for c in parts]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    light, dark = sorted((luminance(one), luminance(two)), reverse=True)
+    return (light + 0.05) / (dark + 0.05)
+
+
+def test_a_machines_buttons_follow_its_state_and_the_page_has_its_icon(console: Console) -> None:
+    """Over plain HTTP: a started machine's page offers stop, restart, suspend and destroy, not start or resume
+    (issue 41: every button was enabled whatever the state); the page's icon answers (a browser asked
+    /favicon.ico, a 404); the live status is inside the page's margin (<main>); the bars' labels read on their
+    fill (WCAG's 4.5:1)."""
+    status, created = console.api().call("POST", "/v1/apps/buttons/machines", SLEEP)
+    assert status == 200 and created["state"] == "started", created
+    status, page = console.get(f"/ui/apps/buttons/machines/{created['id']}", console.operator)
+    assert status == 200, page
+    buttons = dict(re.findall(r'<button type="button" data-action="(\w+)"[^>]*?( disabled)?>', page))
+    assert buttons == {
+        "start": " disabled",
+        "stop": "",
+        "restart": "",
+        "suspend": "",
+        "resume": " disabled",
+        "destroy": "",
+    }
+    assert console.api().call("POST", f"/v1/apps/buttons/machines/{created['id']}/stop", {})[0] == 200
+    wait_until(
+        lambda: console.api().call("GET", f"/v1/apps/buttons/machines/{created['id']}")[1]["state"] == "stopped",
+        "stopped",
+    )
+    page = console.get(f"/ui/apps/buttons/machines/{created['id']}", console.operator)[1]
+    buttons = dict(re.findall(r'<button type="button" data-action="(\w+)"[^>]*?( disabled)?>', page))
+    assert buttons == {
+        "start": "",
+        "stop": " disabled",
+        "restart": "",
+        "suspend": " disabled",
+        "resume": " disabled",
+        "destroy": "",
+    }
+    (icon,) = re.findall(r'<link rel="icon" href="([^"]+)"', page)
+    request = urllib.request.Request(console.base + icon)
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        assert reply.status == 200 and reply.headers["Content-Type"].startswith("image/svg+xml")
+    assert re.search(r'<main>.*<p id="live-status"[^>]*></p></main>', page, re.S), page[-300:]
+    css = (ROOT / "orchestrator" / "console" / "static" / "console.css").read_text()
+    (fill,) = re.findall(r"\.bar rect \{ fill: (#[0-9a-f]{6}); \}", css)
+    (label,) = re.findall(r"\.bar em \{[^}]*[^-]color: (#[0-9a-f]{3,6});", css)
+    label = label if len(label) == 7 else "#" + "".join(c * 2 for c in label[1:])
+    assert contrast(fill, label) >= 4.5, (fill, label)
+
+
 def _deploy_spec(tmp_path: Path) -> Path:
     spec = tmp_path / "fauxmad.toml"
     spec.write_text(
@@ -153,6 +213,8 @@ def test_in_a_browser_a_deploy_goes_live_a_machine_explains_itself_and_stops(con
         try:
             page = browser.new_page()
             page.set_default_timeout(30_000)
+            missing: list[str] = []  # every resource a page asked for answered (issue 41: one was a 404)
+            page.on("response", lambda r: missing.append(f"{r.status} {r.url}") if r.status >= 400 else None)
             _log_in(page, console, console.operator, "/ui/apps/live")
             assert page.url.endswith("/ui/apps/live")
             assert page.locator("#progress").count() == 0  # no release yet: no deploy to show
@@ -176,6 +238,17 @@ def test_in_a_browser_a_deploy_goes_live_a_machine_explains_itself_and_stops(con
             # the fleet page shows the app's machines; one opens its page
             page.goto(console.base + "/ui/?app=live")
             page.wait_for_selector("body[data-live='1']")
+            label, track, fill = page.evaluate(
+                """() => { const bar = document.querySelector('.bar'); const get = (el, p) => getComputedStyle(el)[p];
+                return [get(bar.querySelector('em'), 'color'), get(bar, 'backgroundColor'),
+                  get(bar.querySelector('rect'), 'fill')]; }"""
+            )
+            assert contrast(label, fill) >= 4.5 and contrast(label, track) >= 4.5, (label, fill, track)
+            live, heading = page.evaluate(
+                """() => [document.getElementById('live-status').getBoundingClientRect().left,
+                document.querySelector('main h1, main h2').getBoundingClientRect().left]"""
+            )
+            assert live == heading, (live, heading)  # "live" in the page's margin, as its text
             chip = page.locator("a.m.s-started").first
             machine_id = chip.get_attribute("data-machine")
             chip.click()
@@ -188,9 +261,16 @@ def test_in_a_browser_a_deploy_goes_live_a_machine_explains_itself_and_stops(con
             assert machine["worker_id"] + " ✓" in chart  # the winner, among the candidates with their subscores
             assert page.locator("svg.explain rect title").count() >= 2
 
+            # its buttons follow its state: a started machine is not started or resumed again
+            assert page.is_disabled("button[data-action=start]") and page.is_disabled("button[data-action=resume]")
+            assert page.is_enabled("button[data-action=stop]") and page.is_enabled("button[data-action=suspend]")
+
             # stop it from the page: the page says the real outcome and its state changes
             page.click("button[data-action=stop]")
             page.wait_for_function("() => document.getElementById('state').textContent === 'stopped'")
+            page.wait_for_function("() => !document.querySelector('button[data-action=start]').disabled")
+            assert page.is_disabled("button[data-action=stop]") and page.is_disabled("button[data-action=suspend]")
+            assert not missing, missing
             assert "the machine is stopped" in page.inner_text("#outcome")
             page.wait_for_function("() => document.getElementById('timeline').innerText.includes('stopping → stopped')")
             assert console.api().call("GET", f"/v1/apps/live/machines/{machine_id}")[1]["state"] == "stopped"

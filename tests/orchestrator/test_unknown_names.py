@@ -45,7 +45,7 @@ def fauxmad(url: str, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[str, str]]:
     """The fleet's URL, and the id of app sandwich's one machine (in mad)."""
-    spec = FleetSpec(regions=["mad", "syd"], workers_per_region=1, cpus=4, memory_mb=4096)
+    spec = FleetSpec(regions=["mad", "syd"], workers_per_region=1, cpus=24, memory_mb=4096)  # room for 18 in mad
     with DevFleet(spec) as running:
         made = fauxmad(running.url, "machine", "run", "--app", APP, "--region", "MAD", "--json", "--", "sleep", "600")
         assert made.returncode == 0, made.stderr  # MAD is mad
@@ -122,6 +122,46 @@ def test_a_machine_id_is_whole_or_a_unique_prefix(fleet: tuple[str, str]) -> Non
         )
     other = "f" if not mid.startswith("f") else "0"
     one_line_not_found(fauxmad(url, "machine", "show", other, "--app", APP), f"machine {other} not found in app {APP}")
+
+
+def test_an_ambiguous_machine_id_prefix_is_exit_2_naming_the_candidates(fleet: tuple[str, str]) -> None:
+    """Machines of one app until two ids share their first digit (at most 17: one of 16 digits must repeat);
+    that digit as the id: exit 2 (a usage error: the id is the user's to make longer), one line, both ids."""
+    url, _ = fleet
+    by_digit: dict[str, list[str]] = {}
+    for _ in range(17):
+        made = fauxmad(
+            url,
+            "machine",
+            "run",
+            "--app",
+            "twins",
+            "--region",
+            "mad",
+            "--memory-mb",
+            "16",
+            "--json",
+            "--",
+            "sleep",
+            "600",
+        )
+        assert made.returncode == 0, made.stderr
+        mid = json.loads(made.stdout)["id"]
+        by_digit.setdefault(mid[0], []).append(mid)
+        if len(by_digit[mid[0]]) == 2:
+            break
+    digit, twins = next((d, ids) for d, ids in by_digit.items() if len(ids) == 2)
+    for verb in ("show", "stop", "logs"):
+        result = fauxmad(url, "machine", verb, digit, "--app", "twins")
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, (verb, result.stderr)
+        assert f"machine id '{digit}' is ambiguous in app twins" in result.stderr, result.stderr
+        assert all(mid in result.stderr for mid in twins), result.stderr
+    longer = twins[0][: next(i for i in range(1, 15) if twins[0][:i] != twins[1][:i])]
+    shown = fauxmad(url, "machine", "show", longer, "--app", "twins", "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["id"] == twins[0], shown.stderr
+    for ids in by_digit.values():
+        for mid in ids:
+            assert fauxmad(url, "machine", "destroy", mid, "--app", "twins", "--force").returncode == 0
 
 
 def test_destroying_a_running_machine_names_the_commands_that_do_it(fleet: tuple[str, str]) -> None:

@@ -29,7 +29,7 @@ from workers.jobs import outcome as moves
 from workers.jobs.execute import Executor, Outcome
 from workers.jobs.guard import Guard
 from workers.jobs.puller import hand_back
-from workers.jobs.records import JobRecords
+from workers.jobs.records import Change, JobRecords
 from workers.jobs.spawn import Cancel
 from workers.jobs.take import CARRIED_FRESH, RECORD_GRACE, carried, decide
 
@@ -211,7 +211,7 @@ class JobRunner:
             def change(j: Job) -> Job | None:
                 return moves.running(j, worker_id=self.worker_id, attempt=attempt, machine_id=machine_id, now=at)
 
-            marks.append(asyncio.create_task(self.records.change_from(job.app, job.id, change, known)))
+            marks.append(asyncio.create_task(self._mark(job, change, known)))
 
         self._started.add(id(msg))
         try:
@@ -228,18 +228,25 @@ class JobRunner:
         outcome.started_at = began[0] if began else None
         await self._record(msg, job, attempt, outcome, known, guard.claim, fresh)
 
+    async def _mark(self, job: Job, change: Change, known: tuple[Job, int] | None) -> tuple[Job, bool, int]:
+        """Write that its machine runs, and say so on the events subject as soon as the write lands: said when
+        the run ended (as it was), it came after a cancel's event, a second `running` after `cancel requested`
+        (issue 41). A record a cancel was asked of already said `running`: its event is the last word."""
+        marked, ok, revision = await self.records.change_from(job.app, job.id, change, known)
+        if ok and not marked.cancel_requested:
+            await self.emit(marked)
+        return marked, ok, revision
+
     async def _marked(
         self, marks: list[asyncio.Task[tuple[Job, bool, int]]], known: tuple[Job, int] | None
     ) -> tuple[Job, int] | None:
         for mark_task in marks:
             try:
-                marked, ok, marked_revision = await mark_task
+                marked, _, marked_revision = await mark_task
             except Exception:
                 known = None
                 continue
             known = (marked, marked_revision)
-            if ok:
-                await self.emit(marked)
         return known
 
     async def _record(

@@ -5,6 +5,14 @@
 function setState(el, state) {
   el.className = el.className.replace(/\bs-[a-z]+/g, "").trim() + " s-" + state;
   if (el.dataset.text) el.textContent = state;
+  if (el.id === "state") enableActions(state);
+}
+
+// a machine's buttons: each enabled only in the states where its action does something (its data-when)
+function enableActions(state) {
+  document.querySelectorAll(".actions button[data-action]").forEach((b) => {
+    b.disabled = !(b.dataset.when || "").split(" ").includes(state);
+  });
 }
 
 function onMachine(ev) {
@@ -44,7 +52,7 @@ function onWorkers(workers) {
       bar.querySelector("em").textContent = kind + " " + pair[0] + "/" + pair[1] + unit;
     }
   }
-  document.querySelectorAll('[data-live][data-on="tick"]').forEach(refresh);
+  document.querySelectorAll('[data-live^="/"][data-on="tick"]').forEach(refresh);
 }
 
 function onLog(line) {
@@ -62,7 +70,9 @@ function refreshLive() {
   if (pending) return;
   pending = setTimeout(() => {
     pending = null;
-    document.querySelectorAll("[data-live]:not([data-on])").forEach(refresh);
+    // a section names the path it is fetched from; <body data-live="1"> only says the stream is open (it was
+    // fetched as a path too: GET /ui/apps/1, a 404 on every change)
+    document.querySelectorAll('[data-live^="/"]:not([data-on])').forEach(refresh);
   }, 300);
 }
 
@@ -120,7 +130,7 @@ async function act(button) {
     outcome.textContent = action + " failed: " + err;
     outcome.className = "error";
   } finally {
-    box.querySelectorAll("button").forEach((b) => (b.disabled = false));
+    enableActions(document.getElementById("state").textContent);
   }
 }
 
