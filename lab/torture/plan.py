@@ -16,7 +16,8 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-FAULT_KINDS = ("kill", "freeze", "nats", "broker", "operator")
+FAULT_KINDS = ("kill", "freeze", "nats", "broker", "operator", "cpu")
+GAP_S = 5.0  # the default least time between two faults' starts (the most: twice it)
 STEP_KINDS = ("create", "start", "stop", "destroy", "lease", "lease_race", "replay")
 STEP_WEIGHTS = (30, 12, 12, 10, 18, 6, 12)
 
@@ -24,8 +25,8 @@ STEP_WEIGHTS = (30, 12, 12, 10, 18, 6, 12)
 class FaultStep(msgspec.Struct, frozen=True, kw_only=True):
     at: float  # seconds after the workload starts (the earliest it may strike: faults never overlap)
     kind: str
-    target: str  # a worker id, a broker's process name, "nats" or "operator"
-    hold: float  # seconds down (a kill's restart delay) or frozen
+    target: str  # a worker id, a broker's process name, "nats", "operator" or "host" (cpu: the whole host)
+    hold: float  # seconds down (a kill's restart delay), frozen, or starved of CPU
     on_reserve: bool  # kill/freeze: strike the moment a reserve goes out to the target
 
 
@@ -51,9 +52,11 @@ def fault_schedule(
     kinds: Sequence[str],
     workers: Sequence[str],
     brokers: Sequence[str],
+    gap: float = GAP_S,
 ) -> list[FaultStep]:
-    """One fault every 5-10 s (the first after 3-6 s) until `duration`; kinds come from a shuffled bag of the
-    enabled ones, so every kind appears once in each round of len(kinds) faults."""
+    """One fault every `gap` to 2 x `gap` seconds (5-10 s by default; the first after 3-6 s) until `duration`;
+    kinds come from a shuffled bag of the enabled ones, so every kind appears once in each round of len(kinds)
+    faults: a schedule of at least len(kinds) faults injects every kind, whatever the seed."""
     rng = random.Random(_seed_of(seed, "nemesis"))
     steps: list[FaultStep] = []
     at = rng.uniform(3.0, 6.0)
@@ -72,8 +75,16 @@ def fault_schedule(
             "nats": rng.uniform(1.0, 3.0),
             "broker": rng.uniform(0.5, 2.0),
             "operator": rng.uniform(0.5, 2.0),
+            "cpu": rng.uniform(3.0, 8.0),
         }[kind]
-        target = {"kill": worker, "freeze": worker, "nats": "nats", "broker": broker, "operator": "operator"}[kind]
+        target = {
+            "kill": worker,
+            "freeze": worker,
+            "nats": "nats",
+            "broker": broker,
+            "operator": "operator",
+            "cpu": "host",
+        }[kind]
         steps.append(
             FaultStep(
                 at=round(at, 3),
@@ -83,7 +94,7 @@ def fault_schedule(
                 on_reserve=on_reserve and kind in ("kill", "freeze"),
             )
         )
-        at += rng.uniform(5.0, 10.0)
+        at += rng.uniform(gap, 2 * gap)
     return steps
 
 

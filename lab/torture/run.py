@@ -26,7 +26,7 @@ from lab.torture.check import Verdict, Violation, check
 from lab.torture.fleet import OPERATOR_APP, TortureError, TortureFleet
 from lab.torture.history import End, HistoryWriter, Meta, load
 from lab.torture.nemesis import Nemesis
-from lab.torture.plan import FAULT_KINDS, fault_schedule
+from lab.torture.plan import FAULT_KINDS, GAP_S, fault_schedule
 from lab.torture.sampler import Sampler
 from lab.torture.workload import Client
 
@@ -39,6 +39,7 @@ class TortureOptions(msgspec.Struct, frozen=True, kw_only=True):
     seed: int
     duration: float = 90.0
     faults: tuple[str, ...] = FAULT_KINDS
+    gap: float = GAP_S  # seconds between faults: gap to 2 x gap
     keep: Path | None = None
     settle: float = SETTLE_S
     clients: int = CLIENTS
@@ -85,7 +86,9 @@ async def _torture(
                 client_apps=[f"torture-c{i}" for i in range(options.clients)],
             )
         )
-        schedule = fault_schedule(options.seed, options.duration, options.faults, list(workers), fleet.brokers)
+        schedule = fault_schedule(
+            options.seed, options.duration, options.faults, list(workers), fleet.brokers, options.gap
+        )
         nemesis = Nemesis(fleet, schedule, history, fleet.url, progress)
         stop_clients = asyncio.Event()
         clients = [Client(i, options.seed, regions, fleet.url, fleet.marker, history) for i in range(options.clients)]

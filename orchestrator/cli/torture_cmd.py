@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -17,8 +18,10 @@ from orchestrator.cli.render import make_console
 from orchestrator.cli.runtime import EXIT_FAILED, EXIT_USAGE, fail
 
 FAULTS_HELP = (
-    "comma-separated fault kinds: kill (worker kill -9), freeze (SIGSTOP a worker's host), nats, broker, operator"
+    "comma-separated fault kinds: kill (worker kill -9), freeze (SIGSTOP a worker's host), nats, broker, operator,"
+    " cpu (the whole host starved by stress-ng); default: all of them (cpu only where stress-ng is installed)"
 )
+GAP_HELP = "the least time between two faults' starts (the most: twice it); a shorter one fits every kind in less time"
 SEED_HELP = "the seed of the fault schedule and the clients' steps (default: a random one, printed)"
 KEEP_HELP = (
     "keep the run directory here (history.jsonl, every process's log); default: a temporary one, removed unless"
@@ -38,20 +41,41 @@ def _parse_duration(text: str) -> float:
     return value
 
 
-def _parse_faults(text: str) -> tuple[str, ...]:
+def _parse_gap(text: str) -> float:
+    from bus.contract.base import seconds
+
+    try:
+        value = seconds(float(text) if text.replace(".", "", 1).isdigit() else text)
+    except ValueError:
+        fail(f"invalid --gap {text!r}: use seconds or a string like '5s'", EXIT_USAGE)
+    if value < 1:
+        fail(f"--gap {text} is too short: at least 1s", EXIT_USAGE)
+    return value
+
+
+def _parse_faults(text: str | None, progress: Callable[[str], None]) -> tuple[str, ...]:
+    from lab.torture.fleet import stress_ng
     from lab.torture.plan import FAULT_KINDS
 
+    if text is None:  # the default: every kind this host can inject
+        if stress_ng() is None:
+            progress("stress-ng is not installed: no cpu fault (Debian: apt-get install stress-ng)")
+            return tuple(kind for kind in FAULT_KINDS if kind != "cpu")
+        return FAULT_KINDS
     chosen = [kind.strip() for kind in text.split(",") if kind.strip()]
     unknown = [kind for kind in chosen if kind not in FAULT_KINDS]
     if unknown:
         fail(f"unknown fault kind {', '.join(unknown)}: use {', '.join(FAULT_KINDS)}", EXIT_USAGE)
+    if "cpu" in chosen and stress_ng() is None:
+        fail("the cpu fault needs stress-ng, which is not installed (Debian: apt-get install stress-ng)", EXIT_USAGE)
     return tuple(dict.fromkeys(chosen))
 
 
 def torture(
     seed: int | None = typer.Option(None, "--seed", help=SEED_HELP, show_default=False),
     duration: str = typer.Option("90s", "--duration", help="how long the workload and the faults run (90s, 2m, 45)"),
-    faults: str = typer.Option("kill,freeze,nats,broker,operator", "--faults", help=FAULTS_HELP),
+    faults: str | None = typer.Option(None, "--faults", help=FAULTS_HELP, show_default=False),
+    gap: str = typer.Option("5s", "--gap", help=GAP_HELP),
     json_out: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
     keep: Path | None = typer.Option(None, "--keep", help=KEEP_HELP, show_default=False),
 ) -> None:
@@ -59,9 +83,10 @@ def torture(
 
     Starts a real fleet on this host (nats-server with JetStream, 4 workers in 2 regions, 2 brokers, the
     operator keeping an app with a primary and a spare per region) and runs 5 clients (each its own app:
-    create with idempotency keys, start, stop, destroy, leases) while a seeded nemesis strikes every 5-10 s:
-    kill -9 of a worker, a broker, the operator or nats-server (each restarted), or SIGSTOP of a worker's
-    host for 3-8 s; some kills and freezes strike the moment a reserve goes out to the worker. Then the
+    create with idempotency keys, start, stop, destroy, leases) while a seeded nemesis strikes every 5-10 s
+    (--gap): kill -9 of a worker, a broker, the operator or nats-server (each restarted), SIGSTOP of a
+    worker's host for 3-8 s, or the whole host starved of CPU for 3-8 s (stress-ng); some kills and freezes
+    strike the moment a reserve goes out to the worker. Then the
     fleet settles, a final snapshot is taken, the operator must replace a primary destroyed under it, and
     the history is checked: nothing acknowledged lost, one machine per key, no machine running twice, no
     overcommit, the workers' registries matching the processes, the last acknowledged action holding,
@@ -74,14 +99,19 @@ def torture(
     from lab.torture.run import TortureOptions, render, run
     from orchestrator.cli.render import print_json
 
-    chosen_seed = seed if seed is not None else random.SystemRandom().randrange(1, 1_000_000)
-    options = TortureOptions(
-        seed=chosen_seed, duration=_parse_duration(duration), faults=_parse_faults(faults), keep=keep
-    )
     stderr = make_console(stderr=True)
 
     def progress(line: str) -> None:
         stderr.print(Text(f"… {line}", style="dim"))
+
+    chosen_seed = seed if seed is not None else random.SystemRandom().randrange(1, 1_000_000)
+    options = TortureOptions(
+        seed=chosen_seed,
+        duration=_parse_duration(duration),
+        faults=_parse_faults(faults, progress),
+        gap=_parse_gap(gap),
+        keep=keep,
+    )
 
     progress(f"seed {chosen_seed}")
     try:
