@@ -124,10 +124,12 @@ def test_restart_resumes_a_stop_that_was_in_flight(worker_factory: Callable[...,
     async def after() -> None:
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
-        got = await raw.ok("get", {"id": mid})
-        assert got["state"] in ("stopping", "stopped")
-        # the resumed stop escalates after the worker's stop timeout; kill it sooner through destroy
-        destroyed = await raw.ok("destroy", {"id": mid, "force": True})
+        # nobody asks for the stop again: only the restarted worker's resume of it can end the TERM-ignoring
+        # process, by escalating to SIGKILL after the worker's stop timeout (10 s). Without that resume the
+        # machine stays `stopping` for good (the state recorded before the kill), and this wait fails
+        stopped = await raw.wait_state(mid, "stopped", timeout=60)
+        assert stopped["state"] == "stopped"
+        destroyed = await raw.ok("destroy", {"id": mid})
         assert destroyed["state"] == "destroyed"
         await nc.close()
 
