@@ -77,6 +77,7 @@ def hypothesis_lost_track(exc: BaseException) -> bool:
 ATTEMPTS = 3
 
 
+@pytest.mark.fleet  # its fixture starts a fleet and the API
 def test_sequences_along_the_links_conform(api_schema: schemathesis.BaseSchema) -> None:
     """Stateful: schemathesis follows the document's links from a create to what is done next with the
     machine (or volume) it made, so the calls after it reach a real machine, not a random id's 404.
