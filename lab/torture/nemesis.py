@@ -4,7 +4,8 @@ Why it exists: the faults a fleet meets are process deaths and stalls at the wor
 convenient one. One fault at a time (the next waits for the last one's recovery, so a schedule always
 means the same thing): kill -9 of a worker (restarted 1-4 s later on the same data dir with the same id),
 of a broker or of the operator (restarted), of nats-server (restarted 1-3 s later on the same port and
-store), or SIGSTOP of a worker and its host's processes for 3-8 s, then SIGCONT.
+store), SIGSTOP of a worker and its host's processes for 3-8 s, then SIGCONT, or the whole host starved of
+CPU for 3-8 s (stress-ng, 4 hogs per core), so that every process is slow at once.
 
 The worst moment: a kill or freeze marked `on_reserve` is armed at its time and strikes the instant a
 reserve goes out to its worker. The nemesis listens on the contract's own subject
@@ -120,6 +121,8 @@ class Nemesis:
         if step.kind == "region":
             self.fleet.cut_region(step.target)
             return "its gateways cut"
+        if step.kind == "cpu":
+            return f"started {self.fleet.starve(step.hold)} CPU hogs"
         return "killed" if self.fleet.kill(step.target) else "was not running"
 
     async def _one(self, step: FaultStep) -> None:
@@ -249,5 +252,7 @@ class Nemesis:
             self.fleet.unskew(step.target)
         elif step.kind == "region":
             self.fleet.heal_region(step.target)
+        elif step.kind == "cpu":
+            self.fleet.feed()
         else:
             self.fleet.restart(step.target)

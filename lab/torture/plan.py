@@ -16,7 +16,8 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-FAULT_KINDS = ("kill", "freeze", "nats", "broker", "operator")
+FAULT_KINDS = ("kill", "freeze", "nats", "broker", "operator", "cpu")
+GAP_S = 5.0  # the default least time between two faults' starts (the most: twice it)
 # on hosts of their own (`fauxmad torture --hosts`): a host's link cut both ways, its outgoing packets dropped, its
 # link flapping, its link slowed (a latency spike), a worker restarted under a skewed clock; and in a supercluster
 # a region cut from the others (its gateways)
@@ -32,8 +33,8 @@ STEP_WEIGHTS = (30, 12, 12, 10, 18, 6, 12)
 class FaultStep(msgspec.Struct, frozen=True, kw_only=True):
     at: float  # seconds after the workload starts (the earliest it may strike: faults never overlap)
     kind: str
-    target: str  # a worker id, a broker's process name, "nats" or "operator"
-    hold: float  # seconds down (a kill's restart delay) or frozen
+    target: str  # a worker id, a broker's process name, "nats", "operator", a host, a region, or "host" (cpu)
+    hold: float  # seconds down (a kill's restart delay), frozen, cut, or starved of CPU
     on_reserve: bool  # kill/freeze: strike the moment a reserve goes out to the target
     skew: str = ""  # skew: the clock offset the worker runs under ("+3s", "-30s")
 
@@ -65,11 +66,12 @@ def fault_schedule(
     regions: Sequence[str] = (),
     servers: Sequence[str] = (),
     operators: Sequence[str] = (),
-    spacing: tuple[float, float] = (5.0, 10.0),
+    gap: float = GAP_S,
 ) -> list[FaultStep]:
-    """One fault every `spacing` s (5-10 s; the first after 3-6 s) until `duration`; kinds come from a shuffled bag
-    of the enabled ones, so every kind appears once in each round of len(kinds) faults, and the first round is
-    always scheduled whole, even past `duration`: every enabled kind strikes at least once per run.
+    """One fault every `gap` to 2 x `gap` s (5-10 s by default; the first after 3-6 s) until `duration`; kinds
+    come from a shuffled bag of the enabled ones, so every kind appears once in each round of len(kinds) faults,
+    and the first round is always scheduled whole, even past `duration`: every enabled kind strikes at least
+    once per run.
 
     `hosts`, `regions`: the targets of the host faults and of a region cut; `servers`: the nats-servers a `nats`
     fault picks from (default: the one, target "nats"); `operators`: the operator processes (default "operator").
@@ -93,9 +95,16 @@ def fault_schedule(
             "broker": rng.uniform(0.5, 2.0),
             "operator": rng.uniform(0.5, 2.0),
         }
-        target = {"kill": worker, "freeze": worker, "nats": "nats", "broker": broker, "operator": "operator"}.get(
-            kind, ""
-        )
+        if "cpu" in kinds:  # drawn only when enabled: a schedule without it is the one drawn before it existed
+            holds["cpu"] = rng.uniform(3.0, 8.0)
+        target = {
+            "kill": worker,
+            "freeze": worker,
+            "nats": "nats",
+            "broker": broker,
+            "operator": "operator",
+            "cpu": "host",
+        }.get(kind, "")
         skew = ""
         if hosts or regions or servers or operators:  # drawn only on hosts: a one-host run's draws stay as they were
             host = rng.choice(list(hosts)) if hosts else ""
@@ -133,7 +142,7 @@ def fault_schedule(
                 skew=skew,
             )
         )
-        at += rng.uniform(*spacing)
+        at += rng.uniform(gap, 2 * gap)
     return steps
 
 

@@ -26,7 +26,7 @@ from lab.torture.check import Verdict, Violation, check
 from lab.torture.fleet import OPERATOR_APP, TortureError, TortureFleet
 from lab.torture.history import End, HistoryWriter, Meta, load
 from lab.torture.nemesis import Nemesis
-from lab.torture.plan import FAULT_KINDS, fault_schedule
+from lab.torture.plan import FAULT_KINDS, GAP_S, fault_schedule
 from lab.torture.sampler import Sampler
 from lab.torture.workload import Client
 
@@ -34,7 +34,7 @@ CLIENTS = 5
 SETTLE_S = 10.0
 CLIENT_DRAIN_S = 30.0  # at most this long for the clients' last requests after the duration
 # on hosts, one fault every 2-4 s (after the last one's recovery): a short run still strikes with every kind
-HOSTS_SPACING = (2.0, 4.0)
+HOSTS_GAP = 2.0  # on hosts a fault every 2-4 s: more kinds to strike in a run
 HOSTS_SETTLE_S = 20.0  # on hosts, connections through a cut server are noticed dead by pings (seconds), then settle
 
 
@@ -42,6 +42,7 @@ class TortureOptions(msgspec.Struct, frozen=True, kw_only=True):
     seed: int
     duration: float = 90.0
     faults: tuple[str, ...] = FAULT_KINDS
+    gap: float | None = None  # seconds between faults, gap to 2 x gap (None: 5 s, on hosts 2 s)
     keep: Path | None = None
     settle: float = SETTLE_S
     clients: int = CLIENTS
@@ -103,7 +104,7 @@ async def _torture(
             regions=list(fleet.regions) if fleet.topology == "supercluster" else [],
             servers=fleet.servers,
             operators=fleet.operators if on_hosts else [],
-            spacing=HOSTS_SPACING if on_hosts else (5.0, 10.0),
+            gap=options.gap if options.gap is not None else (HOSTS_GAP if on_hosts else GAP_S),
         )
         nemesis = Nemesis(fleet, schedule, history, fleet.url, progress)
         stop_clients = asyncio.Event()

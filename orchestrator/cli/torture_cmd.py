@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -17,7 +18,8 @@ from orchestrator.cli.render import make_console
 from orchestrator.cli.runtime import EXIT_FAILED, EXIT_USAGE, fail
 
 FAULTS_HELP = (
-    "comma-separated fault kinds: kill (worker kill -9), freeze (SIGSTOP a worker's host), nats, broker, operator;"
+    "comma-separated fault kinds: kill (worker kill -9), freeze (SIGSTOP a worker's host), nats, broker, operator,"
+    " cpu (the whole host starved by stress-ng, only where it is installed);"
     " with --hosts also cut (a host's link, both ways), oneway (a host's outgoing packets dropped), flap (its link"
     " down and up), latency (its link slowed), skew (a worker's clock +3s or -30s); with --hosts supercluster also"
     " region (a region's gateways cut). Default: every kind the topology offers"
@@ -25,6 +27,10 @@ FAULTS_HELP = (
 HOSTS_HELP = (
     "run on hosts of their own (root, Linux: network namespaces on a bridge): cluster (3 hosts, a 3-server NATS"
     " cluster) or supercluster (3 regions, one host each, gateways between them)"
+)
+GAP_HELP = (
+    "the least time between two faults' starts (the most: twice it); a shorter one fits every kind in less time"
+    " (default: 5s, 2s with --hosts)"
 )
 SEED_HELP = "the seed of the fault schedule and the clients' steps (default: a random one, printed)"
 KEEP_HELP = (
@@ -54,9 +60,28 @@ def _offered(hosts: str | None) -> tuple[str, ...]:
     return FAULT_KINDS + HOST_FAULT_KINDS + (REGION_FAULT_KINDS if hosts == "supercluster" else ())
 
 
-def _parse_faults(text: str | None, hosts: str | None) -> tuple[str, ...]:
-    offered = _offered(hosts)
+def _parse_gap(text: str | None) -> float | None:
+    from bus.contract.base import seconds
+
     if text is None:
+        return None
+    try:
+        value = seconds(float(text) if text.replace(".", "", 1).isdigit() else text)
+    except ValueError:
+        fail(f"invalid --gap {text!r}: use seconds or a string like '5s'", EXIT_USAGE)
+    if value < 1:
+        fail(f"--gap {text} is too short: at least 1s", EXIT_USAGE)
+    return value
+
+
+def _parse_faults(text: str | None, hosts: str | None, progress: Callable[[str], None]) -> tuple[str, ...]:
+    from lab.torture.fleet import stress_ng
+
+    offered = _offered(hosts)
+    if text is None:  # the default: every kind this topology offers and this host can inject
+        if stress_ng() is None:
+            progress("stress-ng is not installed: no cpu fault (Debian: apt-get install stress-ng)")
+            return tuple(kind for kind in offered if kind != "cpu")
         return offered
     chosen = [kind.strip() for kind in text.split(",") if kind.strip()]
     from lab.torture.plan import ALL_FAULT_KINDS
@@ -68,6 +93,8 @@ def _parse_faults(text: str | None, hosts: str | None) -> tuple[str, ...]:
     if elsewhere:
         where = "--hosts supercluster" if elsewhere == ["region"] else "--hosts"
         fail(f"fault kind {', '.join(elsewhere)} needs {where}", EXIT_USAGE)
+    if "cpu" in chosen and stress_ng() is None:
+        fail("the cpu fault needs stress-ng, which is not installed (Debian: apt-get install stress-ng)", EXIT_USAGE)
     return tuple(dict.fromkeys(chosen))
 
 
@@ -89,6 +116,7 @@ def torture(
     duration: str = typer.Option("90s", "--duration", help="how long the workload and the faults run (90s, 2m, 45)"),
     faults: str | None = typer.Option(None, "--faults", help=FAULTS_HELP, show_default=False),
     hosts: str | None = typer.Option(None, "--hosts", help=HOSTS_HELP, show_default=False),
+    gap: str | None = typer.Option(None, "--gap", help=GAP_HELP, show_default=False),
     json_out: bool = typer.Option(False, "--json", help="print the result as one JSON object"),
     keep: Path | None = typer.Option(None, "--keep", help=KEEP_HELP, show_default=False),
 ) -> None:
@@ -96,9 +124,10 @@ def torture(
 
     Starts a real fleet on this host (nats-server with JetStream, 4 workers in 2 regions, 2 brokers, the
     operator keeping an app with a primary and a spare per region) and runs 5 clients (each its own app:
-    create with idempotency keys, start, stop, destroy, leases) while a seeded nemesis strikes every 5-10 s:
-    kill -9 of a worker, a broker, the operator or nats-server (each restarted), or SIGSTOP of a worker's
-    host for 3-8 s; some kills and freezes strike the moment a reserve goes out to the worker. Then the
+    create with idempotency keys, start, stop, destroy, leases) while a seeded nemesis strikes every 5-10 s
+    (--gap): kill -9 of a worker, a broker, the operator or nats-server (each restarted), SIGSTOP of a
+    worker's host for 3-8 s, or the whole host starved of CPU for 3-8 s (stress-ng); some kills and freezes
+    strike the moment a reserve goes out to the worker. Then the
     fleet settles, a final snapshot is taken, the operator must replace a primary destroyed under it, and
     the history is checked: nothing acknowledged lost, one machine per key, no machine running twice, no
     overcommit, the workers' registries matching the processes, the last acknowledged action holding,
@@ -117,20 +146,21 @@ def torture(
     from lab.torture.run import TortureOptions, render, run
     from orchestrator.cli.render import print_json
 
-    chosen_seed = seed if seed is not None else random.SystemRandom().randrange(1, 1_000_000)
-    topology = _parse_hosts(hosts)
-    options = TortureOptions(
-        seed=chosen_seed,
-        duration=_parse_duration(duration),
-        faults=_parse_faults(faults, topology),
-        keep=keep,
-        topology=topology or "local",
-    )
     stderr = make_console(stderr=True)
 
     def progress(line: str) -> None:
         stderr.print(Text(f"… {line}", style="dim"))
 
+    chosen_seed = seed if seed is not None else random.SystemRandom().randrange(1, 1_000_000)
+    topology = _parse_hosts(hosts)
+    options = TortureOptions(
+        seed=chosen_seed,
+        duration=_parse_duration(duration),
+        faults=_parse_faults(faults, topology, progress),
+        gap=_parse_gap(gap),
+        keep=keep,
+        topology=topology or "local",
+    )
     progress(f"seed {chosen_seed}")
     try:
         result = run(options, progress)

@@ -10,6 +10,7 @@ key had two machines.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import signal
 import threading
@@ -72,13 +73,18 @@ async def answers(fleet: DevFleet, worker_id: str) -> bool:
         await nc.close()
 
 
-def freeze(pid: int, after: float, for_: float, thaw: threading.Event | None = None) -> threading.Thread:
-    """SIGSTOP `pid` `after` seconds from now, for `for_` seconds or until `thaw` is set, whichever is first."""
+def freeze(
+    pid: int, after: float, for_: float, thaw: threading.Event | None = None, thawed_at: list[float] | None = None
+) -> threading.Thread:
+    """SIGSTOP `pid` `after` seconds from now, for `for_` seconds or until `thaw` is set, whichever is first;
+    the wall-clock time just before the SIGCONT goes into `thawed_at`."""
 
     def run() -> None:
-        time.sleep(after)
+        time.sleep(after)  # when the freeze starts relative to the auction (the auction waits 1.5 s)
         os.kill(pid, signal.SIGSTOP)
         (thaw or threading.Event()).wait(for_)
+        if thawed_at is not None:
+            thawed_at.append(time.time())
         os.kill(pid, signal.SIGCONT)
 
     thread = threading.Thread(target=run, daemon=True)
@@ -143,7 +149,9 @@ def test_a_frozen_winner_leaves_one_machine_per_key(fleet: DevFleet) -> None:
             holdout = pid_of(fleet, "worker-a-w3")
             os.kill(holdout, signal.SIGSTOP)  # the auction now waits its whole deadline for a-w3's offer
             try:
-                freeze(winner, after=0.5, for_=4.0)  # after a-w1 offered, through its reserve's timeout
+                thawed_at: list[float] = []
+                # after a-w1 offered, through its reserve's timeout
+                freezing = freeze(winner, after=0.5, for_=4.0, thawed_at=thawed_at)
                 started = time.perf_counter()
                 machine = await client.create(
                     "frozen",
@@ -163,6 +171,15 @@ def test_a_frozen_winner_leaves_one_machine_per_key(fleet: DevFleet) -> None:
         seen = await settle(fleet, "frozen", crowded)
         assert seen["workers"] == [f"{machine.worker_id}/{machine.id}"], (seen, attempts, took)
         assert seen["index"] == seen["workers"] and seen["events"] == seen["workers"], seen
+        # the fix itself, not only its effect (the worker's refusal to commit an expired reserve also keeps one
+        # machine per key): the broker did not take a-w1's silence for a refusal. It asked a-w1 again once a-w1
+        # could answer, learned it reserved nothing, and only then reserved elsewhere: the machine was made
+        # after a-w1's thaw (one clock: all on this host)
+        await asyncio.to_thread(freezing.join)
+        assert "reserved nothing" in attempts[0]["outcome"], attempts
+        assert machine.worker_id != "a-w1" and thawed_at, (machine, thawed_at)
+        made_at = datetime.datetime.fromisoformat(machine.created_at).timestamp()
+        assert made_at > thawed_at[0], (machine.created_at, thawed_at, attempts)
 
     arun(main())
 

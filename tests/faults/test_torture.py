@@ -250,6 +250,7 @@ def fauxmad(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str
     [
         (["--faults", "kill,meteor"], "unknown fault kind meteor"),
         (["--duration", "soon"], "invalid --duration"),
+        (["--gap", "0.5"], "--gap 0.5 is too short"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], says: str) -> None:
@@ -259,11 +260,42 @@ def test_bad_arguments_are_one_line_and_exit_2(args: list[str], says: str) -> No
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+# the CI run: 22 s with a fault every 1.5-3 s. The first fault comes within 6 s and the kinds come from a shuffled
+# bag (each kind once per round), so the 6th fault, the last kind's first, starts by 6 + 5 x 3 = 21 s for ANY seed:
+# every kind is injected by the schedule, not by chance
+CI_SEED, CI_DURATION, CI_GAP = 7, 22.0, 1.5
+
+
+def ci_kinds() -> tuple[str, ...]:
+    from lab.torture.fleet import stress_ng
+
+    return FAULT_KINDS if stress_ng() is not None else tuple(k for k in FAULT_KINDS if k != "cpu")
+
+
+def test_the_ci_runs_schedule_injects_every_fault_kind_whatever_the_seed() -> None:
+    workers, brokers = ["t1-w1", "t1-w2", "t2-w1", "t2-w2"], ["broker-1", "broker-2"]
+    for seed in range(200):
+        schedule = fault_schedule(seed, CI_DURATION, FAULT_KINDS, workers, brokers, gap=CI_GAP)
+        assert {f.kind for f in schedule} == set(FAULT_KINDS), (seed, schedule)
+
+
 @pytest.mark.fleet
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_a_short_seeded_run_with_every_fault_kind_finds_no_violation() -> None:
-    done = fauxmad("torture", "--seed", "7", "--duration", "20s", "--faults", ",".join(FAULT_KINDS), "--json")
+    kinds = ci_kinds()
+    done = fauxmad(
+        "torture",
+        *("--seed", str(CI_SEED), "--duration", f"{CI_DURATION:g}s", "--gap", f"{CI_GAP:g}s"),
+        *("--faults", ",".join(kinds), "--json"),
+        timeout=220,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     result = json.loads(done.stdout)
-    assert result["seed"] == 7 and result["violations"] == [] and result["samples"] > 0
-    assert sum(result["faults"].values()) >= 2
+    assert result["seed"] == CI_SEED and result["violations"] == [] and result["samples"] > 0
+    assert result["faults_enabled"] == list(kinds)
+    assert {kind: result["faults"].get(kind, 0) >= 1 for kind in kinds} == dict.fromkeys(kinds, True), result["faults"]
+    if "cpu" not in kinds:
+        pytest.skip(
+            "every other fault kind was injected with no violation; stress-ng is not installed, so the cpu"
+            " fault was not (Debian: apt-get install stress-ng; .ci/run installs it)"
+        )

@@ -199,7 +199,12 @@ DURATION = "30s"
 @pytest.mark.parametrize("topology", ["cluster", "supercluster"])
 def test_a_short_seeded_run_on_hosts_strikes_with_every_kind_and_finds_no_violation(topology: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
+    # every kind but the cpu fault, whose run is tests/faults/test_torture.py's: this seed's schedule stays the one
+    # that was run and checked before that kind existed
+    offered = tuple(k for k in FAULT_KINDS if k != "cpu") + HOST_FAULT_KINDS
+    offered += ("region",) if topology == "supercluster" else ()
     argv = ["torture", "--hosts", topology, "--seed", str(SEED), "--duration", DURATION, "--json"]
+    argv += ["--faults", ",".join(offered)]
     done = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", *argv],
         capture_output=True,
@@ -211,7 +216,6 @@ def test_a_short_seeded_run_on_hosts_strikes_with_every_kind_and_finds_no_violat
     assert done.returncode in (0, 1), done.stderr[-3000:]
     result = json.loads(done.stdout)
     print(f"\n{topology}: faults {result['faults']}, operations {result['operations']}")
-    offered = FAULT_KINDS + HOST_FAULT_KINDS + (("region",) if topology == "supercluster" else ())
     assert set(result["faults_enabled"]) == set(offered)
     assert {kind for kind, n in result["faults"].items() if n >= 1} == set(offered), result["faults"]
     assert result["operations"]["create"].get("ok", 0) > 0, result["operations"]

@@ -314,11 +314,11 @@ def test_cancel_and_timeout_kill_a_fast_path_process(
         finally:
             await jobs.close()
 
-    started = time.monotonic()
+    # neither waited for its 60 s sleep: the slow one ended by the cancel's SIGKILL, the late one by its 0.5 s
+    # timeout, as their records say (and `jobs.wait` gives up after 20 s, before either sleep could end)
     cancelled, timed_out = arun(scenario())
     assert cancelled.state == "cancelled" and cancelled.attempts[-1].signal == 9
     assert timed_out.state == "failed" and timed_out.reason.endswith("timed out after 0.5s: dead-lettered")
-    assert time.monotonic() - started < 30  # neither waited for its sleep
 
 
 def test_a_worker_restarted_mid_task_gets_its_machine_job_run_again_after_the_fence(

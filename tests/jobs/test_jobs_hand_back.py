@@ -61,14 +61,13 @@ def test_jobs_pulled_but_not_started_go_back_at_once(nats_url: str, unique: Any)
 
             other = await js.pull_subscribe_bind(subjects.JOBS_CONSUMER, queue.stream)
             again: list[Any] = []
+            # the fetches give up after 5 s, long before the 30 s ack wait: both jobs here were handed back (nak'd)
             while len(again) < 2 and time.monotonic() - stopped < 5.0:  # a fetch may return what is there first
                 with contextlib.suppress(TimeoutError):
                     again += await other.fetch(2 - len(again), timeout=1)
-            took = time.monotonic() - stopped
             ids = sorted(msg.data for msg in again)
             assert ids == sorted([encode(JobTask(id="job-1", app="a")), encode(JobTask(id="job-2", app="a"))])
             assert all(msg.metadata.num_delivered >= 2 for msg in again), [m.metadata for m in again]
-            assert took < 5.0, f"handed back after {took:.1f}s (the ack wait is {ACK_WAIT:g}s)"
             for msg in again:
                 await msg.ack()
         finally:

@@ -203,12 +203,14 @@ def test_dev_interrupted_while_starting_and_a_busy_port_leave_nothing(tmp_path: 
 def test_run_waits_until_the_machine_stays_up(fleet: DevFleet) -> None:
     started = time.monotonic()
     machine = run_json(fleet, "--wait-up", "1.5", "--", "sleep", "120")
-    assert time.monotonic() - started >= 1.5
+    assert time.monotonic() - started >= 1.5  # it waited the whole --wait-up: a lower bound, which load cannot break
     assert machine["state"] == "started" and machine["restarts"] == 0
 
     started = time.monotonic()
     detached = run_json(fleet, "--detach", "--", "sh", "-c", "echo never-up >&2; exit 9")
-    assert detached["state"] == "started" and time.monotonic() - started < 5
+    # it did not wait to see the machine stay up: it answers `started` for a command that exits at once (a wait
+    # would have seen the exit 9 and said why)
+    assert detached["state"] == "started"
 
 
 def test_run_of_a_crashing_machine_fails_with_its_stderr(fleet: DevFleet) -> None:
@@ -256,7 +258,7 @@ def test_start_waits_for_up_and_for_checks(fleet: DevFleet) -> None:
     began = time.monotonic()
     ok = cli("machine", "start", machine_id, "--app", APP, "--wait-up", "0", "--json", url=fleet.url)
     assert ok.returncode == 0, ok.stderr
-    assert time.monotonic() - began >= 1.5
+    assert time.monotonic() - began >= 1.5  # it waited for the slow check: a lower bound, which load cannot break
     assert json.loads(ok.stdout)["checks"]["http"]["status"] == "passing"
 
 
@@ -289,9 +291,8 @@ def test_restart_update_signal_and_exec(fleet: DevFleet) -> None:
         "stderr": "",
         "truncated": False,
     }
-    began = time.monotonic()
     slow = machine_cli("exec", mid, "--timeout", "0.5", "--", "sleep", "30")
-    assert slow.returncode == 124 and time.monotonic() - began < 10 and "killed after 0.5s" in slow.stderr
+    assert slow.returncode == 124 and "killed after 0.5s" in slow.stderr  # its timeout ended it, as it says
     assert machine_cli("exec", mid, "--", "no-such-command").returncode == 127
 
     # signal: delivered to the machine's process group (sh's trap writes to its working directory)

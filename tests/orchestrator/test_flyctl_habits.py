@@ -114,12 +114,16 @@ def test_stop_waits_its_timeout_before_sigkill(fleet: DevFleet, unique: Callable
     started = time.monotonic()
     stopped = run_json(fleet, "machine", "stop", machine["id"], "-a", app, "--timeout", "1")
     took = time.monotonic() - started
-    assert stopped["state"] == "stopped" and 1.0 <= took < 8.0, took  # the default would wait 10 s
+    # the time is the promise here: --timeout 1 means SIGKILL after 1 s, not the default 10 s. At least 1 s (a
+    # lower bound: load cannot break it); under 8 s tells our 1 s from the default's 10 s with 7 s of margin for
+    # a host running two test files at a time
+    assert stopped["state"] == "stopped" and 1.0 <= took < 8.0, took
     assert stopped["exit"]["signal"] == 9
 
     run_json(fleet, "machine", "start", machine["id"], "-a", app)
     started = time.monotonic()
     forced = run_json(fleet, "machine", "stop", machine["id"], "-a", app, "--force")
+    # the promise: --force does not wait out the 10 s stop timeout; 5 s is half of it, the rest margin under load
     assert forced["state"] == "stopped" and time.monotonic() - started < 5.0
 
     bad = fauxmad(fleet, "machine", "stop", machine["id"], "-a", app, "--timeout", "-1")
@@ -143,12 +147,12 @@ def test_job_wait_of_an_unknown_id_exits_4_at_once(fleet: DevFleet, unique: Call
     done = fauxmad(fleet, "job", "submit", "-a", app, "-r", "hba", "--wait", "--json", "--", "true")
     assert done.returncode == 0, done.stderr
     known = json.loads(done.stdout)[0]["id"]
-    started = time.monotonic()
+    # each ends because the job is not there (exit 4, named), not at a deadline: the default wait is 3600 s, so a
+    # wait that missed it would hang to the runner's timeout
     missing = fauxmad(fleet, "job", "wait", "j0123456789abcd", "-a", app)
     assert missing.returncode == 4 and missing.stderr == f"fauxmad: job j0123456789abcd not found in app {app}\n"
     both = fauxmad(fleet, "job", "wait", known, "j0123456789abce", "-a", app)
     assert both.returncode == 4 and "j0123456789abce" in both.stderr and known not in both.stderr
-    assert time.monotonic() - started < 20  # not the default 3600 s
     assert fauxmad(fleet, "job", "wait", known, "-a", app).returncode == 0
 
 

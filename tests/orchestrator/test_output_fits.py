@@ -19,7 +19,6 @@ import struct
 import subprocess
 import sys
 import termios
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -316,11 +315,10 @@ def test_image_build_and_tag_json_is_json_when_piped(fleet: DevFleet) -> None:
 
 @pytest.mark.fleet
 def test_demo_json_is_json_when_piped() -> None:
-    started = time.monotonic()
+    # "demo done" (below) is the demo's own end: the runner's timeout only bounds a hang
     result = piped(None, "demo", "--regions", "fa,fb", "--workers-per-region", "1", "--json", columns=60)
     assert result.returncode == 0, result.stderr[-2000:]
     found = json.loads(result.stdout)
     machines = found["machines"]
     assert [m["region"] for m in machines] == ["fa", "fb"], found
     assert set(found["answers"]) == {m["id"] for m in machines} and "demo done" in result.stderr
-    assert time.monotonic() - started < 120

@@ -130,12 +130,11 @@ def test_a_deployer_creates_in_its_app_and_is_refused_elsewhere_at_once(fleet: S
     machine = json.loads(run.stdout)
     assert machine["state"] == "started" and machine["worker_id"] == "sec-w1"
 
-    began = time.monotonic()
     other = fleet.cli("ci-web", "machine", "run", "-a", "other", "-r", "mad", "--nats", fleet.url, "--", "sleep", "60")
-    took = time.monotonic() - began
+    # refused by the server, not a request left to time out: exit 6 and "not allowed" are the refusal's (a
+    # timeout would be another code and another message)
     assert other.returncode == 6, other.stderr
     assert len(other.stderr.strip().splitlines()) == 1 and "not allowed" in other.stderr
-    assert took < 30  # refused by the server, not a request left to time out (its timeout is far longer)
 
     destroyed = fleet.cli("ci-web", "machine", "destroy", machine["id"], "-a", "web", "--force", "--nats", fleet.url)
     assert destroyed.returncode == 0, destroyed.stderr

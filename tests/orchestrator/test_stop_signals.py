@@ -35,7 +35,7 @@ from orchestrator.cli.app import NATS_HINT
 pytestmark = pytest.mark.fleet
 
 ROOT = Path(__file__).resolve().parents[2]
-STOP_WITHIN = 2.0  # the bound this module checks: signal to process end
+STOP_WITHIN = 2.0  # the promise this module checks, signal to process end (a promise, not a measurement)
 PATIENCE = 20.0  # the generous deadline for a process to start, or to end after its signal (not the bound)
 COMMANDS = ("worker", "broker", "api", "proxy", "reconcile --watch", "status --watch")
 STATES = ("connecting", "serving", "reconnecting")
@@ -171,6 +171,41 @@ def _all_ready(runs: list[Run]) -> None:
             run.problem = "never ready"
 
 
+def _sockets_to(pid: int, port: int) -> int:
+    """How many of `pid`'s TCP sockets have `port` at their far end on this host (any state: a connection whose
+    server died stays CLOSE_WAIT until its process reads the end and closes it)."""
+    inodes: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                inodes[fields[9]] = int(fields[2].rsplit(":", 1)[1], 16)
+    count = 0
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:[") and inodes.get(target[8:-1]) == port:
+                    count += 1
+    return count
+
+
+def _all_noticed(runs: list[Run], port: int) -> None:
+    """Wait until every one of `runs` has closed its connection to the killed server at `port` (it read the end
+    and went into its reconnect loop: that is the state under test); one that never does is a problem, and so
+    is one that died meanwhile."""
+    deadline = time.monotonic() + PATIENCE
+    waiting = [r for r in runs if not r.problem]
+    while waiting and time.monotonic() < deadline:
+        waiting = [r for r in waiting if r.proc is not None and r.proc.poll() is None and _sockets_to(r.proc.pid, port)]
+        time.sleep(0.05)
+    for run in runs:
+        if run in waiting:
+            run.problem = f"still connected to the killed server after {PATIENCE:g}s"
+        elif run.proc is not None and run.proc.poll() is not None and not run.problem:
+            run.problem = "ended before it was told (while reconnecting)"
+
+
 def _tell_all(runs: list[Run]) -> None:
     """Tell each its signal, a few at a time (the host has two cores; the bound is per process, not per load)."""
     threads = []
@@ -200,9 +235,14 @@ def runs() -> Iterator[dict[tuple[str, str, str], Run]]:
                 run.start(serving.url if run.state == "serving" else doomed.url, scratch)
             _all_ready(up)
             _tell_all([r for r in up if r.state == "serving"])
+            reconnecting = [r for r in up if r.state == "reconnecting"]
+            doomed_port = int(doomed.url.rsplit(":", 1)[1])
+            for run in reconnecting:  # each is connected to the server about to die (it said it was ready)
+                if not run.problem and run.proc is not None and not _sockets_to(run.proc.pid, doomed_port):
+                    run.problem = "not connected to its server before the kill"
             doomed.kill()
-            time.sleep(1.5)  # each notices, and reconnects (to nothing)
-            _tell_all([r for r in up if r.state == "reconnecting"])
+            _all_noticed(reconnecting, doomed_port)  # each reconnects (to nothing)
+            _tell_all(reconnecting)
             yield {(r.command, r.state, r.sig.name): r for r in every}
         finally:
             for run in every:
@@ -220,6 +260,9 @@ def test_stops_within_two_seconds(runs: dict[tuple[str, str, str], Run], command
     assert not run.problem, run.describe()
     assert run.alive_when_told, "it ended before it was told: " + run.describe()
     assert run.took is not None, f"still running {PATIENCE:g}s after {sig}: " + run.describe()
+    # a timing assertion on purpose: 2 s is the promise the docs make (docs/reference/exit-codes.md#stopping),
+    # not a measurement. The commands end themselves 1 s after the signal at the latest (STATELESS_GRACE): the
+    # other second is the margin for a host running two test files at a time (the signals go 0.15 s apart)
     assert run.took < STOP_WITHIN, f"took {run.took:.2f}s: " + run.describe()
     assert run.code == 0, run.describe()
     assert not any("Traceback" in line for line in run.err), run.describe()

@@ -280,11 +280,10 @@ def test_a_group_stopped_while_its_leader_waits_in_vfork_is_stopped(
 
 def test_stop_with_sigterm_ends_a_sleeping_process(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sleep", "30"]))
-    began = time.monotonic()
-    # Right after start: the shim may not have forked yet; the signal must not be lost.
+    # Right after start: the shim may not have forked yet; the signal must not be lost. SIGTERM as the cause
+    # of the end says it was not lost (the sleep would end by itself, the 10 s timeout by SIGKILL)
     status = run(driver.stop(handle, 10, signal.SIGTERM))
     assert status.signal == signal.SIGTERM and status.exit_code is None
-    assert time.monotonic() - began < 5
     assert not driver.recover(handle)
 
 
@@ -293,8 +292,8 @@ def test_stop_escalates_to_sigkill(driver: ProcessDriver, tasks: Tasks, tmp_path
     wait_until(lambda: (Path(handle.workdir) / "ready").exists())
     began = time.monotonic()
     status = run(driver.stop(handle, 0.5, signal.SIGTERM))
-    assert status.signal == signal.SIGKILL
-    assert 0.5 <= time.monotonic() - began < 5
+    assert status.signal == signal.SIGKILL  # escalated: the sleep would end by itself, after 30 s
+    assert time.monotonic() - began >= 0.5  # after the TERM's whole timeout: a lower bound, which load cannot break
 
 
 def test_stop_after_the_end_returns_the_status(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:

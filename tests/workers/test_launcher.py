@@ -42,6 +42,12 @@ limits, tasks, subreaper = shared.limits, shared.tasks, shared.subreaper
 WAIT_FOR_GO = ["sh", "-c", "while [ ! -e go ]; do sleep 0.02; done; exit 7"]
 
 
+def wait_for_go(exit_code: str) -> list[str]:
+    """A workload that runs until `finish` (a `go` file in its directory), then exits with `exit_code` (a shell
+    word): alive while a test reads which process started it, which one that exits at once is not."""
+    return ["sh", "-c", f"while [ ! -e go ]; do sleep 0.02; done; exit {exit_code}"]
+
+
 @pytest.fixture
 def driver(limits: Limits) -> Iterator[ProcessDriver]:
     made = ProcessDriver(limits)
@@ -104,9 +110,10 @@ def test_an_error_reply_raises_like_popen_and_keeps_the_launcher(
         run(driver.start(make_spec(tmp_path / "bad", ["true"], cwd=str(missing))))
     assert raised.value.filename == str(missing)
     assert driver.launcher_pid == launcher
-    handle = start(driver, tasks, make_spec(tmp_path / "again", ["sh", "-c", "exit 4"]))
-    assert gone(handle.pid) or parent_of(handle.pid) == launcher
-    assert run(asyncio.wait_for(driver.wait(handle), 10)).exit_code == 4
+    assert launcher is not None
+    handle = start(driver, tasks, make_spec(tmp_path / "again", wait_for_go("4")))
+    assert parent_of(handle.pid) == launcher  # the launcher still starts machines
+    assert finish(driver, handle).exit_code == 4
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -146,9 +153,9 @@ def test_a_launcher_that_cannot_start_means_direct_starts(
     monkeypatch.setattr(launcher_client, "BOOTSTRAP", "import sys; sys.exit(3)")
     driver = ProcessDriver(limits)
     with caplog.at_level(logging.WARNING, logger=launcher_client.__name__):
-        handles = [start(driver, tasks, make_spec(tmp_path / str(i), ["sh", "-c", "exit 5"])) for i in range(5)]
-    assert all(gone(handle.pid) or parent_of(handle.pid) == os.getpid() for handle in handles)
-    statuses = [run(asyncio.wait_for(driver.wait(handle), 10)) for handle in handles]
+        handles = [start(driver, tasks, make_spec(tmp_path / str(i), wait_for_go("5"))) for i in range(5)]
+    assert [parent_of(handle.pid) for handle in handles] == [os.getpid()] * 5  # every one spawned the direct way
+    statuses = [finish(driver, handle) for handle in handles]
     assert {status.exit_code for status in statuses} == {5}
     # one warning per failed launcher, then it stops trying
     assert len(caplog.records) == launcher_client.MAX_FAILURES

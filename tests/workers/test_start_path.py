@@ -21,7 +21,7 @@ import pytest
 
 from tests.workers import test_driver as shared
 from tests.workers.test_driver import REPO, Tasks, gone, make_spec, read_pid, run, start, wait_until
-from tests.workers.test_launcher import WAIT_FOR_GO, children_of, finish, parent_of
+from tests.workers.test_launcher import WAIT_FOR_GO, children_of, finish, parent_of, wait_for_go
 from workers.driver import fork_server as launcher
 from workers.driver.base import TaskHandle
 from workers.driver.cgroup_pool import POOL_PREFIX, POOL_SIZE
@@ -126,10 +126,10 @@ def test_a_request_too_big_for_one_message_starts_directly_and_keeps_the_launche
     launcher_pid = driver.launcher_pid
     # under MAX_REQUEST, over a socket buffer (~208 KiB); each variable under exec's 128 KiB limit
     huge = {**shared.ENV, "BIG1": "x" * (110 << 10), "BIG2": "y" * (110 << 10)}
-    handle = start(driver, tasks, make_spec(tmp_path / "big", ["sh", "-c", 'exit "${#BIG2}"'], env=huge))
-    assert gone(handle.pid) or parent_of(handle.pid) == os.getpid()  # spawned the direct way
+    handle = start(driver, tasks, make_spec(tmp_path / "big", wait_for_go('"${#BIG2}"'), env=huge))
+    assert parent_of(handle.pid) == os.getpid()  # spawned the direct way (it runs until `finish`)
     assert driver.launcher_pid == launcher_pid  # not taken for a failed launcher
-    assert run(asyncio.wait_for(driver.wait(handle), 10)).exit_code == (110 << 10) % 256
+    assert finish(driver, handle).exit_code == (110 << 10) % 256
 
 
 ABANDON_A_SPARE = """
@@ -199,7 +199,7 @@ def test_the_event_loop_runs_while_the_launcher_answers(driver: ProcessDriver, t
                 await asyncio.sleep(0)
 
         ticking = asyncio.ensure_future(ticker())
-        handle = await driver.start(make_spec(tmp_path, ["true"]))
+        handle = await driver.start(make_spec(tmp_path, wait_for_go("0")))  # alive until `finish`: see below
         stop.set()
         await ticking
         return handle, ticks
@@ -208,6 +208,7 @@ def test_the_event_loop_runs_while_the_launcher_answers(driver: ProcessDriver, t
     tasks.add(handle)
     assert driver.launcher_pid is not None and parent_of(handle.pid) == driver.launcher_pid
     assert ticks > 10
+    assert finish(driver, handle).exit_code == 0
 
 
 def test_a_start_cancelled_before_the_reply_starts_nothing(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:

@@ -52,6 +52,29 @@ def test_group_commit_batches_and_every_result_is_durable(tmp_path: Path) -> Non
     assert reopened.last_seq == 2000
 
 
+def test_every_commit_is_fsynced_by_default_from_the_cli_to_lmdb(tmp_path: Path) -> None:
+    """The durability promise ("a worker answers only after its commit reached the disk") rests on three
+    defaults: LMDB opened with sync and metasync (a commit returns after its fsync), the worker's config,
+    and `fauxmad worker` without `--no-fsync`. A reopen after a clean close (above) or a kill -9 of the writer
+    cannot tell (the page cache survives both; only a power loss shows it), so this reads the flags LMDB
+    itself reports: each default turned off fails here."""
+    import inspect
+
+    from orchestrator.cli.worker_cmd import worker
+    from orchestrator.devfleet import FleetSpec
+    from workers.agent.config import WorkerConfig
+
+    store = Store(tmp_path / "db")
+    flags = store.env.flags()
+    store.close()
+    assert flags["sync"] is True and flags["metasync"] is True, flags
+    assert flags["map_async"] is False and flags["writemap"] is False, flags  # no writes behind the fsync's back
+    config = WorkerConfig(nats_url="nats://x", region="r", worker_id="w", cpus=1, memory_mb=64, data_dir="d")
+    assert config.fsync is True
+    assert inspect.signature(worker).parameters["no_fsync"].default.default is False
+    assert FleetSpec().fsync is True  # the dev fleets the tests and `fauxmad dev` run
+
+
 def test_a_failing_operation_rolls_back_alone(tmp_path: Path) -> None:
     store = Store(tmp_path / "db")
     committer = GroupCommitter(store)
