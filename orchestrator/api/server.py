@@ -203,7 +203,7 @@ async def restart_machine(request: web.Request) -> web.Response:
     return json({"ok": True})
 
 
-# the restart's own lease: the stop's timeout plus this, the start's 35 s and the requests' own time
+# the restart's own lease: the stop's timeout plus this, the start's 30 s and the requests' own time
 RESTART_LEASE_MARGIN = 60.0
 
 
