@@ -280,7 +280,7 @@ class DevFleet:
             on = self.hosts.hosts[0] if self.hosts is not None else None
             self.nats = EmbeddedNats(
                 port=port or (4222 if on is not None else None),  # a host of its own: the standard port is free
-                host=on.address if on is not None else "127.0.0.1",
+                host=on.address if on is not None else "127.0.0.1",  # one host: the dev fleet's own NATS, local
                 store_dir=self.root / "nats",
                 name="fauxmad-dev",
                 config_file=config,
