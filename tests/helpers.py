@@ -95,7 +95,7 @@ class WorkerProcess:
         env: dict[str, str] | None = None,
     ) -> None:
         self.nats_url = nats_url
-        self.env = env or {}  # on top of this process's (e.g. $FAUXMAD_FAULT_POINTS: bus/local/fault_points.py)
+        self.env = env or {}  # on top of this process's (e.g. tests/faults/points.environment(...))
         self.region = region
         self.worker_id = worker_id
         self.data_dir = data_dir

@@ -36,16 +36,18 @@ EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 NO_RESPONDERS = "503"
 
 
-class _ApiError(msgspec.Struct):
+class ApiError(msgspec.Struct):
     code: int = 0
     err_code: int = 0
     description: str = ""
 
 
-class _PubAck(msgspec.Struct):
+class PubAck(msgspec.Struct):
+    """A JetStream ack, as this module and the batch publisher (`batch_publish`) read it."""
+
     seq: int = 0
     duplicate: bool = False
-    error: _ApiError | None = None
+    error: ApiError | None = None
 
 
 class _Stored(msgspec.Struct):
@@ -56,10 +58,10 @@ class _Stored(msgspec.Struct):
 
 class _MsgGet(msgspec.Struct):
     message: _Stored | None = None
-    error: _ApiError | None = None
+    error: ApiError | None = None
 
 
-_ack = msgspec.json.Decoder(_PubAck)
+_ack = msgspec.json.Decoder(PubAck)
 _got = msgspec.json.Decoder(_MsgGet)
 
 

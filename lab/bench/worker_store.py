@@ -1,7 +1,7 @@
 """The worker's store, measured: what `fauxmad bench worker` needs from inside the worker.
 
 Lives beside the store it measures so the orchestrator never imports `workers`: the CLI's edge
-(`orchestrator.cli.worker_bench`) hands this module to `lab.bench.worker.run_worker_bench`
+(`lab.cli.worker_bench`) hands this module to `lab.bench.worker.run_worker_bench`
 as its `StoreBench`. Three measurements, all on a real LMDB environment with fsync:
 
 - `commit_rates`: commits per second one at a time, and under 64 concurrent writers through the

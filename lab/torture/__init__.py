@@ -12,5 +12,5 @@ hosts of their own with the network's faults too, `fauxmad torture --hosts`).
 - `check`: the checker, a pure function of the history (unit-tested with hand-made histories).
 - `run`: ties them in order and renders the report.
 
-No typer and no rich here: the CLI (`orchestrator/cli/torture_cmd.py`) parses options and prints.
+No typer and no rich here: the CLI (`lab/cli/torture_cmd.py`) parses options and prints.
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import typer
 
@@ -113,9 +114,6 @@ COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
     ("broker", "broker_cmd", "broker", False),
     ("proxy", "proxy_cmd", "proxy", False),
     ("api", "api_cmd", "api", False),
-    ("bench", "bench_cmd", "bench_app", True),
-    ("sim", "sim_cmd", "sim", False),
-    ("torture", "torture_cmd", "torture", False),
     ("status", "status_cmd", "status", False),
     ("events", "status_cmd", "events", False),
     ("logs", "logs_cmd", "logs", False),
@@ -124,8 +122,12 @@ COMMANDS: tuple[tuple[str, str, str, bool], ...] = (
 _registered: set[str] = set()
 
 
+PLUGIN_GROUP = "fauxmad.commands"  # entry points adding commands: the lab's bench, sim and torture (lab/cli)
+
+
 def register(names: set[str] | None = None) -> None:
-    """Add the commands `names` (None: all) to `app`, each once, in `COMMANDS` order."""
+    """Add the commands `names` (None: all) to `app`, each once, in `COMMANDS` order, then the plugins' (the entry
+    points of `PLUGIN_GROUP`, in name order): a command the product does not know is never imported by it."""
     import importlib
 
     for name, module_name, attribute, group in COMMANDS:
@@ -138,11 +140,27 @@ def register(names: set[str] | None = None) -> None:
 
             security_cmd.register(target)
             layout_cmd.register(target)
-        if group:
-            app.add_typer(target, name=name)
-        else:
-            app.command(name)(target)
-        _registered.add(name)
+        _add(name, target, group)
+    if names is None or not names <= {entry[0] for entry in COMMANDS}:
+        _register_plugins(names)
+
+
+def _register_plugins(names: set[str] | None) -> None:
+    from importlib.metadata import entry_points
+
+    for entry in sorted(entry_points(group=PLUGIN_GROUP), key=lambda point: point.name):
+        if entry.name in _registered or (names is not None and entry.name not in names):
+            continue
+        target = entry.load()
+        _add(entry.name, target, isinstance(target, typer.Typer))
+
+
+def _add(name: str, target: Any, group: bool) -> None:
+    if group:
+        app.add_typer(target, name=name)
+    else:
+        app.command(name)(target)
+    _registered.add(name)
 
 
 def command_named(args: list[str]) -> str | None:

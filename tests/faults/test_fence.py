@@ -2,7 +2,7 @@
 killed mid-start never runs a machine twice (docs/explanation/faults.md).
 
 Found by a seeded random fault run (`fauxmad torture`), reproduced here at the exact step with the fault
-points workers honour in tests (bus/local/fault_points.py):
+points workers honour in tests (tests/faults/points.py, at the steps workers/lifecycle/steps.py names):
 
 - one machine id on two hosts: a worker frozen right after it committed a keyed reserve; the broker gave
   the create a 504, and the retry (the worker's heartbeat expired by then) placed the same id on another
@@ -36,6 +36,7 @@ from bus.contract.ids import new_machine_id
 from bus.contract.machines import Guest, Machine, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.faults import points
 from tests.helpers import WorkerProcess, arun, connect_nats, until
 
 REGION = "fz"
@@ -63,7 +64,7 @@ def faulty(fleet: DevFleet, tmp_path: Path, unique: Callable[[str], str]) -> Ite
             tmp_path / worker_id,
             cpus=1,
             memory_mb=256,
-            env={"FAUXMAD_FAULT_POINTS": point},
+            env=points.environment(point),
         )
         started.append(worker)
         return worker.start()

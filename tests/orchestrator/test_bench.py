@@ -18,8 +18,8 @@ from lab.bench.echo import EchoResponder
 from lab.bench.placement import PlacementOptions, report, run_placement
 from lab.bench.report import Report, Table, latency_table, plain, plain_table, times
 from lab.bench.stats import Latency, percentile, ratio, ratios, summarize
+from lab.cli.bench_cmd import show
 from orchestrator.cli.app import main
-from orchestrator.cli.bench_cmd import show
 
 # -- statistics ------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from bus.contract.errors import Unreachable
 from workers.agent.config import WorkerConfig
 from workers.agent.service import WorkerAgent
+from workers.lifecycle import steps
 
 
 async def run_workers(
@@ -24,6 +25,7 @@ async def run_workers(
     or a worker's bus connection ends for good (`Unreachable`); their machines keep running after.
     `on_ready` runs once every worker serves (the CLI says so there); `on_stopped(n)` once they stopped
     serving (if they did), with the number of machines they leave running."""
+    steps.install_from_environment()  # a test's hooks at the lifecycle's named steps, if one named them
     agents = [WorkerAgent(config) for config in configs]
     running: list[asyncio.Task[None]] = []
     served = False

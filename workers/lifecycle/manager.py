@@ -51,11 +51,11 @@ from bus.contract.machines import (
     UpdateRequest,
     WaitRequest,
 )
-from bus.local import fault_points
 from bus.stores.images import is_digest
 from workers.driver import sandbox
 from workers.driver.base import Driver, TaskHandle, TaskSpec
 from workers.image_cache import ImageCache, Pulled
+from workers.lifecycle import steps
 from workers.lifecycle.exits import exit_info, read_stderr_tail
 from workers.lifecycle.fence import Fence
 from workers.lifecycle.recorder import CommitHook, Recorder
@@ -291,7 +291,7 @@ class MachineManager:
             return tx.put_machine(stored, "reserve"), True
 
         stored, reserved = await self.recorder.commit(op)
-        fault_points.reached("reserve.committed")
+        steps.reached("reserve.committed")
         if reserved and request.launch:
             stored = await self._launch_reserved(machine_id, mark)
         return self.view(stored)
@@ -514,7 +514,7 @@ class MachineManager:
                     raise RuntimeError("this worker has no volumes")
                 await self.volumes.ready(mount.volume)
             handle = await self.driver.start(self.task_spec(stored))
-            fault_points.reached("launch.spawned")
+            steps.reached("launch.spawned")
         except Exception as exc:
             log.warning("machine %s: could not start: %r", machine_id, exc)
             reason = f"could not start: {exc}"

@@ -48,7 +48,7 @@ from nats.js.errors import NotFoundError
 from bus.contract import subjects
 from bus.contract.codec import encode
 from bus.contract.machines import Machine, MachineEvent, MachineIndexEntry, index_entry
-from workers.log.publisher import BatchPublisher, Message
+from bus.transport.batch_publish import BatchPublisher, Message
 from workers.log.records import MachineRecord, StoredMachine
 
 log = logging.getLogger(__name__)

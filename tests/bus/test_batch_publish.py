@@ -1,4 +1,4 @@
-"""The outbox's wire (`workers.log.publisher`) against a real nats-server: each message of a round gets its own
+"""The outbox's wire (`bus.transport.batch_publish`) against a real nats-server: each message of a round gets its own
 outcome, whatever the others' were, and an ack that comes after its round gave up changes nothing."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import nats
 from nats.aio.msg import Msg
 from nats.js.api import StreamConfig
 
+from bus.transport.batch_publish import BatchPublisher, Refused
 from tests.helpers import arun
-from workers.log.publisher import BatchPublisher, Refused
 
 
 def test_each_message_gets_its_own_outcome(nats_url: str, unique: Callable[[str], str]) -> None:

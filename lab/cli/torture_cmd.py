@@ -39,15 +39,16 @@ KEEP_HELP = (
 )
 
 
-def _parse_duration(text: str) -> float:
+def _parse_seconds(option: str, text: str, example: str) -> float:
+    """`--duration`/`--gap`: seconds or a duration string, at least 1 s; else exit 2 naming the option."""
     from bus.contract.base import seconds
 
     try:
         value = seconds(float(text) if text.replace(".", "", 1).isdigit() else text)
     except ValueError:
-        fail(f"invalid --duration {text!r}: use seconds or a string like '90s' or '2m'", EXIT_USAGE)
+        fail(f"invalid {option} {text!r}: use seconds or a string like {example}", EXIT_USAGE)
     if value < 1:
-        fail(f"--duration {text} is too short: at least 1s", EXIT_USAGE)
+        fail(f"{option} {text} is too short: at least 1s", EXIT_USAGE)
     return value
 
 
@@ -58,20 +59,6 @@ def _offered(hosts: str | None) -> tuple[str, ...]:
     if hosts is None:
         return FAULT_KINDS
     return FAULT_KINDS + HOST_FAULT_KINDS + (REGION_FAULT_KINDS if hosts == "supercluster" else ())
-
-
-def _parse_gap(text: str | None) -> float | None:
-    from bus.contract.base import seconds
-
-    if text is None:
-        return None
-    try:
-        value = seconds(float(text) if text.replace(".", "", 1).isdigit() else text)
-    except ValueError:
-        fail(f"invalid --gap {text!r}: use seconds or a string like '5s'", EXIT_USAGE)
-    if value < 1:
-        fail(f"--gap {text} is too short: at least 1s", EXIT_USAGE)
-    return value
 
 
 def _parse_faults(text: str | None, hosts: str | None, progress: Callable[[str], None]) -> tuple[str, ...]:
@@ -155,9 +142,9 @@ def torture(
     topology = _parse_hosts(hosts)
     options = TortureOptions(
         seed=chosen_seed,
-        duration=_parse_duration(duration),
+        duration=_parse_seconds("--duration", duration, "'90s' or '2m'"),
         faults=_parse_faults(faults, topology, progress),
-        gap=_parse_gap(gap),
+        gap=_parse_seconds("--gap", gap, "'5s'") if gap is not None else None,
         keep=keep,
         topology=topology or "local",
     )

@@ -1,4 +1,7 @@
-"""Publishing a batch to JetStream and collecting its acks through one subscription: the outbox's wire.
+"""Publishing a batch to JetStream and collecting its acks through one subscription: the worker outbox's wire.
+
+It lives in the bus beside `jsfast` (one request at a time), whose ack it decodes; the op log (`workers.log`)
+keeps what is published and when, not how.
 
 The outbox sends rounds: a batch published at once, the acks awaited together with one deadline.
 nats-py's `publish_async` would give each message a future with a done callback, a semaphore slot, a
@@ -23,6 +26,8 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from bus.transport.jsfast import PubAck
+
 Message = tuple[str, bytes, dict[str, str] | None]  # subject, payload, headers
 STATUS_HEADER = "Status"
 DESCRIPTION_HEADER = "Description"
@@ -32,18 +37,7 @@ class Refused(Exception):
     """JetStream answered, and did not store the message."""
 
 
-class _ApiError(msgspec.Struct):
-    code: int = 0
-    description: str = ""
-
-
-class _PubAck(msgspec.Struct):
-    """The one field of a JetStream ack that decides the outcome (`stream`, `seq`, `duplicate` are ignored)."""
-
-    error: _ApiError | None = None
-
-
-_decode_ack = msgspec.json.Decoder(_PubAck).decode
+_decode_ack = msgspec.json.Decoder(PubAck).decode  # the ack jsfast reads: one shape for both
 
 
 class BatchPublisher:

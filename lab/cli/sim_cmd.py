@@ -32,10 +32,10 @@ def sim(
     failures (and those an omniscient placer would not have had), utilization spread, hot spots and the
     cost of a decision; then p2c against the balls-into-bins result.
     """
+    from lab.cli.bench_cmd import _finish, _progress
     from lab.sim.placers import STRATEGIES
     from lab.sim.report import plot, report
     from lab.sim.run import run
-    from orchestrator.cli.bench_cmd import _finish, _progress
 
     chosen = [s.strip() for s in strategies.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in STRATEGIES and not re.fullmatch(r"p2c-\d+(-strict)?", s)]

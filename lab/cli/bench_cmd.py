@@ -211,7 +211,7 @@ def worker(
 ) -> None:
     """Reserve latency over NATS, commits/s with fsync, restart time vs log size, worker RSS at rest."""
     from lab.bench.worker import report
-    from orchestrator.cli import worker_bench  # the CLI's one edge into `workers` for benchmarks
+    from lab.cli import worker_bench  # the one edge into `workers` for benchmarks
 
     try:
         sizes = [int(part) for part in records.split(",") if part.strip()]
