@@ -75,7 +75,8 @@ GO = b"g"
 ABANDONED = 125  # a child whose launcher died before saying GO: it started nothing
 FIELD_SEP = b"\0"
 OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-STALE = ("exit.json", "child.pid", "exit.json.tmp", "child.pid.tmp")  # what a run leaves in its workdir
+STALE = ("exit.json", "child.pid")  # what a run leaves in its workdir
+TEMPORARY = ("exit.json.tmp.", "child.pid.tmp.")  # + the writer's pid (shim.write_atomic)
 CWD_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 SPARES = 2  # children forked ahead: one for the next request, one for a burst
 # A spare is forked once no request has come for this long (at once when none is left): a fork
@@ -316,6 +317,22 @@ def prepare_workdir(workdir: str) -> None:
             os.unlink(os.path.join(workdir, name))
         except FileNotFoundError:
             pass
+    for name in os.listdir(workdir):  # a temporary file only once its writer is gone: a live one renames it
+        if name.startswith(TEMPORARY) and not _alive(name.rpartition(".")[2]):
+            try:  # noqa: SIM105
+                os.unlink(os.path.join(workdir, name))
+            except FileNotFoundError:
+                pass
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _open_job_files(request: Request) -> list[int]:
