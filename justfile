@@ -4,11 +4,10 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 python := env_var_or_default("PYTHON", "python3")
 
-jobs := env_var_or_default("FAUXMAD_TEST_JOBS", "0")
+jobs := env_var_or_default("FAUXMAD_TEST_JOBS", "2")
 
-# run the whole test suite (real nats-server, real worker processes), one file at a time (FAUXMAD_TEST_JOBS=2: two
-# at a time, not yet the default: two rare failures at -n 2 are still open); a failing test names the directory
-# that keeps its fleets' logs
+# run the whole test suite (real nats-server, real worker processes), two files at a time (FAUXMAD_TEST_JOBS=0: one
+# at a time); a failing test names the directory that keeps its fleets' logs
 test *args:
     {{python}} -m pytest -q -n {{jobs}} --dist loadfile --durations=25 {{args}}
 

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +36,36 @@ async def connect_nats(url: str, **options: Any) -> Any:
         creds, base = credentials.load(path)
         options = {**creds.connect_options(base), **options}
     return await nats.connect(servers(url), **options)
+
+
+def fauxmad(
+    *args: str,
+    url: str | None = None,
+    columns: int | None = None,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    drop: Iterable[str] = (),
+    cwd: Path = ROOT,
+) -> subprocess.CompletedProcess[str]:
+    """`fauxmad ARGS` as a user runs it, output captured as text: this interpreter, this checkout on PYTHONPATH and
+    (unless `cwd`) as the working directory. `url`: the fleet ($FAUXMAD_NATS_URL); `columns`: the terminal width it is told
+    ($COLUMNS, else the caller's); `env`: more variables (they win); `drop`: variables of the caller's it must not
+    see. The one runner of the suite's CLI tests: they differed only in these."""
+    full = {name: value for name, value in os.environ.items() if name not in set(drop)}
+    full["PYTHONPATH"] = str(ROOT)
+    if url is not None:
+        full["FAUXMAD_NATS_URL"] = url
+    if columns is not None:
+        full["COLUMNS"] = str(columns)
+    full.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=timeout,
+        cwd=str(cwd),
+    )
 
 
 def kill_machines_of(worker_id: str) -> int:

@@ -42,8 +42,11 @@ log = logging.getLogger(__name__)
 
 # A machine's lease lasts LEASE_TTL and is renewed every third of it while its action runs: an action may take
 # a stop timeout and more, yet a reconciler killed mid-action (kill -9: no `finally`) holds its machines from the
-# next one for LEASE_TTL at the most. It was a flat 120 s: the next `fauxmad reconcile` waited out two minutes.
-LEASE_TTL = 15.0
+# next one for LEASE_TTL at the most. It was a flat 120 s (the next `fauxmad reconcile` waited out two minutes),
+# then 15 s, which a destroy behind a killed deploy's lease outwaited under load. The renewals are the holder's
+# heartbeat: three per TTL, each given a third of it to answer, so a working holder misses two in a row before
+# its lease lapses, and a dead one's ends one TTL after its last renewal at most.
+LEASE_TTL = 6.0
 
 
 class Result(msgspec.Struct, kw_only=True):
@@ -164,13 +167,15 @@ class Executor:
             if action.start:
                 await self._call(worker, "start", StartRequest(id=machine_id, lease_nonce=nonce))
 
-    async def _lease(self, app: str, worker_id: str, machine_id: str, nonce: str | None = None) -> Lease:
+    async def _lease(
+        self, app: str, worker_id: str, machine_id: str, nonce: str | None = None, timeout: float = 5.0
+    ) -> Lease:
         """Take the machine's lease, or with `nonce` extend the one held (the worker keeps the nonce)."""
         return await self.bus.call(
             self.route(app, worker_id, "lease"),
             LeaseRequest(id=machine_id, ttl=LEASE_TTL, holder=self.holder, nonce=nonce),
             Lease,
-            timeout=5,
+            timeout=timeout,
         )
 
     async def _renew(self, app: str, worker_id: str, machine_id: str, nonce: str) -> None:
@@ -178,8 +183,8 @@ class Executor:
         lease lapses meanwhile and another reconciler takes it, this one's verbs get 409s (the next pass decides)."""
         while True:
             await asyncio.sleep(LEASE_TTL / 3)
-            try:
-                await self._lease(app, worker_id, machine_id, nonce)
+            try:  # answered within the turn, or the next turn's renewal is due
+                await self._lease(app, worker_id, machine_id, nonce, timeout=LEASE_TTL / 3)
             except FauxmadError as exc:
                 log.info("lease of %s not renewed: %s", machine_id, exc.message)
 

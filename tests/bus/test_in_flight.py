@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 
 import pytest
+from nats.aio.msg import Msg
 
 from bus.contract.errors import Unanswered, Unreachable
 from bus.local.embedded import EmbeddedNats
@@ -26,16 +27,22 @@ def test_requests_in_flight_end_when_their_server_is_killed(fresh_nats: Embedded
         nc = await connect(server.url, "in-flight", agent=True)
         fast = await FastJetStream(nc, timeout=LONG).start()
         silent = await connect_nats(server.url, allow_reconnect=False)
-        heard = asyncio.Event()
+        heard: set[str] = set()
+        both_heard = asyncio.Event()
 
-        async def hear(msg: object) -> None:  # receives, never answers: the killed server had the reply to carry
-            heard.set()
+        async def hear(msg: Msg) -> None:  # receives, never answers: the killed server had the reply to carry
+            heard.add(msg.subject)
+            if heard == {"slow.api", "slow.fast"}:
+                both_heard.set()
 
         await silent.subscribe("slow.>", cb=hear)
         await silent.flush()
         api = asyncio.ensure_future(request(nc, "slow.api", b"{}", timeout=LONG))
         lean = asyncio.ensure_future(fast.request("slow.fast", b"{}"))
-        await asyncio.wait_for(heard.wait(), 5)
+        # Both delivered before the kill, so both are in flight. Killed once the first was heard, the second could
+        # still be in its client's buffer: sent after the reconnect, where nobody listened, it got "no responders",
+        # which is right (the server says it delivered it to no one: a clean refusal, never a may-have-arrived).
+        await asyncio.wait_for(both_heard.wait(), 10)
         await asyncio.to_thread(server.kill)
         done, _ = await asyncio.wait({api, lean}, timeout=LONG / 3)
         assert done == {api, lean}, "a request in flight waited for its timeout after its server died"

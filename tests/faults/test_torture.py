@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -19,7 +17,7 @@ import pytest
 from lab.torture.check import Verdict, check
 from lab.torture.history import Event, Listed, Meta, Op, Probe, Proc, Record, Sample, WorkerView, parse
 from lab.torture.plan import FAULT_KINDS, client_steps, fault_schedule
-from tests.helpers import ROOT
+from tests import helpers
 
 T0 = 1_000.0
 APP = "torture-c0"
@@ -233,15 +231,7 @@ def test_the_same_seed_plans_the_same_faults_and_steps() -> None:
 
 
 def fauxmad(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        cwd=str(ROOT),
-    )
+    return helpers.fauxmad(*args, columns=200, timeout=timeout)
 
 
 @pytest.mark.fleet  # a CLI process

@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.helpers import ROOT
+from tests.helpers import fauxmad
 
 
 def cli(url: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, FAUXMAD_NATS_URL=url, FAUXMAD_VIEW=str(tmp_path / "view.sqlite"), PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-    )
+    return fauxmad(*args, url=url, env={"FAUXMAD_VIEW": str(tmp_path / "view.sqlite")})
 
 
 def test_the_job_commands(

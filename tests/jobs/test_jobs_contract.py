@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jsonschema
+from nats.js.api import DeliverPolicy
 
 from bus.contract import subjects
 from bus.contract.schema import asyncapi
@@ -30,13 +31,18 @@ def test_job_replies_and_events_validate(
     async def main() -> dict[str, Any]:
         nc = await connect_nats(nats_url)
         try:
+            # subscribed before the submit, from the stream's start: every event of the job is after it
+            js = nc.jetstream()
+            sub = await js.subscribe(
+                subjects.job_events_filter(app), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+            )
             made = json.loads(
                 (await nc.request(subjects.api_jobs_submit(app, region), json.dumps(submit).encode(), timeout=10)).data
             )
             job_id = made["jobs"][0]["id"]
-            js = nc.jetstream()
-            sub = await js.subscribe(subjects.job_events_filter(app), ordered_consumer=True)
-            events = [json.loads((await sub.next_msg(timeout=10)).data) for _ in range(3)]
+            events = [json.loads((await sub.next_msg(timeout=30)).data)]
+            while events[-1]["state"] not in ("succeeded", "failed", "cancelled"):
+                events.append(json.loads((await sub.next_msg(timeout=30)).data))
             status = await nc.request(
                 subjects.api_jobs(app, "status"), json.dumps({"app": app, "id": job_id}).encode(), timeout=5
             )

@@ -17,24 +17,14 @@ from typer.testing import CliRunner
 from bus.local.ports import free_port
 from orchestrator.cli.app import COMMANDS, app, main, register
 from orchestrator.devfleet import DevFleet, FleetSpec
+from tests import helpers
 from tests.helpers import ROOT
 
 runner = CliRunner()
 
 
 def fauxmad(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    full_env = {k: v for k, v in os.environ.items() if k != "FAUXMAD_NATS_URL"}
-    full_env.update(env or {})
-    full_env["PYTHONPATH"] = str(ROOT)
-    full_env["COLUMNS"] = "100"
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-        cwd=str(ROOT),
-    )
+    return helpers.fauxmad(*args, columns=100, timeout=timeout, env=env, drop=["FAUXMAD_NATS_URL"])
 
 
 @pytest.fixture(scope="module")

@@ -460,6 +460,8 @@ def test_in_a_browser_pages_of_other_origins_on_the_same_host_can_neither_act_no
                 # the console's own button still acts
                 page.click("button[data-action=stop]")
                 page.wait_for_function("() => document.getElementById('state').textContent === 'stopped'")
+                # the outcome is the stop's own answer, which may come after the events stream showed the state
+                page.wait_for_function("() => document.getElementById('outcome').textContent.endsWith('…') === false")
                 assert "the machine is stopped" in page.inner_text("#outcome")
                 assert setting.state("victim", mid) == "stopped"
                 page.click("header button[type=submit]")  # log out: the form sends its session's token

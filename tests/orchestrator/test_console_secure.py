@@ -10,11 +10,9 @@ all. No browser."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import ssl
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,7 +25,7 @@ import pytest
 from bus.transport.credentials import CREDS_ENV
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.security.tokens import new_root_key
-from tests.helpers import ROOT, arun, connect_nats, wait_until
+from tests.helpers import arun, connect_nats, fauxmad, wait_until
 from tests.orchestrator import proxy_kit as kit
 from tests.orchestrator.test_api import start_api
 from tests.orchestrator.test_console import SLEEP, Console
@@ -87,10 +85,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureConsole]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env=env, timeout=60
-    )
+    return fauxmad(*args, timeout=60)
 
 
 def _connects(url: str) -> bool:

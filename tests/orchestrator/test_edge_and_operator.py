@@ -54,10 +54,7 @@ def fleet() -> Iterator[DevFleet]:
 
 
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    return helpers.fauxmad(*args, url=fleet.url, columns=200)
 
 
 def deploy(fleet: DevFleet, tmp_path: Path, app: str, rest: str) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from bus.local.ports import free_port
 from orchestrator.devfleet import DevFleet, FleetSpec
+from tests import helpers
 
 pytestmark = pytest.mark.fleet  # starts a fleet of real processes (tests/conftest.py)
 
@@ -33,15 +34,7 @@ def fleet() -> Iterator[DevFleet]:
 
 
 def fauxmad(fleet: DevFleet, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FAUXMAD_NATS_URL": fleet.url}
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(ROOT),
-        timeout=timeout,
-    )
+    return helpers.fauxmad(*args, url=fleet.url, timeout=timeout)
 
 
 def run_json(fleet: DevFleet, *args: str) -> dict[str, Any]:

@@ -9,10 +9,8 @@ their own), the `fauxmad` CLI as a user runs it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +23,7 @@ from bus.contract.machines import Guest, Machine, MachineConfig
 from bus.stores.images import Images
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
+from tests import helpers
 from tests.helpers import ROOT, arun, connect_nats
 
 APP_PY = """import http.server, os
@@ -45,10 +44,7 @@ def fleet() -> Iterator[DevFleet]:
 
 
 def fauxmad(fleet: DevFleet, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env=env, timeout=120, cwd=cwd
-    )
+    return helpers.fauxmad(*args, url=fleet.url, columns=200, cwd=cwd)
 
 
 def make_app(directory: Path, message: str) -> Path:

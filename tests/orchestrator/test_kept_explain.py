@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT
+from tests.helpers import fauxmad
 
 
 @pytest.fixture(scope="module")
@@ -21,15 +19,7 @@ def fleet() -> Iterator[DevFleet]:
 
 
 def cli(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="160")
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        cwd=str(ROOT),
-    )
+    return fauxmad(*args, url=fleet.url, columns=160, timeout=60)
 
 
 def test_machine_explain_shows_why_it_landed_where_it_did(fleet: DevFleet) -> None:

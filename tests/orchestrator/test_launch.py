@@ -5,10 +5,8 @@ directory it cannot tell. The Node sample needs `node` on the machine (skipped, 
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
+from tests import helpers
 from tests.helpers import arun
 from tests.orchestrator import proxy_kit as kit
 
@@ -40,10 +39,7 @@ def proxy(fleet: DevFleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 def fauxmad(fleet: DevFleet, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FAUXMAD_NATS_URL": fleet.url}
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=180
-    )
+    return helpers.fauxmad(*args, url=fleet.url, cwd=cwd, timeout=180)
 
 
 def through_proxy(proxy: kit.ProxyProcess, app: str, deadline: float = 15.0) -> kit.Response:

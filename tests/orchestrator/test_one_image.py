@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -33,7 +31,8 @@ from bus.stores.snapshots import snapshot_store
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.oci import import_layout
-from tests.helpers import ROOT, arun, connect_nats
+from tests import helpers
+from tests.helpers import arun, connect_nats
 from tests.orchestrator.test_api import Api, start_api
 
 REGION = "one"
@@ -70,15 +69,7 @@ def api(fleet: DevFleet) -> Iterator[Api]:
 
 
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=ROOT,
-    )
+    return helpers.fauxmad(*args, url=fleet.url, columns=200)
 
 
 def make_image_dir(directory: Path, stamp: str = STAMP) -> Path:

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -27,7 +26,7 @@ from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.proxy.upstream import connect_when_up
 from orchestrator.reconcile.spec import PRIMARY, parse_spec
-from tests.helpers import arun
+from tests.helpers import arun, fauxmad
 from tests.orchestrator import proxy_kit as kit
 from tests.orchestrator.test_api import Api, start_api
 
@@ -88,13 +87,7 @@ def make_app(fleet: DevFleet, name: str, on: list[tuple[str, str]], service: str
 
 
 def cli(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args, "--nats", fleet.url],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=dict(os.environ, PYTHONPATH=str(kit.ROOT)),
-    )
+    return fauxmad(*args, "--nats", fleet.url, timeout=60)
 
 
 def test_workers_advertise_their_address_and_backhaul(fleet: DevFleet) -> None:

@@ -26,6 +26,7 @@ from bus.contract.machines import Machine
 from bus.transport.jetstream import WORKER_TTL
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
+from tests import helpers
 from tests.helpers import ROOT, arun, connect_nats
 from tests.orchestrator import proxy_kit as kit
 
@@ -39,15 +40,7 @@ def fleet() -> Iterator[DevFleet]:
 
 
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=str(ROOT),
-    )
+    return helpers.fauxmad(*args, url=fleet.url)
 
 
 def machines(fleet: DevFleet) -> list[Machine]:

@@ -20,6 +20,7 @@ from bus.contract.machines import Machine
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
+from tests import helpers
 from tests.helpers import ROOT, arun
 
 APP_PY = ROOT / "examples" / "sandwich" / "app.py"
@@ -72,15 +73,7 @@ wait_timeout = "{wait}"
 def fauxmad(
     fleet: DevFleet, *args: str, timeout: float = 120, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    environ = {**os.environ, "FAUXMAD_NATS_URL": fleet.url, "PYTHONPATH": str(ROOT), "COLUMNS": "120", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=environ,
-        timeout=timeout,
-        cwd=str(ROOT),
-    )
+    return helpers.fauxmad(*args, url=fleet.url, columns=120, timeout=timeout, env=env)
 
 
 def machines(fleet: DevFleet, app: str) -> list[Machine]:

@@ -8,9 +8,7 @@ showed 4 primaries; `status` cut machine ids at 80 columns; release and role wer
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ from typing import Any
 import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT
+from tests.helpers import fauxmad
 from tests.orchestrator.test_reconcile import machines, primaries, wait_for, write_spec
 
 
@@ -30,21 +28,7 @@ def fleet() -> Iterator[DevFleet]:
 
 
 def cli(fleet: DevFleet, tmp_path: Path, *args: str, columns: int = 200) -> subprocess.CompletedProcess[str]:
-    env = dict(
-        os.environ,
-        FAUXMAD_NATS_URL=fleet.url,
-        PYTHONPATH=str(ROOT),
-        COLUMNS=str(columns),
-        FAUXMAD_VIEW=str(tmp_path / "view.sqlite"),
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=str(ROOT),
-    )
+    return fauxmad(*args, url=fleet.url, columns=columns, env={"FAUXMAD_VIEW": str(tmp_path / "view.sqlite")})
 
 
 def status(fleet: DevFleet, tmp_path: Path, app: str) -> dict[str, Any]:

@@ -24,8 +24,10 @@ import msgspec
 import pytest
 
 from workers.driver.base import ExitStatus, TaskHandle, TaskSpec
+from workers.driver.fork_server import prepare_workdir
 from workers.driver.limits import Cgroup2Limits, Limits, RlimitLimits, auto_detect, slow_migration_hint
 from workers.driver.process import ProcessDriver, group_stopped
+from workers.driver.shim import temporary
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
@@ -364,6 +366,45 @@ def test_destroy_stops_removes_cgroups_and_keeps_logs(driver: ProcessDriver, tas
     assert all(not Path(cgroup).exists() for cgroup in handle.cgroups)
     assert handle.stdout_path.read_text() == "hello\n"
     assert handle.status_path.exists()
+
+
+def test_a_start_waits_for_the_run_before_it_in_the_same_directory(
+    driver: ProcessDriver, tasks: Tasks, tmp_path: Path
+) -> None:
+    """The run before is still ending when the next one starts in the machine's directory: its shim's
+    `exit.json` must not land in the new run's, where it made the new run look ended (no signal reached it:
+    a stop never ended it) or was lost to the new run's clearing (its temporary file removed before the rename).
+    Fails without the driver's wait for the previous run (the stop below waits forever)."""
+    first = make_spec(tmp_path, ["sh", "-c", "sleep 0.5; exit 3"])
+    second = msgspec.structs.replace(first, cmd=["sleep", "30"])
+
+    async def go() -> tuple[TaskHandle, TaskHandle, ExitStatus]:
+        before = tasks.add(await driver.start(first))
+        after = tasks.add(await driver.start(second))  # no wait for `before` in between
+        while not gone(before.pid):  # the run before has ended, however the start above went
+            await asyncio.sleep(0.01)
+        status = await asyncio.wait_for(driver.stop(after, 5.0, signal.SIGTERM), 20)
+        return before, after, status
+
+    before, after, status = run(go())
+    assert after.started_at >= before.started_at + 0.5, "the second run started before the first had ended"
+    assert status.signal == signal.SIGTERM
+
+
+def test_a_runs_start_keeps_the_temporary_files_of_writers_still_running(tmp_path: Path) -> None:
+    """A shim (or the launcher) writes `exit.json` through a temporary file of its own, which the next run's
+    clearing of the directory leaves alone while its writer lives (it is about to rename it); a dead writer's
+    is removed. Fails with one shared temporary name (`exit.json.tmp`), which the clearing removed."""
+    workdir = tmp_path / "machine"
+    workdir.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = Path(temporary(str(workdir / "exit.json")))
+    stale = workdir / f"exit.json.tmp.{dead.pid}"
+    for path in (live, stale, workdir / "exit.json", workdir / "child.pid"):
+        path.write_text("{}")
+    prepare_workdir(str(workdir))
+    assert sorted(path.name for path in workdir.iterdir()) == [live.name]
 
 
 def test_shim_killed_under_a_running_workload_is_lost(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:

@@ -270,6 +270,48 @@ def test_a_shim_that_never_started_its_workload_gets_its_own_status_in_exit_json
     assert not (started / "exit.json").exists()  # left to the driver: it kills the workload, reports lost
 
 
+# The launcher's loop, one turn: a shim of the machine's run before has ended (no child.pid: it never started its
+# workload, so the launcher records its end), and the request for the machine's next run is read before the
+# wakeup fd says so (the worker sees a shim end through its pidfd a moment before the launcher gets SIGCHLD). The
+# request's cwd does not exist: the workdir is cleared, then the request fails, and no shim of it runs.
+SERVE_BEFORE_THE_WAKEUP = """
+import os, socket, sys, time
+from workers.driver import fork_server as launcher
+workdir = sys.argv[1]
+os.makedirs(workdir)
+ended = os.fork()
+if ended == 0:
+    os._exit(3)
+while open(f"/proc/{ended}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+    time.sleep(0.001)
+shims = {ended: workdir}
+ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+request = launcher.make_request(
+    workdir=workdir, cwd=workdir + "/gone", cmd=["true"], env={}, cgroups=[], rlimit_as=None
+)
+ours.send(launcher.encode_request(request))
+assert launcher._serve_one(theirs.fileno(), shims, {})
+launcher.reap(shims)  # the loop's next turn, with the wakeup fd
+"""
+
+
+def test_a_shim_that_ended_is_recorded_before_the_next_run_clears_its_workdir(tmp_path: Path) -> None:
+    """The record of a shim of the run before is written before the next run's request clears the workdir, never
+    after (it landed in the new run's directory as the new run's end, and its temporary file clashed with the new
+    shim's own: 'cannot write exit.json', seen in CI). Fails without the reap before each request."""
+    workdir = tmp_path / "machine"
+    subprocess.run(
+        [
+            *(sys.executable, "-I", "-S", "-c"),
+            f"import sys; sys.path.insert(0, {str(REPO)!r})\n{SERVE_BEFORE_THE_WAKEUP}",
+            str(workdir),
+        ],
+        check=True,
+        timeout=20,
+    )
+    assert not (workdir / "exit.json").exists(), (workdir / "exit.json").read_text()
+
+
 def test_a_shim_killed_right_after_start_is_reported_consistently(
     driver: ProcessDriver, tasks: Tasks, tmp_path: Path
 ) -> None:

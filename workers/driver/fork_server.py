@@ -45,11 +45,13 @@ Key decisions:
   launcher dies in between, the child reads end of file and exits (`ABANDONED`) without starting
   anything, so a worker that got no reply can safely fall back to starting the shim itself.
 - The launcher reaps its shims and spares (SIGCHLD through a wakeup fd, handled in the main loop, so
-  reaping never interleaves with a launch). The worker cannot `waitid` them, so a shim that ended
-  without writing `exit.json` and never started its workload gets one from the launcher, holding
-  the shim's own wait status, written *before* the zombie is reaped: the driver waits for that
-  reaping before it decides, and `exit.json` stays the single source of truth. A shim that died
-  under a running workload is left to the driver, which kills that workload and reports it lost.
+  reaping never interleaves with a launch), and every ended one before it reads a request: a machine's next
+  run must find the end of the run before recorded, not have it recorded into its own directory. The
+  worker cannot `waitid` them, so a shim that ended without writing `exit.json` and never started its
+  workload gets one from the launcher, holding the shim's own wait status, written *before* the zombie
+  is reaped: the driver waits for that reaping before it decides, and `exit.json` stays the single
+  source of truth. A shim that died under a running workload is left to the driver, which kills that
+  workload and reports it lost.
 
 Wire format (one SOCK_SEQPACKET message each way, fields NUL-separated; exec arguments cannot hold NUL):
 request `workdir, cwd, rlimit_as or "", sandbox ("bwrap" or ""), N, N cgroups, M, M "KEY=VALUE", cmd...`;
@@ -75,7 +77,8 @@ GO = b"g"
 ABANDONED = 125  # a child whose launcher died before saying GO: it started nothing
 FIELD_SEP = b"\0"
 OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-STALE = ("exit.json", "child.pid", "exit.json.tmp", "child.pid.tmp")  # what a run leaves in its workdir
+STALE = ("exit.json", "child.pid")  # what a run leaves in its workdir
+TEMPORARY = ("exit.json.tmp.", "child.pid.tmp.")  # + the writer's pid (shim.write_atomic)
 CWD_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 SPARES = 2  # children forked ahead: one for the next request, one for a burst
 # A spare is forked once no request has come for this long (at once when none is left): a fork
@@ -267,6 +270,11 @@ def _serve_one(sock: int, shims: dict[int, str], spares: dict[int, Spare]) -> bo
     if not data:
         return False  # end of file: the worker closed its end, or died
     go_fd = -1
+    # Every shim that has ended is reaped (its end recorded) before this request clears its workdir: the worker
+    # asks for a machine's next run only once it saw the run before end, and that shim's record, written late,
+    # would land in the new run's directory (as its end). The wakeup fd alone does not order the two: the
+    # request can be read first.
+    reap(shims, spares)
     try:
         request = decode_request(data)
         fds = _open_job_files(request)
@@ -316,6 +324,22 @@ def prepare_workdir(workdir: str) -> None:
             os.unlink(os.path.join(workdir, name))
         except FileNotFoundError:
             pass
+    for name in os.listdir(workdir):  # a temporary file only once its writer is gone: a live one renames it
+        if name.startswith(TEMPORARY) and not _alive(name.rpartition(".")[2]):
+            try:  # noqa: SIM105
+                os.unlink(os.path.join(workdir, name))
+            except FileNotFoundError:
+                pass
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _open_job_files(request: Request) -> list[int]:

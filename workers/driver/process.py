@@ -64,6 +64,7 @@ from workers.driver.fork_client import LauncherClient
 from workers.driver.fork_server import Request, make_request, prepare_workdir, proc_stat_fields
 from workers.driver.limits import Limits
 from workers.driver.sandbox import bwrap_argv, bwrap_path
+from workers.driver.shim import temporary
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def _read_record(handle: TaskHandle) -> _ExitRecord | None:
 
 def _write_record(handle: TaskHandle, record: _ExitRecord) -> None:
     """Atomically, like the shim does, so readers never see half a file."""
-    tmp = handle.status_path.with_name("exit.json.tmp.driver")
+    tmp = Path(temporary(str(handle.status_path)))
     with open(tmp, "wb") as f:
         f.write(_encode_record(record))
         f.flush()
@@ -282,6 +283,9 @@ class ProcessDriver:
         self._orphans: set[asyncio.Task[None]] = set()
         # Workloads signalled before, by their shim's key: (pid, a pidfd of it), see `_workload_pid`.
         self._workloads: dict[tuple[int, int], tuple[int, int]] = {}
+        # The last run started (or re-adopted) in each machine directory: the next one there starts only once
+        # it has ended, see `_after_previous_run`.
+        self._runs: dict[str, TaskHandle] = {}
 
     def __repr__(self) -> str:
         return (
@@ -309,6 +313,7 @@ class ProcessDriver:
         if not spec.cmd:
             raise ValueError(f"machine {spec.machine_id}: empty command")
         workdir = Path(spec.workdir).absolute()  # created (or cleared) by the launcher, else below
+        await self._after_previous_run(str(workdir))
         cgroups = self.limits.prepare(spec.machine_id, spec.memory_mb, spec.cpus)
         rlimit = self.limits.rlimit_as(spec.memory_mb)
         try:
@@ -316,7 +321,26 @@ class ProcessDriver:
         except BaseException:
             self.limits.cleanup(cgroups)
             raise
-        return TaskHandle(pid=pid, start_ticks=ticks, workdir=str(workdir), cgroups=cgroups, started_at=time.time())
+        handle = TaskHandle(pid=pid, start_ticks=ticks, workdir=str(workdir), cgroups=cgroups, started_at=time.time())
+        self._runs[handle.workdir] = handle
+        return handle
+
+    async def _after_previous_run(self, workdir: str) -> None:
+        """Return once the run started before in `workdir` has ended. A machine's runs share its directory
+        (`exit.json`, `child.pid`) and its cgroups, and a new run clears what the one before left there: a
+        shim still ending (writing `exit.json`) as the next run starts would lose its record to that
+        clearing, or land it over the new run's, which then reads as ended and takes no signal. The
+        lifecycle waits for a stop before it starts again; this holds for every caller, a cancelled start's
+        orphan (still being ended) included. A previous run that does not end within `KILL_PATIENCE` has
+        nobody left who wants it: it is ended as a force destroy ends it."""
+        previous = self._runs.pop(workdir, None)
+        if previous is None or not self._alive(previous):
+            return
+        log.warning("shim %d of %s still running at the next start there: waiting for its end", previous.pid, workdir)
+        try:
+            await asyncio.wait_for(self.wait(previous), KILL_PATIENCE)  # `wait` is shielded: the watch goes on
+        except TimeoutError:
+            await self.destroy(previous, force=True)
 
     async def _start_shim(
         self, spec: TaskSpec, workdir: Path, cgroups: list[str], rlimit: int | None
@@ -354,6 +378,7 @@ class ProcessDriver:
         handle, so end the machine (as `destroy` does) rather than leave it running unseen."""
         args = request.args
         handle = TaskHandle(pid=pid, start_ticks=ticks, workdir=args.workdir, cgroups=args.cgroups, started_at=0.0)
+        self._runs[handle.workdir] = handle  # a start in its directory waits for its end
         task = asyncio.get_running_loop().create_task(self.destroy(handle, force=True))
         self._orphans.add(task)
         task.add_done_callback(self._orphans.discard)
@@ -572,6 +597,8 @@ class ProcessDriver:
                 await self._kill_shim(handle)
         else:
             await self.stop(handle, DESTROY_TIMEOUT, signals.SIGTERM)
+        if self._runs.get(handle.workdir) == handle:
+            del self._runs[handle.workdir]
         await asyncio.to_thread(self.limits.cleanup, handle.cgroups)
 
     async def _kill_shim(self, handle: TaskHandle) -> None:
@@ -686,7 +713,10 @@ class ProcessDriver:
             return None
 
     def recover(self, handle: TaskHandle) -> bool:
-        return self._alive(handle)
+        alive = self._alive(handle)
+        if alive:
+            self._runs[handle.workdir] = handle  # re-adopted: the next start in its directory waits for its end
+        return alive
 
     async def end_strays(self, machine_id: str, patience: float = 5.0) -> int:
         """Kill whatever runs of `machine_id` although no handle names it, and wait until it is gone; returns

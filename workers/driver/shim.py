@@ -100,8 +100,16 @@ def parse_args(argv: list[str]) -> Args:
     return args
 
 
+def temporary(path: str) -> str:
+    """This process's temporary file for `path` (see `write_atomic`)."""
+    return f"{path}.tmp.{os.getpid()}"
+
+
 def write_atomic(path: str, data: bytes, durable: bool) -> None:
-    tmp = f"{path}.tmp"
+    """Write `path` whole or not at all. The temporary file is the writer's own (`<path>.tmp.<pid>`): a shim
+    and the launcher may both write a run's `exit.json`, and a clearing of the directory must not take a
+    temporary file from under a writer that is about to rename it."""
+    tmp = temporary(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.write(fd, data)
