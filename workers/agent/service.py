@@ -158,7 +158,7 @@ class WorkerAgent:
             away=heartbeat.away,
             clock=time.time,
         )
-        self.secrets = SecretsCache(_secrets_key(cfg))
+        self.secrets = SecretsCache(_secrets_key(cfg), saved=data / "secrets.sealed.json")
         await self.secrets.start(await secrets_bucket(js))
         layout = kv.layout  # in a supercluster: this region's own index bucket and events stream
         self.outbox = Outbox(
