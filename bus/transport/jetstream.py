@@ -292,16 +292,17 @@ async def ensure_fleet_resources(
     if layout.supercluster:
         from bus.transport.regional import RegionalKV
 
-        regional = await _regions(js, config, layout, every_region)
+        unanswered: set[str] = set()
+        regional = await _regions(js, config, layout, every_region, unanswered)
         apps = await _apps_bucket(js, config)
         await _fleet_events(js, config, layout)
         await ensure_logs_stream(js, config)
-        own = config.region
+        own, silent = config.region, frozenset(unanswered)
         return FleetKV(
-            workers=RegionalKV({r: kvs[0] for r, kvs in regional.items()}, own),
-            machines=RegionalKV({r: kvs[1] for r, kvs in regional.items()}, own),
+            workers=RegionalKV({r: kvs[0] for r, kvs in regional.items()}, own, unanswered=silent),
+            machines=RegionalKV({r: kvs[1] for r, kvs in regional.items()}, own, unanswered=silent),
             apps=apps,
-            idempotency=RegionalKV({r: kvs[2] for r, kvs in regional.items()}, own),
+            idempotency=RegionalKV({r: kvs[2] for r, kvs in regional.items()}, own, unanswered=silent),
             layout=layout,
         )
     events = await _limited_stream(
@@ -393,9 +394,10 @@ async def _state_buckets(
 
 
 async def _regions(
-    js: JetStreamContext, config: FleetConfig, layout: Layout, every_region: bool
+    js: JetStreamContext, config: FleetConfig, layout: Layout, every_region: bool, unanswered: set[str] | None = None
 ) -> dict[str, tuple[KeyValue, KeyValue, KeyValue]]:
-    """Every region's three buckets, the regions asked at once (in a real supercluster each is a WAN away)."""
+    """Every region's three buckets, the regions asked at once (in a real supercluster each is a WAN away); the
+    regions that did not answer (bound unseen) are added to `unanswered`."""
 
     failed: list[Exception] = []
 
@@ -406,6 +408,8 @@ async def _regions(
             return await asyncio.wait_for(_region_resources(js, config, layout, region), OTHER_REGION_WAIT)
         except (Unreachable, TimeoutError, APIError) as exc:
             failed.append(exc)
+            if unanswered is not None:
+                unanswered.add(region)
             if region == layout.home:
                 home_silent(js)  # the fleet-wide binds that follow need not wait for it again
             why = getattr(exc, "message", None) or getattr(exc, "description", None) or "no answer"

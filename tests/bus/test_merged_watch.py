@@ -47,6 +47,24 @@ def test_the_initial_values_are_in_once_the_own_region_answered_and_the_others_c
     assert arun(main()) == ["mad.w1", None]
 
 
+class Hangs:
+    """A region's bucket whose watch is never made nor refused (its cluster cut off: the request is not answered)."""
+
+    async def watchall(self) -> Any:
+        await asyncio.Event().wait()
+
+
+def test_a_region_that_did_not_answer_the_start_does_not_hold_up_the_initial_values() -> None:
+    async def main() -> list[Any]:
+        merged = MergedWatch({"mad": Answers(), "syd": Hangs()}, NEVER, frozenset({"syd"}))  # type: ignore[dict-item]
+        try:
+            return [await asyncio.wait_for(anext(merged), 30), await asyncio.wait_for(anext(merged), 30)]
+        finally:
+            await merged.stop()
+
+    assert arun(main()) == ["mad.w1", None]
+
+
 def test_with_no_region_answering_the_watch_waits_on() -> None:
     async def main() -> bool:
         merged = MergedWatch({"mad": CutOff(), "syd": CutOff()}, NEVER)  # type: ignore[dict-item]
