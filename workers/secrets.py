@@ -13,8 +13,9 @@ The bucket is fleet-wide: in a supercluster it lives in the home region, which a
 not reach when it starts (its region cut off: the nemesis on hosts, seed 103, a restarted worker exited). So the
 worker keeps the sealed copy on its disk as well (`secrets.sealed.json` in its data dir: sealed as in the
 bucket, readable by its key only), starts from that copy when the bucket does not answer within START_WAIT, and
-follows the bucket as soon as it answers. A worker that never read the bucket, and has no copy, refuses to
-open any app's secrets (`SecretsUnavailable`, saying why) rather than start a machine without them.
+follows the bucket as soon as it answers. A worker that has no copy waits up to FIRST_WAIT (a fleet starting up
+may take that long), and if the bucket still does not answer it refuses to open any app's secrets
+(`SecretsUnavailable`, saying why) until it does, rather than start a machine without them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from bus.stores.secrets import PUBLIC_KEY, SealedSecret, public_key_text, unseal
 log = logging.getLogger(__name__)
 
 START_WAIT = 3.0  # seconds the start waits for the bucket before using the copy on disk
+FIRST_WAIT = 30.0  # ... when there is no copy (a new worker): a fleet starting up may take that long to answer
 RETRY = 3.0  # seconds between tries to follow a bucket that did not answer
 
 
@@ -53,8 +55,9 @@ class SecretsCache:
     async def start(self, kv: Any) -> None:
         """Publish the public key if the bucket has none, then follow the bucket (initial values first); if it
         does not answer within START_WAIT, start from the copy on disk and follow the bucket once it answers."""
+        copy = self._saved is not None and self._saved.exists()
         try:
-            watcher = await asyncio.wait_for(self._read(kv), START_WAIT)
+            watcher = await asyncio.wait_for(self._read(kv), START_WAIT if copy else FIRST_WAIT)
         except Exception as exc:
             self._load()
             log.warning(
