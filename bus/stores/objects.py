@@ -21,6 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, ObjectInfo, ObjectStoreConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.object_store import ObjectStore
 
+from bus.transport.at_home import at_home
 from bus.transport.fleet_layout import fleet_layout
 from bus.transport.jetstream import place_at_home
 
@@ -42,7 +43,16 @@ def stored_digest(info: ObjectInfo | None) -> str | None:
 
 
 async def bind_or_create_store(js: JetStreamContext, bucket: str, description: str) -> ObjectStore:
-    """Bind to the object store, creating it only if it is not there (as `bind_or_create_kv` does)."""
+    """Bind to the object store, creating it only if it is not there (as `bind_or_create_kv` does; in a
+    supercluster whose home region does not answer, bound unseen: `at_home`)."""
+
+    def unseen() -> ObjectStore:
+        return ObjectStore(name=bucket, stream=f"OBJ_{bucket}", js=js)
+
+    return await at_home(js, f"OBJ_{bucket}", lambda: _bind_or_create_store(js, bucket, description), unseen)
+
+
+async def _bind_or_create_store(js: JetStreamContext, bucket: str, description: str) -> ObjectStore:
     try:
         return await js.object_store(bucket)
     except (NotFoundError, BadRequestError):

@@ -163,6 +163,11 @@ async def fleet_layout(js: JetStreamContext, told: Told | None = None, *, fresh:
     return layout
 
 
+def known_layout(js: JetStreamContext) -> Layout | None:
+    """The layout this connection already resolved, without asking (None: not resolved yet)."""
+    return _known.get(_connection(js))
+
+
 def forget(js: JetStreamContext) -> None:
     """Read the layout again at the next `fleet_layout` (after this process changed it)."""
     _known.pop(_connection(js), None)

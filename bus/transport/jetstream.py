@@ -44,6 +44,7 @@ from bus.contract import subjects
 from bus.contract.base import seconds
 from bus.contract.errors import Unreachable
 from bus.transport import layout as layouts
+from bus.transport.at_home import at_home, home_silent
 from bus.transport.fleet_layout import Told, fleet_layout, why_unanswered
 from bus.transport.layout import Layout
 from bus.transport.placed_kv import create_placed_kv
@@ -206,7 +207,18 @@ def place_at_home(config: Any, layout: Layout) -> Any:
 
 async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
     """Bind to the bucket, creating it only if it is not there: in a secure fleet only an operator may
-    create streams (a worker's or broker's create would be refused), and binding needs read access only."""
+    create streams (a worker's or broker's create would be refused), and binding needs read access only.
+    A fleet-wide bucket: in a supercluster whose home region does not answer, bound unseen (`at_home`)."""
+    bucket = config.bucket
+    assert bucket is not None
+
+    def unseen() -> KeyValue:
+        return KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=False)
+
+    return await at_home(js, f"KV_{bucket}", lambda: _bind_or_create_kv(js, config), unseen)
+
+
+async def _bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
     assert config.bucket is not None
     try:
         return await _bind_kv(js, config.bucket)
@@ -280,16 +292,17 @@ async def ensure_fleet_resources(
     if layout.supercluster:
         from bus.transport.regional import RegionalKV
 
-        regional = await _regions(js, config, layout, every_region)
+        unanswered: set[str] = set()
+        regional = await _regions(js, config, layout, every_region, unanswered)
         apps = await _apps_bucket(js, config)
         await _fleet_events(js, config, layout)
         await ensure_logs_stream(js, config)
-        own = config.region
+        own, silent = config.region, frozenset(unanswered)
         return FleetKV(
-            workers=RegionalKV({r: kvs[0] for r, kvs in regional.items()}, own),
-            machines=RegionalKV({r: kvs[1] for r, kvs in regional.items()}, own),
+            workers=RegionalKV({r: kvs[0] for r, kvs in regional.items()}, own, unanswered=silent),
+            machines=RegionalKV({r: kvs[1] for r, kvs in regional.items()}, own, unanswered=silent),
             apps=apps,
-            idempotency=RegionalKV({r: kvs[2] for r, kvs in regional.items()}, own),
+            idempotency=RegionalKV({r: kvs[2] for r, kvs in regional.items()}, own, unanswered=silent),
             layout=layout,
         )
     events = await _limited_stream(
@@ -381,9 +394,10 @@ async def _state_buckets(
 
 
 async def _regions(
-    js: JetStreamContext, config: FleetConfig, layout: Layout, every_region: bool
+    js: JetStreamContext, config: FleetConfig, layout: Layout, every_region: bool, unanswered: set[str] | None = None
 ) -> dict[str, tuple[KeyValue, KeyValue, KeyValue]]:
-    """Every region's three buckets, the regions asked at once (in a real supercluster each is a WAN away)."""
+    """Every region's three buckets, the regions asked at once (in a real supercluster each is a WAN away); the
+    regions that did not answer (bound unseen) are added to `unanswered`."""
 
     failed: list[Exception] = []
 
@@ -394,6 +408,10 @@ async def _regions(
             return await asyncio.wait_for(_region_resources(js, config, layout, region), OTHER_REGION_WAIT)
         except (Unreachable, TimeoutError, APIError) as exc:
             failed.append(exc)
+            if unanswered is not None:
+                unanswered.add(region)
+            if region == layout.home:
+                home_silent(js)  # the fleet-wide binds that follow need not wait for it again
             why = getattr(exc, "message", None) or getattr(exc, "description", None) or "no answer"
             log.warning("region %s's streams do not answer now (%s): reading them as soon as they do", region, why)
             return _unseen_region(js, layout, region)
@@ -440,7 +458,7 @@ async def _region_resources(
 
 async def _fleet_events(js: JetStreamContext, config: FleetConfig, layout: Layout) -> None:
     """`FAUXMAD_EVENTS` of a supercluster: no subjects of its own, every region's events stream as a source."""
-    await _limited_stream(
+    await _fleet_wide_stream(
         js,
         StreamConfig(
             name=subjects.EVENTS_STREAM,
@@ -469,7 +487,7 @@ async def _apps_bucket(js: JetStreamContext, config: FleetConfig) -> KeyValue:
 async def ensure_logs_stream(js: JetStreamContext, config: FleetConfig | None = None) -> None:
     """The logs stream alone (what a log reader needs), created or bound like the others."""
     config = config or FleetConfig()
-    await _limited_stream(
+    await _fleet_wide_stream(
         js,
         StreamConfig(
             name=subjects.LOGS_STREAM,
@@ -487,7 +505,7 @@ AUDIT_MAX_AGE = 90 * 24 * 3600.0  # an audit trail outlives the events it explai
 
 async def ensure_audit_stream(js: JetStreamContext) -> None:
     """The audit stream (mutating requests and who made them), created or bound like the others."""
-    await _limited_stream(
+    await _fleet_wide_stream(
         js,
         StreamConfig(
             name=subjects.AUDIT_STREAM,
@@ -510,6 +528,12 @@ async def revoked_tokens_bucket(js: JetStreamContext) -> KeyValue:
             description="revoked HTTP API tokens (and every token attenuated from them)",
         ),
     )
+
+
+async def _fleet_wide_stream(js: JetStreamContext, stream: StreamConfig, limits: StreamLimits) -> StreamConfig:
+    """`_limited_stream` of a fleet-wide stream: in a supercluster whose home region does not answer, left for
+    later (`at_home`): this process only publishes to it, and a publish that finds no stream fails on its own."""
+    return await at_home(js, f"stream {stream.name}", lambda: _limited_stream(js, stream, limits), lambda: stream)
 
 
 async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: StreamLimits) -> StreamConfig:

@@ -13,10 +13,13 @@ where it lives keeps a region's view of itself independent of the others, and a 
 answer is known to be unreachable rather than taken for empty.
 
 A region unreachable when a watch starts is watched as soon as it answers (tried again every few
-seconds); meanwhile the merged watch reports its initial values as in without it. When no region answers,
-the watch waits on (up to `NONE_ANSWERED_LIMIT`) for the first: that is JetStream pausing, not a region out.
-nats-py's ordered consumers recreate themselves after a partition heals, so a running watch resumes where it
-stopped.
+seconds); meanwhile the merged watch reports its initial values as in without it: at once when its watch could
+not even be made (it refused, or did not answer), or it did not answer this process's start, and another region's
+initial values are in; else after the initial timeout. A broker restarted in a region about to be cut off
+otherwise spent 4 s a watch on regions it could not reach before serving its own (the nemesis on hosts, seed
+105). When no region answers, the watch waits on (up to `NONE_ANSWERED_LIMIT`) for the first: that is
+JetStream pausing, not a region out. nats-py's ordered consumers recreate themselves after a partition heals,
+so a running watch resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -39,9 +42,13 @@ NONE_ANSWERED_LIMIT = 20.0  # seconds a watch waits for its first region's initi
 class MergedWatch:
     """The entries of every region's watch, as one async iterator; one `None` once the initial values are in."""
 
-    def __init__(self, buckets: Mapping[str, KeyValue], initial_timeout: float) -> None:
+    def __init__(
+        self, buckets: Mapping[str, KeyValue], initial_timeout: float, unanswered: frozenset[str] = frozenset()
+    ) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending = set(buckets)
+        # regions whose watch could not be made yet; at first, those that did not answer this process's start
+        self._failed: set[str] = set(unanswered) & self._pending
         self._first_answered = asyncio.Event()
         self._initial_timeout = initial_timeout
         self._watchers: dict[str, Any] = {}
@@ -67,14 +74,23 @@ class MergedWatch:
         if region in self._pending:
             self._first_answered.set()
             self._pending.discard(region)
-            if not self._pending:
-                self._timer.cancel()
-                self._queue.put_nowait(None)
+            self._unless_pending()
+
+    def _unless_pending(self) -> None:
+        """The initial values are in once every region still pending is one whose watch could not be made."""
+        if self._pending and (not self._first_answered.is_set() or not self._pending <= self._failed):
+            return
+        if self._pending:
+            log.warning("regions %s do not answer: following them as soon as they do", ", ".join(sorted(self._pending)))
+            self._pending.clear()
+        self._timer.cancel()
+        self._queue.put_nowait(None)
 
     async def _follow(self, region: str, kv: KeyValue) -> None:
         while not self._stopped:
             try:
                 watcher = self._watchers[region] = await kv.watchall()
+                self._failed.discard(region)
                 async for entry in watcher:
                     if entry is None:
                         self._initial_done(region)
@@ -85,6 +101,9 @@ class MergedWatch:
                 raise
             except Exception as exc:
                 log.info("watch of region %s: %r; trying again in %gs", region, exc, RETRY_WATCH)
+                if region in self._pending:
+                    self._failed.add(region)
+                    self._unless_pending()
                 await asyncio.sleep(RETRY_WATCH)
 
     def __aiter__(self) -> MergedWatch:
@@ -108,11 +127,17 @@ class RegionalKV:
     """A bucket per region, read as one: `buckets` maps region -> bucket; `own` is the caller's region."""
 
     def __init__(
-        self, buckets: Mapping[str, KeyValue], own: str | None = None, *, initial_timeout: float = 4.0
+        self,
+        buckets: Mapping[str, KeyValue],
+        own: str | None = None,
+        *,
+        initial_timeout: float = 4.0,
+        unanswered: frozenset[str] = frozenset(),
     ) -> None:
         self.buckets = dict(buckets)
         self.own = own if own in self.buckets else None
         self.initial_timeout = initial_timeout
+        self.unanswered = unanswered  # regions that did not answer when this process bound them (`jetstream._regions`)
 
     def region(self, region: str) -> KeyValue:
         """The bucket of `region` (KeyError for a region outside the layout)."""
@@ -130,7 +155,7 @@ class RegionalKV:
         return self.buckets[self.own]
 
     async def watchall(self) -> MergedWatch:
-        return MergedWatch(self.buckets, self.initial_timeout)
+        return MergedWatch(self.buckets, self.initial_timeout, self.unanswered)
 
     async def get(self, key: str) -> Any:
         """The entry under `key` in whichever region holds it: this process's region first."""

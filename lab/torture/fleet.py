@@ -120,10 +120,9 @@ class TortureFleet:
             memory_mb=WORKER_MEMORY_MB,
             brokers=1 if topology == "supercluster" else BROKERS,
             data_dir=str(root),
-            # on hosts the operators start after the operator app's deploy (`start_operators`): the first supercluster
-            # run (seed 101) found the deploy of a new app and the regional operators racing, each destroying the
-            # other's copy of a region's primary, so a region had none for a moment before any fault struck
-            operators=topology == "local",
+            # the operators run from the start, as a fleet runs them: the operator app's deploy holds the app's claim
+            # while it converges (`orchestrator.reconcile.rollout.deploying`), so the operators leave it to the deploy
+            operators=True,
             secure=False,
             supercluster=1 if topology == "supercluster" else 0,
             cluster=3 if topology == "cluster" else 0,
@@ -228,16 +227,6 @@ class TortureFleet:
         )
         if done.returncode != 0:
             raise TortureError(f"deploying {OPERATOR_APP} failed: {(done.stderr or done.stdout).strip()[-500:]}")
-
-    def start_operators(self) -> None:
-        """On hosts: the operators (one per region in a supercluster), started as `DevFleet` starts them."""
-        if self.topology == "local":
-            return  # started with the fleet
-        for name in self.operators:
-            region = name.removeprefix("operator-") if name != "operator" else None
-            where = ["--nats", self.dev.region_url(region), "--region", region] if region else ["--nats", self.url]
-            self.dev._host_for(name)
-            self.dev._spawn(name, ["reconcile", "--watch", *where])
 
     # -- processes by name ----------------------------------------------------------------------
     def _proc(self, name: str) -> subprocess.Popen[bytes] | None:

@@ -208,6 +208,7 @@ class Nemesis:
                     op.complete, op.outcome, op.error = time.time(), "unknown", f"{type(exc).__name__}: {exc}"[:300]
                     probe.error = op.error
                     self.history.write(op)
+                    await asyncio.sleep(0.2)  # a refusal comes back at once: not thousands of them in a cut
                     continue
                 op.complete, op.outcome, op.machine_id, op.state = time.time(), "ok", machine.id, machine.state
                 self.history.write(op)

@@ -198,7 +198,6 @@ def run(options: TortureOptions, progress: Callable[[str], None] = lambda line: 
         if fleet.host_names:
             progress("hosts: " + "; ".join(f"{h}: {', '.join(w) or '-'}" for h, w in fleet.host_workers.items()))
         fleet.deploy_operator_app()
-        fleet.start_operators()
         progress(f"{OPERATOR_APP} deployed (a primary and a spare per region)")
         uvloop.run(_torture(fleet, options, history, progress))
         finished = True

@@ -5,6 +5,10 @@ Keys, per app:
   rolled_back). Numbers only grow; `kv.create` claims a number, so two deployers never share one.
 - `<app>.current`: which release the fleet should run. A rollback points it at an older release
   instead of copying that release under a new number, so machines already on it are left alone.
+- `<app>.deploying`: who is converging the app right now (a deploy, a rollback), until when (`Claim`). The
+  operators leave an app so claimed alone: two reconcilers planning one app at once each created the missing
+  primary, then each destroyed the other's copy as the surplus, and a region had none (the nemesis on hosts,
+  seed 101). A claim lapses at `until` unless renewed, so a deploy killed halfway holds nobody up for long.
 
 Every write is a whole value; there is nothing to merge. A reconciler reads `current`, then the
 release it names, and converges the machines onto it. The bucket is a `ReleaseStore` (see `ports`), so
@@ -13,6 +17,7 @@ this module never sees nats-py, and a unit test keeps releases in a dict.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Literal
 
@@ -47,6 +52,18 @@ class Release(msgspec.Struct, kw_only=True):
     previous: int | None = None  # the release the app ran when this one was made: where a failure goes back to
 
 
+class Claim(msgspec.Struct, kw_only=True):
+    """A deploy (or rollback) converging `app` onto `release`, held by `holder` until `until` (its clock)."""
+
+    app: str
+    holder: str
+    release: int
+    until: float
+
+    def live(self, now: float) -> bool:
+        return now < self.until
+
+
 class Head(msgspec.Struct, kw_only=True):
     """Which release an app should run; `version` 0 with `destroyed`: the app is being torn down."""
 
@@ -64,6 +81,10 @@ def _head_key(app: str) -> str:
     return f"{app}.current"
 
 
+def _claim_key(app: str) -> str:
+    return f"{app}.deploying"
+
+
 class WatchedReleases:
     """What the apps bucket's watch has shown: each app's head and releases, decoded as they arrive.
 
@@ -74,6 +95,7 @@ class WatchedReleases:
     def __init__(self) -> None:
         self._heads: dict[str, Head] = {}
         self._releases: dict[tuple[str, int], Release] = {}
+        self._claims: dict[str, Claim] = {}
 
     def apply(self, key: str, value: bytes | None) -> None:
         """One watch entry (`value=None`: deleted or purged). Values that do not decode are ignored."""
@@ -84,6 +106,11 @@ class WatchedReleases:
                     self._heads.pop(app, None)
                 else:
                     self._heads[app] = decoder(Head).decode(value)
+            elif rest == "deploying":
+                if value is None:
+                    self._claims.pop(app, None)
+                else:
+                    self._claims[app] = decoder(Claim).decode(value)
             elif matches("releases.*", rest) and rest.split(".")[1].isdigit():
                 version = int(rest.split(".")[1])
                 if value is None:
@@ -101,6 +128,9 @@ class WatchedReleases:
 
     def release(self, app: str, version: int) -> Release | None:
         return self._releases.get((app, version))
+
+    def claim(self, app: str) -> Claim | None:
+        return self._claims.get(app)
 
 
 class Releases:
@@ -173,6 +203,33 @@ class Releases:
         await self.kv.put(
             _head_key(app), encode(Head(app=app, version=version, destroyed=destroyed, updated_at=self.clock()))
         )
+
+    async def claim(self, app: str, holder: str, release: int, ttl: float) -> Claim:
+        """Say that `holder` converges `app` onto `release` for the next `ttl` seconds (written again to renew)."""
+        claim = Claim(app=app, holder=holder, release=release, until=self.clock() + ttl)
+        await self.kv.put(_claim_key(app), encode(claim))
+        return claim
+
+    async def claim_of(self, app: str) -> Claim | None:
+        """Who converges `app` now, if anyone (a lapsed claim is None)."""
+        value = await self.kv.get(_claim_key(app))
+        if value is None:
+            return None
+        try:
+            claim: Claim = decoder(Claim).decode(value)
+        except msgspec.DecodeError:
+            return None
+        return claim if claim.live(self.clock()) else None
+
+    async def unclaim(self, app: str, holder: str) -> None:
+        """`holder` is done with `app`: its claim goes (one another holder wrote since is left alone)."""
+        value = await self.kv.get(_claim_key(app))
+        if value is None:
+            return
+        with contextlib.suppress(msgspec.DecodeError):
+            if decoder(Claim).decode(value).holder != holder:
+                return
+        await self.kv.purge(_claim_key(app))
 
     async def forget_head(self, app: str) -> None:
         """The app has no current release (as before its first deploy); its releases stay."""

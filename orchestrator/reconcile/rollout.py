@@ -12,11 +12,21 @@
 
 Each is a loop of the reconciler's passes (`Reconciler.converge`) with its own stopping rule and its own
 bookkeeping of release statuses; `deploy --detach` runs `begin` and `finish` in two processes.
+
+While one of them converges an app it holds the app's claim (`deploying`: key `<app>.deploying`, written again
+every third of CLAIM_TTL), and the operators leave the app to it: the deploy owns the app's machines until it
+ends. Two reconcilers planning one app at once each created a missing primary and then each destroyed the other's
+copy as the surplus, so a region had none (the nemesis on hosts, seed 101). `begin` claims before it points the
+app at the new release, so an operator never finds the new release unclaimed. A deploy killed halfway lets go
+CLAIM_TTL later at the most, and the operators take over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+from collections.abc import AsyncIterator
 
 import msgspec
 
@@ -28,6 +38,32 @@ from orchestrator.reconcile.releases import Head, Release
 from orchestrator.reconcile.spec import AppSpec
 
 SCALED = "scale "  # how `scale` describes the releases it makes
+CLAIM_TTL = 15.0  # seconds an app's claim lasts unless renewed (as a machine's lease, executor.LEASE_TTL)
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.asynccontextmanager
+async def deploying(r: Reconciler, app: str, release: int) -> AsyncIterator[None]:
+    """Hold `app`'s claim while the block converges it (renewed every third of CLAIM_TTL; let go at the end)."""
+    holder = r.executor.holder
+    await r.releases.claim(app, holder, release, CLAIM_TTL)
+
+    async def renew() -> None:
+        while True:
+            await asyncio.sleep(CLAIM_TTL / 3)
+            try:
+                await r.releases.claim(app, holder, release, CLAIM_TTL)
+            except Exception as exc:  # tried again at the next turn; meanwhile the claim may lapse
+                log.info("the claim on %s was not renewed: %r", app, exc)
+
+    renewing = asyncio.create_task(renew())
+    try:
+        yield
+    finally:
+        renewing.cancel()
+        with contextlib.suppress(Exception):  # unanswered: it lapses by itself
+            await r.releases.unclaim(app, holder)
 
 
 class DeployOutcome(msgspec.Struct, kw_only=True):
@@ -118,10 +154,12 @@ async def deploy(
 
 
 async def begin(r: Reconciler, spec: AppSpec, description: str = "deploy") -> Release:
-    """Claim a release for `spec` and point the app at it; `finish` converges it."""
+    """Claim a release for `spec` and point the app at it; `finish` converges it. The app is claimed first (for
+    CLAIM_TTL: `finish`, perhaps in another process, holds the claim from then on)."""
     head = await r.releases.head(spec.app)
     previous = head.version if head is not None and head.version else None
     release = await r.releases.create(spec, description, previous)
+    await r.releases.claim(spec.app, r.executor.holder, release.version, CLAIM_TTL)
     await r.releases.point(spec.app, release.version)
     return release
 
@@ -129,11 +167,12 @@ async def begin(r: Reconciler, spec: AppSpec, description: str = "deploy") -> Re
 async def _again(r: Reconciler, current: Release, started: float) -> DeployOutcome:
     """The app already runs this spec: no release, only whatever the current one still needs."""
     app, version = current.app, current.version
-    result = await r.converge(
-        Desired(app=app, release=version, spec=current.spec),
-        timeout=r.timeout_for(current.spec),
-        exits_since=r.clock(),
-    )
+    async with deploying(r, app, version):
+        result = await r.converge(
+            Desired(app=app, release=version, spec=current.spec),
+            timeout=r.timeout_for(current.spec),
+            exits_since=r.clock(),
+        )
     if result.ok and current.status == "running":
         current = await r.releases.set_status(app, version, "complete")
     idle = result.ok and result.first is not None and not result.first.actions and not result.first.waiting
@@ -156,7 +195,12 @@ async def _again(r: Reconciler, current: Release, started: float) -> DeployOutco
 async def finish(r: Reconciler, release: Release) -> DeployOutcome:
     """Converge the app onto `release` (already current); if it fails, go back to the last good release
     in every region, or, with none, remove the machines it created and leave the app with no current
-    release. The failed release keeps status `failed` and its reason."""
+    release. The failed release keeps status `failed` and its reason. The app's claim is held throughout."""
+    async with deploying(r, release.app, release.version):
+        return await _finish(r, release)
+
+
+async def _finish(r: Reconciler, release: Release) -> DeployOutcome:
     started = r.timer()
     app, version, spec = release.app, release.version, release.spec
     result = await r.converge(
@@ -268,6 +312,12 @@ async def rollback(
     one rolled back from, and only when the rollback worked (a failed release never is)."""
     started = r.timer()
     head, target = await rollback_target(r, app, version, force=force)
+    async with deploying(r, app, target.version):
+        return await _rollback(r, head, target, reason, started)
+
+
+async def _rollback(r: Reconciler, head: Head, target: Release, reason: str, started: float) -> DeployOutcome:
+    app = target.app
     before = await r.releases.get(app, head.version) if head.version else None
     result = await _converge_to(r, target)
     if result.ok:
@@ -307,7 +357,8 @@ async def reconcile_once(r: Reconciler, app: str, timeout: float = 120.0) -> Con
     if desired is None:
         raise NotFound(f"app {app} has no releases: deploy it first")
     limit = r.timeout_for(desired.spec) if desired.spec else timeout
-    result = await r.converge(desired, timeout=limit, until="primaries", exits_since=r.clock())
+    async with deploying(r, app, desired.release):
+        result = await r.converge(desired, timeout=limit, until="primaries", exits_since=r.clock())
     if result.ok and desired.spec is not None:
         current = await r.releases.get(app, desired.release)
         if current.status == "running":  # a deploy that was killed halfway, finished now

@@ -5,6 +5,9 @@ A worker's heartbeat expiring (its spares start), a machine's event, a new relea
 when the desired state does not answer, as in a supercluster region cut off from the home region that keeps
 the apps bucket: it then converges to the last release it saw, from its last read or the apps watch.
 
+An app a deploy (or rollback) is converging is left to it while its claim holds (`rollout.deploying`): two
+reconcilers planning one app at once each created the missing primary, then each destroyed the other's copy.
+
 It rides out a nats-server restart (its connection reconnects forever, see `reconciler`); if the connection
 closes for good, `watch` raises `Unreachable` saying so, and `reconcile --watch` exits non-zero for its
 supervisor to restart it: alive but deaf, it would fail every pass and replace nothing.
@@ -32,6 +35,7 @@ class Operator:
         self._last_desired: dict[str, Desired] = {}
         self._known_apps: set[str] = set()  # the last app list read
         self._desired_quiet_until = 0.0
+        self._deferred: dict[str, int] = {}  # app -> the release a deploy converges it onto, while the operator waits
 
     async def watch(self, apps: list[str] | None, stop: asyncio.Event) -> None:
         """Step every app (or `apps`) whenever anything changes, until `stop` is set; raises `Unreachable` if
@@ -42,6 +46,9 @@ class Operator:
             busy = False
             for app in apps if apps is not None else await self._apps():
                 try:
+                    if await self._claimed(app):
+                        busy = True  # look again soon: the claim goes when the deploy ends
+                        continue
                     desired = await self._desired_or_last(app)
                     if desired is None:
                         continue
@@ -69,6 +76,25 @@ class Operator:
                 self._desired_quiet_until = r.timer() + DESIRED_RETRY
                 log.warning("the app list did not answer (%r): using the last one seen", exc)
         return sorted(self._known_apps | r.watched.apps())
+
+    async def _claimed(self, app: str) -> bool:
+        """Whether a deploy (or rollback) holds `app` now. Read from the bucket (the apps watch may not have brought a
+        claim written a moment ago), or while the bucket does not answer, from the apps watch."""
+        r = self.reconciler
+        claim = r.watched.claim(app)
+        if r.timer() >= self._desired_quiet_until:
+            try:
+                claim = await asyncio.wait_for(r.releases.claim_of(app), DESIRED_TIMEOUT)
+            except Exception as exc:
+                self._desired_quiet_until = r.timer() + DESIRED_RETRY
+                log.info("the claim on %s did not answer (%r): using the apps watch's", app, exc)
+        if claim is None or not claim.live(r.clock()) or claim.holder == r.executor.holder:
+            self._deferred.pop(app, None)
+            return False
+        if self._deferred.get(app) != claim.release:  # said once per deploy
+            log.info("%s: left to %s while it converges release %d", app, claim.holder, claim.release)
+            self._deferred[app] = claim.release
+        return True
 
     async def _desired_or_last(self, app: str) -> Desired | None:
         """`desired(app)`, or the last one read while the desired state does not answer: a region cut off from

@@ -20,6 +20,7 @@ from orchestrator.reconcile.plan import Desired
 from orchestrator.reconcile.reconciler import Reconciler
 from orchestrator.reconcile.releases import Head, Release, Releases, WatchedReleases
 from orchestrator.reconcile.spec import RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, PlacementSpec
+from orchestrator.reconcile.watch import Operator
 from tests.helpers import arun
 from tests.orchestrator.memory_fleet import FakeClock, MemoryFleet, MemoryStore
 from tests.orchestrator.test_plan import spec as plan_spec
@@ -209,3 +210,25 @@ def test_the_apps_watch_keeps_heads_and_releases_for_when_the_bucket_does_not_an
     assert watched.head("web") is None and watched.apps() == {"web"}  # its release is still there
     watched.apply("web.releases.2", None)
     assert watched.apps() == set()
+
+
+def test_an_operator_leaves_an_app_to_the_deploy_that_claims_it_until_the_claim_goes_or_lapses() -> None:
+    clock, fleet, deployer = fleet_of(mad=2)
+    operator = Reconciler(fleet, fleet, deployer.releases.kv, clock=clock, timer=clock, poll=0, backstop=0, debounce=0)
+    operator.executor.holder = "the operator"
+    fleet.follow(operator.observer.registry, operator.observer.index)
+    watching = Operator(operator)
+
+    release = arun(rollout.begin(deployer, app_spec("mad = 2")))  # claimed before `current` names the release
+    assert arun(watching._claimed("web"))
+    assert fleet.machines("web") == []
+
+    outcome = arun(rollout.finish(deployer, release))  # holds the claim while it converges, then lets go
+    assert outcome.ok, outcome.message
+    assert arun(deployer.releases.claim_of("web")) is None
+    assert not arun(watching._claimed("web"))
+
+    arun(deployer.releases.claim("web", "a deploy killed halfway", 2, rollout.CLAIM_TTL))
+    assert arun(watching._claimed("web"))
+    clock.now += rollout.CLAIM_TTL
+    assert not arun(watching._claimed("web"))  # lapsed: the operator takes the app up again

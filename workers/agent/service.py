@@ -27,6 +27,7 @@ from typing import Any
 
 from nacl.public import PrivateKey
 from nats.aio.client import Client
+from nats.js.errors import APIError
 from nats.micro import add_service
 from nats.micro.service import EndpointConfig, ServiceConfig
 
@@ -76,6 +77,7 @@ from workers.volumes.verbs import VolumeManager
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
+JOBS_RETRY = 5.0  # seconds between tries to start background jobs that could not start with the worker
 
 
 def cgroup_base_name(worker_id: str, data_dir: Path) -> str:
@@ -158,7 +160,7 @@ class WorkerAgent:
             away=heartbeat.away,
             clock=time.time,
         )
-        self.secrets = SecretsCache(_secrets_key(cfg))
+        self.secrets = SecretsCache(_secrets_key(cfg), saved=data / "secrets.sealed.json")
         await self.secrets.start(await secrets_bucket(js))
         layout = kv.layout  # in a supercluster: this region's own index bucket and events stream
         self.outbox = Outbox(
@@ -334,10 +336,22 @@ class WorkerAgent:
             ) from None
 
     async def _start_jobs(self) -> None:
-        """Background jobs (workers/jobs): this region's job desk, and pulls bounded by free slots."""
+        """Background jobs (workers/jobs): this region's job desk, and pulls bounded by free slots. Jobs that cannot
+        start now (their streams at home, in a supercluster cut off from the home region: the nemesis on hosts,
+        seed 103, where the raw 503 ended the worker) are tried again every JOBS_RETRY seconds; the worker serves
+        its machines meanwhile."""
+        assert self.nc is not None
+        # its API requests (background jobs' submit and cancel) are recorded in the audit trail, as a broker's
+        self.trail = AuditTrail(self.nc)
+        await self.trail.make_stream_if_open()
+        self.responder = Responder(self.nc, f"worker {self.config.worker_id}", audit=RequestAudit(self.trail))
+        if not await self._jobs_started():
+            self._tasks.append(asyncio.create_task(self._jobs_later()))
+
+    async def _jobs_started(self, *, quiet: bool = False) -> bool:
         assert self.nc is not None and self.store is not None and self.manager is not None and self._kv is not None
         cfg, store = self.config, self.store
-        self.jobs = JobsService(
+        jobs = JobsService(
             self.nc,
             self.manager,
             worker_id=cfg.worker_id,
@@ -347,16 +361,24 @@ class WorkerAgent:
             workers_kv=self._kv.workers,
             ack_wait=cfg.jobs_ack_wait,
         )
-        # its API requests (background jobs' submit and cancel) are recorded in the audit trail, as a broker's
-        self.trail = AuditTrail(self.nc)
-        await self.trail.make_stream_if_open()
-        self.responder = Responder(self.nc, f"worker {cfg.worker_id}", audit=RequestAudit(self.trail))
         try:
-            await self.jobs.start(self.responder)
-        except (FauxmadError, TimeoutError) as exc:  # a secure fleet whose operator did not prepare this region
-            log.warning("worker %s: background jobs off: %s", cfg.worker_id, getattr(exc, "message", repr(exc)))
-            await self.jobs.close()
-            self.jobs = None
+            await jobs.start(self.responder)
+        except (FauxmadError, TimeoutError, APIError) as exc:  # not prepared (a secure fleet), or not answering
+            if not quiet:
+                why = getattr(exc, "message", None) or repr(exc)
+                said = f"background jobs off for now: {why} (trying again every {JOBS_RETRY:g}s)"
+                log.warning("worker %s: %s", cfg.worker_id, said)
+            await jobs.close()
+            return False
+        self.jobs = jobs
+        return True
+
+    async def _jobs_later(self) -> None:
+        while True:
+            await asyncio.sleep(JOBS_RETRY)
+            if await self._jobs_started(quiet=True):
+                log.info("worker %s: background jobs on", self.config.worker_id)
+                return
 
     # ------------------------------------------------------------------------------------------
     # what the worker tells the auction (a snapshot) and the registry (its info)
