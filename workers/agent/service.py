@@ -53,7 +53,7 @@ from workers.agent.claims import region_claims
 from workers.agent.compaction import compact_forever
 from workers.agent.config import WorkerConfig
 from workers.agent.handlers import Handlers
-from workers.agent.heartbeat import Heartbeat
+from workers.agent.heartbeat import BeatGroup, Heartbeat
 from workers.agent.images import images_in_use, images_named, open_image_cache
 from workers.driver import sandbox
 from workers.driver.limits import auto_detect, slow_migration_hint
@@ -89,10 +89,12 @@ def cgroup_base_name(worker_id: str, data_dir: Path) -> str:
 
 
 class WorkerAgent:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, beats: BeatGroup | None = None) -> None:
+        """`beats`: the heartbeat timer of the process's logical workers (None: this worker's own timer)."""
         subjects.check_token("region", config.region)
         subjects.check_token("worker id", config.worker_id)
         self.config = config
+        self.beats = beats
         self.started_at = time.time()
         self.nc: Client | None = None
         self.store: Store | None = None
@@ -241,8 +243,11 @@ class WorkerAgent:
         await self._start_jobs()  # before the info endpoint answers: a ready worker takes jobs
         await self._subscribe(handlers)
         await self.heartbeat.once()
+        if self.beats is not None:  # the process's one timer beats for it (`heartbeat.BeatGroup`)
+            self.beats.add(self.heartbeat)
+        else:
+            self._tasks.append(asyncio.create_task(self.heartbeat.run()))
         self._tasks += [
-            asyncio.create_task(self.heartbeat.run()),
             asyncio.create_task(self.outbox.run()),
             asyncio.create_task(self.follower.run()),
             asyncio.create_task(compact_forever(self.store, cfg)),
@@ -334,9 +339,16 @@ class WorkerAgent:
             ) from None
 
     async def _start_jobs(self) -> None:
-        """Background jobs (workers/jobs): this region's job desk, and pulls bounded by free slots."""
+        """Background jobs (workers/jobs): this region's job desk, and pulls bounded by free slots (not for a
+        logical worker that is not its process's first: `WorkerConfig.serve_jobs`)."""
         assert self.nc is not None and self.store is not None and self.manager is not None and self._kv is not None
         cfg, store = self.config, self.store
+        # its API requests (background jobs' submit and cancel) are recorded in the audit trail, as a broker's
+        self.trail = AuditTrail(self.nc)
+        await self.trail.make_stream_if_open()
+        self.responder = Responder(self.nc, f"worker {cfg.worker_id}", audit=RequestAudit(self.trail))
+        if not cfg.serve_jobs:
+            return
         self.jobs = JobsService(
             self.nc,
             self.manager,
@@ -347,10 +359,6 @@ class WorkerAgent:
             workers_kv=self._kv.workers,
             ack_wait=cfg.jobs_ack_wait,
         )
-        # its API requests (background jobs' submit and cancel) are recorded in the audit trail, as a broker's
-        self.trail = AuditTrail(self.nc)
-        await self.trail.make_stream_if_open()
-        self.responder = Responder(self.nc, f"worker {cfg.worker_id}", audit=RequestAudit(self.trail))
         try:
             await self.jobs.start(self.responder)
         except (FauxmadError, TimeoutError) as exc:  # a secure fleet whose operator did not prepare this region
