@@ -166,7 +166,7 @@ def test_a_worker_killed_after_taking_jobs_loses_none_of_them(
             while not (runs.exists() and runs.read_text().strip()) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             victim.kill9()  # type: ignore[attr-defined]
-            worker_factory(region, cpus=4, extra=["--jobs-ack-wait", "2"])
+            await asyncio.to_thread(worker_factory, region, cpus=4, extra=["--jobs-ack-wait", "2"])  # it waits
             ids = [job.id for job in submitted]
             return ids, await jobs.wait(app, ids, 90.0)
         finally:
