@@ -4,7 +4,10 @@ A job is a command to run to completion once, somewhere in a region, with late b
 submit puts it in the region's JetStream work-queue stream, and a worker takes it only when it has a
 free slot. The record of each job (state, attempts, exit status, output) is a value of KV
 `fauxmad_jobs`, written with compare-and-set by whoever moves it on, so a cancel and a worker never
-overwrite each other. States: `queued` -> `running` -> `succeeded` | `failed` | `cancelled`, and
+overwrite each other. Since issue 44 the submit writes only the queue message (on
+`fauxmad.v1.jobs.queue.<region>.<app>.<job id>`, an addition), which carries the job as submitted: the record's
+first value is written by the worker that takes the job (or by a cancel of the queued job), and until then
+status, list and wait answer from the queue. States: `queued` -> `running` -> `succeeded` | `failed` | `cancelled`, and
 `running` -> `queued` again for a retry (a failure with attempts left, or a worker lost mid-task).
 
 A job may name an image (`image`: `name:tag` or a digest, an optional field: a submit without it is
@@ -148,9 +151,10 @@ class JobSubmitReply(Reply):
 class JobTask(Reply):
     """A message of the region's work-queue stream: which job to run (its record says how).
 
-    `job` (an addition, left out of the JSON when not given): the record as submitted, carried by a keyless
-    submit's message so that a worker given it fresh runs it without reading the record first (the record is
-    still written to KV `fauxmad_jobs` at the submit; a message without it is read as before)."""
+    `job` (an addition, left out of the JSON when not given): the record as submitted. Every submit's message
+    carries it since issue 44, and no record is written at the submit: until a worker takes the job (and
+    writes its record to KV `fauxmad_jobs` before acking the message), this is the job's record. A message
+    without it (from an older worker, whose submit wrote the record) is read as before."""
 
     id: str
     app: str

@@ -210,6 +210,10 @@ def job_channels() -> list[Channel]:
         Channel("jobs_queue", f"{P}.jobs.queue.{{region}}",
                 "A region's work queue (stream FAUXMAD_JOBS_<region>, consumer `workers`): which job to run.",
                 j.JobTask, None, ("region",)),
+        Channel("jobs_queue_job", f"{P}.jobs.queue.{{region}}.{{app}}.{{job_id}}",
+                "A job in its region's work queue under its own subject (an addition, same stream and consumer): "
+                "what a submit writes, carrying the job as submitted; read by status, list and cancel while the "
+                "job has no record.", j.JobTask, None, ("region", "app", "job_id")),
         Channel("jobs_dead", f"{P}.jobs.dead.{{region}}.{{app}}",
                 "A job that failed every attempt: its final record (stream FAUXMAD_JOBS_DEAD).", j.Job, None,
                 ("region", "app")),

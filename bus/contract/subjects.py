@@ -262,9 +262,30 @@ def jobs_queue(region: str) -> str:
     return f"{PREFIX}.jobs.queue.{check_token('region', region)}"
 
 
+def jobs_queue_job(region: str, app: str, job_id: str) -> str:
+    """`fauxmad.v1.jobs.queue.<region>.<app>.<job id>` (an addition): where a submit puts each job, in the same
+    stream as `jobs_queue` (the stream keeps both), so a queued job is found by its subject (`last_by_subj`)
+    while no record of it exists: the record is written when a worker takes it."""
+    return f"{jobs_queue(region)}.{check_token('app', app)}.{job_id}"
+
+
+def jobs_queue_jobs(region: str) -> str:
+    """The filter of every per-job subject of region `region`'s queue (`jobs_queue_job`)."""
+    return f"{jobs_queue(region)}.>"
+
+
+def jobs_queue_app(region: str, app: str) -> str:
+    """The filter of app `app`'s queued jobs in region `region` (`jobs_queue_job`)."""
+    return f"{jobs_queue(region)}.{check_token('app', app)}.*"
+
+
+JOBS_QUEUES_ALL = f"{PREFIX}.jobs.queue.>"  # every region's work queue: its streams are found by this filter
+JOBS_STREAM_PREFIX = "FAUXMAD_JOBS_"
+
+
 def jobs_stream(region: str) -> str:
     """The work-queue stream of a region: `FAUXMAD_JOBS_<region>`."""
-    return f"FAUXMAD_JOBS_{check_token('region', region)}"
+    return f"{JOBS_STREAM_PREFIX}{check_token('region', region)}"
 
 
 def jobs_dead(region: str, app: str) -> str:

@@ -570,6 +570,9 @@ async def _limited_stream(js: JetStreamContext, stream: StreamConfig, limits: St
 # Background jobs (addition, docs/how-to/jobs.md)
 
 JOBS_ACK_WAIT = 6.0  # a taken job not acked or renewed for this long is given to another worker
+# A work queue's `Nats-Msg-Id` window (seconds): a keyed submit's message published twice within it is stored
+# once. Its check (the queue, then the records) covers what is older; this covers two submits racing.
+JOBS_DUPLICATE_WINDOW = 120.0
 JOBS_DEAD_MAX_AGE = 30 * 24 * 3600.0
 JOB_EVENTS_MAX_AGE = 24 * 3600.0
 
@@ -617,17 +620,23 @@ async def ensure_jobs_resources(js: JetStreamContext, region: str, *, ack_wait: 
         StreamLimits(max_age=JOB_EVENTS_MAX_AGE, max_bytes=256 << 20, explicit=False),
     )
     stream = subjects.jobs_stream(region)
-    await _limited_stream(
+    queue_subjects = [subjects.jobs_queue(region), subjects.jobs_queue_jobs(region)]
+    current = await _limited_stream(
         js,
         StreamConfig(
             name=stream,
-            subjects=[subjects.jobs_queue(region)],
+            subjects=queue_subjects,
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             description=f"the work queue of region {region}: a message per job until a worker acks it",
+            duplicate_window=JOBS_DUPLICATE_WINDOW,
         ),
         StreamLimits(max_age=0.0, max_bytes=-1, explicit=False),
     )
+    if not set(queue_subjects) <= set(current.subjects or []):  # made before the per-job subjects: added to it
+        current.subjects = sorted({*(current.subjects or []), *queue_subjects})
+        with contextlib.suppress(BadRequestError):  # updated meanwhile by another worker
+            await js.update_stream(current)
     try:
         await js.consumer_info(stream, subjects.JOBS_CONSUMER)
     except TimeoutError:

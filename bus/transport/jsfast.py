@@ -32,6 +32,7 @@ from bus.transport.refusals import REFUSED, refusals_of
 
 WRONG_LAST_SEQUENCE = 10071  # JSStreamWrongLastSequenceErrCode: a compare-and-set lost
 NO_MESSAGE = 10037  # JSNoMessageFoundErr: the key has no message (a 404 like a missing stream's, 10059)
+NO_STREAM = 10059  # JSStreamNotFoundErr
 EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 NO_RESPONDERS = "503"
 
@@ -52,6 +53,7 @@ class PubAck(msgspec.Struct):
 
 class _Stored(msgspec.Struct):
     seq: int
+    subject: str = ""
     data: bytes = b""  # base64 on the wire: msgspec decodes it
     hdrs: bytes | None = None
 
@@ -61,7 +63,21 @@ class _MsgGet(msgspec.Struct):
     error: ApiError | None = None
 
 
+class StoredMessage(msgspec.Struct):
+    """A stream's message as `FastJetStream.get_message` gives it."""
+
+    seq: int
+    subject: str
+    data: bytes
+
+
+class _Names(msgspec.Struct):
+    streams: list[str] | None = None
+    error: ApiError | None = None
+
+
 _ack = msgspec.json.Decoder(PubAck)
+_names = msgspec.json.Decoder(_Names)
 _got = msgspec.json.Decoder(_MsgGet)
 
 
@@ -135,12 +151,36 @@ class FastJetStream:
 
     async def publish(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> int:
         """Store a message; its stream sequence (of the first copy, for a `Nats-Msg-Id` already seen)."""
+        return (await self.publish_ack(subject, payload, headers)).seq
+
+    async def publish_ack(self, subject: str, payload: bytes, headers: dict[str, str] | None = None) -> PubAck:
+        """Store a message; its ack (`duplicate`: a `Nats-Msg-Id` seen within the stream's duplicate window, the
+        message not stored again)."""
         ack = _ack.decode((await self.request(subject, payload, headers)).data)
         if ack.error is not None:
             if ack.error.err_code == WRONG_LAST_SEQUENCE:
                 raise LostRace(ack.error.description)
             raise Unreachable(f"{subject}: {ack.error.description or f'error {ack.error.err_code}'}")
-        return ack.seq
+        return ack
+
+    async def get_message(self, stream: str, query: dict[str, Any]) -> StoredMessage | None:
+        """One message of `stream` (`$JS.API.STREAM.MSG.GET`, `query` as the server reads it: `last_by_subj`, or
+        `seq` with `next_by_subj`), None when none matches."""
+        subject = f"$JS.API.STREAM.MSG.GET.{stream}"
+        got = _got.decode((await self.request(subject, msgspec.json.encode(query))).data)
+        if got.message is None:
+            if got.error is not None and got.error.err_code not in (NO_MESSAGE, NO_STREAM):
+                raise Unreachable(f"{subject}: {got.error.description or f'error {got.error.err_code}'}")
+            return None
+        return StoredMessage(seq=got.message.seq, subject=got.message.subject, data=got.message.data)
+
+    async def stream_names(self, subject: str) -> list[str]:
+        """The streams that keep messages of `subject` (a filter; `$JS.API.STREAM.NAMES`)."""
+        reply = await self.request("$JS.API.STREAM.NAMES", msgspec.json.encode({"subject": subject}))
+        names = _names.decode(reply.data)
+        if names.error is not None:
+            raise Unreachable(f"$JS.API.STREAM.NAMES: {names.error.description or f'error {names.error.err_code}'}")
+        return names.streams or []
 
 
 class FastKV:

@@ -1,7 +1,9 @@
 """A typed client for background jobs: one request per documented subject, plus `wait` on KV `fauxmad_jobs`.
 
 `wait` watches the job records themselves (a KV watcher on `<app>.<id>` keys), so it learns of the end
-of each job the moment it is written, without polling any worker.
+of each job the moment it is written, without polling any worker. A queued job has no record until a worker
+takes it (issue 44): a job the watch has no record of is asked of the desk (`status`, which reads the queue)
+before it is called unknown, and its record comes through the same watch once it is taken.
 """
 
 from __future__ import annotations
@@ -74,8 +76,7 @@ class JobsClient:
     async def cancel(self, app: str, job_id: str) -> Job:
         return await call(self.nc, subjects.api_jobs(app, "cancel"), JobIdRequest(app=app, id=job_id), Job)
 
-    @staticmethod
-    async def _missing(kv: Any, app: str, job_ids: builtins.list[str]) -> builtins.list[str]:
+    async def _missing(self, kv: Any, app: str, job_ids: builtins.list[str]) -> builtins.list[str]:
         """Which of `job_ids` have no record, asked one by one. The watch's end-of-values marker alone cannot
         say: nats-py queues it first when the consumer reports nothing pending and its callback has received
         nothing yet, which is also the case when the server has already sent every record and the callback has
@@ -85,8 +86,14 @@ class JobsClient:
             try:
                 entry = await kv.get(subjects.job_key(app, job_id))
             except KeyNotFoundError:
+                entry = None
+            if entry is not None and entry.value:
+                return False
+            try:  # no record: a queued job has none until a worker takes it (the desk reads the queue)
+                await self.status(app, job_id)
+            except NotFound:
                 return True
-            return not entry.value
+            return False
 
         found: builtins.list[str] = []
         for start in range(0, len(job_ids), 64):

@@ -2,7 +2,8 @@
 history (stream `FAUXMAD_JOB_EVENTS`) for `fauxmad events --jobs`.
 
 The counts are read from the records in KV `fauxmad_jobs` (one watcher over the app's keys, or all), not
-from the machine view's SQLite file: a job's record is its truth, and each is one key.
+from the machine view's SQLite file: a job's record is its truth, and each is one key. A queued job has no
+record until a worker takes it (issue 44): those are counted from the work queues' per-subject counts.
 """
 
 from __future__ import annotations
@@ -29,8 +30,32 @@ class JobCount(msgspec.Struct, frozen=True):
     count: int
 
 
+async def queued_in_queues(nc: Client, app: str | None = None) -> dict[tuple[str, str], str]:
+    """(app, job id) -> region of every job whose message is in a work queue (under its own subject: a
+    submit's since issue 44), from the streams' per-subject counts: one request per region."""
+    js = nc.jetstream()
+    found: dict[tuple[str, str], str] = {}
+    for stream in await js.streams_info():
+        name = stream.config.name or ""
+        if not name.startswith(subjects.JOBS_STREAM_PREFIX):
+            continue
+        region = name[len(subjects.JOBS_STREAM_PREFIX) :]
+        wanted = subjects.jobs_queue_app(region, app) if app else f"{subjects.jobs_queue(region)}.*.*"
+        try:
+            info = await js.stream_info(name, subjects_filter=wanted)
+        except NotFoundError:
+            continue
+        for subject in info.state.subjects or {}:
+            job_app, job_id = subject.rsplit(".", 2)[-2:]
+            found[(job_app, job_id)] = region
+    return found
+
+
 async def job_counts(nc: Client, app: str | None = None) -> list[JobCount]:
-    """How many jobs each app has in each region and state (empty when no job was ever submitted)."""
+    """How many jobs each app has in each region and state (empty when no job was ever submitted). A job with
+    no record yet is counted `queued` from its region's queue (read first: a job taken meanwhile has its
+    record written before its message goes)."""
+    queued = await queued_in_queues(nc, app)
     try:
         kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
     except (BucketNotFoundError, NotFoundError):
@@ -42,8 +67,11 @@ async def job_counts(nc: Client, app: str | None = None) -> list[JobCount]:
             if entry.value:
                 job = decode(Job, entry.value)
                 counts[(job.app, job.region, job.state)] += 1
+                queued.pop((job.app, job.id), None)
     finally:
         await stop_watch(watcher)
+    for (job_app, _), region in queued.items():
+        counts[(job_app, region, "queued")] += 1
     return [JobCount(app=a, region=r, state=s, count=n) for (a, r, s), n in sorted(counts.items())]
 
 

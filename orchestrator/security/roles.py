@@ -258,6 +258,7 @@ def _worker_jobs_publish(region: str) -> tuple[str, ...]:
     worker running the job."""
     return (
         subjects.jobs_queue(region),
+        subjects.jobs_queue_jobs(region),  # a job's own subject in the queue (issue 44)
         f"{P}.jobs.dead.{region}.>",
         f"{P}.jobs.events.{region}.>",
         f"{P}.worker.*.jobs.cancel",

@@ -117,3 +117,21 @@ def test_a_short_attempt_is_claimed_and_finished_in_one_write_unless_the_record_
     assert (
         moves.settled(cancelled, claim=claim, worker_id="w1", attempt=1, outcome=Outcome(exit_code=0), now=2.0) is None
     )
+
+
+def test_a_message_carries_its_record_until_a_worker_writes_one() -> None:
+    """Issue 44: no record is written at the submit, so a message with none found runs from the job it carries,
+    however old, whoever delivers it (`take.as_submitted`), unless it is not its own or not as submitted."""
+    import msgspec
+
+    from bus.contract.jobs import Job, JobTask
+    from workers.jobs.take import as_submitted, decide
+
+    job = Job(id="j0123456789abcde", app="a", region="r", state="queued", cmd=["true"], runner="process")
+    task = JobTask(id=job.id, app="a", job=job)
+    assert as_submitted(task) == job
+    assert decide(as_submitted(task), 7, 100.0, holder_alive=False, age=3600.0, deliveries=5).action == "run"
+    assert as_submitted(JobTask(id=job.id, app="a")) is None  # an older submit's: its record decides
+    assert as_submitted(JobTask(id=job.id, app="b", job=job)) is None  # not its own
+    assert as_submitted(JobTask(id=job.id, app="a", job=msgspec.structs.replace(job, attempt=1))) is None
+    assert as_submitted(JobTask(id=job.id, app="a", job=msgspec.structs.replace(job, state="running"))) is None

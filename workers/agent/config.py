@@ -32,6 +32,9 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     volume_capacity_gb: int | None = None  # volumes' sizes this worker may hold; None: the data dir's free disk
     job_slots: int = 0  # background jobs held at once (0: one per cpu); see workers/jobs
     jobs_ack_wait: float = JOBS_ACK_WAIT
+    # whether this worker takes background jobs: false for every logical worker of a process but its first (a
+    # simulated fleet's): one job puller per process, not one per logical worker (issue 44)
+    serve_jobs: bool = True
     # the address other hosts reach this worker at (None: the local address of its NATS connection)
     advertise: str | None = None
     backhaul_port: int = 0  # where the backhaul listens on `advertise` (0: a free port, said in the heartbeat)

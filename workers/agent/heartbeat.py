@@ -155,3 +155,26 @@ class Heartbeat:
                 await self.once(acked=False)
 
         self.spawn(beat())
+
+
+class BeatGroup:
+    """The heartbeats of the logical workers one process runs (a benchmark's simulated fleet, `--count`): one
+    timer beats them all at once, their puts in flight together, instead of a timer, a sleep and a wait per
+    logical worker (issue 44: at 1,000 workers that background, not the placement, set the p99). Each put is
+    still its own worker's key, acknowledged as before (`Heartbeat.once`). A real fleet has one worker per
+    process and no group."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.members: list[Heartbeat] = []
+
+    def add(self, heartbeat: Heartbeat) -> None:
+        self.members.append(heartbeat)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            outcomes = await asyncio.gather(*(member.once() for member in self.members), return_exceptions=True)
+            failed = sum(isinstance(outcome, Exception) for outcome in outcomes)
+            if failed:
+                log.warning("heartbeat failed for %d of %d workers of this process", failed, len(outcomes))

@@ -1,7 +1,10 @@
 """One or more worker agents in one process, until cancelled (the CLI cancels on SIGTERM/SIGINT) or a lost bus.
 
 Several logical workers per process is for benchmarks of large regions: each still has its own
-connection, LMDB environment and writer thread, running the same code as a worker of its own.
+connection, LMDB environment and writer thread, running the same code as a worker of its own, but two
+things are the process's (issue 44): its background jobs (one job puller and desk, the first logical
+worker's: the process's CPU is one, so one puller bounds it) and its heartbeats' timer (`BeatGroup`).
+A real fleet (one worker per process) is unchanged.
 Stopping never stops machines: the agent says how many it leaves running, and a restart re-adopts them.
 """
 
@@ -10,8 +13,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import msgspec
+
 from bus.contract.errors import Unreachable
 from workers.agent.config import WorkerConfig
+from workers.agent.heartbeat import BeatGroup
 from workers.agent.service import WorkerAgent
 from workers.lifecycle import steps
 
@@ -26,7 +32,10 @@ async def run_workers(
     `on_ready` runs once every worker serves (the CLI says so there); `on_stopped(n)` once they stopped
     serving (if they did), with the number of machines they leave running."""
     steps.install_from_environment()  # a test's hooks at the lifecycle's named steps, if one named them
-    agents = [WorkerAgent(config) for config in configs]
+    beats = BeatGroup(configs[0].heartbeat_interval) if len(configs) > 1 else None
+    # one job puller (and job desk) per process: its first logical worker's (issue 44)
+    configs = [configs[0], *(msgspec.structs.replace(config, serve_jobs=False) for config in configs[1:])]
+    agents = [WorkerAgent(config, beats) for config in configs]
     running: list[asyncio.Task[None]] = []
     served = False
     try:
@@ -36,6 +45,8 @@ async def run_workers(
         served = True
         # any agent stopping (a lost bus stops one) ends the process
         running = [asyncio.create_task(agent.run_forever()) for agent in agents]
+        if beats is not None:
+            running.append(asyncio.create_task(beats.run()))
         await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in running:

@@ -54,7 +54,7 @@ from workers.agent.claims import region_claims
 from workers.agent.compaction import compact_forever
 from workers.agent.config import WorkerConfig
 from workers.agent.handlers import Handlers
-from workers.agent.heartbeat import Heartbeat
+from workers.agent.heartbeat import BeatGroup, Heartbeat
 from workers.agent.images import images_in_use, images_named, open_image_cache
 from workers.driver import sandbox
 from workers.driver.limits import auto_detect, slow_migration_hint
@@ -91,10 +91,12 @@ def cgroup_base_name(worker_id: str, data_dir: Path) -> str:
 
 
 class WorkerAgent:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, beats: BeatGroup | None = None) -> None:
+        """`beats`: the heartbeat timer of the process's logical workers (None: this worker's own timer)."""
         subjects.check_token("region", config.region)
         subjects.check_token("worker id", config.worker_id)
         self.config = config
+        self.beats = beats
         self.started_at = time.time()
         self.nc: Client | None = None
         self.store: Store | None = None
@@ -243,8 +245,11 @@ class WorkerAgent:
         await self._start_jobs()  # before the info endpoint answers: a ready worker takes jobs
         await self._subscribe(handlers)
         await self.heartbeat.once()
+        if self.beats is not None:  # the process's one timer beats for it (`heartbeat.BeatGroup`)
+            self.beats.add(self.heartbeat)
+        else:
+            self._tasks.append(asyncio.create_task(self.heartbeat.run()))
         self._tasks += [
-            asyncio.create_task(self.heartbeat.run()),
             asyncio.create_task(self.outbox.run()),
             asyncio.create_task(self.follower.run()),
             asyncio.create_task(compact_forever(self.store, cfg)),
@@ -339,12 +344,14 @@ class WorkerAgent:
         """Background jobs (workers/jobs): this region's job desk, and pulls bounded by free slots. Jobs that cannot
         start now (their streams at home, in a supercluster cut off from the home region: the nemesis on hosts,
         seed 103, where the raw 503 ended the worker) are tried again every JOBS_RETRY seconds; the worker serves
-        its machines meanwhile."""
+        its machines meanwhile. Not for a logical worker that is not its process's first (`WorkerConfig.serve_jobs`)."""
         assert self.nc is not None
         # its API requests (background jobs' submit and cancel) are recorded in the audit trail, as a broker's
         self.trail = AuditTrail(self.nc)
         await self.trail.make_stream_if_open()
         self.responder = Responder(self.nc, f"worker {self.config.worker_id}", audit=RequestAudit(self.trail))
+        if not self.config.serve_jobs:
+            return
         if not await self._jobs_started():
             self._tasks.append(asyncio.create_task(self._jobs_later()))
 

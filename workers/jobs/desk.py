@@ -1,16 +1,22 @@
 """The job desk: `submit`, `status`, `list` and `cancel`, answered by workers (queue group `jobs`).
 
 A submit reaches the workers of its region (`fauxmad.v1.api.apps.<app>.jobs.submit.<region>`); status,
-list and cancel any worker (`fauxmad.v1.api.apps.<app>.jobs.<verb>`): the records are in KV
-`fauxmad_jobs`, readable from anywhere. The payload's app must be the subject's. A submit stores each
-job's record (`queued`) and publishes the job to the region's work queue, side by side for new ids (the
-message then carries the record: a worker that gets it first runs from it), and answers only once
-JetStream has acknowledged both: an answered submit is never lost. With an idempotency key the jobs'
-ids come from the key, and the record's create is the claim: the same key again answers with the same
-jobs (a different request under it is a 409), never runs them twice.
+list and cancel any worker (`fauxmad.v1.api.apps.<app>.jobs.<verb>`). The payload's app must be the
+subject's. A submit makes one durable write per job (issue 44): its message on the region's work queue
+(`fauxmad.v1.jobs.queue.<region>.<app>.<job id>`), carrying the job as submitted, and answers once
+JetStream has acknowledged it: an answered submit is never lost. No record is written at the submit: the
+worker that takes the job writes it (KV `fauxmad_jobs`) before it acks the message, so a job is always in
+its queue or in the records, and status, list and cancel read the queue for a job with no record yet
+(`bus.stores.job_queue`, queue first where both are read).
+
+With an idempotency key the jobs' ids come from the key, and the same key again answers with the same jobs
+(a different request under it is a 409), never runs them twice. Without a record written at the submit,
+that is two things: a check before the publish (the job's message in the queue, then its record: in that
+order, so a job taken meanwhile is seen in one of them), and the queue's `Nats-Msg-Id` de-duplication
+(the job's id, within `JOBS_DUPLICATE_WINDOW`, 120 s) for two submits racing past the check together.
 
 A submit that names an image is resolved here, before anything is written, with `bus.stores.images.resolve_image`
-(the resolver every door uses): an unknown reference is a 400 naming it; the records keep the digest, and
+(the resolver every door uses): an unknown reference is a 400 naming it; the jobs keep the digest, and
 the image's own command when the submit gave none. A keyed submit's fingerprint is of the request as sent,
 so the same key and the same tag again answer with the jobs already pinned, even after the tag moved.
 """
@@ -28,7 +34,7 @@ from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
-from bus.contract.errors import BadRequest, Conflict, Unreachable
+from bus.contract.errors import BadRequest, Conflict, NotFound, Unreachable
 from bus.contract.jobs import (
     Job,
     JobIdRequest,
@@ -40,6 +46,7 @@ from bus.contract.jobs import (
     new_job_id,
 )
 from bus.stores.images import ImageError, Images, resolve_image
+from bus.stores.job_queue import JobQueue
 from bus.transport.jsfast import FastJetStream
 from bus.transport.service import request
 from workers.jobs import outcome as moves
@@ -60,6 +67,7 @@ class JobDesk:
         self.nc = nc
         self.fast = fast
         self.records = records
+        self.queue = JobQueue(fast)
         self.region = region
         self.emit = emit
         self.clock = clock
@@ -108,22 +116,42 @@ class JobDesk:
             for index, job_id in enumerate(ids)
         ]
 
-    async def _store(self, job: Job) -> tuple[Job, bool]:
-        """(the record, whether it must be published): a keyed job already stored is published again only
-        while no worker ever took it (the queue's `Nats-Msg-Id` de-duplicates a publish that did land)."""
-        created = await self.records.create(job)
-        if created is not None:
-            return created, True
-        existing = await self.records.get(job.app, job.id)
+    async def _existing(self, job: Job) -> Job | None:
+        """The job already made under its key: its message in this region's queue, else its record (the queue
+        first: a worker writes the record before it acks the message, so a job taken meanwhile is in one)."""
+        queued = await self.queue.find(job.app, job.id, self.region)
+        found = await self.records.read(job.app, job.id)
+        if found is not None:
+            return found[0]
+        return queued
+
+    def _same(self, job: Job, existing: Job) -> Job:
         if existing.fingerprint != job.fingerprint:
             raise Conflict(f"idempotency key {job.idempotency_key!r} was used for a different submit")
-        return existing, existing.state == "queued" and existing.attempt == 0
+        return existing
 
-    async def _publish(self, job: Job, carry: bool = False) -> None:
-        """`carry`: the message carries the record as submitted (keyless jobs: a worker given it fresh runs it
-        without reading the record, which is being written beside it)."""
-        task = JobTask(id=job.id, app=job.app, job=job) if carry else JobTask(id=job.id, app=job.app)
-        await self.fast.publish(subjects.jobs_queue(self.region), encode(task), headers={"Nats-Msg-Id": job.id})
+    async def _keyed(self, job: Job) -> tuple[Job, bool]:
+        """(the job, whether this submit queued it): a keyed job is queued once, whatever the submits."""
+        existing = await self._existing(job)
+        if existing is not None:
+            return self._same(job, existing), False
+        await self.emit(job)
+        if not await self._publish(job):
+            return job, True
+        # a duplicate within the window: a submit racing this one queued it first
+        existing = await self._existing(job)
+        return (self._same(job, existing) if existing is not None else job), False
+
+    async def _publish(self, job: Job) -> bool:
+        """Put the job in the queue, carrying its record as submitted; True if the queue already had it (its
+        `Nats-Msg-Id`, the job's id, seen within the duplicate window)."""
+        task = JobTask(id=job.id, app=job.app, job=job)
+        subject = subjects.jobs_queue_job(self.region, job.app, job.id)
+        try:
+            ack = await self.fast.publish_ack(subject, encode(task), headers={"Nats-Msg-Id": job.id})
+        except Exception as exc:
+            raise Unreachable(f"the work queue of {self.region} did not take the jobs: {exc!r}") from None
+        return ack.duplicate
 
     async def submit(self, subject: str, data: bytes) -> JobSubmitReply:
         req = same_app(subject, decode(JobSubmitRequest, data))
@@ -132,20 +160,12 @@ class JobDesk:
         # A job's `queued` event goes out before its queue message: once the message is out, a worker (this one,
         # even) may take the job and publish `running` first, and a reader of the events would see the job go
         # back to queued after it ran (the contract test saw running, succeeded, queued)
-        if req.idempotency_key is None:
-            # new ids: no record can be there, so the record and the message are written side by side, the
-            # message carrying the record: a worker given it first runs from it, and writes the record itself if
-            # it gets there before this write (workers/jobs/take.py, `carried`)
+        if req.idempotency_key is None:  # new ids: the queue message is the one write
             for job in jobs:
                 await self.emit(job)
-            await asyncio.gather(*(self._create(job) for job in jobs), self._publish_all(jobs, carry=True))
-            stored = [(job, True) for job in jobs]
-        else:  # the record's create is the key's claim: it decides whether the jobs are published
-            stored = list(await asyncio.gather(*(self._store(job) for job in jobs)))
-            for job, published in stored:
-                if published:
-                    await self.emit(job)
-            await self._publish_all([job for job, publish in stored if publish])
+            await asyncio.gather(*(self._publish(job) for job in jobs))
+            return JobSubmitReply(jobs=jobs)
+        stored = await asyncio.gather(*(self._keyed(job) for job in jobs))
         return JobSubmitReply(jobs=[job for job, _ in stored])
 
     def _answer_fits(self, jobs: list[Job]) -> None:
@@ -160,26 +180,24 @@ class JobDesk:
                 f" carries; submit at most {max(1, limit // each)} at a time"
             )
 
-    async def _create(self, job: Job) -> None:
-        """A keyless job's record. Already there: the worker its message reached first wrote it (a new id is
-        random: 60 bits, never taken twice in practice)."""
-        await self.records.create(job)
-
-    async def _publish_all(self, jobs: list[Job], carry: bool = False) -> None:
-        try:
-            await asyncio.gather(*(self._publish(job, carry) for job in jobs))
-        except Exception as exc:
-            raise Unreachable(f"the work queue of {self.region} did not take the jobs: {exc!r}") from None
-
     async def status(self, subject: str, data: bytes) -> Job:
         req = same_app(subject, decode(JobIdRequest, data))
-        return await self.records.get(req.app, req.id)
+        found = await self.records.read(req.app, req.id)
+        if found is not None:
+            return found[0]
+        queued = await self.queue.find(req.app, req.id)
+        if queued is not None:
+            return queued
+        return await self.records.get(req.app, req.id)  # taken (and acked) between the two reads; else 404
 
     async def list(self, subject: str, data: bytes) -> list[Job]:
         req = same_app(subject, decode(JobListRequest, data))
+        queued = await self.queue.queued(req.app, req.region)  # the queue first: see `_existing`
+        by_id = {job.id: job for job in queued}
+        by_id.update((job.id, job) for job in await self.records.list(req.app))
         jobs = [
             job
-            for job in await self.records.list(req.app)
+            for job in by_id.values()
             if (req.state is None or job.state == req.state) and (req.region is None or job.region == req.region)
         ]
         jobs.sort(key=lambda job: (-job.submitted_at, job.index, job.id))
@@ -188,7 +206,13 @@ class JobDesk:
     async def cancel(self, subject: str, data: bytes) -> Job:
         req = same_app(subject, decode(JobIdRequest, data))
         now = self.clock()
-        job, changed = await self.records.change(req.app, req.id, lambda j: moves.cancel_requested(j, now=now))
+        try:
+            job, changed = await self.records.change(req.app, req.id, lambda j: moves.cancel_requested(j, now=now))
+        except NotFound:  # no record: still queued (its first value is the cancel), or taken meanwhile, or none
+            queued = await self.queue.find(req.app, req.id)
+            job, changed = await self.records.change(
+                req.app, req.id, lambda j: moves.cancel_requested(j, now=now), absent=queued
+            )
         if changed:
             await self.emit(job)
         if job.state == "running" and job.worker_id:

@@ -31,7 +31,7 @@ from workers.jobs.guard import Guard
 from workers.jobs.puller import hand_back
 from workers.jobs.records import Change, JobRecords
 from workers.jobs.spawn import Cancel
-from workers.jobs.take import CARRIED_FRESH, RECORD_GRACE, carried, decide
+from workers.jobs.take import CARRIED_FRESH, RECORD_GRACE, as_submitted, carried, decide
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,8 @@ class JobRunner:
         else:
             found = await self.records.read(task.app, task.id)
             job = found[0] if found else None
+            if job is None:  # no record yet: the message's job as submitted is its record (the first write makes it)
+                job = fresh = as_submitted(task)
             holder_alive = await self._holder_alive(job)
             take = decide(job, seq, now, holder_alive=holder_alive, age=age, deliveries=deliveries)
         if take.action == "drop":
@@ -141,7 +143,7 @@ class JobRunner:
         elif take.action == "cancel":
             now = self.clock()
             job, changed = await self.records.change(
-                task.app, task.id, lambda j: moves.cancelled_before_run(j, now=now)
+                task.app, task.id, lambda j: moves.cancelled_before_run(j, now=now), absent=fresh
             )
             if changed:
                 await self.emit(job)

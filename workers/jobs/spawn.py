@@ -2,7 +2,8 @@
 
 Why not `asyncio.create_subprocess_exec`: it forks, and a fork copies the page tables of the whole worker
 (its LMDB map, its threads' stacks); on the job fast path that copy was a third of the worker's CPU. glibc's
-`posix_spawn` uses `clone(CLONE_VM | CLONE_VFORK)`: no copy, whatever the parent's size. The child gets
+`posix_spawn` uses `clone(CLONE_VM | CLONE_VFORK)`: no copy, whatever the parent's size, and it is called on a
+thread of its own (`_SPAWNERS`), not on the event loop: the parent waits there for the child's exec. The child gets
 its own session (`setsid`), stdin from /dev/null and two pipes for stdout and stderr, which the event loop
 reads as they fill (keeping the tail); its end is seen on a pidfd (no SIGCHLD handler, no thread).
 
@@ -19,11 +20,16 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
 from workers.jobs.reaper import Reaper
 
+# `posix_spawn` takes about 1 ms of a loaded host (the child's exec, while the parent waits: CLONE_VFORK), with
+# the GIL released: on the loop it was 40% of the worker's samples under load (issue 44), on these threads the
+# loop goes on. Two: the host's cores.
+_SPAWNERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="job-spawn")
 TAIL_BYTES = 64 * 1024  # per stream, kept while reading (the record keeps less)
 GRANDCHILD_GRACE = 1.0  # seconds an ended job's pipes may stay open (a grandchild holds one) before we stop reading
 
@@ -110,7 +116,7 @@ async def spawn(
     `reaper` kills it if this process dies first (see `workers.jobs.reaper`); `started` is called once it
     runs (`posix_spawn` returns after the child's exec)."""
     loop = asyncio.get_running_loop()
-    pid, out_r, err_r = _start(argv, env)
+    pid, out_r, err_r = await _start_off_loop(loop, argv, env)
     if reaper is not None:
         reaper.watch(pid)
     if started is not None:
@@ -159,6 +165,29 @@ async def spawn(
         stderr=bytes(tails[1].data),
         how=how,
     )
+
+
+async def _start_off_loop(
+    loop: asyncio.AbstractEventLoop, argv: list[str], env: Mapping[str, str]
+) -> tuple[int, int, int]:
+    """`_start` on one of `_SPAWNERS`' threads: the loop goes on meanwhile. Cancelled while it runs, the child
+    it started is killed and reaped there (nothing else knows of it)."""
+    started = loop.run_in_executor(_SPAWNERS, _start, argv, env)
+    try:
+        return await asyncio.shield(started)
+    except asyncio.CancelledError:
+        started.add_done_callback(_abandon)
+        raise
+
+
+def _abandon(started: asyncio.Future[tuple[int, int, int]]) -> None:
+    if started.cancelled() or started.exception() is not None:
+        return
+    pid, out_r, err_r = started.result()
+    _kill(pid)
+    for fd in (out_r, err_r):
+        os.close(fd)
+    _SPAWNERS.submit(os.waitpid, pid, 0)
 
 
 def _start(argv: list[str], env: Mapping[str, str]) -> tuple[int, int, int]:

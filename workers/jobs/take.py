@@ -15,11 +15,11 @@ from bus.contract.jobs import TERMINAL, Job, JobTask
 
 TakeAction = Literal["run", "drop", "later", "cancel"]
 
-# A submit without an idempotency key stores the record and publishes the message at once (two flushed
-# writes side by side, not one after the other, each to its own stream), so a message may be stored and
-# handed to a worker a moment before its record is: it is asked for again (`record_wait`) while it is
-# younger than this, then taken for one whose submit failed. Such a message carries its record (`JobTask.job`),
-# and a fresh one runs from it (`carried`), so this wait is left to messages without it.
+# A submit writes no record (issue 44): its message carries the job as submitted (`JobTask.job`), which is the
+# job's record until a worker takes it and writes the first (`as_submitted`). A message without it (published
+# by an older worker beside a record written at its submit) may be handed to a worker a moment before its
+# record is stored: it is asked for again (`record_wait`) while younger than this, then taken for one whose
+# submit failed.
 RECORD_GRACE = 30.0
 RECORD_WAIT_FIRST = 0.002  # seconds before the first look again for a record not stored yet, doubling
 RECORD_WAIT_MOST = 0.25
@@ -75,8 +75,16 @@ def carried(task: JobTask, *, age: float, deliveries: int, fresh_for: float = CA
     delivery younger than `fresh_for` (a redelivery, or a message that waited in the queue, may find its
     record moved on: a cancel, a lost worker) whose record is of its own job, still as submitted. `age` is this
     host's clock against the server's: a clock behind by more than `fresh_for` (a negative age) proves nothing."""
+    if deliveries != 1 or not -fresh_for < age < fresh_for:
+        return None
+    return as_submitted(task)
+
+
+def as_submitted(task: JobTask) -> Job | None:
+    """The record a message carries, if it is of its own job and as submitted: the job's record while none is
+    written (a submit writes none since issue 44: the worker that takes it writes the first)."""
     job = task.job
-    if isinstance(job, msgspec.UnsetType) or deliveries != 1 or not -fresh_for < age < fresh_for:
+    if isinstance(job, msgspec.UnsetType):
         return None
     if job.id != task.id or job.app != task.app or job.state != "queued" or job.attempt != 0:
         return None
