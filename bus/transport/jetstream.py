@@ -204,18 +204,24 @@ def place_at_home(config: Any, layout: Layout) -> Any:
     return config
 
 
-async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig, *, replica: bool = False) -> KeyValue:
     """Bind to the bucket, creating it only if it is not there: in a secure fleet only an operator may
-    create streams (a worker's or broker's create would be refused), and binding needs read access only."""
+    create streams (a worker's or broker's create would be refused), and binding needs read access only.
+
+    `replica`: the bucket only replicates what its writers can write again (the routing index: the workers'
+    logs), so on one replica and on disk it is made with `persist_mode` async, acked without an fsync per
+    write (nats-server allows that on one replica only; a replicated bucket keeps the default). A bucket made
+    before keeps what it was made with."""
     assert config.bucket is not None
     try:
         return await _bind_kv(js, config.bucket)
     except (NotFoundError, BucketNotFoundError):
         pass
     place_at_home(config, await fleet_layout(js, fresh=True))  # created now: as the fleet's layout says now
+    unsynced = replica and (config.replicas or 1) <= 1 and config.storage != StorageType.MEMORY
     try:
-        if config.placement is not None:
-            return await create_placed_kv(js, config)
+        if config.placement is not None or unsynced:
+            return await create_placed_kv(js, config, PersistMode.ASYNC if unsynced else None)
         return await js.create_key_value(config)
     except BadRequestError:
         # created meanwhile by another process, with a different config (an older layout): bind to it
@@ -362,6 +368,7 @@ async def _state_buckets(
             layout,
             region,
         ),
+        replica=True,  # the workers write it again from their logs (workers/log/outbox.py)
     )
     idempotency = await bind_or_create_kv(
         js,
