@@ -111,7 +111,7 @@ class Carrier:
     own on the bus (a create: the machine's `created` event) keeps the audit record there (`carry_audit`), and
     the responder then records nothing more for its success. A failure is recorded in the trail as ever."""
 
-    __slots__ = ("record", "carried")
+    __slots__ = ("carried", "record")
 
     def __init__(self, record: AuditRecord) -> None:
         self.record = record
