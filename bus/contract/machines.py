@@ -10,6 +10,7 @@ import msgspec
 
 from bus.contract.base import Cpus, MachineId, MemoryMb, Name, Reply, Request, Seconds, State, Token, VolumeId, seconds
 from bus.contract.errors import BadRequest
+from bus.contract.streams import AuditRecord
 
 Sandbox = Literal["none", "bwrap"]
 
@@ -142,6 +143,10 @@ class MachineEvent(Reply):
     # addition: on the `created` event of a reserve, why the broker chose this worker (its short explain)
     placement: dict[str, Any] | None = None
     check: CheckStatus | None = None
+    # addition: on the `created` event of a reserve made for a create through the brokers, the create's audit
+    # record (who signed it, the subject, status 200): the event is the create's one durable write on the bus,
+    # and the audit trail of a create is this event (docs/explanation/architecture.md#one-durable-write-per-create)
+    audit: AuditRecord | None = None
 
 
 class Machine(Reply):
@@ -189,6 +194,8 @@ class ReserveRequest(Request):
     expires_at: float | None = None
     # addition: why the broker chose this worker (a short explain), kept in the machine's `created` event
     placement: dict[str, Any] | None = None
+    # addition: the create's audit record, kept in the machine's `created` event (`MachineEvent.audit`)
+    audit: AuditRecord | None = None
 
 
 class IdRequest(Request):

@@ -106,6 +106,37 @@ def current_caller() -> Caller:
     return CALLER.get()
 
 
+class Carrier:
+    """A mutating request's audit record, offered to its handler: one whose change has a durable record of its
+    own on the bus (a create: the machine's `created` event) keeps the audit record there (`carry_audit`), and
+    the responder then records nothing more for its success. A failure is recorded in the trail as ever."""
+
+    __slots__ = ("carried", "record")
+
+    def __init__(self, record: AuditRecord) -> None:
+        self.record = record
+        self.carried = False
+
+
+# set by `bus.transport.service.Responder` for each audited request (its task's own context)
+CARRIER: contextvars.ContextVar[Carrier | None] = contextvars.ContextVar("fauxmad_audit_carrier", default=None)
+
+
+def audit_to_carry() -> AuditRecord | None:
+    """The audit record of the request being answered, for the handler to keep in its change's own durable record
+    (None: this request is not audited here, as a broker embedded in the HTTP API, whose requests the API audits).
+    The handler calls `carried()` once that record is committed."""
+    carrier = CARRIER.get()
+    return None if carrier is None else carrier.record
+
+
+def carried() -> None:
+    """The request's audit record is in its change's own durable record: its success needs no trail record."""
+    carrier = CARRIER.get()
+    if carrier is not None:
+        carrier.carried = True
+
+
 def identify(subject: str, data: bytes, headers: dict[str, str] | None, now: float) -> Caller:
     """Who signed this request (`UNSIGNED` when nobody did), or `Forbidden` saying why the signature fails."""
     found = headers or {}
@@ -257,6 +288,22 @@ class RequestAudit:
 
     def identify(self, subject: str, data: bytes, headers: dict[str, str] | None) -> Caller:
         return identify(subject, data, headers, self.clock())
+
+    def carrier(self, subject: str, caller: Caller, request_id: str = "") -> Carrier:
+        """The record of this request's success, for a handler to carry (`audit_to_carry`)."""
+        app = subjects.parse_api_app(subject)
+        return Carrier(
+            AuditRecord(
+                at=self.clock(),
+                identity=caller.identity,
+                name=caller.name,
+                method="NATS",
+                path=subject,
+                status=200,
+                app=app,
+                request_id=request_id,
+            )
+        )
 
     async def record(
         self, subject: str, caller: Caller, status: int, request_id: str = "", *, upload: UploadOutcome | None = None

@@ -19,7 +19,7 @@ reply within the deadline is an exception, and the caller sends that message aga
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from bus.transport.jsfast import PubAck
 
 Message = tuple[str, bytes, dict[str, str] | None]  # subject, payload, headers
+OnAck = Callable[[int, "BaseException | None"], None]  # a message's index in the round, and its outcome
 STATUS_HEADER = "Status"
 DESCRIPTION_HEADER = "Description"
 
@@ -55,11 +56,14 @@ class BatchPublisher:
         self._outcomes: list[BaseException | None] = []
         self._left = 0
         self._done: asyncio.Future[None] | None = None
+        self._on_each: OnAck | None = None
 
-    async def send(self, messages: Sequence[Message]) -> list[BaseException | None]:
-        """Per message, None (stored) or why not, in the order given."""
+    async def send(self, messages: Sequence[Message], on_ack: OnAck | None = None) -> list[BaseException | None]:
+        """Per message, None (stored) or why not, in the order given. `on_ack(i, outcome)` is called as each
+        answer comes (a message's ack need not wait for the round's slowest: an fsync'd stream's)."""
         if not messages:
             return []
+        self._on_each = on_ack
         if not self._prefix:
             inbox = self._nc.new_inbox()
             await self._nc.subscribe(inbox + ".*", cb=self._on_ack)
@@ -93,7 +97,9 @@ class BatchPublisher:
         index = self._waiting.pop(msg.subject[len(self._prefix) :], None)
         if index is None:
             return  # its round is over (it gave up, or failed to publish)
-        self._outcomes[index] = _outcome(msg)
+        outcome = self._outcomes[index] = _outcome(msg)
+        if self._on_each is not None:
+            self._on_each(index, outcome)
         self._left -= 1
         if self._left == 0 and self._done is not None:
             _resolve(self._done)

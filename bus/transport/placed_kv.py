@@ -5,16 +5,19 @@ layout bucket (`fleet_layout`) need, in a module of its own so that neither impo
 from __future__ import annotations
 
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, KeyValueConfig, StreamConfig
+from nats.js.api import DiscardPolicy, KeyValueConfig, PersistMode, StreamConfig
 from nats.js.kv import KeyValue
 
 from bus.contract import subjects
 
 
-async def create_placed_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+async def create_placed_kv(
+    js: JetStreamContext, config: KeyValueConfig, persist_mode: PersistMode | None = None
+) -> KeyValue:
     """A KV bucket in the cluster `config.placement` names: nats-py's `create_key_value` leaves placement out of
     the stream it creates (the stream would land wherever the request did), so the stream is made here with
-    the settings nats-py gives a bucket, plus the placement, and then bound as a bucket."""
+    the settings nats-py gives a bucket, plus the placement, and then bound as a bucket. `persist_mode`: the
+    stream's (async: acked before it is on disk; nats-server allows it on one replica only)."""
     assert config.bucket is not None
     marker_ttl = config.limit_marker_ttl if config.limit_marker_ttl and config.limit_marker_ttl > 0 else None
     await js.add_stream(
@@ -38,6 +41,7 @@ async def create_placed_kv(js: JetStreamContext, config: KeyValueConfig) -> KeyV
             storage=config.storage,
             placement=config.placement,
             subject_delete_marker_ttl=marker_ttl,
+            persist_mode=persist_mode,
         )
     )
     return await js.key_value(config.bucket)

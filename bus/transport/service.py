@@ -26,7 +26,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from bus.contract.base import ErrorBody, ErrorDetail
 from bus.contract.codec import clip, decode, decoder, encode
 from bus.contract.errors import FauxmadError, InternalError, Unanswered, Unreachable, error_for_code
-from bus.transport.audit import CALLER, REFUSED, UNSIGNED, RequestAudit, mutating, signer_of
+from bus.transport.audit import CALLER, CARRIER, REFUSED, UNSIGNED, Carrier, RequestAudit, mutating, signer_of
 from bus.transport.in_flight import BROKE, lost
 
 log = logging.getLogger(__name__)
@@ -153,13 +153,18 @@ class Responder:
         audit = self._audit if self._audit is not None and mutating(subject) else None
         caller = REFUSED  # until the signature checks out
         CALLER.set(UNSIGNED)
+        carrier: Carrier | None = None
+        CARRIER.set(None)
         try:
             if audit is not None:
                 caller = audit.identify(subject, data, headers)
                 CALLER.set(caller)  # the handler's (`current_caller`): this task's own context
+                carrier = audit.carrier(subject, caller)
+                CARRIER.set(carrier)  # a create keeps it in its `created` event (`audit_to_carry`)
             body = await answer(handler, subject, data, self._name)
             if audit is not None:
-                await audit.record(subject, caller, 200)
+                if carrier is None or not carrier.carried:
+                    await audit.record(subject, caller, 200)
                 audit = None  # recorded: a failure of the reply itself is not a second request
             await reply(body, None)
             return

@@ -42,6 +42,7 @@ from bus.contract.fleet import CreateRequest, Strategy
 from bus.contract.ids import new_machine_id
 from bus.contract.machines import DestroyRequest, Guest, Machine, ReserveRequest
 from bus.contract.offers import OfferRequest
+from bus.contract.streams import AuditRecord
 from bus.transport.jetstream import MAX_CLOCK_SKEW
 from bus.transport.scatter import Scatterer
 from bus.transport.service import call
@@ -277,6 +278,7 @@ class Auction:
         machine_id: str | None = None,
         not_after: float | None = None,
         before_reserve: BeforeReserve | None = None,
+        audit: AuditRecord | None = None,
     ) -> tuple[Machine, Outcome]:
         """Reserve a machine in `request.region` (state `created`; `started` unless the create says
         `skip_launch`: the worker starts what it reserves, in the same request), or raise 503 at once.
@@ -284,6 +286,7 @@ class Auction:
         `not_after` (epoch seconds): no reserve of this placement may be committed after it.
         `before_reserve(worker_id)` runs before each reserve is sent (an idempotent create records there
         which workers may hold its machine); if it raises, that reserve is not sent.
+        `audit`: the create's audit record, which the worker keeps in the machine's `created` event.
         """
         strategy = request.strategy or self.config.strategy
         guest = request.config.guest
@@ -301,7 +304,9 @@ class Auction:
         )
         # one leg: the worker starts what it reserves, except for a hedge (the loser would start for nothing)
         launch = not request.skip_launch and strategy != "hedged"
-        reserve = msgspec.structs.replace(self.reserve_request(app, request, machine_id, not_after), launch=launch)
+        reserve = msgspec.structs.replace(
+            self.reserve_request(app, request, machine_id, not_after), launch=launch, audit=audit
+        )
         candidates = [c.worker_id for c in outcome.ranking.candidates]  # `avoid` is a filter of the chain
         if strategy == "hedged" and len(candidates) >= 2:
             machine = await self._reserve_hedged(candidates, reserve, outcome, before_reserve)

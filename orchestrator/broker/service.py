@@ -49,10 +49,11 @@ from bus.contract.machines import (
 )
 from bus.contract.offers import Resources
 from bus.contract.schema import endpoint_metadata
+from bus.contract.streams import AuditRecord
 from bus.contract.verbs import API_REQUESTS, API_VOLUME_REQUESTS, BROKER_REQUESTS, EDGE_REQUESTS
 from bus.stores.images import Images
 from bus.stores.snapshots import snapshot_store, volumes_bucket
-from bus.transport.audit import AuditTrail, RequestAudit
+from bus.transport.audit import AuditTrail, RequestAudit, audit_to_carry, carried
 from bus.transport.connection import connect
 from bus.transport.jetstream import FleetConfig, ensure_fleet_resources_patiently
 from bus.transport.scatter import Scatterer
@@ -246,17 +247,22 @@ class Broker:
     async def create(self, app: str, req: CreateRequest) -> Machine:
         req.config.require_command()
         strategy = req.strategy or self.config.auction.strategy
+        # the create's audit record travels in the reserve and stays in the machine's `created` event: the
+        # create's one durable write on the bus (docs/explanation/architecture.md#one-durable-write-per-create)
+        audit = audit_to_carry()
         if req.idempotency_key:
             key = req.idempotency_key
             machine, outcome, new = await metrics.measured(
-                strategy, lambda: self._place_once(app, req, key), lambda placed: placed[1]
+                strategy, lambda: self._place_once(app, req, key, audit), lambda placed: placed[1]
             )
             if not new:
                 return machine  # the key's machine, as it is now
         else:
             machine, outcome = await metrics.measured(
-                strategy, lambda: self.auction.place(app, req), lambda placed: placed[1]
+                strategy, lambda: self.auction.place(app, req, audit=audit), lambda placed: placed[1]
             )
+        if outcome is not None:  # reserved by this request (None: found where a claim taken over had put it)
+            carried()
         self.index.remember(index_entry(machine))
         if not req.skip_launch and machine.state == "created":  # a hedge, or a key's machine reserved earlier
             assert self.nc is not None
@@ -280,7 +286,9 @@ class Broker:
             self._claims_of[region] = Idempotency(self._regional_claims.region(region), self.id)
         return self._claims_of[region]
 
-    async def _place_once(self, app: str, req: CreateRequest, key: str) -> tuple[Machine, Outcome | None, bool]:
+    async def _place_once(
+        self, app: str, req: CreateRequest, key: str, audit: AuditRecord | None = None
+    ) -> tuple[Machine, Outcome | None, bool]:
         """Place under an idempotency claim; the last item says whether this call placed the machine."""
         claims = self._claims(req.region)
         ticket = await claims.claim(app, key, fingerprint(req), new_machine_id())
@@ -307,7 +315,12 @@ class Broker:
                 (found, None)
                 if found is not None
                 else await self.auction.place(
-                    app, req, claim.machine_id, not_after=claim.at + claims.stale_after, before_reserve=record
+                    app,
+                    req,
+                    claim.machine_id,
+                    not_after=claim.at + claims.stale_after,
+                    before_reserve=record,
+                    audit=audit,
                 )
             )
         except OutcomeUnknown as exc:

@@ -6,16 +6,19 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from functools import partial
 
 import msgspec
 import pytest
 
+from bus.contract import subjects
 from bus.contract.errors import BadRequest, NoCapacity, NotFound
 from bus.contract.fleet import CreateRequest, SimulateRequest
-from bus.contract.machines import Guest, MachineConfig
+from bus.contract.machines import Guest, MachineConfig, MachineEvent, MachineIndexEntry
+from bus.contract.streams import AuditRecord
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats
+from tests.helpers import arun, audit_records, connect_nats, until
 
 SLEEP = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=128))
 
@@ -55,6 +58,57 @@ def test_create_places_in_region_and_explains(fleet: DevFleet) -> None:
         stopped = await client.stop("web", machine.id)
         assert stopped.state == "stopped"
         assert (await client.destroy("web", machine.id)).state == "destroyed"
+        await client.close()
+
+    arun(main())
+    cleanup(fleet)
+
+
+def test_every_broker_routes_a_machine_from_the_create_reply_on_and_its_event_carries_the_audit(
+    fleet: DevFleet,
+) -> None:
+    """The reserve is answered once the machine's routing index entry is stored, so from the create's reply on
+    any broker finds it (its replica, or one direct read of the bucket: no window). Read here straight from the
+    bucket at the reply, with no wait and no retry; then a get and a stop through the brokers (two, so either
+    may answer). The create's audit record is its `created` event's, not a record of its own in FAUXMAD_AUDIT."""
+
+    async def main() -> None:
+        client = await connect(fleet)
+        nc = await connect_nats(fleet.url)
+        js = nc.jetstream()
+        index = await js.key_value(subjects.MACHINES_BUCKET)
+        made = []
+        for _ in range(8):
+            machine = await client.create("routed", CreateRequest(region="mad", config=SLEEP))
+            entry = msgspec.json.decode((await index.get(machine.id)).value, type=MachineIndexEntry)
+            assert entry.worker_id == machine.worker_id
+            assert (await client.get("routed", machine.id, events=False)).worker_id == machine.worker_id
+            assert (await client.stop("routed", machine.id)).state == "stopped"
+            made.append(machine)
+        for machine in made:
+            await client.destroy("routed", machine.id)
+
+        async def created_audit(machine_id: str) -> AuditRecord | None:
+            sub = await js.subscribe(f"{subjects.PREFIX}.events.mad.*.routed.{machine_id}", ordered_consumer=True)
+            try:
+                while True:
+                    event = msgspec.json.decode((await sub.next_msg(timeout=1)).data, type=MachineEvent)
+                    if event.status == "created":
+                        return event.audit
+            except TimeoutError:
+                return None  # not in the stream yet: the outbox delivers events after the reply
+            finally:
+                await sub.unsubscribe()
+
+        for machine in made:
+            found = await until(partial(created_audit, machine.id), f"the created event of {machine.id}")
+            audit = found
+            assert audit is not None and audit.identity == "unsigned" and audit.status == 200 and audit.method == "NATS"
+            # the client asks on the region's create subject first (`FleetClient.create`)
+            assert audit.path == "fauxmad.v1.api.apps.routed.machines.create.mad" and audit.app == "routed"
+        trail = [r for r in await audit_records(nc, "routed") if ".machines.create" in r.path]
+        assert len(trail) == len(made)  # each create once: in its event, and no record of its own besides
+        await nc.close()
         await client.close()
 
     arun(main())

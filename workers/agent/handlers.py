@@ -40,8 +40,9 @@ class Handlers:
         state: Callable[[], Hashable],
         info: Callable[[], WorkerInfo],
         put_heartbeat: Callable[[WorkerInfo], Awaitable[None]],
+        routed: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
-        self.machine_routes = machine_routes(manager, follower)
+        self.machine_routes = machine_routes(manager, follower, routed)
         self.volume_routes = volume_routes(volumes)
         self.committer = committer
         self.backpressure = backpressure

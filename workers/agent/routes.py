@@ -9,6 +9,8 @@ request type that is not the contract's stops the worker at start, not at its fi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -64,18 +66,34 @@ def now(method: Callable[[R], T]) -> Callable[[R], Awaitable[T]]:
     return call
 
 
-def machine_routes(manager: MachineManager, follower: LogFollower) -> Routes:
-    """`worker.<id>.machines.<verb>`: the machine manager's method of that name."""
+ROUTED_WITHIN = 0.5  # seconds a reserve's answer waits at most for its machine's index entry to be stored
+
+
+def machine_routes(
+    manager: MachineManager, follower: LogFollower, routed: Callable[[str], Awaitable[None]] | None = None
+) -> Routes:
+    """`worker.<id>.machines.<verb>`: the machine manager's method of that name.
+
+    `routed(machine_id)`: resolved once the machine's routing index entry is stored. A reserve is answered
+    after it (at most `ROUTED_WITHIN`; with JetStream away the answer goes anyway, as the commit is durable),
+    so from the create's reply on every broker finds the machine, not only the one that placed it."""
 
     async def destroy(request: DestroyRequest) -> Machine:
         machine = await manager.destroy(request)
         follower.unfollow(machine.id)
         return machine
 
+    async def reserve(request: ReserveRequest) -> Machine:
+        machine = await manager.reserve(request)
+        if routed is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(routed(machine.id), ROUTED_WITHIN)
+        return machine
+
     return checked(
         "machines",
         {
-            "reserve": route(ReserveRequest, manager.reserve),
+            "reserve": route(ReserveRequest, reserve),
             "start": route(StartRequest, manager.start),
             "stop": route(StopRequest, manager.stop),
             "destroy": route(DestroyRequest, destroy),

@@ -171,6 +171,7 @@ class WorkerAgent:
             index_bucket=layout.machines_bucket(cfg.region),
             events_stream=layout.events_stream(cfg.region),
             address=self.address,
+            machines=self._machines_now,
         )
         self.store = Store(data / "lmdb", sync=cfg.fsync, map_size=cfg.map_size)
         # before anything of this run commits: what the last run's outbox held in memory may never have
@@ -230,6 +231,7 @@ class WorkerAgent:
             state=self.offer_state,
             info=self.info,
             put_heartbeat=self.heartbeat.put,
+            routed=self.outbox.routed,
         )
         volumes_recovered = await volumes.recover()  # before machines: theirs must be mounted
         await self._sweep_fenced("at start")  # before machines are launched again: a fenced one must not be
@@ -453,6 +455,10 @@ class WorkerAgent:
 
     # ------------------------------------------------------------------------------------------
     # after commit: events, routing index, images
+
+    def _machines_now(self) -> list[Machine]:
+        """Every machine of the log, as it is now (the outbox indexes them again after a reconnect)."""
+        return [] if self.store is None else [stored.machine for stored in self.store.machines()]
 
     def _on_commit(self, records: list[LogRecord]) -> None:
         assert self.outbox is not None

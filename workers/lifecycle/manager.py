@@ -353,6 +353,7 @@ class MachineManager:
                 metadata=dict(request.config.metadata),
                 instance_id=instance_id,
                 placement=request.placement,
+                audit=request.audit,
             )
         )
         return stored

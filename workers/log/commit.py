@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from bus.contract.errors import FauxmadError, InternalError
 from workers import metrics
-from workers.log.records import LogRecord
+from workers.log.records import LogRecord, Usage
 from workers.log.store import Store, Tx
 
 T = TypeVar("T")
@@ -106,16 +106,19 @@ class GroupCommitter:
         store = self.store
         outcomes: list[tuple[_Op, Any, list[LogRecord], BaseException | None]] = []
         started = time.perf_counter()
+        usage = store.usage()  # the resources held, carried from one operation to the next (store.py's top)
         try:
             with store.rollback_seq(), store.env.begin(write=True) as txn:
                 now = store.clock()
                 for op in batch:
-                    outcomes.append(self._run_one(txn, op, now))
+                    outcome, usage = self._run_one(txn, op, now, usage)
+                    outcomes.append(outcome)
         except BaseException as exc:  # the commit itself failed: nothing in the batch happened
             failure = exc if isinstance(exc, FauxmadError) else InternalError(f"store commit failed: {exc!r}")
             for op in batch:
                 op.future.set_exception(failure)
             return
+        store.publish_usage(usage)  # durable now: readers and the next batch see it
         self.batches += 1
         self.ops += len(batch)
         metrics.COMMITS.inc()
@@ -127,15 +130,19 @@ class GroupCommitter:
             else:
                 op.future.set_result((result, records))
 
-    def _run_one(self, txn: Any, op: _Op, now: float) -> tuple[_Op, Any, list[LogRecord], BaseException | None]:
+    def _run_one(
+        self, txn: Any, op: _Op, now: float, usage: Usage
+    ) -> tuple[tuple[_Op, Any, list[LogRecord], BaseException | None], Usage]:
+        """One operation in its nested transaction: its outcome, and the resources held after it (as before
+        it if it failed: its changes are rolled back with its transaction)."""
         store = self.store
         child = store.env.begin(write=True, parent=txn)
-        tx = Tx(store, child, now)
+        tx = Tx(store, child, now, usage)
         try:
             with store.rollback_seq():
                 result = op.fn(tx)
         except BaseException as exc:
             child.abort()
-            return op, None, [], exc
+            return (op, None, [], exc), usage
         child.commit()
-        return op, result, tx.records, None
+        return (op, result, tx.records, None), tx.held

@@ -22,6 +22,15 @@ outage of any length both copies converge on the log.
 - A round that delivered nothing waits before the next; one that delivered some goes on at once,
   so an item NATS keeps refusing holds up nothing but itself.
 - One warning when deliveries start failing, one info line when they flow again: never one per item.
+- A reserve is answered once its machine's index entry is stored (`routed`, bounded): from the create's reply
+  on, any broker finds the machine (its replica, or a direct read of the bucket). Only that ack is awaited, as
+  it comes (`BatchPublisher.send`'s `on_ack`): not the round's other acks, nor the event's fsync. The events
+  stream is the create's one durable write on the bus; the index bucket is a replica of the workers' logs
+  that they rebuild (below), so on one server it is stored without an fsync per write (`persist_mode`
+  async: `bus.transport.jetstream`).
+- After the connection comes back (a server restarted, or this worker moved to another), every machine's index
+  entry is queued again (`machines`): a bucket stored without an fsync per write may have lost its last
+  writes to a killed server, and this puts them back (docs/explanation/architecture.md).
 - On start, before this run commits anything, `republish` queues every machine's index entry and
   every event of its log that the stream lacks (those after the last one the stream has for that
   machine): events queued in memory when the worker died are not lost for good, however many records
@@ -136,6 +145,7 @@ class Outbox:
         retry_max: float = 1.0,
         clock: Callable[[], float] = time.time,
         address: str | None = None,
+        machines: Callable[[], Iterable[Machine]] | None = None,
     ) -> None:
         self._nc = nc
         self.address = address  # the worker's advertised address: every index entry names it
@@ -157,6 +167,8 @@ class Outbox:
         self._failing_since: float | None = None
         self._delivered_while_failing = 0
         self.delivered = 0  # events and index entries acknowledged, since start
+        self._machines = machines  # every machine of the log now: queued again after a reconnect
+        self._routed: dict[str, list[asyncio.Future[None]]] = {}  # machine id -> reserves awaiting its entry
 
     # queueing ---------------------------------------------------------------------------------
     @property
@@ -175,6 +187,20 @@ class Outbox:
             entry = msgspec.structs.replace(entry, address=self.address)
         self._index[machine.id] = entry
         self._wake.set()
+
+    def routed(self, machine_id: str) -> asyncio.Future[None]:
+        """Resolved once an index entry of the machine queued so far is stored (at once if none is pending)."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if machine_id in self._index:
+            self._routed.setdefault(machine_id, []).append(future)
+        else:
+            future.set_result(None)
+        return future
+
+    def _resolve_routed(self, machine_id: str) -> None:
+        for future in self._routed.pop(machine_id, ()):
+            if not future.done():
+                future.set_result(None)
 
     def _queue_events(self, machine: Machine, numbered: Iterable[tuple[int, MachineEvent]]) -> None:
         self._events.extend(self._pending(machine, numbered))
@@ -276,6 +302,33 @@ class Outbox:
 
     # delivering -------------------------------------------------------------------------------
     async def run(self) -> None:
+        reindex = asyncio.create_task(self._reindex_after_reconnects())
+        try:
+            await self._deliver()
+        finally:
+            reindex.cancel()
+
+    async def _reindex_after_reconnects(self, poll: float = 0.2) -> None:
+        """Queue every machine's index entry again each time the connection has come back."""
+        if self._machines is None:
+            return
+        seen = self._nc.stats["reconnects"]
+        while True:
+            await asyncio.sleep(poll)
+            now = self._nc.stats["reconnects"]
+            if now == seen or not self._nc.is_connected:
+                continue
+            seen = now
+            try:
+                machines = list(self._machines())
+            except Exception:
+                log.exception("outbox: could not read the machines to index them again")
+                continue
+            for machine in machines:
+                if machine.id not in self._index:  # a newer entry waiting already says as much
+                    self.index(machine)
+
+    async def _deliver(self) -> None:
         delay = self.retry_min
         while True:
             if not self.pending or not self._looked_up.is_set():
@@ -298,9 +351,16 @@ class Outbox:
         the first failure (None: all were)."""
         events = list(itertools.islice(self._events, self.batch))
         index = list(itertools.islice(self._index.values(), self.batch))
+        first_entry = len(events)
+
+        def on_ack(i: int, outcome: BaseException | None) -> None:
+            if i >= first_entry and outcome is None and self._routed:
+                self._resolve_routed(index[i - first_entry].id)
+
         results = await self._publisher.send(
             [(event.subject, event.payload, event.headers) for event in events]
-            + [self._index_message(entry) for entry in index]
+            + [self._index_message(entry) for entry in index],
+            on_ack,
         )
         event_results, index_results = results[: len(events)], results[len(events) :]
         # events: the sent ones are still the first len(events) of the deque (appends go to the right)
@@ -312,6 +372,8 @@ class Outbox:
             # delivered, and not replaced by a newer entry meanwhile: done with this machine
             if result is None and self._index.get(entry.id) is entry:
                 del self._index[entry.id]
+                if self._routed:  # a reserve that asked after this entry's ack came
+                    self._resolve_routed(entry.id)
         ok = sum(result is None for result in results)
         self.delivered += ok
         if self._failing_since is not None:

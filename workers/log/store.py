@@ -3,10 +3,22 @@
 Layout (one place owns it): sub-database `log` maps an 8-byte big-endian sequence number to a
 record; `machines` maps a machine id to its `StoredMachine`; `idempotency` maps an idempotency key
 to a machine id; `images` maps an image name to the last time it was used; `volumes` maps a volume id
-to its `Volume` (docs/tutorials/images-and-volumes.md); `meta` holds `usage`
-(resources held) and `worker` (cordon state). Every change appends one log record and updates the
-derived tables in the same write transaction, so they can never disagree, and `rebuild` recomputes
-them from the log alone to prove it.
+to its `Volume` (docs/tutorials/images-and-volumes.md); `meta` holds `worker` (cordon state). Every
+change appends one log record and updates the derived tables in the same write transaction, so they can
+never disagree, and `rebuild` recomputes them from the log alone to prove it.
+
+A reserve touches two tables, three with an idempotency key, in one transaction (one commit, shared with
+whatever else the group commit took up), and each is needed:
+- `log`: the truth. Nothing else survives compaction's replay check, and the outbox restores from it the
+  events the stream lacks after a crash (workers/log/outbox.py).
+- `machines`: a machine's current record by id, read by every verb and by the reserve's own checks; without
+  it each read would replay the log.
+- `idempotency` (keyed reserves only): a broker's retry of a keyed create must find the key's machine inside
+  the very commit that would otherwise reserve a second one.
+What a reserve no longer writes: the resources held (`usage`, was a row of `meta` read and written by every
+reserve). It is a sum over `machines`, so it is computed when the store opens (which reads the machines
+anyway) and kept in memory, changed only with the commits that change it (`Tx` works on a copy, published
+when the batch's commit is durable): nothing is cached that LMDB cannot give again.
 
 Writes go through `workers.log.commit.GroupCommitter`: a writer thread takes every operation queued
 meanwhile, runs each in its own nested transaction (one failing operation aborts only itself) and
@@ -53,14 +65,12 @@ DB_IDEMPOTENCY = b"idempotency"
 DB_IMAGES = b"images"
 DB_META = b"meta"
 DB_VOLUMES = b"volumes"
-KEY_USAGE = b"usage"
 KEY_WORKER = b"worker"
 
 _SEQ = struct.Struct(">Q")
 _encoder = msgspec.json.Encoder()
 _record_decoder = msgspec.json.Decoder(LogRecord)
 _machine_decoder = msgspec.json.Decoder(StoredMachine)
-_usage_decoder = msgspec.json.Decoder(Usage)
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 _volume_decoder = msgspec.json.Decoder(Volume)
 
@@ -83,11 +93,14 @@ class Tables(msgspec.Struct, kw_only=True):
 class Tx:
     """One operation's view of a write transaction. Only `store` and `GroupCommitter` create it."""
 
-    def __init__(self, store: Store, txn: Any, now: float) -> None:
+    def __init__(self, store: Store, txn: Any, now: float, usage: Usage | None = None) -> None:
         self._store = store
         self._txn = txn
         self.now = now
         self.records: list[LogRecord] = []
+        # the resources held as this operation sees them (its own copy: what it changes is kept only if it
+        # commits, `GroupCommitter` carries it to the next operation of the batch and publishes it at the end)
+        self.held = msgspec.structs.replace(usage if usage is not None else store.usage())
 
     # reads inside the transaction -------------------------------------------------------------
     def get(self, machine_id: str) -> StoredMachine | None:
@@ -105,8 +118,7 @@ class Tx:
         return None if raw is None else self.get(raw.decode())
 
     def usage(self) -> Usage:
-        raw = self._txn.get(KEY_USAGE, db=self._store.db_meta)
-        return Usage() if raw is None else _usage_decoder.decode(raw)
+        return msgspec.structs.replace(self.held)
 
     def worker(self) -> WorkerState:
         raw = self._txn.get(KEY_WORKER, db=self._store.db_meta)
@@ -134,7 +146,7 @@ class Tx:
             return MachineRecord(seq=seq, at=self.now, op=op, stored=stored)
 
         self._append(make)
-        apply_machine(self._txn, self._store, previous, stored)
+        apply_machine(self._txn, self._store, previous, stored, self.held)
         return stored
 
     def put_worker(self, state: WorkerState, op: str) -> None:
@@ -175,8 +187,8 @@ class Tx:
             self._txn.put(image.encode(), _encoder.encode(self.now), db=self._store.db_images)
 
 
-def apply_machine(txn: Any, store: Store, previous: StoredMachine | None, stored: StoredMachine) -> None:
-    """Update the derived tables for one machine record: the one rule both live writes and replay use."""
+def apply_machine(txn: Any, store: Store, previous: StoredMachine | None, stored: StoredMachine, usage: Usage) -> None:
+    """Update the derived tables and `usage` (changed in place) for one machine record."""
     machine = stored.machine
     txn.put(machine.id.encode(), _encoder.encode(stored), db=store.db_machines)
     if stored.idempotency_key:
@@ -185,8 +197,6 @@ def apply_machine(txn: Any, store: Store, previous: StoredMachine | None, stored
     held_now = machine.state in HOLDS_RESOURCES
     if held_before == held_now and (previous is None or previous.machine.config.guest == machine.config.guest):
         return
-    raw = txn.get(KEY_USAGE, db=store.db_meta)
-    usage = Usage() if raw is None else _usage_decoder.decode(raw)
     if held_before and previous is not None:
         usage.cpus -= previous.machine.config.guest.cpus
         usage.memory_mb -= previous.machine.config.guest.memory_mb
@@ -195,7 +205,17 @@ def apply_machine(txn: Any, store: Store, previous: StoredMachine | None, stored
         usage.cpus += machine.config.guest.cpus
         usage.memory_mb += machine.config.guest.memory_mb
         usage.machines += 1
-    txn.put(KEY_USAGE, _encoder.encode(usage), db=store.db_meta)
+
+
+def held_by(machines: Iterator[StoredMachine]) -> Usage:
+    """The resources the machines hold: what `usage` is, by definition."""
+    usage = Usage()
+    for stored in machines:
+        if stored.machine.state in HOLDS_RESOURCES:
+            usage.cpus += stored.machine.config.guest.cpus
+            usage.memory_mb += stored.machine.config.guest.memory_mb
+            usage.machines += 1
+    return usage
 
 
 class Store:
@@ -231,6 +251,8 @@ class Store:
         self.db_meta = self.env.open_db(DB_META)
         self.db_volumes = self.env.open_db(DB_VOLUMES)
         self._seq = self._load_last_seq()
+        with self.env.begin() as txn:  # the resources held, from the machines (see the top)
+            self._usage = held_by(_machine_decoder.decode(v) for _, v in txn.cursor(db=self.db_machines))
 
     def _load_last_seq(self) -> int:
         with self.env.begin(db=self.db_log) as txn:
@@ -263,7 +285,10 @@ class Store:
     def write(self, fn: Callable[[Tx], T]) -> T:
         """Run one operation in its own write transaction (one fsync). For tools and tests."""
         with self.rollback_seq(), self.env.begin(write=True) as txn:
-            return fn(Tx(self, txn, self.clock()))
+            tx = Tx(self, txn, self.clock())
+            result = fn(tx)
+        self.publish_usage(tx.held)
+        return result
 
     # reads ------------------------------------------------------------------------------------
     def get(self, machine_id: str) -> StoredMachine | None:
@@ -276,9 +301,13 @@ class Store:
             return [_machine_decoder.decode(value) for _, value in txn.cursor(db=self.db_machines)]
 
     def usage(self) -> Usage:
-        with self.env.begin() as txn:
-            raw = txn.get(KEY_USAGE, db=self.db_meta)
-            return Usage() if raw is None else _usage_decoder.decode(raw)
+        """The resources the machines hold now (a copy)."""
+        return msgspec.structs.replace(self._usage)
+
+    def publish_usage(self, usage: Usage) -> None:
+        """After a durable commit (the writer thread): the resources held from now on. The object is replaced,
+        never changed, so a reader on another thread sees the one before or this one, whole."""
+        self._usage = msgspec.structs.replace(usage)
 
     def worker(self) -> WorkerState:
         with self.env.begin() as txn:
@@ -315,7 +344,6 @@ class Store:
             machines = {k.decode(): _machine_decoder.decode(v) for k, v in txn.cursor(db=self.db_machines)}
             idem = {k.decode(): v.decode() for k, v in txn.cursor(db=self.db_idempotency)}
             images = {k.decode(): float(msgspec.json.decode(v)) for k, v in txn.cursor(db=self.db_images)}
-            raw_usage = txn.get(KEY_USAGE, db=self.db_meta)
             raw_worker = txn.get(KEY_WORKER, db=self.db_meta)
             volumes = {k.decode(): _volume_decoder.decode(v) for k, v in txn.cursor(db=self.db_volumes)}
         return Tables(
@@ -323,7 +351,7 @@ class Store:
             machines=machines,
             idempotency=idem,
             images=images,
-            usage=_usage_decoder.decode(raw_usage) if raw_usage else Usage(),
+            usage=self.usage(),
             worker=_worker_decoder.decode(raw_worker) if raw_worker else WorkerState(),
         )
 
@@ -343,15 +371,11 @@ class Store:
                     images.setdefault(image, at)
                 case VolumeRecord(volume=volume):
                     volumes[volume.id] = volume
-        usage = Usage()
+        usage = held_by(iter(machines.values()))
         idem: dict[str, str] = {}
         for stored in machines.values():
             if stored.idempotency_key:
                 idem[stored.idempotency_key] = stored.machine.id
-            if stored.machine.state in HOLDS_RESOURCES:
-                usage.cpus += stored.machine.config.guest.cpus
-                usage.memory_mb += stored.machine.config.guest.memory_mb
-                usage.machines += 1
         return Tables(machines=machines, idempotency=idem, images=images, usage=usage, worker=worker, volumes=volumes)
 
     def compact(self, *, keep_last: int, destroyed_retention: float, limit: int = 50_000) -> int:
