@@ -22,6 +22,7 @@ from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey
 
 from bus.stores.secrets import PUBLIC_KEY, SealedSecret, public_key_text, unseal
+from bus.transport.nats_adapter import KV
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class SecretsCache:
         self._sealed: dict[str, dict[str, SealedSecret]] = {}  # app -> name -> sealed
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self, kv: Any) -> None:
+    async def start(self, kv: KV) -> None:
         """Publish the public key if the bucket has none, then follow the bucket (initial values first)."""
         if self._key is not None:
             mine = public_key_text(self._key)

@@ -551,7 +551,7 @@ JOB_EVENTS_MAX_AGE = 24 * 3600.0
 
 
 class JobsResources(msgspec.Struct, frozen=True):
-    kv: Any  # KV `fauxmad_jobs`
+    kv: KeyValue  # KV `fauxmad_jobs`
     stream: str  # the region's work-queue stream
 
 

@@ -24,11 +24,11 @@ import itertools
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
 
 from bus.contract.errors import Unreachable
 from bus.transport.in_flight import BROKE, on_disconnect
-from bus.transport.refusals import REFUSED, refusals_of
+from bus.transport.nats_adapter import Nats, refusals_of
+from bus.transport.refusals import REFUSED
 
 WRONG_LAST_SEQUENCE = 10071  # JSStreamWrongLastSequenceErrCode: a compare-and-set lost
 NO_MESSAGE = 10037  # JSNoMessageFoundErr: the key has no message (a 404 like a missing stream's, 10059)
@@ -75,7 +75,7 @@ class LostRace(Exception):
 class FastJetStream:
     """One connection's lean JetStream requests; `start` once, before the first request."""
 
-    def __init__(self, nc: Client, timeout: float = 5.0) -> None:
+    def __init__(self, nc: Nats, timeout: float = 5.0) -> None:
         self.nc = nc
         self.timeout = timeout
         self._waiting: dict[str, asyncio.Future[Any]] = {}

@@ -34,7 +34,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.errors import DeadlineExceeded, FauxmadError, NoCapacity, Unanswered, Unreachable
@@ -43,6 +42,7 @@ from bus.contract.ids import new_machine_id
 from bus.contract.machines import DestroyRequest, Guest, Machine, ReserveRequest
 from bus.contract.offers import OfferRequest
 from bus.transport.jetstream import MAX_CLOCK_SKEW
+from bus.transport.nats_adapter import Nats
 from bus.transport.scatter import Scatterer
 from bus.transport.service import call
 from orchestrator.broker.gather import Heartbeats, Offers, Scatter, TwoChoices
@@ -167,7 +167,7 @@ def _epoch(stamp: str) -> float:
 class Auction:
     def __init__(
         self,
-        nc: Client,
+        nc: Nats,
         scatterer: Scatterer,
         registry: Registry,
         config: AuctionConfig,

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from nats.js.errors import NotFoundError
+
+from bus.transport.nats_adapter import NotFoundError
 
 
 class _Head(msgspec.Struct):

@@ -12,13 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
-from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from bus.contract import subjects
 from bus.contract.codec import decode
 from bus.contract.jobs import Job, JobEvent
 from bus.stores.kv_watch import stop_watch
+from bus.transport.nats_adapter import BucketNotFoundError, Nats, NotFoundError
 from orchestrator.view.history import replay
 
 
@@ -29,7 +28,7 @@ class JobCount(msgspec.Struct, frozen=True):
     count: int
 
 
-async def job_counts(nc: Client, app: str | None = None) -> list[JobCount]:
+async def job_counts(nc: Nats, app: str | None = None) -> list[JobCount]:
     """How many jobs each app has in each region and state (empty when no job was ever submitted)."""
     try:
         kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
@@ -48,7 +47,7 @@ async def job_counts(nc: Client, app: str | None = None) -> list[JobCount]:
 
 
 async def read_job_events(
-    nc: Client, app: str | None, since: float | None, follow: bool, emit: Callable[[int, JobEvent], None]
+    nc: Nats, app: str | None, since: float | None, follow: bool, emit: Callable[[int, JobEvent], None]
 ) -> int:
     """Each job event (of `app`, or all), oldest first; see `orchestrator.view.history.replay`."""
     try:

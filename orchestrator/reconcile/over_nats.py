@@ -10,11 +10,9 @@ from __future__ import annotations
 from typing import TypeVar
 
 import msgspec
-from nats.aio.client import Client
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 
 from bus.stores.kv_keys import kv_keys
+from bus.transport.nats_adapter import KV, KeyNotFoundError, KeyWrongLastSequenceError, Nats
 from bus.transport.service import call
 
 R = TypeVar("R")
@@ -23,7 +21,7 @@ R = TypeVar("R")
 class NatsBus:
     """`Bus` over one NATS connection."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Nats) -> None:
         self.nc = nc
 
     async def call(self, subject: str, request: msgspec.Struct, reply: type[R], *, timeout: float) -> R:
@@ -33,7 +31,7 @@ class NatsBus:
 class KVReleaseStore:
     """`ReleaseStore` over a JetStream KV bucket (`fauxmad_apps`)."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KV) -> None:
         self.kv = kv
 
     async def keys(self) -> list[str]:
