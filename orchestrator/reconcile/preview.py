@@ -23,8 +23,7 @@ import msgspec
 
 from bus.contract.fleet import WorkerInfo
 from bus.contract.machines import Guest
-from orchestrator.reconcile.ownership import RUNNING
-from orchestrator.reconcile.plan import (
+from orchestrator.reconcile.actions import (
     Action,
     Create,
     Desired,
@@ -37,8 +36,9 @@ from orchestrator.reconcile.plan import (
     Start,
     Stop,
     Update,
-    plan,
 )
+from orchestrator.reconcile.ownership import RUNNING
+from orchestrator.reconcile.plan import plan
 from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, ROLE_KEY, AppSpec
 
 MAX_STEPS = 200

@@ -21,7 +21,7 @@ import contextlib
 import msgspec
 
 from bus.contract.errors import Conflict, NotFound
-from orchestrator.reconcile.plan import Desired, Destroy
+from orchestrator.reconcile.actions import Desired, Destroy
 from orchestrator.reconcile.preview import Planned, planned, problems, simulate
 from orchestrator.reconcile.reconciler import Converged, Reconciler
 from orchestrator.reconcile.releases import Head, Release

@@ -11,9 +11,9 @@ import pytest
 
 from bus.contract.errors import Conflict
 from orchestrator.reconcile import executor as executor_module
+from orchestrator.reconcile.actions import Start, Stop
 from orchestrator.reconcile.executor import Executor
 from orchestrator.reconcile.over_nats import NatsBus
-from orchestrator.reconcile.plan import Start, Stop
 from tests.helpers import RawClient, arun, connect_nats, wait_output
 
 TTL = 0.6  # seconds: the test's stand-in for LEASE_TTL
