@@ -25,7 +25,8 @@ import pytest
 
 from workers.driver.base import ExitStatus, TaskHandle, TaskSpec
 from workers.driver.limits import Cgroup2Limits, Limits, RlimitLimits, auto_detect, slow_migration_hint
-from workers.driver.process import ProcessDriver, group_stopped
+from workers.driver.proc import group_stopped
+from workers.driver.process import ProcessDriver
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
