@@ -16,7 +16,7 @@ import msgspec
 from bus.stores.image_push import push_image
 from bus.stores.images import ImageError, Images, build_archive, is_digest, manifest_for, resolve_image
 from bus.transport.nats_adapter import JetStream, connection_of
-from orchestrator.reconcile.spec import AppSpec
+from orchestrator.apps.spec import AppSpec
 
 
 async def pin_image(js: JetStream, spec: AppSpec, say: Callable[[str], None] = lambda line: None) -> AppSpec:

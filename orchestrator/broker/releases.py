@@ -1,5 +1,5 @@
 """What a broker reads of an app's current release (KV `fauxmad_apps`, as deploys write it:
-`orchestrator/reconcile/releases.py`): only what its checks need, whether the edge serves the app (an
+`orchestrator/apps/releases.py`): only what its checks need, whether the edge serves the app (an
 `[http_service]`: the edge verbs) and which image the release pins (an `image rm`). Decoded into those two fields
 alone, so a broker never depends on the reconciler's whole spec, and a spec field added later never breaks it.
 """

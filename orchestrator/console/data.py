@@ -19,10 +19,10 @@ from bus.contract.machines import GetRequest, Machine, MachineEvent
 from bus.stores.kv_watch import stop_watch
 from bus.transport.nats_adapter import BucketNotFoundError, Nats, NotFoundError
 from orchestrator.api.http import Brokers
+from orchestrator.apps.releases import Head, Release, Releases
+from orchestrator.apps.store import KVReleaseStore
 from orchestrator.jobs.client import JobsClient
 from orchestrator.logs import LogQuery, LogRecord, read_logs
-from orchestrator.reconcile.over_nats import KVReleaseStore
-from orchestrator.reconcile.releases import Head, Release, Releases
 from orchestrator.view.model import MachineRow
 
 LOG_LINES = 40

@@ -24,9 +24,9 @@ import msgspec
 from bus.contract.codec import decoder
 from bus.contract.machines import CORDONED_LABEL, MachineIndexEntry
 from bus.transport.jetstream import FleetKV
-from orchestrator.reconcile.http_service import HttpService
-from orchestrator.reconcile.ownership import RegionRange, region_range
-from orchestrator.reconcile.spec import AppSpec
+from orchestrator.apps.http_service import HttpService
+from orchestrator.apps.ownership import RegionRange, region_range
+from orchestrator.apps.spec import AppSpec
 from orchestrator.replicas.machines import MachineIndex
 from orchestrator.replicas.replica import KVReplica
 from orchestrator.replicas.workers import Registry

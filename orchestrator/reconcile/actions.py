@@ -14,8 +14,8 @@ import msgspec
 
 from bus.contract.fleet import Preset
 from bus.contract.machines import ExitInfo, MachineConfig
-from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, RUNNING, region_range
-from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
+from orchestrator.apps.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, RUNNING, region_range
+from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
 
 RESTING = ("created", "stopped", "failed")
 GONE = ("destroying", "destroyed")

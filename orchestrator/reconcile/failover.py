@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from orchestrator.apps.ownership import RUNNING
+from orchestrator.apps.spec import PRIMARY, SPARE
 from orchestrator.reconcile.actions import GONE, Create, Destroy, Member, Promote, Region, Stop
-from orchestrator.reconcile.ownership import RUNNING
-from orchestrator.reconcile.spec import PRIMARY, SPARE
 
 
 def successors(primaries: Iterable[Member]) -> dict[str, Member]:

@@ -23,8 +23,8 @@ from bus.contract.codec import decoder
 from bus.contract.edge import ProxyUnreachable
 from bus.transport.jetstream import FleetKV
 from bus.transport.nats_adapter import Nats
+from orchestrator.apps.releases import WatchedReleases
 from orchestrator.reconcile.observe import Observer
-from orchestrator.reconcile.releases import WatchedReleases
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,8 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from bus.contract.machines import ExitInfo, MachineConfig
+from orchestrator.apps.ownership import RUNNING
+from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, SPARE
 from orchestrator.reconcile.actions import (
     GONE,
     RESTING,
@@ -47,9 +49,7 @@ from orchestrator.reconcile.actions import (
     strip_labels,
 )
 from orchestrator.reconcile.failover import end_takeovers, failover, retire_replaced, successors
-from orchestrator.reconcile.ownership import RUNNING
 from orchestrator.reconcile.spares import tend_spares
-from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, SPARE
 
 
 def plan_region(r: Region) -> RegionStatus:

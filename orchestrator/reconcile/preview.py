@@ -23,6 +23,8 @@ import msgspec
 
 from bus.contract.fleet import WorkerInfo
 from bus.contract.machines import Guest
+from orchestrator.apps.ownership import RUNNING
+from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, ROLE_KEY, AppSpec
 from orchestrator.reconcile.actions import (
     Action,
     Create,
@@ -37,9 +39,7 @@ from orchestrator.reconcile.actions import (
     Stop,
     Update,
 )
-from orchestrator.reconcile.ownership import RUNNING
 from orchestrator.reconcile.plan import plan
-from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, ROLE_KEY, AppSpec
 
 MAX_STEPS = 200
 NEW = "new-"  # simulated machines: `new-1`, `new-2`, … (a real machine id is 14 hex digits)

@@ -21,11 +21,11 @@ import contextlib
 import msgspec
 
 from bus.contract.errors import Conflict, NotFound
+from orchestrator.apps.releases import Head, Release
+from orchestrator.apps.spec import AppSpec
 from orchestrator.reconcile.actions import Desired, Destroy
 from orchestrator.reconcile.preview import Planned, planned, problems, simulate
 from orchestrator.reconcile.reconciler import Converged, Reconciler
-from orchestrator.reconcile.releases import Head, Release
-from orchestrator.reconcile.spec import AppSpec
 
 SCALED = "scale "  # how `scale` describes the releases it makes
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from orchestrator.apps.ownership import RUNNING
+from orchestrator.apps.spec import REPLACES_KEY, SPARE
 from orchestrator.reconcile.actions import Create, Destroy, Member, Region, Stop, created_order, keep_origin
-from orchestrator.reconcile.ownership import RUNNING
-from orchestrator.reconcile.spec import REPLACES_KEY, SPARE
 
 
 def tend_spares(r: Region, kept: list[Member]) -> int:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.apps.http_service import HttpService
+from orchestrator.apps.ownership import region_range
+from orchestrator.apps.spec import PRIMARY, SPARE, AppSpec, parse_spec
 from orchestrator.proxy.choose import Candidate
 from orchestrator.proxy.idle import idle_victims
 from orchestrator.proxy.routes import App
 from orchestrator.reconcile.actions import Create, Desired, Destroy, Member, Observed, Promote, Start, Stop
-from orchestrator.reconcile.http_service import HttpService
-from orchestrator.reconcile.ownership import region_range
 from orchestrator.reconcile.plan import plan
-from orchestrator.reconcile.spec import PRIMARY, SPARE, AppSpec, parse_spec
 
 NOW = 1_000_000.0
 

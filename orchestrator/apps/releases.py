@@ -7,13 +7,14 @@ Keys, per app:
   instead of copying that release under a new number, so machines already on it are left alone.
 
 Every write is a whole value; there is nothing to merge. A reconciler reads `current`, then the
-release it names, and converges the machines onto it. The bucket is a `ReleaseStore` (see `ports`), so
+release it names, and converges the machines onto it. The bucket is a `ReleaseStore` (see `store`), so
 this module never sees nats-py, and a unit test keeps releases in a dict.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -21,8 +22,8 @@ import msgspec
 from bus.contract.codec import decoder, encode
 from bus.contract.errors import Conflict, NotFound
 from bus.contract.subjects import matches
-from orchestrator.reconcile.ports import Clock, ReleaseStore
-from orchestrator.reconcile.spec import AppSpec
+from orchestrator.apps.spec import AppSpec
+from orchestrator.apps.store import ReleaseStore
 
 Status = Literal["running", "complete", "failed", "rolled_back"]
 
@@ -104,7 +105,7 @@ class WatchedReleases:
 
 
 class Releases:
-    def __init__(self, kv: ReleaseStore, *, clock: Clock = time.time) -> None:
+    def __init__(self, kv: ReleaseStore, *, clock: Callable[[], float] = time.time) -> None:
         self.kv = kv
         self.clock = clock
 
