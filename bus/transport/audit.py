@@ -36,8 +36,8 @@ import msgspec
 from bus.contract import subjects
 from bus.contract.errors import BadRequest, Forbidden
 from bus.contract.streams import AuditRecord, UploadOutcome
-from bus.transport.jsfast import ack_problem
-from bus.transport.nats_adapter import Nats, signer_of
+from bus.transport.jsfast import ReplyInbox, ack_problem
+from bus.transport.nats_adapter import Msg, Nats, signer_of
 from bus.transport.signing import (
     IDENTITY_HEADER,
     NAME_HEADER,
@@ -128,8 +128,7 @@ class AuditTrail:
     def __init__(self, nc: Nats) -> None:
         self.nc = nc
         self.js = nc.jetstream()
-        self._prefix = ""  # `<inbox>.`: set with the subscription, at the first record
-        self._next = 0
+        self._inbox = ReplyInbox(nc, self._on_ack)  # subscribed at the first record
         self._waiting: dict[str, tuple[str, float]] = {}  # reply token -> (what, deadline); oldest first
         self._timer: asyncio.TimerHandle | None = None
         self._acked = asyncio.Event()  # set while nothing awaits an ack
@@ -154,13 +153,9 @@ class AuditTrail:
 
     async def record(self, subject: str, record: AuditRecord) -> None:
         try:
-            if not self._prefix:
-                inbox = self.nc.new_inbox()
-                await self.nc.subscribe(inbox + ".*", cb=self._on_ack)
-                self._prefix = inbox + "."
-            token = str(self._next)
-            self._next += 1
-            await self.nc.publish(subject, msgspec.json.encode(record), reply=self._prefix + token)
+            await self._inbox.start()
+            token = self._inbox.token()
+            await self._inbox.publish(subject, msgspec.json.encode(record), token)
         except Exception as exc:
             log.error("audit: could not record %s: %s", _what(record), exc)
             return
@@ -170,8 +165,8 @@ class AuditTrail:
         if self._timer is None:
             self._timer = loop.call_later(AUDIT_TIMEOUT, self._expire)
 
-    async def _on_ack(self, msg: Any) -> None:
-        waited = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+    def _on_ack(self, token: str, msg: Msg) -> None:
+        waited = self._waiting.pop(token, None)
         if waited is None:
             return  # given up on already (logged then)
         problem = ack_problem(msg)
