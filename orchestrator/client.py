@@ -15,7 +15,6 @@ import contextlib
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.codec import decode
@@ -55,6 +54,7 @@ from bus.contract.volumes import (
     VolumeSnapshot,
 )
 from bus.transport.connection import connect
+from bus.transport.nats_adapter import Nats
 from bus.transport.service import NoResponders, call, request
 from orchestrator.logs import Emit, LogQuery, has_lines, read_logs
 from orchestrator.view.history import EmitEvent, EventQuery, read_events
@@ -112,7 +112,7 @@ class ConnectionLost(Exception):
 
 
 class FleetClient:
-    def __init__(self, nc: Client, *, timeout: float = 10.0, edge: bool = False) -> None:
+    def __init__(self, nc: Nats, *, timeout: float = 10.0, edge: bool = False) -> None:
         """`edge`: an edge proxy's client on a secure fleet (role `proxy`): its create, start, stop, suspend and
         resume go to the brokers' edge verbs (`api.apps.<app>.edge.<verb>`, answered for apps with an
         `[http_service]` only), the only ones its identity may ask, and never straight to a worker."""

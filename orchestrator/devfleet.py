@@ -48,6 +48,7 @@ from bus.transport.jetstream import (
 )
 from bus.transport.layout import REPLICAS_ENV
 from bus.transport.layout import SUPERCLUSTER_ENV as SUPERCLUSTER_LAYOUT_ENV
+from bus.transport.nats_adapter import Nats
 from orchestrator.devhosts import Host, Hosts
 from orchestrator.security.fleetdir import FleetDir
 from orchestrator.security.roles import Role
@@ -602,7 +603,7 @@ class DevFleet:
 
         destroyed = 0
 
-        async def destroy(nc: Any, worker_id: str, machine_id: str, limit: asyncio.Semaphore) -> None:
+        async def destroy(nc: Nats, worker_id: str, machine_id: str, limit: asyncio.Semaphore) -> None:
             nonlocal destroyed
             async with limit:
                 with contextlib.suppress(Exception):

@@ -12,14 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
-from nats.js import JetStreamContext
 
 from bus.stores.image_push import push_image
 from bus.stores.images import ImageError, Images, build_archive, is_digest, manifest_for, resolve_image
-from orchestrator.reconcile.spec import AppSpec
+from bus.transport.nats_adapter import JetStream, connection_of
+from orchestrator.apps.spec import AppSpec
 
 
-async def pin_image(js: JetStreamContext, spec: AppSpec, say: Callable[[str], None] = lambda line: None) -> AppSpec:
+async def pin_image(js: JetStream, spec: AppSpec, say: Callable[[str], None] = lambda line: None) -> AppSpec:
     """`spec` with `image` a digest the fleet's store holds (built and pushed first for `build`)."""
     if spec.image is None and spec.build is None:
         return spec
@@ -29,7 +29,9 @@ async def pin_image(js: JetStreamContext, spec: AppSpec, say: Callable[[str], No
         manifest = manifest_for(data, cmd=list(spec.cmd), env={}, workdir="", source=spec.build)
         tag = f"{spec.app}:{manifest.digest[7:19]}"
         # the store directly (the operator, an open fleet) or the brokers' checked push (a deployer)
-        pushed = await push_image(js._nc, data, manifest, [tag], app=spec.app)  # the deploy hands its js
+        nc = connection_of(js)  # the deploy hands its js
+        assert nc is not None, "a JetStream handle has its connection"
+        pushed = await push_image(nc, data, manifest, [tag], app=spec.app)
         say(f"built {spec.build} into {pushed.digest} ({len(data) / 1e6:.2f} MB, tagged {tag})")
         reference = pushed.digest
     else:

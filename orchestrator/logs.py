@@ -24,15 +24,11 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 import msgspec
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
 from bus.contract import subjects
 from bus.contract.streams import LogLine
 from bus.transport.jetstream import ensure_logs_stream
+from bus.transport.nats_adapter import AckPolicy, ConsumerConfig, DeliverPolicy, JetStream, Msg, Nats, NotFoundError
 
 DEFAULT_LINES = 100  # history shown when neither `since` nor `lines` is given
 
@@ -64,7 +60,7 @@ class LogRecord(msgspec.Struct, frozen=True):
 Emit = Callable[[Sequence[LogRecord]], None]
 
 
-async def read_logs(nc: Client, query: LogQuery, emit: Emit, *, now: float | None = None) -> int:
+async def read_logs(nc: Nats, query: LogQuery, emit: Emit, *, now: float | None = None) -> int:
     """Call `emit` with batches of matching lines, oldest first; returns how many.
 
     Without `follow` it returns at the end of the history; with it, it runs until cancelled.
@@ -90,7 +86,7 @@ async def read_logs(nc: Client, query: LogQuery, emit: Emit, *, now: float | Non
     return count
 
 
-async def region_subjects(js: JetStreamContext, broad: str, region: str) -> list[str]:
+async def region_subjects(js: JetStream, broad: str, region: str) -> list[str]:
     """The subjects under `broad` (one per machine) whose last stored line was published in `region`."""
     info = await js.stream_info(subjects.LOGS_STREAM, subjects_filter=broad)
     found = sorted((info.state.subjects or {}).keys())
@@ -109,7 +105,7 @@ async def region_subjects(js: JetStreamContext, broad: str, region: str) -> list
     return [subject for subject, kept in zip(found, keep, strict=True) if kept]
 
 
-async def has_lines(nc: Client, app: str, machine_id: str) -> bool:
+async def has_lines(nc: Nats, app: str, machine_id: str) -> bool:
     """Whether the stream holds any line of this machine (a destroyed machine's logs outlive it)."""
     js = nc.jetstream()
     await ensure_logs_stream(js)
@@ -138,7 +134,7 @@ def _from_seq(seq: int) -> ConsumerConfig:
     return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq)
 
 
-async def _pending(js: JetStreamContext, filters: list[str], config: ConsumerConfig) -> int:
+async def _pending(js: JetStream, filters: list[str], config: ConsumerConfig) -> int:
     """How many stored lines match `filters` from `config`'s start (a consumer that is never read)."""
     config = _filtered(config, filters)
     config.ack_policy = AckPolicy.NONE
@@ -151,7 +147,7 @@ async def _pending(js: JetStreamContext, filters: list[str], config: ConsumerCon
 
 
 async def _history_start(
-    js: JetStreamContext, filters: list[str], since: float | None, lines: int | None, first: int, end: int
+    js: JetStream, filters: list[str], since: float | None, lines: int | None, first: int, end: int
 ) -> ConsumerConfig | None:
     """Where the history begins: at `since` (or the start), moved up to the last `lines` lines.
 
@@ -175,7 +171,7 @@ async def _history_start(
 
 
 async def _read(
-    js: JetStreamContext, filters: list[str], config: ConsumerConfig, region: str | None, emit: Emit, *, end: int | None
+    js: JetStream, filters: list[str], config: ConsumerConfig, region: str | None, emit: Emit, *, end: int | None
 ) -> int:
     """Read from `config`'s start, up to stream sequence `end` (`None`: until cancelled)."""
     queue: asyncio.Queue[Msg] = asyncio.Queue()

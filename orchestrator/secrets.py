@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import msgspec
 
 from bus.contract.errors import BadRequest, FauxmadError, NotFound
 from bus.stores.kv_keys import kv_keys
 from bus.stores.secrets import MAX_VALUE, PUBLIC_KEY, SealedSecret, check_name, seal, secret_key
+from bus.transport.nats_adapter import KV, Entry
 from orchestrator.client import FleetClient
 
 Progress = Callable[[str], None]
@@ -47,9 +47,16 @@ def parse_pairs(pairs: Sequence[str]) -> dict[str, str]:
     return values
 
 
-async def set_secrets(kv: Any, app: str, values: dict[str, str], clock: Callable[[], float] = time.time) -> None:
+def _value(entry: Entry) -> bytes:
+    """An entry's value; KeyError for a delete marker's (none)."""
+    if entry.value is None:
+        raise KeyError(entry.key)
+    return entry.value
+
+
+async def set_secrets(kv: KV, app: str, values: dict[str, str], clock: Callable[[], float] = time.time) -> None:
     try:
-        public = (await kv.get(PUBLIC_KEY)).value.decode()
+        public = _value(await kv.get(PUBLIC_KEY)).decode()
     except Exception:
         raise NotFound(
             "this fleet has no secrets key yet: start a worker with --secrets-key (a secure fleet's workers"
@@ -58,7 +65,7 @@ async def set_secrets(kv: Any, app: str, values: dict[str, str], clock: Callable
     for name, value in values.items():
         version = 1
         try:
-            previous = msgspec.json.decode((await kv.get(secret_key(app, name))).value, type=SealedSecret)
+            previous = msgspec.json.decode(_value(await kv.get(secret_key(app, name))), type=SealedSecret)
             version = previous.version + 1
         except Exception:
             pass
@@ -66,19 +73,19 @@ async def set_secrets(kv: Any, app: str, values: dict[str, str], clock: Callable
         await kv.put(secret_key(app, name), msgspec.json.encode(sealed))
 
 
-async def list_secrets(kv: Any, app: str) -> list[SecretInfo]:
+async def list_secrets(kv: KV, app: str) -> list[SecretInfo]:
     out: list[SecretInfo] = []
     for key in await kv_keys(kv, f"{app}.*"):
         name = key.partition(".")[2]
         try:
-            sealed = msgspec.json.decode((await kv.get(key)).value, type=SealedSecret)
+            sealed = msgspec.json.decode(_value(await kv.get(key)), type=SealedSecret)
         except Exception:
             continue
         out.append(SecretInfo(name=name, version=sealed.version, updated_at=sealed.updated_at))
     return sorted(out, key=lambda info: info.name)
 
 
-async def unset_secrets(kv: Any, app: str, names: Sequence[str]) -> list[str]:
+async def unset_secrets(kv: KV, app: str, names: Sequence[str]) -> list[str]:
     """Delete the named secrets; returns those that were not there."""
     present = {info.name for info in await list_secrets(kv, app)}
     missing = [name for name in names if name not in present]

@@ -32,6 +32,7 @@ from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey
 
 from bus.stores.secrets import PUBLIC_KEY, SealedSecret, public_key_text, unseal
+from bus.transport.nats_adapter import KV
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class SecretsCache:
         self._saved = saved  # the sealed copy on disk
         self._known = False  # the bucket or the copy on disk was read: `_sealed` is what the fleet has (or had)
 
-    async def start(self, kv: Any) -> None:
+    async def start(self, kv: KV) -> None:
         """Publish the public key if the bucket has none, then follow the bucket (initial values first); if it
         does not answer within START_WAIT, start from the copy on disk and follow the bucket once it answers."""
         copy = self._saved is not None and self._saved.exists()
@@ -69,7 +70,7 @@ class SecretsCache:
             return
         self._task = asyncio.create_task(self._follow(watcher))
 
-    async def _read(self, kv: Any) -> Any:
+    async def _read(self, kv: KV) -> Any:
         if self._key is not None:
             mine = public_key_text(self._key)
             try:

@@ -25,7 +25,7 @@ from bus.contract.images import (
     ImageRemoveRequest,
 )
 from bus.stores.images import TAG, ImageError, Images, check_bytes, check_tag, digest_of
-from bus.transport.connection import role_of
+from bus.transport.nats_adapter import role_of
 from bus.transport.service import call
 
 PUSH_TIMEOUT = 30.0

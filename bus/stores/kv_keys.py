@@ -19,14 +19,18 @@ import asyncio
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from bus.transport.nats_adapter import kv_stream
+
 _AT_ONCE = 32  # last-message reads in flight at a time
 
 
 async def kv_keys(kv: KeyValue, pattern: str = ">") -> list[str]:
     """The bucket's live keys matching `pattern` (NATS wildcards: `*` one token, `>` the rest), sorted; `[]`
     when there are none. A bucket with no stream raises nats-py's NotFoundError, as any read of it does."""
-    prefix = kv._pre  # "$KV.<bucket>." : nats-py keeps the bucket's stream and prefix on the handle only
-    info = await kv._js.stream_info(kv._stream, subjects_filter=prefix + pattern)
+    where = kv_stream(kv)  # nats-py keeps the bucket's stream and prefix ("$KV.<bucket>.") on the handle only
+    assert where is not None, "a KV handle has its stream"
+    prefix = where.prefix
+    info = await where.js.stream_info(where.stream, subjects_filter=prefix + pattern)
     subjects = sorted(info.state.subjects or {})
     gate = asyncio.Semaphore(_AT_ONCE)
 

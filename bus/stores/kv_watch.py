@@ -12,15 +12,16 @@ that may read a stream may delete consumers of it (`orchestrator/security/roles.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+
+from bus.transport.nats_adapter import Watcher, watch_consumer
 
 
-async def stop_watch(watcher: Any) -> None:
+async def stop_watch(watcher: Watcher) -> None:
     """Stop `watcher` (a nats-py `KeyWatcher`) and delete its consumer; a failed delete is left to the server's
     inactive threshold."""
-    sub = getattr(watcher, "_sub", None)  # nats-py keeps the JetStream subscription on the watcher only
+    consumer = watch_consumer(watcher)  # nats-py keeps it on the watch's subscription only: read before the stop
     await watcher.stop()
-    stream, consumer, js = (getattr(sub, name, None) for name in ("_stream", "_consumer", "_js"))
-    if stream and consumer and js is not None:
+    if consumer is not None:
+        js, stream, name = consumer
         with contextlib.suppress(Exception):
-            await js.delete_consumer(stream, consumer)
+            await js.delete_consumer(stream, name)

@@ -26,67 +26,33 @@ import asyncio
 import base64
 import contextlib
 import contextvars
-import hashlib
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.errors import BadRequest, Forbidden
 from bus.contract.streams import AuditRecord, UploadOutcome
-from bus.transport.jsfast import ack_problem
+from bus.transport.jsfast import ReplyInbox, ack_problem
+from bus.transport.nats_adapter import Msg, Nats, signer_of
+from bus.transport.signing import (
+    IDENTITY_HEADER,
+    NAME_HEADER,
+    SIGNATURE_HEADER,
+    SIGNED_AT_HEADER,
+    signed_bytes,
+)
 
 log = logging.getLogger(__name__)
-
-IDENTITY_HEADER = "Fauxmad-Identity"
-SIGNED_AT_HEADER = "Fauxmad-Signed-At"
-NAME_HEADER = "Fauxmad-Name"
-SIGNATURE_HEADER = "Fauxmad-Signature"
 
 MAX_SKEW = 60.0  # seconds a signing time may be off the broker's clock
 AUDIT_TIMEOUT = 2.0  # seconds an audit record's JetStream ack is awaited (in the background)
 
 # the verbs that change nothing (every other verb on the API subjects is recorded)
 READ_VERBS = frozenset({"list", "get", "wait", "snapshots", "simulate", "status"})
-
-
-def _signed_bytes(subject: str, signed_at: str, name: str, data: bytes) -> bytes:
-    return b"\n".join((subject.encode(), signed_at.encode(), name.encode(), hashlib.sha256(data).digest()))
-
-
-class RequestSigner:
-    """Signs a connection's API requests with its nkey (`bus.transport.connection.connect` attaches one to a secure
-    connection: `signer_of(client)`)."""
-
-    def __init__(self, seed: str, name: str, clock: Callable[[], float] = time.time) -> None:
-        import nkeys
-
-        self._keys = nkeys.from_seed(seed.encode())
-        self.public_key = self._keys.public_key.decode()
-        self.name = name
-        self._clock = clock
-
-    def headers(self, subject: str, data: bytes) -> dict[str, str]:
-        signed_at = str(int(self._clock() * 1000))
-        signature = self._keys.sign(_signed_bytes(subject, signed_at, self.name, data))
-        return {
-            IDENTITY_HEADER: self.public_key,
-            SIGNED_AT_HEADER: signed_at,
-            NAME_HEADER: self.name,
-            SIGNATURE_HEADER: base64.urlsafe_b64encode(signature).decode(),
-        }
-
-
-SIGNER_ATTRIBUTE = "fauxmad_signer"
-
-
-def signer_of(client: Client) -> RequestSigner | None:
-    found = getattr(client, SIGNER_ATTRIBUTE, None)
-    return found if isinstance(found, RequestSigner) else None
 
 
 class Caller(msgspec.Struct, frozen=True):
@@ -147,7 +113,7 @@ def identify(subject: str, data: bytes, headers: dict[str, str] | None, now: flo
     name = found.get(NAME_HEADER, "")
     try:
         signature = base64.urlsafe_b64decode(found.get(SIGNATURE_HEADER, "").encode())
-        _verify_key(public_key).verify(_signed_bytes(subject, signed_at, name, data), signature)
+        _verify_key(public_key).verify(signed_bytes(subject, signed_at, name, data), signature)
         at = int(signed_at) / 1000
     except Exception:  # a malformed key, signature or time, or a signature of something else
         raise Forbidden(f"request signature of {public_key[:12]}... does not verify") from None
@@ -190,11 +156,10 @@ class AuditTrail:
     reply subscription, replies `<inbox>.<n>` counting up, the records awaiting an ack in sending order with
     their deadlines, and one timer for the oldest."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Nats) -> None:
         self.nc = nc
         self.js = nc.jetstream()
-        self._prefix = ""  # `<inbox>.`: set with the subscription, at the first record
-        self._next = 0
+        self._inbox = ReplyInbox(nc, self._on_ack)  # subscribed at the first record
         self._waiting: dict[str, tuple[str, float]] = {}  # reply token -> (what, deadline); oldest first
         self._timer: asyncio.TimerHandle | None = None
         self._acked = asyncio.Event()  # set while nothing awaits an ack
@@ -219,13 +184,9 @@ class AuditTrail:
 
     async def record(self, subject: str, record: AuditRecord) -> None:
         try:
-            if not self._prefix:
-                inbox = self.nc.new_inbox()
-                await self.nc.subscribe(inbox + ".*", cb=self._on_ack)
-                self._prefix = inbox + "."
-            token = str(self._next)
-            self._next += 1
-            await self.nc.publish(subject, msgspec.json.encode(record), reply=self._prefix + token)
+            await self._inbox.start()
+            token = self._inbox.token()
+            await self._inbox.publish(subject, msgspec.json.encode(record), token)
         except Exception as exc:
             log.error("audit: could not record %s: %s", _what(record), exc)
             return
@@ -235,8 +196,8 @@ class AuditTrail:
         if self._timer is None:
             self._timer = loop.call_later(AUDIT_TIMEOUT, self._expire)
 
-    async def _on_ack(self, msg: Any) -> None:
-        waited = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+    def _on_ack(self, token: str, msg: Msg) -> None:
+        waited = self._waiting.pop(token, None)
         if waited is None:
             return  # given up on already (logged then)
         problem = ack_problem(msg)

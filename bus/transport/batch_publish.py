@@ -26,7 +26,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from bus.transport.jsfast import PubAck
+from bus.transport.jsfast import PubAck, ReplyInbox
 
 Message = tuple[str, bytes, dict[str, str] | None]  # subject, payload, headers
 OnAck = Callable[[int, "BaseException | None"], None]  # a message's index in the round, and its outcome
@@ -48,10 +48,8 @@ class BatchPublisher:
     """
 
     def __init__(self, nc: Client, *, timeout: float) -> None:
-        self._nc = nc
         self.timeout = timeout
-        self._prefix = ""  # `<inbox>.`: set with the subscription, on the first round
-        self._next = 0
+        self._inbox = ReplyInbox(nc, self._on_ack)  # subscribed on the first round
         self._waiting: dict[str, int] = {}  # reply token -> index in the round
         self._outcomes: list[BaseException | None] = []
         self._left = 0
@@ -64,10 +62,7 @@ class BatchPublisher:
         if not messages:
             return []
         self._on_each = on_ack
-        if not self._prefix:
-            inbox = self._nc.new_inbox()
-            await self._nc.subscribe(inbox + ".*", cb=self._on_ack)
-            self._prefix = inbox + "."
+        await self._inbox.start()
         loop = asyncio.get_running_loop()
         done = self._done = loop.create_future()
         outcomes = self._outcomes = [None] * len(messages)
@@ -75,10 +70,9 @@ class BatchPublisher:
         self._left = len(messages)
         try:
             for i, (subject, payload, headers) in enumerate(messages):
-                token = str(self._next)
-                self._next += 1
+                token = self._inbox.token()
                 waiting[token] = i
-                await self._nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
+                await self._inbox.publish(subject, payload, token, headers)
         except Exception as exc:  # could not even be queued (connection closed): this round failed
             waiting.clear()
             return [exc] * len(messages)
@@ -93,8 +87,8 @@ class BatchPublisher:
         waiting.clear()  # acks still on their way are now late: they match nothing
         return outcomes
 
-    async def _on_ack(self, msg: Msg) -> None:
-        index = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+    def _on_ack(self, token: str, msg: Msg) -> None:
+        index = self._waiting.pop(token, None)
         if index is None:
             return  # its round is over (it gave up, or failed to publish)
         outcome = self._outcomes[index] = _outcome(msg)

@@ -22,14 +22,12 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-
 from bus.contract.errors import Forbidden, Unreachable
 from bus.transport import credentials
-from bus.transport.audit import SIGNER_ATTRIBUTE, RequestSigner
 from bus.transport.in_flight import when_disconnected
-from bus.transport.refusals import REFUSALS_ATTRIBUTE, Refusals, refusals_of
+from bus.transport.nats_adapter import Connection, role_of
+from bus.transport.refusals import Refusals
+from bus.transport.signing import RequestSigner
 
 log = logging.getLogger(__name__)
 
@@ -38,32 +36,7 @@ T = TypeVar("T")
 DEFAULT_URL_ENV = "FAUXMAD_NATS_URL"
 
 
-class SecureClient(Client):
-    """A secure fleet's connection: a request fails at once with `Forbidden` when nats-server refuses its
-    publish, nats-py's own JetStream and KV requests included (a `secrets set` of another app's key)."""
-
-    async def request(
-        self,
-        subject: str,
-        payload: bytes = b"",
-        timeout: float = 0.5,
-        old_style: bool = False,
-        headers: dict[str, Any] | None = None,
-    ) -> Msg:
-        asking = super().request(subject, payload, timeout=timeout, old_style=old_style, headers=headers)
-        refusals = refusals_of(self)
-        if refusals is None:
-            return await asking
-        return await refusals.guard(subject, asking)
-
-
-ROLE_ATTRIBUTE = "fauxmad_role"
-
-
-def role_of(client: Client) -> str | None:
-    """The role of a secure connection's identity (its credentials say it), None for an open fleet's."""
-    found = getattr(client, ROLE_ATTRIBUTE, None)
-    return found if isinstance(found, str) else None
+__all__ = ["Connection", "connect", "default_url", "reconnect_options", "role_of", "servers"]
 
 
 class _SslCloseNoise(logging.Filter):
@@ -134,7 +107,7 @@ async def connect(
     timeout: float = 2.0,
     on_closed: Callable[[str], None] | None = None,
     creds: str | None = None,
-) -> Client:
+) -> Connection:
     """Connect to `url`. `agent=True`: reconnect forever; otherwise fail fast when unreachable.
 
     `reconnect_forever=True` (a command that may run for long): fail fast when unreachable, as a command does,
@@ -143,7 +116,7 @@ async def connect(
     (default: `$FAUXMAD_CREDS`) is a secure fleet's credentials file (`bus.transport.credentials`): the
     connection is then that identity, over mutual TLS.
     """
-    client: Client | None = None
+    client: Connection | None = None
     secure, refusals, signing, role = _identity(url, creds)
 
     errors: list[str] = []
@@ -169,8 +142,8 @@ async def connect(
     # that TLS is required): a command gets a bounded wait; an agent keeps trying, as it does on any failure
     bound = None if agent else 4 * timeout + 2
     try:
-        # a secure connection's every request watches for the server's refusal (`SecureClient`)
-        made = Client() if refusals is None else SecureClient()
+        # a secure connection's every request watches for the server's refusal (`Connection.request`)
+        made = Connection()
         connecting = made.connect(
             servers=servers(url),
             name=name,
@@ -189,9 +162,7 @@ async def connect(
         client.options.update(reconnect_options(agent=agent or reconnect_forever))
         # the refusals watch; the signer (its API requests name it to the audit trail); the role (e.g. which
         # way it writes images, `bus.stores.image_push`)
-        for attribute, value in ((REFUSALS_ATTRIBUTE, refusals), (SIGNER_ATTRIBUTE, signing), (ROLE_ATTRIBUTE, role)):
-            if value is not None:
-                setattr(client, attribute, value)
+        client.refusals, client.signer, client.role = refusals, signing, role
         _notice_closed(client, closed, on_closed is not None)  # nats-py may skip `closed_cb`: ask the connection too
         return client
     except TimeoutError:
@@ -213,11 +184,10 @@ def _why_unreachable(errors: list[str], exc: Exception) -> str:
     return why[0].lower() + why[1:]
 
 
-_NOTICING_ATTRIBUTE = "fauxmad_noticing_closed"
 CLOSED_POLL = 1.0  # seconds between two looks at whether a connection closed without saying so
 
 
-def _notice_closed(client: Client, closed: Callable[[], Awaitable[None]], wanted: bool) -> None:
+def _notice_closed(client: Connection, closed: Callable[[], Awaitable[None]], wanted: bool) -> None:
     """If `wanted`: call `closed` once the connection is closed for good, even if nats-py never calls its closed
     callback: under uvloop its close can fail halfway (writing what is pending to the dead socket raises) and skip
     the callback, and an agent relying on it alone would stay alive but deaf. `closed` runs once either way."""
@@ -229,4 +199,4 @@ def _notice_closed(client: Client, closed: Callable[[], Awaitable[None]], wanted
             await asyncio.sleep(CLOSED_POLL)
         await closed()
 
-    setattr(client, _NOTICING_ATTRIBUTE, asyncio.create_task(noticing()))  # held: a task nobody holds may vanish
+    client.noticing = asyncio.create_task(noticing())  # held: a task nobody holds may vanish

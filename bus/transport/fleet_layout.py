@@ -45,6 +45,7 @@ from bus.contract import subjects
 from bus.contract.errors import Conflict, Unreachable
 from bus.transport import layout as layouts
 from bus.transport.layout import Layout
+from bus.transport.nats_adapter import connection_of, server_info
 from bus.transport.placed_kv import create_placed_kv
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ _known: weakref.WeakKeyDictionary[Any, Layout] = weakref.WeakKeyDictionary()
 
 
 def _connection(js: JetStreamContext) -> Any:
-    return getattr(js, "_nc", js)
+    return connection_of(js) or js
 
 
 def _conflict(told: Told, stored: Layout) -> LayoutConflict | None:
@@ -246,7 +247,7 @@ async def _stream_config(js: JetStreamContext, name: str) -> StreamConfig | None
 def offered_replicas(js: JetStreamContext) -> int:
     """What the server this connection reached offers: R3 in a cluster of three or more servers (its INFO's
     `connect_urls` lists every server of its cluster), else R1."""
-    info: dict[str, Any] = getattr(_connection(js), "_server_info", None) or {}
+    info = server_info(_connection(js))
     if not info.get("cluster"):
         return 1
     return 3 if len(set(info.get("connect_urls") or [])) >= 3 else 1

@@ -20,18 +20,14 @@ milliseconds, long before a reconnect.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-import nats.errors
-from nats.aio.client import Client
+from bus.transport.nats_adapter import Connection, Nats, errors, pending_replies
 
-_HOOKS_ATTRIBUTE = "fauxmad_on_disconnect"
 BROKE = "the connection to NATS broke on the way (it may have arrived)"  # how an error reply says it
 
 
-class RequestLost(nats.errors.TimeoutError):
+class RequestLost(errors.TimeoutError):
     """The connection broke while this request awaited its reply: it may have arrived."""
 
     def __str__(self) -> str:
@@ -44,16 +40,14 @@ def lost(exc: BaseException) -> bool:
     return isinstance(exc, RequestLost) or isinstance(exc.__context__, RequestLost)
 
 
-def on_disconnect(client: Client, fail: Callable[[], None]) -> None:
-    """Call `fail` whenever `client` loses its connection (a component's own waiters, e.g. `FastJetStream`'s)."""
-    hooks: list[Callable[[], None]] | None = getattr(client, _HOOKS_ATTRIBUTE, None)
-    if hooks is None:
-        hooks = []
-        setattr(client, _HOOKS_ATTRIBUTE, hooks)
-    hooks.append(fail)
+def on_disconnect(client: Nats, fail: Callable[[], None]) -> None:
+    """Call `fail` whenever `client` loses its connection (a component's own waiters, e.g. `FastJetStream`'s).
+    Only our `Connection` reports its drops (`connect` makes them); a plain nats-py client never calls it."""
+    if isinstance(client, Connection):
+        client.disconnect_hooks.append(fail)
 
 
-def when_disconnected(client: Client) -> Callable[[], Awaitable[None]]:
+def when_disconnected(client: Connection) -> Callable[[], Awaitable[None]]:
     """nats-py's `disconnected_cb` for `client`: fail what it awaits."""
 
     async def disconnected() -> None:
@@ -62,13 +56,11 @@ def when_disconnected(client: Client) -> Callable[[], Awaitable[None]]:
     return disconnected
 
 
-def fail_waiting(client: Client) -> None:
-    """Fail every reply `client` still awaits. nats-py's are in its private `_resp_map` (token → future): if a
-    later nats-py renames it, its requests wait out their timeout again, as before this module, and
-    `tests/bus/test_in_flight.py` says so."""
-    waiting: dict[str, asyncio.Future[Any]] = getattr(client, "_resp_map", None) or {}
-    for future in list(waiting.values()):
+def fail_waiting(client: Connection) -> None:
+    """Fail every reply `client` still awaits. nats-py's are private to it (`nats_adapter.pending_replies`): if a
+    later nats-py moves them, `tests/bus/test_nats_adapter.py` says so."""
+    for future in list(pending_replies(client).values()):
         if not future.done():
             future.set_exception(RequestLost())
-    for fail in getattr(client, _HOOKS_ATTRIBUTE, None) or []:
+    for fail in client.disconnect_hooks:
         fail()

@@ -47,6 +47,7 @@ from bus.transport import layout as layouts
 from bus.transport.at_home import at_home, home_silent
 from bus.transport.fleet_layout import Told, fleet_layout, why_unanswered
 from bus.transport.layout import Layout
+from bus.transport.nats_adapter import Bucket
 from bus.transport.placed_kv import create_placed_kv
 
 log = logging.getLogger(__name__)
@@ -188,10 +189,10 @@ def _cannot_create(stream: str) -> Unreachable:
 
 
 class FleetKV(msgspec.Struct, frozen=True):
-    workers: Any
-    machines: Any
-    apps: Any
-    idempotency: Any
+    workers: Bucket  # one bucket, or a supercluster's bucket per region (`RegionalKV`)
+    machines: Bucket
+    apps: KeyValue  # fleet-wide: one bucket in the home region
+    idempotency: Any  # KeyValue, or a supercluster's RegionalKV (whose brokers claim a key per region)
     layout: Layout = Layout()
 
 
@@ -586,7 +587,7 @@ JOB_EVENTS_MAX_AGE = 24 * 3600.0
 
 
 class JobsResources(msgspec.Struct, frozen=True):
-    kv: Any  # KV `fauxmad_jobs`
+    kv: KeyValue  # KV `fauxmad_jobs`
     stream: str  # the region's work-queue stream
 
 

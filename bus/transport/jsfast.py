@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
 
 from bus.contract.errors import Unreachable
 from bus.transport.in_flight import BROKE, on_disconnect
-from bus.transport.refusals import REFUSED, refusals_of
+from bus.transport.nats_adapter import Msg, Nats, refusals_of
+from bus.transport.refusals import REFUSED
 
 WRONG_LAST_SEQUENCE = 10071  # JSStreamWrongLastSequenceErrCode: a compare-and-set lost
 NO_MESSAGE = 10037  # JSNoMessageFoundErr: the key has no message (a 404 like a missing stream's, 10059)
@@ -88,23 +89,55 @@ class LostRace(Exception):
     """A compare-and-set found another revision: someone wrote first."""
 
 
+class ReplyInbox:
+    """The replies to what one component publishes, the one way fauxmad awaits JetStream acks: one `<inbox>.*`
+    subscription for the life of the connection (nats-py renews it after a reconnect), reply subjects
+    `<inbox>.<n>` with `n` counting up, each reply handed to `on_reply(token, msg)`. A reply to a request its
+    owner gave up on matches nothing the owner still waits for. `FastJetStream` (one request at a time),
+    `bus.transport.batch_publish` (a batch's acks together) and `bus.transport.audit` (acks in the background)
+    each keep one, and read the ack as `PubAck`."""
+
+    def __init__(self, nc: Nats, on_reply: Callable[[str, Msg], None]) -> None:
+        self.nc = nc
+        self._on_reply = on_reply
+        self._ids = itertools.count(1)
+        self._prefix = ""  # `<inbox>.`: set with the subscription
+        self._cut = 0
+
+    @property
+    def started(self) -> bool:
+        return bool(self._prefix)
+
+    async def start(self) -> None:
+        """Subscribe, once."""
+        if not self._prefix:
+            prefix = self.nc.new_inbox() + "."
+            await self.nc.subscribe(prefix + "*", cb=self._deliver)
+            self._prefix, self._cut = prefix, len(prefix)
+
+    def token(self) -> str:
+        """A fresh reply token (register what awaits it before publishing)."""
+        return str(next(self._ids))
+
+    async def publish(self, subject: str, payload: bytes, token: str, headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
+
+    async def _deliver(self, msg: Msg) -> None:
+        self._on_reply(msg.subject[self._cut :], msg)
+
+
 class FastJetStream:
     """One connection's lean JetStream requests; `start` once, before the first request."""
 
-    def __init__(self, nc: Client, timeout: float = 5.0) -> None:
+    def __init__(self, nc: Nats, timeout: float = 5.0) -> None:
         self.nc = nc
         self.timeout = timeout
         self._waiting: dict[str, asyncio.Future[Any]] = {}
-        self._ids = itertools.count(1)
-        self._prefix = ""
-        self._cut = 0
-        self._sub: Any = None
+        self._inbox = ReplyInbox(nc, self._on_reply)
 
     async def start(self) -> FastJetStream:
-        if self._sub is None:
-            self._prefix = self.nc.new_inbox() + "."
-            self._cut = len(self._prefix)
-            self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._on_reply)
+        if not self._inbox.started:
+            await self._inbox.start()
             on_disconnect(self.nc, self._connection_lost)
         return self
 
@@ -114,8 +147,8 @@ class FastJetStream:
             if not waiter.done():
                 waiter.set_result(_LOST)
 
-    async def _on_reply(self, msg: Any) -> None:
-        waiter = self._waiting.pop(msg.subject[self._cut :], None)
+    def _on_reply(self, token: str, msg: Msg) -> None:
+        waiter = self._waiting.pop(token, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(msg)
 
@@ -123,7 +156,7 @@ class FastJetStream:
         """The reply to one request on `subject`; `Unreachable` when nobody answers in time, `Forbidden` at once
         when the server refuses the publish."""
         loop = asyncio.get_running_loop()
-        token = str(next(self._ids))
+        token = self._inbox.token()
         waiter: asyncio.Future[Any] = loop.create_future()
         self._waiting[token] = waiter
         timer = loop.call_later(self.timeout, _expire, waiter)
@@ -131,7 +164,7 @@ class FastJetStream:
         if refusals is not None:
             refusals.watch(subject, waiter)
         try:
-            await self.nc.publish(subject, payload, reply=self._prefix + token, headers=headers)
+            await self._inbox.publish(subject, payload, token, headers)
             msg = await waiter
         finally:
             timer.cancel()

@@ -3,9 +3,10 @@
 On a secure fleet the server drops a message its sender may not publish and says so only to that connection,
 in an `-ERR 'Permissions Violation for Publish to "<subject>"'` that nats-py hands to the error callback. Nothing
 will ever answer such a request, so a waiter that is not told waits out its whole timeout and then reports a
-timeout, not a refusal. `Refusals` (one per secure connection, `refusals_of`) matches each such error to the
-requests waiting on its subject: nats-py's requests through `SecureClient` (`guard`), and the lean JetStream
-requests of `bus.transport.jsfast`, whose reply futures are watched as they are (`watch(subject, future)`).
+timeout, not a refusal. `Refusals` (one per secure connection, its `refusals`) matches each such error to the
+requests waiting on its subject: nats-py's requests through our `Connection` (`bus.transport.nats_adapter`:
+`guard`), and the lean JetStream requests of `bus.transport.jsfast`, whose reply futures are watched as they
+are (`watch(subject, future)`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import re
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from nats.aio.client import Client
-
 from bus.contract.errors import Forbidden
 
 T = TypeVar("T")
@@ -25,14 +24,13 @@ T = TypeVar("T")
 _PUBLISH_VIOLATION = re.compile(r"permissions violation for publish to [\"']?([^\"'\s]+)", re.IGNORECASE)
 
 REFUSED = object()  # the result a watched future gets when the server refuses its publish
-REFUSALS_ATTRIBUTE = "fauxmad_refusals"
 
 
 class Refusals:
     """Publishes nats-server refused (its `-ERR 'Permissions Violation for Publish to "<subject>"'`), so a
     request to a forbidden subject fails at once as a refusal (403) instead of waiting out its timeout:
     the server drops such a message and nothing else would ever answer. Attached to secure connections,
-    whose every request (the API's, and nats-py's own JetStream and KV requests: `SecureClient`) goes
+    whose every request (the API's, and nats-py's own JetStream and KV requests: `Connection.request`) goes
     through `guard`, and whose lean JetStream requests (`bus.transport.jsfast`) watch their reply's future."""
 
     def __init__(self, identity: str = "") -> None:
@@ -89,9 +87,3 @@ class Refusals:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await asked
         raise self.forbidden(subject)
-
-
-def refusals_of(client: Client) -> Refusals | None:
-    """The refusals watch of a secure connection (`bus.transport.connection.connect` attaches it), else None."""
-    found = getattr(client, REFUSALS_ATTRIBUTE, None)
-    return found if isinstance(found, Refusals) else None

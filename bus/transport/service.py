@@ -26,8 +26,9 @@ from nats.errors import TimeoutError as NatsTimeout
 from bus.contract.base import ErrorBody, ErrorDetail
 from bus.contract.codec import clip, decode, decoder, encode
 from bus.contract.errors import FauxmadError, InternalError, Unanswered, Unreachable, error_for_code
-from bus.transport.audit import CALLER, CARRIER, REFUSED, UNSIGNED, Carrier, RequestAudit, mutating, signer_of
+from bus.transport.audit import CALLER, CARRIER, REFUSED, UNSIGNED, Carrier, RequestAudit, mutating
 from bus.transport.in_flight import BROKE, lost
+from bus.transport.nats_adapter import signer_of
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ async def request(nc: Client, subject: str, payload: Any, timeout: float = 5.0) 
     signer = signer_of(nc)
     headers = signer.headers(subject, data) if signer is not None and mutating(subject) else None
     try:
-        # on a secure connection, a publish the server refuses is `Forbidden` at once (`SecureClient`)
+        # on a secure connection, a publish the server refuses is `Forbidden` at once (`Connection.request`)
         msg = await nc.request(subject, data, timeout=timeout, headers=headers)
     except NoRespondersError:
         raise NoResponders(f"nobody answers on {subject}") from None

@@ -18,11 +18,11 @@ import uvloop
 
 from lab.bench import BenchError
 from lab.bench.report import Report, Table
+from orchestrator.apps.spec import AppSpec, parse_spec
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile import rollout
 from orchestrator.reconcile.destroy import destroy_app
 from orchestrator.reconcile.reconciler import Reconciler
-from orchestrator.reconcile.spec import AppSpec, parse_spec
 
 EXAMPLE = Path(__file__).resolve().parent.parent.parent / "examples" / "sandwich" / "app.py"
 APP = "bench"

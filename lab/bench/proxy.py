@@ -44,12 +44,12 @@ from lab.bench.cpu import clock_ticks_per_second, parse_stat
 from lab.bench.http_client import Client
 from lab.bench.report import LATENCY_ALIGN, LATENCY_COLUMNS, Report, Table
 from lab.bench.stats import Latency, summarize
+from orchestrator.apps.releases import Releases
+from orchestrator.apps.spec import PRIMARY, parse_spec
+from orchestrator.apps.store import KVReleaseStore
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import ROOT, DevFleet, FleetSpec
 from orchestrator.proxy.upstream import connect_when_up
-from orchestrator.reconcile.over_nats import KVReleaseStore
-from orchestrator.reconcile.releases import Releases
-from orchestrator.reconcile.spec import PRIMARY, parse_spec
 
 ECHO = Path(__file__).resolve().parents[2] / "examples" / "echo" / "app.py"
 TINY = ECHO.with_name("tiny.py")

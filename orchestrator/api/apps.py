@@ -27,8 +27,8 @@ from bus.contract.machines import DestroyRequest, ListRequest, Machine
 from bus.stores.kv_keys import kv_keys
 from orchestrator.api import types
 from orchestrator.api.http import BROKERS, NC, ClientError, app_name, body, json
-from orchestrator.reconcile.over_nats import KVReleaseStore
-from orchestrator.reconcile.releases import Releases
+from orchestrator.apps.releases import Releases
+from orchestrator.apps.store import KVReleaseStore
 
 DESTROY_PASSES = 3  # machines made while a delete runs are destroyed too, up to this many rounds
 DESTROY_CONCURRENCY = 8

@@ -14,7 +14,6 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 from aiohttp import web
-from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.base import MACHINE_ID
@@ -23,11 +22,12 @@ from bus.contract.deadlines import caller_wait
 from bus.contract.errors import BadRequest, Unanswered
 from bus.contract.machines import Machine
 from bus.contract.rules import in_words
+from bus.transport.nats_adapter import Nats
 from bus.transport.service import call, request
 
 MAX_BODY = 1024 * 1024
 T = TypeVar("T")
-NC: web.AppKey[Client] = web.AppKey("nc", Client)
+NC: web.AppKey[Nats] = web.AppKey("nc", Nats)
 
 
 class Answering(Protocol):
@@ -39,7 +39,7 @@ class Answering(Protocol):
 class Brokers:
     """Requests to the brokers: answered by the embedded one when there is one, else over NATS."""
 
-    def __init__(self, nc: Client, embedded: Answering | None = None) -> None:
+    def __init__(self, nc: Nats, embedded: Answering | None = None) -> None:
         self.nc = nc
         self.embedded = embedded
 

@@ -14,10 +14,10 @@ An image the store does not have is a 400, not a 404: the request's body is wron
 from __future__ import annotations
 
 from aiohttp import web
-from nats.aio.client import Client
 
 from bus.contract.machines import MachineConfig
 from bus.stores.images import ImageError, Images, ResolvedImage, resolve_image
+from bus.transport.nats_adapter import Nats
 from orchestrator.api import types
 from orchestrator.api.http import ClientError
 
@@ -25,7 +25,7 @@ from orchestrator.api.http import ClientError
 class ImageDoor:
     """Resolves references on the API's connection; the store is bound on first use and kept."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Nats) -> None:
         self.nc = nc
         self._images: Images | None = None
 

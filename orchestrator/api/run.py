@@ -18,7 +18,6 @@ import secrets
 import ssl
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import start_http_server
@@ -27,6 +26,7 @@ from bus.contract.errors import Unreachable
 from bus.transport import credentials
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_audit_stream, revoked_tokens_bucket
+from bus.transport.nats_adapter import Nats
 from orchestrator.api.auth import Auth, RevokedTokens
 from orchestrator.api.server import build
 from orchestrator.broker.service import Broker, BrokerConfig
@@ -92,7 +92,7 @@ STOP_BUDGET = 0.7
 SHUTDOWN_TIMEOUT = 0.4  # of which requests in flight may take this long to finish (then they are cancelled)
 
 
-async def _stop(runner: web.AppRunner | None, revoked: RevokedTokens, broker: Broker, nc: Any) -> None:
+async def _stop(runner: web.AppRunner | None, revoked: RevokedTokens, broker: Broker, nc: Nats) -> None:
     """The HTTP side first (requests in flight finish, with their audit records' acks), then the broker and NATS."""
     if runner is not None:
         await runner.cleanup()

@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, get_args
 
 from aiohttp import web
-from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.base import State, seconds
@@ -41,6 +40,7 @@ from bus.contract.machines import (
     WaitRequest,
 )
 from bus.transport.audit import AuditTrail
+from bus.transport.nats_adapter import Nats
 from orchestrator.api import apps, metadata, metrics, placements, types, volumes
 from orchestrator.api.auth import TRAIL, Auth, guard
 from orchestrator.api.errors import error_response, from_bus
@@ -338,7 +338,7 @@ def _errors() -> Any:
     return middleware
 
 
-def build(nc: Client, *, auth: Auth | None = None, broker: Answering | None = None) -> web.Application:
+def build(nc: Nats, *, auth: Auth | None = None, broker: Answering | None = None) -> web.Application:
     """The application; `auth` says what a `/v1` request must carry (default: nothing, an open API); `broker`
     answers the API's requests in this process (default: the brokers, over NATS)."""
     trail = AuditTrail(nc)

@@ -34,20 +34,21 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.errors import DeadlineExceeded, FauxmadError, NoCapacity, Unanswered, Unreachable
 from bus.contract.fleet import CreateRequest, Strategy
 from bus.contract.ids import new_machine_id
-from bus.contract.machines import DestroyRequest, Guest, Machine, ReserveRequest
+from bus.contract.machines import DestroyRequest, Machine, ReserveRequest
 from bus.contract.offers import OfferRequest
 from bus.contract.streams import AuditRecord
 from bus.transport.jetstream import MAX_CLOCK_SKEW
+from bus.transport.nats_adapter import Nats
 from bus.transport.scatter import Scatterer
 from bus.transport.service import call
 from orchestrator.broker.gather import Heartbeats, Offers, Scatter, TwoChoices
 from orchestrator.placement import PlacementConfig, Ranking, explain, rank, with_preset
+from orchestrator.placement.ask import Ask
 from orchestrator.placement.picks import Pick, Picks
 from orchestrator.replicas.workers import Registry
 
@@ -168,7 +169,7 @@ def _epoch(stamp: str) -> float:
 class Auction:
     def __init__(
         self,
-        nc: Client,
+        nc: Nats,
         scatterer: Scatterer,
         registry: Registry,
         config: AuctionConfig,
@@ -190,34 +191,22 @@ class Auction:
         self.volume_host: Callable[[str, CreateRequest], Awaitable[tuple[str, str] | None]] = _no_volume
 
     # ------------------------------------------------------------------------------------------
-    async def rank(
-        self,
-        app: str,
-        region: str,
-        guest: Guest,
-        image: str | None,
-        strategy: str,
-        *,
-        avoid: frozenset[str] = frozenset(),
-        away: frozenset[str] = frozenset(),
-        preset: str | None = None,
-        volume: tuple[str, str] | None = None,
-    ) -> Outcome:
+    async def rank(self, ask: Ask, strategy: str) -> Outcome:
         """Gather the region's offers the way `strategy` says, then rank them with the placement chain."""
-        request = OfferRequest(app=app, region=region, guest=guest, image=image)
-        if volume is not None and strategy == "p2c":
+        request = ask.offer_request
+        if ask.volume is not None and strategy == "p2c":
             strategy = "scatter"  # two sampled workers would rarely include the volume's: ask the region
-        config = with_preset(self.config.placement, preset)
+        config = with_preset(self.config.placement, ask.preset)
         started = time.perf_counter()
-        offers = await self._gather(request, strategy, avoid)
-        ranking = self._chain(request, offers, config, avoid, away, volume)
+        offers = await self._gather(request, strategy, ask.avoid)
+        ranking = self._chain(ask, offers, config)
         if offers.sample and not ranking.candidates:
             # Neither sampled worker can take it, but the region may have room: one full look before a 503.
             # (`fauxmad sim`: without this, p2c refused 0.9% of 100,000 creates while their region had room.)
             offers = await self._scatter.gather(request, "p2c>scatter")
-            ranking = self._chain(request, offers, config, avoid, away, volume)
+            ranking = self._chain(ask, offers, config)
         return Outcome(
-            region=region,
+            region=ask.region,
             strategy=offers.how,
             asked=offers.asked,
             answered=len(offers.replies),
@@ -236,26 +225,9 @@ class Auction:
             return self._heartbeats.gather(request)
         return await self._scatter.gather(request, strategy)
 
-    def _chain(
-        self,
-        request: OfferRequest,
-        offers: Offers,
-        config: PlacementConfig,
-        avoid: frozenset[str],
-        away: frozenset[str],
-        volume: tuple[str, str] | None,
-    ) -> Ranking:
+    def _chain(self, ask: Ask, offers: Offers, config: PlacementConfig) -> Ranking:
         """The placement chain over what was gathered: filters (each rejection named), scorers, tie-break."""
-        return rank(
-            request,
-            offers.replies,
-            offers.considered,
-            config,
-            tie_break=self.rng,
-            avoid=avoid,
-            away=away,
-            volume=volume,
-        )
+        return rank(ask, offers.replies, offers.considered, config, tie_break=self.rng)
 
     # ------------------------------------------------------------------------------------------
     def reserve_request(
@@ -289,19 +261,8 @@ class Auction:
         `audit`: the create's audit record, which the worker keeps in the machine's `created` event.
         """
         strategy = request.strategy or self.config.strategy
-        guest = request.config.guest
         volume = await self.volume_host(app, request)
-        outcome = await self.rank(
-            app,
-            request.region,
-            guest,
-            request.config.image,
-            strategy,
-            avoid=frozenset(request.avoid_workers),
-            away=frozenset(request.prefer_away),
-            preset=request.placement_preset,
-            volume=volume,
-        )
+        outcome = await self.rank(Ask.for_create(app, request, volume), strategy)
         # one leg: the worker starts what it reserves, except for a hedge (the loser would start for nothing)
         launch = not request.skip_launch and strategy != "hedged"
         reserve = msgspec.structs.replace(

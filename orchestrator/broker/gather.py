@@ -21,11 +21,11 @@ from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
 import msgspec
-from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.codec import decode_any, encode
 from bus.contract.offers import Offer, OfferReply, OfferRequest
+from bus.transport.nats_adapter import Nats
 from bus.transport.scatter import Scatterer
 from orchestrator.placement.picks import Pick, Picks, discount, offer_from_heartbeat
 from orchestrator.replicas.workers import Registry
@@ -108,7 +108,7 @@ class Scatter:
 class TwoChoices:
     """Ask two workers of the region drawn in O(1) (p2c): the region's size does not matter."""
 
-    def __init__(self, nc: Client, registry: Registry, picks: Picks, deadline: float, rng: random.Random) -> None:
+    def __init__(self, nc: Nats, registry: Registry, picks: Picks, deadline: float, rng: random.Random) -> None:
         self.nc = nc
         self.registry = registry
         self.picks = picks

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from bus.contract.codec import decoder, encode
 from bus.contract.errors import Conflict, Unanswered
 from bus.contract.idempotency import Claim, claim_key
+from bus.transport.nats_adapter import KV, KeyNotFoundError, KeyWrongLastSequenceError
 
 
 class Ticket(msgspec.Struct, kw_only=True):
@@ -47,7 +47,7 @@ class Ticket(msgspec.Struct, kw_only=True):
 
 
 class Idempotency:
-    def __init__(self, kv: Any, owner: str, *, stale_after: float = 30.0, clock: Callable[[], float] = time.time):
+    def __init__(self, kv: KV, owner: str, *, stale_after: float = 30.0, clock: Callable[[], float] = time.time):
         self.kv = kv
         self.owner = owner
         self.stale_after = stale_after

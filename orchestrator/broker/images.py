@@ -42,8 +42,6 @@ import time
 from typing import IO, Any, Literal
 
 import msgspec
-from nats.aio.client import Client
-from nats.aio.subscription import Subscription
 
 from bus.contract import subjects
 from bus.contract.codec import decode
@@ -61,6 +59,7 @@ from bus.contract.streams import UploadOutcome
 from bus.stores.images import DIGEST, TAG, ImageError, Images, check_bytes
 from bus.stores.kv_keys import kv_keys
 from bus.transport.audit import UNSIGNED, Caller, RequestAudit, current_caller
+from bus.transport.nats_adapter import Nats, Subscription
 from bus.transport.service import Responder
 from orchestrator.broker.releases import current_spec
 
@@ -120,7 +119,7 @@ class ImageGate:
     """Serves `...images.push` (an endpoint of the broker's service) and this broker's uploads."""
 
     def __init__(
-        self, nc: Client, images: Images, broker_id: str, audit: RequestAudit | None = None, apps: Any = None
+        self, nc: Nats, images: Images, broker_id: str, audit: RequestAudit | None = None, apps: Any = None
     ) -> None:
         self.nc = nc
         self.images = images

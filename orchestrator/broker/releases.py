@@ -1,5 +1,5 @@
 """What a broker reads of an app's current release (KV `fauxmad_apps`, as deploys write it:
-`orchestrator/reconcile/releases.py`): only what its checks need, whether the edge serves the app (an
+`orchestrator/apps/releases.py`): only what its checks need, whether the edge serves the app (an
 `[http_service]`: the edge verbs) and which image the release pins (an `image rm`). Decoded into those two fields
 alone, so a broker never depends on the reconciler's whole spec, and a spec field added later never breaks it.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from nats.js.errors import NotFoundError
+
+from bus.transport.nats_adapter import NotFoundError
 
 
 class _Head(msgspec.Struct):

@@ -64,6 +64,7 @@ from orchestrator.broker.idempotency import Idempotency
 from orchestrator.broker.images import ImageGate
 from orchestrator.broker.releases import current_spec
 from orchestrator.broker.volumes import Volumes
+from orchestrator.placement.ask import Ask
 from orchestrator.replicas.machines import MachineIndex
 from orchestrator.replicas.workers import Registry
 
@@ -456,14 +457,7 @@ class Broker:
 
     async def _on_simulate(self, subject: str, data: bytes) -> Any:
         req = decode(SimulateRequest, data)
-        outcome = await self.auction.rank(
-            req.app,
-            req.region,
-            req.guest,
-            req.image,
-            req.strategy or self.config.auction.strategy,
-            preset=req.placement_preset,
-        )
+        outcome = await self.auction.rank(Ask.for_simulate(req), req.strategy or self.config.auction.strategy)
         if outcome.ranking.candidates:
             outcome.winner = outcome.ranking.candidates[0].worker_id
         return outcome.explain()

@@ -19,10 +19,6 @@ import logging
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
-from nats.js.errors import KeyNotFoundError, NotFoundError
-from nats.js.kv import KeyValue
-from nats.js.object_store import ObjectStore
 
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
@@ -42,6 +38,7 @@ from bus.contract.volumes import (
 )
 from bus.stores.objects import stored_digest
 from bus.stores.snapshots import decode_meta
+from bus.transport.nats_adapter import KV, KeyNotFoundError, Nats, NotFoundError, ObjectStore
 from bus.transport.service import call, request
 from orchestrator.replicas.workers import Registry
 
@@ -52,7 +49,7 @@ SLOW_VERBS = {"create": 600.0, "snapshot": 600.0}
 
 
 class Volumes:
-    def __init__(self, nc: Client, registry: Registry, index: KeyValue, snapshots: ObjectStore) -> None:
+    def __init__(self, nc: Nats, registry: Registry, index: KV, snapshots: ObjectStore) -> None:
         self.nc = nc
         self.registry = registry
         self.index = index

@@ -11,9 +11,9 @@ from typing import TypeVar
 
 import typer
 
+from orchestrator.apps.spec import AppSpec, SpecError, load_spec
 from orchestrator.cli.runtime import CliError, check_app, checked, fail, with_connected
 from orchestrator.reconcile.reconciler import Reconciler
-from orchestrator.reconcile.spec import AppSpec, SpecError, load_spec
 
 T = TypeVar("T")
 

@@ -20,6 +20,7 @@ from rich import box
 from rich.table import Table
 
 from bus.stores.images import ImageError
+from orchestrator.apps.spec import AppSpec
 from orchestrator.cli.app_options import CONFIG, load_app_spec, with_reconciler
 from orchestrator.cli.deploy_progress import DeployDisplay, cannot_deploy, fail_lines, print_outcome, warn
 from orchestrator.cli.detached_deploy import Detached, finish_detached, start_detached
@@ -39,7 +40,6 @@ from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.preview import Planned
 from orchestrator.reconcile.reconciler import Reconciler
 from orchestrator.reconcile.rollout import CannotDeploy, DeployOutcome, Preview
-from orchestrator.reconcile.spec import AppSpec
 from orchestrator.reconcile.watch import Operator
 
 

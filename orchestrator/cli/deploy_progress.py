@@ -15,8 +15,8 @@ from rich.text import Text
 
 from orchestrator.cli.render import console, literal
 from orchestrator.cli.runtime import fail
+from orchestrator.reconcile.actions import Plan
 from orchestrator.reconcile.executor import Result
-from orchestrator.reconcile.plan import Plan
 from orchestrator.reconcile.rollout import DeployOutcome
 
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import msgspec
 
+from orchestrator.apps.spec import AppSpec
 from orchestrator.cli.app_options import with_reconciler
 from orchestrator.cli.deploy_progress import DeployDisplay, print_outcome
 from orchestrator.cli.runtime import fail, nats_url
 from orchestrator.reconcile import rollout
 from orchestrator.reconcile.reconciler import Reconciler
 from orchestrator.reconcile.rollout import DeployOutcome
-from orchestrator.reconcile.spec import AppSpec
 
 
 def _log_dir() -> Path:

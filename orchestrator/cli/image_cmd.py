@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 import typer
@@ -14,6 +14,7 @@ from rich import box
 from bus.stores.image_push import push_image, remove_image, tag_image
 from bus.stores.images import ImageError, ImageManifest, Images, build_archive, check_tag, manifest_for
 from bus.transport.connection import connect
+from bus.transport.nats_adapter import Nats
 from orchestrator.cli.render import FitTable, WideOption, console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, fail, with_connected
 
@@ -80,7 +81,7 @@ def build_command(
         _show(manifest, json_out, f"built {manifest.digest} ({len(data) / 1e6:.2f} MB) into {out}")
         return
 
-    async def act(nc: Any) -> None:
+    async def act(nc: Nats) -> None:
         try:
             pushed = await push_image(nc, data, manifest, tags, app=app)
         except ImageError as exc:
@@ -110,7 +111,7 @@ def push_command(
     except (OSError, msgspec.DecodeError) as exc:
         fail(f"{archive}: {exc}", 2)
 
-    async def act(nc: Any) -> None:
+    async def act(nc: Nats) -> None:
         try:
             pushed = await push_image(nc, data, manifest, tags, app=app)
         except ImageError as exc:
@@ -142,7 +143,7 @@ def import_command(
     except (ImageError, OSError, KeyError, ValueError) as exc:
         fail(f"{layout}: {exc}" if not str(exc).startswith(str(layout)) else str(exc), 2)
 
-    async def act(nc: Any) -> None:
+    async def act(nc: Nats) -> None:
         try:
             pushed = await push_image(nc, data, manifest, tags, app=app)
         except ImageError as exc:
@@ -156,7 +157,7 @@ def import_command(
 def ls_command(nats: str | None = NatsOption, json_out: bool = JsonOption, wide: bool = WideOption) -> None:
     """The fleet's images: digest, size, tags, when built."""
 
-    async def act(nc: Any) -> None:
+    async def act(nc: Nats) -> None:
         found = await (await Images.open(nc.jetstream())).list()
         if json_out:
             print_json(found)
@@ -186,7 +187,7 @@ def inspect_command(
 ) -> None:
     """An image's manifest (JSON)."""
 
-    async def act(nc: Any) -> None:
+    async def act(nc: Nats) -> None:
         images = await Images.open(nc.jetstream())
         try:
             manifest = await images.manifest(await images.resolve(reference))
@@ -209,7 +210,7 @@ def tag_command(
     """Point another name:tag at an image (a deployer: a tag of its own app, APP:TAG)."""
     (new,) = _tags([tag])
 
-    async def act(nc: Any) -> None:
+    async def act(nc: Nats) -> None:
         try:
             manifest = await tag_image(nc, reference, new)
         except ImageError as exc:
@@ -230,7 +231,7 @@ def rm_command(
     """Delete an image from the store (workers keep what they unpacked until they evict it). A deployer removes
     only its app's images, and none another app still tags or runs."""
 
-    async def act(nc: Any) -> None:
+    async def act(nc: Nats) -> None:
         try:
             manifest = await remove_image(nc, reference, app=app)
         except ImageError as exc:

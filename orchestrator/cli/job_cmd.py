@@ -123,8 +123,8 @@ def submit(
     (0.5 s, doubling) up to --max-attempts, then the job is dead-lettered. With --image the job runs in
     that image, pinned to its digest when submitted (an unknown one is refused, exit 2).
     """
+    from orchestrator.apps.spec import SpecError, load_spec
     from orchestrator.jobs.spec import SubmitOptions, submit_request
-    from orchestrator.reconcile.spec import SpecError, load_spec
 
     if region is not None:  # as `machine run`: an unknown region is exit 4, naming the regions there are
         _check_region(nats, region)

@@ -8,8 +8,6 @@ and every process follows it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import typer
 
 from bus.transport.connection import connect
@@ -23,6 +21,7 @@ from bus.transport.fleet_layout import (
     write_layout,
 )
 from bus.transport.layout import Layout
+from bus.transport.nats_adapter import Nats
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, fail, split_names, with_connected
 
@@ -54,7 +53,7 @@ def layout(
     """The fleet's layout (regions, home region, replicas), kept in the fleet; written first on an empty fleet."""
     wanted = tuple(split_names("region", regions)) if regions else None
 
-    async def go(nc: Any) -> Layout:
+    async def go(nc: Nats) -> Layout:
         js = nc.jetstream()
         stored = await read_layout(js)
         if stored is None:  # an empty fleet: what was given, the rest from what the servers offer
@@ -84,7 +83,7 @@ def replicas(
 ) -> None:
     """Move every bucket and stream of the fleet to COUNT replicas in place (after servers were added: 3)."""
 
-    async def go(nc: Any) -> list[str]:
+    async def go(nc: Nats) -> list[str]:
         return await set_replicas(nc.jetstream(), count)
 
     changed = with_connected(nats, lambda url: connect(url, "fauxmad-replicas"), go)

@@ -49,8 +49,8 @@ async def app_names(client: FleetClient) -> set[str]:
     """Every app the fleet knows: with machines on a live worker, with releases, or with a record (the API's)."""
     from bus.contract.subjects import APPS_BUCKET
     from bus.stores.kv_keys import kv_keys
-    from orchestrator.reconcile.over_nats import KVReleaseStore
-    from orchestrator.reconcile.releases import Releases
+    from orchestrator.apps.releases import Releases
+    from orchestrator.apps.store import KVReleaseStore
 
     names = {app for worker in await client.workers() for app, count in worker.app_machines.items() if count}
     store = KVReleaseStore(await client.nc.jetstream().key_value(APPS_BUCKET))

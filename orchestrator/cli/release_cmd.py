@@ -10,6 +10,8 @@ import msgspec
 import typer
 from rich import box
 
+from orchestrator.apps.releases import Release
+from orchestrator.apps.spec import AppSpec
 from orchestrator.cli.app_options import APP, with_reconciler
 from orchestrator.cli.deploy_progress import DeployDisplay, cannot_deploy, print_outcome
 from orchestrator.cli.names import client_of, require_app, require_regions
@@ -17,9 +19,7 @@ from orchestrator.cli.render import KEYS, FitTable, WideOption, console, print_j
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_regions, fail, split_names
 from orchestrator.reconcile import rollout
 from orchestrator.reconcile.reconciler import Reconciler
-from orchestrator.reconcile.releases import Release
 from orchestrator.reconcile.rollout import SCALED, CannotDeploy, DeployOutcome
-from orchestrator.reconcile.spec import AppSpec
 
 scale_app = typer.Typer(help="Change how many machines an app runs (a new release, no restarts).", no_args_is_help=True)
 

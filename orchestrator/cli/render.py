@@ -32,7 +32,7 @@ from rich.text import Text
 
 from bus.contract.fleet import RegionSummary, WorkerInfo
 from bus.contract.machines import Machine
-from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
+from orchestrator.apps.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
 
 UNBOUNDED = 10_000  # the width of a pipe or a file: wide enough that no table is squeezed
 

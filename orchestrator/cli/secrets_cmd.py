@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import typer
 
 from bus.stores.secrets import secrets_bucket
 from bus.transport.connection import connect
+from bus.transport.nats_adapter import Nats
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, with_connected
 from orchestrator.client import FleetClient
@@ -38,7 +37,7 @@ def set_command(
     """
     values = parse_pairs(pairs)
 
-    async def act(nc: Any) -> None:
+    async def act(nc: Nats) -> None:
         await set_secrets(await secrets_bucket(nc.jetstream()), app, values)
         _say(f"set {', '.join(sorted(values))} for {app}")
         if not stage:
@@ -56,7 +55,7 @@ def unset_command(
 ) -> None:
     """Remove secrets, then restart the app's machines one at a time (unless --stage)."""
 
-    async def act(nc: Any) -> None:
+    async def act(nc: Nats) -> None:
         missing = await unset_secrets(await secrets_bucket(nc.jetstream()), app, names)
         removed = [name for name in names if name not in missing]
         _say(f"removed {', '.join(removed) or 'nothing'}" + (f" (not set: {', '.join(missing)})" if missing else ""))
@@ -70,7 +69,7 @@ def unset_command(
 def list_command(app: str = AppOption, nats: str | None = NatsOption, json_out: bool = JsonOption) -> None:
     """The app's secret names and versions (never their values)."""
 
-    async def act(nc: Any) -> list[SecretInfo]:
+    async def act(nc: Nats) -> list[SecretInfo]:
         return await list_secrets(await secrets_bucket(nc.jetstream()), app)
 
     infos = with_connected(nats, lambda url: connect(url, "fauxmad-secrets"), act)
@@ -83,7 +82,7 @@ def list_command(app: str = AppOption, nats: str | None = NatsOption, json_out: 
         _say(f"{info.name:<32} v{info.version}")
 
 
-async def _roll(nc: Any, app: str) -> None:
+async def _roll(nc: Nats, app: str) -> None:
     client = FleetClient(nc)
     restarted = await rolling_restart(client, app, _say)
     _say(f"{restarted} machine(s) of {app} restarted with the new secrets")

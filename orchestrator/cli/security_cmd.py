@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import typer
 
@@ -22,6 +22,7 @@ from bus.transport.jetstream import (
     ensure_jobs_resources,
     revoked_tokens_bucket,
 )
+from bus.transport.nats_adapter import Nats
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import (
     EXIT_USAGE,
@@ -154,7 +155,7 @@ def prepare(
     """Create the fleet's streams and buckets. Every process does this at start on an open fleet; in a
     secure one only the operator may create them (the others bind), so run this once with its credentials."""
 
-    async def ensure(nc: Any) -> None:
+    async def ensure(nc: Nats) -> None:
         for region in split_names("region", regions or ""):
             await ensure_jobs_resources(nc.jetstream(), region)
         await ensure_fleet_resources(nc.jetstream(), every_region=True)

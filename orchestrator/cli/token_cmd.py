@@ -6,13 +6,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import typer
 
 from bus.contract.base import seconds
 from bus.transport.connection import connect
 from bus.transport.jetstream import revoked_tokens_bucket
+from bus.transport.nats_adapter import Nats
 from orchestrator.cli.render import print_json
 from orchestrator.cli.runtime import JsonOption, NatsOption, check_app, fail, with_connected
 from orchestrator.security.tokens import (
@@ -121,7 +121,7 @@ def revoke_command(
     if not token_id.isalnum():
         fail(f"invalid token id {token_id!r}", 2)
 
-    async def act(nc: Any) -> None:
+    async def act(nc: Nats) -> None:
         bucket = await revoked_tokens_bucket(nc.jetstream())
         await bucket.put(token_id, f"revoked at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}".encode())
         print(f"revoked token {token_id}")

@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
-from nats.js.errors import BucketNotFoundError, NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
 from bus.contract import subjects
@@ -19,11 +17,12 @@ from bus.contract.codec import decode
 from bus.contract.jobs import Job
 from bus.contract.machines import GetRequest, Machine, MachineEvent
 from bus.stores.kv_watch import stop_watch
+from bus.transport.nats_adapter import BucketNotFoundError, Nats, NotFoundError
 from orchestrator.api.http import Brokers
+from orchestrator.apps.releases import Head, Release, Releases
+from orchestrator.apps.store import KVReleaseStore
 from orchestrator.jobs.client import JobsClient
 from orchestrator.logs import LogQuery, LogRecord, read_logs
-from orchestrator.reconcile.over_nats import KVReleaseStore
-from orchestrator.reconcile.releases import Head, Release, Releases
 from orchestrator.view.model import MachineRow
 
 LOG_LINES = 40
@@ -69,7 +68,7 @@ def kept_explain(found: Machine) -> dict[str, Any] | None:
     return next((event.placement for event in events if event.placement), None)
 
 
-async def releases(nc: Client, app: str) -> tuple[Head | None, list[Release], bool]:
+async def releases(nc: Nats, app: str) -> tuple[Head | None, list[Release], bool]:
     """The app's head and releases, and whether it has a record (`POST /v1/apps` made it)."""
     try:
         store = KVReleaseStore(await nc.jetstream().key_value(subjects.APPS_BUCKET))
@@ -146,13 +145,13 @@ async def edge(urls: Sequence[str], app: str) -> Edge | None:
     return total
 
 
-async def logs(nc: Client, app: str, machine_id: str | None = None, lines: int = LOG_LINES) -> list[LogRecord]:
+async def logs(nc: Nats, app: str, machine_id: str | None = None, lines: int = LOG_LINES) -> list[LogRecord]:
     out: list[LogRecord] = []
     await read_logs(nc, LogQuery(app=app, machine_id=machine_id, lines=lines), out.extend)
     return out
 
 
-async def jobs(nc: Client, app: str | None) -> list[Job]:
+async def jobs(nc: Nats, app: str | None) -> list[Job]:
     """Every job record (of `app`, or all), newest first, at most `JOBS_SHOWN`."""
     try:
         kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
@@ -173,7 +172,7 @@ async def jobs(nc: Client, app: str | None) -> list[Job]:
     return found[:JOBS_SHOWN]
 
 
-async def job(nc: Client, app: str, job_id: str) -> Job:
+async def job(nc: Nats, app: str, job_id: str) -> Job:
     return await JobsClient(nc).status(app, job_id)
 
 

@@ -24,10 +24,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from bus.transport.nats_adapter import ConsumerConfig, DeliverPolicy, Msg, Nats
 from orchestrator.view.db import ViewDb
 from orchestrator.view.fold import ViewWriter
 from orchestrator.view.follower import ViewFollower
@@ -48,7 +46,7 @@ class Sample(msgspec.Struct, frozen=True):
 
 
 class Live:
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Nats) -> None:
         self.nc = nc
         self.db = ViewDb(":memory:")
         self.reader = ViewReader(self.db)

@@ -13,8 +13,6 @@ import builtins
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
-from nats.js.errors import APIError, KeyNotFoundError
 
 from bus.contract import subjects
 from bus.contract.codec import decode
@@ -22,6 +20,7 @@ from bus.contract.errors import DeadlineExceeded, NoCapacity, NotFound, Unreacha
 from bus.contract.jobs import TERMINAL, Job, JobIdRequest, JobListRequest, JobSubmitReply, JobSubmitRequest
 from bus.stores.kv_watch import stop_watch
 from bus.transport.connection import connect
+from bus.transport.nats_adapter import KV, APIError, KeyNotFoundError, Nats
 from bus.transport.service import call
 
 SUBMIT_TIMEOUT = 30.0
@@ -40,7 +39,7 @@ class JobHead(msgspec.Struct):
 
 
 class JobsClient:
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Nats) -> None:
         self.nc = nc
 
     @classmethod
@@ -76,7 +75,7 @@ class JobsClient:
     async def cancel(self, app: str, job_id: str) -> Job:
         return await call(self.nc, subjects.api_jobs(app, "cancel"), JobIdRequest(app=app, id=job_id), Job)
 
-    async def _missing(self, kv: Any, app: str, job_ids: builtins.list[str]) -> builtins.list[str]:
+    async def _missing(self, kv: KV, app: str, job_ids: builtins.list[str]) -> builtins.list[str]:
         """Which of `job_ids` have no record, asked one by one. The watch's end-of-values marker alone cannot
         say: nats-py queues it first when the consumer reports nothing pending and its callback has received
         nothing yet, which is also the case when the server has already sent every record and the callback has

@@ -11,7 +11,7 @@ import msgspec
 
 from bus.contract.base import seconds
 from bus.contract.jobs import JobSubmitRequest
-from orchestrator.reconcile.spec import AppSpec, JobsSpec
+from orchestrator.apps.spec import AppSpec, JobsSpec
 
 
 class SubmitOptions(msgspec.Struct, kw_only=True):

@@ -13,14 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
-from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from bus.contract import subjects
 from bus.contract.codec import decode
 from bus.contract.errors import Forbidden
 from bus.contract.jobs import Job, JobEvent
 from bus.stores.kv_watch import stop_watch
+from bus.transport.nats_adapter import BucketNotFoundError, Nats, NotFoundError
 from orchestrator.view.history import replay
 
 
@@ -31,7 +30,7 @@ class JobCount(msgspec.Struct, frozen=True):
     count: int
 
 
-async def queued_in_queues(nc: Client, app: str | None = None) -> dict[tuple[str, str], str]:
+async def queued_in_queues(nc: Nats, app: str | None = None) -> dict[tuple[str, str], str]:
     """(app, job id) -> region of every job whose message is in a work queue (under its own subject: a
     submit's since issue 44), from the streams' per-subject counts: one request per region."""
     js = nc.jetstream()
@@ -56,7 +55,7 @@ async def queued_in_queues(nc: Client, app: str | None = None) -> dict[tuple[str
     return found
 
 
-async def job_counts(nc: Client, app: str | None = None) -> list[JobCount]:
+async def job_counts(nc: Nats, app: str | None = None) -> list[JobCount]:
     """How many jobs each app has in each region and state (empty when no job was ever submitted). A job with
     no record yet is counted `queued` from its region's queue (read first: a job taken meanwhile has its
     record written before its message goes)."""
@@ -81,7 +80,7 @@ async def job_counts(nc: Client, app: str | None = None) -> list[JobCount]:
 
 
 async def read_job_events(
-    nc: Client, app: str | None, since: float | None, follow: bool, emit: Callable[[int, JobEvent], None]
+    nc: Nats, app: str | None, since: float | None, follow: bool, emit: Callable[[int, JobEvent], None]
 ) -> int:
     """Each job event (of `app`, or all), oldest first; see `orchestrator.view.history.replay`."""
     try:

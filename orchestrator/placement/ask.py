@@ -7,6 +7,11 @@ travel to the workers; they enter the chain here, as one filter (`avoid`) and on
 appear in `explain` like every other rule (Nomad's `node-reschedule-penalty` is such a scorer). A machine
 that mounts a volume (`config.mounts`) can only run on the volume's worker: the broker looks that worker up
 and the chain's filter `volume` rules out every other one, by name, in `explain`.
+
+An `Ask` is built once per create (`for_create`) or simulation (`for_simulate`) and passed whole through the
+broker's auction (`place -> rank -> _chain`) into the chain (`stack.rank`), as Nomad passes its `SelectOptions`:
+the rules (avoid, away, the app's preset, the volume) are written in one struct, not again as loose arguments
+at every step.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from bus.contract.fleet import CreateRequest, Preset, SimulateRequest
 from bus.contract.machines import Guest
 from bus.contract.offers import OfferRequest
 
@@ -28,15 +34,41 @@ class Ask(msgspec.Struct, frozen=True, kw_only=True):
     away: frozenset[str] = frozenset()
     # (volume id, its worker): a machine that mounts a volume runs where the volume is (filter `volume`)
     volume: tuple[str, str] | None = None
+    preset: Preset | None = None  # the app's `[placement] preset`: the curves its scorers use (None: the broker's)
+
+    @property
+    def offer_request(self) -> OfferRequest:
+        """What the workers are asked (the rules stay with the broker)."""
+        return OfferRequest(app=self.app, region=self.region, guest=self.guest, image=self.image)
+
+    @classmethod
+    def for_create(cls, app: str, request: CreateRequest, volume: tuple[str, str] | None = None) -> Ask:
+        """A create's ask: its machine's guest and image, its rules, and the volume it mounts (the broker looks
+        that up)."""
+        return cls(
+            app=app,
+            region=request.region,
+            guest=request.config.guest,
+            image=request.config.image,
+            avoid=frozenset(request.avoid_workers),
+            away=frozenset(request.prefer_away),
+            volume=volume,
+            preset=request.placement_preset,
+        )
+
+    @classmethod
+    def for_simulate(cls, request: SimulateRequest) -> Ask:
+        return cls.of(request, preset=request.placement_preset)
 
     @classmethod
     def of(
         cls,
-        request: OfferRequest,
+        request: OfferRequest | SimulateRequest,
         *,
         avoid: Iterable[str] = (),
         away: Iterable[str] = (),
         volume: tuple[str, str] | None = None,
+        preset: Preset | None = None,
     ) -> Ask:
         return cls(
             app=request.app,
@@ -46,4 +78,5 @@ class Ask(msgspec.Struct, frozen=True, kw_only=True):
             avoid=frozenset(avoid),
             away=frozenset(away),
             volume=volume,
+            preset=preset,
         )

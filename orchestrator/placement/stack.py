@@ -74,22 +74,20 @@ class Ranking(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def rank(
-    request: OfferRequest,
+    request: Ask | OfferRequest,
     replies: Iterable[Offer | Decline],
     live_workers: AbstractSet[str],
     config: PlacementConfig,
     *,
     tie_break: random.Random | None = None,
-    avoid: AbstractSet[str] = frozenset(),
-    away: AbstractSet[str] = frozenset(),
-    volume: tuple[str, str] | None = None,
 ) -> Ranking:
     """Judge every worker of the auction once and order the feasible ones, best first.
 
-    `avoid`: workers the create must not get (filter `avoid`); `away`: workers it would rather not get
-    (scorer `away`). See `ask.py`.
+    `request`: the create's `Ask`, whole (its rules: workers it must not get, filter `avoid`; workers it would
+    rather not get, scorer `away`; its volume's worker, filter `volume`), or an `OfferRequest` with no rules.
+    See `ask.py`.
     """
-    ask = Ask.of(request, avoid=avoid, away=away, volume=volume)
+    ask = request if isinstance(request, Ask) else Ask.of(request)
     answers = _first_reply_per_worker(replies)
     rejected = [Rejection(worker_id=w, reason=NO_ANSWER, filter="deadline") for w in live_workers - answers.keys()]
     candidates: list[Candidate] = []

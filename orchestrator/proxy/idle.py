@@ -18,10 +18,10 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from bus.contract.errors import FauxmadError
+from orchestrator.apps.ownership import RUNNING
 from orchestrator.client import FleetClient
 from orchestrator.proxy.choose import Candidate, region_order
 from orchestrator.proxy.routes import RouteTable
-from orchestrator.reconcile.ownership import RUNNING
 
 log = logging.getLogger(__name__)
 

@@ -18,15 +18,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
 from bus.contract.codec import decoder
 from bus.contract.machines import CORDONED_LABEL, MachineIndexEntry
-from orchestrator.reconcile.http_service import HttpService
-from orchestrator.reconcile.ownership import RegionRange, region_range
-from orchestrator.reconcile.spec import AppSpec
+from bus.transport.jetstream import FleetKV
+from orchestrator.apps.http_service import HttpService
+from orchestrator.apps.ownership import RegionRange, region_range
+from orchestrator.apps.spec import AppSpec
 from orchestrator.replicas.machines import MachineIndex
 from orchestrator.replicas.replica import KVReplica
 from orchestrator.replicas.workers import Registry
@@ -124,6 +124,8 @@ class AppsReplica(KVReplica):
                 self.apply(f"{app}.releases.{version}", release)
 
     async def _get(self, key: str) -> bytes | None:
+        if self._kv is None:  # not started
+            return None
         try:
             entry = await self._kv.get(key)
         except Exception:  # not there, or KV unreachable: the request gets its 404, as it would have
@@ -187,7 +189,7 @@ class RouteTable:
     def _changed(self, key: str) -> None:
         self._by_app = None
 
-    async def start(self, kv: Any) -> None:
+    async def start(self, kv: FleetKV) -> None:
         """`kv`: the `FleetKV` of `bus.transport.jetstream.ensure_fleet_resources`."""
         await self.registry.start(kv.workers)
         await self.index.start(kv.machines)

@@ -13,10 +13,8 @@ import logging
 import secrets
 import ssl
 import time
-from typing import Any
 
 import msgspec
-from nats.aio.msg import Msg
 
 from bus.contract import subjects
 from bus.contract.codec import decoder, encode
@@ -25,6 +23,7 @@ from bus.transport import credentials
 from bus.transport.addresses import host_addresses, source_address_for_url
 from bus.transport.connection import connect, role_of
 from bus.transport.jetstream import ensure_fleet_resources_patiently
+from bus.transport.nats_adapter import Msg, Nats
 from orchestrator.client import FleetClient
 from orchestrator.proxy.backhaul import Dialer
 from orchestrator.proxy.config import ProxyConfig
@@ -165,7 +164,7 @@ def _stopped(metrics: ProxyMetrics, app: str, machine_id: str, why: str) -> None
 STOP_BUDGET = 0.5
 
 
-async def _close(routes: RouteTable, nc: Any) -> None:
+async def _close(routes: RouteTable, nc: Nats) -> None:
     await routes.close()
     await nc.close()
 

@@ -21,11 +21,11 @@ import msgspec
 from bus.contract.errors import FauxmadError
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Machine, MachineIndexEntry, index_entry
+from orchestrator.apps.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
+from orchestrator.apps.spec import PRIMARY
 from orchestrator.client import FleetClient
 from orchestrator.proxy.routes import App, RouteTable
 from orchestrator.proxy.upstream import Pool, connect_when_up
-from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY
-from orchestrator.reconcile.spec import PRIMARY
 
 # why a request wakes a machine: `choose` starts one only when no started machine is under its soft limit
 WHY_START = "a request found no started machine under its soft limit"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 
 from bus.contract.errors import NotFound
-from orchestrator.reconcile.plan import Desired, Failure
+from orchestrator.reconcile.actions import Desired, Failure
 from orchestrator.reconcile.reconciler import Converged, Reconciler
 
 

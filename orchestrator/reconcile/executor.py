@@ -33,8 +33,8 @@ from bus.contract.machines import (
     StopRequest,
     UpdateRequest,
 )
-from orchestrator.reconcile.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, MAX_REASON
-from orchestrator.reconcile.plan import Action, Create, Destroy, MachineAction, Promote, Start, Stop, Update
+from orchestrator.apps.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, MAX_REASON
+from orchestrator.reconcile.actions import Action, Create, Destroy, MachineAction, Promote, Start, Stop, Update
 from orchestrator.reconcile.ports import Bus, MachinesApi
 from orchestrator.reconcile.routes import Route, to_workers
 

@@ -17,20 +17,20 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.codec import decoder
 from bus.contract.edge import ProxyUnreachable
 from bus.transport.jetstream import FleetKV
+from bus.transport.nats_adapter import Nats
+from orchestrator.apps.releases import WatchedReleases
 from orchestrator.reconcile.observe import Observer
-from orchestrator.reconcile.releases import WatchedReleases
 
 log = logging.getLogger(__name__)
 
 
 class Following:
-    def __init__(self, nc: Client, observer: Observer, watched: WatchedReleases, wake: Callable[[], None]) -> None:
+    def __init__(self, nc: Nats, observer: Observer, watched: WatchedReleases, wake: Callable[[], None]) -> None:
         self._nc = nc
         self.observer = observer
         self.watched = watched
@@ -43,7 +43,7 @@ class Following:
     @classmethod
     async def start(
         cls,
-        nc: Client,
+        nc: Nats,
         kv: FleetKV,
         observer: Observer,
         watched: WatchedReleases,

@@ -22,7 +22,7 @@ from bus.contract import subjects
 from bus.contract.errors import FauxmadError, Unreachable
 from bus.contract.machines import ListRequest, Machine, MachineConfig
 from bus.transport.jetstream import FleetKV
-from orchestrator.reconcile.plan import Member, Observed
+from orchestrator.reconcile.actions import Member, Observed
 from orchestrator.reconcile.ports import Bus
 from orchestrator.reconcile.routes import Route, to_workers
 from orchestrator.replicas.machines import MachineIndex

@@ -1,7 +1,8 @@
 """What the reconciler needs of the world, and nothing more: the bus, the brokers' API, the KV and the clock.
 
-Each need is a small Protocol, so the loop (`observe`, `executor`, `releases`, `reconciler`) is written
-against the shape of what it calls, not against NATS: the edges in `over_nats` satisfy them in
+Each need is a small Protocol (the release store's is the app model's, `orchestrator.apps.store`), so the loop
+(`observe`, `executor`, `releases`, `reconciler`) is written against the shape of what it calls, not against
+NATS: the edges in `over_nats` (and `orchestrator.apps.store` for releases) satisfy them in
 production (and `FleetClient` satisfies `MachinesApi` as it is), an in-memory fleet satisfies them in
 unit tests, and time is a function passed in, so a deadline is tested by moving the clock, not by
 waiting for it. Errors cross these seams as `FauxmadError`s and plain values only: no NATS `Msg`, no
@@ -17,6 +18,9 @@ import msgspec
 
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Machine
+from orchestrator.apps.store import ReleaseStore
+
+__all__ = ["Bus", "Clock", "MachinesApi", "ReleaseStore"]
 
 R = TypeVar("R")
 
@@ -42,24 +46,3 @@ class MachinesApi(Protocol):
     async def get(self, app: str, machine_id: str, *, events: bool = True) -> Machine: ...
 
     async def destroy(self, app: str, machine_id: str, *, force: bool = False) -> Machine: ...
-
-
-class ReleaseStore(Protocol):
-    """KV `fauxmad_apps` as releases use it: whole values under dotted keys, and a create that fails when
-    the key exists (how two deployers never claim one release number)."""
-
-    async def keys(self) -> list[str]:
-        """Every key (an empty bucket: none)."""
-        ...
-
-    async def get(self, key: str) -> bytes | None:
-        """The value, or `None` for a key never written, deleted or purged."""
-        ...
-
-    async def create(self, key: str, value: bytes) -> bool:
-        """Write `value` only if `key` holds nothing; `False`: it did."""
-        ...
-
-    async def put(self, key: str, value: bytes) -> None: ...
-
-    async def purge(self, key: str) -> None: ...

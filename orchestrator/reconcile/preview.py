@@ -23,8 +23,9 @@ import msgspec
 
 from bus.contract.fleet import WorkerInfo
 from bus.contract.machines import Guest
-from orchestrator.reconcile.ownership import RUNNING
-from orchestrator.reconcile.plan import (
+from orchestrator.apps.ownership import RUNNING
+from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, ROLE_KEY, AppSpec
+from orchestrator.reconcile.actions import (
     Action,
     Create,
     Desired,
@@ -37,9 +38,8 @@ from orchestrator.reconcile.plan import (
     Start,
     Stop,
     Update,
-    plan,
 )
-from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, ROLE_KEY, AppSpec
+from orchestrator.reconcile.plan import plan
 
 MAX_STEPS = 200
 NEW = "new-"  # simulated machines: `new-1`, `new-2`, … (a real machine id is 14 hex digits)

@@ -38,16 +38,18 @@ import msgspec
 from bus.contract.errors import BadRequest, NoCapacity, Unreachable
 from bus.transport.connection import connect, role_of
 from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
+from orchestrator.apps.releases import Head, Release, Releases, WatchedReleases
+from orchestrator.apps.spec import SPARE, AppSpec
+from orchestrator.apps.store import KVReleaseStore
 from orchestrator.client import PROGRESS_CAP, FleetClient
+from orchestrator.reconcile.actions import Create, Desired, Failure, Plan, Update
 from orchestrator.reconcile.executor import Executor, Result
 from orchestrator.reconcile.follow import Following
 from orchestrator.reconcile.observe import Observer
-from orchestrator.reconcile.over_nats import KVReleaseStore, NatsBus
-from orchestrator.reconcile.plan import Create, Desired, Failure, Plan, Update, plan, summarize
+from orchestrator.reconcile.over_nats import NatsBus
+from orchestrator.reconcile.plan import plan, summarize
 from orchestrator.reconcile.ports import Bus, Clock, MachinesApi, ReleaseStore
-from orchestrator.reconcile.releases import Head, Release, Releases, WatchedReleases
 from orchestrator.reconcile.routes import Route, for_role, to_workers
-from orchestrator.reconcile.spec import SPARE, AppSpec
 from orchestrator.replicas.workers import Registry
 
 log = logging.getLogger(__name__)

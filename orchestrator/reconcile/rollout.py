@@ -31,11 +31,11 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from bus.contract.errors import Conflict, NotFound
-from orchestrator.reconcile.plan import Desired, Destroy
+from orchestrator.apps.releases import Head, Release
+from orchestrator.apps.spec import AppSpec
+from orchestrator.reconcile.actions import Desired, Destroy
 from orchestrator.reconcile.preview import Planned, planned, problems, simulate
 from orchestrator.reconcile.reconciler import Converged, Reconciler
-from orchestrator.reconcile.releases import Head, Release
-from orchestrator.reconcile.spec import AppSpec
 
 SCALED = "scale "  # how `scale` describes the releases it makes
 CLAIM_TTL = 15.0  # seconds an app's claim lasts unless renewed (as a machine's lease, executor.LEASE_TTL)

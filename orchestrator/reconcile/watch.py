@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from orchestrator.reconcile.plan import Desired
+from orchestrator.reconcile.actions import Desired
 from orchestrator.reconcile.reconciler import Reconciler, desired_from
 
 log = logging.getLogger(__name__)

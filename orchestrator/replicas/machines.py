@@ -52,7 +52,7 @@ class MachineIndex(KVReplica):
             for _ in range(5):  # created a moment ago through another broker: the index may lag
                 try:
                     found = await self._kv.get(machine_id)
-                    entry = decoder(MachineIndexEntry).decode(found.value)
+                    entry = decoder(MachineIndexEntry).decode(found.value or b"")
                     self._entries[machine_id] = entry
                     break
                 except Exception:

@@ -18,24 +18,25 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from bus.transport.nats_adapter import Bucket, Nats, Watcher, connection_of, kv_stream
+
 log = logging.getLogger(__name__)
 
 RECONNECT_POLL = 0.2  # seconds between looks at the connection's reconnect count
 REWATCH_RETRY = 0.5  # seconds between attempts to watch again while JetStream is still coming back
 
 
-def _client_of(kv: Any) -> Any:
+def _client_of(kv: Bucket) -> Nats | None:
     """The NATS client under a KV bucket (or under the first of a region-merged set of them)."""
     buckets = getattr(kv, "buckets", None)
-    if buckets:
-        kv = next(iter(buckets.values()))
-    return getattr(getattr(kv, "_js", None), "_nc", None)
+    where = kv_stream(next(iter(buckets.values())) if buckets else kv)
+    return connection_of(where.js) if where is not None else None
 
 
 class KVReplica:
     def __init__(self) -> None:
-        self._kv: Any = None
-        self._watcher: Any = None
+        self._kv: Bucket | None = None
+        self._watcher: Watcher | None = None
         self._task: asyncio.Task[None] | None = None
         self._guard: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
@@ -48,7 +49,7 @@ class KVReplica:
         """One update; `value=None`: the key was deleted or expired."""
         raise NotImplementedError
 
-    async def start(self, kv: Any, timeout: float = 5.0) -> None:
+    async def start(self, kv: Bucket, timeout: float = 5.0) -> None:
         """Watch `kv` and return once its current values are in (or after `timeout`)."""
         self._kv = kv
         self._watcher = await kv.watchall()
@@ -84,9 +85,10 @@ class KVReplica:
         then the watch reaching it; at most `within` seconds. False when it did not, or cannot be told (a
         region-merged bucket). For an answer that must not rest on a watch running behind (a proxy about to
         say an app has no machines, a moment after one was created)."""
-        js, stream = getattr(self._kv, "_js", None), getattr(self._kv, "_stream", None)
-        if js is None or stream is None:
+        where = kv_stream(self._kv)
+        if where is None:
             return False
+        js, stream = where.js, where.stream
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
         try:
@@ -110,7 +112,8 @@ class KVReplica:
         if self.on_change is not None:
             self.on_change(key)
 
-    async def _rewatch_on_reconnect(self, client: Any) -> None:
+    async def _rewatch_on_reconnect(self, client: Nats) -> None:
+        assert self._kv is not None, "started before it guards"
         reconnects = client.stats["reconnects"]
         while True:
             await asyncio.sleep(RECONNECT_POLL)

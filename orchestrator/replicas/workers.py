@@ -30,11 +30,11 @@ import random
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from typing import Any
 
 from bus.contract.codec import decoder
 from bus.contract.fleet import WorkerInfo
 from bus.transport.jetstream import WORKER_TTL
+from bus.transport.nats_adapter import Bucket
 from orchestrator.replicas.replica import KVReplica
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class Registry(KVReplica):
         self._heard: dict[str, float] = {}  # bucket -> when the last heartbeat from it was applied
         self.bucket_of: Callable[[str], str] = lambda key: ""  # one bucket (a supercluster's: one per region)
 
-    async def start(self, kv: Any, timeout: float = 5.0) -> None:
+    async def start(self, kv: Bucket, timeout: float = 5.0) -> None:
         if getattr(kv, "buckets", None):  # a supercluster's regions (`bus.transport.regional`): a bucket each
             self.bucket_of = lambda key: key.split(".", 1)[0]
         await super().start(kv, timeout)

@@ -21,16 +21,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
-
 from bus.contract import subjects
 from bus.contract.codec import decoder
 from bus.contract.fleet import WorkerInfo
 from bus.contract.machines import MachineEvent
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources
+from bus.transport.nats_adapter import ConsumerConfig, DeliverPolicy, Msg, Nats
 from orchestrator.replicas.replica import KVReplica
 from orchestrator.view.db import ViewDb
 from orchestrator.view.fold import ViewWriter, needs_rebuild
@@ -81,7 +78,7 @@ class WorkerMirror(KVReplica):
 class ViewFollower:
     def __init__(
         self,
-        nc: Client,
+        nc: Nats,
         view: ViewWriter,
         *,
         on_change: Callable[[], None] = lambda: None,

@@ -15,14 +15,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import msgspec
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus.contract import subjects
 from bus.contract.base import seconds
 from bus.contract.machines import MachineEvent
 from bus.transport.jetstream import ensure_fleet_resources
+from bus.transport.nats_adapter import ConsumerConfig, DeliverPolicy, Msg, Nats
 from orchestrator.view.follower import decode_event
 
 SINCE_HELP = "a duration back from now (30s, 10m, 2h, 1d) or an ISO 8601 time (2024-05-01T12:00:00Z; no zone: local)"
@@ -65,7 +63,7 @@ class EventQuery(msgspec.Struct, frozen=True, kw_only=True):
 EmitEvent = Callable[[int, MachineEvent], None]
 
 
-async def read_events(nc: Client, query: EventQuery, emit: EmitEvent) -> int:
+async def read_events(nc: Nats, query: EventQuery, emit: EmitEvent) -> int:
     """Call `emit(stream_seq, event)` for each matching event, oldest first; returns how many."""
     await ensure_fleet_resources(nc.jetstream())
 
@@ -80,7 +78,7 @@ async def read_events(nc: Client, query: EventQuery, emit: EmitEvent) -> int:
 
 
 async def replay(
-    nc: Client, stream: str, subject: str, since: float | None, follow: bool, handle: Callable[[int, bytes], bool]
+    nc: Nats, stream: str, subject: str, since: float | None, follow: bool, handle: Callable[[int, bytes], bool]
 ) -> int:
     """Hand each stored message of `stream` matching `subject` to `handle(stream_seq, data)` (True: it counted),
     oldest first, from `since`; without `follow`, stop at the last one that matched when it started."""

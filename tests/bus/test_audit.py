@@ -8,7 +8,8 @@ import nkeys
 import pytest
 
 from bus.contract.errors import Forbidden
-from bus.transport.audit import UNSIGNED, RequestSigner, identify, mutating
+from bus.transport.audit import UNSIGNED, identify, mutating
+from bus.transport.signing import RequestSigner
 
 SUBJECT = "fauxmad.v1.api.apps.web.machines.create"
 NOW = 1_800_000_000.0

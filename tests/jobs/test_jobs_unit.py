@@ -78,8 +78,8 @@ def test_keyed_ids_are_stable_and_distinct() -> None:
 def test_a_spec_jobs_table_gives_defaults_and_options_win() -> None:
     import pytest
 
+    from orchestrator.apps.spec import SpecError, parse_spec
     from orchestrator.jobs.spec import SubmitOptions, submit_request
-    from orchestrator.reconcile.spec import SpecError, parse_spec
 
     spec = parse_spec(
         'app = "thumbs"\ncmd = ["serve"]\nenv = {A = "1"}\n[regions]\nmad = 1\n'

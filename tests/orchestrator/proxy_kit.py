@@ -19,11 +19,11 @@ from bus.local.ports import free_port
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources
 from lab.bench.http_client import Client, Response
+from orchestrator.apps.releases import Releases
+from orchestrator.apps.spec import PRIMARY, SPARE, AppSpec, parse_spec
+from orchestrator.apps.store import KVReleaseStore
 from orchestrator.client import FleetClient
 from orchestrator.proxy.upstream import connect_when_up
-from orchestrator.reconcile.over_nats import KVReleaseStore
-from orchestrator.reconcile.releases import Releases
-from orchestrator.reconcile.spec import PRIMARY, SPARE, AppSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 ECHO = ROOT / "examples" / "echo" / "app.py"

@@ -28,11 +28,11 @@ import pytest
 from bus.contract.machines import Machine
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources
+from orchestrator.apps.releases import Releases
+from orchestrator.apps.spec import load_spec
+from orchestrator.apps.store import KVReleaseStore
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from orchestrator.reconcile.over_nats import KVReleaseStore
-from orchestrator.reconcile.releases import Releases
-from orchestrator.reconcile.spec import load_spec
 from tests.helpers import arun
 from tests.orchestrator.test_reconcile import fauxmad, primaries, spares, wait_for, write_spec
 

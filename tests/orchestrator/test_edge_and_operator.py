@@ -4,7 +4,7 @@ Real parts: a dev fleet (NATS, two workers, a broker), apps deployed with `fauxm
 --watch` for every app, and `fauxmad proxy` processes. Apps: one the operator runs (a primary and its spare),
 one the edge stops when idle, one it suspends, one it creates from zero (`auto_create`, a region count of 0).
 Traffic comes in bursts with idle gaps long enough for autostop; midway a host is killed with SIGKILL.
-What must hold (the rule in `orchestrator/reconcile/ownership.py`): the operator makes no move on a machine
+What must hold (the rule in `orchestrator/apps/ownership.py`): the operator makes no move on a machine
 of the three edge-run apps (it neither starts what the edge stopped or suspended nor destroys what it
 created), every request is answered, and the dead host is still covered (the spare takes over; a stopped
 machine on it is replaced stopped).
@@ -25,9 +25,9 @@ import pytest
 
 from bus.contract.machines import Machine
 from bus.transport.jetstream import WORKER_TTL
+from orchestrator.apps.ownership import CREATED_BY_KEY
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from orchestrator.reconcile.ownership import CREATED_BY_KEY
 from tests import helpers
 from tests.helpers import ROOT, arun
 from tests.orchestrator import proxy_kit as kit

@@ -14,9 +14,9 @@ import pytest
 
 from bus.contract.errors import Conflict
 from orchestrator.reconcile import executor as executor_module
+from orchestrator.reconcile.actions import Destroy, Start, Stop
 from orchestrator.reconcile.executor import Executor
 from orchestrator.reconcile.over_nats import NatsBus
-from orchestrator.reconcile.plan import Destroy, Start, Stop
 from tests.helpers import RawClient, arun, connect_nats, wait_output
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ import asyncio, sys
 import nats
 from orchestrator.reconcile.executor import Executor
 from orchestrator.reconcile.over_nats import NatsBus
-from orchestrator.reconcile.plan import Stop
+from orchestrator.reconcile.actions import Stop
 
 async def main(url, machine_id, region, worker_id):
     nc = await nats.connect(url)

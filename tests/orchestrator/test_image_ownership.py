@@ -34,10 +34,10 @@ from bus.stores.images import Images, build_archive, digest_of, manifest_for
 from bus.transport.connection import connect
 from bus.transport.jetstream import ensure_fleet_resources
 from bus.transport.service import call, request
+from orchestrator.apps.releases import Releases
+from orchestrator.apps.spec import AppSpec
+from orchestrator.apps.store import KVReleaseStore
 from orchestrator.images import pin_image
-from orchestrator.reconcile.over_nats import KVReleaseStore
-from orchestrator.reconcile.releases import Releases
-from orchestrator.reconcile.spec import AppSpec
 from tests.helpers import arun, audit_records
 from tests.orchestrator.test_secure_fleet import SecureFleet
 

@@ -33,10 +33,10 @@ from bus.contract import subjects
 from bus.contract.machines import ListRequest, Machine
 from bus.transport.connection import connect
 from bus.transport.service import call
+from orchestrator.apps.ownership import RUNNING
+from orchestrator.apps.spec import REPLACES_KEY
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
-from orchestrator.reconcile.ownership import RUNNING
-from orchestrator.reconcile.spec import REPLACES_KEY
 from tests.helpers import ROOT, arun, until
 from tests.orchestrator.test_reconcile import fauxmad, machines, primaries, role, spares, wait_for, write_spec
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.apps.http_service import HttpService
+from orchestrator.apps.ownership import region_range
+from orchestrator.apps.spec import PRIMARY, SPARE, AppSpec, parse_spec
 from orchestrator.proxy.choose import Candidate
 from orchestrator.proxy.idle import idle_victims
 from orchestrator.proxy.routes import App
-from orchestrator.reconcile.http_service import HttpService
-from orchestrator.reconcile.ownership import region_range
-from orchestrator.reconcile.plan import Create, Desired, Destroy, Member, Observed, Promote, Start, Stop, plan
-from orchestrator.reconcile.spec import PRIMARY, SPARE, AppSpec, parse_spec
+from orchestrator.reconcile.actions import Create, Desired, Destroy, Member, Observed, Promote, Start, Stop
+from orchestrator.reconcile.plan import plan
 
 NOW = 1_000_000.0
 

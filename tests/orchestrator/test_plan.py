@@ -9,8 +9,8 @@ from bus.contract.errors import BadRequest, Conflict, DeadlineExceeded, NoCapaci
 from bus.contract.fleet import WorkerInfo
 from bus.contract.machines import ExitInfo, MachineConfig
 from bus.contract.offers import Resources
-from orchestrator.reconcile.executor import Result
-from orchestrator.reconcile.plan import (
+from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, parse_spec
+from orchestrator.reconcile.actions import (
     Create,
     Desired,
     Destroy,
@@ -22,13 +22,11 @@ from orchestrator.reconcile.plan import (
     Start,
     Stop,
     Update,
-    plan,
-    successors,
-    summarize,
 )
+from orchestrator.reconcile.executor import Result
+from orchestrator.reconcile.plan import plan, successors, summarize
 from orchestrator.reconcile.preview import planned, problems, simulate
 from orchestrator.reconcile.reconciler import Reconciler
-from orchestrator.reconcile.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, parse_spec
 
 NOW = 1_000_000.0
 

@@ -22,10 +22,10 @@ from bus.contract.fleet import CreateRequest, WorkerInfo
 from bus.contract.machines import Machine
 from bus.local.ports import free_port
 from lab.bench.http_client import Client, Response
+from orchestrator.apps.spec import PRIMARY, parse_spec
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.proxy.upstream import connect_when_up
-from orchestrator.reconcile.spec import PRIMARY, parse_spec
 from tests.helpers import arun, fauxmad
 from tests.orchestrator import proxy_kit as kit
 from tests.orchestrator.test_api import Api, start_api

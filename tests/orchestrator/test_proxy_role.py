@@ -20,9 +20,9 @@ from bus.contract.errors import Forbidden
 from bus.contract.fleet import CreateRequest
 from bus.transport.connection import connect
 from bus.transport.credentials import CREDS_ENV
+from orchestrator.apps.spec import PRIMARY, parse_spec
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from orchestrator.reconcile.spec import PRIMARY, parse_spec
 from tests.helpers import arun, audit_records, wait_until
 from tests.orchestrator import proxy_kit as kit
 

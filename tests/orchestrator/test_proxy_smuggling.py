@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from bus.contract.fleet import CreateRequest
+from orchestrator.apps.spec import PRIMARY, parse_spec
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.proxy.upstream import connect_when_up
-from orchestrator.reconcile.spec import PRIMARY, parse_spec
 from tests.helpers import arun
 from tests.orchestrator import proxy_kit as kit
 from tests.orchestrator import test_proxy_h11 as differential

@@ -13,13 +13,13 @@ import pytest
 from bus.contract.errors import Conflict
 from bus.contract.machines import Lease, LeaseRequest, Machine
 from bus.contract.subjects import worker_machines
+from orchestrator.apps.releases import Head, Release, Releases, WatchedReleases
+from orchestrator.apps.spec import RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, PlacementSpec
 from orchestrator.reconcile import rollout
+from orchestrator.reconcile.actions import Desired
 from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.observe import health
-from orchestrator.reconcile.plan import Desired
 from orchestrator.reconcile.reconciler import Reconciler
-from orchestrator.reconcile.releases import Head, Release, Releases, WatchedReleases
-from orchestrator.reconcile.spec import RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, PlacementSpec
 from orchestrator.reconcile.watch import Operator
 from tests.helpers import arun
 from tests.orchestrator.memory_fleet import FakeClock, MemoryFleet, MemoryStore

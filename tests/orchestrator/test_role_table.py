@@ -8,7 +8,7 @@ must be refused by nats-server. Anything else is a surprise, and so is a family 
 use at all unless `OPERATOR_ONLY` says why (the table forgot it), or one listed there that a role does use.
 
 Evidence, never silence: a refusal is the server's permissions violation (nats-py's error callback; for a request,
-the 403 `Forbidden` of the project's `SecureClient`), an arrival is an arrival; neither within the bound is a
+the 403 `Forbidden` of the project's `Connection`), an arrival is an arrival; neither within the bound is a
 surprise. A subscription's flush (PONG) does not mean another connection's publishes see it yet (nats-server
 v2.15.1 loses a few percent of messages published from another connection right after subscribe + flush), so
 every subscription a verdict depends on is probed until it is seen receiving: the spy (the operator on `>`) and
@@ -266,7 +266,7 @@ async def _subscribe(me: Watched, operator: Operator, subject: str, token: bytes
 async def _request(me: Client, operator: Operator, subject: str, token: bytes) -> str:
     try:
         reply = await me.request(subject, token, timeout=BOUND)
-    except Forbidden:  # the server's refusal of the request's publish (SecureClient), at once
+    except Forbidden:  # the server's refusal of the request's publish (our Connection), at once
         await _until(lambda: operator.arrived(subject, token), LOOK)
         return _verdict(operator.arrived(subject, token), True, "delivered")
     except nats.errors.TimeoutError:

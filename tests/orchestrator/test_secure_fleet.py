@@ -318,8 +318,8 @@ def test_every_mutating_nats_request_is_audited_with_the_identity_that_signed_it
     from bus.contract.machines import Guest, MachineConfig
     from bus.contract.streams import AuditRecord
     from bus.transport import credentials
-    from bus.transport.audit import RequestSigner
     from bus.transport.service import raise_for_reply
+    from bus.transport.signing import RequestSigner
     from tests.helpers import audit_records
 
     run = fleet.cli(

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from orchestrator.reconcile.spec import SpecError, load_spec, parse_spec
+from orchestrator.apps.spec import SpecError, load_spec, parse_spec
 from tests.helpers import ROOT
 
 

@@ -22,7 +22,7 @@ import pytest
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.orchestrator.test_reconcile import destroy, fauxmad, machines, primaries, wait_for, write_spec
 from workers.agent.service import cgroup_base_name
-from workers.driver.process import _processes_of
+from workers.driver.proc import processes_of
 
 APP = "same"  # both fleets deploy, drain and destroy an app of this name
 
@@ -70,7 +70,7 @@ def test_two_fleets_deploy_drain_and_destroy_one_app_name_without_seeing_each_ot
         recorded, theirs = pid_files(fleet), set(pid_files(other).values())
         assert set(recorded) == set(own), (recorded, own)
         for machine_id in own:
-            pids = set(_processes_of(machine_id))
+            pids = set(processes_of(machine_id))
             assert recorded[machine_id] in pids and not pids & theirs, (machine_id, pids, theirs)
 
     # a drain in one fleet moves its machines off the drained worker; the other's same-named worker keeps its own

@@ -26,7 +26,8 @@ import pytest
 from workers.driver.base import ExitStatus, TaskHandle, TaskSpec
 from workers.driver.fork_server import prepare_workdir
 from workers.driver.limits import Cgroup2Limits, Limits, RlimitLimits, auto_detect, slow_migration_hint
-from workers.driver.process import ProcessDriver, group_stopped
+from workers.driver.proc import group_stopped
+from workers.driver.process import ProcessDriver
 from workers.driver.shim import temporary
 
 T = TypeVar("T")

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-
 from bus.contract.codec import decoder, encode
 from bus.contract.idempotency import Claim, claim_key
+from bus.transport.nats_adapter import KV, KeyNotFoundError, KeyWrongLastSequenceError
 
 
 class RegionClaims:
-    def __init__(self, kv: Any) -> None:
+    def __init__(self, kv: KV) -> None:
         self.kv = kv
 
     async def read(self, app: str, key: str) -> tuple[Claim | None, int]:
@@ -25,7 +24,7 @@ class RegionClaims:
             return None, 0
         if entry.value is None:  # a delete marker
             return None, 0
-        return decoder(Claim).decode(entry.value), int(entry.revision)
+        return decoder(Claim).decode(entry.value), int(entry.revision or 0)
 
     async def settle(self, app: str, key: str, claim: Claim, revision: int) -> bool:
         try:

@@ -20,12 +20,11 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from nats.aio.client import Client
-
 from bus.contract import subjects
 from bus.contract.codec import encode
 from bus.contract.fleet import WorkerInfo
 from bus.transport.jetstream import MAX_CLOCK_SKEW, FleetKV
+from bus.transport.nats_adapter import Nats
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ def skew_refusal(worker_id: str, skew: float) -> str:
 class Heartbeat:
     def __init__(
         self,
-        nc: Client,
+        nc: Nats,
         kv: FleetKV,
         *,
         region: str,

@@ -10,16 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from nats.js import JetStreamContext
-
 from bus.stores.images import ImageManifest, Images, image_store, is_digest, tags_bucket
+from bus.transport.nats_adapter import JetStream
 from workers.image_cache import ImageCache
 from workers.log.machine_states import PROCESS_STATES
 from workers.log.store import Store
 
 
 async def open_image_cache(
-    js: JetStreamContext, root: Path, *, quota_bytes: int, in_use: Callable[[], set[str]]
+    js: JetStream, root: Path, *, quota_bytes: int, in_use: Callable[[], set[str]]
 ) -> ImageCache:
     images = Images(js, await image_store(js), await tags_bucket(js))
 

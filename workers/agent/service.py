@@ -47,6 +47,7 @@ from bus.transport.addresses import source_address_for_url
 from bus.transport.audit import AuditTrail, RequestAudit
 from bus.transport.connection import connect
 from bus.transport.jetstream import FleetConfig, FleetKV, ensure_fleet_resources_patiently
+from bus.transport.nats_adapter import JetStream
 from bus.transport.service import Responder
 from workers import metrics
 from workers.agent.backhaul import Backhaul
@@ -258,7 +259,7 @@ class WorkerAgent:
         ]
         log.info("worker %s in %s up: resumed %s, limits %s", cfg.worker_id, cfg.region, self.resumed, self.limits_mode)
 
-    async def _volume_manager(self, js: Any, data: Path) -> VolumeManager:
+    async def _volume_manager(self, js: JetStream, data: Path) -> VolumeManager:
         """Volumes under `<data>/volumes`, with the backend this host allows (`workers.volumes.storage.detect`)."""
         assert self.store is not None and self.committer is not None
         root = data / "volumes"

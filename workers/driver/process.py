@@ -34,11 +34,8 @@ Key decisions:
   workload is held by a pidfd (checked to be the shim's session's, or the sandbox's own), and the next
   signal only asks that pidfd whether the process still runs: a resume after a suspend skips the files.
 - `start` returns as soon as the shim exists (a few ms): it does not wait for the workload's exec.
-- `exec` runs a command beside the workload, with its environment, working directory and limits (it
-  joins the machine's cgroups, or gets its RLIMIT_AS) through a few lines of stdlib Python that then
-  exec the command, so no `preexec_fn` runs in this threaded process. It is the worker's child, in a
-  session of its own, killed (its whole process group) at the timeout; its output is read to the end
-  but only the first `EXEC_MAX_OUTPUT` bytes of each stream are kept.
+- `exec` runs a command beside the workload with its environment, working directory and limits
+  (workers/driver/execute.py). What the driver reads of /proc is workers/driver/proc.py.
 """
 
 from __future__ import annotations
@@ -52,24 +49,32 @@ import signal as signals
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 import msgspec
 
-from bus.contract.machines import EXEC_MAX_OUTPUT, ExecReply
+from bus.contract.machines import ExecReply
 from workers.driver.base import ExitStatus, TaskHandle, TaskSpec, TaskState
+from workers.driver.execute import CHILD_PID, run_beside, user_of
 from workers.driver.fork_client import LauncherClient
-from workers.driver.fork_server import Request, make_request, prepare_workdir, proc_stat_fields
+from workers.driver.fork_server import Request, make_request, prepare_workdir
 from workers.driver.limits import Limits
+from workers.driver.proc import (
+    alive,
+    proc_stat,
+    processes_of,
+    read_pid,
+    rss,
+    same_process,
+    session_members,
+    stopped,
+)
 from workers.driver.sandbox import bwrap_argv, bwrap_path
 from workers.driver.shim import temporary
 
 log = logging.getLogger(__name__)
 
 SHIM = str(Path(__file__).with_name("shim.py"))
-CHILD_PID = "child.pid"
 DESTROY_TIMEOUT = 10.0
 KILL_PATIENCE = 5.0  # seconds a force destroy waits for the shim after its workload's SIGKILL, before killing it
 # How long `signal` waits for a just-started shim to write child.pid (~1 ms from the launcher, ~20 ms
@@ -81,45 +86,6 @@ LAUNCHER_REAP_PATIENCE = 1.0
 LAUNCHER_REAP_POLL = 0.001
 # Only when the kernel has no pidfd_open (Linux < 5.3): how often to look whether the shim ended.
 FALLBACK_POLL = 0.1
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-# After an exec's command has ended, how long its output may take to reach end of file (a background
-# process it left may hold the pipes) before its process group is killed and what was read is kept.
-EXEC_DRAIN = 0.5
-EXEC_READ_CHUNK = 65536
-EXEC_CANNOT_START = 127
-
-# argv: N, N cgroup directories, RLIMIT_AS bytes (0: none), then the command. Run as `python -I -S -c`.
-EXEC_LAUNCHER = """
-import os, signal, sys
-user, n = sys.argv[1], int(sys.argv[2])
-cgroups, rlimit, cmd = sys.argv[3 : 3 + n], int(sys.argv[3 + n]), sys.argv[4 + n :]
-try:
-    for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
-        signal.signal(sig, signal.SIG_DFL)
-    pid = str(os.getpid()).encode()
-    for cgroup in cgroups:
-        fd = os.open(os.path.join(cgroup, "cgroup.procs"), os.O_WRONLY)
-        try:
-            os.write(fd, pid)
-        finally:
-            os.close(fd)
-    if rlimit > 0:
-        import resource
-        resource.setrlimit(resource.RLIMIT_AS, (rlimit, rlimit))
-    if user:
-        import warnings  # os.execvpe imports it, and the machine's user may not read the stdlib
-        uid, _, gid = user.partition(":")
-        os.setgroups([])
-        os.setgid(int(gid))
-        os.setuid(int(uid))
-    os.execvpe(cmd[0], cmd, dict(os.environ))
-except FileNotFoundError:
-    os.write(2, f"fauxmad exec: {cmd[0]}: command not found\\n".encode())
-    os._exit(127)
-except BaseException as exc:
-    os.write(2, f"fauxmad exec: cannot start {cmd[0]!r}: {exc}\\n".encode())
-    os._exit(127)  # EXEC_CANNOT_START, as a shell says "command not found"
-"""
 
 
 class _ExitRecord(msgspec.Struct, kw_only=True):
@@ -137,35 +103,6 @@ _encode_record = msgspec.json.Encoder().encode
 
 # (exit_code, signal) of a process we reaped ourselves.
 WaitStatus = tuple[int | None, int | None]
-
-
-class _ProcStat(NamedTuple):
-    state: str
-    parent: int
-    group: int
-    session: int
-    start_ticks: int
-
-    def in_session_of(self, handle: TaskHandle, pid: int) -> bool:
-        """Whether process `pid` (whose stat this is) is the task's workload: in its shim's session, or a
-        session of its own (a sandbox: its id is the pid in `child.pid`)."""
-        return self.session in (handle.pid, pid)
-
-
-def _proc_stat(pid: int) -> _ProcStat | None:
-    """State, parent, group, session and start time of a process from /proc/<pid>/stat, None if there is none."""
-    fields = proc_stat_fields(pid)
-    if fields is None:
-        return None
-    # fields[0] is field 3 (state); ppid is field 4, pgrp field 5, session field 6, starttime field 22.
-    return _ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19]))
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _read_record(handle: TaskHandle) -> _ExitRecord | None:
@@ -235,24 +172,6 @@ def _command(spec: TaskSpec, workdir: Path, cwd: Path) -> list[str]:
     return bwrap_argv(
         bwrap, spec.cmd, hostname=spec.machine_id, writable=[str(workdir), str(cwd)], cwd=str(cwd), binds=binds
     )
-
-
-async def _sandbox_ready(pid_file: Path, paths: list[str], wait: float = 5.0) -> int | None:
-    """The sandbox's pid once bwrap has reported it and (seen through its root) bound its volumes: an exec
-    right after a start must not run beside the sandbox, nor in it before its mounts are there."""
-    deadline = time.monotonic() + wait
-    while True:
-        pid = _read_pid(pid_file)
-        if pid is not None and all(os.path.exists(f"/proc/{pid}/root{path}") for path in paths):
-            return pid
-        if time.monotonic() > deadline:
-            return pid
-        await asyncio.sleep(0.01)
-
-
-def _user(spec: TaskSpec) -> str:
-    """The shim's `--user` for this machine: "UID:GID", or "" to run as the worker's own user."""
-    return "" if spec.run_as is None else f"{spec.run_as[0]}:{spec.run_as[1]}"
 
 
 def _make_home(spec: TaskSpec) -> None:
@@ -334,7 +253,7 @@ class ProcessDriver:
         orphan (still being ended) included. A previous run that does not end within `KILL_PATIENCE` has
         nobody left who wants it: it is ended as a force destroy ends it."""
         previous = self._runs.pop(workdir, None)
-        if previous is None or not self._alive(previous):
+        if previous is None or not alive(previous):
             return
         log.warning("shim %d of %s still running at the next start there: waiting for its end", previous.pid, workdir)
         try:
@@ -349,7 +268,7 @@ class ProcessDriver:
         it answers), else spawned directly."""
         cwd = Path(spec.run_dir).absolute()
         cmd, sandboxed = _command(spec, workdir, cwd), spec.sandbox != "none"
-        user = _user(spec)
+        user = user_of(spec)
         if user:
             _make_home(spec)
         request = make_request(
@@ -368,7 +287,7 @@ class ProcessDriver:
         prepare_workdir(str(workdir))
         argv = _shim_argv(self.python, cmd, str(workdir), cgroups, rlimit, sandboxed, user)
         proc = self._spawn(argv, spec.env, workdir, cwd)
-        stat = _proc_stat(proc.pid)
+        stat = proc_stat(proc.pid)
         # Our own child cannot vanish before we reap it, so its stat is there (as a zombie at worst).
         self._children[proc.pid] = proc
         return proc.pid, stat.start_ticks if stat else 0
@@ -429,7 +348,7 @@ class ProcessDriver:
             await self._poll_until_ended(handle)
             return None
         try:
-            if not self._same_process(handle):
+            if not same_process(handle):
                 return None  # the pid was reused: the shim ended long ago
             await self._readable(pidfd)
             status = self._reap(handle.pid, pidfd)
@@ -446,7 +365,7 @@ class ProcessDriver:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LAUNCHER_REAP_PATIENCE
         while not handle.status_path.exists() and loop.time() < deadline:
-            stat = _proc_stat(handle.pid)
+            stat = proc_stat(handle.pid)
             launcher = self._launcher.pid
             if stat is None or stat.start_ticks != handle.start_ticks or launcher is None or stat.parent != launcher:
                 return
@@ -468,7 +387,7 @@ class ProcessDriver:
             loop.remove_reader(fd)
 
     async def _poll_until_ended(self, handle: TaskHandle) -> None:
-        while self._alive(handle):
+        while alive(handle):
             await asyncio.sleep(FALLBACK_POLL)
 
     def _reap(self, pid: int, pidfd: int) -> WaitStatus | None:
@@ -504,14 +423,14 @@ class ProcessDriver:
     def _record_for_dead_shim(handle: TaskHandle, shim_status: WaitStatus | None) -> _ExitRecord:
         """The shim ended without writing exit.json (killed, or failed before starting anything)."""
         now = time.time()
-        workload = _read_pid(Path(handle.workdir) / CHILD_PID)
+        workload = read_pid(Path(handle.workdir) / CHILD_PID)
         if workload is None and shim_status is not None:
             # The workload never started: the shim's own end is the task's end.
             return _ExitRecord(exit_code=shim_status[0], signal=shim_status[1], finished_at=now)
         if workload is not None:
             # The shim died under a running workload that nobody can watch any more. Kill it, so that
             # what we report (it ended) is true; the session check guards against a reused pid.
-            stat = _proc_stat(workload)
+            stat = proc_stat(workload)
             if stat is not None and stat.in_session_of(handle, workload):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(workload, signals.SIGKILL)
@@ -520,7 +439,7 @@ class ProcessDriver:
     # -- stop, signal, destroy ---------------------------------------------------------------------
 
     async def stop(self, handle: TaskHandle, timeout: float, signal: int) -> ExitStatus:
-        if not self._alive(handle):
+        if not alive(handle):
             return await self.wait(handle)
         await self.signal(handle, signal)
         try:
@@ -564,7 +483,7 @@ class ProcessDriver:
             pidfd = os.pidfd_open(workload)
         except OSError:  # gone already, or no pidfd in this kernel: the files are read each time
             return
-        stat = _proc_stat(workload)
+        stat = proc_stat(workload)
         ours = stat is not None and stat.in_session_of(handle, workload) and stat.start_ticks >= handle.start_ticks
         if not ours or _ended(pidfd) or handle.status_path.exists():
             os.close(pidfd)
@@ -580,10 +499,10 @@ class ProcessDriver:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + STARTUP_PATIENCE
         while not handle.status_path.exists():
-            workload = _read_pid(Path(handle.workdir) / CHILD_PID)
+            workload = read_pid(Path(handle.workdir) / CHILD_PID)
             if workload is not None:
                 return workload
-            if not self._alive(handle) or loop.time() >= deadline:
+            if not alive(handle) or loop.time() >= deadline:
                 return None
             await asyncio.sleep(STARTUP_POLL)  # the shim is starting: child.pid is milliseconds away
         return None
@@ -607,8 +526,8 @@ class ProcessDriver:
         left in the machine's cgroups. A destroy must never wait forever: it holds the machine's lock, and every
         later verb of the machine, and the worker's own stop, would wait behind it."""
         log.warning("shim %d alive %gs after its workload's SIGKILL: killing its session", handle.pid, KILL_PATIENCE)
-        if self._same_process(handle):  # its session id is its pid, and names no one else while it lives
-            for pid in _session_members(handle.pid):
+        if same_process(handle):  # its session id is its pid, and names no one else while it lives
+            for pid in session_members(handle.pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signals.SIGKILL)
         with contextlib.suppress(TimeoutError):
@@ -617,106 +536,30 @@ class ProcessDriver:
     # -- exec ----------------------------------------------------------------------------------------
 
     async def exec(self, handle: TaskHandle, spec: TaskSpec, cmd: list[str], timeout: float) -> ExecReply:
-        """Run `cmd` in the machine's environment, working directory and limits; see the module docstring."""
+        """Run `cmd` in the machine's environment, working directory and limits (`workers.driver.execute`)."""
         rlimit = self.limits.rlimit_as(spec.memory_mb) or 0
-        argv = [self.python, "-I", "-S", "-c", EXEC_LAUNCHER, _user(spec), str(len(handle.cgroups)), *handle.cgroups]
-        if spec.sandbox != "none":  # into its namespaces and its root (nsenter forks, so it joins the pid one too)
-            sandbox = await _sandbox_ready(Path(handle.workdir) / CHILD_PID, [path for _, path in spec.volumes])
-            if sandbox is not None:
-                cmd = [
-                    "nsenter",
-                    "-t",
-                    str(sandbox),
-                    "-p",
-                    "-m",
-                    "-i",
-                    "-u",
-                    "-r",
-                    "-w",
-                    "--",
-                    *cmd,
-                ]  # -w: its cwd, run_dir
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            str(rlimit),
-            *cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=spec.env,
-            cwd=spec.run_dir,
-            start_new_session=True,
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-        reads = [asyncio.ensure_future(_read_bounded(stream)) for stream in (proc.stdout, proc.stderr)]
-        timed_out = False
-        try:
-            try:
-                await asyncio.wait_for(proc.wait(), timeout)
-            except TimeoutError:
-                timed_out = True
-                _kill_group(proc.pid)
-                await proc.wait()
-            done, _ = await asyncio.wait(reads, timeout=EXEC_DRAIN)
-            if len(done) < len(reads):  # something it started holds the pipes: its group goes too
-                _kill_group(proc.pid)
-                await asyncio.wait(reads, timeout=EXEC_DRAIN)
-        finally:
-            if proc.returncode is None:  # cancelled (the worker is stopping): leave nothing behind
-                _kill_group(proc.pid)
-            for read in reads:
-                read.cancel()
-        outputs = [read.result() if read.done() and not read.cancelled() else (b"", False) for read in reads]
-        code = proc.returncode
-        return ExecReply(
-            exit_code=None if timed_out or code is None or code < 0 else code,
-            signal=-code if code is not None and code < 0 else None,
-            timed_out=timed_out,
-            stdout=outputs[0][0].decode("utf-8", "replace"),
-            stderr=outputs[1][0].decode("utf-8", "replace"),
-            truncated=outputs[0][1] or outputs[1][1],
-        )
+        return await run_beside(handle, spec, cmd, timeout, python=self.python, rlimit=rlimit)
 
     # -- inspect, recover ----------------------------------------------------------------------------
 
     def inspect(self, handle: TaskHandle) -> TaskState:
-        running = self._alive(handle)
-        workload = _read_pid(Path(handle.workdir) / CHILD_PID)
+        running = alive(handle)
+        workload = read_pid(Path(handle.workdir) / CHILD_PID)
         if running:
-            rss = self._rss(workload) if workload is not None else None
-            stopped = workload is not None and self._stopped(workload)
-            return TaskState(running=True, pid=handle.pid, child_pid=workload, rss_bytes=rss, stopped=stopped)
+            rss_bytes = rss(workload) if workload is not None else None
+            is_stopped = workload is not None and stopped(workload)
+            return TaskState(running=True, pid=handle.pid, child_pid=workload, rss_bytes=rss_bytes, stopped=is_stopped)
         # Ended but not yet waited for: a missing exit.json reads as lost here (`wait` may know better
         # if the shim was our child and never started the workload).
         record = _read_record(handle) or _ExitRecord(lost=True)
         exit_status = self._to_status(handle, record)
         return TaskState(running=False, pid=handle.pid, child_pid=workload, exit=exit_status)
 
-    @staticmethod
-    def _stopped(pid: int) -> bool:
-        """Is the process group `pid` leads in a job-control stop? Its leader's state says so (`T`), except
-        while the leader waits in vfork() for a child the stop caught before its exec (dash starts every
-        command that way): the leader is then `D`, and the members decide (`group_stopped`)."""
-        leader = _proc_stat(pid)
-        if leader is None:
-            return False
-        if leader.state != "D":
-            return leader.state == "T"
-        return group_stopped(_group_states(pid))
-
-    @staticmethod
-    def _rss(pid: int) -> int | None:
-        try:
-            with open(f"/proc/{pid}/statm", "rb") as f:
-                return int(f.read().split()[1]) * PAGE_SIZE
-        except (OSError, ValueError, IndexError):
-            return None
-
     def recover(self, handle: TaskHandle) -> bool:
-        alive = self._alive(handle)
-        if alive:
+        running = alive(handle)
+        if running:
             self._runs[handle.workdir] = handle  # re-adopted: the next start in its directory waits for its end
-        return alive
+        return running
 
     async def end_strays(self, machine_id: str, patience: float = 5.0) -> int:
         """Kill whatever runs of `machine_id` although no handle names it, and wait until it is gone; returns
@@ -725,8 +568,8 @@ class ProcessDriver:
 
         Found by the machine id in the workload's environment (the shim of a launcher carries the launcher's
         own), with its shim: the leader of the workload's session, which the workload runs in."""
-        strays = _processes_of(machine_id)
-        shims = {stat.session for stat in filter(None, map(_proc_stat, strays)) if stat.session > 1}
+        strays = processes_of(machine_id)
+        shims = {stat.session for stat in filter(None, map(proc_stat, strays)) if stat.session > 1}
         shims.discard(os.getpid())
         everyone = set(strays) | shims
         for pid in everyone:
@@ -734,7 +577,7 @@ class ProcessDriver:
                 os.kill(pid, signals.SIGKILL)
         deadline = time.perf_counter() + patience
         while time.perf_counter() < deadline:
-            alive = [pid for pid in everyone if (stat := _proc_stat(pid)) is not None and stat.state not in ("Z", "X")]
+            alive = [pid for pid in everyone if (stat := proc_stat(pid)) is not None and stat.state not in ("Z", "X")]
             if not alive:
                 break
             await asyncio.sleep(0.01)
@@ -742,79 +585,9 @@ class ProcessDriver:
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _same_process(handle: TaskHandle) -> bool:
-        stat = _proc_stat(handle.pid)
-        return stat is not None and stat.start_ticks == handle.start_ticks
-
-    @staticmethod
-    def _alive(handle: TaskHandle) -> bool:
-        """The handle's shim is running: same pid, same start time, and not a zombie."""
-        stat = _proc_stat(handle.pid)
-        return stat is not None and stat.start_ticks == handle.start_ticks and stat.state not in ("Z", "X")
-
-
-def _session_members(session: int) -> list[int]:
-    """The processes of session `session` (a shim's: the shim and its workload, sandbox or not)."""
-    return [pid for pid, stat in _every_process() if stat.session == session]
-
-
-def _processes_of(machine_id: str) -> list[int]:
-    """The processes whose environment names `machine_id` (a machine's workload and what it started)."""
-    needle = f"FAUXMAD_MACHINE_ID={machine_id}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if needle in environ:
-            found.append(int(entry.name))
-    return found
-
-
-def group_stopped(states: Iterable[str]) -> bool:
-    """Whether a process group whose members are in `states` (from /proc) is in a job-control stop: one is
-    stopped (`T`) and none runs or sleeps (`R`, `S`); a member in `D` may be a parent waiting in vfork()
-    for a stopped child, so it decides nothing, and neither do zombies."""
-    seen = set(states)
-    return "T" in seen and not seen & {"R", "S"}
-
-
-def _group_states(pgid: int) -> list[str]:
-    """The states of the processes in group `pgid` (a scan of /proc: only when the leader is in `D`)."""
-    return [stat.state for _, stat in _every_process() if stat.group == pgid]
-
-
-def _every_process() -> Iterator[tuple[int, _ProcStat]]:
-    """Each process there is now, with its /proc stat (one gone meanwhile is left out)."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None:
-            yield int(entry), stat
-
 
 def _ended(pidfd: int) -> bool:
     """Whether the process behind a pidfd has exited (its pidfd is readable then), without waiting."""
     poller = select.poll()  # not select.select: a worker with many machines has fds past FD_SETSIZE
     poller.register(pidfd, select.POLLIN)
     return bool(poller.poll(0))
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signals.SIGKILL)
-
-
-async def _read_bounded(stream: asyncio.StreamReader, limit: int = EXEC_MAX_OUTPUT) -> tuple[bytes, bool]:
-    """Read `stream` to its end; keep its first `limit` bytes, and say whether there was more."""
-    kept = bytearray()
-    truncated = False
-    while chunk := await stream.read(EXEC_READ_CHUNK):
-        room = limit - len(kept)
-        if len(chunk) > room:
-            truncated = True
-        kept += chunk[: max(0, room)]
-    return bytes(kept), truncated

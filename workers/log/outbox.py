@@ -51,13 +51,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import msgspec
-from nats.aio.client import Client
-from nats.js.errors import NotFoundError
 
 from bus.contract import subjects
 from bus.contract.codec import encode
 from bus.contract.machines import Machine, MachineEvent, MachineIndexEntry, index_entry
 from bus.transport.batch_publish import BatchPublisher, Message
+from bus.transport.nats_adapter import Nats, NotFoundError
 from workers.log.records import MachineRecord, StoredMachine
 
 log = logging.getLogger(__name__)
@@ -134,7 +133,7 @@ class Outbox:
 
     def __init__(
         self,
-        nc: Client,
+        nc: Nats,
         *,
         worker_id: str,
         index_bucket: str = subjects.MACHINES_BUCKET,

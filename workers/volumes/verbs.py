@@ -30,10 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from nats.js import JetStreamContext
-from nats.js.api import ObjectMeta
-from nats.js.errors import NotFoundError, ObjectNotFoundError
-from nats.js.object_store import ObjectStore
 
 from bus.contract import subjects
 from bus.contract.errors import BadRequest, Conflict, NoCapacity, NotFound
@@ -49,6 +45,7 @@ from bus.contract.volumes import (
 )
 from bus.stores.objects import read_chunks, stored_digest
 from bus.stores.snapshots import SnapshotMeta, decode_meta
+from bus.transport.nats_adapter import JetStream, NotFoundError, ObjectMeta, ObjectNotFoundError, ObjectStore
 from workers.log.commit import GroupCommitter
 from workers.log.stamps import iso
 from workers.log.store import Store, Tx
@@ -105,7 +102,7 @@ class VolumeManager:
         store: Store,
         committer: GroupCommitter,
         fs: VolumeFs,
-        js: JetStreamContext | None,
+        js: JetStream | None,
         snapshots: ObjectStore | None,
         scratch: Path,
         clock: Callable[[], float] = time.time,

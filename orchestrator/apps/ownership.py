@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import msgspec
 
-from orchestrator.reconcile.http_service import HttpService
+from orchestrator.apps.http_service import HttpService
 
 # who made a machine, kept in its config's metadata (so in its `created` event) and shown by `machine show`
 CREATED_BY_KEY = "fauxmad_created_by"  # deploy | failover | drain | spare | proxy

@@ -11,7 +11,7 @@ Keys, per app:
   seed 101). A claim lapses at `until` unless renewed, so a deploy killed halfway holds nobody up for long.
 
 Every write is a whole value; there is nothing to merge. A reconciler reads `current`, then the
-release it names, and converges the machines onto it. The bucket is a `ReleaseStore` (see `ports`), so
+release it names, and converges the machines onto it. The bucket is a `ReleaseStore` (see `store`), so
 this module never sees nats-py, and a unit test keeps releases in a dict.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -26,8 +27,8 @@ import msgspec
 from bus.contract.codec import decoder, encode
 from bus.contract.errors import Conflict, NotFound
 from bus.contract.subjects import matches
-from orchestrator.reconcile.ports import Clock, ReleaseStore
-from orchestrator.reconcile.spec import AppSpec
+from orchestrator.apps.spec import AppSpec
+from orchestrator.apps.store import ReleaseStore
 
 Status = Literal["running", "complete", "failed", "rolled_back"]
 
@@ -134,7 +135,7 @@ class WatchedReleases:
 
 
 class Releases:
-    def __init__(self, kv: ReleaseStore, *, clock: Clock = time.time) -> None:
+    def __init__(self, kv: ReleaseStore, *, clock: Callable[[], float] = time.time) -> None:
         self.kv = kv
         self.clock = clock
 

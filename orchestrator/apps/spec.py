@@ -27,7 +27,7 @@ from bus.contract.base import Cpus, MemoryMb, Token, seconds
 from bus.contract.fleet import Preset
 from bus.contract.machines import Check, Guest, MachineConfig, Mount, RestartPolicy, Service
 from bus.contract.rules import in_words
-from orchestrator.reconcile.http_service import HttpService
+from orchestrator.apps.http_service import HttpService
 
 RELEASE_KEY = "fauxmad_release"
 ROLE_KEY = "fauxmad_role"
