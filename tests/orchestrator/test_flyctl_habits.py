@@ -142,11 +142,14 @@ def test_job_wait_of_an_unknown_id_exits_4_at_once(fleet: DevFleet, unique: Call
     known = json.loads(done.stdout)[0]["id"]
     # each ends because the job is not there (exit 4, named), not at a deadline: the default wait is 3600 s, so a
     # wait that missed it would hang to the runner's timeout
-    missing = fauxmad(fleet, "job", "wait", "j0123456789abcd", "-a", app)
-    assert missing.returncode == 4 and missing.stderr == f"fauxmad: job j0123456789abcd not found in app {app}\n"
-    both = fauxmad(fleet, "job", "wait", known, "j0123456789abce", "-a", app)
-    assert both.returncode == 4 and "j0123456789abce" in both.stderr and known not in both.stderr
+    missing = fauxmad(fleet, "job", "wait", "j0123456789abcde", "-a", app)
+    assert missing.returncode == 4 and missing.stderr == f"fauxmad: job j0123456789abcde not found in app {app}\n"
+    both = fauxmad(fleet, "job", "wait", known, "j0123456789abcef", "-a", app)
+    assert both.returncode == 4 and "j0123456789abcef" in both.stderr and known not in both.stderr
     assert fauxmad(fleet, "job", "wait", known, "-a", app).returncode == 0
+    # an id that no job can have is a bad argument, named in one line (exit 2), not an unknown job
+    malformed = fauxmad(fleet, "job", "wait", "j0123456789abcd", "-a", app)
+    assert malformed.returncode == 2 and "job id must be j and 15 hex digits" in malformed.stderr, malformed.stderr
 
 
 def _first_line(args: list[str], fleet: DevFleet, timeout: float = 30.0) -> str:
