@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +28,7 @@ from bus.stores.secrets import SECRETS_BUCKET
 from bus.transport.connection import connect
 from bus.transport.service import call
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT
+from tests.helpers import fauxmad
 
 REGION = "mad"
 DEPLOYER = "ci-web"
@@ -65,15 +63,13 @@ class Deployer:
         self.creds = str(dev.security.creds(DEPLOYER))
 
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("FAUXMAD_NATS_URL", "FAUXMAD_CREDS")}
-        env.update(PYTHONPATH=str(ROOT), COLUMNS="120", FAUXMAD_NATS_URL=self.dev.url, FAUXMAD_CREDS=self.creds)
-        return subprocess.run(
-            [sys.executable, "-m", "orchestrator.cli", *args],
-            capture_output=True,
-            text=True,
-            env=env,
+        return fauxmad(
+            *args,
+            url=self.dev.url,
+            columns=120,
             timeout=timeout,
-            cwd=str(ROOT),
+            env={"FAUXMAD_CREDS": self.creds},
+            drop=("FAUXMAD_NATS_URL", "FAUXMAD_CREDS"),
         )
 
     def ok(self, *args: str) -> str:

@@ -25,7 +25,7 @@ import pytest
 from bus.local.embedded import find_binary
 from bus.local.ports import free_port
 from orchestrator.security.fleetdir import FleetDir
-from tests.helpers import ROOT
+from tests.helpers import ROOT, fauxmad
 
 
 class SecureFleet:
@@ -38,15 +38,13 @@ class SecureFleet:
         self.machine_user_data = root / "unused"
 
     def cli(self, identity: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("FAUXMAD_NATS_URL", "FAUXMAD_CREDS")}
-        env.update(PYTHONPATH=str(ROOT), COLUMNS="120", FAUXMAD_CREDS=str(self.dir.creds(identity)))
-        return subprocess.run(
-            [sys.executable, "-m", "orchestrator.cli", *args],
-            capture_output=True,
-            text=True,
-            env=env,
+        creds = str(self.dir.creds(identity))
+        return fauxmad(
+            *args,
+            columns=120,
             timeout=timeout,
-            cwd=str(ROOT),
+            env={"FAUXMAD_CREDS": creds},
+            drop=("FAUXMAD_NATS_URL", "FAUXMAD_CREDS"),
         )
 
     def spawn(self, identity: str, *args: str) -> None:
