@@ -59,6 +59,15 @@ class NoCapacity(FauxmadError):
     retry_after = 1.0
 
 
+class Unavailable(FauxmadError):
+    """A part of the one answering is not ready (a broker whose JetStream-backed store cannot be reached yet):
+    nothing was done. The contract's 503, so a caller reads it back as `NoCapacity` and asks again; the message
+    names the part."""
+
+    code = 503
+    retry_after = 1.0
+
+
 class DeadlineExceeded(FauxmadError):
     code = 504
     retry_after = 0.5

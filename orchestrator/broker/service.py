@@ -55,13 +55,24 @@ from bus.stores.images import Images
 from bus.stores.snapshots import snapshot_store, volumes_bucket
 from bus.transport.audit import AuditTrail, RequestAudit, audit_to_carry, carried
 from bus.transport.connection import connect
-from bus.transport.jetstream import FleetConfig, ensure_fleet_resources_patiently
+from bus.transport.fleet_layout import LayoutConflict, known_layout, told_by_env
+from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
 from bus.transport.scatter import Scatterer
 from bus.transport.service import Handler, Responder, answer, call, request
 from orchestrator.broker import metrics
 from orchestrator.broker.auction import Auction, AuctionConfig, Outcome, OutcomeUnknown
 from orchestrator.broker.idempotency import Idempotency
 from orchestrator.broker.images import ImageGate
+from orchestrator.broker.readiness import (
+    AUDIT,
+    FLEET_BUCKETS,
+    IMAGES,
+    MACHINE_INDEX,
+    READY_WAIT,
+    REGISTRY,
+    VOLUMES,
+    Readiness,
+)
 from orchestrator.broker.releases import current_spec
 from orchestrator.broker.volumes import Volumes
 from orchestrator.placement.ask import Ask
@@ -103,36 +114,50 @@ class Broker:
         self._stopped = asyncio.Event()
         self._closing = False
         self.bus_lost: str | None = None  # why the bus connection ended for good, if it did
+        self.failed: BaseException | None = None  # why a part can never be made (`_on_prepared`), if so
+        self.readiness = Readiness(self.id)
+        self._preparing: asyncio.Task[None] | None = None
+        self._claims_of: dict[str, Idempotency] = {}  # a supercluster's regions' claims (`_claims`)
 
     async def start(self, *, serve: bool = True) -> None:
-        """Connect, follow the fleet's replicas and, with `serve`, answer the API subjects over NATS. Without it
-        the broker answers only in its own process (`answer`): the HTTP API embeds one that way."""
+        """Connect, answer the API subjects over NATS (with `serve`; without it the broker answers only in its own
+        process, `answer`: the HTTP API embeds one that way), then make the parts that stand on JetStream in the
+        background (orchestrator/broker/readiness.py): until one is made, a verb that needs it answers 503 naming
+        it, and an unkeyed create is placed from the workers' offers and live heartbeats (core NATS)."""
         # no server at start: one line and exit 3, as every command (docs/reference/exit-codes.md#stopping);
         # once connected it reconnects forever, as an agent does
         self.nc = await connect(
             self.config.nats_url, f"fauxmad-{self.id}", reconnect_forever=True, on_closed=self._on_bus_closed
         )
-        kv = await ensure_fleet_resources_patiently(self.nc.jetstream(), FleetConfig(region=self.config.region))
-        await self.registry.start(kv.workers)
-        await self.index.start(kv.machines)
+        await self._make_live_parts()
+        if serve:
+            await self.registry.hear(self.nc, self._heartbeat_buckets())
+            await self._serve()
+        self._preparing = asyncio.create_task(self._make_stored_parts(serve))
+        if not serve:
+            await self._preparing  # the HTTP API opens its site once its broker has every part
+            return
+        self._preparing.add_done_callback(self._on_prepared)
+        # every part is made within a second or so when JetStream answers: the broker says it serves then, as it
+        # did when it made them first; one JetStream cannot make now does not keep it from answering meanwhile
+        await asyncio.wait({self._preparing}, timeout=READY_WAIT)
+        if self.failed is not None:
+            raise self.failed
+
+    async def _make_live_parts(self) -> None:
+        """What needs core NATS only: the auction's scatter, the audit trail's publisher, the endpoints."""
+        assert self.nc is not None
         self.scatterer = Scatterer(self.nc)
         await self.scatterer.start()
         self.auction = Auction(self.nc, self.scatterer, self.registry, self.config.auction)
-        self.idempotency = Idempotency(kv.idempotency, self.id)
-        js = self.nc.jetstream()
-        self.volumes = Volumes(self.nc, self.registry, await volumes_bucket(js), await snapshot_store(js))
-        self.auction.volume_host = self.volumes.volume_host  # a create that mounts a volume goes to its worker
-        self._layout = kv.layout
-        self._regional_claims = kv.idempotency if kv.layout.supercluster else None
-        self._claims_of: dict[str, Idempotency] = {}
+        self.auction.volume_host = self._volume_host  # a create that mounts a volume goes to its worker
         self.trail = AuditTrail(self.nc)
-        await self.trail.make_stream_if_open()
-        audit = RequestAudit(self.trail)
-        self.responder = Responder(self.nc, self.id, audit=audit)
-        # the checked push (deployers'): an upload's end is audited too
-        self.images = ImageGate(self.nc, await Images.open(js), self.id, audit, kv.apps)
-        config = self.config
-        self._endpoints: tuple[tuple[str, str, Handler, list[str]], ...] = (
+        self._audit = RequestAudit(self.trail)
+        self.responder = Responder(self.nc, self.id, audit=self._audit)
+        self._endpoints = self._endpoint_table()
+
+    def _endpoint_table(self) -> list[tuple[str, str, Handler, list[str]]]:
+        endpoints: list[tuple[str, str, Handler, list[str]]] = [
             (
                 "machines",
                 subjects.API_MACHINES_WILDCARD,
@@ -142,26 +167,49 @@ class Broker:
             (
                 "volumes",
                 subjects.API_VOLUMES_WILDCARD,
-                self.volumes.handle,
+                self._on_volumes,
                 [f"api_volumes_{v}" for v in API_VOLUME_REQUESTS],
-            ),
-            (
-                "machines_create_in_region",
-                subjects.api_machines_create_in_wildcard(config.region if kv.layout.supercluster else None),
-                self._on_create_in_region,
-                ["api_machines_create_in_region"],
             ),
             ("regions", subjects.API_REGIONS_LIST, self._on_regions, ["regions_list"]),
             ("workers", subjects.API_WORKERS_LIST, self._on_workers, ["workers_list"]),
             ("simulate", subjects.API_PLACEMENTS_SIMULATE, self._on_simulate, ["placements_simulate"]),
-            ("images", subjects.API_IMAGES_PUSH_WILDCARD, self.images.handle_push, ["api_images_push"]),
-            ("images_rm", subjects.API_IMAGES_RM_WILDCARD, self.images.handle_rm, ["api_images_rm"]),
+            ("images", subjects.API_IMAGES_PUSH_WILDCARD, self._on_images_push, ["api_images_push"]),
+            ("images_rm", subjects.API_IMAGES_RM_WILDCARD, self._on_images_rm, ["api_images_rm"]),
             ("edge", subjects.API_EDGE_WILDCARD, self._on_edge, [f"api_edge_{v}" for v in EDGE_REQUESTS]),
+        ]
+        supercluster = self._told_supercluster()
+        if supercluster is not None:
+            endpoints.append(self._create_in_region_endpoint(supercluster))
+        return endpoints
+
+    def _told_supercluster(self) -> bool | None:
+        """Whether `machines.create.<region>` is subscribed as a supercluster's broker of a region, when that is
+        known without JetStream (None: only the fleet's layout says; the endpoint waits for it)."""
+        if self.config.region is None:
+            return False  # a broker of no region answers every region's, whatever the layout
+        layout = known_layout(self.nc.jetstream()) if self.nc is not None else None
+        if layout is not None:
+            return layout.supercluster
+        return True if told_by_env().regions else None
+
+    def _create_in_region_endpoint(self, supercluster: bool) -> tuple[str, str, Handler, list[str]]:
+        return (
+            "machines_create_in_region",
+            subjects.api_machines_create_in_wildcard(self.config.region if supercluster else None),
+            self._on_create_in_region,
+            ["api_machines_create_in_region"],
         )
-        self._apps = kv.apps
-        if not serve:
-            return
-        await self.images.start()
+
+    def _heartbeat_buckets(self) -> builtins.list[str]:
+        """Where the workers this broker places on put their heartbeats, as far as known without JetStream."""
+        regions = set(told_by_env().regions or ())
+        if self.config.region is not None:
+            regions.add(self.config.region)
+        return [subjects.WORKERS_BUCKET, *(subjects.regional(subjects.WORKERS_BUCKET, r) for r in sorted(regions))]
+
+    async def _serve(self) -> None:
+        """Subscribe to the API subjects: NATS micro service `fauxmad-broker`, in the brokers' queue group."""
+        assert self.nc is not None
         self._service = await add_service(
             self.nc,
             ServiceConfig(
@@ -176,16 +224,75 @@ class Broker:
                 },
             ),
         )
-        for name, subject, handler, described in self._endpoints:
-            await self._service.add_endpoint(
-                EndpointConfig(
-                    name=name,
-                    subject=subject,
-                    handler=self.responder.for_micro(handler),
-                    metadata=endpoint_metadata(*described),
-                )
-            )
+        for endpoint in self._endpoints:
+            await self._add_endpoint(endpoint)
         await self.nc.flush()
+
+    async def _add_endpoint(self, endpoint: tuple[str, str, Handler, list[str]]) -> None:
+        name, subject, handler, described = endpoint
+        await self._service.add_endpoint(
+            EndpointConfig(
+                name=name,
+                subject=subject,
+                handler=self.responder.for_micro(handler),
+                metadata=endpoint_metadata(*described),
+            )
+        )
+
+    # ------------------------------------------------------------------------------------------
+    async def _make_stored_parts(self, serve: bool) -> None:
+        """Each JetStream-backed part, asked again until it is made: the fleet's buckets first (the others stand on
+        them), then the rest side by side (a watch that cannot start on a leaderless region holds up no other)."""
+        made = self.readiness.make
+        await made(FLEET_BUCKETS, lambda: self._bind_fleet(serve), fatal=(LayoutConflict, ValueError))
+        await asyncio.gather(
+            made(REGISTRY, self._follow_workers),
+            made(MACHINE_INDEX, self._follow_machines),
+            made(VOLUMES, self._open_volumes),
+            made(AUDIT, self.trail.make_stream_if_open),
+            made(IMAGES, lambda: self._open_images(serve)),
+        )
+
+    def _on_prepared(self, task: asyncio.Task[None]) -> None:
+        """A part that can never be made (the fleet's layout contradicts this broker's): stop; `start` or
+        `run_broker` raises it, for the CLI's one line."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.failed = task.exception()
+        self._stopped.set()
+
+    async def _bind_fleet(self, serve: bool) -> None:
+        assert self.nc is not None
+        kv = await ensure_fleet_resources(self.nc.jetstream(), FleetConfig(region=self.config.region))
+        self._kv = kv
+        self._layout = kv.layout
+        self._apps = kv.apps
+        self.idempotency = Idempotency(kv.idempotency, self.id)
+        self._regional_claims = kv.idempotency if kv.layout.supercluster else None
+        if not any(name == "machines_create_in_region" for name, *_ in self._endpoints):
+            endpoint = self._create_in_region_endpoint(kv.layout.supercluster)
+            self._endpoints.append(endpoint)
+            if serve:
+                await self._add_endpoint(endpoint)
+
+    async def _follow_workers(self) -> None:
+        await self.registry.start(self._kv.workers)
+        await self.registry.stop_hearing()  # the watch delivers every heartbeat from now on
+
+    async def _follow_machines(self) -> None:
+        await self.index.start(self._kv.machines)
+
+    async def _open_volumes(self) -> None:
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        self.volumes = Volumes(self.nc, self.registry, await volumes_bucket(js), await snapshot_store(js))
+
+    async def _open_images(self, serve: bool) -> None:
+        assert self.nc is not None
+        images = ImageGate(self.nc, await Images.open(self.nc.jetstream()), self.id, self._audit, self._apps)
+        if serve:
+            await images.start()
+        self.images = images
 
     async def answer(self, subject: str, data: bytes) -> bytes:
         """What this broker answers to a request on `subject`, in this process: the reply's bytes, or the
@@ -207,11 +314,36 @@ class Broker:
         if kind is None:
             raise BadRequest(f"unknown verb {verb!r}; expected one of {', '.join(subjects.API_VERBS)}")
         parsed: IdRequest | LeaseRequest | ReleaseRequest | ExecRequest = decode(kind, data)
-        entry = await self.index.locate(parsed.id, app)
+        entry = await self._locate(parsed.id, app)
         timeout = broker_wait(verb, getattr(parsed, "timeout", None))
         assert self.nc is not None
         reply = await request(self.nc, subjects.worker_machines(entry.worker_id, verb), data, timeout=timeout)
         return reply.data
+
+    async def _locate(self, machine_id: str, app: str) -> Any:
+        """The index's entry of a machine; before the index runs, one it does not know yet is a 503, not a 404."""
+        if self.index.get(machine_id) is None:
+            self.readiness.require(MACHINE_INDEX)
+        return await self.index.locate(machine_id, app)
+
+    async def _on_volumes(self, subject: str, data: bytes) -> Any:
+        self.readiness.require(VOLUMES)
+        return await self.volumes.handle(subject, data)
+
+    async def _on_images_push(self, subject: str, data: bytes) -> Any:
+        self.readiness.require(IMAGES)
+        return await self.images.handle_push(subject, data)
+
+    async def _on_images_rm(self, subject: str, data: bytes) -> Any:
+        self.readiness.require(IMAGES)
+        return await self.images.handle_rm(subject, data)
+
+    async def _volume_host(self, app: str, req: CreateRequest) -> tuple[str, str] | None:
+        """For the auction: where the volume a create mounts is (503 before the volume stores are open)."""
+        if not req.config.mounts:
+            return None
+        self.readiness.require(VOLUMES)
+        return await self.volumes.volume_host(app, req)
 
     async def _on_create_in_region(self, subject: str, data: bytes) -> Any:
         """`api.apps.<app>.machines.create.<region>`: a create sent to the brokers of its region. In a supercluster a
@@ -234,6 +366,7 @@ class Broker:
         verb = subjects.parse_verb(subject)
         if verb not in EDGE_REQUESTS:
             raise BadRequest(f"unknown edge verb {verb!r}; expected one of {', '.join(EDGE_REQUESTS)}")
+        self.readiness.require(FLEET_BUCKETS)  # the apps' releases
         if not await self._serves_http(app):
             raise Forbidden(
                 f"app {app} has no [http_service] in its current release: the edge may not {verb} its machines"
@@ -252,6 +385,7 @@ class Broker:
         # create's one durable write on the bus (docs/explanation/architecture.md#one-durable-write-per-create)
         audit = audit_to_carry()
         if req.idempotency_key:
+            self.readiness.require(FLEET_BUCKETS)  # the key's claim is kept there
             key = req.idempotency_key
             machine, outcome, new = await metrics.measured(
                 strategy, lambda: self._place_once(app, req, key, audit), lambda placed: placed[1]
@@ -412,6 +546,7 @@ class Broker:
 
     async def _on_regions(self, subject: str, data: bytes) -> Any:
         decode(RegionsListRequest, data, empty_ok=True)
+        self.readiness.require(FLEET_BUCKETS)  # the layout: in a supercluster, every region is listed
         summaries: dict[str, RegionSummary] = {}
         for info in self.registry.workers():
             s = summaries.setdefault(
@@ -479,6 +614,10 @@ class Broker:
 
     async def close(self) -> None:
         self._closing = True
+        if self._preparing is not None:
+            self._preparing.cancel()
+            with contextlib.suppress(BaseException):
+                await self._preparing
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
@@ -504,5 +643,7 @@ async def run_broker(config: BrokerConfig, on_ready: Callable[[Broker], None] = 
         await broker.run_forever()
     finally:
         await broker.close()
+    if broker.failed is not None:
+        raise broker.failed
     if broker.bus_lost:
         raise Unreachable(f"broker stopped: {broker.bus_lost}")

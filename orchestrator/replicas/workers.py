@@ -20,21 +20,27 @@ judged as of the last heartbeat heard (the clock stops for them, up to `SILENCE_
 arrive meanwhile do not remove them, and when heartbeats come back each of those workers gets a TTL from then
 to beat again. One worker dying never silences the others; two or more dying in the same instant are seen gone
 after `SILENCE_LIMIT` rather than after the TTL. A supercluster's regions are separate buckets, judged apart.
+
+Before its watch runs (a broker that answers while JetStream cannot make it one yet, orchestrator/broker/readiness.py),
+the registry can `hear` the heartbeats as the workers publish them: a KV put is a message on `$KV.<bucket>.<key>`,
+which a core NATS subscription receives whether or not a stream stores it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
+from bus.contract import subjects
 from bus.contract.codec import decoder
 from bus.contract.fleet import WorkerInfo
 from bus.transport.jetstream import WORKER_TTL
-from bus.transport.nats_adapter import Bucket
+from bus.transport.nats_adapter import Bucket, Msg, Nats, Subscription
 from orchestrator.replicas.replica import KVReplica
 
 log = logging.getLogger(__name__)
@@ -55,11 +61,35 @@ class Registry(KVReplica):
         self._suspected: dict[str, float] = {}  # worker id -> when it was found silent
         self._heard: dict[str, float] = {}  # bucket -> when the last heartbeat from it was applied
         self.bucket_of: Callable[[str], str] = lambda key: ""  # one bucket (a supercluster's: one per region)
+        self._hearing: list[Subscription] = []  # heartbeats heard on core NATS until the watch runs (`hear`)
 
     async def start(self, kv: Bucket, timeout: float = 5.0) -> None:
         if getattr(kv, "buckets", None):  # a supercluster's regions (`bus.transport.regional`): a bucket each
             self.bucket_of = lambda key: key.split(".", 1)[0]
         await super().start(kv, timeout)
+
+    async def hear(self, nc: Nats, buckets: list[str]) -> None:
+        """Apply the heartbeats put into `buckets` as they are published (core NATS: no JetStream), until
+        `stop_hearing`. Deletes say so in their `KV-Operation` header."""
+        for bucket in buckets:
+            prefix = subjects.kv_put(bucket, "")
+
+            async def heard(msg: Msg, prefix: str = prefix) -> None:
+                deleted = (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE")
+                self._update(msg.subject[len(prefix) :], None if deleted else msg.data)
+
+            self._hearing.append(await nc.subscribe(subjects.kv_put(bucket, ">"), cb=heard))
+
+    async def stop_hearing(self) -> None:
+        """The watch runs: it delivers every heartbeat from now on."""
+        hearing, self._hearing = self._hearing, []
+        for sub in hearing:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def close(self) -> None:
+        await self.stop_hearing()
+        await super().close()
 
     def _silent_since(self, bucket: str, now: float) -> float | None:
         """When `bucket` went silent, if its silence is the store's (see the module's docstring), else None."""

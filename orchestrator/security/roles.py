@@ -10,7 +10,8 @@ not listed is refused, and the server drops the message), built here from the co
   into.
 - `broker`: answers the API (`api.>`); asks workers (`offers.*`, `worker.*.>`); keeps idempotency claims;
   records the requests it answers in the audit stream; reads the fleet's buckets and streams; writes the
-  images a checked push brings (the image store, its manifests and tags).
+  images a checked push brings (the image store, its manifests and tags). It hears the workers' heartbeats as
+  they are published (`$KV.<workers bucket>.>`) until its registry's watch runs (orchestrator/broker/readiness.py).
 - `api` (`fauxmad api`, its web console included): what a broker may (it embeds one), and what the HTTP API does
   beside it: app records, heads and their purge in the apps bucket (`POST`/`DELETE /v1/apps`), binding the audit
   stream, watching the revoked tokens, and asking workers for a job's status and list (the console's job pages).
@@ -186,7 +187,7 @@ def permissions(identity: Identity) -> Permissions:
                 *read_streams(),
             ),
             # the API's broker places and forwards but serves no NATS subject: it only reads its replies
-            subscribe=(f"{P}.api.>", "$SRV.>", inbox) if role == "broker" else (inbox,),
+            subscribe=((f"{P}.api.>", "$SRV.>", inbox, *_heartbeat_subjects(layout)) if role == "broker" else (inbox,)),
             allow_responses=role == "broker",
         )
     if role == "proxy":
@@ -230,6 +231,14 @@ def permissions(identity: Identity) -> Permissions:
             subscribe=(inbox,),
         )
     raise ValueError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+
+
+def _heartbeat_subjects(layout: Layout) -> tuple[str, ...]:
+    """Where the workers' heartbeats are published: the fleet's workers bucket and each region's."""
+    return (
+        subjects.kv_put(subjects.WORKERS_BUCKET, ">"),
+        *(subjects.kv_put(layout.workers_bucket(r), ">") for r in layout.regions),
+    )
 
 
 def _api_publish() -> tuple[str, ...]:

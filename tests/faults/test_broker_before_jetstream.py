@@ -1,0 +1,126 @@
+"""A broker whose JetStream cannot answer still answers its API subjects (orchestrator/broker/readiness.py).
+
+Why: in the nemesis on hosts (seed 105) a broker restarted in a one-server region cut off from the others bound
+its buckets before it subscribed: the region had no JetStream metadata leader, so the broker was deaf and every
+create of the cut got NoResponders. Here the cheapest honest copy of that: one nats-server with JetStream, a real
+worker that uses it, and a real broker whose user may not publish to `$JS.API.>` (JetStream is there, closed to
+the broker, as a leaderless region's is). The broker must place an unkeyed create (an auction over core NATS) and
+answer a keyed one with the contract's 503 naming the idempotency claims; once the server's config is reloaded
+without the denial, both work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+
+from bus.local.embedded import EmbeddedNats
+from bus.local.ports import free_port
+from tests.helpers import ROOT, WorkerProcess, arun, connect_nats, until
+
+REGION = "mad"
+APP = "before-js"
+CONFIG = {"cmd": ["sleep", "300"], "guest": {"cpus": 1, "memory_mb": 128}}
+
+
+def _server_config(port: int, store: Path, *, broker_denied: bool) -> str:
+    denied = ', permissions: {publish: {deny: ["$JS.API.>"]}}' if broker_denied else ""
+    return (
+        f"port: {port}\nserver_name: before-js\n"
+        f"jetstream {{ store_dir: {json.dumps(str(store))}, sync_interval: always }}\n"
+        "authorization { users: [\n"
+        "  {user: fleet, password: fleet}\n"
+        f"  {{user: broker, password: broker{denied}}}\n"
+        "] }\n"
+    )
+
+
+async def _create(url: str, key: str | None) -> tuple[int, dict[str, object]]:
+    nc = await connect_nats(url)
+    try:
+        body: dict[str, object] = {"region": REGION, "config": CONFIG}
+        if key is not None:
+            body["idempotency_key"] = key
+        msg = await nc.request(f"fauxmad.v1.api.apps.{APP}.machines.create", msgspec.json.encode(body), timeout=10)
+        code = int((msg.headers or {}).get("Nats-Service-Error-Code", 200))
+        reply: dict[str, object] = msgspec.json.decode(msg.data)
+        return code, reply
+    finally:
+        await nc.close()
+
+
+def test_a_broker_answers_before_jetstream_does_and_names_what_is_not_ready(tmp_path: Path) -> None:
+    port = free_port()
+    config = tmp_path / "nats.conf"
+    config.write_text(_server_config(port, tmp_path / "js", broker_denied=True))
+    server = EmbeddedNats(port=port, config_file=config, tls=False, store_dir=tmp_path / "js").start()
+    fleet_url, broker_url = f"nats://fleet:fleet@127.0.0.1:{port}", f"nats://broker:broker@127.0.0.1:{port}"
+    worker = WorkerProcess(fleet_url, REGION, "before-js-w1", tmp_path / "worker").start()
+    log_path = tmp_path / "broker.log"
+    with log_path.open("ab") as log:
+        broker = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "broker", "--nats", broker_url, "--name", "before-js-b1"],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            cwd=str(ROOT),
+            env=dict(os.environ, PYTHONPATH=str(ROOT), FAUXMAD_LOG="1"),
+        )
+    try:
+
+        async def placed_unkeyed() -> dict[str, object]:
+            try:
+                code, reply = await _create(fleet_url, None)
+            except Exception:  # NoRespondersError: the broker is not subscribed (yet)
+                return {}
+            assert code == 200, reply
+            return reply
+
+        machine = arun(until(placed_unkeyed, "an unkeyed create placed by the broker without JetStream", 20.0))
+        assert machine["worker_id"] == worker.worker_id, machine
+
+        async def listed() -> list[str]:  # the registry, from the heartbeats heard on core NATS
+            nc = await connect_nats(fleet_url)
+            try:
+                msg = await nc.request("fauxmad.v1.api.workers.list", b"{}", timeout=5)
+                return [info["worker_id"] for info in msgspec.json.decode(msg.data)]
+            finally:
+                await nc.close()
+
+        assert arun(until(listed, "the worker listed live by the broker without JetStream", 10.0)) == [worker.worker_id]
+        code, reply = arun(_create(fleet_url, "before-js-key-1"))
+        assert code == 503, reply
+        message = str(reply["error"]["message"])  # type: ignore[index]
+        assert "idempotency claims" in message and "not ready" in message, message
+        assert broker.poll() is None, log_path.read_text()[-2000:]
+
+        # JetStream opens to the broker: the server's users reloaded without the denial
+        config.write_text(_server_config(port, tmp_path / "js", broker_denied=False))
+        assert server.process is not None
+        server.process.send_signal(signal.SIGHUP)
+
+        async def placed_keyed() -> dict[str, object]:
+            code, reply = await _create(fleet_url, "before-js-key-1")
+            return reply if code == 200 else {}
+
+        keyed = arun(until(placed_keyed, "the keyed create placed once JetStream answers", 30.0))
+        code, again = arun(_create(fleet_url, "before-js-key-1"))
+        assert code == 200 and again["id"] == keyed["id"], again  # the key's one machine
+        code, unkeyed = arun(_create(fleet_url, None))
+        assert code == 200 and unkeyed["id"] not in (machine["id"], keyed["id"]), unkeyed
+        assert "not ready" in log_path.read_text(), log_path.read_text()[-2000:]
+    finally:
+        broker.terminate()
+        try:
+            broker.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            broker.kill()
+            broker.wait()
+        worker.cleanup()
+        server.stop()
