@@ -5,15 +5,16 @@ for as long as JetStream could not answer it. Restarted in a region cut off from
 seed 105), it took 12 s to start, longer than the cut: no JetStream metadata leader there, so no new consumer (a
 watch) could be made, and every create of the cut got "nobody answers" (NoResponders), although an unkeyed create
 needs no store at all (an auction over core NATS, with the workers' heartbeats heard as they are published). So
-the broker subscribes first and makes each part here, asking again until it is made (never exiting); a verb that
-needs a part not ready yet answers the contract's 503 naming it (`Unavailable`): a keyed create waits for the
-idempotency claims, a volume verb for the volume stores, a push for the image store, a per-machine verb for the
-machine index when it does not know the machine yet.
+the broker subscribes first and makes each part here, asking again until it is made (never exiting). A verb
+that needs a part not made yet waits for it up to `NEED_WAIT`, then answers the contract's 503 naming it
+(`Unavailable`): a keyed create needs the idempotency claims, a volume verb the volume stores, a push the image
+store, a per-machine verb the machine index when it does not know the machine yet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 FIRST_RETRY = 0.5  # seconds before a part that failed is asked again; doubled each time up to `LAST_RETRY`
 LAST_RETRY = 4.0
+NEED_WAIT = 2.0  # seconds a verb waits for a part it needs before its 503
 READY_WAIT = 10.0  # seconds a broker's start waits for its parts before it says it serves (it answers already)
 
 # the parts, as a reply names them
@@ -38,17 +40,26 @@ class Readiness:
     def __init__(self, owner: str) -> None:
         self.owner = owner  # who is not ready, as a reply says it (the broker's id)
         self._ready: set[str] = set()
+        self._made: dict[str, asyncio.Event] = {}
 
     def ready(self, part: str) -> bool:
         return part in self._ready
 
-    def require(self, part: str) -> None:
-        """Raise `Unavailable` (503) naming `part` unless it is ready."""
+    async def need(self, part: str, within: float = NEED_WAIT) -> None:
+        """Return once `part` is made, waiting up to `within` seconds (a broker that has just started makes every
+        part in about a second: its first requests wait rather than fail); then raise `Unavailable` (503)."""
+        if part in self._ready:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event(part).wait(), within)
         if part not in self._ready:
             raise Unavailable(
                 f"broker {self.owner}: {part} not ready yet (JetStream does not answer it now): try again in a few"
                 " seconds"
             )
+
+    def _event(self, part: str) -> asyncio.Event:
+        return self._made.setdefault(part, asyncio.Event())
 
     async def make(
         self, part: str, step: Callable[[], Awaitable[None]], *, fatal: tuple[type[Exception], ...] = ()
@@ -69,5 +80,6 @@ class Readiness:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, LAST_RETRY)
         self._ready.add(part)
+        self._event(part).set()
         if said:
             log.warning("broker %s: %s ready", self.owner, part)

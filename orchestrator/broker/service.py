@@ -323,26 +323,26 @@ class Broker:
     async def _locate(self, machine_id: str, app: str) -> Any:
         """The index's entry of a machine; before the index runs, one it does not know yet is a 503, not a 404."""
         if self.index.get(machine_id) is None:
-            self.readiness.require(MACHINE_INDEX)
+            await self.readiness.need(MACHINE_INDEX)
         return await self.index.locate(machine_id, app)
 
     async def _on_volumes(self, subject: str, data: bytes) -> Any:
-        self.readiness.require(VOLUMES)
+        await self.readiness.need(VOLUMES)
         return await self.volumes.handle(subject, data)
 
     async def _on_images_push(self, subject: str, data: bytes) -> Any:
-        self.readiness.require(IMAGES)
+        await self.readiness.need(IMAGES)
         return await self.images.handle_push(subject, data)
 
     async def _on_images_rm(self, subject: str, data: bytes) -> Any:
-        self.readiness.require(IMAGES)
+        await self.readiness.need(IMAGES)
         return await self.images.handle_rm(subject, data)
 
     async def _volume_host(self, app: str, req: CreateRequest) -> tuple[str, str] | None:
         """For the auction: where the volume a create mounts is (503 before the volume stores are open)."""
         if not req.config.mounts:
             return None
-        self.readiness.require(VOLUMES)
+        await self.readiness.need(VOLUMES)
         return await self.volumes.volume_host(app, req)
 
     async def _on_create_in_region(self, subject: str, data: bytes) -> Any:
@@ -366,7 +366,7 @@ class Broker:
         verb = subjects.parse_verb(subject)
         if verb not in EDGE_REQUESTS:
             raise BadRequest(f"unknown edge verb {verb!r}; expected one of {', '.join(EDGE_REQUESTS)}")
-        self.readiness.require(FLEET_BUCKETS)  # the apps' releases
+        await self.readiness.need(FLEET_BUCKETS)  # the apps' releases
         if not await self._serves_http(app):
             raise Forbidden(
                 f"app {app} has no [http_service] in its current release: the edge may not {verb} its machines"
@@ -385,7 +385,7 @@ class Broker:
         # create's one durable write on the bus (docs/explanation/architecture.md#one-durable-write-per-create)
         audit = audit_to_carry()
         if req.idempotency_key:
-            self.readiness.require(FLEET_BUCKETS)  # the key's claim is kept there
+            await self.readiness.need(FLEET_BUCKETS)  # the key's claim is kept there
             key = req.idempotency_key
             machine, outcome, new = await metrics.measured(
                 strategy, lambda: self._place_once(app, req, key, audit), lambda placed: placed[1]
@@ -546,7 +546,7 @@ class Broker:
 
     async def _on_regions(self, subject: str, data: bytes) -> Any:
         decode(RegionsListRequest, data, empty_ok=True)
-        self.readiness.require(FLEET_BUCKETS)  # the layout: in a supercluster, every region is listed
+        await self.readiness.need(FLEET_BUCKETS)  # the layout: in a supercluster, every region is listed
         summaries: dict[str, RegionSummary] = {}
         for info in self.registry.workers():
             s = summaries.setdefault(
