@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -186,8 +187,9 @@ def bench_args(p: PlacementOptions, concurrency: int, count: int, output: Path) 
     return [*args, "--start"] if p.start else args
 
 
-def run_once(command: list[str], cwd: Path, who: str) -> RunFigures:
-    """One side's run; its JSON's figures, or a BenchError with the last line it wrote."""
+def run_json(command: list[str], cwd: Path, who: str) -> tuple[Any, str]:
+    """One side's `fauxmad bench ... --json` run: (its decoded JSON, its stdout), or a BenchError with the last
+    line it wrote (also `bench jobs --against`'s)."""
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, cwd=cwd, env=_clean_env(), timeout=RUN_TIMEOUT, check=False
@@ -197,7 +199,15 @@ def run_once(command: list[str], cwd: Path, who: str) -> RunFigures:
     if done.returncode != 0:
         raise BenchError(f"{who}'s bench failed (exit {done.returncode}): {_last(done.stderr or done.stdout)}")
     try:
-        data = msgspec.json.decode(done.stdout)
+        return msgspec.json.decode(done.stdout), done.stdout
+    except msgspec.DecodeError as exc:
+        raise BenchError(f"{who}'s bench wrote no JSON ({exc}): {_last(done.stdout)}") from None
+
+
+def run_once(command: list[str], cwd: Path, who: str) -> RunFigures:
+    """One side's run; its JSON's figures, or a BenchError with the last line it wrote."""
+    data, stdout = run_json(command, cwd, who)
+    try:
         return RunFigures(
             p50_ms=float(data["create"]["p50_ms"]),
             p99_ms=float(data["create"]["p99_ms"]),
@@ -205,8 +215,8 @@ def run_once(command: list[str], cwd: Path, who: str) -> RunFigures:
             errors=int(data["errors"]),
             refused=int(data["refused"]),
         )
-    except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-        raise BenchError(f"{who}'s bench wrote no placement result ({exc}): {_last(done.stdout)}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BenchError(f"{who}'s bench wrote no placement result ({exc}): {_last(stdout)}") from None
 
 
 def side(runs: list[RunFigures]) -> AgainstSide:

@@ -400,12 +400,23 @@ def jobs(
     nats_sync: bool = typer.Option(
         True, "--nats-sync/--no-nats-sync", help="fauxmad's NATS flushes every write (as shipped), or NATS's default"
     ),
+    against: str | None = typer.Option(
+        None,
+        "--against",
+        metavar="REV",
+        help="also measure git revision REV (a tag, a commit, HEAD~1) in the same run: REV is built into a"
+        " virtualenv of its own as `bench placement --against` builds it, then rounds alternate between this"
+        " tree's fauxmad and REV's (no baselines), each with a fleet of its own; prints both (the median of the"
+        " rounds) and this tree's ratios to REV's",
+    ),
+    rounds: int = typer.Option(4, "--rounds", min=1, max=100, help="with --against: rounds per side"),
     output: Path = typer.Option(Path("bench-jobs.json"), "--output", "-o", help=OUTPUT_HELP),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Background jobs: tasks/s and scheduling delay p50/p99, fauxmad beside Redis BLPOP (the seed's
     baseline) and arq, one after the other in one run. The baselines need redis-server (Debian) and the
-    `jobs-bench` extra; without them they are skipped, with a line saying so."""
+    `jobs-bench` extra; without them they are skipped, with a line saying so. --against REV compares this
+    tree's fauxmad with another git revision's, in one run."""
     from lab.bench import jobs as bench
 
     if runner not in ("process", "machine"):
@@ -419,6 +430,18 @@ def jobs(
         baselines=baselines,
         nats_sync=nats_sync,
     )
+    if against is not None:
+        from lab.bench import jobs_against as versus
+
+        def compare() -> versus.JobsAgainstResult:
+            try:
+                return versus.run_jobs_against(options, against, rounds, _progress)
+            except versus.BadRevision as exc:
+                fail(str(exc), EXIT_USAGE)
+
+        compared = _measure(compare)
+        _finish(compared, versus.report(compared), output, json_out)
+        return
     result = _measure(lambda: bench.run_jobs_bench(options, _progress))
     for line in result.skipped:
         _stderr.print(Text(f"note: {line}", style="yellow"))
