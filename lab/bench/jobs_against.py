@@ -27,7 +27,6 @@ from lab.bench.report import Report, Table, host_info, times
 from lab.bench.stats import ratio
 
 Progress = Callable[[str], None]
-BadRevision = versus.BadRevision
 
 
 class JobsFigures(msgspec.Struct, kw_only=True):
@@ -49,6 +48,22 @@ class JobsSide(msgspec.Struct, kw_only=True):
     runs: list[JobsFigures]
 
 
+class JobsRatios(msgspec.Struct, kw_only=True):
+    """This tree's figures over REV's (None where REV's is 0)."""
+
+    throughput: float | None  # above 1: faster
+    free_running_p50: float | None  # below 1: sooner
+    free_running_p99: float | None
+
+    @classmethod
+    def of(cls, mine: JobsSide, theirs: JobsSide) -> JobsRatios:
+        return cls(
+            throughput=ratio(mine.tasks_per_s, theirs.tasks_per_s),
+            free_running_p50=ratio(mine.free_running_p50_ms, theirs.free_running_p50_ms),
+            free_running_p99=ratio(mine.free_running_p99_ms, theirs.free_running_p99_ms),
+        )
+
+
 class JobsAgainstResult(msgspec.Struct, kw_only=True):
     options: JobsBenchOptions
     rev: str
@@ -57,9 +72,7 @@ class JobsAgainstResult(msgspec.Struct, kw_only=True):
     rounds: int
     this: JobsSide
     other: JobsSide
-    throughput_ratio: float | None  # this tree's / REV's (above 1: faster)
-    free_running_p50_ratio: float | None  # (below 1: sooner)
-    free_running_p99_ratio: float | None
+    ratios: JobsRatios
     host: dict[str, Any]
 
 
@@ -85,13 +98,9 @@ def figures(data: Any, who: str) -> JobsFigures:
 
 
 def side(runs: list[JobsFigures]) -> JobsSide:
-    return JobsSide(
-        tasks_per_s=round(statistics.median(r.tasks_per_s for r in runs), 1),
-        free_running_p50_ms=round(statistics.median(r.free_running_p50_ms for r in runs), 3),
-        free_running_p99_ms=round(statistics.median(r.free_running_p99_ms for r in runs), 3),
-        burst_taken_p50_ms=round(statistics.median(r.burst_taken_p50_ms for r in runs), 3),
-        runs=runs,
-    )
+    medians = {name: statistics.median(getattr(r, name) for r in runs) for name in JobsFigures.__struct_fields__}
+    rounded = {name: round(value, 1 if name == "tasks_per_s" else 3) for name, value in medians.items()}
+    return JobsSide(**rounded, runs=runs)
 
 
 def run_jobs_against(
@@ -114,20 +123,12 @@ def run_jobs_against(
                 data, _ = versus.run_json([*command, *bench_args(options, output)], cwd, who)
                 into.append(figures(data, who))
                 progress(f"  {into[-1].tasks_per_s:.0f} tasks/s ({time.monotonic() - began:.0f} s with its fleet)")
-    a, b = side(ours), side(other)
+    this, them = side(ours), side(other)
+    ratios = JobsRatios.of(this, them)
     return JobsAgainstResult(
-        options=options,
-        rev=rev,
-        rev_commit=sha,
-        this_commit=versus.this_commit(),
-        rounds=rounds,
-        this=a,
-        other=b,
-        throughput_ratio=ratio(a.tasks_per_s, b.tasks_per_s),
-        free_running_p50_ratio=ratio(a.free_running_p50_ms, b.free_running_p50_ms),
-        free_running_p99_ratio=ratio(a.free_running_p99_ms, b.free_running_p99_ms),
-        host=host_info(),
-    )
+        options=options, rev=rev, rev_commit=sha, this_commit=versus.this_commit(), rounds=rounds, this=this,
+        other=them, ratios=ratios, host=host_info(),
+    )  # fmt: skip
 
 
 def report(result: JobsAgainstResult) -> Report:
@@ -150,8 +151,8 @@ def report(result: JobsAgainstResult) -> Report:
         rows=(row("this tree", result.this), row(result.rev, result.other)),
     )
     notes = (
-        f"this tree / {result.rev}: throughput {times(result.throughput_ratio)}, submit -> running p50"
-        f" {times(result.free_running_p50_ratio)}, p99 {times(result.free_running_p99_ratio)}",
+        f"this tree / {result.rev}: throughput {times(result.ratios.throughput)}, submit -> running p50"
+        f" {times(result.ratios.free_running_p50)}, p99 {times(result.ratios.free_running_p99)}",
         f"this tree {result.this_commit[:12]}, {result.rev} {result.rev_commit[:12]}; each figure the median of its"
         " rounds (free capacity: submit -> its process running)",
     )

@@ -72,6 +72,20 @@ def _measure(run: Callable[[], T]) -> T:
         fail(str(exc))
 
 
+def _compare(run: Callable[[], T], report: Callable[[T], Report], output: Path, json_out: bool) -> None:
+    """A bench's `--against REV` run: a REV that names no commit is a usage error (exit 2), as in every bench."""
+    from lab.bench.against import BadRevision
+
+    def measured() -> T:
+        try:
+            return run()
+        except BadRevision as exc:
+            fail(str(exc), EXIT_USAGE)
+
+    compared = _measure(measured)
+    _finish(compared, report(compared), output, json_out)
+
+
 @bench_app.command("placement")
 def placement(
     workers: int = typer.Option(10, "--workers", min=1, max=5000, help="workers per region"),
@@ -356,14 +370,7 @@ def proxy(
     if against is not None:
         from lab.bench import proxy_against as versus
 
-        def compare() -> versus.AgainstResult:
-            try:
-                return versus.run_proxy_against(options, against, rounds, _progress)
-            except versus.BadRevision as exc:
-                fail(str(exc), EXIT_USAGE)
-
-        compared = _measure(compare)
-        _finish(compared, versus.report(compared), output, json_out)
+        _compare(lambda: versus.run_proxy_against(options, against, rounds, _progress), versus.report, output, json_out)
         return
     result = _measure(lambda: bench.run_proxy_bench(options, _progress))
     _finish(result, bench.report(result), output, json_out)
@@ -433,14 +440,7 @@ def jobs(
     if against is not None:
         from lab.bench import jobs_against as versus
 
-        def compare() -> versus.JobsAgainstResult:
-            try:
-                return versus.run_jobs_against(options, against, rounds, _progress)
-            except versus.BadRevision as exc:
-                fail(str(exc), EXIT_USAGE)
-
-        compared = _measure(compare)
-        _finish(compared, versus.report(compared), output, json_out)
+        _compare(lambda: versus.run_jobs_against(options, against, rounds, _progress), versus.report, output, json_out)
         return
     result = _measure(lambda: bench.run_jobs_bench(options, _progress))
     for line in result.skipped:
