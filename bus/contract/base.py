@@ -30,7 +30,8 @@ MachineId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{14}$")]
 Name = Annotated[str, msgspec.Meta(pattern=NAME)]
 
 
-Seconds = Annotated[float, msgspec.Meta(ge=0, le=86400)]
+SECONDS_MAX = 86400.0  # the longest wait a request may ask for (a day)
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=SECONDS_MAX)]
 
 
 # A guest's bounds, written once: machines, offers, jobs, the HTTP API and the app spec all size a guest with them.

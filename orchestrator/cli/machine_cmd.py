@@ -15,6 +15,7 @@ import msgspec
 import typer
 from typer.core import TyperCommand
 
+from bus.contract.machines import STOP_TIMEOUT_MAX
 from orchestrator.cli import logs_cmd
 from orchestrator.cli.names import require_app, require_regions
 from orchestrator.cli.render import WideOption, console, explain_table, kept_table, machines_table, made_by, print_json
@@ -31,6 +32,7 @@ from orchestrator.cli.runtime import (
     key_values,
     with_client,
 )
+from orchestrator.restart import restart_lease
 
 if TYPE_CHECKING:
     from typer._click.core import Context
@@ -310,19 +312,26 @@ def restart_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
     signal: str = typer.Option("SIGTERM", "--signal", "-s", help="the signal that stops it"),
-    stop_timeout: float = typer.Option(10.0, "--stop-timeout", min=0, help="seconds before SIGKILL"),
+    stop_timeout: float = typer.Option(
+        10.0, "--stop-timeout", min=0, max=STOP_TIMEOUT_MAX, help="seconds before SIGKILL"
+    ),
     wait_up: float = WAIT_UP,
     wait_timeout: float = WAIT_TIMEOUT,
     detach: bool = DETACH,
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
 ) -> None:
-    """Stop a machine (if it runs) and start it again; waits until it is up, like `start`."""
+    """Stop a machine (if it runs) and start it again; waits until it is up, like `start`. The restart holds a
+    lease of its own from the stop to the start, as the HTTP API's does, so an operator that sees the machine
+    stopped in between cannot take it first (`orchestrator/restart.py`)."""
     wait = Wait(wait_up, wait_timeout, detach)
 
     async def act(client: FleetClient) -> Machine:
-        await client.stop(app, machine_id, signal=signal, timeout=stop_timeout)
-        return await _until_up(client, app, await client.start(app, machine_id), wait, json_out)
+        held = restart_lease(client.asker(app), machine_id, stop_timeout, holder="a restart through the CLI")
+        async with held as lease_nonce:
+            await client.stop(app, machine_id, signal=signal, timeout=stop_timeout, lease_nonce=lease_nonce)
+            machine = await client.start(app, machine_id, lease_nonce=lease_nonce)
+        return await _until_up(client, app, machine, wait, json_out)
 
     _print_machine(with_client(nats, act), json_out)
 
@@ -342,9 +351,6 @@ async def _pin(client: FleetClient, config: MachineConfig, image: str) -> Machin
     if not cmd:
         fail(f"no command: give it after --, image {image} has none in its manifest", EXIT_USAGE)
     return msgspec.structs.replace(config, image=resolved.digest, cmd=cmd)
-
-
-STOP_TIMEOUT_MAX = 86400.0  # what a worker's stop waits at most, as the HTTP API's
 
 
 @machine_app.command("stop", cls=MachineCommand)
