@@ -118,13 +118,12 @@ class Broker:
         self.scatterer = Scatterer(self.nc)
         await self.scatterer.start()
         self.auction = Auction(self.nc, self.scatterer, self.registry, self.config.auction)
-        self.idempotency = Idempotency(kv.idempotency, self.id)
+        self.fleet_kv = kv
         js = self.nc.jetstream()
         self.volumes = Volumes(self.nc, self.registry, await volumes_bucket(js), await snapshot_store(js))
         self.auction.volume_host = self.volumes.volume_host  # a create that mounts a volume goes to its worker
         self._layout = kv.layout
-        self._regional_claims = kv.idempotency if kv.layout.supercluster else None
-        self._claims_of: dict[str, Idempotency] = {}
+        self._claims_of: dict[int, Idempotency] = {}  # by bucket: one per bucket, as its claims in progress are
         self.trail = AuditTrail(self.nc)
         await self.trail.make_stream_if_open()
         audit = RequestAudit(self.trail)
@@ -281,11 +280,10 @@ class Broker:
     def _claims(self, region: str) -> Idempotency:
         """Where a create's idempotency claim lives: the fleet's bucket, or in a supercluster its region's own
         (so a region cut off from the others keeps placing idempotently)."""
-        if self._regional_claims is None or region not in self._regional_claims.buckets:
-            return self.idempotency
-        if region not in self._claims_of:
-            self._claims_of[region] = Idempotency(self._regional_claims.region(region), self.id)
-        return self._claims_of[region]
+        bucket = self.fleet_kv.claims(region)
+        if id(bucket) not in self._claims_of:
+            self._claims_of[id(bucket)] = Idempotency(bucket, self.id)
+        return self._claims_of[id(bucket)]
 
     async def _place_once(
         self, app: str, req: CreateRequest, key: str, audit: AuditRecord | None = None

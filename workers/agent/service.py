@@ -157,7 +157,7 @@ class WorkerAgent:
         )
         heartbeat = self.heartbeat
         fence = Fence(
-            region_claims(kv.idempotency, cfg.region, kv.layout.supercluster),
+            region_claims(kv, cfg.region),
             cfg.worker_id,
             absences=lambda: heartbeat.absences,
             away=heartbeat.away,
