@@ -20,7 +20,8 @@ MACHINE_ID = re.compile(r"^[0-9a-f]{14}$")
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
 
 
-TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # one subject token a user may name: an app, a region, a key
+TOKEN_CHARS = r"[A-Za-z0-9_-]{1,64}"  # one subject token a user may name: an app, a region, a key
+TOKEN_PATTERN = rf"^{TOKEN_CHARS}$"
 Token = Annotated[str, msgspec.Meta(pattern=TOKEN_PATTERN)]
 
 

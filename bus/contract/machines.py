@@ -71,12 +71,15 @@ class Service(Request):
     internal_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
+MountPath = Annotated[str, msgspec.Meta(pattern=r"^/[^\0]*$", max_length=4096)]  # absolute; the API's too
+
+
 class Mount(Request):
     """A volume the machine mounts (docs/tutorials/images-and-volumes.md): it runs on the volume's worker, the volume at
     `path`."""
 
     volume: VolumeId
-    path: Annotated[str, msgspec.Meta(pattern=r"^/[^\0]*$", max_length=4096)]
+    path: MountPath
 
 
 class MachineConfig(Request):

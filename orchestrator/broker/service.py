@@ -271,7 +271,7 @@ class Broker:
                 subjects.worker_machines(machine.worker_id, "start"),
                 StartRequest(id=machine.id),
                 Machine,
-                timeout=30,
+                timeout=broker_wait("start"),
             )
         if req.explain and outcome is not None:
             machine.explain = outcome.explain()
