@@ -72,8 +72,7 @@ ROUTED_WITHIN = 0.5  # seconds a reserve's answer waits at most for its machine'
 def machine_routes(
     manager: MachineManager, follower: LogFollower, routed: Callable[[str], Awaitable[None]] | None = None
 ) -> Routes:
-    """`worker.<id>.machines.<verb>`: the machine manager's method of that name (suspend and resume: its
-    `pauses`').
+    """`worker.<id>.machines.<verb>`: the machine manager's method of that name.
 
     `routed(machine_id)`: resolved once the machine's routing index entry is stored. A reserve is answered
     after it (at most `ROUTED_WITHIN`; with JetStream away the answer goes anyway, as the commit is durable),
@@ -106,8 +105,8 @@ def machine_routes(
             "release": route(ReleaseRequest, manager.release),
             "update": route(UpdateRequest, manager.update),
             "exec": route(ExecRequest, manager.exec),
-            "suspend": route(SuspendRequest, manager.pauses.suspend),
-            "resume": route(ResumeRequest, manager.pauses.resume),
+            "suspend": route(SuspendRequest, manager.suspend),
+            "resume": route(ResumeRequest, manager.resume),
         },
         WORKER_REQUESTS,
     )

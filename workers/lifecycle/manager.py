@@ -42,9 +42,11 @@ from bus.contract.machines import (
     Machine,
     ReleaseRequest,
     ReserveRequest,
+    ResumeRequest,
     SignalRequest,
     StartRequest,
     StopRequest,
+    SuspendRequest,
     UpdateRequest,
     WaitRequest,
 )
@@ -388,6 +390,14 @@ class MachineManager:
             raise Conflict(f"machine {request.id} is {stored.machine.state}; only a started machine takes signals")
         await self.driver.signal(stored.handle, signum)
         return self.view(stored)
+
+    async def suspend(self, request: SuspendRequest) -> Machine:
+        """Freeze a started machine's process group (workers/lifecycle/pause.py)."""
+        return await self.pauses.suspend(request)
+
+    async def resume(self, request: ResumeRequest) -> Machine:
+        """Continue a suspended machine, answered before its record (workers/lifecycle/pause.py)."""
+        return await self.pauses.resume(request)
 
     async def exec(self, request: ExecRequest) -> ExecReply:
         """Run a command in a started machine's environment, working directory and limits (no state change)."""
