@@ -81,16 +81,21 @@ class AgainstLevel(msgspec.Struct, kw_only=True):
     throughput_ratio: float | None
 
 
-class AgainstResult(msgspec.Struct, kw_only=True):
+class Compared(msgspec.Struct, kw_only=True):
+    """What every `--against` result says of its two sides (placement's here, the jobs' in jobs_against)."""
+
     rev: str
     rev_commit: str
     this_commit: str  # HEAD of this tree, `+changes` when it has uncommitted changes
+    rounds: int
+    host: dict[str, object]
+
+
+class AgainstResult(Compared, kw_only=True):
     workers_per_region: int
     strategy: str
     count_per_round: int
-    rounds: int
     levels: list[AgainstLevel]
-    host: dict[str, object]
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[str]:

@@ -39,12 +39,9 @@ class JobsFigures(msgspec.Struct, kw_only=True):
 
 
 class JobsSide(msgspec.Struct, kw_only=True):
-    """One side: the median of its rounds, and each round."""
+    """One side: the median of its rounds (figure by figure), and each round."""
 
-    tasks_per_s: float
-    free_running_p50_ms: float
-    free_running_p99_ms: float
-    burst_taken_p50_ms: float
+    median: JobsFigures
     runs: list[JobsFigures]
 
 
@@ -56,7 +53,7 @@ class JobsRatios(msgspec.Struct, kw_only=True):
     free_running_p99: float | None
 
     @classmethod
-    def of(cls, mine: JobsSide, theirs: JobsSide) -> JobsRatios:
+    def of(cls, mine: JobsFigures, theirs: JobsFigures) -> JobsRatios:
         return cls(
             throughput=ratio(mine.tasks_per_s, theirs.tasks_per_s),
             free_running_p50=ratio(mine.free_running_p50_ms, theirs.free_running_p50_ms),
@@ -64,16 +61,11 @@ class JobsRatios(msgspec.Struct, kw_only=True):
         )
 
 
-class JobsAgainstResult(msgspec.Struct, kw_only=True):
+class JobsAgainstResult(versus.Compared, kw_only=True):
     options: JobsBenchOptions
-    rev: str
-    rev_commit: str
-    this_commit: str  # HEAD of this tree, `+changes` when it has uncommitted changes
-    rounds: int
     this: JobsSide
     other: JobsSide
     ratios: JobsRatios
-    host: dict[str, Any]
 
 
 def bench_args(o: JobsBenchOptions, output: Path) -> list[str]:
@@ -100,7 +92,7 @@ def figures(data: Any, who: str) -> JobsFigures:
 def side(runs: list[JobsFigures]) -> JobsSide:
     medians = {name: statistics.median(getattr(r, name) for r in runs) for name in JobsFigures.__struct_fields__}
     rounded = {name: round(value, 1 if name == "tasks_per_s" else 3) for name, value in medians.items()}
-    return JobsSide(**rounded, runs=runs)
+    return JobsSide(median=JobsFigures(**rounded), runs=runs)
 
 
 def run_jobs_against(
@@ -124,7 +116,7 @@ def run_jobs_against(
                 into.append(figures(data, who))
                 progress(f"  {into[-1].tasks_per_s:.0f} tasks/s ({time.monotonic() - began:.0f} s with its fleet)")
     this, them = side(ours), side(other)
-    ratios = JobsRatios.of(this, them)
+    ratios = JobsRatios.of(this.median, them.median)
     return JobsAgainstResult(
         options=options, rev=rev, rev_commit=sha, this_commit=versus.this_commit(), rounds=rounds, this=this,
         other=them, ratios=ratios, host=host_info(),
@@ -133,13 +125,14 @@ def run_jobs_against(
 
 def report(result: JobsAgainstResult) -> Report:
     def row(name: str, s: JobsSide) -> tuple[str, ...]:
+        m = s.median
         return (
             name,
-            f"{s.tasks_per_s:.0f}",
+            f"{m.tasks_per_s:.0f}",
             ", ".join(f"{r.tasks_per_s:.0f}" for r in s.runs),
-            f"{s.free_running_p50_ms:.2f}",
-            f"{s.free_running_p99_ms:.2f}",
-            f"{s.burst_taken_p50_ms:.1f}",
+            f"{m.free_running_p50_ms:.2f}",
+            f"{m.free_running_p99_ms:.2f}",
+            f"{m.burst_taken_p50_ms:.1f}",
         )
 
     o = result.options

@@ -40,7 +40,7 @@ def test_figures_are_fauxmads_and_a_side_is_the_median_of_its_rounds() -> None:
     )
     rounds = [JobsFigures(tasks_per_s=t, free_running_p50_ms=t / 100, free_running_p99_ms=1.0, burst_taken_p50_ms=1.0)
               for t in (700.0, 900.0, 800.0)]  # fmt: skip
-    assert side(rounds).tasks_per_s == 800.0 and side(rounds).free_running_p50_ms == 8.0
+    assert side(rounds).median.tasks_per_s == 800.0 and side(rounds).median.free_running_p50_ms == 8.0
 
 
 def test_a_run_without_a_jobs_result_is_named() -> None:
