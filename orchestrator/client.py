@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -57,11 +58,15 @@ from bus.transport.connection import connect
 from bus.transport.nats_adapter import Nats
 from bus.transport.service import NoResponders, call, request
 from orchestrator.logs import Emit, LogQuery, has_lines, read_logs
+from orchestrator.restart import Ask
 from orchestrator.view.history import EmitEvent, EventQuery, read_events
 
 # A client-side wait ends for a reason: done, failed, or its timeout with no progress (docs/explanation/faults.md,
 # "Deadlines that follow progress"); one that keeps making progress still ends at this many times its timeout
 PROGRESS_CAP = 3.0
+
+
+T = TypeVar("T")
 
 
 class UpResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,23 +173,40 @@ class FleetClient:
             timeout=self.timeout,
         )
 
-    async def start(self, app: str, machine_id: str) -> Machine:
+    async def start(self, app: str, machine_id: str, *, lease_nonce: str | None = None) -> Machine:
         return await call(
             self.nc,
             self._verb(app, "start"),
-            StartRequest(id=machine_id),
+            StartRequest(id=machine_id, lease_nonce=lease_nonce),
             Machine,
             timeout=self._wait("start"),
         )
 
-    async def stop(self, app: str, machine_id: str, *, signal: str = "SIGTERM", timeout: float = 10.0) -> Machine:
+    async def stop(
+        self,
+        app: str,
+        machine_id: str,
+        *,
+        signal: str = "SIGTERM",
+        timeout: float = 10.0,
+        lease_nonce: str | None = None,
+    ) -> Machine:
         return await call(
             self.nc,
             self._verb(app, "stop"),
-            StopRequest(id=machine_id, signal=signal, timeout=timeout),
+            StopRequest(id=machine_id, signal=signal, timeout=timeout, lease_nonce=lease_nonce),
             Machine,
             timeout=caller_wait("stop", timeout),
         )
+
+    def asker(self, app: str) -> Ask:
+        """`verb` of the app's machines asked of the brokers (the edge's, for an edge client), waited for as
+        the contract's deadlines say: a restart's lease (`orchestrator.restart`) asks through it."""
+
+        def ask(verb: str, request: Any, into: type[T]) -> Awaitable[T]:
+            return call(self.nc, self._verb(app, verb), request, into, timeout=self._wait(verb))
+
+        return ask
 
     async def suspend(self, app: str, machine_id: str) -> Machine:
         request = SuspendRequest(id=machine_id)

@@ -242,6 +242,18 @@ class RawClient:
         return await self.ok("wait", {"id": machine_id, "state": state, "timeout": timeout}, timeout=timeout + 2)
 
 
+def running(argv: list[str]) -> bool:
+    """Whether a process of this host runs exactly `argv` (a machine's, found by a token in its arguments)."""
+    wanted = "\0".join(argv).encode() + b"\0"
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes() == wanted:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -90,7 +90,7 @@ class SecretsCache:
         self._save()
         return watcher
 
-    async def _retry(self, kv: Any) -> None:
+    async def _retry(self, kv: KV) -> None:
         while True:
             await asyncio.sleep(RETRY)
             try:

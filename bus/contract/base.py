@@ -20,7 +20,8 @@ MACHINE_ID = re.compile(r"^[0-9a-f]{14}$")
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
 
 
-TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # one subject token a user may name: an app, a region, a key
+TOKEN_CHARS = r"[A-Za-z0-9_-]{1,64}"  # one subject token a user may name: an app, a region, a key
+TOKEN_PATTERN = rf"^{TOKEN_CHARS}$"
 Token = Annotated[str, msgspec.Meta(pattern=TOKEN_PATTERN)]
 
 
@@ -30,7 +31,8 @@ MachineId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{14}$")]
 Name = Annotated[str, msgspec.Meta(pattern=NAME)]
 
 
-Seconds = Annotated[float, msgspec.Meta(ge=0, le=86400)]
+SECONDS_MAX = 86400.0  # the longest wait a request may ask for (a day)
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=SECONDS_MAX)]
 
 
 # A guest's bounds, written once: machines, offers, jobs, the HTTP API and the app spec all size a guest with them.

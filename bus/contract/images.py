@@ -25,8 +25,10 @@ import msgspec
 
 from bus.contract.base import Reply, Request
 
-Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$")]
-ImageTag = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}:[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")]
+DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
+Digest = Annotated[str, msgspec.Meta(pattern=DIGEST_PATTERN)]
+IMAGE_TAG_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}:[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"  # name:tag (the store checks it too)
+ImageTag = Annotated[str, msgspec.Meta(pattern=IMAGE_TAG_PATTERN)]
 UploadId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{32}$")]
 MAX_ARCHIVE = 2 << 30  # 2 GiB
 

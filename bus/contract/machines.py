@@ -8,7 +8,20 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from bus.contract.base import Cpus, MachineId, MemoryMb, Name, Reply, Request, Seconds, State, Token, VolumeId, seconds
+from bus.contract.base import (
+    SECONDS_MAX,
+    Cpus,
+    MachineId,
+    MemoryMb,
+    Name,
+    Reply,
+    Request,
+    Seconds,
+    State,
+    Token,
+    VolumeId,
+    seconds,
+)
 from bus.contract.errors import BadRequest
 from bus.contract.streams import AuditRecord
 
@@ -58,12 +71,15 @@ class Service(Request):
     internal_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
+MountPath = Annotated[str, msgspec.Meta(pattern=r"^/[^\0]*$", max_length=4096)]  # absolute; the API's too
+
+
 class Mount(Request):
     """A volume the machine mounts (docs/tutorials/images-and-volumes.md): it runs on the volume's worker, the volume at
     `path`."""
 
     volume: VolumeId
-    path: Annotated[str, msgspec.Meta(pattern=r"^/[^\0]*$", max_length=4096)]
+    path: MountPath
 
 
 class MachineConfig(Request):
@@ -207,6 +223,9 @@ class StartRequest(IdRequest):
     pass
 
 
+STOP_TIMEOUT_MAX = SECONDS_MAX  # what a worker's stop waits at most: the HTTP API and the CLI cap it here
+
+
 class StopRequest(IdRequest):
     signal: str = "SIGTERM"
     timeout: Seconds = 10.0
@@ -243,7 +262,7 @@ class SignalRequest(Request):
 
 class LeaseRequest(Request):
     id: MachineId
-    ttl: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 30.0
+    ttl: Annotated[float, msgspec.Meta(gt=0, le=SECONDS_MAX)] = 30.0
     holder: Annotated[str, msgspec.Meta(max_length=256)] = ""
     nonce: str | None = None
 

@@ -47,14 +47,15 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from bus.contract import subjects
+from bus.contract.images import DIGEST_PATTERN, IMAGE_TAG_PATTERN
 from bus.contract.images import MAX_ARCHIVE as MAX_ARCHIVE
 from bus.contract.images import ImageManifest as ImageManifest
 from bus.stores.kv_keys import kv_keys
 from bus.stores.objects import bind_or_create_store, read_chunks, stored_digest
 from bus.transport.jetstream import bind_or_create_kv
 
-DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-TAG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}:[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+DIGEST = re.compile(DIGEST_PATTERN)
+TAG = re.compile(IMAGE_TAG_PATTERN)
 
 
 class ImageError(Exception):

@@ -42,13 +42,14 @@ from nats.js.kv import KeyValue
 
 from bus.contract import subjects
 from bus.contract.base import seconds
-from bus.contract.errors import Unreachable
+from bus.contract.errors import BadRequest, Unreachable
 from bus.transport import layout as layouts
 from bus.transport.at_home import at_home, home_silent
 from bus.transport.fleet_layout import Told, fleet_layout, why_unanswered
 from bus.transport.layout import Layout
 from bus.transport.nats_adapter import Bucket
 from bus.transport.placed_kv import create_placed_kv
+from bus.transport.regional import RegionalKV
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +193,20 @@ class FleetKV(msgspec.Struct, frozen=True):
     workers: Bucket  # one bucket, or a supercluster's bucket per region (`RegionalKV`)
     machines: Bucket
     apps: KeyValue  # fleet-wide: one bucket in the home region
-    idempotency: Any  # KeyValue, or a supercluster's RegionalKV (whose brokers claim a key per region)
+    idempotency: KeyValue | RegionalKV  # a supercluster's brokers claim a key in the create's region's own bucket
     layout: Layout = Layout()
+
+    def claims(self, region: str) -> KeyValue:
+        """The bucket that keeps the idempotency claims of creates in `region`: the fleet's, or in a supercluster
+        the region's own (so a region cut off from the others keeps placing idempotently); a region outside the
+        supercluster's layout: this process's own region's."""
+        if not isinstance(self.idempotency, RegionalKV):
+            return self.idempotency
+        regional = self.idempotency
+        found = regional.buckets.get(region) or (regional.buckets.get(regional.own) if regional.own else None)
+        if found is None:
+            raise BadRequest(f"region {region!r} is not one of this supercluster's ({', '.join(regional.buckets)})")
+        return found
 
 
 def place_at_home(config: Any, layout: Layout) -> Any:
@@ -297,8 +310,6 @@ async def ensure_fleet_resources(
     config = config or FleetConfig()
     layout = await config.resolved_layout(js)  # first: a process told another layout writes nothing
     if layout.supercluster:
-        from bus.transport.regional import RegionalKV
-
         unanswered: set[str] = set()
         regional = await _regions(js, config, layout, every_region, unanswered)
         apps = await _apps_bucket(js, config)

@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -80,16 +81,21 @@ class AgainstLevel(msgspec.Struct, kw_only=True):
     throughput_ratio: float | None
 
 
-class AgainstResult(msgspec.Struct, kw_only=True):
+class Compared(msgspec.Struct, kw_only=True):
+    """What every `--against` result says of its two sides (placement's here, the jobs' in jobs_against)."""
+
     rev: str
     rev_commit: str
     this_commit: str  # HEAD of this tree, `+changes` when it has uncommitted changes
+    rounds: int
+    host: dict[str, object]
+
+
+class AgainstResult(Compared, kw_only=True):
     workers_per_region: int
     strategy: str
     count_per_round: int
-    rounds: int
     levels: list[AgainstLevel]
-    host: dict[str, object]
 
 
 def _git(*args: str) -> subprocess.CompletedProcess[str]:
@@ -186,8 +192,9 @@ def bench_args(p: PlacementOptions, concurrency: int, count: int, output: Path) 
     return [*args, "--start"] if p.start else args
 
 
-def run_once(command: list[str], cwd: Path, who: str) -> RunFigures:
-    """One side's run; its JSON's figures, or a BenchError with the last line it wrote."""
+def run_json(command: list[str], cwd: Path, who: str) -> tuple[Any, str]:
+    """One side's `fauxmad bench ... --json` run: (its decoded JSON, its stdout), or a BenchError with the last
+    line it wrote (also `bench jobs --against`'s)."""
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, cwd=cwd, env=_clean_env(), timeout=RUN_TIMEOUT, check=False
@@ -197,7 +204,15 @@ def run_once(command: list[str], cwd: Path, who: str) -> RunFigures:
     if done.returncode != 0:
         raise BenchError(f"{who}'s bench failed (exit {done.returncode}): {_last(done.stderr or done.stdout)}")
     try:
-        data = msgspec.json.decode(done.stdout)
+        return msgspec.json.decode(done.stdout), done.stdout
+    except msgspec.DecodeError as exc:
+        raise BenchError(f"{who}'s bench wrote no JSON ({exc}): {_last(done.stdout)}") from None
+
+
+def run_once(command: list[str], cwd: Path, who: str) -> RunFigures:
+    """One side's run; its JSON's figures, or a BenchError with the last line it wrote."""
+    data, stdout = run_json(command, cwd, who)
+    try:
         return RunFigures(
             p50_ms=float(data["create"]["p50_ms"]),
             p99_ms=float(data["create"]["p99_ms"]),
@@ -205,8 +220,8 @@ def run_once(command: list[str], cwd: Path, who: str) -> RunFigures:
             errors=int(data["errors"]),
             refused=int(data["refused"]),
         )
-    except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-        raise BenchError(f"{who}'s bench wrote no placement result ({exc}): {_last(done.stdout)}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BenchError(f"{who}'s bench wrote no placement result ({exc}): {_last(stdout)}") from None
 
 
 def side(runs: list[RunFigures]) -> AgainstSide:

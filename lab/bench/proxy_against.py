@@ -24,16 +24,13 @@ import msgspec
 
 from lab.bench import BenchError
 from lab.bench import proxy as bench
+from lab.bench.against import BadRevision
 from lab.bench.http_client import Client
 from lab.bench.report import Report, Table
 from lab.bench.stats import summarize
 from orchestrator.devfleet import DevFleet, FleetSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class BadRevision(BenchError):
-    """REV is not a commit of this repository: a usage error (exit 2)."""
 
 
 class Side(msgspec.Struct, frozen=True, kw_only=True):

@@ -72,6 +72,20 @@ def _measure(run: Callable[[], T]) -> T:
         fail(str(exc))
 
 
+def _compare(run: Callable[[], T], report: Callable[[T], Report], output: Path, json_out: bool) -> None:
+    """A bench's `--against REV` run: a REV that names no commit is a usage error (exit 2), as in every bench."""
+    from lab.bench.against import BadRevision
+
+    def measured() -> T:
+        try:
+            return run()
+        except BadRevision as exc:
+            fail(str(exc), EXIT_USAGE)
+
+    compared = _measure(measured)
+    _finish(compared, report(compared), output, json_out)
+
+
 @bench_app.command("placement")
 def placement(
     workers: int = typer.Option(10, "--workers", min=1, max=5000, help="workers per region"),
@@ -356,14 +370,7 @@ def proxy(
     if against is not None:
         from lab.bench import proxy_against as versus
 
-        def compare() -> versus.AgainstResult:
-            try:
-                return versus.run_proxy_against(options, against, rounds, _progress)
-            except versus.BadRevision as exc:
-                fail(str(exc), EXIT_USAGE)
-
-        compared = _measure(compare)
-        _finish(compared, versus.report(compared), output, json_out)
+        _compare(lambda: versus.run_proxy_against(options, against, rounds, _progress), versus.report, output, json_out)
         return
     result = _measure(lambda: bench.run_proxy_bench(options, _progress))
     _finish(result, bench.report(result), output, json_out)
@@ -400,12 +407,23 @@ def jobs(
     nats_sync: bool = typer.Option(
         True, "--nats-sync/--no-nats-sync", help="fauxmad's NATS flushes every write (as shipped), or NATS's default"
     ),
+    against: str | None = typer.Option(
+        None,
+        "--against",
+        metavar="REV",
+        help="also measure git revision REV (a tag, a commit, HEAD~1) in the same run: REV is built into a"
+        " virtualenv of its own as `bench placement --against` builds it, then rounds alternate between this"
+        " tree's fauxmad and REV's (no baselines), each with a fleet of its own; prints both (the median of the"
+        " rounds) and this tree's ratios to REV's",
+    ),
+    rounds: int = typer.Option(4, "--rounds", min=1, max=100, help="with --against: rounds per side"),
     output: Path = typer.Option(Path("bench-jobs.json"), "--output", "-o", help=OUTPUT_HELP),
     json_out: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Background jobs: tasks/s and scheduling delay p50/p99, fauxmad beside Redis BLPOP (the seed's
     baseline) and arq, one after the other in one run. The baselines need redis-server (Debian) and the
-    `jobs-bench` extra; without them they are skipped, with a line saying so."""
+    `jobs-bench` extra; without them they are skipped, with a line saying so. --against REV compares this
+    tree's fauxmad with another git revision's, in one run."""
     from lab.bench import jobs as bench
 
     if runner not in ("process", "machine"):
@@ -419,6 +437,11 @@ def jobs(
         baselines=baselines,
         nats_sync=nats_sync,
     )
+    if against is not None:
+        from lab.bench import jobs_against as versus
+
+        _compare(lambda: versus.run_jobs_against(options, against, rounds, _progress), versus.report, output, json_out)
+        return
     result = _measure(lambda: bench.run_jobs_bench(options, _progress))
     for line in result.skipped:
         _stderr.print(Text(f"note: {line}", style="yellow"))

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
+from bus.contract.deadlines import caller_wait
 from bus.contract.fleet import WorkerInfo, WorkersListRequest
 from bus.contract.machines import DestroyRequest, ListRequest, Machine
 from bus.stores.kv_keys import kv_keys
@@ -67,7 +68,7 @@ async def _counts(request: web.Request) -> dict[str, int]:
 
 async def _machines(request: web.Request, name: str) -> builtins.list[Machine]:
     subject = subjects.api_machines(name, "list")
-    return await request.app[BROKERS].call(subject, ListRequest(), builtins.list[Machine], timeout=10)
+    return await request.app[BROKERS].call(subject, ListRequest(), builtins.list[Machine], timeout=caller_wait("list"))
 
 
 def _status(count: int) -> str:
@@ -136,7 +137,8 @@ async def delete_app(request: web.Request) -> web.Response:
     async def destroy(machine: Machine) -> None:
         async with limit:
             subject = subjects.api_machines(name, "destroy")
-            await request.app[BROKERS].call(subject, DestroyRequest(id=machine.id, force=True), Machine, timeout=25)
+            forced = DestroyRequest(id=machine.id, force=True)
+            await request.app[BROKERS].call(subject, forced, Machine, timeout=caller_wait("destroy"))
 
     for _ in range(DESTROY_PASSES):
         if not found:

@@ -14,9 +14,8 @@ is reported as before, by `wait` and the machine's state.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 from aiohttp import web
 
@@ -26,6 +25,7 @@ from bus.contract.deadlines import caller_wait
 from bus.contract.errors import FauxmadError
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import (
+    STOP_TIMEOUT_MAX,
     DestroyRequest,
     GetRequest,
     Lease,
@@ -61,9 +61,11 @@ from orchestrator.api.http import (
 )
 from orchestrator.api.images import IMAGES, ImageDoor, machine_config
 from orchestrator.api.openapi import DOCS_HTML, document
+from orchestrator.restart import restart_lease
+
+T = TypeVar("T")
 
 WAIT_MAX = 60.0
-STOP_TIMEOUT_MAX = 86400.0  # what the worker's stop takes at most, in seconds
 WAIT_STATES = frozenset({"created", "started", "stopped", "destroyed", "failed"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -177,40 +179,17 @@ async def restart_machine(request: web.Request) -> web.Response:
         timeout = min(seconds(float(given) if given.replace(".", "", 1).isdigit() else given), STOP_TIMEOUT_MAX)
     except ValueError as exc:
         raise ClientError(400, f"timeout: {exc}") from None
-    callers = nonce(request)
-    if callers is not None:  # the caller's own lease covers both steps
-        await _stop_then_start(request, mid, timeout, callers)
-        return json({"ok": True})
-    # No lease given: the restart holds one of its own from the stop to the start. Without it, an operator
-    # (`fauxmad reconcile --watch`) that sees the machine stopped in between leases it to start it, and this
-    # restart's start is refused (409 "leased by fauxmad-reconciler@...") though nobody else asked for anything.
-    held = await request.app[BROKERS].call(
-        subjects.api_machines(app_name(request), "lease"),
-        LeaseRequest(
-            id=mid, ttl=min(timeout + RESTART_LEASE_MARGIN, STOP_TIMEOUT_MAX), holder="a restart through the API"
-        ),
-        Lease,
-        timeout=caller_wait("lease"),
-    )
-    try:
-        await _stop_then_start(request, mid, timeout, held.nonce)
-    finally:
-        with contextlib.suppress(FauxmadError, TimeoutError):  # it lapses by itself at the end of its ttl anyway
-            subject = subjects.api_machines(app_name(request), "release")
-            await request.app[BROKERS].call(
-                subject, ReleaseRequest(id=mid, nonce=held.nonce), Machine, timeout=caller_wait("release")
-            )
+
+    def brokers(verb: str, payload: Any, into: type[T]) -> Awaitable[T]:
+        subject = subjects.api_machines(app_name(request), verb)
+        return request.app[BROKERS].call(subject, payload, into, timeout=caller_wait(verb))
+
+    holder = "a restart through the API"
+    async with restart_lease(brokers, mid, timeout, holder=holder, given=nonce(request)) as lease_nonce:
+        stop = StopRequest(id=mid, timeout=timeout, lease_nonce=lease_nonce)
+        await ask(request, "stop", stop, own_timeout=timeout)
+        await started(request, await ask(request, "start", StartRequest(id=mid, lease_nonce=lease_nonce)))
     return json({"ok": True})
-
-
-# the restart's own lease: the stop's timeout plus this, the start's 30 s and the requests' own time
-RESTART_LEASE_MARGIN = 60.0
-
-
-async def _stop_then_start(request: web.Request, mid: str, timeout: float, lease_nonce: str) -> None:
-    await ask(request, "stop", StopRequest(id=mid, timeout=timeout, lease_nonce=lease_nonce), own_timeout=timeout)
-    start = StartRequest(id=mid, lease_nonce=lease_nonce)
-    await started(request, await ask(request, "start", start))
 
 
 async def signal_machine(request: web.Request) -> web.Response:

@@ -17,10 +17,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from bus.contract.base import Cpus, MemoryMb, Name, SnapshotId, State, Token, VolumeId
+from bus.contract.base import TOKEN_CHARS, Cpus, MemoryMb, Name, SnapshotId, State, Token, VolumeId
 from bus.contract.codec import encode
-from bus.contract.machines import Guest, Machine, MachineConfig, MachineEvent, Mount, RestartPolicy
-from bus.contract.volumes import Volume
+from bus.contract.machines import Guest, Machine, MachineConfig, MachineEvent, Mount, MountPath, RestartPolicy
+from bus.contract.volumes import SizeGb, Volume
 
 
 class Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -48,9 +48,6 @@ class FlyGuest(Body):
 class FlyRestart(Body):
     policy: Literal["no", "always", "on-failure"] = "on-failure"
     max_retries: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] | None = None
-
-
-MountPath = Annotated[str, msgspec.Meta(pattern=r"^/[^\x00]*$", max_length=4096)]
 
 
 class FlyMount(Body):
@@ -393,7 +390,7 @@ class PlacementsRequest(Body):
 
     compute: FlyGuest = msgspec.field(default_factory=FlyGuest)
     count: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 1
-    region: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}(,[A-Za-z0-9_-]{1,64})*$")] | None = None
+    region: Annotated[str, msgspec.Meta(pattern=rf"^{TOKEN_CHARS}(,{TOKEN_CHARS})*$")] | None = None  # a list of tokens
     org_slug: str = "personal"
     app: Token = "placements"  # extension
 
@@ -417,7 +414,7 @@ class PlacementsResponse(msgspec.Struct, kw_only=True):
 class CreateVolumeRequest(Body):
     name: Name
     region: Token
-    size_gb: Annotated[int, msgspec.Meta(ge=1, le=500)] = 1
+    size_gb: SizeGb = 1
     snapshot_id: SnapshotId | None = None  # restore that snapshot into the new volume (on any worker)
     # sent by Fly's clients; accepted and not acted on (no encryption, no zones here:
     # docs/tutorials/images-and-volumes.md)

@@ -117,7 +117,7 @@ class Broker:
         self.failed: BaseException | None = None  # why a part can never be made (`_on_prepared`), if so
         self.readiness = Readiness(self.id)
         self._preparing: asyncio.Task[None] | None = None
-        self._claims_of: dict[str, Idempotency] = {}  # a supercluster's regions' claims (`_claims`)
+        self._claims_of: dict[int, Idempotency] = {}  # by bucket: one per bucket, as its claims in progress are
 
     async def start(self, *, serve: bool = True) -> None:
         """Connect, answer the API subjects over NATS (with `serve`; without it the broker answers only in its own
@@ -264,11 +264,9 @@ class Broker:
     async def _bind_fleet(self, serve: bool) -> None:
         assert self.nc is not None
         kv = await ensure_fleet_resources(self.nc.jetstream(), FleetConfig(region=self.config.region))
-        self._kv = kv
+        self.fleet_kv = kv
         self._layout = kv.layout
         self._apps = kv.apps
-        self.idempotency = Idempotency(kv.idempotency, self.id)
-        self._regional_claims = kv.idempotency if kv.layout.supercluster else None
         if not any(name == "machines_create_in_region" for name, *_ in self._endpoints):
             endpoint = self._create_in_region_endpoint(kv.layout.supercluster)
             self._endpoints.append(endpoint)
@@ -276,11 +274,11 @@ class Broker:
                 await self._add_endpoint(endpoint)
 
     async def _follow_workers(self) -> None:
-        await self.registry.start(self._kv.workers)
+        await self.registry.start(self.fleet_kv.workers)
         await self.registry.stop_hearing()  # the watch delivers every heartbeat from now on
 
     async def _follow_machines(self) -> None:
-        await self.index.start(self._kv.machines)
+        await self.index.start(self.fleet_kv.machines)
 
     async def _open_volumes(self) -> None:
         assert self.nc is not None
@@ -406,7 +404,7 @@ class Broker:
                 subjects.worker_machines(machine.worker_id, "start"),
                 StartRequest(id=machine.id),
                 Machine,
-                timeout=30,
+                timeout=broker_wait("start"),
             )
         if req.explain and outcome is not None:
             machine.explain = outcome.explain()
@@ -415,11 +413,10 @@ class Broker:
     def _claims(self, region: str) -> Idempotency:
         """Where a create's idempotency claim lives: the fleet's bucket, or in a supercluster its region's own
         (so a region cut off from the others keeps placing idempotently)."""
-        if self._regional_claims is None or region not in self._regional_claims.buckets:
-            return self.idempotency
-        if region not in self._claims_of:
-            self._claims_of[region] = Idempotency(self._regional_claims.region(region), self.id)
-        return self._claims_of[region]
+        bucket = self.fleet_kv.claims(region)
+        if id(bucket) not in self._claims_of:
+            self._claims_of[id(bucket)] = Idempotency(bucket, self.id)
+        return self._claims_of[id(bucket)]
 
     async def _place_once(
         self, app: str, req: CreateRequest, key: str, audit: AuditRecord | None = None

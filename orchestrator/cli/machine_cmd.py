@@ -15,6 +15,7 @@ import msgspec
 import typer
 from typer.core import TyperCommand
 
+from bus.contract.machines import STOP_TIMEOUT_MAX
 from orchestrator.cli import logs_cmd
 from orchestrator.cli.names import require_app, require_regions
 from orchestrator.cli.render import WideOption, console, explain_table, kept_table, machines_table, made_by, print_json
@@ -31,6 +32,7 @@ from orchestrator.cli.runtime import (
     key_values,
     with_client,
 )
+from orchestrator.restart import restart_lease
 
 if TYPE_CHECKING:
     from typer._click.core import Context
@@ -155,7 +157,6 @@ def run_machine(
     the image's own command; a REF the fleet's store does not have is an error (exit 2).
     """
     from bus.contract.fleet import CreateRequest
-    from bus.contract.machines import Guest, MachineConfig, Mount, RestartPolicy
 
     if not cmd and image is None:
         fail("no command: give it after --, or an --image whose manifest has one", EXIT_USAGE)
@@ -165,32 +166,25 @@ def run_machine(
         volume_id, sep, path = item.partition(":")
         if not sep:
             fail(f"--volume {item!r}: use VOLUME_ID:/path", EXIT_USAGE)
-        mounts.append(Mount(volume=volume_id, path=path))
-    try:
-        config = MachineConfig(
-            cmd=cmd or [],
-            env=key_values(env),
-            metadata=key_values(metadata, "--metadata"),
-            mounts=mounts,
-            image=image,
-            guest=Guest(cpus=cpus, memory_mb=memory_mb, sandbox=sandbox),  # type: ignore[arg-type]
-            restart=RestartPolicy(policy=restart),  # type: ignore[arg-type]
-        )
-        request = CreateRequest(
-            region=region,
-            config=config,
-            name=name,
-            explain=explain,
-            strategy=strategy,  # type: ignore[arg-type]
-            skip_launch=skip_launch,
-            idempotency_key=idempotency_key,
-        )
-        request = msgspec.convert(msgspec.to_builtins(request), CreateRequest)  # validate like the broker will
+        mounts.append({"volume": volume_id, "path": path})
+    config = {
+        "cmd": cmd or [],
+        "env": key_values(env),
+        "metadata": key_values(metadata, "--metadata"),
+        "mounts": mounts,
+        "image": image,
+        "guest": {"cpus": cpus, "memory_mb": memory_mb, "sandbox": sandbox},
+        "restart": {"policy": restart},
+    }
+    create = {"region": region, "config": config, "name": name, "explain": explain, "strategy": strategy}
+    create |= {"skip_launch": skip_launch, "idempotency_key": idempotency_key}
+    try:  # made and checked in one step, by the contract's own rules: the broker's decoder checks the same
+        request = msgspec.convert(create, CreateRequest)
     except (msgspec.ValidationError, ValueError) as exc:
         fail(f"invalid machine: {exc}", EXIT_USAGE)
     wait = Wait(wait_up, wait_timeout, detach)
 
-    async def create(client: FleetClient) -> Machine:
+    async def place(client: FleetClient) -> Machine:
         nonlocal request
         await require_regions(client, [region])
         if image is not None:  # pinned to its digest; no CMD: the image's own
@@ -200,7 +194,7 @@ def run_machine(
         machine.explain = created.explain
         return machine
 
-    machine = with_client(nats, create)
+    machine = with_client(nats, place)
     if json_out:
         print_json(machine)
         return
@@ -310,19 +304,26 @@ def restart_machine(
     machine_id: str = MachineIdArgument,
     app: str = MachineAppOption,
     signal: str = typer.Option("SIGTERM", "--signal", "-s", help="the signal that stops it"),
-    stop_timeout: float = typer.Option(10.0, "--stop-timeout", min=0, help="seconds before SIGKILL"),
+    stop_timeout: float = typer.Option(
+        10.0, "--stop-timeout", min=0, max=STOP_TIMEOUT_MAX, help="seconds before SIGKILL"
+    ),
     wait_up: float = WAIT_UP,
     wait_timeout: float = WAIT_TIMEOUT,
     detach: bool = DETACH,
     nats: str | None = NatsOption,
     json_out: bool = JsonOption,
 ) -> None:
-    """Stop a machine (if it runs) and start it again; waits until it is up, like `start`."""
+    """Stop a machine (if it runs) and start it again; waits until it is up, like `start`. The restart holds a
+    lease of its own from the stop to the start, as the HTTP API's does, so an operator that sees the machine
+    stopped in between cannot take it first (`orchestrator/restart.py`)."""
     wait = Wait(wait_up, wait_timeout, detach)
 
     async def act(client: FleetClient) -> Machine:
-        await client.stop(app, machine_id, signal=signal, timeout=stop_timeout)
-        return await _until_up(client, app, await client.start(app, machine_id), wait, json_out)
+        held = restart_lease(client.asker(app), machine_id, stop_timeout, holder="a restart through the CLI")
+        async with held as lease_nonce:
+            await client.stop(app, machine_id, signal=signal, timeout=stop_timeout, lease_nonce=lease_nonce)
+            machine = await client.start(app, machine_id, lease_nonce=lease_nonce)
+        return await _until_up(client, app, machine, wait, json_out)
 
     _print_machine(with_client(nats, act), json_out)
 
@@ -342,9 +343,6 @@ async def _pin(client: FleetClient, config: MachineConfig, image: str) -> Machin
     if not cmd:
         fail(f"no command: give it after --, image {image} has none in its manifest", EXIT_USAGE)
     return msgspec.structs.replace(config, image=resolved.digest, cmd=cmd)
-
-
-STOP_TIMEOUT_MAX = 86400.0  # what a worker's stop waits at most, as the HTTP API's
 
 
 @machine_app.command("stop", cls=MachineCommand)
@@ -493,27 +491,15 @@ def update(
     async def act(client: FleetClient) -> Machine:
         current = await client.get(app, machine_id, events=False)
         old = current.config
-        guest = msgspec.structs.replace(
-            old.guest, cpus=cpus or old.guest.cpus, memory_mb=memory_mb or old.guest.memory_mb
-        )
-        policy = msgspec.structs.replace(old.restart, policy=restart or old.restart.policy)
         new_cmd = cmd or old.cmd
         if image is not None and not cmd and await _image_command(client, old.image) == list(old.cmd):
             new_cmd = []  # the old image's command: the new image's takes its place
-        try:
-            config = msgspec.convert(
-                msgspec.to_builtins(
-                    msgspec.structs.replace(
-                        old,
-                        cmd=new_cmd,
-                        env={**old.env, **changes},
-                        image=image or old.image,
-                        guest=guest,
-                        restart=policy,
-                    )
-                ),
-                MachineConfig,
-            )
+        was = msgspec.to_builtins(old)
+        new: dict[str, Any] = {"cmd": new_cmd, "env": {**old.env, **changes}, "image": image or old.image}
+        new["guest"] = {**was["guest"], "cpus": cpus or old.guest.cpus, "memory_mb": memory_mb or old.guest.memory_mb}
+        new["restart"] = {**was["restart"], "policy": restart or old.restart.policy}
+        try:  # the old config with the changes, made and checked in one step by the contract's rules
+            config = msgspec.convert({**was, **new}, MachineConfig)
         except (msgspec.ValidationError, ValueError) as exc:
             fail(f"invalid update: {exc}", EXIT_USAGE)
         if image is not None:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import msgspec
 
-from bus.contract.fleet import Preset
+from bus.contract.fleet import CreateRequest
 from bus.contract.machines import ExitInfo, MachineConfig
 from orchestrator.apps.ownership import CREATED_BY_KEY, CREATED_FOR_KEY, RUNNING, region_range
 from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec
@@ -74,14 +74,25 @@ class Desired(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Create(msgspec.Struct, frozen=True, kw_only=True, tag="create"):
-    region: str
-    config: MachineConfig
-    start: bool
-    avoid_workers: tuple[str, ...] = ()  # never on these
-    prefer_away: tuple[str, ...] = ()  # not on these while another worker has room (spreading primaries)
-    placement_preset: Preset | None = None  # the spec's `[placement] preset`, for the brokers' chain
+    """A new machine: the create the brokers take, whole (its region, config, whether it starts, and the
+    placement rules: `avoid_workers` never, `prefer_away` only if no other has room, the spec's preset), and
+    why it is made. The executor sends `request` as it is, with the why in its metadata."""
+
+    request: CreateRequest
     reason: str = ""
     made_by: str = "deploy"  # why it exists, kept in its metadata (ownership.CREATED_BY_KEY): deploy, failover, …
+
+    @property
+    def region(self) -> str:
+        return self.request.region
+
+    @property
+    def config(self) -> MachineConfig:
+        return self.request.config
+
+    @property
+    def start(self) -> bool:
+        return not self.request.skip_launch
 
     @property
     def role(self) -> str:
@@ -232,7 +243,8 @@ class Region:
                 return
             self.touched.add(action.id)
         elif self.spec is not None and self.spec.placement.preset is not None:  # every create places per the spec
-            action = msgspec.structs.replace(action, placement_preset=self.spec.placement.preset)
+            placed = msgspec.structs.replace(action.request, placement_preset=self.spec.placement.preset)
+            action = msgspec.structs.replace(action, request=placed)
         self.actions.append(action)
         self.primary_actions += 0 if spare else 1
 

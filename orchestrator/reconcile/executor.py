@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable
 import msgspec
 
 from bus.contract.errors import FauxmadError, NoCapacity
-from bus.contract.fleet import CreateRequest
 from bus.contract.machines import (
     DestroyRequest,
     Lease,
@@ -132,15 +131,7 @@ class Executor:
         # one auction: `avoid_workers` is a filter of the chain, `prefer_away` a penalty (see placement/ask.py)
         origin = {CREATED_BY_KEY: action.made_by, CREATED_FOR_KEY: action.reason[:MAX_REASON]}
         config = msgspec.structs.replace(action.config, metadata={**action.config.metadata, **origin})
-        request = CreateRequest(
-            region=action.region,
-            config=config,
-            skip_launch=not action.start,
-            avoid_workers=list(action.avoid_workers),
-            prefer_away=list(action.prefer_away),
-            placement_preset=action.placement_preset,
-        )
-        return await self.machines.create(app, request)
+        return await self.machines.create(app, msgspec.structs.replace(action.request, config=config))
 
     async def _verb(self, app: str, action: MachineAction, nonce: str) -> None:
         worker, machine_id = (app, action.worker_id), action.id

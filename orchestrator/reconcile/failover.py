@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from bus.contract.fleet import CreateRequest
 from orchestrator.apps.ownership import RUNNING
 from orchestrator.apps.spec import PRIMARY, SPARE
 from orchestrator.reconcile.actions import GONE, Create, Destroy, Member, Promote, Region, Stop
@@ -69,9 +70,9 @@ def failover(r: Region, replaced_by: dict[str, Member]) -> int:
         else:
             r.add(
                 Create(
-                    region=r.region,
-                    config=r.config_for(PRIMARY, replaces=lost.id),
-                    start=start,
+                    request=CreateRequest(
+                        region=r.region, config=r.config_for(PRIMARY, replaces=lost.id), skip_launch=not start
+                    ),
                     reason=f"worker {lost.worker_id} of primary {lost.id} is lost and it has no spare",
                     made_by="failover",
                 )
@@ -102,10 +103,9 @@ def retire_replaced(r: Region, live_primaries: list[Member], replaced_by: dict[s
             if m.worker_id in r.observed.cordoned:
                 r.add(
                     Create(
-                        region=r.region,
-                        config=r.config_for(PRIMARY, replaces=m.id),
-                        start=True,
-                        avoid_workers=(m.worker_id,),
+                        request=CreateRequest(
+                            region=r.region, config=r.config_for(PRIMARY, replaces=m.id), avoid_workers=[m.worker_id]
+                        ),
                         reason=f"worker {m.worker_id} is cordoned: moving {m.id}",
                         made_by="drain",
                     )

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
+from bus.contract.fleet import CreateRequest
 from bus.contract.machines import ExitInfo, MachineConfig
 from orchestrator.apps.ownership import RUNNING
 from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, SPARE
@@ -81,14 +82,11 @@ def count_primaries(r: Region, kept: list[Member], taking_over: int) -> list[Mem
     counted = [m for m in kept if r.same_config(m)] if bluegreen else kept
     have = len(counted) + taking_over
     if have < r.count:
-        hosts = tuple(sorted({m.worker_id for m in kept}))
+        hosts = sorted({m.worker_id for m in kept})
         for _ in range(r.count - have):
             r.add(
                 Create(
-                    region=r.region,
-                    config=r.config_for(PRIMARY),
-                    start=True,
-                    prefer_away=hosts,
+                    request=CreateRequest(region=r.region, config=r.config_for(PRIMARY), prefer_away=hosts),
                     reason=f"{r.region} has {have} of {r.count} machines",
                 )
             )

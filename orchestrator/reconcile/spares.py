@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from bus.contract.fleet import CreateRequest
 from orchestrator.apps.ownership import RUNNING
 from orchestrator.apps.spec import REPLACES_KEY, SPARE
 from orchestrator.reconcile.actions import Create, Destroy, Member, Region, Stop, created_order, keep_origin
@@ -92,10 +93,12 @@ def fill_spares(r: Region, p: Member, missing: int, taken: set[str], orphans: li
         for _ in range(missing - filled):
             r.add(
                 Create(
-                    region=r.region,
-                    config=r.config_for(SPARE, standby_of=p.id),
-                    start=False,
-                    avoid_workers=tuple(sorted(taken)),
+                    request=CreateRequest(
+                        region=r.region,
+                        config=r.config_for(SPARE, standby_of=p.id),
+                        skip_launch=True,
+                        avoid_workers=sorted(taken),
+                    ),
                     reason=f"spare for {p.id}",
                     made_by="spare",
                 ),

@@ -20,6 +20,7 @@ import pytest
 
 from bus.local.ports import free_port
 from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.helpers import running
 
 SLEEP = {"config": {"init": {"cmd": ["sleep", "300"]}, "guest": {"cpus": 1, "memory_mb": 128}}, "region": "mad"}
 
@@ -132,18 +133,6 @@ def test_lease_refuses_a_mutation_without_its_nonce(api: Api) -> None:
     assert status == 200
 
 
-def _running(argv: list[str]) -> bool:
-    """Whether a process of this host runs exactly `argv`."""
-    wanted = "\0".join(argv).encode() + b"\0"
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes() == wanted:
-                return True
-        except OSError:
-            continue
-    return False
-
-
 def test_a_restart_holds_the_machines_lease_from_its_stop_to_its_start(api: Api) -> None:
     """A restart is one action: between its stop and its start nobody else may act on the machine. An operator
     (`reconcile --watch`) that saw it stopped leased it to start it, and the console's restart then got a 409
@@ -158,7 +147,7 @@ def test_a_restart_holds_the_machines_lease_from_its_stop_to_its_start(api: Api)
     path = f"/v1/apps/restarted/machines/{machine['id']}"
     status, waited = api.call("GET", path + "/wait?state=started&timeout=30")
     assert status == 200, waited
-    assert eventually(lambda: _running(["sleep", token])), "the machine's sleep never ran"
+    assert eventually(lambda: running(["sleep", token])), "the machine's sleep never ran"
     answer: list[tuple[int, Any]] = []
     restart = threading.Thread(target=lambda: answer.append(api.call("POST", path + "/restart?timeout=3")))
     restart.start()

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from bus.contract.errors import BadRequest, Conflict, DeadlineExceeded, NoCapacity
-from bus.contract.fleet import WorkerInfo
+from bus.contract.fleet import CreateRequest, WorkerInfo
 from bus.contract.machines import ExitInfo, MachineConfig
 from bus.contract.offers import Resources
 from orchestrator.apps.spec import PRIMARY, RELEASE_KEY, REPLACES_KEY, ROLE_KEY, SPARE, AppSpec, parse_spec
@@ -116,10 +116,10 @@ def test_a_new_app_gets_primaries_and_spares_away_from_them() -> None:
     # next pass: primaries exist; each gets one spare, never on its own worker
     p = run(s, [m("a", "w1"), m("b", "w2"), m("c", "s1", region="syd")])
     spares = [a for a in p.actions if isinstance(a, Create)]
-    assert sorted((a.config.standbys[0], a.avoid_workers, a.start) for a in spares) == [
-        ("a", ("w1",), False),
-        ("b", ("w2",), False),
-        ("c", ("s1",), False),
+    assert sorted((a.config.standbys[0], a.request.avoid_workers, a.start) for a in spares) == [
+        ("a", ["w1"], False),
+        ("b", ["w2"], False),
+        ("c", ["s1"], False),
     ]
     assert all(a.config.metadata[ROLE_KEY] == SPARE for a in spares)
     assert p.primaries_done and not p.converged
@@ -229,7 +229,9 @@ def test_a_lost_primary_is_taken_over_by_its_spare() -> None:
     # once promoted and running, a new spare is prepared (not on the promoted one's worker)
     now_primary = m("sa", "w2", replaces="a")
     p = run(s, [now_primary], lost=[lost])
-    assert [(type(a).__name__, a.avoid_workers) for a in p.actions if isinstance(a, Create)] == [("Create", ("w2",))]
+    assert [(type(a).__name__, a.request.avoid_workers) for a in p.actions if isinstance(a, Create)] == [
+        ("Create", ["w2"])
+    ]
     assert not any(isinstance(a, Create) and a.start for a in p.actions)  # no second copy of the instance
 
 
@@ -334,7 +336,7 @@ def test_a_primary_on_a_cordoned_worker_moves_healthy_first() -> None:
     s = spec("mad = 1")
     p = run(s, [m("a", "w1")], cordoned={"w1"})
     create = next(a for a in p.actions if isinstance(a, Create))
-    assert create.avoid_workers == ("w1",) and create.config.metadata[REPLACES_KEY] == "a"
+    assert create.request.avoid_workers == ["w1"] and create.config.metadata[REPLACES_KEY] == "a"
     moving = [m("a", "w1"), m("n", "w2", replaces="a", healthy=False)]
     assert not any(isinstance(a, Stop | Destroy) for a in run(s, moving, cordoned={"w1"}).actions)
     moving[1] = m("n", "w2", replaces="a")
@@ -493,8 +495,10 @@ def test_a_deploy_the_fleet_cannot_take_is_a_problem_before_anything_happens() -
 
 def test_a_refused_create_or_update_fails_at_once_but_a_busy_lease_or_a_spare_without_room_does_not() -> None:
     s = spec("mad = 1")
-    primary = Create(region="mad", config=s.machine_config(1, PRIMARY), start=True)
-    spare = Create(region="mad", config=s.machine_config(1, SPARE, standby_of="a"), start=False)
+    primary = Create(request=CreateRequest(region="mad", config=s.machine_config(1, PRIMARY)))
+    spare = Create(
+        request=CreateRequest(region="mad", config=s.machine_config(1, SPARE, standby_of="a"), skip_launch=True)
+    )
     update = Update(id="a", region="mad", worker_id="w1", config=s.machine_config(1, PRIMARY), restarts=True)
     results = [
         Result(

@@ -24,9 +24,9 @@ from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
 from bus.transport.jetstream import ensure_fleet_resources
 from tests.helpers import RawClient, WorkerProcess, arun, until, wait_until
-from workers.log.outbox import NOTHING, Outbox, event_msg_id, missing, parse_msg_id, record_events, with_n
 from workers.log.records import MachineRecord, StoredMachine, newest_events
 from workers.log.store import Store
+from workers.outbox import NOTHING, Outbox, event_msg_id, missing, parse_msg_id, record_events, with_n
 
 STREAM = "FAUXMAD_EVENTS"
 EXITS_SOON = ["sh", "-c", "sleep 1.5; exit 3"]  # exits by itself while NATS is down: failed

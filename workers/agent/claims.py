@@ -6,10 +6,9 @@ look; on one server, the fleet's `fauxmad_idempotency`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from bus.contract.codec import decoder, encode
 from bus.contract.idempotency import Claim, claim_key
+from bus.transport.jetstream import FleetKV
 from bus.transport.nats_adapter import KV, KeyNotFoundError, KeyWrongLastSequenceError
 
 
@@ -34,8 +33,7 @@ class RegionClaims:
         return True
 
 
-def region_claims(idempotency: Any, region: str, supercluster: bool) -> RegionClaims:
-    """The claims bucket of `region`: the region's own in a supercluster, else the fleet's."""
-    if supercluster and region in getattr(idempotency, "buckets", {}):
-        return RegionClaims(idempotency.region(region))
-    return RegionClaims(idempotency)
+def region_claims(kv: FleetKV, region: str) -> RegionClaims:
+    """The claims of creates in `region` (the worker's): the region's own bucket in a supercluster, else the
+    fleet's (`FleetKV.claims`)."""
+    return RegionClaims(kv.claims(region))

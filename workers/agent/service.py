@@ -6,7 +6,7 @@ answers the auction, inline, from numbers it already has), and a NATS micro serv
 (so `$SRV.PING/INFO/STATS` discovery lists workers too). `workers.agent.handlers` answers them
 through the `Responder` edge; NATS types stop there.
 
-After each commit the outbox (`workers.log.outbox`) delivers the transition to stream `FAUXMAD_EVENTS`
+After each commit the outbox (`workers.outbox`) delivers the transition to stream `FAUXMAD_EVENTS`
 and keeps the KV routing index `fauxmad_machines` current, in commit order, without holding up the
 reply, retrying until NATS takes it; on start it republishes what the stream may have missed. The
 heartbeat (`workers.agent.heartbeat`) puts `WorkerInfo` into KV `fauxmad_workers` every second.
@@ -66,10 +66,10 @@ from workers.lifecycle.fence import Fence
 from workers.lifecycle.manager import MachineManager, ManagerConfig
 from workers.lifecycle.tally import MachineTally
 from workers.log.commit import GroupCommitter
-from workers.log.outbox import Outbox
 from workers.log.records import ImageRecord, LogRecord, MachineRecord, VolumeRecord
 from workers.log.store import Store
 from workers.offers import Snapshot
+from workers.outbox import Outbox
 from workers.output import LogFollower
 from workers.secrets import SecretsCache
 from workers.volumes.storage import VolumeFs
@@ -157,7 +157,7 @@ class WorkerAgent:
         )
         heartbeat = self.heartbeat
         fence = Fence(
-            region_claims(kv.idempotency, cfg.region, kv.layout.supercluster),
+            region_claims(kv, cfg.region),
             cfg.worker_id,
             absences=lambda: heartbeat.absences,
             away=heartbeat.away,

@@ -30,7 +30,6 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import msgspec
-from nats.aio.client import Client
 
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
@@ -48,6 +47,7 @@ from bus.contract.jobs import (
 from bus.stores.images import ImageError, Images, resolve_image
 from bus.stores.job_queue import JobQueue
 from bus.transport.jsfast import FastJetStream
+from bus.transport.nats_adapter import Nats
 from bus.transport.service import request
 from workers.jobs import outcome as moves
 from workers.jobs.records import JobRecords
@@ -56,7 +56,7 @@ from workers.jobs.records import JobRecords
 class JobDesk:
     def __init__(
         self,
-        nc: Client,
+        nc: Nats,
         records: JobRecords,
         fast: FastJetStream,
         *,

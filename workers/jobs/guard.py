@@ -23,6 +23,7 @@ from typing import Any
 
 from bus.contract.errors import FauxmadError
 from bus.contract.jobs import Job
+from bus.transport.nats_adapter import Nats
 from workers.jobs import outcome as moves
 from workers.jobs.records import JobRecords
 from workers.jobs.spawn import Cancel
@@ -43,7 +44,7 @@ class Guard:
         self,
         *,
         records: JobRecords,
-        nc: Any,
+        nc: Nats,
         msg: Any,
         job: Job,
         known: tuple[Job, int] | None,

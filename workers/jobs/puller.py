@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from nats.aio.client import Client
+from bus.transport.nats_adapter import Nats
 
 HAND_BACK_TIMEOUT = 0.5  # seconds a stopping worker gives one nak
 REFUSED_BACKOFF = 1.0  # seconds before asking again after a pull request was refused
@@ -33,7 +33,7 @@ STATUS = "Status"
 class Puller:
     def __init__(
         self,
-        nc: Client,
+        nc: Nats,
         stream: str,
         consumer: str,
         *,

@@ -17,6 +17,7 @@ from bus.contract.errors import Conflict, NotFound
 from bus.contract.jobs import Job
 from bus.stores.kv_watch import stop_watch
 from bus.transport.jsfast import FastKV, LostRace
+from bus.transport.nats_adapter import KV
 
 Change = Callable[[Job], Job | None]  # the new record, or None to leave it as it is
 
@@ -24,7 +25,7 @@ CAS_TRIES = 20
 
 
 class JobRecords:
-    def __init__(self, kv: Any, fast: FastKV) -> None:
+    def __init__(self, kv: KV, fast: FastKV) -> None:
         """`kv`: nats-py's handle of the bucket (for `list`); `fast`: the same bucket's reads and writes."""
         self.kv = kv
         self.fast = fast
@@ -80,7 +81,9 @@ class JobRecords:
 
     async def list(self, app: str) -> list[Job]:
         """Every record of `app`: one watcher over `<app>.*` that ends after the current values."""
-        watcher = await self.kv.watch(f"{subjects.check_token('app', app)}.*", ignore_deletes=True)
+        watcher: Any = await self.kv.watch(
+            f"{subjects.check_token('app', app)}.*", ignore_deletes=True
+        )  # nats-py: untyped
         jobs = []
         try:
             while True:

@@ -18,13 +18,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nats.aio.client import Client
-
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
 from bus.contract.errors import FauxmadError
 from bus.contract.fleet import WorkerInfo
 from bus.contract.jobs import Job, JobTask, event_of, retry_delay
+from bus.transport.nats_adapter import Bucket, Nats
 from workers.jobs import outcome as moves
 from workers.jobs.execute import Executor, Outcome
 from workers.jobs.guard import Guard
@@ -39,13 +38,13 @@ log = logging.getLogger(__name__)
 class JobRunner:
     def __init__(
         self,
-        nc: Client,
+        nc: Nats,
         records: JobRecords,
         executors: dict[str, Executor],
         *,
         worker_id: str,
         region: str,
-        workers_kv: Any,
+        workers_kv: Bucket,
         ack_wait: float,
         clock: Callable[[], float] = time.time,
         carried_fresh: float = CARRIED_FRESH,

@@ -11,8 +11,6 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from nats.aio.client import Client
-
 from bus.contract import subjects
 from bus.contract.base import Ack
 from bus.contract.codec import decode
@@ -20,6 +18,7 @@ from bus.contract.errors import NotFound
 from bus.contract.jobs import JobIdRequest
 from bus.transport.jetstream import JOBS_ACK_WAIT, ensure_jobs_resources
 from bus.transport.jsfast import FastJetStream, FastKV
+from bus.transport.nats_adapter import Bucket, Nats
 from bus.transport.service import Responder
 from workers.jobs.desk import JobDesk
 from workers.jobs.execute import Executor, MachineExecutor, ProcessExecutor, base_env
@@ -33,14 +32,14 @@ from workers.lifecycle.manager import MachineManager
 class JobsService:
     def __init__(
         self,
-        nc: Client,
+        nc: Nats,
         manager: MachineManager,
         *,
         worker_id: str,
         region: str,
         slots: int,
         free_cpus: Callable[[], int],
-        workers_kv: Any,
+        workers_kv: Bucket,
         ack_wait: float = JOBS_ACK_WAIT,
     ) -> None:
         self.nc = nc

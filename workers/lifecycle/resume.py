@@ -7,7 +7,7 @@ is watched again, and one that ended while the worker was down gets its exit han
 A start cut short between spawning the process and recording it is started again only once the process
 it spawned (found by the machine id in its environment) is gone: one run of a machine at a time.
 It asks the machine manager (`Host`) only for its parts, to launch a process, to finish a destroy or a
-suspend, and to record a resume it answered but did not record.
+suspend (`pauses`), and to record a resume it answered but did not record.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections import defaultdict
 from typing import Literal, Protocol
 
 from workers.driver.base import Driver, TaskHandle, TaskState
+from workers.lifecycle.pause import Pauses
 from workers.lifecycle.recorder import Recorder
 from workers.lifecycle.signals import parse_signal
 from workers.lifecycle.supervisor import Supervisor
@@ -38,11 +39,10 @@ class Host(Protocol):
 
     async def launch(self, stored: StoredMachine) -> StoredMachine: ...
 
+    @property
+    def pauses(self) -> Pauses: ...
+
     async def finish_destroy(self, stored: StoredMachine) -> StoredMachine: ...
-
-    async def freeze(self, stored: StoredMachine) -> StoredMachine: ...
-
-    async def record_resumed(self, machine_id: str, reason: str) -> StoredMachine: ...
 
 
 async def resume_in_flight(host: Host, *, stop_timeout: float) -> dict[str, int]:
@@ -99,7 +99,7 @@ async def _resume_one(host: Host, stored: StoredMachine, stop_timeout: float) ->
             supervisor.spawn(machine_id, driver.stop(handle, stop_timeout, signum))
         elif state == "suspending":  # frozen or not when we died: freeze it and record it
             async with recorder.lock(machine_id):
-                await host.freeze(stored)
+                await host.pauses.freeze(stored)
         elif state == "suspended":
             return await _readopt_suspended(host, stored, handle)
         return "adopted"
@@ -135,9 +135,9 @@ def suspended_found(task: TaskState) -> Literal["resumed", "frozen", "ended"]:
 
 async def _record_resumed(host: Host, stored: StoredMachine) -> str:
     """A machine recorded `suspended` whose process runs: a resume continued it (and answered) before the
-    worker died, so it is `started`, as its caller was told (workers/lifecycle/manager.py `resume`)."""
+    worker died, so it is `started`, as its caller was told (workers/lifecycle/pause.py `resume`)."""
     async with host.recorder.lock(stored.machine.id):
-        await host.record_resumed(stored.machine.id, "resumed (SIGCONT) before the worker restarted")
+        await host.pauses.record_resumed(stored.machine.id, "resumed (SIGCONT) before the worker restarted")
     return "resumed"
 
 

@@ -10,7 +10,7 @@ never disagree, and `rebuild` recomputes them from the log alone to prove it.
 A reserve touches two tables, three with an idempotency key, in one transaction (one commit, shared with
 whatever else the group commit took up), and each is needed:
 - `log`: the truth. Nothing else survives compaction's replay check, and the outbox restores from it the
-  events the stream lacks after a crash (workers/log/outbox.py).
+  events the stream lacks after a crash (workers/outbox.py).
 - `machines`: a machine's current record by id, read by every verb and by the reserve's own checks; without
   it each read would replay the log.
 - `idempotency` (keyed reserves only): a broker's retry of a keyed create must find the key's machine inside

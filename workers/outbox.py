@@ -16,7 +16,7 @@ outage of any length both copies converge on the log.
   is bounded by the number of machines, and a machine's entry always ends at its newest state.
 - Each round pipelines a batch (all published at once, acks awaited together with one deadline: not
   one round trip per item, and no task or future per item, since the outbox shares the worker's event
-  loop with its commits: `workers.log.publisher`); what failed stays at the front and is retried with a
+  loop with its commits: `bus.transport.batch_publish`); what failed stays at the front and is retried with a
   backoff of 0.05 s doubling to 1 s. Index entries are KV puts and deletes on the bucket's subjects
   (`$KV.<bucket>.<key>`, a delete carries `KV-Operation: DEL`), pipelined the same way.
 - A round that delivered nothing waits before the next; one that delivered some goes on at once,
