@@ -28,6 +28,7 @@ import re
 import shutil
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +36,7 @@ from bus.local.embedded import EmbeddedNats
 from orchestrator import devfleet
 from orchestrator.devfleet import DevFleet
 from tests.helpers import WorkerProcess
+from tests.scheduling import LongestFirst
 
 _ids = itertools.count(1)
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +57,11 @@ def pytest_configure(config: pytest.Config) -> None:
         span = (PORTS_HIGH - PORTS_LOW) // count
         low = PORTS_LOW + int(worker[2:]) * span
         os.environ["FAUXMAD_PORT_RANGE"] = f"{low}-{low + span - 1}"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LongestFirst | None:
+    """`--dist loadfile`: the longest files first (`tests/scheduling.py`)."""
+    return LongestFirst(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
