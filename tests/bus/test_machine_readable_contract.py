@@ -11,7 +11,6 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -23,13 +22,9 @@ from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, MachineConfig
 from bus.contract.schema import asyncapi, channels
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun, connect_nats
+from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["sch"], workers_per_region=1, cpus=4, memory_mb=2048)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["sch"], workers_per_region=1, cpus=4, memory_mb=2048))
 
 
 def validator(doc: dict[str, Any], ref: dict[str, Any]) -> jsonschema.Draft202012Validator:

@@ -9,7 +9,6 @@ broker running deaf.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import msgspec
 import nats
@@ -18,15 +17,12 @@ import pytest
 from bus.local.embedded import EmbeddedNats
 from bus.transport.connection import connect
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats
+from tests.helpers import arun, connect_nats, fleet_fixture
 
 HUGE = "A" * 600_000
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["b"], workers_per_region=1, brokers=1)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["b"], workers_per_region=1, brokers=1))
 
 
 async def ask(nc: nats.NATS, subject: str, payload: bytes) -> tuple[int, int, str]:

@@ -13,23 +13,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import nats
-import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun, connect_nats
+from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
 from tests.orchestrator.test_reconcile import destroy, fauxmad, machines, primaries, spares, wait_for, write_spec
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1))
 
 
 async def expiry_to_spare_started(fleet: DevFleet, worker_id: str, standby_id: str, pid: int) -> float:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from bus.contract.machines import Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.devhosts import unavailable
-from tests.helpers import arun, until
+from tests.helpers import arun, fleet_fixture, until
 from tests.hosts.test_fleet_on_hosts import deploy, fauxmad, host_of, listing
 from tests.supercluster.test_cluster_layout import _whole
 
@@ -37,13 +36,9 @@ ATTEMPT = 8.0  # seconds one create may take while a server is gone, before the 
 SLEEPER = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=16))
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(
-        regions=[REGION], workers_per_region=3, hosts=4, cluster=3, cpus=64, memory_mb=8192, deadline_ms=1000
-    )
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(
+    FleetSpec(regions=[REGION], workers_per_region=3, hosts=4, cluster=3, cpus=64, memory_mb=8192, deadline_ms=1000)
+)
 
 
 def test_the_servers_are_on_three_hosts_and_the_workers_are_ready(fleet: DevFleet) -> None:

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from lab.bench.http_client import Client
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.devhosts import unavailable
-from tests.helpers import ROOT, arun, until, wait_until
+from tests.helpers import ROOT, arun, fleet_fixture, until, wait_until
 from tests.orchestrator import proxy_kit as kit
 
 REASON = unavailable()
@@ -41,13 +40,9 @@ NOTICE = 2.0
 MARGIN = 0.5
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    # deadline_ms: an auction waits for every live worker's offer up to this; 50 ms (the default) let a loaded
-    # 2-core box leave a worker's offer out, and its host then got no machine of the three
-    spec = FleetSpec(regions=[REGION], workers_per_region=3, hosts=4, cpus=4, memory_mb=2048, deadline_ms=1000)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(
+    FleetSpec(regions=[REGION], workers_per_region=3, hosts=4, cpus=4, memory_mb=2048, deadline_ms=1000)
+)
 
 
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:

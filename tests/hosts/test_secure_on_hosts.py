@@ -14,14 +14,13 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
 from bus.contract.backhaul import ping_line
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.devhosts import unavailable
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, fleet_fixture
 from tests.hosts.test_fleet_on_hosts import get, host_of, netns_of
 
 REASON = unavailable()
@@ -31,13 +30,9 @@ REGION = "mad"  # examples/edge/fauxmad.toml's region
 APP = "hello-edge"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(
-        regions=[REGION], workers_per_region=3, hosts=4, secure=True, cpus=4, memory_mb=2048, deadline_ms=1000
-    )
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(
+    FleetSpec(regions=[REGION], workers_per_region=3, hosts=4, secure=True, cpus=4, memory_mb=2048, deadline_ms=1000)
+)
 
 
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from bus.contract.machines import Machine
 from bus.transport.connection import connect
@@ -33,7 +30,7 @@ from orchestrator.apps.spec import load_spec
 from orchestrator.apps.store import KVReleaseStore
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, fleet_fixture
 from tests.orchestrator.test_reconcile import fauxmad, primaries, spares, wait_for, write_spec
 
 COUNTS = {"mad": 2, "syd": 2}
@@ -43,11 +40,9 @@ HOLDER = "a deploy in another process"
 LOOK = 6.0  # seconds the operator is given to act on a claimed app: more than its backstop (5 s)
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=list(COUNTS), workers_per_region=2, cpus=8, memory_mb=4096, brokers=1, operators=True)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(
+    FleetSpec(regions=list(COUNTS), workers_per_region=2, cpus=8, memory_mb=4096, brokers=1, operators=True)
+)
 
 
 def ever(fleet: DevFleet, app: str) -> list[Machine]:

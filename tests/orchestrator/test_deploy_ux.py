@@ -11,7 +11,6 @@ import re
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from orchestrator.cli.runtime import EXIT_CONFLICT
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
-from tests.helpers import ROOT, arun, connect_nats
+from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
 from tests.orchestrator.test_reconcile import (
     assert_converged,
     destroy,
@@ -34,11 +33,7 @@ from tests.orchestrator.test_reconcile import (
 README_SPEC = ROOT / "examples" / "sandwich" / "fauxmad.toml"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=1))
 
 
 def crashing(message: str = "boom: settings.toml not found", code: int = 3) -> str:

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,16 +21,12 @@ from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
 from tests import helpers
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, fleet_fixture
 
 APP_PY = ROOT / "examples" / "sandwich" / "app.py"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1))
 
 
 def write_spec(

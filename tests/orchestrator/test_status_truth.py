@@ -9,22 +9,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import fauxmad
+from tests.helpers import fauxmad, fleet_fixture
 from tests.orchestrator.test_reconcile import machines, primaries, wait_for, write_spec
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["st"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["st"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1))
 
 
 def cli(fleet: DevFleet, tmp_path: Path, *args: str, columns: int = 200) -> subprocess.CompletedProcess[str]:
