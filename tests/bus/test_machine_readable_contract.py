@@ -35,6 +35,7 @@ def validator(doc: dict[str, Any], ref: dict[str, Any]) -> jsonschema.Draft20201
 ASYNCAPI_CHECK = ROOT / "tests" / "bus" / "asyncapi"
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_the_reference_asyncapi_parser_accepts_the_document(tmp_path: Any) -> None:
     node = shutil.which("node")
     if node is None or not (ASYNCAPI_CHECK / "node_modules" / "@asyncapi" / "parser").is_dir():
@@ -50,6 +51,7 @@ def test_the_reference_asyncapi_parser_accepts_the_document(tmp_path: Any) -> No
     assert f"{subjects.PREFIX}.worker.{{worker_id}}.machines.reserve" in found["addresses"]
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_the_document_is_asyncapi_3_and_every_schema_is_valid_json_schema() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "schema", "asyncapi"], capture_output=True, text=True, cwd=ROOT

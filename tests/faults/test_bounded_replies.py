@@ -68,6 +68,7 @@ def test_a_huge_bad_value_gets_a_small_400_and_everyone_keeps_answering(fleet: D
     arun(main())
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_connection_the_server_closes_is_reported_to_the_agent() -> None:
     """nats-py closes for good on a server -ERR; an agent's `on_closed` hears of it (it then exits non-zero)."""
     reasons: list[str] = []

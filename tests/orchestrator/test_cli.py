@@ -162,6 +162,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_dev_leaves_no_process_after_ctrl_c() -> None:
     port = free_port()
     dev = subprocess.Popen(

@@ -173,6 +173,7 @@ def test_the_hint_dev_prints_runs_verbatim_and_answers_http(tmp_path: Path) -> N
     assert list(tmp.iterdir()) == []  # fauxmad-dev-*: gone
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_dev_interrupted_while_starting_and_a_busy_port_leave_nothing(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()

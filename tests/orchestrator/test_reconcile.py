@@ -296,6 +296,7 @@ def test_draining_a_worker_moves_its_machines_healthy_first(fleet: DevFleet, tmp
     destroy(fleet, "move")
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.parametrize(
     ("text", "needle"),
     [

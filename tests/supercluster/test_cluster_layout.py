@@ -324,6 +324,7 @@ def test_a_process_told_another_layout_refuses_in_one_line_and_writes_nothing(fl
     assert arun(intruder_key()) == []
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_an_r1_fleet_moves_to_r3_with_one_command_while_machines_and_jobs_run() -> None:
     _no_layout_variables()
     spec = FleetSpec(regions=["mad"], workers_per_region=1, cpus=64, memory_mb=8192, cluster=3, replicas=1)

@@ -255,6 +255,7 @@ int main(void) {
 """
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_group_stopped_while_its_leader_waits_in_vfork_is_stopped(
     driver: ProcessDriver, tasks: Tasks, tmp_path: Path
 ) -> None:
@@ -392,6 +393,7 @@ def test_a_start_waits_for_the_run_before_it_in_the_same_directory(
     assert status.signal == signal.SIGTERM
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_runs_start_keeps_the_temporary_files_of_writers_still_running(tmp_path: Path) -> None:
     """A shim (or the launcher) writes `exit.json` through a temporary file of its own, which the next run's
     clearing of the directory leaves alone while its writer lives (it is about to rename it); a dead writer's

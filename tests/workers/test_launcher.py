@@ -177,6 +177,7 @@ sys.stdin.read()  # until killed
 """
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.usefixtures("subreaper")
 def test_kill9_of_the_worker_ends_its_launcher_and_no_machine(limits: Limits, tasks: Tasks, tmp_path: Path) -> None:
     specs = [make_spec(tmp_path / str(i), WAIT_FOR_GO) for i in range(3)]
@@ -251,6 +252,7 @@ while shims:
 """
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_shim_that_never_started_its_workload_gets_its_own_status_in_exit_json(tmp_path: Path) -> None:
     """The driver cannot wait for a shim that is the launcher's child: the launcher writes its status."""
     started, failed = tmp_path / "started", tmp_path / "failed"
@@ -295,6 +297,7 @@ launcher.reap(shims)  # the loop's next turn, with the wakeup fd
 """
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_shim_that_ended_is_recorded_before_the_next_run_clears_its_workdir(tmp_path: Path) -> None:
     """The record of a shim of the run before is written before the next run's request clears the workdir, never
     after (it landed in the new run's directory as the new run's end, and its temporary file clashed with the new

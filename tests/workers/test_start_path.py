@@ -148,6 +148,7 @@ os._exit(0)  # the launcher dies after handing the job over and before saying GO
 """
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.usefixtures("subreaper")
 def test_a_spare_whose_launcher_dies_before_go_starts_nothing(tmp_path: Path) -> None:
     out = subprocess.run(
