@@ -28,8 +28,8 @@ from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.logs import LogQuery
 from orchestrator.view.history import EventQuery
-from tests.helpers import arun, connect_nats
-from tests.orchestrator.test_reconcile import fauxmad, wait_for
+from tests.helpers import arun, connect_nats, wait_until
+from tests.orchestrator.test_reconcile import fauxmad
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -371,4 +371,4 @@ def test_an_r1_fleet_moves_to_r3_with_one_command_while_machines_and_jobs_run() 
         assert {m["id"]: m["state"] for m in json.loads(listed.stdout)} == {m: "started" for m in machines}
         after_job = fauxmad(fleet, "job", "submit", "-a", "movejobs", "-r", "mad", "--wait", "--", "true")
         assert after_job.returncode == 0, after_job.stderr
-        wait_for(lambda: fauxmad(fleet, "workers", "--json").stdout.count("worker_id") == 1, 10, "the worker listed")
+        wait_until(lambda: fauxmad(fleet, "workers", "--json").stdout.count("worker_id") == 1, "the worker listed", 10)
