@@ -178,6 +178,7 @@ def test_host_bs_link_cut_under_load_the_edge_serves_from_the_others_and_one_cop
         assert fleet.hosts is not None
         traffic = asyncio.create_task(load.run())
         try:
+            # traffic flowing before the cut, so the cut lands under load
             await asyncio.sleep(1.0)
             cut = time.monotonic()
             fleet.hosts.cut("b")
@@ -199,6 +200,7 @@ def test_host_bs_link_cut_under_load_the_edge_serves_from_the_others_and_one_cop
                 return len(running) == 3 and lost.id not in {m.id for m in running}
 
             await until(one_copy_each, "one running copy of each machine after the heal (b's old one retired)", 60)
+            # traffic on after the heal for a second more: what it sends then is checked too
             await asyncio.sleep(1.0)
             return cut, healed
         finally:

@@ -197,6 +197,7 @@ async def _load(fleet: DevFleet, victim: str, out: dict[str, Any], killed: threa
             await asyncio.sleep(0.5)
 
     async def killer() -> None:
+        # the create load runs before the first kill, so the kill lands under load
         await asyncio.sleep(1.5)
         out["killed_at"] = time.perf_counter()
         out["killed_wall"] = time.time()

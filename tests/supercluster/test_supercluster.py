@@ -251,6 +251,7 @@ def test_kill_9_of_one_server_under_create_load_loses_no_acknowledged_create(fle
                 i += 1
 
         async def killer() -> None:
+            # the create load runs before the kill, so the kill lands under load
             await asyncio.sleep(2.0)
             times["killed"] = time.perf_counter()
             await asyncio.to_thread(sc.kill, victim)
