@@ -24,6 +24,7 @@ from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.devhosts import unavailable
 from tests.helpers import ROOT, arun, fleet_fixture, until, wait_until
+from tests.helpers import fauxmad as run_fauxmad
 from tests.orchestrator import proxy_kit as kit
 
 REASON = unavailable()
@@ -47,10 +48,7 @@ fleet = fleet_fixture(
 
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:
     """The CLI on the laptop: the root namespace, which reaches host a's nats-server over the bridge."""
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    return run_fauxmad(*args, url=fleet.url, columns=200, timeout=120)
 
 
 async def alisting(fleet: DevFleet, app: str) -> list[Machine]:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
@@ -21,6 +19,7 @@ from bus.contract.backhaul import ping_line
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.devhosts import unavailable
 from tests.helpers import ROOT, arun, fleet_fixture
+from tests.helpers import fauxmad as run_fauxmad
 from tests.hosts.test_fleet_on_hosts import get, host_of, netns_of
 
 REASON = unavailable()
@@ -38,10 +37,7 @@ fleet = fleet_fixture(
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:
     """The CLI on the laptop as the fleet's operator (its credentials: mutual TLS, its nkey)."""
     assert fleet.operator_creds is not None
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, FAUXMAD_CREDS=fleet.operator_creds, PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env=env, timeout=180
-    )
+    return run_fauxmad(*args, url=fleet.url, env={"FAUXMAD_CREDS": fleet.operator_creds}, timeout=180)
 
 
 def test_the_edge_on_host_a_runs_as_the_proxy_identity(fleet: DevFleet) -> None:

@@ -28,6 +28,7 @@ from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.logs import LogQuery, read_logs
 from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
+from tests.helpers import fauxmad as run_fauxmad
 from workers.output import MAX_LINE, OFFSETS_FILE, LogFollower
 
 # ---------------------------------------------------------------------------------------------------
@@ -176,14 +177,7 @@ fleet = fleet_fixture(FleetSpec(regions=["mad", "syd"], workers_per_region=1, cp
 
 
 def fauxmad(fleet: DevFleet, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=cli_env(fleet),
-        timeout=timeout,
-        cwd=str(ROOT),
-    )
+    return run_fauxmad(*args, url=fleet.url, columns=100, timeout=timeout)
 
 
 def cli_env(fleet: DevFleet) -> dict[str, str]:
