@@ -15,7 +15,7 @@ from bus.contract import subjects
 from bus.contract.errors import Conflict
 from bus.contract.jobs import Job, JobSubmitRequest
 from bus.contract.streams import AuditRecord
-from tests.helpers import RawClient, arun, audit_records, connect_nats
+from tests.helpers import RawClient, arun, audit_records, connect_nats, wait_until
 from tests.jobs.kit import client, overlapping, submit_and_wait
 
 FAST_ACK_WAIT = ["--jobs-ack-wait", "2"]
@@ -373,11 +373,11 @@ def test_a_fast_path_process_dies_with_its_worker_and_the_reaper_with_it(
             await jobs.close()
 
     arun(start())
-    deadline = time.monotonic() + 20
-    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(), "the job's pid file", 20)
     job_pid = int(pid_file.read_text())
-    reapers = _reapers_of(victim.proc.pid)  # type: ignore[attr-defined]
+    # the worker starts its reaper when it first watches a job, just after the job started (which may have written
+    # its pid file already): two CI runs at two files at a time looked before it had, and found none
+    reapers = wait_until(lambda: _reapers_of(victim.proc.pid), "the worker's job reaper", 10)  # type: ignore[attr-defined]
     assert len(reapers) == 1 and _alive(job_pid)
     victim.kill9()  # type: ignore[attr-defined]
     deadline = time.monotonic() + 5
