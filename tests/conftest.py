@@ -5,11 +5,13 @@ CI's does) otherwise has every worker and CLI process the tests start compile th
 second or more each (test_first_hour.py: 62 s without, 53 s with).
 
 Two layers. A test that starts real processes (a nats-server, workers, brokers, CLIs, proxies, machines)
-is marked `fleet`, found by what it uses (`PROCESS_FIXTURES`) or what its body does (`SPAWNS`), or by a
-module's own `pytestmark`; the rest is the fast layer (`just test-fast`: pure functions and single
-components with injected clocks). Under pytest-xdist each xdist worker has its own nats-server (a session
-each) and its own slice of the ports `bus.local.ports` hands out ($FAUXMAD_PORT_RANGE, inherited by every
-process it starts), so two slices never race for one port.
+is marked `fleet`: by the fixtures it uses, directly or through others (`PROCESS_FIXTURES`, and every fixture
+made by `tests.helpers.fleet_fixture` or with `starts_processes` on its function), by its own
+`@pytest.mark.fleet` (a test that starts processes in its body) or by its module's `pytestmark`; never by what
+its source says. The rest is the fast layer (`just test-fast`: pure functions and single components with
+injected clocks). Under pytest-xdist each xdist worker has its own nats-server (a session each) and its own
+slice of the ports `bus.local.ports` hands out ($FAUXMAD_PORT_RANGE, inherited by every process it starts),
+so two slices never race for one port.
 
 A failing test keeps the logs of every fleet it ran or ran beside (`DevFleet`: each process's and each
 nats-server's) under `<basetemp>/fleet-logs/<test>/<fleet>/`, and its report names that directory: a failure
@@ -21,13 +23,13 @@ inside the test is copied as it stops (its directory goes with it); one still ru
 from __future__ import annotations
 
 import compileall
-import inspect
 import itertools
 import os
 import re
 import shutil
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +37,7 @@ from bus.local.embedded import EmbeddedNats
 from orchestrator import devfleet
 from orchestrator.devfleet import DevFleet
 from tests.helpers import WorkerProcess
+from tests.scheduling import LongestFirst
 
 _ids = itertools.count(1)
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +46,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PROCESS_FIXTURES = frozenset(
     {"nats_server", "nats_url", "fresh_nats", "worker_factory", "fleet", "secure_fleet", "crashable_nats"}
 )
-SPAWNS = ("subprocess.", "Popen(", "DevFleet(", "EmbeddedNats(", "ProxyProcess(", "create_subprocess", "run_cli(")
 PORTS_LOW, PORTS_HIGH = 10_000, 32_000  # below the kernel's ephemeral range (bus/local/ports.py)
 
 
@@ -57,16 +59,19 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["FAUXMAD_PORT_RANGE"] = f"{low}-{low + span - 1}"
 
 
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LongestFirst | None:
+    """`--dist loadfile`: the longest files first (`tests/scheduling.py`)."""
+    return LongestFirst(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("fleet") is not None:
             continue
-        uses = set(getattr(item, "fixturenames", ()))
-        try:
-            body = inspect.getsource(item.function)  # type: ignore[attr-defined]
-        except (AttributeError, OSError, TypeError):
-            body = ""
-        if uses & PROCESS_FIXTURES or any(spawn in body for spawn in SPAWNS):
+        fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if set(fixtures) & PROCESS_FIXTURES or any(
+            getattr(d.func, "starts_processes", False) for defs in fixtures.values() for d in defs
+        ):
             item.add_marker(pytest.mark.fleet)
 
 

@@ -9,13 +9,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
 import nats
+import pytest
 import uvloop
+
+if TYPE_CHECKING:
+    from orchestrator.devfleet import DevFleet, FleetSpec
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +70,22 @@ def fauxmad(
         timeout=timeout,
         cwd=str(cwd),
     )
+
+
+def fleet_fixture(spec: FleetSpec, *, scope: Literal["module", "session"] = "module") -> Any:
+    """A fixture that runs a dev fleet of `spec` for its module (or `scope`): `fleet = fleet_fixture(FleetSpec(...))`
+    in a test module gives its tests a `fleet` (the name it is assigned to), started before the first that asks and
+    stopped after the last. The one way the suite starts a shared fleet; `starts_processes` marks it for the
+    `fleet` layer (tests/conftest.py)."""
+
+    def running() -> Iterator[DevFleet]:
+        from orchestrator.devfleet import DevFleet
+
+        with DevFleet(spec) as started:
+            yield started
+
+    running.starts_processes = True  # type: ignore[attr-defined]
+    return pytest.fixture(scope=scope)(running)
 
 
 def kill_machines_of(worker_id: str) -> int:

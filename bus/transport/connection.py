@@ -141,6 +141,12 @@ async def connect(
     # nats-py can wait forever on a TLS handshake that will not complete (a plain client told by the server
     # that TLS is required): a command gets a bounded wait; an agent keeps trying, as it does on any failure
     bound = None if agent else 4 * timeout + 2
+    options = reconnect_options(agent)
+    if reconnect_forever:
+        # pings as an agent's from the start: nats-py's ping loop sleeps its first interval as set here, so a
+        # command's 20 s left a new worker or broker deaf for 20 s or more to a server gone silent (a host's
+        # cable cut in a fleet's first seconds: tests/hosts/test_cluster_on_hosts.py's creates waited on it)
+        options.update(ping_interval=AGENT_PING_INTERVAL, max_outstanding_pings=AGENT_MAX_PINGS)
     try:
         # a secure connection's every request watches for the server's refusal (`Connection.request`)
         made = Connection()
@@ -152,7 +158,7 @@ async def connect(
             pending_size=64 * 1024 * 1024,
             closed_cb=closed,
             disconnected_cb=when_disconnected(made),  # requests in flight end then (`bus.transport.in_flight`)
-            **reconnect_options(agent),
+            **options,
             **secure,
         )
         await asyncio.wait_for(connecting, bound)

@@ -56,6 +56,7 @@ def test_an_ack_after_the_deadline_is_a_timeout_and_matches_nothing_later(
         nc = await nats.connect(nats_url)
 
         async def answer_late(msg: Msg) -> None:
+            # the late ack is the scenario: it arrives while the second round waits
             await asyncio.sleep(0.3)
             await msg.respond(b'{"stream":"X","seq":1}')
 

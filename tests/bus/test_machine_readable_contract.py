@@ -11,7 +11,6 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -23,13 +22,9 @@ from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, MachineConfig
 from bus.contract.schema import asyncapi, channels
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun, connect_nats
+from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["sch"], workers_per_region=1, cpus=4, memory_mb=2048)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["sch"], workers_per_region=1, cpus=4, memory_mb=2048))
 
 
 def validator(doc: dict[str, Any], ref: dict[str, Any]) -> jsonschema.Draft202012Validator:
@@ -40,6 +35,7 @@ def validator(doc: dict[str, Any], ref: dict[str, Any]) -> jsonschema.Draft20201
 ASYNCAPI_CHECK = ROOT / "tests" / "bus" / "asyncapi"
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_the_reference_asyncapi_parser_accepts_the_document(tmp_path: Any) -> None:
     node = shutil.which("node")
     if node is None or not (ASYNCAPI_CHECK / "node_modules" / "@asyncapi" / "parser").is_dir():
@@ -55,6 +51,7 @@ def test_the_reference_asyncapi_parser_accepts_the_document(tmp_path: Any) -> No
     assert f"{subjects.PREFIX}.worker.{{worker_id}}.machines.reserve" in found["addresses"]
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_the_document_is_asyncapi_3_and_every_schema_is_valid_json_schema() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "orchestrator.cli", "schema", "asyncapi"], capture_output=True, text=True, cwd=ROOT

@@ -9,7 +9,6 @@ broker running deaf.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import msgspec
 import nats
@@ -18,15 +17,12 @@ import pytest
 from bus.local.embedded import EmbeddedNats
 from bus.transport.connection import connect
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats
+from tests.helpers import arun, connect_nats, fleet_fixture
 
 HUGE = "A" * 600_000
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["b"], workers_per_region=1, brokers=1)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["b"], workers_per_region=1, brokers=1))
 
 
 async def ask(nc: nats.NATS, subject: str, payload: bytes) -> tuple[int, int, str]:
@@ -72,6 +68,7 @@ def test_a_huge_bad_value_gets_a_small_400_and_everyone_keeps_answering(fleet: D
     arun(main())
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_connection_the_server_closes_is_reported_to_the_agent() -> None:
     """nats-py closes for good on a server -ERR; an agent's `on_closed` hears of it (it then exits non-zero)."""
     reasons: list[str] = []

@@ -13,23 +13,16 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import nats
-import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun, connect_nats
-from tests.orchestrator.test_reconcile import destroy, fauxmad, machines, primaries, spares, wait_for, write_spec
+from tests.helpers import ROOT, arun, connect_nats, fleet_fixture, wait_until
+from tests.orchestrator.test_reconcile import destroy, fauxmad, machines, primaries, spares, write_spec
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1))
 
 
 async def expiry_to_spare_started(fleet: DevFleet, worker_id: str, standby_id: str, pid: int) -> float:
@@ -70,7 +63,7 @@ async def expiry_to_spare_started(fleet: DevFleet, worker_id: str, standby_id: s
 def test_a_frozen_host_fails_over_within_a_second_of_its_heartbeat_expiring(fleet: DevFleet, tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "fauxmad.toml", "ha", regions="syd = 2", spares=1)
     assert fauxmad(fleet, "deploy", "-c", str(spec)).returncode == 0
-    wait_for(lambda: len(spares(machines(fleet, "ha"))) == 2, 10, "two spares")
+    wait_until(lambda: len(spares(machines(fleet, "ha"))) == 2, "two spares", 10)
     env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
     log = tmp_path / "operator.log"
     with log.open("w") as out:

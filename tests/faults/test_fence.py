@@ -37,17 +37,14 @@ from bus.contract.machines import Guest, Machine, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.faults import points
-from tests.helpers import WorkerProcess, arun, connect_nats, until
+from tests.helpers import WorkerProcess, arun, connect_nats, fleet_fixture, until
 
 REGION = "fz"
 OTHER = f"{REGION}-w1"  # the fleet's own worker: cordoned while the one under test must win the auction
 SLEEP = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=64))
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=[REGION], workers_per_region=1, cpus=4, memory_mb=4096, brokers=1)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=[REGION], workers_per_region=1, cpus=4, memory_mb=4096, brokers=1))
 
 
 @pytest.fixture

@@ -31,7 +31,6 @@ from typing import Any
 
 import msgspec
 import nats
-import pytest
 
 from bus.contract import subjects
 from bus.contract.fleet import (
@@ -65,7 +64,7 @@ from bus.stores.kv_keys import kv_keys
 from bus.transport.service import ERROR_CODE_HEADER, ERROR_HEADER
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats
+from tests.helpers import arun, connect_nats, fleet_fixture
 
 SEED = 9
 REGIONS = ["fza", "fzb"]
@@ -571,10 +570,7 @@ def semantic(worker_of: dict[str, str], region_of: dict[str, str], machines: dic
 # the fleet, its state, the barrage
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=REGIONS, workers_per_region=1, brokers=2, cpus=8, memory_mb=8192)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=REGIONS, workers_per_region=1, brokers=2, cpus=8, memory_mb=8192))
 
 
 async def bucket(js: Any, name: str) -> dict[str, Any]:

@@ -180,6 +180,7 @@ def test_the_brokers_see_every_worker_again_as_soon_as_nats_is_back(fleet: DevFl
             every = set(fleet.worker_ids)
             assert await listed(nc) == every
             fleet.nats.kill()  # type: ignore[union-attr]
+            # the outage itself: the server down for a second
             await asyncio.sleep(1.0)
             fleet.nats.start()  # type: ignore[union-attr]
             restarted = time.perf_counter()

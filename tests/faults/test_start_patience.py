@@ -9,11 +9,14 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
 from tests.helpers import WorkerProcess
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_worker_started_before_jetstream_answers_waits_and_then_runs(tmp_path: Path) -> None:
     port = free_port()
     plain = tmp_path / "no-jetstream.conf"

@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,8 @@ from lab.bench.http_client import Client
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.devhosts import unavailable
-from tests.helpers import ROOT, arun, until, wait_until
+from tests.helpers import ROOT, arun, fleet_fixture, until, wait_until
+from tests.helpers import fauxmad as run_fauxmad
 from tests.orchestrator import proxy_kit as kit
 
 REASON = unavailable()
@@ -41,21 +41,14 @@ NOTICE = 2.0
 MARGIN = 0.5
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    # deadline_ms: an auction waits for every live worker's offer up to this; 50 ms (the default) let a loaded
-    # 2-core box leave a worker's offer out, and its host then got no machine of the three
-    spec = FleetSpec(regions=[REGION], workers_per_region=3, hosts=4, cpus=4, memory_mb=2048, deadline_ms=1000)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(
+    FleetSpec(regions=[REGION], workers_per_region=3, hosts=4, cpus=4, memory_mb=2048, deadline_ms=1000)
+)
 
 
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:
     """The CLI on the laptop: the root namespace, which reaches host a's nats-server over the bridge."""
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    return run_fauxmad(*args, url=fleet.url, columns=200, timeout=120)
 
 
 async def alisting(fleet: DevFleet, app: str) -> list[Machine]:
@@ -183,6 +176,7 @@ def test_host_bs_link_cut_under_load_the_edge_serves_from_the_others_and_one_cop
         assert fleet.hosts is not None
         traffic = asyncio.create_task(load.run())
         try:
+            # traffic flowing before the cut, so the cut lands under load
             await asyncio.sleep(1.0)
             cut = time.monotonic()
             fleet.hosts.cut("b")
@@ -204,6 +198,7 @@ def test_host_bs_link_cut_under_load_the_edge_serves_from_the_others_and_one_cop
                 return len(running) == 3 and lost.id not in {m.id for m in running}
 
             await until(one_copy_each, "one running copy of each machine after the heal (b's old one retired)", 60)
+            # traffic on after the heal for a second more: what it sends then is checked too
             await asyncio.sleep(1.0)
             return cut, healed
         finally:

@@ -36,6 +36,7 @@ def reaches(address: str, port: int = 5000) -> bool:
     return True
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_host_has_its_own_address_and_its_link_can_be_cut_both_ways_or_one_way() -> None:
     with Hosts(2) as hosts:
         b = hosts["b"]
@@ -58,6 +59,7 @@ def test_a_host_has_its_own_address_and_its_link_can_be_cut_both_ways_or_one_way
     assert not [n for n in namespaces() if n.startswith(f"{NETNS_PREFIX}{hosts.number}-")]
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_two_harnesses_never_collide_and_a_crashed_ones_hosts_are_swept() -> None:
     crashed = subprocess.Popen(
         [

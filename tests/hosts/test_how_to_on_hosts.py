@@ -206,6 +206,7 @@ def run_step(machine: Machine, block: str, transcript: list[str], *, wait: tuple
         machine.run("\n".join(pending), transcript)
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_the_several_hosts_how_to_runs_as_written(hosts: tuple[Hosts, dict[str, Machine]]) -> None:
     made, machines = hosts
     a, b, laptop = machines["a"], machines["b"], machines["laptop"]

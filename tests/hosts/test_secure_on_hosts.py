@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
-import sys
-from collections.abc import Iterator
 
 import pytest
 
 from bus.contract.backhaul import ping_line
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.devhosts import unavailable
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, fleet_fixture
+from tests.helpers import fauxmad as run_fauxmad
 from tests.hosts.test_fleet_on_hosts import get, host_of, netns_of
 
 REASON = unavailable()
@@ -31,22 +29,15 @@ REGION = "mad"  # examples/edge/fauxmad.toml's region
 APP = "hello-edge"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(
-        regions=[REGION], workers_per_region=3, hosts=4, secure=True, cpus=4, memory_mb=2048, deadline_ms=1000
-    )
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(
+    FleetSpec(regions=[REGION], workers_per_region=3, hosts=4, secure=True, cpus=4, memory_mb=2048, deadline_ms=1000)
+)
 
 
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:
     """The CLI on the laptop as the fleet's operator (its credentials: mutual TLS, its nkey)."""
     assert fleet.operator_creds is not None
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, FAUXMAD_CREDS=fleet.operator_creds, PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args], capture_output=True, text=True, env=env, timeout=180
-    )
+    return run_fauxmad(*args, url=fleet.url, env={"FAUXMAD_CREDS": fleet.operator_creds}, timeout=180)
 
 
 def test_the_edge_on_host_a_runs_as_the_proxy_identity(fleet: DevFleet) -> None:

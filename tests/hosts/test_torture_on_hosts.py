@@ -194,6 +194,7 @@ SEED = 11
 DURATION = "30s"
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.skipif(REASON is not None, reason=f"needs hosts and libfaketime: {REASON}")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("topology", ["cluster", "supercluster"])

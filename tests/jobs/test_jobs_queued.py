@@ -98,6 +98,7 @@ def test_a_queued_job_has_no_record_and_status_list_wait_and_cancel_find_it_in_t
     assert seen["cancelled"].state == "cancelled" and seen["cancelled"].attempt == 0
     done = seen["done"]
     assert (done[waiting].state, done[doomed].state, done[blocker].state) == ("succeeded", "cancelled", "cancelled")
+    # a window for a cancelled job to run if it were going to: the time is the test
     time.sleep(0.3)
     assert [line.split(":")[0] for line in runs.read_text().split()] == [waiting]  # the cancelled one never ran
 
@@ -144,6 +145,7 @@ def test_a_keyed_submit_is_exactly_once_without_a_record_at_the_submit(
     assert isinstance(seen.get("conflict"), Conflict)
     assert seen["states"] == {"succeeded"}
     assert seen["again"] == [(job_id, "succeeded") for job_id in ids]
+    # a window for a second run of a job to show up: the time is the test
     time.sleep(0.3)
     assert sorted(line.split(":")[0] for line in runs.read_text().split()) == sorted(ids)  # each ran once
 

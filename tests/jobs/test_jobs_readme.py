@@ -20,6 +20,7 @@ def jobs_block() -> str:
     return re.findall(r"```bash\n(.*?)```", section, re.S)[0]
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.timeout(300)
 def test_the_background_jobs_block_runs_as_written(tmp_path: Path) -> None:
     block = jobs_block()

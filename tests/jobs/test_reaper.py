@@ -7,6 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from workers.jobs.reaper import Reaper
 
 
@@ -35,6 +37,7 @@ def _gone(proc: subprocess.Popen[bytes], within: float = 5.0) -> bool:
         return False
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_killed_reaper_is_replaced_and_told_every_live_job() -> None:
     reaper = Reaper()
     first = subprocess.Popen(["sleep", "60"], start_new_session=True)
@@ -56,6 +59,7 @@ def test_a_killed_reaper_is_replaced_and_told_every_live_job() -> None:
             proc.wait()
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_forgotten_job_is_left_alone() -> None:
     reaper = Reaper()
     job = subprocess.Popen(["sleep", "60"], start_new_session=True)

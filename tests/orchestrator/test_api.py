@@ -20,7 +20,7 @@ import pytest
 
 from bus.local.ports import free_port
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import running
+from tests.helpers import fleet_fixture, running
 
 SLEEP = {"config": {"init": {"cmd": ["sleep", "300"]}, "guest": {"cpus": 1, "memory_mb": 128}}, "region": "mad"}
 
@@ -73,11 +73,7 @@ def start_api(
     raise AssertionError("the API never listened")
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["mad"], workers_per_region=2, cpus=4, memory_mb=4096, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["mad"], workers_per_region=2, cpus=4, memory_mb=4096, brokers=1))
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ def test_sides_are_the_median_of_their_rounds_and_ratios_are_this_over_rev() -> 
     assert (lv.p50_ratio, lv.p99_ratio, lv.throughput_ratio) == (2.0, 2.0, 0.5)
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_bench_args_use_only_options_the_first_wave_knew() -> None:
     first_wave = subprocess.run(
         ["git", "-C", str(ROOT), "show", "5db8189:orchestrator/cli/bench_cmd.py"], capture_output=True, text=True
@@ -49,6 +50,7 @@ def test_bench_args_use_only_options_the_first_wave_knew() -> None:
         assert f'"{option}"' in first_wave.stdout, option
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_bad_revision_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     for rev in ("no-such-revision-anywhere", "-x", "0" * 40):
         assert main(["bench", "placement", "--against", rev, "--output", "/nonexistent/x.json"]) == 2
@@ -60,6 +62,7 @@ def test_a_bad_revision_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str
     )
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_against_head_builds_it_and_runs_both_sides(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -58,6 +58,7 @@ def test_pick_takes_the_most_free_less_what_the_client_has_pending() -> None:
 # -- CPU accounting: real processes -------------------------------------------------------------------
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_the_meter_counts_a_burning_descendant_and_not_an_idle_process() -> None:
     shell = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'while True: pass' & wait"])
     idle = subprocess.Popen(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from functools import partial
 
 import msgspec
@@ -18,16 +17,12 @@ from bus.contract.machines import Guest, MachineConfig, MachineEvent, MachineInd
 from bus.contract.streams import AuditRecord
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, audit_records, connect_nats, until
+from tests.helpers import arun, audit_records, connect_nats, fleet_fixture, until
 
 SLEEP = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=128))
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=2)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=2))
 
 
 def cleanup(fleet: DevFleet) -> None:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ from bus.local.ports import free_port
 from orchestrator.cli.app import COMMANDS, app, main, register
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests import helpers
-from tests.helpers import ROOT
+from tests.helpers import ROOT, fleet_fixture
 
 runner = CliRunner()
 
@@ -27,10 +26,7 @@ def fauxmad(*args: str, env: dict[str, str] | None = None, timeout: float = 60) 
     return helpers.fauxmad(*args, columns=100, timeout=timeout, env=env, drop=["FAUXMAD_NATS_URL"])
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["ams", "sin"], workers_per_region=2, cpus=2, memory_mb=2048)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["ams", "sin"], workers_per_region=2, cpus=2, memory_mb=2048))
 
 
 def test_help_explains_every_command() -> None:
@@ -166,6 +162,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_dev_leaves_no_process_after_ctrl_c() -> None:
     port = free_port()
     dev = subprocess.Popen(

@@ -306,6 +306,7 @@ def test_the_login_cookie_is_http_only_and_same_site_strict(console: Console) ->
     assert json.dumps(console.read_only)[1:-1] in cookie
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_the_how_to_block_runs_as_written(console: Console, tmp_path: Path) -> None:
     """docs/how-to/console.md: mint tokens, serve the console on its default port, a 200, a 401, and a 403 for the
     operator's cookie sent from another origin."""
@@ -417,6 +418,7 @@ def test_the_fleet_page_marks_a_cordoned_worker(console: Console) -> None:
         arun(cordon(False))
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_the_app_page_shows_the_edges_numbers_from_a_real_proxy(console: Console, tmp_path: Path) -> None:
     proxy = kit.ProxyProcess(console.fleet.url, "mad", tmp_path)
     api_proc, base = start_api(console.fleet.url, ["--proxy-metrics", f"http://127.0.0.1:{proxy.admin}/metrics"])

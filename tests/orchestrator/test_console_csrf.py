@@ -352,6 +352,7 @@ def test_the_cookie_is_secure_exactly_when_the_request_came_over_tls(setting: Se
     assert reply.status == 200 and json.loads(reply.body)["state"] == "stopped", reply.text
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_bad_tls_options_are_one_line(setting: Setting, tmp_path: Path) -> None:
     base = [sys.executable, "-m", "orchestrator.cli", "api", "--listen", "127.0.0.1:0", "--nats", setting.fleet.url]
     (tmp_path / "junk.pem").write_text("not a certificate\n")

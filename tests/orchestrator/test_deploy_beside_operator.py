@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from bus.contract.machines import Machine
 from bus.transport.connection import connect
@@ -33,8 +30,8 @@ from orchestrator.apps.spec import load_spec
 from orchestrator.apps.store import KVReleaseStore
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
-from tests.orchestrator.test_reconcile import fauxmad, primaries, spares, wait_for, write_spec
+from tests.helpers import arun, fleet_fixture, wait_until
+from tests.orchestrator.test_reconcile import fauxmad, primaries, spares, write_spec
 
 COUNTS = {"mad": 2, "syd": 2}
 REGIONS = "\n".join(f"{r} = {n}" for r, n in COUNTS.items())
@@ -43,11 +40,9 @@ HOLDER = "a deploy in another process"
 LOOK = 6.0  # seconds the operator is given to act on a claimed app: more than its backstop (5 s)
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=list(COUNTS), workers_per_region=2, cpus=8, memory_mb=4096, brokers=1, operators=True)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(
+    FleetSpec(regions=list(COUNTS), workers_per_region=2, cpus=8, memory_mb=4096, brokers=1, operators=True)
+)
 
 
 def ever(fleet: DevFleet, app: str) -> list[Machine]:
@@ -101,7 +96,7 @@ def test_the_operator_leaves_a_claimed_app_to_its_deploy_and_takes_it_up_when_th
         alive = [m for m in ever(fleet, "held") if m.state != "destroyed"]
         return len(primaries(alive)) == WANTED and len(spares(alive)) == WANTED
 
-    wait_for(converged, 60, "the operator to converge the app once the claim went")
+    wait_until(converged, "the operator to converge the app once the claim went", 60)
 
 
 def test_a_deploy_beside_the_operator_destroys_nothing(fleet: DevFleet, tmp_path: Path) -> None:
@@ -114,7 +109,7 @@ def test_a_deploy_beside_the_operator_destroys_nothing(fleet: DevFleet, tmp_path
         alive = [m for m in ever(fleet, "beside") if m.state != "destroyed"]
         return len(primaries(alive)) == WANTED and len(spares(alive)) == WANTED
 
-    wait_for(settled, 60, "the primaries and the spares")  # the operator makes the spares after the deploy
+    wait_until(settled, "the primaries and the spares", 60)  # the operator makes the spares after the deploy
     found = ever(fleet, "beside")
     gone = [f"{m.id} ({m.region})" for m in found if m.state in ("destroying", "destroyed")]
     assert not gone, f"machines destroyed while the deploy and the operator placed the app: {gone}"

@@ -11,7 +11,6 @@ import re
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from orchestrator.cli.runtime import EXIT_CONFLICT
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
-from tests.helpers import ROOT, arun, connect_nats
+from tests.helpers import ROOT, arun, connect_nats, fleet_fixture, wait_until
 from tests.orchestrator.test_reconcile import (
     assert_converged,
     destroy,
@@ -27,18 +26,13 @@ from tests.orchestrator.test_reconcile import (
     machines,
     primaries,
     spares,
-    wait_for,
     write_spec,
 )
 
 README_SPEC = ROOT / "examples" / "sandwich" / "fauxmad.toml"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=1))
 
 
 def crashing(message: str = "boom: settings.toml not found", code: int = 3) -> str:
@@ -327,7 +321,7 @@ def test_json_detach_no_changes_and_the_scale_warning(fleet: DevFleet, tmp_path:
     # and the background process's own log says it deployed v4 (a wait here would have printed "v4 deployed")
     assert "v4 deployed" not in detached.stdout, detached.stdout
     assert "v4" in detached.stdout and "background" in detached.stdout, detached.stdout
-    wait_for(lambda: statuses(fleet, "knobs").get(4, ("", ""))[0] == "complete", 60, "v4 to complete")
+    wait_until(lambda: statuses(fleet, "knobs").get(4, ("", ""))[0] == "complete", "v4 to complete", 60)
     assert_converged(machines(fleet, "knobs"), {"mad": 2, "syd": 1}, "4", "v2")
     logs = list((tmp_path / "home").glob("**/deploy-knobs-v4-*.log"))  # -<fleet>: two fleets never share one
     assert logs and "v4 deployed" in logs[0].read_text()

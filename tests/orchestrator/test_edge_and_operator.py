@@ -18,10 +18,8 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-
-import pytest
 
 from bus.contract.machines import Machine
 from bus.transport.jetstream import WORKER_TTL
@@ -29,7 +27,7 @@ from orchestrator.apps.ownership import CREATED_BY_KEY
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests import helpers
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, fleet_fixture
 from tests.orchestrator import proxy_kit as kit
 
 REGION = "pfo"
@@ -47,10 +45,7 @@ ROUNDS = int(os.environ.get("FAUXMAD_EDGE_ROUNDS", "3"))
 ACTION = re.compile(r"^\d\d:\d\d:\d\d (\S+) (\S+): (\w+) (.+?): (.*)$")
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=[REGION], workers_per_region=2, cpus=8, memory_mb=4096)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=[REGION], workers_per_region=2, cpus=8, memory_mb=4096))
 
 
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:

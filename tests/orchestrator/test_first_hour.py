@@ -21,7 +21,6 @@ import sys
 import time
 import tomllib
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,17 +45,14 @@ from orchestrator.cli.app import app, exit_code_for, lift_global_options, main, 
 from orchestrator.cli.fleet_cmd import HELLO_CMD, hello_hint
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, fleet_fixture
 from workers.lifecycle.restart_policy import tail_lines
 
 REGION = "fhr"
 APP = "first"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=[REGION], workers_per_region=2, cpus=8, memory_mb=4096)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=[REGION], workers_per_region=2, cpus=8, memory_mb=4096))
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +173,7 @@ def test_the_hint_dev_prints_runs_verbatim_and_answers_http(tmp_path: Path) -> N
     assert list(tmp.iterdir()) == []  # fauxmad-dev-*: gone
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_dev_interrupted_while_starting_and_a_busy_port_leave_nothing(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 from bus.local.ports import free_port
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests import helpers
+from tests.helpers import fleet_fixture
 
 pytestmark = pytest.mark.fleet  # starts a fleet of real processes (tests/conftest.py)
 
@@ -27,10 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 IGNORES_TERM = ["sh", "-c", "trap '' TERM; while true; do sleep 0.1; done"]  # SIG_IGN is inherited by sleep
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["hba", "hbb"], workers_per_region=1, cpus=8, memory_mb=8192)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["hba", "hbb"], workers_per_region=1, cpus=8, memory_mb=8192))
 
 
 def fauxmad(fleet: DevFleet, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from bus.contract.errors import Conflict
@@ -11,13 +9,9 @@ from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, fleet_fixture
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["id"], workers_per_region=1, brokers=1)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["id"], workers_per_region=1, brokers=1))
 
 
 def test_a_key_reused_with_another_request_is_a_conflict(fleet: DevFleet) -> None:

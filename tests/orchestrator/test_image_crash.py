@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,9 @@ from bus.contract.machines import Guest, MachineConfig
 from bus.stores.images import Images, build_archive, manifest_for
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats
+from tests.helpers import arun, connect_nats, fleet_fixture
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["crash"], workers_per_region=1, cpus=4, memory_mb=4096)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["crash"], workers_per_region=1, cpus=4, memory_mb=4096))
 
 
 @pytest.mark.timeout(180)

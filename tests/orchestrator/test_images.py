@@ -12,7 +12,6 @@ import json
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -24,7 +23,7 @@ from bus.stores.images import Images
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests import helpers
-from tests.helpers import ROOT, arun, connect_nats
+from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
 
 APP_PY = """import http.server, os
 class H(http.server.BaseHTTPRequestHandler):
@@ -37,10 +36,7 @@ http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever(
 """
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["img"], workers_per_region=2, cpus=16, memory_mb=8192)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["img"], workers_per_region=2, cpus=16, memory_mb=8192))
 
 
 def fauxmad(fleet: DevFleet, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:

@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
-
-import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import fauxmad
+from tests.helpers import fauxmad, fleet_fixture
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["ex"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=1)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["ex"], workers_per_region=3, cpus=4, memory_mb=4096, brokers=1))
 
 
 def cli(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:

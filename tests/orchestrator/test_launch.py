@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests import helpers
-from tests.helpers import arun
+from tests.helpers import arun, fleet_fixture
 from tests.orchestrator import proxy_kit as kit
 
 pytestmark = pytest.mark.fleet  # starts a fleet of real processes (tests/conftest.py)
@@ -25,10 +25,7 @@ SAMPLES = ROOT / "examples" / "launch"
 REGION = "lch"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=[REGION], workers_per_region=2, cpus=8, memory_mb=8192)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=[REGION], workers_per_region=2, cpus=8, memory_mb=8192))
 
 
 @pytest.fixture(scope="module")

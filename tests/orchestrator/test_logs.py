@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,8 @@ from orchestrator.cli.app import main
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.logs import LogQuery, read_logs
-from tests.helpers import ROOT, arun, connect_nats
+from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
+from tests.helpers import fauxmad as run_fauxmad
 from workers.output import MAX_LINE, OFFSETS_FILE, LogFollower
 
 # ---------------------------------------------------------------------------------------------------
@@ -173,22 +173,11 @@ SCRIPT = (
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["mad", "syd"], workers_per_region=1, cpus=4, memory_mb=4096, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["mad", "syd"], workers_per_region=1, cpus=4, memory_mb=4096, brokers=1))
 
 
 def fauxmad(fleet: DevFleet, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=cli_env(fleet),
-        timeout=timeout,
-        cwd=str(ROOT),
-    )
+    return run_fauxmad(*args, url=fleet.url, columns=100, timeout=timeout)
 
 
 def cli_env(fleet: DevFleet) -> dict[str, str]:

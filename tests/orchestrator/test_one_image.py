@@ -32,7 +32,7 @@ from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.oci import import_layout
 from tests import helpers
-from tests.helpers import arun, connect_nats
+from tests.helpers import arun, connect_nats, fleet_fixture
 from tests.orchestrator.test_api import Api, start_api
 
 REGION = "one"
@@ -54,10 +54,7 @@ http.server.HTTPServer(("127.0.0.1", int(os.environ["PORT"])), H).serve_forever(
 SERVED = f"{STAMP} greeting=hola cwd=srv"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=[REGION], workers_per_region=2, cpus=16, memory_mb=8192)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=[REGION], workers_per_region=2, cpus=16, memory_mb=8192))
 
 
 @pytest.fixture(scope="module")

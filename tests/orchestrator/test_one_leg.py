@@ -9,24 +9,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterator
 
 import msgspec
-import pytest
 
 from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, Machine, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, fleet_fixture
 
 CONFIG = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=64))
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["leg"], workers_per_region=2, cpus=8, memory_mb=8192, brokers=1)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["leg"], workers_per_region=2, cpus=8, memory_mb=8192, brokers=1))
 
 
 def create_watching(fleet: DevFleet, request: CreateRequest) -> tuple[Machine, Counter[str], list[bool]]:

@@ -37,8 +37,8 @@ from orchestrator.apps.ownership import RUNNING
 from orchestrator.apps.spec import REPLACES_KEY
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
-from tests.helpers import ROOT, arun, until
-from tests.orchestrator.test_reconcile import fauxmad, machines, primaries, role, spares, wait_for, write_spec
+from tests.helpers import ROOT, arun, until, wait_until
+from tests.orchestrator.test_reconcile import fauxmad, machines, primaries, role, spares, write_spec
 
 REGION = "fbk"
 APP = "failback"
@@ -114,7 +114,7 @@ def test_a_fail_back_keeps_exactly_one_running_copy(fleet: DevFleet, tmp_path: P
     spec = write_spec(tmp_path / "fauxmad.toml", APP, regions=f"{REGION} = 1", spares=1)
     deployed = fauxmad(fleet, "deploy", "-c", str(spec))
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    wait_for(lambda: len(spares(machines(fleet, APP))) == 1, 20, "the spare")
+    wait_until(lambda: len(spares(machines(fleet, APP))) == 1, "the spare", 20)
     found = machines(fleet, APP)
     first, second = primaries(found)[0], spares(found)[0]
     assert first.worker_id != second.worker_id

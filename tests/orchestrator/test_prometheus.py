@@ -79,6 +79,7 @@ def test_the_dashboard_reads_only_documented_series_and_shows_each() -> None:
     assert not listed - shown, f"documented series no dashboard panel shows: {sorted(listed - shown)}"
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_the_scrape_config_names_the_ports_the_units_give() -> None:
     config = yaml.safe_load(SCRAPE_CONFIG.read_text())
     ports = {

@@ -24,14 +24,10 @@ from bus.contract.machines import CORDONED_LABEL, Lease, LeaseRequest
 from bus.transport.service import call
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats
+from tests.helpers import arun, connect_nats, fleet_fixture
 from tests.orchestrator import proxy_kit as kit
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["pxa", "pxb"], workers_per_region=2, cpus=16, memory_mb=8192)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["pxa", "pxb"], workers_per_region=2, cpus=16, memory_mb=8192))
 
 
 @pytest.fixture(scope="module")

@@ -26,20 +26,16 @@ from orchestrator.apps.spec import PRIMARY, parse_spec
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.proxy.upstream import connect_when_up
-from tests.helpers import arun, fauxmad
+from tests.helpers import arun, fauxmad, fleet_fixture
 from tests.orchestrator import proxy_kit as kit
 from tests.orchestrator.test_api import Api, start_api
 
 OTHER_HOST = "127.0.0.2"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(
-        regions=["bha", "bhb"], workers_per_region=2, cpus=8, memory_mb=4096, advertise={"bhb": OTHER_HOST}
-    )
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(
+    FleetSpec(regions=["bha", "bhb"], workers_per_region=2, cpus=8, memory_mb=4096, advertise={"bhb": OTHER_HOST})
+)
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import pytest
 
 from bus.contract.edge import ProxyUnreachable
 from bus.contract.machines import Machine
@@ -27,16 +25,13 @@ from bus.transport.jetstream import WORKER_TTL
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests import helpers
-from tests.helpers import ROOT, arun, connect_nats
+from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
 from tests.orchestrator import proxy_kit as kit
 
 APP = "edgeha"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["pfo"], workers_per_region=2, cpus=8, memory_mb=4096)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["pfo"], workers_per_region=2, cpus=8, memory_mb=4096))
 
 
 def fauxmad(fleet: DevFleet, *args: str) -> subprocess.CompletedProcess[str]:

@@ -28,7 +28,7 @@ from orchestrator.apps.spec import PRIMARY, parse_spec
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.proxy.upstream import connect_when_up
-from tests.helpers import arun
+from tests.helpers import arun, fleet_fixture
 from tests.orchestrator import proxy_kit as kit
 from tests.orchestrator import test_proxy_h11 as differential
 from tests.orchestrator.smuggling_cases import refused_cases
@@ -49,10 +49,7 @@ class Machine(NamedTuple):
         return [json.loads(line) for line in self.log.read_text().splitlines() if line]
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=[REGION], workers_per_region=1, cpus=8, memory_mb=4096)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=[REGION], workers_per_region=1, cpus=8, memory_mb=4096))
 
 
 @pytest.fixture(scope="module")

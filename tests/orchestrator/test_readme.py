@@ -119,6 +119,7 @@ def interrupt(proc: subprocess.Popen[str]) -> None:
         proc.wait()
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.timeout(540)
 def test_the_first_hour_runs_as_written(tmp_path: Path) -> None:
     dev_line, lines, proxy_line, edge_lines = first_hour_blocks()
@@ -154,6 +155,7 @@ def test_the_first_hour_runs_as_written(tmp_path: Path) -> None:
     assert dev.returncode == 0
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.timeout(320)
 def test_the_demo_runs_as_the_readme_says() -> None:
     first = re.search(r"```bash\n(.*?)```", README.read_text(), re.S)

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,16 +20,12 @@ from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
 from tests import helpers
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, fleet_fixture, wait_until
 
 APP_PY = ROOT / "examples" / "sandwich" / "app.py"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["mad", "syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1))
 
 
 def write_spec(
@@ -99,15 +94,6 @@ def spares(found: list[Machine]) -> list[Machine]:
     return [m for m in found if role(m) == "spare"]
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    started = time.perf_counter()
-    while time.perf_counter() - started < timeout:
-        if predicate():
-            return time.perf_counter() - started
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def destroy(fleet: DevFleet, app: str) -> None:
     result = fauxmad(fleet, "apps", "destroy", app, "--yes")
     assert result.returncode == 0, result.stderr
@@ -130,7 +116,7 @@ def test_two_region_deploy_puts_spares_on_other_workers(fleet: DevFleet, tmp_pat
     assert "v1 deployed" in result.stdout
     found = machines(fleet, "twin")
     assert_converged(found, {"mad": 2, "syd": 2}, "1", "v1")
-    wait_for(lambda: len(spares(machines(fleet, "twin"))) == 4, 10, "four spares")
+    wait_until(lambda: len(spares(machines(fleet, "twin"))) == 4, "four spares", 10)
     found = machines(fleet, "twin")
     by_id = {m.id: m for m in found}
     for spare in spares(found):
@@ -203,10 +189,10 @@ def test_a_reconciler_killed_mid_deploy_is_finished_by_the_next_run(fleet: DevFl
         cwd=str(ROOT),
     )
     try:
-        wait_for(
+        wait_until(
             lambda: any(m.config.env.get("VERSION") == "v2" for m in machines(fleet, "half")),
-            30,
             "the first machine on v2",
+            30,
         )
     finally:
         deploy.send_signal(signal.SIGKILL)
@@ -224,7 +210,7 @@ def test_a_reconciler_killed_mid_deploy_is_finished_by_the_next_run(fleet: DevFl
 def test_a_dead_host_fails_over_to_spares_and_its_return_stops_the_replaced(fleet: DevFleet, tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "fauxmad.toml", "ha", regions="syd = 2", spares=1)
     assert fauxmad(fleet, "deploy", "-c", str(spec)).returncode == 0
-    wait_for(lambda: len(spares(machines(fleet, "ha"))) == 2, 10, "two spares")
+    wait_until(lambda: len(spares(machines(fleet, "ha"))) == 2, "two spares", 10)
     env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
     log = tmp_path / "operator.log"
     with log.open("w") as out:
@@ -242,23 +228,24 @@ def test_a_dead_host_fails_over_to_spares_and_its_return_stops_the_replaced(flee
         standby = next(s for s in spares(found) if s.config.standbys == [victim.id])
         # the host dies: its worker and its machines' processes at once
         fleet.kill_host(victim.worker_id)
-        took = wait_for(
+        killed = time.monotonic()
+        wait_until(
             lambda: any(m.id == standby.id and m.state == "started" for m in machines(fleet, "ha")),
-            15,
             "the spare to start",
+            15,
         )
-        print(f"\nhost death -> spare started: {took:.2f}s")
+        print(f"\nhost death -> spare started: {time.monotonic() - killed:.2f}s")
         found = machines(fleet, "ha")
         promoted = next(m for m in found if m.id == standby.id)
         assert role(promoted) == "primary" and promoted.config.metadata["fauxmad_replaces"] == victim.id
         assert promoted.region == "syd"
-        wait_for(
+        wait_until(
             lambda: (
                 all(health(m)[0] for m in primaries(machines(fleet, "ha")))
                 and len([m for m in primaries(machines(fleet, "ha")) if m.state == "started"]) == 2
             ),
-            15,
             "two healthy primaries",
+            15,
         )
         # the host returns: the machine that was replaced does not run next to its successor
         fleet.respawn(f"worker-{victim.worker_id}")
@@ -268,8 +255,8 @@ def test_a_dead_host_fails_over_to_spares_and_its_return_stops_the_replaced(flee
             old = next((m for m in found if m.id == victim.id), None)
             return old is not None and old.state != "started" and role(old) == "spare"
 
-        wait_for(replaced_settled, 30, "the replaced machine to be stopped and kept as a spare")
-        wait_for(lambda: len(spares(machines(fleet, "ha"))) == 2, 15, "spares back to two")
+        wait_until(replaced_settled, "the replaced machine to be stopped and kept as a spare", 30)
+        wait_until(lambda: len(spares(machines(fleet, "ha"))) == 2, "spares back to two", 15)
         found = machines(fleet, "ha")
         running = [m for m in found if m.state == "started"]
         assert sorted(m.id for m in running) == sorted(m.id for m in primaries(found)) and len(running) == 2
@@ -284,7 +271,7 @@ def test_a_dead_host_fails_over_to_spares_and_its_return_stops_the_replaced(flee
 def test_draining_a_worker_moves_its_machines_healthy_first(fleet: DevFleet, tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "fauxmad.toml", "move", regions="mad = 2", spares=1)
     assert fauxmad(fleet, "deploy", "-c", str(spec)).returncode == 0
-    wait_for(lambda: len(spares(machines(fleet, "move"))) == 2, 10, "two spares")
+    wait_until(lambda: len(spares(machines(fleet, "move"))) == 2, "two spares", 10)
     target = primaries(machines(fleet, "move"))[0].worker_id
     try:
         result = fauxmad(fleet, "worker", "drain", target)
@@ -300,6 +287,7 @@ def test_draining_a_worker_moves_its_machines_healthy_first(fleet: DevFleet, tmp
     destroy(fleet, "move")
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.parametrize(
     ("text", "needle"),
     [

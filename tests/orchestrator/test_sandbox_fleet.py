@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
+from tests.helpers import fleet_fixture
 from tests.orchestrator.test_cli import fauxmad
 from workers.driver import sandbox
 
@@ -22,10 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["ams"], workers_per_region=2, cpus=2, memory_mb=2048)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["ams"], workers_per_region=2, cpus=2, memory_mb=2048))
 
 
 def test_a_sandboxed_machine_serves_on_the_host_network_and_exec_enters_it(fleet: DevFleet) -> None:

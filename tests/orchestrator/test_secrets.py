@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats
+from tests.helpers import arun, connect_nats, fleet_fixture
 from tests.orchestrator.test_cli import fauxmad
 
 APP = "vault"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["ams"], workers_per_region=2, cpus=2, memory_mb=2048)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["ams"], workers_per_region=2, cpus=2, memory_mb=2048))
 
 
 def cli(fleet: DevFleet, *args: str) -> tuple[int, str, str]:

@@ -219,6 +219,7 @@ def test_a_revoked_identity_is_cut_off(fleet: SecureFleet) -> None:
     assert after.returncode == 6 and "refused these credentials" in after.stderr, after.stderr
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_secure_dev_fleet_runs_machines_and_deploys(tmp_path: Path) -> None:
     """`fauxmad dev --secure`'s fleet: every process its own identity over mutual TLS; the operator deploys."""
     from orchestrator.devfleet import DevFleet, FleetSpec

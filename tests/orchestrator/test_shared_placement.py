@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 
@@ -22,17 +21,13 @@ from bus.contract.machines import Guest, Machine, MachineConfig
 from bus.transport.service import call
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, fleet_fixture
 
 CONFIG = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=64))
 WORKERS = 4
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["sp"], workers_per_region=WORKERS, cpus=8, memory_mb=8192, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["sp"], workers_per_region=WORKERS, cpus=8, memory_mb=8192, brokers=1))
 
 
 def create(app: str, **options: object) -> CreateRequest:

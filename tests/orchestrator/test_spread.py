@@ -7,7 +7,6 @@ machine of an empty region went to its first worker.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,15 +14,12 @@ from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun
+from tests.helpers import arun, fleet_fixture
 
 CONFIG = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=64))
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["sp"], workers_per_region=4, cpus=4, memory_mb=4096, brokers=1)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["sp"], workers_per_region=4, cpus=4, memory_mb=4096, brokers=1))
 
 
 @pytest.mark.parametrize("count", [2, 4])

@@ -17,11 +17,9 @@ import subprocess
 import sys
 import termios
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import pytest
 
 from bus.contract import subjects
 from bus.contract.fleet import CreateRequest
@@ -32,15 +30,12 @@ from orchestrator.view.db import ViewDb
 from orchestrator.view.fold import ViewWriter
 from orchestrator.view.follower import ViewFollower
 from orchestrator.view.query import ViewReader
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, fleet_fixture
 
 CLI = [sys.executable, "-m", "orchestrator.cli"]
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["mad", "syd"], workers_per_region=2, cpus=16, heartbeat=0.5)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["mad", "syd"], workers_per_region=2, cpus=16, heartbeat=0.5))
 
 
 SLEEP = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=32))

@@ -9,22 +9,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import fauxmad
-from tests.orchestrator.test_reconcile import machines, primaries, wait_for, write_spec
+from tests.helpers import fauxmad, fleet_fixture, wait_until
+from tests.orchestrator.test_reconcile import machines, primaries, write_spec
 
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    spec = FleetSpec(regions=["st"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1)
-    with DevFleet(spec) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["st"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1))
 
 
 def cli(fleet: DevFleet, tmp_path: Path, *args: str, columns: int = 200) -> subprocess.CompletedProcess[str]:
@@ -44,10 +36,10 @@ def test_checks_survive_a_relabel_and_a_lost_host_is_shown(fleet: DevFleet, tmp_
     # a relabel in place: scale to the same count makes a new release without restarting anything
     scaled = cli(fleet, tmp_path, "scale", "count", "2", "--app", "truth")
     assert scaled.returncode == 0, scaled.stderr
-    wait_for(
+    wait_until(
         lambda: all(m.config.metadata.get("fauxmad_release") == "2" for m in machines(fleet, "truth")),
-        20,
         "the relabel",
+        20,
     )
     rows = status(fleet, tmp_path, "truth")["machines"]
     assert len(rows) == 2 and all(r["release"] == "2" for r in rows), rows
@@ -62,7 +54,7 @@ def test_checks_survive_a_relabel_and_a_lost_host_is_shown(fleet: DevFleet, tmp_
         seen.append({r["id"]: r for r in status(fleet, tmp_path, "truth")["machines"]})
         return seen[-1][victim.id]["host_status"] == "unreachable"
 
-    wait_for(shown_unreachable, 15, f"status to show {victim.worker_id} unreachable")
+    wait_until(shown_unreachable, f"status to show {victim.worker_id} unreachable", 15)
     rows = seen[-1]
     assert all(r["host_status"] == "ok" for mid, r in rows.items() if mid != victim.id)
     fleet.respawn(f"worker-{victim.worker_id}")

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,15 +21,12 @@ from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, MachineConfig
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, fleet_fixture
 
 APP = "frost"
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=["sus"], workers_per_region=1, cpus=4, memory_mb=2048)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=["sus"], workers_per_region=1, cpus=4, memory_mb=2048))
 
 
 def grows(path: Path, within: float = 0.4) -> bool:

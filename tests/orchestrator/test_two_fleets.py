@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.orchestrator.test_reconcile import destroy, fauxmad, machines, primaries, wait_for, write_spec
+from tests.helpers import wait_until
+from tests.orchestrator.test_reconcile import destroy, fauxmad, machines, primaries, write_spec
 from workers.agent.service import cgroup_base_name
 from workers.driver.proc import processes_of
 
@@ -92,7 +93,7 @@ def test_two_fleets_deploy_drain_and_destroy_one_app_name_without_seeing_each_ot
     logs = sorted((tmp_path / "home").glob(f"**/deploy-{APP}-v2*.log"))
     assert len(logs) == 2, logs
     for fleet in (one, two):
-        wait_for(lambda fleet=fleet: _release_status(fleet, 2) == "complete", 90, f"v2 complete on {fleet.root}")
+        wait_until(lambda fleet=fleet: _release_status(fleet, 2) == "complete", f"v2 complete on {fleet.root}", 90)
     assert all("v2 deployed" in log.read_text() and log.read_text().count("v2 deployed") == 1 for log in logs)
     second = running(two)
 

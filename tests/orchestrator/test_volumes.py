@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -29,16 +28,13 @@ from bus.contract.machines import Guest, MachineConfig, Mount
 from bus.contract.volumes import Volume
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun, connect_nats
+from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
 
 REGION = "vol"
 SLEEP = ["sleep", "600"]
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=[REGION], workers_per_region=2, cpus=2, memory_mb=2048)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=[REGION], workers_per_region=2, cpus=2, memory_mb=2048))
 
 
 def with_client(fleet: DevFleet, fn):  # type: ignore[no-untyped-def]

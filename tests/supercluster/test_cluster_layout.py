@@ -28,8 +28,8 @@ from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.logs import LogQuery
 from orchestrator.view.history import EventQuery
-from tests.helpers import arun, connect_nats
-from tests.orchestrator.test_reconcile import fauxmad, wait_for
+from tests.helpers import arun, connect_nats, wait_until
+from tests.orchestrator.test_reconcile import fauxmad
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -197,6 +197,7 @@ async def _load(fleet: DevFleet, victim: str, out: dict[str, Any], killed: threa
             await asyncio.sleep(0.5)
 
     async def killer() -> None:
+        # the create load runs before the first kill, so the kill lands under load
         await asyncio.sleep(1.5)
         out["killed_at"] = time.perf_counter()
         out["killed_wall"] = time.time()
@@ -324,6 +325,7 @@ def test_a_process_told_another_layout_refuses_in_one_line_and_writes_nothing(fl
     assert arun(intruder_key()) == []
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_an_r1_fleet_moves_to_r3_with_one_command_while_machines_and_jobs_run() -> None:
     _no_layout_variables()
     spec = FleetSpec(regions=["mad"], workers_per_region=1, cpus=64, memory_mb=8192, cluster=3, replicas=1)
@@ -370,4 +372,4 @@ def test_an_r1_fleet_moves_to_r3_with_one_command_while_machines_and_jobs_run() 
         assert {m["id"]: m["state"] for m in json.loads(listed.stdout)} == {m: "started" for m in machines}
         after_job = fauxmad(fleet, "job", "submit", "-a", "movejobs", "-r", "mad", "--wait", "--", "true")
         assert after_job.returncode == 0, after_job.stderr
-        wait_for(lambda: fauxmad(fleet, "workers", "--json").stdout.count("worker_id") == 1, 10, "the worker listed")
+        wait_until(lambda: fauxmad(fleet, "workers", "--json").stdout.count("worker_id") == 1, "the worker listed", 10)

@@ -33,6 +33,7 @@ def test_three_regions_of_three_servers_routes_inside_gateways_between() -> None
     assert "verify: true" in text  # clients: mutual TLS, as single.conf
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.parametrize("name", sorted(deploy_configs()))
 def test_nats_server_accepts_each_config(name: str, tmp_path: Path) -> None:
     fleet = FleetDir(tmp_path / "fleet")

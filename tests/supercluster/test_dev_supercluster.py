@@ -27,6 +27,7 @@ def readme_lines() -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("which", ["open", "secure"])
 def test_the_light_dev_supercluster_runs_as_written(tmp_path: Path, which: str) -> None:

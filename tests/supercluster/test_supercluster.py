@@ -24,8 +24,8 @@ from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
 from bus.transport.layout import REPLICAS_ENV, SUPERCLUSTER_ENV, Layout
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats
-from tests.orchestrator.test_reconcile import fauxmad, machines, primaries, spares, wait_for, write_spec
+from tests.helpers import arun, connect_nats, wait_until
+from tests.orchestrator.test_reconcile import fauxmad, machines, primaries, spares, write_spec
 
 REGIONS = ["mad", "syd", "gru"]
 
@@ -251,6 +251,7 @@ def test_kill_9_of_one_server_under_create_load_loses_no_acknowledged_create(fle
                 i += 1
 
         async def killer() -> None:
+            # the create load runs before the kill, so the kill lands under load
             await asyncio.sleep(2.0)
             times["killed"] = time.perf_counter()
             await asyncio.to_thread(sc.kill, victim)
@@ -328,7 +329,7 @@ def _operator_passes(fleet: DevFleet, nudge: str, region: str) -> None:
             now = [m for m in machines(fleet, nudge) if m.region == region and m.state == "started"]
             return bool(now) and all(m.id != gone.id for m in now)  # noqa: B023
 
-        wait_for(replaced, 30, f"operator-{region} to replace {nudge}'s machine after the heal")
+        wait_until(replaced, f"operator-{region} to replace {nudge}'s machine after the heal", 30)
 
 
 def _partition(fleet: DevFleet, tmp_path: Path, app: str, region: str, cut_seconds: float, regions: list[str]) -> None:
@@ -345,7 +346,7 @@ def _partition(fleet: DevFleet, tmp_path: Path, app: str, region: str, cut_secon
     nudge_spec = write_spec(tmp_path / "nudge.toml", nudge, regions=nudge_counts, spares=0, wait=DEPLOY_WAIT)
     result = fauxmad(fleet, "deploy", "-c", str(nudge_spec))
     assert result.returncode == 0, result.stdout + result.stderr
-    wait_for(lambda: len(spares(machines(fleet, app))) == len(regions), 30, "a spare per region")
+    wait_until(lambda: len(spares(machines(fleet, app))) == len(regions), "a spare per region", 30)
     before = started(machines(fleet, app))
     ((primary, worker),) = before[region]
     sleep = MachineConfig(cmd=["sleep", "60"], guest=Guest(cpus=1, memory_mb=16))
@@ -353,10 +354,11 @@ def _partition(fleet: DevFleet, tmp_path: Path, app: str, region: str, cut_secon
     fleet.supercluster.cut(region)
     cut_at = time.perf_counter()
     # the others see it as unreachable (not as empty), and keep their own machines as they were
-    wait_for(
-        lambda: not {r.region: r.reachable for r in in_region(fleet, outside[0], lambda c: c.regions())}[region],  # type: ignore[attr-defined]
-        15,
+    wait_until(
+        lambda: not {r.region: r.reachable for r in in_region(fleet, outside[0], lambda c: c.regions())}[region],
         f"{outside[0]} to see {region} unreachable",
+        # type: ignore[attr-defined]
+        15,
     )
     # inside, it keeps placing...
     placed = in_region(fleet, region, lambda c: c.create("inside", CreateRequest(region=region, config=sleep)))
@@ -369,21 +371,23 @@ def _partition(fleet: DevFleet, tmp_path: Path, app: str, region: str, cut_secon
         now = started([m for m in found if m.region == region])  # type: ignore[union-attr]
         return bool(now.get(region)) and now[region][0][1] != worker
 
+    killed = time.monotonic()
     try:
-        took = wait_for(failed_over, 30, f"{region}'s operator to fail over inside the cut")
+        wait_until(failed_over, f"{region}'s operator to fail over inside the cut", 30)
     except AssertionError:
         print((fleet.root / "logs" / f"operator-{region}.log").read_text()[-5000:])
         print((fleet.root / "logs" / f"broker-{region}-1.log").read_text()[-3000:])
         raise
-    print(f"\n{region} failed over inside the cut in {took:.1f}s after its primary's host died")
+    print(f"\n{region} failed over inside the cut in {time.monotonic() - killed:.1f}s after its primary's host died")
     during = started([m for m in in_region(fleet, region, lambda c: c.list(app)) if m.region == region])  # type: ignore[union-attr]
     time.sleep(max(0.0, cut_seconds - (time.perf_counter() - cut_at)))
     fleet.supercluster.heal(region)
 
-    wait_for(
-        lambda: {r.region: r.reachable for r in in_region(fleet, outside[0], lambda c: c.regions())}[region],  # type: ignore[attr-defined]
-        30,
+    wait_until(
+        lambda: {r.region: r.reachable for r in in_region(fleet, outside[0], lambda c: c.regions())}[region],
         f"{outside[0]} to see {region} again",
+        # type: ignore[attr-defined]
+        30,
     )
     for other in outside:  # every other operator makes whole passes after the heal: see `_operator_passes`
         _operator_passes(fleet, nudge, other)

@@ -58,6 +58,7 @@ def test_kill9_keeps_machines_and_every_acknowledged_reservation(worker_factory:
                     acked.append(body["id"])
 
         tasks = [asyncio.create_task(reserver()) for _ in range(4)]
+        # reserves in flight when the worker is killed: the kill lands mid-load
         await asyncio.sleep(0.3)
         worker.kill9()
         await asyncio.gather(*tasks)

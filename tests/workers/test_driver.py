@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import msgspec
 import pytest
 
+from tests.helpers import wait_until
 from workers.driver.base import ExitStatus, TaskHandle, TaskSpec
 from workers.driver.fork_server import prepare_workdir
 from workers.driver.limits import Cgroup2Limits, Limits, RlimitLimits, auto_detect, slow_migration_hint
@@ -39,14 +40,6 @@ BASE = f"test-driver-{os.getpid()}"  # this test run's cgroup subtree, shared wi
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
-
-
-def wait_until(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.01)
 
 
 def read_pid(path: Path) -> int | None:
@@ -193,7 +186,7 @@ def test_workload_has_its_own_process_group_in_the_shims_session(
     driver: ProcessDriver, tasks: Tasks, tmp_path: Path
 ) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sleep", "30"]))
-    wait_until(lambda: (Path(handle.workdir) / "child.pid").exists())
+    wait_until(lambda: (Path(handle.workdir) / "child.pid").exists(), "the workload's child.pid", interval=0.01)
     workload = read_pid(Path(handle.workdir) / "child.pid")
     assert workload is not None
     assert os.getpgid(workload) == workload
@@ -232,7 +225,7 @@ def test_driver_works_under_uvloop(driver: ProcessDriver, tasks: Tasks, tmp_path
 
 def test_inspect_running_and_ended(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sh", "-c", "touch ready; exec sleep 30"]))
-    wait_until(lambda: (Path(handle.workdir) / "ready").exists())
+    wait_until(lambda: (Path(handle.workdir) / "ready").exists(), "the workload's ready file", interval=0.01)
     state = driver.inspect(handle)
     assert state.running and state.exit is None
     assert state.child_pid == read_pid(Path(handle.workdir) / "child.pid")
@@ -255,6 +248,7 @@ int main(void) {
 """
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_group_stopped_while_its_leader_waits_in_vfork_is_stopped(
     driver: ProcessDriver, tasks: Tasks, tmp_path: Path
 ) -> None:
@@ -267,11 +261,19 @@ def test_a_group_stopped_while_its_leader_waits_in_vfork_is_stopped(
     source.write_text(VFORK_CAUGHT)
     subprocess.run([compiler, "-O2", "-o", str(binary), str(source)], check=True)
     handle = start(driver, tasks, make_spec(tmp_path, [str(binary)]))
-    wait_until(lambda: read_pid(Path(handle.workdir) / "child.pid") is not None)
+    wait_until(
+        lambda: read_pid(Path(handle.workdir) / "child.pid") is not None,
+        "the pid in the workload's child.pid",
+        interval=0.01,
+    )
     leader = read_pid(Path(handle.workdir) / "child.pid")
     assert leader is not None
     # the leader is D from its vfork() on, a moment before the child stops itself: wait for both
-    wait_until(lambda: proc_state(leader) == "D" and any(proc_state(pid) == "T" for pid in children_of(leader)))
+    wait_until(
+        lambda: proc_state(leader) == "D" and any(proc_state(pid) == "T" for pid in children_of(leader)),
+        "the leader waiting in vfork (D) with a stopped child (T)",
+        interval=0.01,
+    )
     assert driver.inspect(handle).stopped
     assert group_stopped(["D", "T"]) and group_stopped(["T", "Z"])
     assert not group_stopped(["D", "T", "S"]) and not group_stopped(["D"]) and not group_stopped(["S", "R"])
@@ -292,7 +294,7 @@ def test_stop_with_sigterm_ends_a_sleeping_process(driver: ProcessDriver, tasks:
 
 def test_stop_escalates_to_sigkill(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sh", "-c", 'trap "" TERM; touch ready; sleep 30']))
-    wait_until(lambda: (Path(handle.workdir) / "ready").exists())
+    wait_until(lambda: (Path(handle.workdir) / "ready").exists(), "the workload's ready file", interval=0.01)
     began = time.monotonic()
     status = run(driver.stop(handle, 0.5, signal.SIGTERM))
     assert status.signal == signal.SIGKILL  # escalated: the sleep would end by itself, after 30 s
@@ -308,7 +310,7 @@ def test_stop_after_the_end_returns_the_status(driver: ProcessDriver, tasks: Tas
 def test_signal_reaches_the_workload(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     script = 'trap "echo got usr1; exit 0" USR1; touch ready; while :; do sleep 0.05; done'
     handle = start(driver, tasks, make_spec(tmp_path, ["sh", "-c", script]))
-    wait_until(lambda: (Path(handle.workdir) / "ready").exists())
+    wait_until(lambda: (Path(handle.workdir) / "ready").exists(), "the workload's ready file", interval=0.01)
 
     async def go() -> ExitStatus:
         await driver.signal(handle, signal.SIGUSR1)
@@ -339,16 +341,16 @@ def test_a_workload_once_signalled_is_held_until_it_ends(driver: ProcessDriver, 
     pidfd, not the files), and once the workload has ended nothing is signalled any more."""
     handle = start(driver, tasks, make_spec(tmp_path, ["sleep", "30"]))
     pid_file = Path(handle.workdir) / "child.pid"
-    wait_until(lambda: read_pid(pid_file) is not None)
+    wait_until(lambda: read_pid(pid_file) is not None, "the pid in the pid file", interval=0.01)
     workload = read_pid(pid_file)
     assert workload is not None
 
     async def go() -> ExitStatus:
         await driver.signal(handle, signal.SIGSTOP)
-        wait_until(lambda: proc_state(workload) == "T")
+        wait_until(lambda: proc_state(workload) == "T", "the workload stopped (T)", interval=0.01)
         pid_file.rename(pid_file.with_name("child.pid.away"))  # the next signal cannot read it
         await driver.signal(handle, signal.SIGCONT)
-        wait_until(lambda: proc_state(workload) == "S")
+        wait_until(lambda: proc_state(workload) == "S", "the workload running again (S)", interval=0.01)
         pid_file.with_name("child.pid.away").rename(pid_file)
         os.killpg(workload, signal.SIGKILL)
         ended = await asyncio.wait_for(driver.wait(handle), 10)
@@ -361,7 +363,7 @@ def test_a_workload_once_signalled_is_held_until_it_ends(driver: ProcessDriver, 
 
 def test_destroy_stops_removes_cgroups_and_keeps_logs(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sh", "-c", "echo hello; exec sleep 30"]))
-    wait_until(lambda: handle.stdout_path.read_text() == "hello\n")
+    wait_until(lambda: handle.stdout_path.read_text() == "hello\n", "hello on the stdout", interval=0.01)
     run(driver.destroy(handle, force=False))
     assert not driver.recover(handle)
     assert all(not Path(cgroup).exists() for cgroup in handle.cgroups)
@@ -392,6 +394,7 @@ def test_a_start_waits_for_the_run_before_it_in_the_same_directory(
     assert status.signal == signal.SIGTERM
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_runs_start_keeps_the_temporary_files_of_writers_still_running(tmp_path: Path) -> None:
     """A shim (or the launcher) writes `exit.json` through a temporary file of its own, which the next run's
     clearing of the directory leaves alone while its writer lives (it is about to rename it); a dead writer's
@@ -410,13 +413,13 @@ def test_a_runs_start_keeps_the_temporary_files_of_writers_still_running(tmp_pat
 
 def test_shim_killed_under_a_running_workload_is_lost(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sleep", "30"]))
-    wait_until(lambda: (Path(handle.workdir) / "child.pid").exists())
+    wait_until(lambda: (Path(handle.workdir) / "child.pid").exists(), "the workload's child.pid", interval=0.01)
     workload = read_pid(Path(handle.workdir) / "child.pid")
     assert workload is not None
     os.kill(handle.pid, signal.SIGKILL)
     status = run(asyncio.wait_for(driver.wait(handle), 10))
     assert status.lost and not status.success
-    wait_until(lambda: gone(workload))  # reported as ended, so it must have ended
+    wait_until(lambda: gone(workload), "the workload gone", interval=0.01)  # reported as ended, so it must have ended
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -468,7 +471,7 @@ def kill_starter(starter: subprocess.Popen[bytes]) -> None:
             stream.close()
     launcher = LAUNCHERS.pop(starter.pid, None)
     if launcher is not None:
-        wait_until(lambda: gone(launcher))
+        wait_until(lambda: gone(launcher), "the launcher gone", interval=0.01)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(launcher, 0)  # orphaned to us when we are a subreaper
 
@@ -503,7 +506,9 @@ def test_exit_while_nobody_watched_is_read_from_exit_json(limits: Limits, tasks:
     tasks.add(handle)
     kill_starter(starter)
     (Path(handle.workdir) / "go").touch()
-    wait_until(lambda: handle.status_path.exists() and gone(handle.pid))
+    wait_until(
+        lambda: handle.status_path.exists() and gone(handle.pid), "the status file, and the shim gone", interval=0.01
+    )
 
     driver = ProcessDriver(limits)
     assert not driver.recover(handle)
@@ -570,7 +575,7 @@ def test_memory_over_the_limit_is_oom_killed(
 
 def test_a_normal_sigkill_is_not_an_oom(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     handle = start(driver, tasks, make_spec(tmp_path, ["sleep", "30"]))
-    wait_until(lambda: (Path(handle.workdir) / "child.pid").exists())
+    wait_until(lambda: (Path(handle.workdir) / "child.pid").exists(), "the workload's child.pid", interval=0.01)
 
     async def go() -> ExitStatus:
         await driver.signal(handle, signal.SIGKILL)
@@ -676,11 +681,15 @@ def test_a_force_destroy_ends_a_machine_whose_workload_it_cannot_name(
     session after `KILL_PATIENCE` and returns, instead of waiting forever for a shim whose workload runs on
     (a destroy holds the machine's lock: a CI run's `apps destroy` waited on one until its test timed out)."""
     handle = start(driver, tasks, make_spec(tmp_path, ["sleep", "300"]))
-    wait_until(lambda: (Path(handle.workdir) / "child.pid").exists())
+    wait_until(lambda: (Path(handle.workdir) / "child.pid").exists(), "the workload's child.pid", interval=0.01)
     workload = read_pid(Path(handle.workdir) / "child.pid")
     assert workload is not None
     (Path(handle.workdir) / "child.pid").unlink()
     driver._forget_workload((handle.pid, handle.start_ticks))
     run(asyncio.wait_for(driver.destroy(handle, force=True), 30))
     assert not driver.recover(handle)
-    wait_until(lambda: not Path(f"/proc/{workload}").exists() or "Z" in Path(f"/proc/{workload}/stat").read_text())
+    wait_until(
+        lambda: not Path(f"/proc/{workload}").exists() or "Z" in Path(f"/proc/{workload}/stat").read_text(),
+        "the workload gone or a zombie",
+        interval=0.01,
+    )

@@ -20,8 +20,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from tests.helpers import wait_until
 from tests.workers import test_driver as shared
-from tests.workers.test_driver import BASE, REPO, Tasks, gone, make_spec, read_pid, run, start, wait_until
+from tests.workers.test_driver import BASE, REPO, Tasks, gone, make_spec, read_pid, run, start
 from workers.driver import fork_client as launcher_client
 from workers.driver.base import ExitStatus, TaskHandle
 from workers.driver.fork_server import (
@@ -93,7 +94,11 @@ def test_shims_are_forked_by_one_launcher_in_sessions_of_their_own(
     for handle in (first, second):
         assert parent_of(handle.pid) == launcher
         # `start` returns once the shim is forked; it is in its own session before it forks the workload
-        wait_until(lambda: read_pid(Path(handle.workdir) / "child.pid") is not None)  # noqa: B023
+        wait_until(
+            lambda: read_pid(Path(handle.workdir) / "child.pid") is not None,  # noqa: B023
+            "the pid in the workload's child.pid",
+            interval=0.01,
+        )
         assert os.getsid(handle.pid) == handle.pid  # not the launcher's session, not ours
         assert driver.recover(handle)
     assert os.getsid(launcher) == launcher  # its own session: no terminal signal reaches it
@@ -127,11 +132,15 @@ def test_a_killed_launcher_loses_no_machine_and_start_falls_back_then_respawns(
     before = start(driver, tasks, make_spec(tmp_path / "before", WAIT_FOR_GO))
     launcher = driver.launcher_pid
     assert launcher is not None
-    wait_until(lambda: read_pid(Path(before.workdir) / "child.pid") is not None)
-    wait_until(lambda: len(children_of(launcher)) == 1 + SPARES)
+    wait_until(
+        lambda: read_pid(Path(before.workdir) / "child.pid") is not None,
+        "the pid in the workload's child.pid",
+        interval=0.01,
+    )
+    wait_until(lambda: len(children_of(launcher)) == 1 + SPARES, "the launcher's children", interval=0.01)
     spares = [pid for pid, _ in children_of(launcher) if pid != before.pid]
     os.kill(launcher, signal.SIGKILL)
-    wait_until(lambda: gone(launcher))
+    wait_until(lambda: gone(launcher), "the launcher gone", interval=0.01)
     for spare in spares:  # they read end of file and exit, orphaned to us
         assert os.waitstatus_to_exitcode(os.waitpid(spare, 0)[1]) == ABANDONED
     assert driver.recover(before)  # the machine outlives its launcher
@@ -177,6 +186,7 @@ sys.stdin.read()  # until killed
 """
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.usefixtures("subreaper")
 def test_kill9_of_the_worker_ends_its_launcher_and_no_machine(limits: Limits, tasks: Tasks, tmp_path: Path) -> None:
     specs = [make_spec(tmp_path / str(i), WAIT_FOR_GO) for i in range(3)]
@@ -196,7 +206,9 @@ def test_kill9_of_the_worker_ends_its_launcher_and_no_machine(limits: Limits, ta
     starter.wait()
     starter.stdin.close()
     starter.stdout.close()
-    wait_until(lambda: gone(launcher))  # end of file on its socket: it exits with its worker
+    wait_until(
+        lambda: gone(launcher), "the launcher gone", interval=0.01
+    )  # end of file on its socket: it exits with its worker
     os.waitpid(launcher, 0)  # orphaned to us (a subreaper), so ours to reap
 
     restarted = ProcessDriver(limits)  # the worker's successor re-adopts every machine
@@ -231,7 +243,9 @@ def test_the_launcher_reaps_every_shim(driver: ProcessDriver, tasks: Tasks, tmp_
     launcher = driver.launcher_pid
     assert launcher is not None
     # reaped, not zombies: what is left are the spares, waiting for the next starts
-    wait_until(lambda: [state for _, state in children_of(launcher)] == ["S"] * SPARES)
+    wait_until(
+        lambda: [state for _, state in children_of(launcher)] == ["S"] * SPARES, "the spares asleep", interval=0.01
+    )
 
 
 REAP_A_FAILED_SHIM = """
@@ -251,6 +265,7 @@ while shims:
 """
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_shim_that_never_started_its_workload_gets_its_own_status_in_exit_json(tmp_path: Path) -> None:
     """The driver cannot wait for a shim that is the launcher's child: the launcher writes its status."""
     started, failed = tmp_path / "started", tmp_path / "failed"
@@ -295,6 +310,7 @@ launcher.reap(shims)  # the loop's next turn, with the wakeup fd
 """
 
 
+@pytest.mark.fleet  # starts processes of its own
 def test_a_shim_that_ended_is_recorded_before_the_next_run_clears_its_workdir(tmp_path: Path) -> None:
     """The record of a shim of the run before is written before the next run's request clears the workdir, never
     after (it landed in the new run's directory as the new run's end, and its temporary file clashed with the new
@@ -326,7 +342,7 @@ def test_a_shim_killed_right_after_start_is_reported_consistently(
             assert status.signal == signal.SIGKILL and not status.lost
         else:
             assert status.lost
-            wait_until(lambda: gone(workload))  # noqa: B023 - used at once
+            wait_until(lambda: gone(workload), "the workload gone", interval=0.01)  # noqa: B023 - used at once
         assert json.loads(handle.status_path.read_text())["finished_at"] == status.finished_at
 
 

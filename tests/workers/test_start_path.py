@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_until
 from tests.workers import test_driver as shared
-from tests.workers.test_driver import REPO, Tasks, gone, make_spec, read_pid, run, start, wait_until
+from tests.workers.test_driver import REPO, Tasks, gone, make_spec, read_pid, run, start
 from tests.workers.test_launcher import WAIT_FOR_GO, children_of, finish, parent_of, wait_for_go
 from workers.driver import fork_server as launcher
 from workers.driver.base import TaskHandle
@@ -70,7 +71,7 @@ def open_fds(pid: int) -> dict[int, str]:
 
 def test_a_start_hands_its_job_to_a_spare_forked_ahead(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     start(driver, tasks, make_spec(tmp_path / "first", ["true"]))  # spawns the launcher
-    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES)
+    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES, "the launcher's spares", interval=0.01)
     waiting = spares_of(driver)
     assert os.sched_getscheduler(driver.launcher_pid or 0) == os.SCHED_BATCH  # never preempts the worker
     for spare in waiting:
@@ -81,10 +82,14 @@ def test_a_start_hands_its_job_to_a_spare_forked_ahead(driver: ProcessDriver, ta
         assert len(fds) == 4, fds  # stdin, stdout, stderr and its channel: nothing of the launcher's
     handle = start(driver, tasks, make_spec(tmp_path / "second", WAIT_FOR_GO))
     assert handle.pid in waiting
-    wait_until(lambda: read_pid(Path(handle.workdir) / "child.pid") is not None)
+    wait_until(
+        lambda: read_pid(Path(handle.workdir) / "child.pid") is not None,
+        "the pid in the workload's child.pid",
+        interval=0.01,
+    )
     assert os.getsid(handle.pid) == handle.pid and parent_of(handle.pid) == driver.launcher_pid
     assert Path(os.readlink(f"/proc/{handle.pid}/cwd")) == Path(handle.workdir)
-    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES)  # replaced
+    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES, "the launcher's spares", interval=0.01)  # replaced
     assert finish(driver, handle).exit_code == 7
 
 
@@ -109,14 +114,16 @@ def test_a_spare_killed_while_waiting_is_replaced_and_reaped(
     driver: ProcessDriver, tasks: Tasks, tmp_path: Path
 ) -> None:
     start(driver, tasks, make_spec(tmp_path / "first", ["true"]))
-    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES)
+    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES, "the launcher's spares", interval=0.01)
     victim = spares_of(driver)[0]
     os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: victim not in dict(children_of(driver.launcher_pid or 0)))  # reaped, not a zombie
+    wait_until(
+        lambda: victim not in dict(children_of(driver.launcher_pid or 0)), "the victim reaped", interval=0.01
+    )  # reaped, not a zombie
     handles = [start(driver, tasks, make_spec(tmp_path / str(i), ["sh", "-c", "exit 3"])) for i in range(3)]
     assert victim not in {handle.pid for handle in handles}
     assert [finish(driver, handle).exit_code for handle in handles] == [3, 3, 3]
-    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES)
+    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES, "the launcher's spares", interval=0.01)
 
 
 def test_a_request_too_big_for_one_message_starts_directly_and_keeps_the_launcher(
@@ -148,6 +155,7 @@ os._exit(0)  # the launcher dies after handing the job over and before saying GO
 """
 
 
+@pytest.mark.fleet  # starts processes of its own
 @pytest.mark.usefixtures("subreaper")
 def test_a_spare_whose_launcher_dies_before_go_starts_nothing(tmp_path: Path) -> None:
     out = subprocess.run(
@@ -169,11 +177,11 @@ def test_a_spare_whose_launcher_dies_before_go_starts_nothing(tmp_path: Path) ->
 @pytest.mark.usefixtures("subreaper")
 def test_a_killed_launcher_takes_its_spares_and_no_machine(driver: ProcessDriver, tasks: Tasks, tmp_path: Path) -> None:
     running = start(driver, tasks, make_spec(tmp_path / "running", WAIT_FOR_GO))
-    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES)
+    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES, "the launcher's spares", interval=0.01)
     waiting, launcher_pid = spares_of(driver), driver.launcher_pid
     assert launcher_pid is not None
     os.kill(launcher_pid, signal.SIGKILL)
-    wait_until(lambda: gone(launcher_pid))
+    wait_until(lambda: gone(launcher_pid), "the launcher gone", interval=0.01)
     for spare in waiting:  # end of file on their channels; orphaned to us
         _, status = os.waitpid(spare, 0)
         assert os.waitstatus_to_exitcode(status) == launcher.ABANDONED
@@ -231,7 +239,7 @@ def test_a_start_cancelled_after_the_reply_ends_the_machine_it_started(
     driver: ProcessDriver, tasks: Tasks, tmp_path: Path
 ) -> None:
     start(driver, tasks, make_spec(tmp_path / "warm", ["true"]))
-    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES)
+    wait_until(lambda: len(spares_of(driver)) == launcher.SPARES, "the launcher's spares", interval=0.01)
     spec = make_spec(tmp_path / "cancelled", ["sleep", "30"])
     workdir = Path(spec.workdir)
 
@@ -285,17 +293,25 @@ def test_a_start_claims_a_pooled_cgroup_and_the_pool_refills(
     cgroups: Cgroup1Limits | Cgroup2Limits, driver: ProcessDriver, tasks: Tasks, tmp_path: Path
 ) -> None:
     start(driver, tasks, make_spec(tmp_path / "first", ["true"], memory_mb=64))
-    wait_until(lambda: len(cgroups.pool) == POOL_SIZE)
+    wait_until(lambda: len(cgroups.pool) == POOL_SIZE, "the cgroup pool full", interval=0.01)
     pooled = {path.stat().st_ino for path in pooled_dirs(cgroups)}
     handle = start(driver, tasks, make_spec(tmp_path / "second", ["sleep", "30"], memory_mb=64, cpus=2))
     machine_id = Path(handle.cgroups[0]).name
     assert all(Path(cgroup).name == machine_id for cgroup in handle.cgroups)  # renamed after the machine
     assert all(Path(cgroup).stat().st_ino in pooled for cgroup in handle.cgroups)  # not created now
-    wait_until(lambda: len(cgroups.pool) == POOL_SIZE)
-    wait_until(lambda: read_pid(Path(handle.workdir) / "child.pid") is not None)
+    wait_until(lambda: len(cgroups.pool) == POOL_SIZE, "the cgroup pool full", interval=0.01)
+    wait_until(
+        lambda: read_pid(Path(handle.workdir) / "child.pid") is not None,
+        "the pid in the workload's child.pid",
+        interval=0.01,
+    )
     workload = str(read_pid(Path(handle.workdir) / "child.pid"))
     for cgroup in handle.cgroups:  # joined (just before its exec)
-        wait_until(lambda: workload in (Path(cgroup) / "cgroup.procs").read_text().split())  # noqa: B023
+        wait_until(
+            lambda: workload in (Path(cgroup) / "cgroup.procs").read_text().split(),  # noqa: B023
+            "the workload in its cgroup",
+            interval=0.01,
+        )
     if isinstance(cgroups, Cgroup1Limits):
         memory, cpu = map(Path, handle.cgroups)
         assert (memory / "memory.limit_in_bytes").read_text().strip() == str(64 << 20)
@@ -307,13 +323,13 @@ def test_close_releases_the_pool_and_a_later_start_fills_it_again(
 ) -> None:
     driver = ProcessDriver(cgroups)
     start(driver, tasks, make_spec(tmp_path / "a", ["true"]))
-    wait_until(lambda: len(cgroups.pool) == POOL_SIZE)
+    wait_until(lambda: len(cgroups.pool) == POOL_SIZE, "the cgroup pool full", interval=0.01)
     driver.close()
     assert pooled_dirs(cgroups) == [] and len(cgroups.pool) == 0
     again = ProcessDriver(cgroups)
     try:
         start(again, tasks, make_spec(tmp_path / "b", ["true"]))
-        wait_until(lambda: len(cgroups.pool) == POOL_SIZE)
+        wait_until(lambda: len(cgroups.pool) == POOL_SIZE, "the cgroup pool full", interval=0.01)
     finally:
         again.close()
     assert pooled_dirs(cgroups) == []
@@ -337,7 +353,7 @@ def test_pooled_cgroups_left_by_a_crash_are_adopted_up_to_the_size_and_the_rest_
     assert isinstance(successor, Cgroup1Limits | Cgroup2Limits)
     try:
         claimed = successor.prepare("m-1", 64, 1)
-        wait_until(lambda: len(successor.pool) == POOL_SIZE)
+        wait_until(lambda: len(successor.pool) == POOL_SIZE, "the successor's cgroup pool full", interval=0.01)
         # bounded: adopted up to the size (the first claim found the pool empty), the rest removed
         names = {path.name for path in pooled_dirs(successor)}
         assert len(names) == POOL_SIZE and names < set(left)
@@ -355,7 +371,7 @@ def test_a_machine_whose_cgroup_exists_reuses_it(
     """A restart of the same machine: its cgroups are still there; the pool is not touched."""
     first = start(driver, tasks, make_spec(tmp_path / "a", ["true"], machine_id="m-again"))
     run(asyncio.wait_for(driver.wait(first), 10))
-    wait_until(lambda: len(cgroups.pool) == POOL_SIZE)
+    wait_until(lambda: len(cgroups.pool) == POOL_SIZE, "the cgroup pool full", interval=0.01)
     second = start(driver, tasks, make_spec(tmp_path / "b", ["true"], machine_id="m-again", memory_mb=96))
     assert second.cgroups == first.cgroups
     assert len(cgroups.pool) == POOL_SIZE
