@@ -81,7 +81,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFleet]:
             except OSError:
                 assert time.monotonic() < deadline and server.poll() is None, "nats-server did not start"
                 time.sleep(0.02)
-        prepared = secure.cli("operator", "fleet", "prepare", "--nats", secure.url)
+        # the regions' job queues too (without them the workers run without jobs: a queued job's status is tested)
+        prepared = secure.cli("operator", "fleet", "prepare", "--nats", secure.url, "--regions", "mad,mus")
         assert prepared.returncode == 0, prepared.stderr
         data = secure.root / "sec-w1"
         secure.spawn(
@@ -195,7 +196,7 @@ def test_a_queued_jobs_status_and_list_answer_from_any_regions_desk(fleet: Secur
     """A queued job has no record until a worker takes it: its status is read from its region's work queue by
     whichever worker's desk the request reaches, here either region's (mad's desk answered `mus`'s queued job
     with a 403: it could not read that queue)."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 20
     while True:  # the workers are listed (the fixture's wait) a moment before their job desks subscribe
         submitted = fleet.cli(
             *("ci-web", "job", "submit", "-a", "web", "-r", "mus", "--count", "6", "--runner", "process"),
