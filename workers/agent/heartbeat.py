@@ -156,17 +156,11 @@ class Heartbeat:
         self.spawn(beat())
 
 
-BEAT_SLICES = 20  # a group's beats are spread over its interval in this many turns
-
-
 class BeatGroup:
     """The heartbeats of the logical workers one process runs (a benchmark's simulated fleet, `--count`): one
-    timer for them all, instead of a timer, a sleep and a wait per logical worker (issue 44: at 1,000 workers
-    that background, not the placement, set the p99). The timer fires `BEAT_SLICES` times an interval and beats
-    one slice of the workers each time (their puts in flight together), so every worker still beats once an
-    interval but the fleet's beats are spread over it: all at once, each process's were a burst of puts in
-    nats-server and of registry updates in the brokers that the creates made meanwhile waited behind. Each put
-    is still its own worker's key, acknowledged as before (`Heartbeat.once`). A real fleet has one worker per
+    timer beats them all at once, their puts in flight together, instead of a timer, a sleep and a wait per
+    logical worker (issue 44: at 1,000 workers that background, not the placement, set the p99). Each put is
+    still its own worker's key, acknowledged as before (`Heartbeat.once`). A real fleet has one worker per
     process and no group."""
 
     def __init__(self, interval: float) -> None:
@@ -177,19 +171,9 @@ class BeatGroup:
         self.members.append(heartbeat)
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        step = self.interval / BEAT_SLICES
-        due = loop.time()
-        turn = 0
         while True:
-            due += step
-            await asyncio.sleep(max(0.0, due - loop.time()))
-            due = max(due, loop.time() - step)  # after a stall, go on from now rather than catch up at once
-            members = self.members[turn::BEAT_SLICES]
-            turn = (turn + 1) % BEAT_SLICES
-            if not members:
-                continue
-            outcomes = await asyncio.gather(*(member.once() for member in members), return_exceptions=True)
+            await asyncio.sleep(self.interval)
+            outcomes = await asyncio.gather(*(member.once() for member in self.members), return_exceptions=True)
             failed = sum(isinstance(outcome, Exception) for outcome in outcomes)
             if failed:
                 log.warning("heartbeat failed for %d of %d workers of this process", failed, len(outcomes))
