@@ -62,11 +62,13 @@ class JobQueue:
                 return job
         return None
 
-    async def queued(self, app: str, region: str | None = None, most: int = LIST_MOST) -> list[Job]:
-        """Every job of `app` whose message is in a queue (of `region`, or of any), oldest first per region."""
+    async def queued(self, app: str | None, region: str | None = None, most: int = LIST_MOST) -> list[Job]:
+        """Every job of `app` (None: of every app) whose message is in a queue (of `region`, or of any), oldest
+        first per region, at most `most` in all."""
         jobs: list[Job] = []
         for where in [region] if region is not None else await self.regions():
-            stream, wanted = subjects.jobs_stream(where), subjects.jobs_queue_app(where, app)
+            stream = subjects.jobs_stream(where)
+            wanted = subjects.jobs_queue_app(where, app) if app is not None else subjects.jobs_queue_jobs(where)
             seq = 1
             while len(jobs) < most:
                 message = await self.fast.get_message(stream, {"seq": seq, "next_by_subj": wanted})

@@ -152,7 +152,7 @@ def submit(
     async def go(client: JobsClient) -> list[Job]:
         jobs = await client.submit(where, request)
         if wait:
-            done = await client.wait(request.app, [job.id for job in jobs], wait_timeout)
+            done = await client.wait(request.app, [job.id for job in jobs], wait_timeout, submitted=True)
             jobs = [done[job.id] for job in jobs]
         return jobs
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,9 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bus.contract import subjects
 from bus.contract.codec import decode
+from bus.contract.errors import Forbidden, Unreachable
 from bus.contract.jobs import Job
 from bus.contract.machines import GetRequest, Machine, MachineEvent
+from bus.stores.job_queue import JobQueue
 from bus.stores.kv_watch import stop_watch
+from bus.transport.jsfast import FastJetStream
 from bus.transport.nats_adapter import BucketNotFoundError, Nats, NotFoundError
 from orchestrator.api.http import Brokers
 from orchestrator.apps.releases import Head, Release, Releases
@@ -27,6 +31,7 @@ from orchestrator.view.model import MachineRow
 
 LOG_LINES = 40
 JOBS_SHOWN = 200
+QUEUED_READ = 1000  # queued jobs read for the jobs page, oldest first (one message read each)
 
 
 class Progress(msgspec.Struct, frozen=True):
@@ -151,25 +156,46 @@ async def logs(nc: Nats, app: str, machine_id: str | None = None, lines: int = L
     return out
 
 
+_queues: weakref.WeakKeyDictionary[Any, JobQueue] = weakref.WeakKeyDictionary()
+
+
+async def _queue(nc: Nats) -> JobQueue:
+    """The work queues' reader of this connection (one reply inbox for the process, not one per page)."""
+    queue = _queues.get(nc)
+    if queue is None:
+        queue = _queues[nc] = JobQueue(await FastJetStream(nc).start())
+    return queue
+
+
 async def jobs(nc: Nats, app: str | None) -> list[Job]:
-    """Every job record (of `app`, or all), newest first, at most `JOBS_SHOWN`."""
+    """Every job (of `app`, or all), newest first, at most `JOBS_SHOWN`: the records, and the queued jobs that
+    have none yet (issue 44: a worker writes a job's record when it takes it), read from the work queues
+    first (a job taken between the two reads has its record written before its message goes)."""
+    found: dict[tuple[str, str], Job] = {}
+    try:
+        queued = await (await _queue(nc)).queued(app, most=QUEUED_READ)
+    except (Forbidden, Unreachable):
+        queued = []  # the queues out of reach: the records alone, as before
+    for job in queued:
+        found[(job.app, job.id)] = job
     try:
         kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
     except (BucketNotFoundError, NotFoundError):
-        return []
-    watcher: Any = await kv.watch(f"{subjects.check_token('app', app)}.*" if app else ">", ignore_deletes=True)
-    found: list[Job] = []
-    try:
-        while (entry := await watcher.updates(timeout=10.0)) is not None:
-            if entry.value:
-                try:
-                    found.append(decode(Job, entry.value))
-                except Exception:
-                    continue
-    finally:
-        await stop_watch(watcher)
-    found.sort(key=lambda j: j.submitted_at, reverse=True)
-    return found[:JOBS_SHOWN]
+        kv = None
+    if kv is not None:
+        watcher: Any = await kv.watch(f"{subjects.check_token('app', app)}.*" if app else ">", ignore_deletes=True)
+        try:
+            while (entry := await watcher.updates(timeout=10.0)) is not None:
+                if entry.value:
+                    try:
+                        job = decode(Job, entry.value)
+                    except Exception:
+                        continue
+                    found[(job.app, job.id)] = job
+        finally:
+            await stop_watch(watcher)
+    shown = sorted(found.values(), key=lambda j: j.submitted_at, reverse=True)
+    return shown[:JOBS_SHOWN]
 
 
 async def job(nc: Nats, app: str, job_id: str) -> Job:

@@ -201,7 +201,10 @@ class FleetDir:
 
     def _save(self, entries: list[Entry]) -> None:
         (self.root / IDENTITIES).write_bytes(msgspec.json.format(msgspec.json.encode(entries)) + b"\n")
-        users = [_render_user(entry.public_key, permissions(entry.identity), entry.identity) for entry in entries]
+        regions = {entry.identity.region for entry in entries if entry.identity.region}  # its workers' regions
+        users = [
+            _render_user(entry.public_key, permissions(entry.identity, regions), entry.identity) for entry in entries
+        ]
         body = "authorization {\n  users: [\n" + ",\n".join(users) + "\n  ]\n}\n"
         tmp = self.root / "users.conf.tmp"
         tmp.write_text("# generated from identities.json by fauxmad: edit with `fauxmad fleet add-*`\n" + body)

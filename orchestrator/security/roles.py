@@ -7,14 +7,15 @@ not listed is refused, and the server drops the message), built here from the co
 - `worker` (one per host, bound to its id and region): answers only its own `worker.<id>.>` subjects and
   its own region's offers; publishes events only under `events.<region>.<id>.>` and writes only its own
   heartbeat key; records the job requests it answers in the audit stream; reads the streams it republishes
-  into.
+  into, and a queued job by its subject in any region's work queue (its desk answers any job's status).
 - `broker`: answers the API (`api.>`); asks workers (`offers.*`, `worker.*.>`); keeps idempotency claims;
   records the requests it answers in the audit stream; reads the fleet's buckets and streams; writes the
   images a checked push brings (the image store, its manifests and tags). It hears the workers' heartbeats as
   they are published (`$KV.<workers bucket>.>`) until its registry's watch runs (orchestrator/broker/readiness.py).
 - `api` (`fauxmad api`, its web console included): what a broker may (it embeds one), and what the HTTP API does
   beside it: app records, heads and their purge in the apps bucket (`POST`/`DELETE /v1/apps`), binding the audit
-  stream, watching the revoked tokens, and asking workers for a job's status and list (the console's job pages).
+  stream, watching the revoked tokens, asking workers for a job's status and list (the console's job pages), and
+  reading the queued jobs in every region's work queue (the console's jobs list).
   Each HTTP request's token decides which app it may touch; the server's permissions cannot.
 - `proxy` (`fauxmad proxy`, the edge): only what the edge does. It reads the route table's buckets (heartbeats,
   the routing index, apps and releases) and binds the fleet's other streams (their info only); it asks the brokers'
@@ -45,6 +46,7 @@ subjects carry no worker id, so a worker's writes there cannot be narrowed to it
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
@@ -135,9 +137,19 @@ def read_streams(streams: tuple[str, ...] = FLEET_STREAMS) -> tuple[str, ...]:
     return tuple(allowed)
 
 
-def permissions(identity: Identity) -> Permissions:
-    """The server-side permissions of `identity` (raises ValueError when a binding it needs is missing)."""
+def queue_reads(regions: Iterable[str]) -> tuple[str, ...]:
+    """Reading a queued job by its subject in the work queue of each of `regions` (`$JS.API.STREAM.MSG.GET` only:
+    no consumer, no ack). A job has no record until a worker takes it (issue 44), and any worker's desk answers
+    a job's status, list and cancel, so a desk reads every region's queue, and so does the console (the `api`
+    role); what it reads there, the job as submitted, is what every such identity reads in the job records."""
+    return tuple(f"$JS.API.STREAM.MSG.GET.{subjects.jobs_stream(region)}" for region in sorted(set(regions)))
+
+
+def permissions(identity: Identity, regions: Iterable[str] = ()) -> Permissions:
+    """The server-side permissions of `identity` (raises ValueError when a binding it needs is missing);
+    `regions`: the fleet's regions (its workers', beside a supercluster's own), whose work queues are read."""
     layout = from_env()
+    every_region = {*regions, *layout.regions, *([identity.region] if identity.region else [])}
     inbox = f"{identity.inbox_prefix}.>"
     role = identity.role
     if role == "operator":
@@ -158,6 +170,7 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.AUDIT_ALL,  # the audit records of the job requests it answers (`bus.transport.audit`)
                 *read_streams(),
                 *_worker_jobs_publish(region),
+                *queue_reads(every_region),
             ),
             subscribe=(
                 f"{P}.worker.{worker_id}.>",
@@ -173,6 +186,7 @@ def permissions(identity: Identity) -> Permissions:
         return Permissions(
             publish=(
                 *(_api_publish() if role == "api" else ()),
+                *(queue_reads(every_region) if role == "api" else ()),
                 f"{P}.offers.*",
                 f"{P}.worker.*.>",
                 subjects.kv_put(subjects.IDEMPOTENCY_BUCKET, ">"),

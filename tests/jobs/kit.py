@@ -18,7 +18,7 @@ async def submit_and_wait(url: str, region: str, timeout: float = 120.0, **field
     jobs = await client(url)
     try:
         submitted = await jobs.submit(region, JobSubmitRequest(**fields))
-        done = await jobs.wait(fields["app"], [job.id for job in submitted], timeout)
+        done = await jobs.wait(fields["app"], [job.id for job in submitted], timeout, submitted=True)
         return [done[job.id] for job in submitted]
     finally:
         await jobs.close()

@@ -103,6 +103,55 @@ def test_a_queued_job_has_no_record_and_status_list_wait_and_cancel_find_it_in_t
     assert [line.split(":")[0] for line in runs.read_text().split()] == [waiting]  # the cancelled one never ran
 
 
+def test_a_wait_on_a_submits_jobs_asks_the_desk_nothing_for_the_queued_ones(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str]
+) -> None:
+    """`wait(..., submitted=True)` (the bench's, `job submit --wait`'s) takes the jobs for existing: a queued one
+    (no record yet) is not asked after with a status request each, as a wait on ids from elsewhere does."""
+    region, app = unique("r"), unique("a")
+    worker_factory(region, cpus=1)
+
+    async def scenario() -> dict[str, Any]:
+        jobs = await client(nats_url)
+        asked: list[str] = []
+
+        async def count(msg: Any) -> None:
+            asked.append(msg.subject)
+
+        watch = await jobs.nc.subscribe(subjects.api_jobs(app, "status"), cb=count)  # beside the desk's queue group
+        try:
+            (blocker,) = await jobs.submit(region, JobSubmitRequest(app=app, cmd=["sleep", "60"], runner="process"))
+            await until_state(jobs, app, blocker.id, "running")
+            queued = await jobs.submit(region, JobSubmitRequest(app=app, cmd=["true"], count=5, runner="process"))
+            ids = [job.id for job in queued]
+            seen: dict[str, Any] = {}
+            before = len(asked)
+            try:
+                await jobs.wait(app, ids, 0.5, submitted=True)
+            except DeadlineExceeded as exc:
+                seen["submitted_wait"] = exc
+            seen["asked_submitted"] = len(asked) - before
+            before = len(asked)
+            try:
+                await jobs.wait(app, ids, 0.5)
+            except DeadlineExceeded as exc:
+                seen["wait"] = exc
+            seen["asked"] = len(asked) - before
+            await jobs.cancel(app, blocker.id)
+            seen["states"] = {job.state for job in (await jobs.wait(app, ids, 30.0, submitted=True)).values()}
+            return seen
+        finally:
+            await watch.unsubscribe()
+            await jobs.close()
+
+    seen = arun(scenario())
+    assert isinstance(seen.get("submitted_wait"), DeadlineExceeded)
+    assert seen["asked_submitted"] == 0
+    assert isinstance(seen.get("wait"), DeadlineExceeded)
+    assert seen["asked"] > 0  # the other wait asks after the queued jobs: what this test sees when one does
+    assert seen["states"] == {"succeeded"}
+
+
 def test_a_keyed_submit_is_exactly_once_without_a_record_at_the_submit(
     nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str], tmp_path: Path
 ) -> None:

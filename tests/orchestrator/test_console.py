@@ -20,9 +20,11 @@ from typing import Any
 
 import pytest
 
+from bus.contract.jobs import JobSubmitRequest
 from lab.bench.console import CHROMIUM, CHROMIUM_ARGS
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
+from orchestrator.jobs.client import JobsClient
 from orchestrator.security.tokens import caveats_for, mint, new_root_key
 from tests.helpers import ROOT, arun, audit_records, connect_nats, wait_until
 from tests.orchestrator import proxy_kit as kit
@@ -346,6 +348,36 @@ def test_a_deployers_token_sees_its_app_only_and_the_jobs_and_heatmap_pages_answ
 
     status, body = console.get("/ui/heatmap", console.operator)
     assert status == 200 and 'class="heatmap"' in body and "mad-w1" in body
+
+
+def test_the_jobs_page_lists_queued_jobs_that_have_no_record_yet(console: Console) -> None:
+    """A queued job has no record until a worker takes it (issue 44): the jobs page reads the work queues too.
+    More jobs than mad's slots (2 workers x 4 cpus) stay queued; without the queues' read they were missing."""
+
+    async def submit() -> list[str]:
+        jobs = JobsClient(await connect_nats(console.fleet.url))
+        try:
+            request = JobSubmitRequest(app="queuedjobs", cmd=["sleep", "60"], count=14, runner="process")
+            return [job.id for job in await jobs.submit("mad", request)]
+        finally:
+            await jobs.close()
+
+    async def cancel(ids: list[str]) -> None:
+        jobs = JobsClient(await connect_nats(console.fleet.url))
+        try:
+            for job_id in ids:
+                await jobs.cancel("queuedjobs", job_id)
+        finally:
+            await jobs.close()
+
+    ids = arun(submit())
+    try:
+        status, body = console.get("/ui/jobs?app=queuedjobs", console.operator)
+        assert status == 200, body
+        assert all(job_id in body for job_id in ids), body
+        assert 'class="j-queued"' in body, body
+    finally:
+        arun(cancel(ids))
 
 
 def test_actions_answer_their_real_outcome_and_are_audited(console: Console) -> None:

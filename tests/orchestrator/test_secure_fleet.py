@@ -81,7 +81,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFleet]:
             except OSError:
                 assert time.monotonic() < deadline and server.poll() is None, "nats-server did not start"
                 time.sleep(0.02)
-        prepared = secure.cli("operator", "fleet", "prepare", "--nats", secure.url)
+        # the regions' job queues too (without them the workers run without jobs: a queued job's status is tested)
+        prepared = secure.cli("operator", "fleet", "prepare", "--nats", secure.url, "--regions", "mad,mus")
         assert prepared.returncode == 0, prepared.stderr
         data = secure.root / "sec-w1"
         secure.spawn(
@@ -189,6 +190,36 @@ def test_a_viewer_reads_and_cannot_create(fleet: SecureFleet) -> None:
     assert listed.returncode == 0, listed.stderr
     create = fleet.cli("ops-bob", "machine", "run", "-a", "web", "-r", "mad", "--nats", fleet.url, "--", "true")
     assert create.returncode == 6 and "not allowed" in create.stderr
+
+
+def test_a_queued_jobs_status_and_list_answer_from_any_regions_desk(fleet: SecureFleet) -> None:
+    """A queued job has no record until a worker takes it: its status is read from its region's work queue by
+    whichever worker's desk the request reaches, here either region's (mad's desk answered `mus`'s queued job
+    with a 403: it could not read that queue)."""
+    deadline = time.monotonic() + 20
+    while True:  # the workers are listed (the fixture's wait) a moment before their job desks subscribe
+        submitted = fleet.cli(
+            *("ci-web", "job", "submit", "-a", "web", "-r", "mus", "--count", "6", "--runner", "process"),
+            *("--json", "--nats", fleet.url, "--", "sleep", "60"),
+        )
+        if "nobody answers" not in submitted.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert submitted.returncode == 0, submitted.stderr
+    ids = [job["id"] for job in json.loads(submitted.stdout)]
+    try:
+        states = []
+        for job_id in ids * 2:  # twice each: the desks are a queue group, so both regions' answer some
+            status = fleet.cli("ops-bob", "job", "status", job_id, "-a", "web", "--json", "--nats", fleet.url)
+            assert status.returncode == 0, status.stderr
+            states.append(json.loads(status.stdout)["state"])
+        assert "queued" in states and set(states) <= {"queued", "running"}, states  # 4 slots on mus, 6 jobs
+        listed = fleet.cli("ops-bob", "job", "list", "-a", "web", "--state", "queued", "--json", "--nats", fleet.url)
+        assert listed.returncode == 0, listed.stderr
+        assert {job["id"] for job in json.loads(listed.stdout)} & set(ids)
+    finally:
+        for job_id in ids:
+            fleet.cli("ci-web", "job", "cancel", job_id, "-a", "web", "--nats", fleet.url)
 
 
 def test_a_revoked_identity_is_cut_off(fleet: SecureFleet) -> None:

@@ -8,6 +8,8 @@ message is bound to this worker only when it arrives, and it arrives only becaus
 worker holds a queue of its own, so a job never waits behind another on a busy worker while an idle one
 is free. A full worker asks for nothing. A slot is free again as soon as its job's process has ended
 (`handle` is given a `release`), not once the outcome is written: the next job is asked for meanwhile.
+While a request is open, freed slots are asked for together once half the slots are free (one pull
+request for several jobs), not one request per freed slot.
 """
 
 from __future__ import annotations
@@ -97,8 +99,13 @@ class Puller:
         for request, (_, asked_at) in list(self.requests.items()):
             if now - asked_at > self.expires + 1.0:  # its end never came (a reconnect): stop counting it
                 self.requests.pop(request, None)
-        want = self.slots() - self.in_flight - self.outstanding
+        slots = self.slots()
+        want = slots - self.in_flight - self.outstanding
         if want <= 0 or not self.nc.is_connected or now < self._quiet_until:
+            return
+        if self.outstanding and want < (slots + 1) // 2:
+            # a request is still open (a job arriving now is taken at once): the slots freed since are asked for
+            # together, once half are free, not one pull request each (in a burst: 0.7 requests per job)
             return
         request = str(next(self._ids))
         self.requests[request] = (want, now)

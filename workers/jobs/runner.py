@@ -172,7 +172,11 @@ class JobRunner:
         deferred = base is not None and base.runner == "process"
         if deferred:  # the fast path: run at once, claim in the record only if it still runs later (guard)
             assert base is not None
-            taken, known = claim(base), read
+            # no record read (a fresh message), or none there when read: the first write is made as a
+            # compare-and-set on "no value yet" (revision 0) without reading first; a record written meanwhile (a
+            # cancel) fails it, and it is read then and decided again (`JobRecords.change_from`): one request less
+            taken = claim(base)
+            known = read if read is not None else (base, 0) if fresh is not None else None
             if taken is None:
                 await msg.nak(delay=0.05)
                 return
