@@ -30,7 +30,10 @@ outage of any length both copies converge on the log.
   async: `bus.transport.jetstream`).
 - After the connection comes back (a server restarted, or this worker moved to another), every machine's index
   entry is queued again (`machines`): a bucket stored without an fsync per write may have lost its last
-  writes to a killed server, and this puts them back (docs/explanation/architecture.md).
+  writes to a killed server, and this puts them back (docs/explanation/architecture.md). Every machine, also
+  one whose entry is in a round still in flight: the dead server may have acked it before losing it.
+- A `created` event that carries its create's audit record goes on its machine's subject plus `.audit`, which
+  the audit stream sources (`bus.transport.jetstream.audited_events_source`).
 - On start, before this run commits anything, `republish` queues every machine's index entry and
   every event of its log that the stream lacks (those after the last one the stream has for that
   machine): events queued in memory when the worker died are not lost for good, however many records
@@ -333,9 +336,12 @@ class Outbox:
             except Exception:
                 log.exception("outbox: could not read the machines to index them again")
                 continue
+            # every one, even a machine whose entry is queued or in a round in flight: that round's ack may have
+            # come from the server that died before writing it (an unsynced bucket acks before its write is on
+            # disk), and the round would then drop the entry as delivered. A new entry object is kept by the
+            # round (`_round` drops only the very entry it sent), so it goes again, from the log as it is now.
             for machine in machines:
-                if machine.id not in self._index:  # a newer entry waiting already says as much
-                    self.index(machine)
+                self.index(machine)
 
     async def _deliver(self) -> None:
         delay = self.retry_min
