@@ -53,7 +53,7 @@ from bus.contract.base import seconds
 from bus.contract.errors import Unreachable
 from bus.transport import layout as layouts
 from bus.transport.at_home import at_home, home_silent
-from bus.transport.fleet_layout import Told, fleet_layout, why_unanswered
+from bus.transport.fleet_layout import Told, clustered, fleet_layout, why_unanswered
 from bus.transport.layout import Layout
 from bus.transport.nats_adapter import Bucket
 from bus.transport.placed_kv import create_placed_kv
@@ -220,9 +220,10 @@ async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig, *, rep
     A fleet-wide bucket: in a supercluster whose home region does not answer, bound unseen (`at_home`).
 
     `replica`: the bucket only replicates what its writers can write again (the routing index: the workers'
-    logs), so on one replica and on disk it is made with `persist_mode` async, acked without an fsync per
-    write (nats-server allows that on one replica only; a replicated bucket keeps the default). A bucket made
-    before keeps what it was made with."""
+    logs), so on a lone server, on one replica and on disk, it is made with `persist_mode` async, acked without an
+    fsync per write (nats-server allows that on one replica only; a replicated bucket keeps the default, and so
+    does one on a cluster's server, which `fauxmad fleet replicas 3` could only replicate by making it again,
+    empty). A bucket made before keeps what it was made with."""
     bucket = config.bucket
     assert bucket is not None
 
@@ -239,7 +240,9 @@ async def _bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig, *, re
     except (NotFoundError, BucketNotFoundError):
         pass
     place_at_home(config, await fleet_layout(js, fresh=True))  # created now: as the fleet's layout says now
-    unsynced = replica and (config.replicas or 1) <= 1 and config.storage != StorageType.MEMORY
+    # a lone server only: a bucket of a cluster may be moved to R3 (`fauxmad fleet replicas`), which would make an
+    # async one again, empty (`fleet_layout._move_stream`)
+    unsynced = replica and (config.replicas or 1) <= 1 and config.storage != StorageType.MEMORY and not clustered(js)
     try:
         if config.placement is not None or unsynced:
             return await create_placed_kv(js, config, PersistMode.ASYNC if unsynced else None)
