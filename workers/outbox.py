@@ -30,7 +30,10 @@ outage of any length both copies converge on the log.
   async: `bus.transport.jetstream`).
 - After the connection comes back (a server restarted, or this worker moved to another), every machine's index
   entry is queued again (`machines`): a bucket stored without an fsync per write may have lost its last
-  writes to a killed server, and this puts them back (docs/explanation/architecture.md).
+  writes to a killed server, and this puts them back (docs/explanation/architecture.md). Every machine, also
+  one whose entry is in a round still in flight: the dead server may have acked it before losing it.
+- A `created` event that carries its create's audit record goes on its machine's subject plus `.audit`, which
+  the audit stream sources (`bus.transport.jetstream.audited_events_source`).
 - On start, before this run commits anything, `republish` queues every machine's index entry and
   every event of its log that the stream lacks (those after the last one the stream has for that
   machine): events queued in memory when the worker died are not lost for good, however many records
@@ -208,9 +211,12 @@ class Outbox:
     def _pending(self, machine: Machine, numbered: Iterable[tuple[int, MachineEvent]]) -> list[PendingEvent]:
         """`(n, event)` pairs as messages, each with its `Nats-Msg-Id`."""
         subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
+        audited = f"{subject}.{subjects.AUDITED}"  # a created event with its audit: the audit stream sources it
         return [
             PendingEvent(
-                subject, encode(event), {MSG_ID_HEADER: event_msg_id(self.worker_id, machine.id, event.seq, n)}
+                subject if event.audit is None else audited,
+                encode(event),
+                {MSG_ID_HEADER: event_msg_id(self.worker_id, machine.id, event.seq, n)},
             )
             for n, event in numbered
         ]
@@ -283,7 +289,14 @@ class Outbox:
         return self.clock() - max_age if max_age else 0.0
 
     async def _stream_has(self, subject: str) -> Have:
-        """`(log seq, n)` of the last event on `subject` in the stream; NOTHING for none, None for unknown."""
+        """`(log seq, n)` of the machine's last event in the stream (its `subject`, else its audited `created`
+        event's, the first of its events when it has one); NOTHING for none, None for unknown."""
+        have = await self._stream_has_on(subject)
+        if have is NOTHING:
+            return await self._stream_has_on(f"{subject}.{subjects.AUDITED}")
+        return have
+
+    async def _stream_has_on(self, subject: str) -> Have:
         try:
             msg = await asyncio.wait_for(self._js.get_last_msg(self._events_stream, subject), self.timeout)
         except NotFoundError:
@@ -323,9 +336,12 @@ class Outbox:
             except Exception:
                 log.exception("outbox: could not read the machines to index them again")
                 continue
+            # every one, even a machine whose entry is queued or in a round in flight: that round's ack may have
+            # come from the server that died before writing it (an unsynced bucket acks before its write is on
+            # disk), and the round would then drop the entry as delivered. A new entry object is kept by the
+            # round (`_round` drops only the very entry it sent), so it goes again, from the log as it is now.
             for machine in machines:
-                if machine.id not in self._index:  # a newer entry waiting already says as much
-                    self.index(machine)
+                self.index(machine)
 
     async def _deliver(self) -> None:
         delay = self.retry_min

@@ -244,6 +244,11 @@ async def _stream_config(js: JetStreamContext, name: str) -> StreamConfig | None
         return None
 
 
+def clustered(js: JetStreamContext) -> bool:
+    """Whether the server this connection reached is in a cluster (its INFO names one)."""
+    return bool(server_info(_connection(js)).get("cluster"))
+
+
 def offered_replicas(js: JetStreamContext) -> int:
     """What the server this connection reached offers: R3 in a cluster of three or more servers (its INFO's
     `connect_urls` lists every server of its cluster), else R1."""

@@ -36,7 +36,15 @@ from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, PersistMode, Placement, StorageType, StreamConfig, StreamSource
+from nats.js.api import (
+    KeyValueConfig,
+    PersistMode,
+    Placement,
+    StorageType,
+    StreamConfig,
+    StreamSource,
+    SubjectTransform,
+)
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -45,7 +53,7 @@ from bus.contract.base import seconds
 from bus.contract.errors import BadRequest, Unreachable
 from bus.transport import layout as layouts
 from bus.transport.at_home import at_home, home_silent
-from bus.transport.fleet_layout import Told, fleet_layout, why_unanswered
+from bus.transport.fleet_layout import Told, clustered, fleet_layout, why_unanswered
 from bus.transport.layout import Layout
 from bus.transport.nats_adapter import Bucket
 from bus.transport.placed_kv import create_placed_kv
@@ -225,9 +233,10 @@ async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig, *, rep
     A fleet-wide bucket: in a supercluster whose home region does not answer, bound unseen (`at_home`).
 
     `replica`: the bucket only replicates what its writers can write again (the routing index: the workers'
-    logs), so on one replica and on disk it is made with `persist_mode` async, acked without an fsync per
-    write (nats-server allows that on one replica only; a replicated bucket keeps the default). A bucket made
-    before keeps what it was made with."""
+    logs), so on a lone server, on one replica and on disk, it is made with `persist_mode` async, acked without an
+    fsync per write (nats-server allows that on one replica only; a replicated bucket keeps the default, and so
+    does one on a cluster's server, which `fauxmad fleet replicas 3` could only replicate by making it again,
+    empty). A bucket made before keeps what it was made with."""
     bucket = config.bucket
     assert bucket is not None
 
@@ -244,7 +253,9 @@ async def _bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig, *, re
     except (NotFoundError, BucketNotFoundError):
         pass
     place_at_home(config, await fleet_layout(js, fresh=True))  # created now: as the fleet's layout says now
-    unsynced = replica and (config.replicas or 1) <= 1 and config.storage != StorageType.MEMORY
+    # a lone server only: a bucket of a cluster may be moved to R3 (`fauxmad fleet replicas`), which would make an
+    # async one again, empty (`fleet_layout._move_stream`)
+    unsynced = replica and (config.replicas or 1) <= 1 and config.storage != StorageType.MEMORY and not clustered(js)
     try:
         if config.placement is not None or unsynced:
             return await create_placed_kv(js, config, PersistMode.ASYNC if unsynced else None)
@@ -393,8 +404,9 @@ async def _state_buckets(
             layout,
             region,
         ),
-        # not `replica=True` (async persistence) yet: tests/faults/test_nats_restart.py lost 2 of 300 entries to a
-        # killed server that the workers' re-put after reconnecting did not restore (docs/explanation/architecture.md)
+        # a replica of the workers' logs, which put every entry again after a reconnect: not fsync'd per write on
+        # one server (docs/explanation/architecture.md#one-durable-write-per-create)
+        replica=True,
     )
     idempotency = await bind_or_create_kv(
         js,
@@ -523,18 +535,52 @@ async def ensure_logs_stream(js: JetStreamContext, config: FleetConfig | None = 
 AUDIT_MAX_AGE = 90 * 24 * 3600.0  # an audit trail outlives the events it explains
 
 
+def audited_events_source() -> StreamSource:
+    """The audit stream's source: the events stream's audited `created` events (a create's audit record rides in
+    its event), stored under their app's audit subject. nats-server copies them, so a create makes no write of
+    its own to the audit stream and its record is kept the audit stream's 90 days, not the events' 7. The fleet's
+    `FAUXMAD_EVENTS` in either layout: a supercluster's sources every region's, and is at home as this is."""
+    return StreamSource(
+        name=subjects.EVENTS_STREAM,
+        subject_transforms=[SubjectTransform(src=subjects.EVENTS_AUDITED_ALL, dest=subjects.AUDIT_OF_AUDITED_EVENT)],
+    )
+
+
+def _sources_audited_events(stream: StreamConfig) -> bool:
+    wanted = audited_events_source()
+    return any(
+        source.name == wanted.name
+        and [(t.src, t.dest) for t in source.subject_transforms or []]
+        == [(t.src, t.dest) for t in wanted.subject_transforms or []]
+        for source in stream.sources or []
+    )
+
+
 async def ensure_audit_stream(js: JetStreamContext) -> None:
-    """The audit stream (mutating requests and who made them), created or bound like the others."""
-    await _fleet_wide_stream(
+    """The audit stream (mutating requests and who made them, and the creates' records sourced from the events
+    stream), created or bound like the others; one made before it sourced the events gets the source (in a
+    secure fleet only the operator may: `fauxmad fleet prepare`)."""
+    current = await _fleet_wide_stream(
         js,
         StreamConfig(
             name=subjects.AUDIT_STREAM,
             subjects=[subjects.AUDIT_ALL],
+            sources=[audited_events_source()],
             storage=StorageType.FILE,
             description="every mutating API request (HTTP or NATS), with the identity that made it",
         ),
         StreamLimits(max_age=AUDIT_MAX_AGE, max_bytes=1 << 30, explicit=False),
     )
+    if not _sources_audited_events(current):
+        current.sources = [*(current.sources or []), audited_events_source()]
+        try:  # a secure fleet's server drops a request its identity may not make: no answer, so bounded
+            await asyncio.wait_for(js.update_stream(current), 2.0)
+        except Exception as exc:  # not allowed (a secure fleet's agent), or updated meanwhile
+            log.warning(
+                "the audit stream does not source the creates' records from the events stream and could not be"
+                " made to (%s): run `fauxmad fleet prepare` with the operator's credentials",
+                exc,
+            )
 
 
 async def revoked_tokens_bucket(js: JetStreamContext) -> KeyValue:

@@ -388,6 +388,64 @@ def test_an_item_nats_keeps_refusing_holds_up_nothing_else(
     assert len(warnings) == 1
 
 
+def test_after_a_reconnect_an_entry_acked_in_a_round_still_in_flight_goes_again(
+    nats_url: str, unique: Callable[[str], str]
+) -> None:
+    """The routing index is not fsync'd per write on one server, so a killed server may lose an entry it had
+    acked. After the connection comes back every machine's entry goes again, also one whose ack came in a round
+    that was still waiting for the rest of its acks when the connection came back (that round then counts it
+    delivered). Real nats-server, in-process outbox: the machine's event is taken by a subscriber that never
+    answers, so its round waits out the timeout while the index entry is acked; the entry is then purged (the
+    lost write) and the reconnect counted. Without re-queueing it, the round drops it and the bucket keeps
+    nothing."""
+    worker_id, region, bucket = unique("w"), unique("r"), unique("idx")
+
+    async def main() -> Any:
+        from nats.js.api import KeyValueConfig
+
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
+        silent = await nc.subscribe(f"fauxmad.v1.events.{region}.>")  # takes the event, never acks it
+        machine = Machine(
+            id="00000000000001",
+            name="m",
+            app="reidx",
+            region=region,
+            worker_id=worker_id,
+            state="created",
+            config=MachineConfig(),
+            instance_id="i",
+            created_at="",
+            updated_at="",
+            version=1,
+        )
+        outbox = Outbox(nc, worker_id=worker_id, index_bucket=bucket, timeout=2.0, machines=lambda: [machine])
+        task = asyncio.create_task(outbox.run())
+        event = MachineEvent(status="created", seq=1, machine_id=machine.id, worker_id=worker_id)
+        outbox.committed(
+            MachineRecord(seq=1, at=0.0, op="reserve", stored=StoredMachine(machine=machine, events=[event]))
+        )
+
+        async def stored() -> Any:
+            try:
+                return await kv.get(machine.id)
+            except Exception:
+                return None
+
+        await until(stored, "the index entry acked (its round still waits for the event's ack)", timeout=1.5)
+        await kv.purge(machine.id)  # what a killed server that had acked it without an fsync loses
+        nc.stats["reconnects"] += 1  # the connection came back (to the restarted server)
+        found = await until(stored, "the entry put again after the reconnect", timeout=10)
+        task.cancel()
+        await silent.unsubscribe()
+        await nc.close()
+        return found
+
+    entry = msgspec.json.decode(arun(main()).value)
+    assert entry["id"] == "00000000000001" and entry["worker_id"] == worker_id
+
+
 def test_record_events_are_the_tail_with_the_record_sequence() -> None:
     events = [
         MachineEvent(status="started", seq=4),
