@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from lab.torture.check import HEAL_SETTLE_S, check
-from lab.torture.history import Fault, Listed, Meta, Op, Proc, Record, RegionProbe, Sample, WorkerView
+from lab.torture.history import Event, Fault, Listed, Meta, Op, Proc, Record, RegionProbe, Sample, WorkerView
 from lab.torture.plan import ALL_FAULT_KINDS, FAULT_KINDS, HOST_FAULT_KINDS, fault_schedule
 from orchestrator.devfleet import FAKETIME_LIBRARY
 from orchestrator.devhosts import unavailable
@@ -171,6 +171,21 @@ def test_a_lease_from_a_worker_under_a_skewed_clock_is_judged_in_real_time() -> 
     assert failing([*clean(), skew, first, second]) == set()
     unskewed = Fault(kind="skew", target="t2-w1", start=T0 + 10, end=T0 + 16, skew=0.0)
     assert failing([*clean(), unskewed, first, second]) == {"lease"}  # taken at their word, they overlap
+
+
+def test_an_event_stamped_right_after_a_skew_by_the_restarted_worker_keeps_its_time() -> None:
+    """Seed 107: t2-w1 ran 3 s ahead until t+16; the operator started ha3 on t1-w1 at t+17 and then stopped ha2 on
+    t2-w1 at t+19.5, stamped by t2-w1's right clock again. Taken back 3 s (t+16.5, after the skew had ended) the
+    stop would come before ha3's start and leave the region no copy; it was never stamped by the skewed clock, so
+    it stays where it is. A stop the skewed clock did stamp (t+18, so t+15 real) is still taken back."""
+    skew = Fault(kind="skew", target="t2-w1", start=T0 + 10, end=T0 + 16, skew=3.0)
+
+    def event(at: float, machine_id: str, worker: str, status: str) -> Event:
+        return Event(at=T0 + at, machine_id=machine_id, region="t2", worker_id=worker, status=status, source="user")
+
+    copies = [event(5, "ha2", "t2-w1", "started"), event(17, "ha3", "t1-w1", "started")]
+    assert "operator-last-copy" not in failing([*clean(), skew, *copies, event(19.5, "ha2", "t2-w1", "stopped")])
+    assert "operator-last-copy" in failing([*clean(), skew, *copies, event(18, "ha2", "t2-w1", "stopped")])
 
 
 def test_every_kind_strikes_in_a_short_run_and_a_one_host_schedule_is_as_before() -> None:
