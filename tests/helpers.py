@@ -287,9 +287,31 @@ def pid_alive(pid: int) -> bool:
 
 
 async def audit_records(nc: Any, app: str) -> list[Any]:
-    """Every record of `app`'s audit trail (`bus.contract.streams.AuditRecord`), read over `nc` from the audit
-    stream by the product's reader (`bus.transport.audit.read_trail`): the records written there and the creates'
-    records sourced from their `created` events (docs/explanation/architecture.md#one-durable-write-per-create)."""
-    from bus.transport.audit import read_trail
+    """Every record of `app`'s audit trail (`bus.contract.streams.AuditRecord`), read over `nc`: the audit
+    stream's, and those the `created` events of the app's machines carry (a create's record rides there:
+    docs/explanation/architecture.md#one-durable-write-per-create)."""
+    from bus.contract import subjects
+    from bus.contract.machines import MachineEvent
+    from bus.contract.streams import AuditRecord
 
-    return await read_trail(nc, app)
+    async def read(subject: str) -> list[bytes]:
+        sub = await nc.jetstream().subscribe(subject, ordered_consumer=True)
+        found: list[bytes] = []
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1.0)
+            except TimeoutError:
+                await sub.unsubscribe()
+                return found
+            found.append(msg.data)
+
+    records = [msgspec.json.decode(data, type=AuditRecord) for data in await read(subjects.audit(app))]
+    try:
+        events = await read(f"{subjects.PREFIX}.events.*.*.{app}.*")
+    except Exception:  # an identity that may not read the events stream: the audit stream's half only
+        events = []
+    for data in events:
+        event = msgspec.json.decode(data, type=MachineEvent)
+        if event.audit is not None:
+            records.append(event.audit)
+    return sorted(records, key=lambda record: record.at)

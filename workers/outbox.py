@@ -211,12 +211,9 @@ class Outbox:
     def _pending(self, machine: Machine, numbered: Iterable[tuple[int, MachineEvent]]) -> list[PendingEvent]:
         """`(n, event)` pairs as messages, each with its `Nats-Msg-Id`."""
         subject = subjects.events(machine.region, machine.worker_id, machine.app, machine.id)
-        audited = f"{subject}.{subjects.AUDITED}"  # a created event with its audit: the audit stream sources it
         return [
             PendingEvent(
-                subject if event.audit is None else audited,
-                encode(event),
-                {MSG_ID_HEADER: event_msg_id(self.worker_id, machine.id, event.seq, n)},
+                subject, encode(event), {MSG_ID_HEADER: event_msg_id(self.worker_id, machine.id, event.seq, n)}
             )
             for n, event in numbered
         ]
@@ -289,14 +286,7 @@ class Outbox:
         return self.clock() - max_age if max_age else 0.0
 
     async def _stream_has(self, subject: str) -> Have:
-        """`(log seq, n)` of the machine's last event in the stream (its `subject`, else its audited `created`
-        event's, the first of its events when it has one); NOTHING for none, None for unknown."""
-        have = await self._stream_has_on(subject)
-        if have is NOTHING:
-            return await self._stream_has_on(f"{subject}.{subjects.AUDITED}")
-        return have
-
-    async def _stream_has_on(self, subject: str) -> Have:
+        """`(log seq, n)` of the last event on `subject` in the stream; NOTHING for none, None for unknown."""
         try:
             msg = await asyncio.wait_for(self._js.get_last_msg(self._events_stream, subject), self.timeout)
         except NotFoundError:

@@ -165,19 +165,7 @@ def events(region: str, worker_id: str, app: str, machine_id: str) -> str:
     return f"{PREFIX}.events.{region}.{worker_id}.{app}.{machine_id}"
 
 
-# A `created` event that carries its create's audit record (`MachineEvent.audit`) is published on its machine's
-# subject with this one more token: the audit stream sources exactly those from the events stream, server-side,
-# and keeps them as long as its own records (docs/explanation/architecture.md#one-durable-write-per-create)
-AUDITED = "audit"
-
-
-def events_audited(region: str, worker_id: str, app: str, machine_id: str) -> str:
-    """`fauxmad.v1.events.<region>.<worker>.<app>.<machine>.audit`: a `created` event with its audit record."""
-    return f"{events(region, worker_id, app, machine_id)}.{AUDITED}"
-
-
 EVENTS_ALL = f"{PREFIX}.events.>"
-EVENTS_AUDITED_ALL = f"{PREFIX}.events.*.*.*.*.{AUDITED}"
 
 
 def _app_machine_tokens(app: str | None, machine_id: str | None) -> str:
@@ -190,13 +178,6 @@ def _app_machine_tokens(app: str | None, machine_id: str | None) -> str:
 def events_filter(app: str | None = None, machine_id: str | None = None) -> str:
     """The events of one app, one machine, or both (any region, any worker): a stream filter subject."""
     return f"{PREFIX}.events.*.*.{_app_machine_tokens(app, machine_id)}"
-
-
-def events_filters(app: str | None = None, machine_id: str | None = None) -> list[str]:
-    """Every event of one app, one machine, or both: `events_filter`'s, and the audited `created` events'
-    (`events_audited`), as a consumer's `filter_subjects`."""
-    plain = events_filter(app, machine_id)
-    return [plain, f"{plain}.{AUDITED}"]
 
 
 def logs(app: str, machine_id: str) -> str:
@@ -233,9 +214,6 @@ def audit(app: str | None) -> str:
 
 
 AUDIT_ALL = f"{PREFIX}.audit.>"
-# where the audit stream stores a sourced audited `created` event (`EVENTS_AUDITED_ALL`): its app's audit subject,
-# the app being the third wildcard token of the event's subject
-AUDIT_OF_AUDITED_EVENT = f"{PREFIX}.audit.{{{{wildcard(3)}}}}"
 
 
 def kv_put(bucket: str, key: str) -> str:

@@ -227,41 +227,6 @@ class AuditTrail:
                 await asyncio.wait_for(self._acked.wait(), timeout)
 
 
-class _Carried(msgspec.Struct):
-    audit: AuditRecord | None = None
-
-
-def decode_record(data: bytes) -> AuditRecord | None:
-    """One message of the audit stream as its record: an `AuditRecord`, or an audited `created` event (a
-    `MachineEvent` sourced from the events stream, `subjects.EVENTS_AUDITED_ALL`) whose field `audit` is the
-    create's record. None: neither."""
-    try:
-        carried = msgspec.json.decode(data, type=_Carried).audit
-        return carried if carried is not None else msgspec.json.decode(data, type=AuditRecord)
-    except msgspec.DecodeError:
-        return None
-
-
-async def read_trail(nc: Nats, app: str | None, *, wait: float = 1.0) -> list[AuditRecord]:
-    """Every record of `app`'s audit trail (`None`: the fleet's, outside any app) in the stream `FAUXMAD_AUDIT`,
-    oldest first: the records written there and the creates' records sourced from the events stream. Stops once
-    nothing more came for `wait` seconds."""
-    sub = await nc.jetstream().subscribe(audit_subject(app), stream=subjects.AUDIT_STREAM, ordered_consumer=True)
-    found: list[AuditRecord] = []
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=wait)
-            except TimeoutError:
-                return sorted(found, key=lambda record: record.at)
-            record = decode_record(msg.data)
-            if record is not None:
-                found.append(record)
-    finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-
-
 def _what(record: AuditRecord) -> str:
     return f"{record.method} {record.path} by {record.identity}"
 

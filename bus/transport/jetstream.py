@@ -36,15 +36,7 @@ from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
-from nats.js.api import (
-    KeyValueConfig,
-    PersistMode,
-    Placement,
-    StorageType,
-    StreamConfig,
-    StreamSource,
-    SubjectTransform,
-)
+from nats.js.api import KeyValueConfig, PersistMode, Placement, StorageType, StreamConfig, StreamSource
 from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -535,52 +527,18 @@ async def ensure_logs_stream(js: JetStreamContext, config: FleetConfig | None = 
 AUDIT_MAX_AGE = 90 * 24 * 3600.0  # an audit trail outlives the events it explains
 
 
-def audited_events_source() -> StreamSource:
-    """The audit stream's source: the events stream's audited `created` events (a create's audit record rides in
-    its event), stored under their app's audit subject. nats-server copies them, so a create makes no write of
-    its own to the audit stream and its record is kept the audit stream's 90 days, not the events' 7. The fleet's
-    `FAUXMAD_EVENTS` in either layout: a supercluster's sources every region's, and is at home as this is."""
-    return StreamSource(
-        name=subjects.EVENTS_STREAM,
-        subject_transforms=[SubjectTransform(src=subjects.EVENTS_AUDITED_ALL, dest=subjects.AUDIT_OF_AUDITED_EVENT)],
-    )
-
-
-def _sources_audited_events(stream: StreamConfig) -> bool:
-    wanted = audited_events_source()
-    return any(
-        source.name == wanted.name
-        and [(t.src, t.dest) for t in source.subject_transforms or []]
-        == [(t.src, t.dest) for t in wanted.subject_transforms or []]
-        for source in stream.sources or []
-    )
-
-
 async def ensure_audit_stream(js: JetStreamContext) -> None:
-    """The audit stream (mutating requests and who made them, and the creates' records sourced from the events
-    stream), created or bound like the others; one made before it sourced the events gets the source (in a
-    secure fleet only the operator may: `fauxmad fleet prepare`)."""
-    current = await _fleet_wide_stream(
+    """The audit stream (mutating requests and who made them), created or bound like the others."""
+    await _fleet_wide_stream(
         js,
         StreamConfig(
             name=subjects.AUDIT_STREAM,
             subjects=[subjects.AUDIT_ALL],
-            sources=[audited_events_source()],
             storage=StorageType.FILE,
             description="every mutating API request (HTTP or NATS), with the identity that made it",
         ),
         StreamLimits(max_age=AUDIT_MAX_AGE, max_bytes=1 << 30, explicit=False),
     )
-    if not _sources_audited_events(current):
-        current.sources = [*(current.sources or []), audited_events_source()]
-        try:  # a secure fleet's server drops a request its identity may not make: no answer, so bounded
-            await asyncio.wait_for(js.update_stream(current), 2.0)
-        except Exception as exc:  # not allowed (a secure fleet's agent), or updated meanwhile
-            log.warning(
-                "the audit stream does not source the creates' records from the events stream and could not be"
-                " made to (%s): run `fauxmad fleet prepare` with the operator's credentials",
-                exc,
-            )
 
 
 async def revoked_tokens_bucket(js: JetStreamContext) -> KeyValue:

@@ -100,12 +100,10 @@ class Live:
         await self._tick.wait()
 
     @contextlib.asynccontextmanager
-    async def subscribed(
-        self, wanted: dict[str, tuple[str, str | list[str]]]
-    ) -> AsyncIterator[asyncio.Queue[tuple[str, bytes]]]:
-        """A queue of `(kind, data)` for each new message on the `(stream, subject or subjects)` `wanted` maps
-        kinds to, while the block runs; a queue that overflows gets `("reload", b"")` and no more. A stream that
-        cannot be read (none yet, or not allowed) is left out: its kind sends nothing."""
+    async def subscribed(self, wanted: dict[str, tuple[str, str]]) -> AsyncIterator[asyncio.Queue[tuple[str, bytes]]]:
+        """A queue of `(kind, data)` for each new message on the `(stream, subject)` `wanted` maps kinds to, while
+        the block runs; a queue that overflows gets `("reload", b"")` and no more. A stream that cannot be read
+        (none yet, or not allowed) is left out: its kind sends nothing."""
         queue: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(QUEUE_MAX)
         subs: list[Any] = []
 
@@ -119,12 +117,8 @@ class Live:
 
         js = self.nc.jetstream()
         try:
-            for kind, (stream, filters) in wanted.items():
+            for kind, (stream, subject) in wanted.items():
                 config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW)  # one each: nats-py writes its filter in
-                if isinstance(filters, list):
-                    config.filter_subjects, subject = filters, filters[0]
-                else:
-                    subject = filters
                 try:
                     subs.append(
                         await js.subscribe(

@@ -426,9 +426,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
         return web.Response(status=exc.status, text=f"{exc.message}; log in at /ui/login\n")
     except FauxmadError as exc:
         return web.Response(status=400, text=f"{exc.message}\n")
-    wanted: dict[str, tuple[str, str | list[str]]] = {
-        "machine": (subjects.EVENTS_STREAM, subjects.events_filters(app, mid))
-    }
+    wanted = {"machine": (subjects.EVENTS_STREAM, subjects.events_filter(app, mid))}
     if request.query.get("logs") or mid:
         wanted["log"] = (subjects.LOGS_STREAM, subjects.logs_filter(app, mid))
     if request.query.get("jobs"):

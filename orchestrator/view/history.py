@@ -73,31 +73,24 @@ async def read_events(nc: Nats, query: EventQuery, emit: EmitEvent) -> int:
             emit(stream_seq, event)
         return event is not None
 
-    filters = subjects.events_filters(query.app, query.machine_id)  # an audited created event has its own
-    return await replay(nc, subjects.EVENTS_STREAM, filters, query.since, query.follow, handle)
+    subject = subjects.events_filter(query.app, query.machine_id)
+    return await replay(nc, subjects.EVENTS_STREAM, subject, query.since, query.follow, handle)
 
 
 async def replay(
-    nc: Nats,
-    stream: str,
-    subject: str | list[str],
-    since: float | None,
-    follow: bool,
-    handle: Callable[[int, bytes], bool],
+    nc: Nats, stream: str, subject: str, since: float | None, follow: bool, handle: Callable[[int, bytes], bool]
 ) -> int:
-    """Hand each stored message of `stream` matching `subject` (or any of a list) to `handle(stream_seq, data)`
-    (True: it counted), oldest first, from `since`; without `follow`, stop at the last one that matched when it
-    started."""
+    """Hand each stored message of `stream` matching `subject` to `handle(stream_seq, data)` (True: it counted),
+    oldest first, from `since`; without `follow`, stop at the last one that matched when it started."""
     js = nc.jetstream()
     queue: asyncio.Queue[Msg] = asyncio.Queue()
 
     async def on_msg(msg: Msg) -> None:
         queue.put_nowait(msg)
 
-    config = start_config(since, time.time())
-    if isinstance(subject, list):
-        config.filter_subjects, subject = subject, subject[0]
-    sub = await js.subscribe(subject, stream=stream, cb=on_msg, ordered_consumer=True, config=config)
+    sub = await js.subscribe(
+        subject, stream=stream, cb=on_msg, ordered_consumer=True, config=start_config(since, time.time())
+    )
     count = 0
     try:
         if not follow:
