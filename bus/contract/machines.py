@@ -71,7 +71,7 @@ class Service(Request):
     internal_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
-MountPath = Annotated[str, msgspec.Meta(pattern=r"^/[^\0]*$", max_length=4096)]  # absolute; the API's too
+MountPath = Annotated[str, msgspec.Meta(pattern=r"^/[^\x00]*$", max_length=4096)]  # absolute; the API's too
 
 
 class Mount(Request):
