@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -315,3 +316,18 @@ async def audit_records(nc: Any, app: str) -> list[Any]:
         if event.audit is not None:
             records.append(event.audit)
     return sorted(records, key=lambda record: record.at)
+
+
+def nats_config_denying(port: int, store: Path, user: str, deny: str | None) -> str:
+    """A one-server nats-server config (JetStream, synced) with two users: `fleet` may do anything, and `user` may
+    publish anywhere but to `deny` (a subject pattern) when it is given: a fault test's way to make one part of the
+    fleet lose one JetStream call at a time, then give it back by a reload without the denial."""
+    denied = f", permissions: {{publish: {{deny: [{json.dumps(deny)}]}}}}" if deny else ""
+    return (
+        f"port: {port}\nserver_name: {user}-denied\n"
+        f"jetstream {{ store_dir: {json.dumps(str(store))}, sync_interval: always }}\n"
+        "authorization { users: [\n"
+        "  {user: fleet, password: fleet}\n"
+        f"  {{user: {user}, password: {user}{denied}}}\n"
+        "] }\n"
+    )

@@ -22,10 +22,12 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.micro.service import EndpointConfig
 
 from bus.contract.base import ErrorBody, ErrorDetail
 from bus.contract.codec import clip, decode, decoder, encode
 from bus.contract.errors import FauxmadError, InternalError, Unanswered, Unreachable, error_for_code
+from bus.contract.schema import endpoint_metadata
 from bus.transport.audit import CALLER, CARRIER, REFUSED, UNSIGNED, Carrier, RequestAudit, mutating
 from bus.transport.in_flight import BROKE, lost
 from bus.transport.nats_adapter import signer_of
@@ -134,6 +136,15 @@ class Responder:
                     log.exception("%s: could not send reply", name)
 
         return on_message
+
+    async def add_endpoint(self, service: Any, name: str, subject: str, handler: Handler, described: list[str]) -> None:
+        """Serve `handler` on `subject` as endpoint `name` of a `nats.micro` service, its metadata naming the
+        contract's channels `described` (the broker's and the worker's endpoints alike)."""
+        await service.add_endpoint(
+            EndpointConfig(
+                name=name, subject=subject, handler=self.for_micro(handler), metadata=endpoint_metadata(*described)
+            )
+        )
 
     def for_micro(self, handler: Handler) -> Callable[[Any], Awaitable[None]]:
         """Adapt a handler to a `nats.micro` endpoint (whose requests carry the same fields)."""

@@ -68,7 +68,8 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within 10 s (the bench's and the tests' processes alike)."""
     proc.terminate()
     try:
         proc.wait(timeout=10)
@@ -132,7 +133,7 @@ def _restart(store: StoreBench, url: str, root: Path, records: int, progress: Ca
         asyncio.run(_wait_ready(url, "restart"))
         ready_ms = (time.perf_counter() - began) * 1000
     finally:
-        _stop(proc)
+        stop_process(proc)
     return RestartResult(
         log_records=records,
         machines=machines,
@@ -156,7 +157,7 @@ def run_worker_bench(
             progress(f"{reserves} sequential reserves over NATS")
             reserve = asyncio.run(_reserve_latency(server.url, "bench-w", reserves))
         finally:
-            _stop(proc)
+            stop_process(proc)
         progress("commits per second with fsync")
         serial_rate, concurrent_rate, per_batch = store.commit_rates(root)
         restarts = [_restart(store, server.url, root, n, progress) for n in sizes]

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 from nats.micro import add_service
-from nats.micro.service import EndpointConfig, ServiceConfig
+from nats.micro.service import ServiceConfig
 
 from bus.contract import subjects
 from bus.contract.codec import clip, decode, encode
@@ -48,7 +48,6 @@ from bus.contract.machines import (
     index_entry,
 )
 from bus.contract.offers import Resources
-from bus.contract.schema import endpoint_metadata
 from bus.contract.streams import AuditRecord
 from bus.contract.verbs import API_REQUESTS, API_VOLUME_REQUESTS, BROKER_REQUESTS, EDGE_REQUESTS
 from bus.stores.images import Images
@@ -230,14 +229,7 @@ class Broker:
 
     async def _add_endpoint(self, endpoint: tuple[str, str, Handler, list[str]]) -> None:
         name, subject, handler, described = endpoint
-        await self._service.add_endpoint(
-            EndpointConfig(
-                name=name,
-                subject=subject,
-                handler=self.responder.for_micro(handler),
-                metadata=endpoint_metadata(*described),
-            )
-        )
+        await self.responder.add_endpoint(self._service, name, subject, handler, described)
 
     # ------------------------------------------------------------------------------------------
     async def _make_stored_parts(self, serve: bool) -> None:

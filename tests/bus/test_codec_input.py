@@ -24,6 +24,7 @@ from bus.contract.errors import BadRequest
 from bus.contract.fleet import WorkersListRequest
 from bus.contract.machines import GetRequest, Machine, MachineIndexEntry, ReserveRequest
 from bus.transport.service import ERROR_CODE_HEADER, ERROR_HEADER
+from lab.bench.worker import stop_process
 from tests.helpers import ROOT, WorkerProcess, arun
 
 BAD_UTF8 = [
@@ -126,12 +127,7 @@ def broker(nats_url: str, tmp_path: Any) -> Iterator[subprocess.Popen[bytes]]:
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 async def _raw(nc: Any, subject: str, data: bytes) -> tuple[str, str, Any]:

@@ -11,7 +11,6 @@ without the denial, both work.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,23 +21,12 @@ import msgspec
 
 from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
-from tests.helpers import ROOT, WorkerProcess, arun, connect_nats, until
+from lab.bench.worker import stop_process
+from tests.helpers import ROOT, WorkerProcess, arun, connect_nats, nats_config_denying, until
 
 REGION = "mad"
 APP = "before-js"
 CONFIG = {"cmd": ["sleep", "300"], "guest": {"cpus": 1, "memory_mb": 128}}
-
-
-def _server_config(port: int, store: Path, *, broker_denied: bool) -> str:
-    denied = ', permissions: {publish: {deny: ["$JS.API.>"]}}' if broker_denied else ""
-    return (
-        f"port: {port}\nserver_name: before-js\n"
-        f"jetstream {{ store_dir: {json.dumps(str(store))}, sync_interval: always }}\n"
-        "authorization { users: [\n"
-        "  {user: fleet, password: fleet}\n"
-        f"  {{user: broker, password: broker{denied}}}\n"
-        "] }\n"
-    )
 
 
 async def _create(url: str, key: str | None) -> tuple[int, dict[str, object]]:
@@ -58,7 +46,7 @@ async def _create(url: str, key: str | None) -> tuple[int, dict[str, object]]:
 def test_a_broker_answers_before_jetstream_does_and_names_what_is_not_ready(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "nats.conf"
-    config.write_text(_server_config(port, tmp_path / "js", broker_denied=True))
+    config.write_text(nats_config_denying(port, tmp_path / "js", "broker", "$JS.API.>"))
     server = EmbeddedNats(port=port, config_file=config, tls=False, store_dir=tmp_path / "js").start()
     fleet_url, broker_url = f"nats://fleet:fleet@127.0.0.1:{port}", f"nats://broker:broker@127.0.0.1:{port}"
     worker = WorkerProcess(fleet_url, REGION, "before-js-w1", tmp_path / "worker").start()
@@ -101,7 +89,7 @@ def test_a_broker_answers_before_jetstream_does_and_names_what_is_not_ready(tmp_
         assert broker.poll() is None, log_path.read_text()[-2000:]
 
         # JetStream opens to the broker: the server's users reloaded without the denial
-        config.write_text(_server_config(port, tmp_path / "js", broker_denied=False))
+        config.write_text(nats_config_denying(port, tmp_path / "js", "broker", None))
         assert server.process is not None
         server.process.send_signal(signal.SIGHUP)
 
@@ -116,11 +104,6 @@ def test_a_broker_answers_before_jetstream_does_and_names_what_is_not_ready(tmp_
         assert code == 200 and unkeyed["id"] not in (machine["id"], keyed["id"]), unkeyed
         assert "not ready" in log_path.read_text(), log_path.read_text()[-2000:]
     finally:
-        broker.terminate()
-        try:
-            broker.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            broker.kill()
-            broker.wait()
+        stop_process(broker)
         worker.cleanup()
         server.stop()

@@ -9,33 +9,20 @@ users are reloaded without the denial, its heartbeat is in the bucket.
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
 from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
-from tests.helpers import WorkerProcess, arun, connect_nats, until, wait_until
+from tests.helpers import WorkerProcess, arun, connect_nats, nats_config_denying, until, wait_until
 
 WORKER = "first-beat-w1"
-
-
-def _server_config(port: int, store: Path, *, beats_denied: bool) -> str:
-    denied = ', permissions: {publish: {deny: ["$KV.fauxmad_workers.>"]}}' if beats_denied else ""
-    return (
-        f"port: {port}\nserver_name: first-beat\n"
-        f"jetstream {{ store_dir: {json.dumps(str(store))}, sync_interval: always }}\n"
-        "authorization { users: [\n"
-        "  {user: fleet, password: fleet}\n"
-        f"  {{user: worker, password: worker{denied}}}\n"
-        "] }\n"
-    )
 
 
 def test_a_worker_whose_first_heartbeat_is_not_stored_starts_and_beats_later(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "nats.conf"
-    config.write_text(_server_config(port, tmp_path / "js", beats_denied=True))
+    config.write_text(nats_config_denying(port, tmp_path / "js", "worker", "$KV.fauxmad_workers.>"))
     server = EmbeddedNats(port=port, config_file=config, tls=False, store_dir=tmp_path / "js").start()
     fleet_url = f"nats://fleet:fleet@127.0.0.1:{port}"
     worker = WorkerProcess(f"nats://worker:worker@127.0.0.1:{port}", "mad", WORKER, tmp_path / "worker")
@@ -50,7 +37,7 @@ def test_a_worker_whose_first_heartbeat_is_not_stored_starts_and_beats_later(tmp
         )
         assert proc.poll() is None, worker.log_path.read_text()[-2000:]  # it did not exit on it
 
-        config.write_text(_server_config(port, tmp_path / "js", beats_denied=False))
+        config.write_text(nats_config_denying(port, tmp_path / "js", "worker", None))
         assert server.process is not None
         server.process.send_signal(signal.SIGHUP)
 

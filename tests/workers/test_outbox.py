@@ -182,6 +182,23 @@ async def republished(url: str, ids: list[str], before: dict[str, int]) -> None:
 
 
 @pytest.mark.parametrize("outage", ["killed", "hung then killed"])
+def a_machine(machine_id: str, name: str, app: str, region: str, worker_id: str, state: str, version: int) -> Machine:
+    """A machine record as a worker's log holds it, with what the outbox reads and nothing else."""
+    return Machine(
+        id=machine_id,
+        name=name,
+        app=app,
+        region=region,
+        worker_id=worker_id,
+        state=state,
+        config=MachineConfig(),
+        instance_id="i",
+        created_at="",
+        updated_at="",
+        version=version,
+    )
+
+
 def test_index_and_events_converge_after_a_nats_outage(
     outage: str, crashable_nats: EmbeddedNats, worker_factory: Callable[..., WorkerProcess]
 ) -> None:
@@ -346,18 +363,8 @@ def test_an_item_nats_keeps_refusing_holds_up_nothing_else(
         for r in range(records):
             for m in range(machines):
                 seq += 1
-                machine = Machine(
-                    id=f"{m:014x}",
-                    name=f"m{m}",
-                    app="flow",
-                    region=region,
-                    worker_id=worker_id,
-                    state="started" if r % 2 else "stopped",
-                    config=MachineConfig(),
-                    instance_id="i",
-                    created_at="",
-                    updated_at="",
-                    version=seq,
+                machine = a_machine(
+                    f"{m:014x}", f"m{m}", "flow", region, worker_id, "started" if r % 2 else "stopped", seq
                 )
                 event = MachineEvent(status=machine.state, seq=seq, machine_id=machine.id, worker_id=worker_id)
                 outbox.committed(
@@ -407,19 +414,7 @@ def test_after_a_reconnect_an_entry_acked_in_a_round_still_in_flight_goes_again(
         js = nc.jetstream()
         kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1))
         silent = await nc.subscribe(f"fauxmad.v1.events.{region}.>")  # takes the event, never acks it
-        machine = Machine(
-            id="00000000000001",
-            name="m",
-            app="reidx",
-            region=region,
-            worker_id=worker_id,
-            state="created",
-            config=MachineConfig(),
-            instance_id="i",
-            created_at="",
-            updated_at="",
-            version=1,
-        )
+        machine = a_machine("00000000000001", "m", "reidx", region, worker_id, "created", 1)
         outbox = Outbox(nc, worker_id=worker_id, index_bucket=bucket, timeout=2.0, machines=lambda: [machine])
         task = asyncio.create_task(outbox.run())
         event = MachineEvent(status="created", seq=1, machine_id=machine.id, worker_id=worker_id)
@@ -501,19 +496,7 @@ def test_a_machine_the_stream_has_nothing_of_gets_what_the_stream_would_keep(
     now = time.time()
 
     def stored(name: str, ages: list[float]) -> StoredMachine:
-        machine = Machine(
-            id=f"{name:0>14}",
-            name=name,
-            app="lost",
-            region=region,
-            worker_id=worker_id,
-            state="started",
-            config=MachineConfig(),
-            instance_id="i",
-            created_at="",
-            updated_at="",
-            version=len(ages),
-        )
+        machine = a_machine(f"{name:0>14}", name, "lost", region, worker_id, "started", len(ages))
         events = [
             MachineEvent(status=f"s{seq}", seq=seq, timestamp=(now - age) * 1000, machine_id=machine.id)
             for seq, age in enumerate(ages, start=1)

@@ -29,7 +29,7 @@ from nacl.public import PrivateKey
 from nats.aio.client import Client
 from nats.js.errors import APIError
 from nats.micro import add_service
-from nats.micro.service import EndpointConfig, ServiceConfig
+from nats.micro.service import ServiceConfig
 
 from bus.contract import subjects
 from bus.contract.codec import encode
@@ -37,7 +37,6 @@ from bus.contract.errors import FauxmadError
 from bus.contract.fleet import WorkerInfo
 from bus.contract.machines import Machine
 from bus.contract.offers import Resources
-from bus.contract.schema import endpoint_metadata
 from bus.contract.streams import LogLine
 from bus.contract.verbs import WORKER_REQUESTS, WORKER_VOLUME_REQUESTS
 from bus.stores.secrets import load_private_key, secrets_bucket
@@ -309,14 +308,7 @@ class WorkerAgent:
         }
         for name, (subject, handler) in endpoints.items():
             described = described_by.get(name, [f"worker_{name}"])
-            await self._service.add_endpoint(
-                EndpointConfig(
-                    name=name,
-                    subject=subject,
-                    handler=self.responder.for_micro(handler),
-                    metadata=endpoint_metadata(*described),
-                )
-            )
+            await self.responder.add_endpoint(self._service, name, subject, handler, described)
         await self.nc.flush()
 
     async def _first_beat(self) -> None:
