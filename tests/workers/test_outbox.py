@@ -181,7 +181,6 @@ async def republished(url: str, ids: list[str], before: dict[str, int]) -> None:
     await until(put_again, "the restarted worker republished its machines' index entries", timeout=15)
 
 
-@pytest.mark.parametrize("outage", ["killed", "hung then killed"])
 def a_machine(machine_id: str, name: str, app: str, region: str, worker_id: str, state: str, version: int) -> Machine:
     """A machine record as a worker's log holds it, with what the outbox reads and nothing else."""
     return Machine(
@@ -199,6 +198,7 @@ def a_machine(machine_id: str, name: str, app: str, region: str, worker_id: str,
     )
 
 
+@pytest.mark.parametrize("outage", ["killed", "hung then killed"])
 def test_index_and_events_converge_after_a_nats_outage(
     outage: str, crashable_nats: EmbeddedNats, worker_factory: Callable[..., WorkerProcess]
 ) -> None:
