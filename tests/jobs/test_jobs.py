@@ -15,7 +15,7 @@ from bus.contract import subjects
 from bus.contract.errors import Conflict
 from bus.contract.jobs import Job, JobSubmitRequest
 from bus.contract.streams import AuditRecord
-from tests.helpers import RawClient, arun, audit_records, connect_nats, wait_until
+from tests.helpers import RawClient, arun, audit_records, connect_nats, until, wait_until
 from tests.jobs.kit import client, overlapping, submit_and_wait
 
 FAST_ACK_WAIT = ["--jobs-ack-wait", "2"]
@@ -77,6 +77,7 @@ def test_kill9_of_workers_mid_run_loses_none(
 ) -> None:
     region, app = unique("r"), unique("a")
     workers = [worker_factory(region, cpus=4, extra=FAST_ACK_WAIT) for _ in range(4)]
+    victims = {w.worker_id for w in workers[:2]}  # type: ignore[attr-defined]
     runs = tmp_path / "runs.txt"
     cmd = ["sh", "-c", f'sleep 0.3; echo "$FAUXMAD_JOB_ID:$FAUXMAD_JOB_ATTEMPT" >> {runs}']
 
@@ -84,7 +85,13 @@ def test_kill9_of_workers_mid_run_loses_none(
         jobs = await client(nats_url)
         try:
             submitted = await jobs.submit(region, JobSubmitRequest(app=app, cmd=cmd, count=120, runner="process"))
-            await asyncio.sleep(1.0)  # every worker is mid-task now
+
+            async def victims_mid_task() -> bool:
+                running = await jobs.list(app, state="running")
+                return victims <= {job.worker_id for job in running}
+
+            # the victims must hold tasks when killed (a fixed sleep found them still starting under load)
+            await until(victims_mid_task, "both victims running a task", 30, interval=0.05)
             for victim in workers[:2]:
                 victim.kill9()  # type: ignore[attr-defined]
             done = await jobs.wait(app, [job.id for job in submitted], 90.0)
@@ -100,8 +107,7 @@ def test_kill9_of_workers_mid_run_loses_none(
     assert redelivered, "the killed workers held tasks: they must have been run again"
     assert all(job.attempts[0].outcome == "lost" for job in redelivered)
     assert not any(overlapping(job) for job in jobs)  # never two attempts at once
-    killed = {w.worker_id for w in workers[:2]}  # type: ignore[attr-defined]
-    assert all(job.worker_id not in killed for job in redelivered)
+    assert all(job.worker_id not in victims for job in redelivered)
 
 
 def test_cancel_reaches_queued_and_running_jobs(
