@@ -9,7 +9,8 @@ with a subjects filter lists every subject that has a message, in one reply.
 
 A subject whose last message is a delete or purge marker (header `KV-Operation: DEL` or `PURGE`) still has a
 message, so each subject's last message is read (`KeyValue.get`, which treats both markers as no key) and
-those keys are left out, as `keys()` leaves them out.
+those keys are left out, as `keys()` leaves them out. The listing waits through a meta-leader election
+(`bus.transport.election`): `stream_info` is JetStream's API, which answers 503 until the cluster has a leader.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from bus.transport.election import through_election
 from bus.transport.nats_adapter import kv_stream
 
 _AT_ONCE = 32  # last-message reads in flight at a time
@@ -30,7 +32,9 @@ async def kv_keys(kv: KeyValue, pattern: str = ">") -> list[str]:
     where = kv_stream(kv)  # nats-py keeps the bucket's stream and prefix ("$KV.<bucket>.") on the handle only
     assert where is not None, "a KV handle has its stream"
     prefix = where.prefix
-    info = await where.js.stream_info(where.stream, subjects_filter=prefix + pattern)
+    info = await through_election(
+        lambda: where.js.stream_info(where.stream, subjects_filter=prefix + pattern), f"the keys of {where.stream}"
+    )
     subjects = sorted(info.state.subjects or {})
     gate = asyncio.Semaphore(_AT_ONCE)
 

@@ -21,6 +21,7 @@ import msgspec
 from bus.contract import subjects
 from bus.contract.codec import decoder
 from bus.contract.edge import ProxyUnreachable
+from bus.transport.election import through_election
 from bus.transport.jetstream import FleetKV
 from bus.transport.nats_adapter import Nats
 from orchestrator.apps.releases import WatchedReleases
@@ -63,7 +64,7 @@ class Following:
         if fleet_wide:
             following._subs.append(await nc.subscribe(subjects.EVENTS_ALL, cb=on_event))
             following._subs.append(await nc.subscribe(subjects.PROXY_UNREACHABLE_ALL, cb=following._on_proxy_signal))
-        following._apps_watch = await kv.apps.watchall()
+        following._apps_watch = await through_election(kv.apps.watchall, "the apps bucket's watch")
         following._tasks.append(asyncio.create_task(following._follow_apps()))
         return following
 
