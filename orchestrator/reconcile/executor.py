@@ -6,6 +6,9 @@ to the machine's worker (or, for an identity that may not speak to workers, thro
 inside a lease, so two reconcilers (a deploy and a `reconcile --watch`) never
 act on one machine at once: the second gets a 409 and leaves the machine to the next pass. An action
 that fails is reported, never retried here: the next plan, made from fresh observations, decides again.
+An action waiting on a worker whose heartbeat expires meanwhile (a host frozen mid-call) fails at once rather
+than at its timeout (an update's is 40 s): a pass blocked on a silent host would fail over no other machine
+(the fail-back test, in CI: the operator said nothing for 30 s while the frozen host's update waited).
 Workers are spoken to over a `Bus` and the brokers through `MachinesApi` (see `ports`).
 """
 
@@ -21,7 +24,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from bus.contract.errors import FauxmadError, NoCapacity
+from bus.contract.errors import FauxmadError, NoCapacity, Unreachable
 from bus.contract.machines import (
     DestroyRequest,
     Lease,
@@ -79,10 +82,13 @@ class Executor:
         holder: str | None = None,
         stop_timeout: float = 10.0,
         route: Route = to_workers,
+        lost: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.bus = bus
         self.route = route
         self.machines = machines
+        self.lost = lost  # returns once a worker is gone (its heartbeat expired); None: wait for every timeout
+        self._abandoned: set[asyncio.Task[None]] = set()  # actions left to their silent workers
         self.limit = asyncio.Semaphore(concurrency)
         self.holder = holder or default_holder()
         self.stop_timeout = stop_timeout
@@ -118,7 +124,8 @@ class Executor:
             if isinstance(action, Create):
                 machine = await self._create(app, action)
                 return Result(action=action, ok=True, machine_id=machine.id, worker_id=machine.worker_id)
-            await self._leased(app, action.worker_id, action.id, lambda nonce: self._verb(app, action, nonce))
+            work = self._leased(app, action.worker_id, action.id, lambda nonce: self._verb(app, action, nonce))
+            await self._unless_lost(action.worker_id, work, type(action).__name__.lower())
             return Result(action=action, ok=True, machine_id=action.id)
         except FauxmadError as exc:
             # the result carries the error to whoever shows it (the deploy's display, the operator's log
@@ -126,6 +133,33 @@ class Executor:
             log.info("%s failed: %s", type(action).__name__.lower(), exc.message)
             machine_id = action.id if isinstance(action, MachineAction) else ""
             return Result(action=action, ok=False, machine_id=machine_id, error=exc.message, error_type=type(exc))
+
+    async def _unless_lost(self, worker_id: str, work: Awaitable[None], verb: str) -> None:
+        """`work` on `worker_id`, given up with `Unreachable` as soon as the worker is lost (`self.lost`). What it
+        was waiting for is cancelled and left to end on its own (its lease's release may wait on the silent worker)."""
+        doing = asyncio.ensure_future(work)
+        if self.lost is None:
+            return await doing
+        losing = asyncio.ensure_future(self.lost(worker_id))
+        try:
+            await asyncio.wait({doing, losing}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            doing.cancel()
+            raise
+        finally:
+            losing.cancel()
+        if doing.done():
+            return doing.result()
+        doing.cancel()
+        self._abandoned.add(doing)
+        doing.add_done_callback(self._forget)
+        raise Unreachable(f"worker {worker_id} was lost (its heartbeat expired) while the {verb} waited for it")
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        """An abandoned action ended: its outcome is the next pass's to observe."""
+        self._abandoned.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: nobody waits for it
 
     async def _create(self, app: str, action: Create) -> Machine:
         # one auction: `avoid_workers` is a filter of the chain, `prefer_away` a penalty (see placement/ask.py)

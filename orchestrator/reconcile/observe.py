@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
@@ -86,6 +87,7 @@ def member(machine: Machine) -> Member:
 # (the loop looks again within a poll), so a silent host never holds up failover for long; one whose
 # heartbeat expires meanwhile is not waited for at all.
 ANSWER_WITHIN = 1.0
+LOST_LOOK = 0.5  # seconds between looks at a worker an action waits on (its heartbeat expiring has no event)
 PROBE_WITHIN = 0.5  # a worker named by an edge proxy's signal has this long to answer before it is suspected
 
 
@@ -159,6 +161,13 @@ class Observer:
         except FauxmadError:
             return False  # it answered, with an error: it is alive
         return False
+
+    async def lost(self, worker_id: str) -> None:
+        """Return once `worker_id` is gone for us: its heartbeat expired (looked at every `LOST_LOOK` seconds, and
+        at every departure) or it is suspected."""
+        while self.registry.is_live(worker_id):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.registry.departure(), LOST_LOOK)
 
     async def _machines_unless_lost(self, worker_id: str, app: str) -> builtins.list[Machine] | None:
         """A live worker's machines; `None` as soon as its heartbeat expires while we wait for them."""

@@ -133,8 +133,8 @@ class Reconciler:
         self.releases = Releases(store, clock=clock)
         # to the workers, or (an identity that may not speak to them: a deployer) through the brokers (`routes`)
         self.route = route
-        self.executor = Executor(bus, machines, concurrency=concurrency, route=route)
         self.observer = Observer(bus, registry=Registry(clock=clock), on_change=self._on_change, route=route)
+        self.executor = Executor(bus, machines, concurrency=concurrency, route=route, lost=self.observer.lost)
         self.following: Following | None = None
         self._wake = asyncio.Event()
         self.loops: dict[str, AppLoop] = {}

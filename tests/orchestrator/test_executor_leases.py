@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -12,11 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from bus.contract.errors import Conflict
+from bus.contract.errors import Conflict, Unreachable
+from bus.contract.machines import MachineConfig
+from bus.transport.jetstream import ensure_fleet_resources
 from orchestrator.reconcile import executor as executor_module
-from orchestrator.reconcile.actions import Destroy, Start, Stop
-from orchestrator.reconcile.executor import Executor
+from orchestrator.reconcile.actions import Destroy, Start, Stop, Update
+from orchestrator.reconcile.executor import Executor, Result
+from orchestrator.reconcile.observe import Observer
 from orchestrator.reconcile.over_nats import NatsBus
+from orchestrator.replicas.workers import Registry
 from tests.helpers import RawClient, arun, connect_nats, wait_output
 
 REPO = Path(__file__).resolve().parents[2]
@@ -85,6 +91,7 @@ import asyncio, sys
 import nats
 from orchestrator.reconcile.executor import Executor
 from orchestrator.reconcile.over_nats import NatsBus
+from orchestrator.replicas.workers import Registry
 from orchestrator.reconcile.actions import Stop
 
 async def main(url, machine_id, region, worker_id):
@@ -151,3 +158,48 @@ def test_a_holder_killed_with_9_frees_its_machine_one_ttl_after_its_last_renewal
     freed_at = codes[-1][0]
     # the machine was refused until the lease lapsed, and the lapse came one TTL after the last renewal at most
     assert freed_at - killed_at <= DEAD_HOLDER_LAPSES_WITHIN + RENEWAL_IN_FLIGHT + 0.5, (freed_at - killed_at, codes)
+
+
+def test_an_action_on_a_worker_frozen_mid_call_fails_as_soon_as_its_heartbeat_expires(
+    nats_url: str, worker_factory: Callable[..., object], unique: Callable[[str], str]
+) -> None:
+    """A host frozen while an action waits on it: the action fails as lost when the worker's heartbeat expires,
+    not at its own timeout (an update's is 40 s), so the pass behind it goes on to fail the host over."""
+    worker = worker_factory(unique("r"))
+    worker_id: str = worker.worker_id  # type: ignore[attr-defined]
+    region: str = worker.region  # type: ignore[attr-defined]
+    pid: int = worker.proc.pid  # type: ignore[attr-defined]
+    # a host of the fleet keeps beating: a bucket where nobody beats is the store's silence, not a lost worker
+    worker_factory(region)
+
+    async def scenario() -> Result:
+        nc = await connect_nats(nats_url)
+        raw = RawClient(nc, worker_id)
+        registry = Registry()
+        try:
+            machine = await raw.ok("reserve", {"app": "a", "region": region, "config": {"cmd": DEAF}, "launch": True})
+            await raw.wait_state(machine["id"], "started")
+            await registry.start((await ensure_fleet_resources(nc.jetstream())).workers)
+            assert registry.is_live(worker_id)
+            observer = Observer(NatsBus(nc), registry=registry)
+            executor = Executor(NatsBus(nc), machines=None, holder="op", lost=observer.lost)  # type: ignore[arg-type]
+            update = Update(
+                id=machine["id"],
+                region=region,
+                worker_id=worker_id,
+                config=MachineConfig(cmd=["sleep", "60"]),
+                restarts=True,
+            )
+            os.kill(pid, signal.SIGSTOP)  # frozen before the lease is asked: every call of the update waits
+            try:
+                (result,) = await executor.apply("a", (update,))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return result
+        finally:
+            await registry.close()
+            await nc.close()
+
+    result = arun(scenario())
+    assert not result.ok and result.error_type is Unreachable, result
+    assert f"worker {worker_id} was lost" in result.error, result.error
