@@ -8,6 +8,13 @@ After the connection reconnects (a NATS server restarted), the watch is made aga
 values replace the replica's (a key missing from them was deleted or expired meanwhile). Left to itself, the
 watch's ordered consumer notices the lost server only after two missed idle heartbeats, 10-15 s during which
 a broker saw no live workers and an operator replaced machines of workers that were there all along.
+
+A watch can also stall with no reconnect at all: its consumer lives on the stream's leader, and when that server
+dies (or is cut off) a client connected to another server keeps its connection and hears nothing more. A replica
+of a bucket that is never quiet for long (`stall_after`: the workers' heartbeats) makes its watch again when it has
+heard nothing for that long. CI's nemesis on hosts: after a server kill moved the workers bucket's leader, an
+operator's registry heard no heartbeat again, kept three live workers lost, and left both copies of two
+replaced primaries running for the rest of the run.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +42,10 @@ def _client_of(kv: Bucket) -> Nats | None:
 
 
 class KVReplica:
-    def __init__(self) -> None:
+    def __init__(self, *, stall_after: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stall_after = stall_after  # seconds of silence after which the watch is made again (None: never)
+        self._quiet_clock = clock
+        self._heard_at = clock()  # when the watch last delivered anything
         self._kv: Bucket | None = None
         self._watcher: Watcher | None = None
         self._task: asyncio.Task[None] | None = None
@@ -65,6 +76,7 @@ class KVReplica:
         from its initial values are gone."""
         seen: set[str] = set()
         async for entry in watcher:
+            self._heard_at = self._quiet_clock()
             if entry is None:  # the initial values are all in
                 self._ready.set()
                 if before is not None:
@@ -117,8 +129,14 @@ class KVReplica:
         reconnects = client.stats["reconnects"]
         while True:
             await asyncio.sleep(RECONNECT_POLL)
-            if client.stats["reconnects"] == reconnects or not client.is_connected:
+            if not client.is_connected:
                 continue
+            stalled = self._stalled()
+            if client.stats["reconnects"] == reconnects and not stalled:
+                continue
+            if stalled:
+                log.info("%s: nothing heard for %.1fs: watching again", type(self).__name__, self.stall_after)
+                self._heard_at = self._quiet_clock()  # one new watch per `stall_after` at most
             reconnects = client.stats["reconnects"]
             try:
                 watcher = await self._kv.watchall()
@@ -131,6 +149,14 @@ class KVReplica:
             self._watcher = watcher
             self._task = asyncio.create_task(self._follow(watcher, set(self._present)))
             await self._stop(old_watcher, old_task)
+
+    def _stalled(self) -> bool:
+        """Heard nothing for `stall_after` from a bucket that holds values (an empty one may well be quiet)."""
+        return (
+            self.stall_after is not None
+            and bool(self._present)
+            and self._quiet_clock() - self._heard_at > self.stall_after
+        )
 
     async def close(self) -> None:
         if self._guard is not None:

@@ -50,7 +50,7 @@ SILENCE_LIMIT = 20.0  # seconds a bucket's silence is taken for the store's (an 
 
 class Registry(KVReplica):
     def __init__(self, *, ttl: float = WORKER_TTL, clock: Callable[[], float] = time.time) -> None:
-        super().__init__()
+        super().__init__(stall_after=ttl)  # live workers beat every HEARTBEAT_INTERVAL: a TTL of silence is a stall
         self.ttl = ttl
         self.clock = clock
         self._workers: dict[str, WorkerInfo] = {}  # key "<region>.<worker_id>"
