@@ -68,8 +68,7 @@ class Deployer:
             url=self.dev.url,
             columns=120,
             timeout=timeout,
-            env={"FAUXMAD_CREDS": self.creds},
-            drop=("FAUXMAD_NATS_URL", "FAUXMAD_CREDS"),
+            env={"FAUXMAD_CREDS": self.creds},  # with `url`, both of the caller's are replaced
         )
 
     def ok(self, *args: str) -> str:

@@ -44,7 +44,7 @@ class SecureFleet:
             columns=120,
             timeout=timeout,
             env={"FAUXMAD_CREDS": creds},
-            drop=("FAUXMAD_NATS_URL", "FAUXMAD_CREDS"),
+            drop=("FAUXMAD_NATS_URL",),
         )
 
     def spawn(self, identity: str, *args: str) -> None:
@@ -201,16 +201,15 @@ def test_a_revoked_identity_is_cut_off(fleet: SecureFleet) -> None:
     )
     revoked = fleet.cli("operator", "fleet", "revoke", "gone", "--dir", str(fleet.dir.root))
     assert revoked.returncode == 0 and "revoked" in revoked.stdout, revoked.stderr
-    env = {k: v for k, v in os.environ.items() if k not in ("FAUXMAD_NATS_URL",)}
-    env.update(PYTHONPATH=str(ROOT), FAUXMAD_CREDS=str(kept / "gone.json"))
     deadline = time.monotonic() + 10
     while True:  # the server re-reads its users on SIGHUP, asynchronously
-        after = subprocess.run(
-            [sys.executable, "-m", "orchestrator.cli", "workers", "--nats", fleet.url],
-            capture_output=True,
-            text=True,
-            env=env,
+        after = fauxmad(
+            "workers",
+            "--nats",
+            fleet.url,
             timeout=60,
+            env={"FAUXMAD_CREDS": str(kept / "gone.json")},
+            drop=("FAUXMAD_NATS_URL",),
         )
         if after.returncode != 0:
             break
@@ -227,32 +226,22 @@ def test_a_secure_dev_fleet_runs_machines_and_deploys(tmp_path: Path) -> None:
         assert dev.url.startswith("tls://") and dev.operator_creds is not None and dev.security is not None
         names = {entry.identity.name for entry in dev.security.entries()}
         assert {"operator", "worker-mad-w1", "worker-syd-w1", "broker-1"} <= names
-        env = {k: v for k, v in os.environ.items() if k != "FAUXMAD_NATS_URL"}
-        env.update(PYTHONPATH=str(ROOT), FAUXMAD_CREDS=dev.operator_creds)
-        deploy = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "orchestrator.cli",
-                "deploy",
-                "-c",
-                "examples/sandwich/fauxmad.toml",
-                "--nats",
-                dev.url,
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-            cwd=str(ROOT),
+        deploy = fauxmad(
+            "deploy",
+            "-c",
+            "examples/sandwich/fauxmad.toml",
+            "--nats",
+            dev.url,
+            env={"FAUXMAD_CREDS": str(dev.operator_creds)},
+            drop=("FAUXMAD_NATS_URL",),
         )
         assert deploy.returncode == 0, deploy.stderr
-        plain = subprocess.run(
-            [sys.executable, "-m", "orchestrator.cli", "workers", "--nats", dev.url.replace("tls://", "nats://")],
-            capture_output=True,
-            text=True,
-            env={k: v for k, v in env.items() if k != "FAUXMAD_CREDS"},
+        plain = fauxmad(
+            "workers",
+            "--nats",
+            dev.url.replace("tls://", "nats://"),
             timeout=60,
+            drop=("FAUXMAD_NATS_URL", "FAUXMAD_CREDS"),
         )
         assert plain.returncode != 0 and "Traceback" not in plain.stderr
 
