@@ -19,6 +19,7 @@ from collections.abc import Callable
 from bus.contract.machines import MachineIndexEntry
 from orchestrator.proxy.ahead import AHEAD, resume_ahead
 from orchestrator.proxy.choose import (
+    WAKEABLE,
     Candidate,
     Create,
     Decision,
@@ -123,10 +124,11 @@ class Picker:
                 case Wait():
                     await self._wait_for_slot(app.name, deadline)
                 case NoMachine(why):
-                    # none known: unless the machines index runs behind (it caught up: choose again, once)
-                    if not (looked_again or candidates) and (looked_again := await self.routes.caught_up(app.name)):
+                    again = not looked_again and await self._look_again(app, policy, candidates, avoid, ex)
+                    looked_again = True
+                    if again is True:
                         continue
-                    return await self._last_resort(app, avoid, why)
+                    return again or await self._last_resort(app, avoid, why)
 
     def _one(self, candidates: list[Candidate], policy: Policy, avoid: set[str]) -> Route | None:
         """An app of one machine (most apps), started and under its soft limit: the Route `choose` would give,
@@ -171,6 +173,30 @@ class Picker:
                 self._orders.clear()
             order = self._orders[key] = region_order(regions, self.config.region, prefer, self.config.latency)
         return order
+
+    async def _look_again(
+        self, app: App, policy: Policy, candidates: list[Candidate], refused: set[str], ex: Exchange
+    ) -> str | bool:
+        """No machine to choose, once per request: a machine to use after all, True to choose again, or False.
+
+        None known: the machines index may run behind (a machine created a moment ago): caught up, choose again.
+        Every one refused: a machine `started` here may be stopped already (a stop a moment ago that the index had
+        not shown yet when it was chosen: its worker's outbox writes it after the stop), or not listening yet. With
+        auto_start it is started through its worker, the source of truth: a no-op on a machine that runs, and then
+        it is given the time to listen (CI: a request right after a stop across hosts got a 502, not its autostart)."""
+        if not candidates:
+            return await self.routes.caught_up(app.name)
+        if not policy.auto_start:
+            return False
+        for machine_id in sorted(refused):
+            entry = self.routes.entry(machine_id)
+            if entry is None or entry.app != app.name or entry.state not in WAKEABLE | {"started"}:
+                continue
+            if await self._woken(app, machine_id, ex):
+                refused.discard(machine_id)
+                self.failover.bad.pop(machine_id, None)
+                return machine_id
+        return False
 
     async def _started(self, machine_id: str) -> bool:
         """Wait for this proxy's start of the machine, if one is in flight; False if it failed."""
