@@ -76,9 +76,12 @@ def test_offer_reserve_start_stop_destroy_lifecycle(worker_factory: Callable[...
         info = json.loads((await nc.request(f"fauxmad.v1.worker.{worker.worker_id}.info", b"")).data)
         assert info["used"] == {"cpus": 1, "memory_mb": 256} and info["machines"] == 1
 
-        await asyncio.sleep(0.8)  # the log follower publishes within a quarter second
-        lines = {(entry["stream"], entry["line"]) for entry in logs}
-        assert ("stdout", f"ready on {started['port']} as {mid}") in lines and ("stderr", "oops") in lines
+        wanted = {("stdout", f"ready on {started['port']} as {mid}"), ("stderr", "oops")}
+
+        async def lines_published() -> bool:  # the log follower reads every quarter second (workers/output.py)
+            return wanted <= {(entry["stream"], entry["line"]) for entry in logs}
+
+        await until(lines_published, "the machine's stdout and stderr lines on its log subject", 10)
 
         listed = await raw.ok("list", b"")
         assert [m["id"] for m in listed] == [mid]
