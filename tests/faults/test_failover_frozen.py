@@ -76,7 +76,7 @@ def test_a_frozen_host_fails_over_within_a_second_of_its_heartbeat_expiring(flee
         )
     pid = 0
     try:
-        time.sleep(1.0)
+        wait_until(lambda: "watching" in log.read_text(), "the operator watching", 30)
         found = machines(fleet, "ha")
         victim = primaries(found)[0]
         standby = next(s for s in spares(found) if s.config.standbys == [victim.id])

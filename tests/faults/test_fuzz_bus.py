@@ -64,7 +64,7 @@ from bus.stores.kv_keys import kv_keys
 from bus.transport.service import ERROR_CODE_HEADER, ERROR_HEADER
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats, fleet_fixture
+from tests.helpers import arun, connect_nats, fleet_fixture, until
 
 SEED = 9
 REGIONS = ["fza", "fzb"]
@@ -742,9 +742,14 @@ def test_a_barrage_of_bad_payloads_gets_4xx_everywhere_and_changes_nothing(fleet
             }
             beats = await nc.jetstream().key_value(subjects.WORKERS_BUCKET)
             revisions = {w: (await beats.get(subjects.worker_key(region_of[w], w))).revision for w in workers}
-            await asyncio.sleep(1.5)
-            for worker in workers:
-                assert (await beats.get(subjects.worker_key(region_of[worker], worker))).revision > revisions[worker]
+
+            async def all_beat_again() -> bool:
+                for worker in workers:
+                    if (await beats.get(subjects.worker_key(region_of[worker], worker))).revision <= revisions[worker]:
+                        return False
+                return True
+
+            await until(all_beat_again, "every worker's next heartbeat (all still beating)", 10)
             assert all(proc.poll() is None for _, proc in fleet.processes)
 
             # and nothing changed: machines, index, events, claims, log sequences

@@ -55,7 +55,11 @@ def test_jobs_pulled_but_not_started_go_back_at_once(nats_url: str, unique: Any)
 
             puller.stop_asking()  # the worker is stopping: a job arriving for the open request goes back too
             await js.publish(subjects.jobs_queue(region), encode(JobTask(id="job-2", app="a")))
-            await asyncio.sleep(0.2)
+
+            async def delivered() -> bool:  # to the one open pull request, the stopping worker's
+                return (await js.consumer_info(queue.stream, subjects.JOBS_CONSUMER)).num_pending == 0
+
+            await until(delivered, "job-2 delivered to the stopping worker's open pull request")
             stopped = time.monotonic()
             await puller.close()
 

@@ -4,11 +4,11 @@ and the worker's end closing ends every job it lists (as a worker's death does).
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_until
 from workers.jobs.reaper import Reaper
 
 
@@ -46,7 +46,7 @@ def test_a_killed_reaper_is_replaced_and_told_every_live_job() -> None:
         reaper.watch(first.pid)
         (watcher,) = _watchers()
         subprocess.run(["kill", "-9", str(watcher)], check=True)
-        time.sleep(0.2)
+        wait_until(lambda: watcher not in _watchers(), "the killed watcher gone (its end of the pipe closed)", 5)
         reaper.watch(second.pid)  # the write finds the pipe closed: a new watcher, told of both
         assert _watchers() - {watcher}, "no new watcher"
         assert first.poll() is None and second.poll() is None  # nothing killed on the way

@@ -489,7 +489,7 @@ def test_task_survives_the_death_of_its_starter(limits: Limits, tasks: Tasks, tm
 
     async def go() -> ExitStatus:
         waiting = asyncio.ensure_future(driver.wait(handle))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # not a wait: the time is the test (the wait must not end while the task runs)
         assert not waiting.done()
         (Path(handle.workdir) / "go").touch()
         return await asyncio.wait_for(waiting, 10)

@@ -9,7 +9,7 @@ import pytest
 
 from bus.contract.errors import NoCapacity
 from bus.contract.machines import Guest, Machine, MachineConfig
-from tests.helpers import arun
+from tests.helpers import arun, until
 from workers.log.commit import GroupCommitter
 from workers.log.records import StoredMachine, WorkerState
 from workers.log.store import Store, Tx
@@ -173,18 +173,21 @@ def test_a_caller_cancelled_while_its_commit_waits_leaves_the_writer_alive(tmp_p
     store = Store(tmp_path / "db")
     committer = GroupCommitter(store)
     gate = threading.Event()
+    inside = threading.Event()
 
     def slow(tx: Tx) -> StoredMachine:
+        inside.set()
         gate.wait(5)  # holds the writer: the next operation queues behind it
         return tx.put_machine(machine(0), "reserve")
 
     async def main() -> StoredMachine:
         first = asyncio.ensure_future(committer.submit(slow))
-        await asyncio.sleep(0.05)  # the writer has taken it up, alone, and waits in it
+        await until(lambda: asyncio.sleep(0, inside.is_set()), "the writer taking up the first operation, alone")
         queued = asyncio.ensure_future(committer.submit(lambda tx: tx.put_machine(machine(1), "reserve")))
-        await asyncio.sleep(0.05)
+        await until(lambda: asyncio.sleep(0, committer._queue.qsize() == 1), "the second operation queued")
         queued.cancel()  # cancelled before the writer takes it up
-        await asyncio.sleep(0.05)
+        # done once the cancel reached the commit's future too (wrap_future's callback runs before the task's)
+        await until(lambda: asyncio.sleep(0, queued.done()), "the queued operation's caller cancelled")
         gate.set()
         await first
         result, _ = await asyncio.wait_for(committer.submit(lambda tx: tx.put_machine(machine(2), "reserve")), 5)

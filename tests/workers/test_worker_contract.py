@@ -9,7 +9,7 @@ from pathlib import Path
 
 import nats
 
-from tests.helpers import RawClient, WorkerProcess, arun
+from tests.helpers import RawClient, WorkerProcess, arun, until
 
 SLEEPER = ["sh", "-c", "echo ready on $PORT as $FAUXMAD_MACHINE_ID; echo oops >&2; exec sleep 60"]
 
@@ -76,9 +76,12 @@ def test_offer_reserve_start_stop_destroy_lifecycle(worker_factory: Callable[...
         info = json.loads((await nc.request(f"fauxmad.v1.worker.{worker.worker_id}.info", b"")).data)
         assert info["used"] == {"cpus": 1, "memory_mb": 256} and info["machines"] == 1
 
-        await asyncio.sleep(0.8)  # the log follower publishes within a quarter second
-        lines = {(entry["stream"], entry["line"]) for entry in logs}
-        assert ("stdout", f"ready on {started['port']} as {mid}") in lines and ("stderr", "oops") in lines
+        wanted = {("stdout", f"ready on {started['port']} as {mid}"), ("stderr", "oops")}
+
+        async def lines_published() -> bool:  # the log follower reads every quarter second (workers/output.py)
+            return wanted <= {(entry["stream"], entry["line"]) for entry in logs}
+
+        await until(lines_published, "the machine's stdout and stderr lines on its log subject", 10)
 
         listed = await raw.ok("list", b"")
         assert [m["id"] for m in listed] == [mid]
@@ -96,9 +99,15 @@ def test_offer_reserve_start_stop_destroy_lifecycle(worker_factory: Callable[...
         got = await raw.ok("get", {"id": mid})
         statuses = [e["status"] for e in reversed(got["events"]) if e["type"] == "transition"]
         assert statuses == ["created", "starting", "started", "stopping", "stopped", "destroying", "destroyed"]
-        await asyncio.sleep(0.3)
-        published = [e["status"] for e in events if e["machine_id"] == mid and e["type"] == "transition"]
-        assert published == statuses
+
+        def published() -> list[str]:
+            return [e["status"] for e in events if e["machine_id"] == mid and e["type"] == "transition"]
+
+        async def all_published() -> bool:
+            return len(published()) >= len(statuses)
+
+        await until(all_published, "every transition published", 10)
+        assert published() == statuses
         kv = await nc.jetstream().key_value("fauxmad_workers")
         beat = json.loads((await kv.get(f"{worker.region}.{worker.worker_id}")).value)
         assert beat["worker_id"] == worker.worker_id and beat["capacity"] == {"cpus": 2, "memory_mb": 1024}
