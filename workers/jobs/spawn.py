@@ -2,8 +2,7 @@
 
 Why not `asyncio.create_subprocess_exec`: it forks, and a fork copies the page tables of the whole worker
 (its LMDB map, its threads' stacks); on the job fast path that copy was a third of the worker's CPU. glibc's
-`posix_spawn` uses `clone(CLONE_VM | CLONE_VFORK)`: no copy, whatever the parent's size, and it is called on a
-thread of its own (`_SPAWNERS`), not on the event loop: the parent waits there for the child's exec. The child gets
+`posix_spawn` uses `clone(CLONE_VM | CLONE_VFORK)`: no copy, whatever the parent's size. The child gets
 its own session (`setsid`), stdin from /dev/null and two pipes for stdout and stderr, which the event loop
 reads as they fill (keeping the tail); its end is seen on a pidfd (no SIGCHLD handler, no thread).
 
@@ -11,6 +10,11 @@ A short job is over in a few milliseconds, so what waits for it is kept to one f
 (the pidfd, one timer, the cancel), not tasks: each task, `asyncio.wait` or `wait_for` cost about as much
 CPU as the NATS write of the job's outcome. At its end the pipes are drained at once (the child is gone,
 so they are at EOF), unless a grandchild still holds one.
+
+`posix_spawn` is called on the event loop, not on a thread: CPython's `os.posix_spawnp` keeps the GIL while the
+parent waits for the child's exec (3.11: a child held before its exec held every thread of the worker), so
+on a thread the loop does not go on meanwhile, and the job pays a hop to the thread and one back to the loop
+before its process is known to run (issue 43: docs/benchmarks.md, 2026-11-29).
 """
 
 from __future__ import annotations
@@ -20,16 +24,11 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
 from workers.jobs.reaper import Reaper
 
-# `posix_spawn` takes about 1 ms of a loaded host (the child's exec, while the parent waits: CLONE_VFORK), with
-# the GIL released: on the loop it was 40% of the worker's samples under load (issue 44), on these threads the
-# loop goes on. Two: the host's cores.
-_SPAWNERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="job-spawn")
 TAIL_BYTES = 64 * 1024  # per stream, kept while reading (the record keeps less)
 GRANDCHILD_GRACE = 1.0  # seconds an ended job's pipes may stay open (a grandchild holds one) before we stop reading
 
@@ -116,7 +115,7 @@ async def spawn(
     `reaper` kills it if this process dies first (see `workers.jobs.reaper`); `started` is called once it
     runs (`posix_spawn` returns after the child's exec)."""
     loop = asyncio.get_running_loop()
-    pid, out_r, err_r = await _start_off_loop(loop, argv, env)
+    pid, out_r, err_r = _start(argv, env)
     if reaper is not None:
         reaper.watch(pid)
     if started is not None:
@@ -165,29 +164,6 @@ async def spawn(
         stderr=bytes(tails[1].data),
         how=how,
     )
-
-
-async def _start_off_loop(
-    loop: asyncio.AbstractEventLoop, argv: list[str], env: Mapping[str, str]
-) -> tuple[int, int, int]:
-    """`_start` on one of `_SPAWNERS`' threads: the loop goes on meanwhile. Cancelled while it runs, the child
-    it started is killed and reaped there (nothing else knows of it)."""
-    started = loop.run_in_executor(_SPAWNERS, _start, argv, env)
-    try:
-        return await asyncio.shield(started)
-    except asyncio.CancelledError:
-        started.add_done_callback(_abandon)
-        raise
-
-
-def _abandon(started: asyncio.Future[tuple[int, int, int]]) -> None:
-    if started.cancelled() or started.exception() is not None:
-        return
-    pid, out_r, err_r = started.result()
-    _kill(pid)
-    for fd in (out_r, err_r):
-        os.close(fd)
-    _SPAWNERS.submit(os.waitpid, pid, 0)
 
 
 def _start(argv: list[str], env: Mapping[str, str]) -> tuple[int, int, int]:
