@@ -7,7 +7,7 @@
   the first sentence of its own docstring, so the page cannot go stale when a module is added, moved or removed.
 
 They are added to the build (`on_files`), never written into docs/, so `mkdocs build --strict` checks the links
-to them like any page's. `cli_reference` needs no mkdocs (tests/orchestrator/test_docs.py reads its pointers).
+to them like any page's. `cli_reference` needs no mkdocs (tests/orchestrator/fleet/test_docs.py reads its pointers).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def app_name_for(directory: Path) -> str:
     return name or "app"
 
 
-# where every key of fauxmad.toml is explained (tests/orchestrator/test_docs.py checks the page exists)
+# where every key of fauxmad.toml is explained (tests/orchestrator/fleet/test_docs.py checks the page exists)
 SPEC_REFERENCE = "every key: docs/reference/fauxmad-toml.md in fauxmad's repository"
 
 

@@ -18,7 +18,7 @@ from bus.transport.connection import connect
 from bus.transport.jsfast import FastJetStream, FastKV
 from orchestrator.security.fleetdir import FleetDir
 from tests.helpers import arun
-from tests.orchestrator.test_security_matrix import _wait_listening
+from tests.orchestrator.security.test_security_matrix import _wait_listening
 
 TIMEOUT = 60.0  # the fast path's own: a refusal must not wait for it
 

@@ -20,7 +20,7 @@ import nats
 
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT, arun, connect_nats, fleet_fixture, wait_until
-from tests.orchestrator.test_reconcile import destroy, fauxmad, machines, primaries, spares, write_spec
+from tests.orchestrator.reconcile.test_reconcile import destroy, fauxmad, machines, primaries, spares, write_spec
 
 fleet = fleet_fixture(FleetSpec(regions=["syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1))
 

@@ -34,7 +34,7 @@ import pytest
 
 from orchestrator.devhosts import Host, Hosts, unavailable
 from tests.helpers import ROOT, wait_until
-from tests.orchestrator.test_readme import shell_env
+from tests.orchestrator.fleet.test_readme import shell_env
 
 REASON = unavailable() or (None if shutil.which("nsenter") and shutil.which("unshare") else "needs util-linux")
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"needs hosts: {REASON}"), pytest.mark.timeout(300)]

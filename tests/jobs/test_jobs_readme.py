@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import ROOT
-from tests.orchestrator.test_readme import shell_env
+from tests.orchestrator.fleet.test_readme import shell_env
 
 PAGE = ROOT / "docs" / "how-to" / "jobs.md"
 

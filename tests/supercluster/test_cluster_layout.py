@@ -29,7 +29,7 @@ from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.logs import LogQuery
 from orchestrator.view.history import EventQuery
 from tests.helpers import arun, connect_nats, wait_until
-from tests.orchestrator.test_reconcile import fauxmad
+from tests.orchestrator.reconcile.test_reconcile import fauxmad
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
-from tests.orchestrator.test_readme import lines_of, read_until, shell_env
+from tests.orchestrator.fleet.test_readme import lines_of, read_until, shell_env
 
 
 def readme_lines() -> list[str]:

@@ -25,7 +25,7 @@ from bus.transport.layout import REPLICAS_ENV, SUPERCLUSTER_ENV, Layout
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import arun, connect_nats, wait_until
-from tests.orchestrator.test_reconcile import fauxmad, machines, primaries, spares, write_spec
+from tests.orchestrator.reconcile.test_reconcile import fauxmad, machines, primaries, spares, write_spec
 
 REGIONS = ["mad", "syd", "gru"]
 
