@@ -231,6 +231,8 @@ def test_a_dead_worker_delays_a_create_by_at_most_the_deadline(fleet: DevFleet) 
             "heartbeat_at": time.time(),
         }
         await kv.put("mad.mad-ghost", json.dumps(ghost).encode())
+        # both brokers' registries take it from their KV watches (milliseconds): a listing asks one broker only, so
+        # there is no condition to wait on for the other; 0.2 s is that delivery's margin, not what is tested
         await asyncio.sleep(0.2)
         client = await connect(fleet)
         m = await client.create("ghosts", CreateRequest(region="mad", config=SLEEP, explain=True, skip_launch=True))
@@ -316,10 +318,13 @@ def test_update_replaces_a_running_machine_and_wait_routes(fleet: DevFleet) -> N
         got = await client.get("upd", machine.id)
         statuses = [e.status for e in reversed(got.events or []) if e.type == "transition"]
         assert statuses[-3:] == ["replacing", "starting", "started"]
-        infos = {i.worker_id: i for i in await client.workers("mad")}
-        await asyncio.sleep(0.3)
-        infos = {i.worker_id: i for i in await client.workers("mad")}
-        assert infos[machine.worker_id].used.cpus == 2  # the reservation follows the new guest size
+
+        async def reserved_again() -> bool:  # the worker's next heartbeat carries its reservations
+            infos = {i.worker_id: i for i in await client.workers("mad")}
+            return infos[machine.worker_id].used.cpus == 2
+
+        # the reservation follows the new guest size
+        await until(reserved_again, "the worker's heartbeat showing the update's 2 cpus reserved", 10)
         waited = await client.wait("upd", machine.id, "started", timeout=1)
         assert waited.id == machine.id
         await client.stop("upd", machine.id)

@@ -369,7 +369,7 @@ def test_exit_codes_against_a_fleet(fleet: DevFleet, tmp_path: Path) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT), "FAUXMAD_NATS_URL": fleet.url},
         cwd=str(ROOT),
     )
-    time.sleep(1.5)
+    time.sleep(1.5)  # past its start (imports, connect): the SIGINT comes while it waits, which is what is tested
     waiting.send_signal(signal.SIGINT)
     _, err = waiting.communicate(timeout=20)
     assert waiting.returncode == 130 and b"Traceback" not in err

@@ -24,7 +24,7 @@ from bus.contract.machines import CORDONED_LABEL, Lease, LeaseRequest
 from bus.transport.service import call
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats, fleet_fixture
+from tests.helpers import arun, connect_nats, fleet_fixture, until
 from tests.orchestrator import proxy_kit as kit
 
 fleet = fleet_fixture(FleetSpec(regions=["pxa", "pxb"], workers_per_region=2, cpus=16, memory_mb=8192))
@@ -231,7 +231,7 @@ def test_a_request_queued_at_the_hard_limit_is_served_when_a_slot_frees(proxy: k
 
     async def main() -> list[int]:
         first = asyncio.ensure_future(kit.get(proxy.port, f"{name}.localhost", "/slow?ms=500"))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # the first holds the only slot (its 500 ms answer) when the second comes
         second = await kit.get(proxy.port, f"{name}.localhost")
         return [(await first).status, second.status]
 
@@ -264,7 +264,7 @@ def test_over_the_soft_limit_autostart_starts_a_spare_in_the_nearest_region(prox
 
     async def main() -> tuple[str, str]:
         held = asyncio.ensure_future(kit.get(proxy.port, f"{name}.localhost", "/slow?ms=1500"))
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the first is in flight (its 1.5 s answer) when the second comes: over the soft limit
         second = await kit.get(proxy.port, f"{name}.localhost")
         return (await held).json()["machine"], second.json()["machine"]
 
@@ -629,7 +629,11 @@ def test_a_host_killed_mid_load_fails_no_get_and_is_signalled(proxy: kit.ProxyPr
         await asyncio.gather(*(load(c, 25) for c in clients))
         fleet.kill_host(victim)
         await asyncio.gather(*(load(c, 50) for c in clients))
-        await asyncio.sleep(0.3)
+
+        async def signalled() -> bool:
+            return bool(signals)
+
+        await until(signalled, "the proxy's signal that it could not reach the victim", 10)
         await nc.close()
         for c in clients:
             await c.close()

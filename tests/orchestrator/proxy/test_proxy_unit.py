@@ -196,20 +196,20 @@ def test_a_deadline_cancels_only_its_own_wait_and_the_task_goes_on() -> None:
     async def main() -> tuple[list[str], list[str]]:
         first: list[str] = []
         task = asyncio.create_task(handler(first))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # (each sleep(0) here: one turn of the loop, for the handler to run to its await)
         deadlines.sweep()  # not yet due
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop
         assert first == []
         now[0] = 5.0
         deadlines.sweep()
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop
         assert first == ["timed out"]
         now[0] = 10.0
         deadlines.sweep()
         await task
         second: list[str] = []
         other = asyncio.create_task(handler(second))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop
         other.cancel()  # a cancellation that is not a deadline's stays one
         with pytest.raises(asyncio.CancelledError):
             await other

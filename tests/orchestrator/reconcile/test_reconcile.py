@@ -222,7 +222,7 @@ def test_a_dead_host_fails_over_to_spares_and_its_return_stops_the_replaced(flee
             cwd=str(ROOT),
         )
     try:
-        time.sleep(1.0)
+        wait_until(lambda: "watching" in log.read_text(), "the operator watching", 30)
         found = machines(fleet, "ha")
         victim = primaries(found)[0]
         standby = next(s for s in spares(found) if s.config.standbys == [victim.id])
