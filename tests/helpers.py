@@ -107,6 +107,26 @@ def kill_machines_of(worker_id: str) -> int:
     return killed
 
 
+def start_operator(url: str, log: Path, app: str) -> subprocess.Popen[bytes]:
+    """`fauxmad reconcile --watch -a app` as a subprocess (a real operator, its output in `log`), once it watches."""
+    env = dict(os.environ, FAUXMAD_NATS_URL=url, PYTHONPATH=str(ROOT), COLUMNS="200")
+    with log.open("w") as out:
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", app],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=str(ROOT),
+        )
+    try:
+        wait_until(lambda: "watching" in log.read_text(), "the operator watching", 30)
+    except AssertionError:
+        operator.kill()
+        operator.wait()
+        raise
+    return operator
+
+
 def wait_until(condition: Callable[[], T], what: str, timeout: float = 10.0, interval: float = 0.05) -> T:
     """Poll `condition` until it returns something true, and return that: what a test waits for, in place
     of a sleep long enough for it on a good day. At the deadline an AssertionError says `what` never happened."""

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import msgspec
 import nats
 
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun, connect_nats, fleet_fixture, wait_until
+from tests.helpers import arun, connect_nats, fleet_fixture, start_operator, wait_until
 from tests.orchestrator.reconcile.test_reconcile import destroy, fauxmad, machines, primaries, spares, write_spec
 
 fleet = fleet_fixture(FleetSpec(regions=["syd"], workers_per_region=3, cpus=6, memory_mb=6144, brokers=1))
@@ -64,19 +62,10 @@ def test_a_frozen_host_fails_over_within_a_second_of_its_heartbeat_expiring(flee
     spec = write_spec(tmp_path / "fauxmad.toml", "ha", regions="syd = 2", spares=1)
     assert fauxmad(fleet, "deploy", "-c", str(spec)).returncode == 0
     wait_until(lambda: len(spares(machines(fleet, "ha"))) == 2, "two spares", 10)
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
     log = tmp_path / "operator.log"
-    with log.open("w") as out:
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", "ha"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=str(ROOT),
-        )
+    operator = start_operator(fleet.url, log, "ha")
     pid = 0
     try:
-        wait_until(lambda: "watching" in log.read_text(), "the operator watching", 30)
         found = machines(fleet, "ha")
         victim = primaries(found)[0]
         standby = next(s for s in spares(found) if s.config.standbys == [victim.id])

@@ -20,8 +20,6 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
@@ -37,7 +35,7 @@ from orchestrator.apps.ownership import RUNNING
 from orchestrator.apps.spec import REPLACES_KEY
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
-from tests.helpers import ROOT, arun, until, wait_until
+from tests.helpers import arun, start_operator, until, wait_until
 from tests.orchestrator.reconcile.test_reconcile import fauxmad, machines, primaries, role, spares, write_spec
 
 REGION = "fbk"
@@ -118,16 +116,8 @@ def test_a_fail_back_keeps_exactly_one_running_copy(fleet: DevFleet, tmp_path: P
     found = machines(fleet, APP)
     first, second = primaries(found)[0], spares(found)[0]
     assert first.worker_id != second.worker_id
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="200")
     log = tmp_path / "operator.log"
-    with log.open("w") as out:
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", APP],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=str(ROOT),
-        )
+    operator = start_operator(fleet.url, log, APP)
     zero_stretches: list[float] = []
     fail_back_from = [0]
     settled: list[Machine] = []

@@ -14,10 +14,7 @@ with that reason (`reconcile --watch` exits non-zero with it) instead of leaving
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +31,7 @@ from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.over_nats import NatsBus
 from orchestrator.reconcile.reconciler import Reconciler
 from orchestrator.reconcile.watch import Operator
-from tests.helpers import ROOT, arun, wait_until
+from tests.helpers import arun, start_operator, wait_until
 from tests.orchestrator.reconcile.test_reconcile import fauxmad, machines, primaries, write_spec
 
 REGION = "rst"
@@ -76,18 +73,9 @@ def test_the_operator_still_replaces_a_lost_machine_after_a_nats_restart(fleet: 
     spec = write_spec(tmp_path / "fauxmad.toml", app, regions=f"{REGION} = 2", spares=0)
     deployed = fauxmad(fleet, "deploy", "-c", str(spec))
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="200")
     log = tmp_path / "operator.log"
-    with log.open("w") as out:
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", app],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=str(ROOT),
-        )
+    operator = start_operator(fleet.url, log, app)
     try:
-        wait_until(lambda: "watching" in log.read_text(), "the operator watching", 30)
         assert fleet.nats is not None
         fleet.nats.kill()
         time.sleep(OUTAGE)  # the outage

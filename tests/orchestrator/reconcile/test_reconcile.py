@@ -20,7 +20,7 @@ from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
 from tests import helpers
-from tests.helpers import ROOT, arun, fleet_fixture, wait_until
+from tests.helpers import ROOT, arun, fleet_fixture, start_operator, wait_until
 
 APP_PY = ROOT / "examples" / "sandwich" / "app.py"
 
@@ -211,18 +211,9 @@ def test_a_dead_host_fails_over_to_spares_and_its_return_stops_the_replaced(flee
     spec = write_spec(tmp_path / "fauxmad.toml", "ha", regions="syd = 2", spares=1)
     assert fauxmad(fleet, "deploy", "-c", str(spec)).returncode == 0
     wait_until(lambda: len(spares(machines(fleet, "ha"))) == 2, "two spares", 10)
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
     log = tmp_path / "operator.log"
-    with log.open("w") as out:
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", "ha"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=str(ROOT),
-        )
+    operator = start_operator(fleet.url, log, "ha")
     try:
-        wait_until(lambda: "watching" in log.read_text(), "the operator watching", 30)
         found = machines(fleet, "ha")
         victim = primaries(found)[0]
         standby = next(s for s in spares(found) if s.config.standbys == [victim.id])
