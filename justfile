@@ -4,10 +4,12 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 python := env_var_or_default("PYTHON", "python3")
 
-jobs := env_var_or_default("FAUXMAD_TEST_JOBS", "2")
+# test files run at a time: two a core. A file's fleets spend about half their time waiting (timers, heartbeats,
+# fsyncs, the seeded nemesis's fixed-length runs), so one file a core left the host about half idle
+jobs := env_var_or_default("FAUXMAD_TEST_JOBS", `echo $(( 2 * $(nproc) ))`)
 
-# run the whole test suite (real nats-server, real worker processes), two files at a time (FAUXMAD_TEST_JOBS=0: one
-# at a time); a failing test names the directory that keeps its fleets' logs
+# run the whole test suite (real nats-server, real worker processes), two files a core at a time
+# (FAUXMAD_TEST_JOBS=N: N at a time, 0: one after another); a failing test names the directory that keeps its fleets' logs
 test *args:
     {{python}} -m pytest -q -n {{jobs}} --dist loadfile --durations=25 {{args}}
 
