@@ -107,12 +107,13 @@ def kill_machines_of(worker_id: str) -> int:
     return killed
 
 
-def start_operator(url: str, log: Path, app: str) -> subprocess.Popen[bytes]:
-    """`fauxmad reconcile --watch -a app` as a subprocess (a real operator, its output in `log`), once it watches."""
-    env = dict(os.environ, FAUXMAD_NATS_URL=url, PYTHONPATH=str(ROOT), COLUMNS="200")
+def start_operator(url: str, log: Path, app: str | None = None) -> subprocess.Popen[bytes]:
+    """`fauxmad reconcile --watch [-a app]` as a subprocess (a real operator, for one app or for all, its output in
+    `log`, lines up to 400 columns), once it watches."""
+    env = dict(os.environ, FAUXMAD_NATS_URL=url, PYTHONPATH=str(ROOT), COLUMNS="400")
     with log.open("w") as out:
         operator = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", app],
+            [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", *(["-a", app] if app else [])],
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -137,6 +138,41 @@ def wait_until(condition: Callable[[], T], what: str, timeout: float = 10.0, int
             return result
         assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
         time.sleep(interval)
+
+
+class Output:
+    """What a running process writes to a pipe, gathered as it comes and never waited on: `until` waits (with
+    `wait_until`) for the lines so far to show something, and fails at once if the output ended without it."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._fd = pipe.fileno()
+        os.set_blocking(self._fd, False)
+        self._buffer = b""
+        self.ended = False
+        self.lines: list[str] = []  # every whole line so far, without its newline
+
+    def until(self, shown: Callable[[list[str]], object], what: str, timeout: float = 20.0) -> list[str]:
+        """The lines so far, once `shown(lines)` is true."""
+
+        def read() -> bool:
+            with contextlib.suppress(BlockingIOError):
+                while chunk := os.read(self._fd, 65536):
+                    self._buffer += chunk
+                else:
+                    self.ended = True
+            *whole, self._buffer = self._buffer.split(b"\n")
+            self.lines += [line.decode() for line in whole]
+            if shown(self.lines):
+                return True
+            assert not self.ended, f"{what}: the output ended without it: {self.lines[-20:]}"
+            return False
+
+        wait_until(read, what, timeout)
+        return self.lines
+
+    def has(self, text: str, what: str = "", timeout: float = 20.0) -> list[str]:
+        """The lines so far, once one of them holds `text`."""
+        return self.until(lambda lines: any(text in line for line in lines), what or repr(text), timeout)
 
 
 async def until(condition: Callable[[], Awaitable[T]], what: str, timeout: float = 10.0, interval: float = 0.05) -> T:

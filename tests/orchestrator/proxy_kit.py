@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from orchestrator.apps.spec import PRIMARY, SPARE, AppSpec, parse_spec
 from orchestrator.apps.store import KVReleaseStore
 from orchestrator.client import FleetClient
 from orchestrator.proxy.upstream import connect_when_up
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 ECHO = ROOT / "examples" / "echo" / "app.py"
@@ -52,14 +52,13 @@ class ProxyProcess:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log, env=env, cwd=str(ROOT))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+
+        def listening() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"proxy exited: {self.log_path.read_text()[-3000:]}")
-            if b"listening on" in self.log_path.read_bytes():
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"proxy not ready: {self.log_path.read_text()[-3000:]}")
+            return b"listening on" in self.log_path.read_bytes()
+
+        wait_until(listening, "the proxy listening", timeout=20)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

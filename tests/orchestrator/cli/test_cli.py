@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from bus.local.ports import free_port
 from orchestrator.cli.app import COMMANDS, app, main, register
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests import helpers
-from tests.helpers import ROOT, fleet_fixture
+from tests.helpers import ROOT, Output, fleet_fixture
 
 runner = CliRunner()
 
@@ -103,7 +102,6 @@ def test_machine_commands_against_a_fleet(fleet: DevFleet) -> None:
 
 
 def test_machine_logs_follow_output(fleet: DevFleet) -> None:
-    import select
 
     env = {"FAUXMAD_NATS_URL": fleet.url}
     machine = json.loads(
@@ -129,14 +127,9 @@ def test_machine_logs_follow_output(fleet: DevFleet) -> None:
         cwd=str(ROOT),
         env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
     )
-    assert follow.stdout is not None
-    seen: list[dict[str, str]] = []
-    deadline = time.monotonic() + 20
     try:
-        while time.monotonic() < deadline and len(seen) < 6:
-            ready, _, _ = select.select([follow.stdout], [], [], 1.0)
-            if ready:
-                seen.append(json.loads(follow.stdout.readline()))
+        lines = Output(follow.stdout).until(lambda lines: len(lines) >= 6, "six lines of the machine's output")
+        seen: list[dict[str, str]] = [json.loads(line) for line in lines]
     finally:
         follow.send_signal(signal.SIGINT)
         follow.wait(timeout=10)
@@ -184,12 +177,8 @@ def test_dev_leaves_no_process_after_ctrl_c() -> None:
         cwd=str(ROOT),
         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"},
     )
-    assert dev.stdout is not None
-    deadline = time.monotonic() + 60
-    output = ""
-    while time.monotonic() < deadline and "fleet up" not in output:
-        output += dev.stdout.readline()
-    assert "fleet up" in output and f"127.0.0.1:{port}" in output
+    output = "\n".join(Output(dev.stdout).has("fleet up", "the dev fleet up", timeout=60))
+    assert f"127.0.0.1:{port}" in output
     url = f"nats://127.0.0.1:{port}"
     run = fauxmad(
         "machine",

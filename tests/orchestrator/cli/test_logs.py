@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from orchestrator.cli.app import main
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.logs import LogQuery, read_logs
-from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
+from tests.helpers import ROOT, Output, arun, connect_nats, fleet_fixture
 from tests.helpers import fauxmad as run_fauxmad
 from workers.output import MAX_LINE, OFFSETS_FILE, LogFollower
 
@@ -292,23 +291,13 @@ def test_logs_follow_prints_the_history_then_new_lines(fleet: DevFleet) -> None:
         cwd=str(ROOT),
         env=cli_env(fleet),
     )
-    assert follow.stdout is not None
-    seen: list[str] = []
-
-    def read_until(text: str, timeout: float = 20) -> None:
-        assert follow.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not any(text in line for line in seen):
-            ready, _, _ = select.select([follow.stdout], [], [], 0.5)
-            if ready:
-                seen.append(follow.stdout.readline())
-
+    output = Output(follow.stdout)
     try:
-        read_until("early-line")
-        assert seen and seen[0].endswith("| early-line\n")
+        seen = output.has("early-line")
+        assert seen[0].endswith("| early-line")
         late = run_machine(fleet, app, "syd", "echo 'late [info] line'")
-        read_until("late [info] line")
-        assert seen[-1].rstrip("\n").endswith(f"syd {late} stdout | late [info] line")
+        seen = output.has("late [info] line")
+        assert seen[-1].endswith(f"syd {late} stdout | late [info] line")
     finally:
         follow.send_signal(signal.SIGINT)
         follow.wait(timeout=10)

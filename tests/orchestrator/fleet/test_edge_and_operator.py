@@ -17,7 +17,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ from orchestrator.apps.ownership import CREATED_BY_KEY
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests import helpers
-from tests.helpers import ROOT, arun, fleet_fixture
+from tests.helpers import arun, fleet_fixture, start_operator
 from tests.orchestrator import proxy_kit as kit
 
 REGION = "pfo"
@@ -92,11 +91,7 @@ class Team:
     def __init__(self, fleet: DevFleet, tmp_path: Path) -> None:
         self.fleet = fleet
         self.log = tmp_path / "operator.log"
-        env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT), COLUMNS="400")
-        with self.log.open("w") as out:
-            self.operator = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch"], env=env, stdout=out, stderr=out
-            )
+        self.operator = start_operator(fleet.url, self.log)
         self.proxy = kit.ProxyProcess(fleet.url, REGION, tmp_path)
         self.statuses: dict[str, list[int]] = {app: [] for app in APPS}
 

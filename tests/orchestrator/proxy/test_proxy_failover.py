@@ -10,10 +10,8 @@ false`), so the spare can only have been started by the reconciler.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from bus.transport.jetstream import WORKER_TTL
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests import helpers
-from tests.helpers import ROOT, arun, connect_nats, fleet_fixture
+from tests.helpers import arun, connect_nats, fleet_fixture, start_operator
 from tests.orchestrator import proxy_kit as kit
 
 APP = "edgeha"
@@ -67,18 +65,9 @@ def test_a_refused_connection_starts_the_spare_before_the_heartbeat_expires(flee
     assert primary.state == "started" and spare.state != "started" and spare.worker_id != primary.worker_id
 
     log = tmp_path / "operator.log"
-    env = dict(os.environ, FAUXMAD_NATS_URL=fleet.url, PYTHONPATH=str(ROOT))
-    with log.open("w") as out:
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "reconcile", "--watch", "-a", APP],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=str(ROOT),
-        )
+    operator = start_operator(fleet.url, log, APP)
     proxy = kit.ProxyProcess(fleet.url, "pfo", tmp_path)
     try:
-        time.sleep(1.0)  # the operator is following the fleet
 
         async def main() -> tuple[float, float, list[ProxyUnreachable], list[int]]:
             nc = await connect_nats(fleet.url)

@@ -32,7 +32,7 @@ from bus.local.embedded import find_binary
 from bus.local.ports import free_port
 from bus.transport import credentials
 from orchestrator.security.fleetdir import FleetDir
-from tests.helpers import ROOT, arun
+from tests.helpers import ROOT, arun, wait_until
 
 COLUMNS = {
     "worker mad-w1": "worker-mad-w1",
@@ -92,17 +92,16 @@ def secure_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fle
 
 def _wait_listening(port: int, server: subprocess.Popen[bytes], log: Path) -> None:
     import socket
-    import time
 
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         assert server.poll() is None, log.read_text() if log.exists() else "nats-server exited"
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
         except OSError:
-            time.sleep(0.02)
-    raise AssertionError("nats-server did not listen")
+            return False
+        return True
+
+    wait_until(listening, "nats-server listening", interval=0.02)
 
 
 async def _connect(fleet: FleetDir, url: str, name: str, errors: list[str]) -> Client:

@@ -30,7 +30,7 @@ from orchestrator.view.db import ViewDb
 from orchestrator.view.fold import ViewWriter
 from orchestrator.view.follower import ViewFollower
 from orchestrator.view.query import ViewReader
-from tests.helpers import ROOT, arun, fleet_fixture
+from tests.helpers import ROOT, Output, arun, fleet_fixture
 
 CLI = [sys.executable, "-m", "orchestrator.cli"]
 
@@ -203,14 +203,8 @@ def test_events_filters_json_since_and_follow(fleet: DevFleet) -> None:
             await client.close()
 
         arun(start_two())
-        seen: list[dict[str, object]] = []
-        buffer = b""
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(e["status"] == "started" for e in seen):
-            if select.select([follow.stdout], [], [], 0.5)[0]:
-                buffer += os.read(follow.stdout.fileno(), 65536)  # not readline: select sees the fd, not a buffer
-                *lines, buffer = buffer.split(b"\n")
-                seen += [json.loads(line) for line in lines]
+        lines = Output(follow.stdout).has('"status":"started"', "the started event", timeout=10)
+        seen = [json.loads(line) for line in lines]
         got = [(e["machine_id"], e["type"], e["status"]) for e in seen]
         assert got == [(two, "transition", "starting"), (two, "transition", "started")], got
     finally:
