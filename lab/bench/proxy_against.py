@@ -7,7 +7,9 @@ virtualenv's dependencies), beside this tree's. Both front the same machines. Th
 one at a time go direct, through this proxy and through REV's, in turn (so all three see the same
 moment); then wrk (or the asyncio client) drives each proxy in turn, the order swapped every round.
 The overhead is each side's p50 less the direct p50 over all rounds' samples; the throughput is the
-median of each side's rounds; the ratios are this tree's over REV's.
+median of each side's rounds; the ratios are this tree's over REV's. Each round's overhead (p50 and p99 less
+the direct ones of the same round) and its ratio are kept and shown too: a pooled ratio of 1.1 means little
+until it is set beside how far the rounds' ratios spread.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Side(msgspec.Struct, frozen=True, kw_only=True):
     overhead_p99_ms: float
     requests_per_second: float  # the median of the rounds
     rounds_per_second: list[float]
+    rounds_overhead_p50_ms: list[float]  # each round's p50 less that round's direct p50
+    rounds_overhead_p99_ms: list[float]
     proxy_cpu_us_per_request: float  # the median of the rounds
     errors: int
 
@@ -54,10 +58,23 @@ class AgainstResult(msgspec.Struct, kw_only=True):
     load_generator: str
     direct_p50_ms: float
     direct_p99_ms: float
+    rounds_direct_p50_ms: list[float]
     this: Side
     other: Side
     overhead_p50_ratio: float  # this tree's over REV's (below 1: less overhead)
+    rounds_overhead_p50_ratio: list[float]  # the same, round by round (0.0 where REV's overhead was not positive)
     throughput_ratio: float  # this tree's over REV's (above 1: faster)
+
+
+def overhead(direct: list[float], proxied: list[float]) -> tuple[float, float]:
+    """(p50, p99) of the proxied GETs less those of the direct ones, in ms; samples in seconds."""
+    d, p = summarize(direct), summarize(proxied)
+    return round(p.p50_ms - d.p50_ms, 3), round(p.p99_ms - d.p99_ms, 3)
+
+
+def overhead_ratio(mine: float, theirs: float) -> float:
+    """This tree's overhead over REV's, to three decimals; 0.0 where REV's is not positive (no ratio)."""
+    return round(mine / theirs, 3) if theirs > 0 else 0.0
 
 
 def _export(rev: str, into: Path) -> str:
@@ -142,7 +159,9 @@ def _rounds(
         native_id, _ = asyncio.run(bench._machine(fleet.url, bench.NATIVE_APP, f'["{binary}"]'))
     upstream, app = ("examples/echo/tiny.c", bench.NATIVE_APP) if native_id else ("examples/echo/app.py", bench.APP)
     direct: list[float] = []
+    rounds_direct: list[float] = []
     latencies: tuple[list[float], list[float]] = ([], [])
+    overheads: tuple[list[tuple[float, float]], list[tuple[float, float]]] = ([], [])
     rates: tuple[list[float], list[float]] = ([], [])
     cpus: tuple[list[float], list[float]] = ([], [])
     errors = [0, 0]
@@ -152,6 +171,9 @@ def _rounds(
         progress(f"round {number + 1} of {rounds}: {per_round} GETs direct, through this tree's proxy, through {rev}'s")
         d, a, b, ea, eb = asyncio.run(_three_ways(machine_port, (this[1], other[1]), per_round))
         direct += d
+        rounds_direct.append(summarize(d).p50_ms)
+        overheads[0].append(overhead(d, a))
+        overheads[1].append(overhead(d, b))
         latencies[0].extend(a)
         latencies[1].extend(b)
         errors[0] += ea
@@ -178,6 +200,8 @@ def _rounds(
             overhead_p99_ms=round(lat.p99_ms - direct_lat.p99_ms, 3),
             requests_per_second=round(statistics.median(rates[i]), 1),
             rounds_per_second=rates[i],
+            rounds_overhead_p50_ms=[p50 for p50, _ in overheads[i]],
+            rounds_overhead_p99_ms=[p99 for _, p99 in overheads[i]],
             proxy_cpu_us_per_request=round(statistics.median(cpus[i]), 1),
             errors=errors[i],
         )
@@ -192,9 +216,14 @@ def _rounds(
         load_generator=throughput.load_generator,
         direct_p50_ms=direct_lat.p50_ms,
         direct_p99_ms=direct_lat.p99_ms,
+        rounds_direct_p50_ms=rounds_direct,
         this=mine,
         other=theirs,
-        overhead_p50_ratio=round(mine.overhead_p50_ms / theirs.overhead_p50_ms, 3) if theirs.overhead_p50_ms else 0.0,
+        overhead_p50_ratio=overhead_ratio(mine.overhead_p50_ms, theirs.overhead_p50_ms),
+        rounds_overhead_p50_ratio=[
+            overhead_ratio(a, b)
+            for a, b in zip(mine.rounds_overhead_p50_ms, theirs.rounds_overhead_p50_ms, strict=True)
+        ],
         throughput_ratio=round(mine.requests_per_second / theirs.requests_per_second, 3)
         if theirs.requests_per_second
         else 0.0,
@@ -218,11 +247,33 @@ def report(result: AgainstResult) -> Report:
         align="lrrrrr",
         rows=(row(result.this), row(result.other)),
     )
+    this, other, rev = result.this, result.other, result.rev
+
+    def each(n: int) -> tuple[str, ...]:
+        ms = (result.rounds_direct_p50_ms[n], this.rounds_overhead_p50_ms[n], other.rounds_overhead_p50_ms[n])
+        p99 = (this.rounds_overhead_p99_ms[n], other.rounds_overhead_p99_ms[n])
+        rates = (this.rounds_per_second[n], other.rounds_per_second[n])
+        ratio = _times(result.rounds_overhead_p50_ratio[n])
+        return (str(n + 1), *(f"{v:.3f}" for v in ms), ratio, *(f"{v:.3f}" for v in p99), *(f"{v:,.0f}" for v in rates))
+
+    columns = ("round", "direct p50 ms", "overhead p50 ms", f"{rev}'s", "ratio", "overhead p99 ms", f"{rev}'s")
+    each_round = Table(
+        title=f"each round: overhead over that round's direct GETs, this tree and {rev}",
+        columns=(*columns, "req/s", f"{rev}'s"),
+        align="rrrrrrrrr",
+        rows=tuple(each(n) for n in range(len(result.rounds_direct_p50_ms))),
+    )
+    spread = [r for r in result.rounds_overhead_p50_ratio if r > 0]
     notes = (
         f"direct to the machine: p50 {result.direct_p50_ms:.3f} ms, p99 {result.direct_p99_ms:.3f} ms",
-        f"this tree over {result.rev}: overhead p50 x{result.overhead_p50_ratio:.2f}, "
+        f"this tree over {result.rev}: overhead p50 x{result.overhead_p50_ratio:.2f}"
+        + (f" (rounds x{min(spread):.2f} to x{max(spread):.2f})" if spread else "")
+        + ", "
         f"throughput x{result.throughput_ratio:.2f} ({result.options.concurrency} keep-alive clients from "
-        f"{result.load_generator} to {result.upstream}; rounds: {result.this.rounds_per_second} vs "
-        f"{result.other.rounds_per_second} req/s)",
+        f"{result.load_generator} to {result.upstream})",
     )
-    return Report(tables=(table,), notes=notes)
+    return Report(tables=(table, each_round), notes=notes)
+
+
+def _times(ratio: float) -> str:
+    return f"x{ratio:.2f}" if ratio > 0 else "-"

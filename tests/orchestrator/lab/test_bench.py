@@ -104,6 +104,35 @@ def test_the_cli_prints_plain_text_when_stdout_is_not_a_terminal(capsys: pytest.
     assert out == f"t\n{'what'.ljust(150)}  n\n{cell}  1\n\n[b]\n"
 
 
+def test_proxy_against_shows_each_rounds_overhead_beside_the_pooled_one() -> None:
+    from lab.bench.proxy import ProxyOptions
+    from lab.bench.proxy_against import AgainstResult, Side, overhead, overhead_ratio
+    from lab.bench.proxy_against import report as against_report
+
+    # p50 2 ms less 1 ms; p99 (nearest rank of 4: the largest) 9 less 3
+    assert overhead([0.001, 0.001, 0.002, 0.003], [0.002, 0.002, 0.003, 0.009]) == (1.0, 6.0)
+    assert overhead_ratio(0.3, 0.2) == 1.5 and overhead_ratio(0.3, 0.0) == 0.0 and overhead_ratio(0.3, -0.1) == 0.0
+
+    def side(name: str, p50s: list[float]) -> Side:
+        return Side(name=name, p50_ms=0.4, p99_ms=1.0, overhead_p50_ms=0.25, overhead_p99_ms=0.8,
+                    requests_per_second=9000.0, rounds_per_second=[8000.0, 10000.0], rounds_overhead_p50_ms=p50s,
+                    rounds_overhead_p99_ms=[0.7, 0.9], proxy_cpu_us_per_request=100.0, errors=0)  # fmt: skip
+
+    result = AgainstResult(
+        options=ProxyOptions(), rev="abc1234", commit="abc1234" + "0" * 33, rounds=2, upstream="u",
+        load_generator="wrk", direct_p50_ms=0.15, direct_p99_ms=0.3, rounds_direct_p50_ms=[0.14, 0.16],
+        this=side("this tree", [0.22, 0.3]), other=side("abc1234", [0.2, 0.0]), overhead_p50_ratio=1.0,
+        rounds_overhead_p50_ratio=[1.1, 0.0], throughput_ratio=1.0,
+    )  # fmt: skip
+    text = plain(against_report(result))
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert rows == [
+        ["1", "0.140", "0.220", "0.200", "x1.10", "0.700", "0.700", "8,000", "8,000"],
+        ["2", "0.160", "0.300", "0.000", "-", "0.900", "0.900", "10,000", "10,000"],
+    ]
+    assert "overhead p50 x1.00 (rounds x1.10 to x1.10)" in text  # a round without a ratio is left out
+
+
 # -- edges -----------------------------------------------------------------------------------------
 
 
