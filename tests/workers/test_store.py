@@ -18,6 +18,7 @@ from workers.log.store import Store, Tx
 
 T = TypeVar("T")
 
+
 def machine(i: int, *, cpus: int = 1, state: str = "created") -> StoredMachine:
     return StoredMachine(
         machine=Machine(
