@@ -7,17 +7,23 @@ to its `Volume` (docs/tutorials/images-and-volumes.md); `meta` holds `worker` (c
 change appends one log record and updates the derived tables in the same write transaction, so they can
 never disagree, and `rebuild` recomputes them from the log alone to prove it.
 
-What one reserve does here (a create through the brokers; measured and counted for issue 44):
-
-| | what | why it is needed |
-|---|---|---|
-| transactions | one LMDB write transaction (the group commit's batch; a reserve alone in its batch runs in it directly, one among others in a nested one of its own, so it can fail alone) | one commit makes the machine this worker's, checked and recorded atomically |
-| `log` | written: one record, appended | the truth: the derived tables are rebuilt from it, compaction's replay check reads it, and the outbox restores from it the events the stream lacks after a crash (workers/outbox.py) |
-| `machines` | read (a retry of the same reserve, the record it replaces) and written: one row | a machine's current record by id, read by every verb and by the reserve's own checks; without it each read would replay the log |
-| `meta` | read: the `worker` row | a cordon refuses the reserve inside the commit that would make it, so it is read there, not cached |
-| `idempotency` | keyed reserves only: read and written | a broker's retry of a keyed create must find the key's machine inside the very commit that would otherwise reserve a second one |
-| `volumes` | a machine with mounts only: each volume read, and written `attached` (with a log record each) | its volumes become its own in the same commit, or nothing is reserved |
-| flushes | one commit: its pages written, one fdatasync, then the meta page written through LMDB's synchronous descriptor (`metasync`): two flushes, shared by every reserve of the batch | see below |
+What one reserve does here (counted for issue 44), and why each part is needed:
+- Transactions: one LMDB write transaction, the group commit's batch. A reserve alone in its batch runs in it
+  directly; one among others runs in a nested transaction of its own, so it can fail alone. One commit makes the
+  machine this worker's, checked and recorded atomically.
+- `log`, written: one record, appended. The truth: the derived tables are rebuilt from it, compaction's replay
+  check reads it, and the outbox restores from it the events the stream lacks after a crash (workers/outbox.py).
+- `machines`, read (a retry of the same reserve; the record it replaces) and written: one row. A machine's
+  current record by id, read by every verb and by the reserve's own checks; without it each read would replay
+  the log.
+- `meta`, read: the `worker` row. A cordon refuses the reserve inside the commit that would make it, so it is
+  read there, not cached.
+- `idempotency`, keyed reserves only: read and written. A broker's retry of a keyed create must find the key's
+  machine inside the very commit that would otherwise reserve a second one.
+- `volumes`, a machine with mounts only: each volume read and written `attached` (a log record each). Its
+  volumes become its own in the same commit, or nothing is reserved.
+- Flushes: the commit writes its pages, fdatasyncs, then writes the meta page through LMDB's synchronous
+  descriptor (`metasync`): two flushes, shared by every reserve of the batch (below: why both).
 
 Not touched by a reserve: `images` (written when a machine starts). Not a table any more: the resources held
 (`usage`, was a row of `meta` read and written by every reserve). They are a sum over `machines`, so they are
@@ -35,8 +41,9 @@ environment is opened with `sync` and `metasync`: `lab/bench/floor_responder.py`
 
 Writes go through `workers.log.commit.GroupCommitter`: a writer thread takes every operation queued
 meanwhile, runs each in its own nested transaction when there are several (one failing operation aborts
-only itself) and commits them all in one transaction, with its flushes. Callers get their result only after that commit, so nothing
-acknowledged is lost to a crash. Reads are lock-free LMDB read transactions on the caller's thread.
+only itself) and commits them all in one transaction, with its flushes. Callers get their result only after
+that commit, so nothing acknowledged is lost to a crash. Reads are lock-free LMDB read transactions on the
+caller's thread.
 
 Restart time does not grow with the log: the derived tables are persistent, so opening the store
 reads nothing but the machines. Compaction drops log records a later record supersedes (and
