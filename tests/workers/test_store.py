@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -11,8 +13,10 @@ from bus.contract.errors import NoCapacity
 from bus.contract.machines import Guest, Machine, MachineConfig
 from tests.helpers import arun, until
 from workers.log.commit import GroupCommitter
-from workers.log.records import StoredMachine, WorkerState
+from workers.log.records import LogRecord, StoredMachine, WorkerState
 from workers.log.store import Store, Tx
+
+T = TypeVar("T")
 
 
 def machine(i: int, *, cpus: int = 1, state: str = "created") -> StoredMachine:
@@ -98,6 +102,48 @@ def test_a_failing_operation_rolls_back_alone(tmp_path: Path) -> None:
     assert store.usage().cpus == 5 and len(store.machines()) == 5
     assert store.log_length() == 5 and store.last_seq == 5
     committer.close()
+
+
+def test_an_operation_alone_in_its_batch_is_one_transaction_and_rolls_back_alone(tmp_path: Path) -> None:
+    """A commit with one operation (every reserve at concurrency 1) begins one LMDB write transaction, not a
+    batch's and a nested one inside it; when that operation writes and then raises, aborting the one transaction
+    takes back its writes and its sequence numbers, and the next operation commits as usual. Fails if the nested
+    transaction comes back for a batch of one (two begins)."""
+    store = Store(tmp_path / "db", sync=False)
+    real = store.env
+    begins: list[dict[str, object]] = []
+
+    class Counting:  # the real environment, its write transactions counted
+        def begin(self, **kwargs: Any) -> Any:
+            if kwargs.get("write"):
+                begins.append(kwargs)
+            return real.begin(**kwargs)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    store.env = Counting()  # type: ignore[assignment]
+    committer = GroupCommitter(store)
+
+    def written_then_refused(tx: Tx) -> None:
+        tx.put_machine(machine(2), "reserve")
+        raise NoCapacity("full")
+
+    async def one(fn: Callable[[Tx], T]) -> tuple[T, list[LogRecord]]:
+        return await committer.submit(fn)
+
+    stored, records = arun(one(lambda tx: tx.put_machine(machine(1), "reserve")))
+    assert len(begins) == 1 and "parent" not in begins[0], begins
+    assert [record.seq for record in records] == [1] and stored.machine.version == 1
+    with pytest.raises(NoCapacity, match="full"):
+        arun(one(written_then_refused))
+    assert store.get(machine(2).machine.id) is None and store.last_seq == 1 and store.log_length() == 1
+    assert store.usage().cpus == 1
+    stored, _ = arun(one(lambda tx: tx.put_machine(machine(3), "reserve")))
+    assert stored.machine.version == 2 and store.usage().cpus == 2
+    assert all("parent" not in kwargs for kwargs in begins) and len(begins) == 3
+    committer.close()
+    store.close()
 
 
 def test_rebuild_from_log_equals_live_tables_and_survives_compaction(tmp_path: Path) -> None:

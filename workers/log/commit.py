@@ -2,8 +2,10 @@
 
 LMDB allows one writer at a time and an fsync costs about as much for one record as for hundreds,
 so the worker funnels every write through one thread that takes whatever queued meanwhile and
-commits it together. Each operation still runs in its own nested transaction, so one that raises
-is rolled back alone and its exception reaches only its caller. Callers get their result only
+commits it together. In a batch of several, each operation runs in its own nested transaction, so one
+that raises is rolled back alone and its exception reaches only its caller; an operation alone in its
+batch (every reserve at concurrency 1) runs in the batch's transaction itself, whose abort rolls back
+the same writes, so a commit is one LMDB transaction, not two. Callers get their result only
 after the batch's commit is durable: nothing acknowledged is lost to a crash. A caller cancelled while its
 operation still queues (a restart's back-off cancelled by a destroy) withdraws it; once the writer has taken an
 operation up it commits, whoever still waits for it.
@@ -104,8 +106,11 @@ class GroupCommitter:
         if not batch:
             return
         store = self.store
-        outcomes: list[tuple[_Op, Any, list[LogRecord], BaseException | None]] = []
         started = time.perf_counter()
+        if len(batch) == 1:  # alone in its batch: one transaction, no nested one (the top of this module)
+            self._commit_alone(batch[0], started)
+            return
+        outcomes: list[tuple[_Op, Any, list[LogRecord], BaseException | None]] = []
         usage = store.usage()  # the resources held, carried from one operation to the next (store.py's top)
         try:
             with store.rollback_seq(), store.env.begin(write=True) as txn:
@@ -119,16 +124,39 @@ class GroupCommitter:
                 op.future.set_exception(failure)
             return
         store.publish_usage(usage)  # durable now: readers and the next batch see it
-        self.batches += 1
-        self.ops += len(batch)
-        metrics.COMMITS.inc()
-        metrics.COMMIT_BATCH.observe(len(batch))
-        metrics.COMMIT_SECONDS.observe(time.perf_counter() - started)
+        self._counted(len(batch), started)
         for op, result, records, error in outcomes:
             if error is not None:
                 op.future.set_exception(error)
             else:
                 op.future.set_result((result, records))
+
+    def _commit_alone(self, op: _Op, started: float) -> None:
+        """An operation with nothing else queued: it runs in the batch's one write transaction itself. If it
+        raises, that transaction is aborted, which rolls back exactly what a nested one would have: its own
+        writes, as nothing else is in it."""
+        store = self.store
+        ran = False
+        try:
+            with store.rollback_seq(), store.env.begin(write=True) as txn:
+                tx = Tx(store, txn, store.clock(), store.usage())
+                result = op.fn(tx)
+                ran = True
+        except BaseException as exc:  # the operation raised (rolled back), or the commit itself failed
+            if ran and not isinstance(exc, FauxmadError):
+                exc = InternalError(f"store commit failed: {exc!r}")
+            op.future.set_exception(exc)
+            return
+        store.publish_usage(tx.held)  # durable now: readers and the next batch see it
+        self._counted(1, started)
+        op.future.set_result((result, tx.records))
+
+    def _counted(self, ops: int, started: float) -> None:
+        self.batches += 1
+        self.ops += ops
+        metrics.COMMITS.inc()
+        metrics.COMMIT_BATCH.observe(ops)
+        metrics.COMMIT_SECONDS.observe(time.perf_counter() - started)
 
     def _run_one(
         self, txn: Any, op: _Op, now: float, usage: Usage

@@ -7,23 +7,43 @@ to its `Volume` (docs/tutorials/images-and-volumes.md); `meta` holds `worker` (c
 change appends one log record and updates the derived tables in the same write transaction, so they can
 never disagree, and `rebuild` recomputes them from the log alone to prove it.
 
-A reserve touches two tables, three with an idempotency key, in one transaction (one commit, shared with
-whatever else the group commit took up), and each is needed:
-- `log`: the truth. Nothing else survives compaction's replay check, and the outbox restores from it the
-  events the stream lacks after a crash (workers/outbox.py).
-- `machines`: a machine's current record by id, read by every verb and by the reserve's own checks; without
-  it each read would replay the log.
-- `idempotency` (keyed reserves only): a broker's retry of a keyed create must find the key's machine inside
-  the very commit that would otherwise reserve a second one.
-What a reserve no longer writes: the resources held (`usage`, was a row of `meta` read and written by every
-reserve). It is a sum over `machines`, so it is computed when the store opens (which reads the machines
-anyway) and kept in memory, changed only with the commits that change it (`Tx` works on a copy, published
-when the batch's commit is durable): nothing is cached that LMDB cannot give again.
+What one reserve does here (counted for issue 44), and why each part is needed:
+- Transactions: one LMDB write transaction, the group commit's batch. A reserve alone in its batch runs in it
+  directly; one among others runs in a nested transaction of its own, so it can fail alone. One commit makes the
+  machine this worker's, checked and recorded atomically.
+- `log`, written: one record, appended. The truth: the derived tables are rebuilt from it, compaction's replay
+  check reads it, and the outbox restores from it the events the stream lacks after a crash (workers/outbox.py).
+- `machines`, read (a retry of the same reserve; the record it replaces) and written: one row. A machine's
+  current record by id, read by every verb and by the reserve's own checks; without it each read would replay
+  the log.
+- `meta`, read: the `worker` row. A cordon refuses the reserve inside the commit that would make it, so it is
+  read there, not cached.
+- `idempotency`, keyed reserves only: read and written. A broker's retry of a keyed create must find the key's
+  machine inside the very commit that would otherwise reserve a second one.
+- `volumes`, a machine with mounts only: each volume read and written `attached` (a log record each). Its
+  volumes become its own in the same commit, or nothing is reserved.
+- Flushes: the commit writes its pages, fdatasyncs, then writes the meta page through LMDB's synchronous
+  descriptor (`metasync`): two flushes, shared by every reserve of the batch (below: why both).
+
+Not touched by a reserve: `images` (written when a machine starts). Not a table any more: the resources held
+(`usage`, was a row of `meta` read and written by every reserve). They are a sum over `machines`, so they are
+computed when the store opens (which reads the machines anyway) and kept in memory, changed only with the commits
+that change them (`Tx` works on a copy, published when the batch's commit is durable): nothing is cached that
+LMDB cannot give again.
+
+Why both flushes stay. LMDB commits by copy-on-write: the new pages, then the meta page that points at them. The
+fdatasync puts the pages on disk before the meta page is written (without it a power cut could leave a meta page
+pointing at pages never written: a corrupt environment); the synchronous meta write puts the commit on disk before
+the reserve is answered (without it, `MDB_NOMETASYNC`, a power cut undoes the last acknowledged commit). A `kill -9`
+of the worker loses nothing either way (the page cache survives it); the flushes are what makes an answer hold
+through a power cut, which is what "committed before it is answered" promises. The floor does the same (its
+environment is opened with `sync` and `metasync`: `lab/bench/floor_responder.py`). `test_store.py` checks the flags.
 
 Writes go through `workers.log.commit.GroupCommitter`: a writer thread takes every operation queued
-meanwhile, runs each in its own nested transaction (one failing operation aborts only itself) and
-commits them all with one fsync. Callers get their result only after that commit, so nothing
-acknowledged is lost to a crash. Reads are lock-free LMDB read transactions on the caller's thread.
+meanwhile, runs each in its own nested transaction when there are several (one failing operation aborts
+only itself) and commits them all in one transaction, with its flushes. Callers get their result only after
+that commit, so nothing acknowledged is lost to a crash. Reads are lock-free LMDB read transactions on the
+caller's thread.
 
 Restart time does not grow with the log: the derived tables are persistent, so opening the store
 reads nothing but the machines. Compaction drops log records a later record supersedes (and
