@@ -172,7 +172,11 @@ def test_a_frozen_worker_back_never_runs_the_id_the_retry_placed_elsewhere(
             statuses = await events_of(nc, worker.worker_id, first)
             assert "started" not in statuses, statuses  # it never ran
             assert processes_of(first) == []
-            assert len(processes_of(placed.id)) >= 1
+
+            async def placed_runs() -> list[int]:  # `started` is recorded at the spawn: the exec may come just after
+                return processes_of(placed.id)
+
+            await until(placed_runs, f"the process of {placed.id}, placed on {OTHER}")
             again = await client.create(app, request)
             assert (again.id, again.worker_id) == (placed.id, OTHER)
 
