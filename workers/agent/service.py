@@ -91,12 +91,15 @@ def cgroup_base_name(worker_id: str, data_dir: Path) -> str:
 
 
 class WorkerAgent:
-    def __init__(self, config: WorkerConfig, beats: BeatGroup | None = None) -> None:
-        """`beats`: the heartbeat timer of the process's logical workers (None: this worker's own timer)."""
+    def __init__(self, config: WorkerConfig, beats: BeatGroup | None = None, nc: Client | None = None) -> None:
+        """`beats`: the heartbeat timer of the process's logical workers (None: this worker's own timer). `nc`: the
+        process's NATS connection, shared by its logical workers and closed by their runner (None: this worker
+        connects, and closes, its own)."""
         subjects.check_token("region", config.region)
         subjects.check_token("worker id", config.worker_id)
         self.config = config
         self.beats = beats
+        self._shared_nc = nc
         self.started_at = time.time()
         self.nc: Client | None = None
         self.store: Store | None = None
@@ -136,8 +139,8 @@ class WorkerAgent:
                 private.chmod(0o711)
         # no server at start: one line and exit 3, as every command (docs/reference/exit-codes.md#stopping);
         # once connected it reconnects forever, as an agent does
-        self.nc = await connect(
-            cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", reconnect_forever=True, on_closed=self._on_bus_closed
+        self.nc = self._shared_nc or await connect(
+            cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", reconnect_forever=True, on_closed=self.on_bus_closed
         )
         self.address = cfg.advertise or _nats_source_address(self.nc, cfg.nats_url)
         js = self.nc.jetstream()
@@ -525,7 +528,7 @@ class WorkerAgent:
         """The machines this worker runs (started): what stopping it leaves running."""
         return self.tally.states["started"]
 
-    def _on_bus_closed(self, reason: str) -> None:
+    def on_bus_closed(self, reason: str) -> None:
         """The connection is gone for good (not a reconnect): never stay alive but deaf."""
         if self._closing:
             return
@@ -566,7 +569,7 @@ class WorkerAgent:
             await _bounded(self.secrets.close(), 1.0)
         if self.driver is not None:
             self.driver.close()  # its launcher (machines keep running)
-        if self.nc is not None:
+        if self.nc is not None and self._shared_nc is None:  # a shared connection is its runner's to close
             await _bounded(self.nc.close(), 2.0)
         if self.committer is not None:
             self.committer.close()
