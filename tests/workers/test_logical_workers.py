@@ -81,7 +81,7 @@ def test_one_puller_and_one_connection_for_fifty_logical_workers(
                     return len(offers) >= COUNT
 
                 await until(all_offered, f"{COUNT} offers", 10.0)
-                assert sorted(offer["worker_id"] for offer in offers) == workers.ids()
+                assert sorted(str(offer["worker_id"]) for offer in offers) == workers.ids()
                 kv = await nc.jetstream().key_value("fauxmad_workers")
                 keys = [key for key in await kv.keys() if key.startswith(f"{region}.")]
                 assert sorted(keys) == [f"{region}.{one}" for one in workers.ids()]
