@@ -1,6 +1,6 @@
 """A process of logical workers (`fauxmad worker --count`, the benchmarks' simulated fleet, issue 44): each
 worker answers the auction, its own verbs and beats its own key, as a worker of its own, while the process
-holds one job puller and one NATS connection for all of them. Real nats-server and a real worker process."""
+holds one job puller, one NATS connection and one watch of the secrets for all of them. Real nats-server and a real worker process."""
 
 from __future__ import annotations
 
@@ -58,7 +58,18 @@ def test_one_puller_and_one_connection_for_fifty_logical_workers(
 ) -> None:
     region, base, app = unique("r"), unique("w"), unique("a")
     workers = LogicalWorkers(nats_url, region, base, tmp_path / base, cpus=2, extra=["--count", str(COUNT)])
+
+    async def secrets_watches() -> int:  # the ordered consumers on the fleet's secrets (each worker process's watch)
+        nc = await nats.connect(nats_url)
+        try:
+            return len(await nc.jetstream().consumers_info("KV_fauxmad_secrets"))
+        except nats.js.errors.NotFoundError:  # no worker has made the bucket yet
+            return 0
+        finally:
+            await nc.close()
+
     try:
+        watches_before = arun(secrets_watches())
         workers.start(timeout=60)
         assert workers.proc is not None
         pid = workers.proc.pid
@@ -104,8 +115,9 @@ def test_one_puller_and_one_connection_for_fifty_logical_workers(
                 await nc.close()
 
         arun(main())
-        # one connection to the server for the whole process
+        # one connection to the server for the whole process, and one watch of the fleet's secrets
         assert connections_to(pid, urlparse(nats_url).port or 4222) == 1
+        assert arun(secrets_watches()) - watches_before <= 1
         # and its jobs run: taken by its first logical worker (the process's one puller)
         done = fauxmad("job", "submit", "-a", app, "-r", region, "--wait", "--json", "--", "true", url=nats_url)
         assert done.returncode == 0, done.stderr

@@ -2,14 +2,15 @@
 
 Several logical workers per process is for benchmarks of large regions: each still has its own
 subscriptions, service, LMDB environment and writer thread, running the same code as a worker of its own,
-but three things are the process's (issue 44), so that a simulated fleet of 1,000 measures placement, not
-its own background: its background jobs (one job puller and desk, the first logical worker's: the process's
-CPU is one, so one puller bounds it), its heartbeats' timer (`BeatGroup`), and its NATS connection. One
-connection, not one per logical worker: a connection is a ping a second, a flusher and a reader task and a
-closed-connection poll in the process, and a socket and its goroutines in nats-server, and a process's
-heartbeats then go out in one write and their acks come back in one read. Every heartbeat is still its own
+but four things are the process's (issue 44, `service.Shared`), so that a simulated fleet of 1,000 measures
+placement, not its own background: its background jobs (one job puller and desk, the first logical
+worker's: the process's CPU is one, so one puller bounds it), its heartbeats' timer (`BeatGroup`), its NATS
+connection, and its watch of the fleet's secrets. A connection is a ping a second, a flusher, a reader and
+a closed-connection poll in the process, and a socket in nats-server; a watch is an ordered consumer in
+nats-server and a flow-control check four times a second in the process. On one connection a process's
+heartbeats go out in one write and their acks come back in one read; every heartbeat is still its own
 worker's KV put, as on any fleet (the registry's contract: a key per worker, its TTL its liveness).
-A real fleet (one worker per process) is unchanged: each worker connects on its own.
+A real fleet (one worker per process) is unchanged: each worker connects, and watches, on its own.
 Stopping never stops machines: the agent says how many it leaves running, and a restart re-adopts them.
 """
 
@@ -25,7 +26,7 @@ from bus.contract.errors import Unreachable
 from bus.transport.connection import Connection, connect
 from workers.agent.config import WorkerConfig
 from workers.agent.heartbeat import BeatGroup
-from workers.agent.service import WorkerAgent
+from workers.agent.service import Shared, WorkerAgent
 from workers.lifecycle import steps
 
 
@@ -44,7 +45,8 @@ async def run_workers(
     configs = [configs[0], *(msgspec.structs.replace(config, serve_jobs=False) for config in configs[1:])]
     agents: list[WorkerAgent] = []
     nc: Connection | None = None
-    if len(configs) > 1:  # one connection for the process's logical workers; a lost bus stops them all
+    shared: Shared | None = None
+    if beats is not None:  # one connection for the process's logical workers; a lost bus stops them all
 
         def closed(reason: str) -> None:
             for agent in agents:
@@ -53,7 +55,8 @@ async def run_workers(
         first = configs[0]
         name = f"fauxmad-worker-{first.worker_id}+{len(configs) - 1}"
         nc = await connect(first.nats_url, name, reconnect_forever=True, on_closed=closed)
-    agents += [WorkerAgent(config, beats, nc) for config in configs]
+        shared = Shared(nc, beats)
+    agents += [WorkerAgent(config, shared) for config in configs]
     running: list[asyncio.Task[None]] = []
     served = False
     try:
