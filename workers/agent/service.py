@@ -90,13 +90,26 @@ def cgroup_base_name(worker_id: str, data_dir: Path) -> str:
     return f"{worker_id}-{digest}"
 
 
+class Shared:
+    """What the logical workers of one process share (`workers.agent.runner`, issue 44); a real fleet's worker, alone
+    in its process, shares nothing. `nc`: the process's NATS connection (its runner closes it); `beats`: the one
+    heartbeat timer; `secrets`: the one watched copy of the fleet's secrets, the first worker's (it closes it)."""
+
+    def __init__(self, nc: Client, beats: BeatGroup) -> None:
+        self.nc = nc
+        self.beats = beats
+        self.secrets: SecretsCache | None = None
+
+
 class WorkerAgent:
-    def __init__(self, config: WorkerConfig, beats: BeatGroup | None = None) -> None:
-        """`beats`: the heartbeat timer of the process's logical workers (None: this worker's own timer)."""
+    def __init__(self, config: WorkerConfig, shared: Shared | None = None) -> None:
+        """`shared`: what this logical worker shares with the others of its process (None: a worker of its own)."""
         subjects.check_token("region", config.region)
         subjects.check_token("worker id", config.worker_id)
         self.config = config
-        self.beats = beats
+        self.shared = shared
+        self.beats = shared.beats if shared is not None else None
+        self._owns_secrets = True
         self.started_at = time.time()
         self.nc: Client | None = None
         self.store: Store | None = None
@@ -136,9 +149,13 @@ class WorkerAgent:
                 private.chmod(0o711)
         # no server at start: one line and exit 3, as every command (docs/reference/exit-codes.md#stopping);
         # once connected it reconnects forever, as an agent does
-        self.nc = await connect(
-            cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", reconnect_forever=True, on_closed=self._on_bus_closed
-        )
+        shared = self.shared
+        if shared is not None:  # the process's, for its logical workers (`workers.agent.runner`)
+            self.nc = shared.nc
+        else:
+            self.nc = await connect(
+                cfg.nats_url, f"fauxmad-worker-{cfg.worker_id}", reconnect_forever=True, on_closed=self.on_bus_closed
+            )
         self.address = cfg.advertise or _nats_source_address(self.nc, cfg.nats_url)
         js = self.nc.jetstream()
         kv = self._kv = await ensure_fleet_resources_patiently(
@@ -162,8 +179,13 @@ class WorkerAgent:
             away=heartbeat.away,
             clock=time.time,
         )
-        self.secrets = SecretsCache(_secrets_key(cfg), saved=data / "secrets.sealed.json")
-        await self.secrets.start(await secrets_bucket(js))
+        if shared is not None and shared.secrets is not None:  # the process's first worker watches for all
+            self.secrets, self._owns_secrets = shared.secrets, False
+        else:
+            self.secrets = SecretsCache(_secrets_key(cfg), saved=data / "secrets.sealed.json")
+            await self.secrets.start(await secrets_bucket(js))
+            if shared is not None:
+                shared.secrets = self.secrets
         layout = kv.layout  # in a supercluster: this region's own index bucket and events stream
         self.outbox = Outbox(
             self.nc,
@@ -525,7 +547,7 @@ class WorkerAgent:
         """The machines this worker runs (started): what stopping it leaves running."""
         return self.tally.states["started"]
 
-    def _on_bus_closed(self, reason: str) -> None:
+    def on_bus_closed(self, reason: str) -> None:
         """The connection is gone for good (not a reconnect): never stay alive but deaf."""
         if self._closing:
             return
@@ -562,11 +584,11 @@ class WorkerAgent:
         await _bounded(self._close_backhaul(), 1.0)
         if self.manager is not None:
             await _bounded(self.manager.close(), 2.0)
-        if hasattr(self, "secrets"):
+        if hasattr(self, "secrets") and self._owns_secrets:
             await _bounded(self.secrets.close(), 1.0)
         if self.driver is not None:
             self.driver.close()  # its launcher (machines keep running)
-        if self.nc is not None:
+        if self.nc is not None and self.shared is None:  # a shared connection is its runner's to close
             await _bounded(self.nc.close(), 2.0)
         if self.committer is not None:
             self.committer.close()
