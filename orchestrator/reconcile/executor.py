@@ -9,6 +9,11 @@ that fails is reported, never retried here: the next plan, made from fresh obser
 An action waiting on a worker whose heartbeat expires meanwhile (a host frozen mid-call) fails at once rather
 than at its timeout (an update's is 40 s): a pass blocked on a silent host would fail over no other machine
 (the fail-back test, in CI: the operator said nothing for 30 s while the frozen host's update waited).
+A create has no worker to lose (it goes to the brokers), so an operator gives it `create_patience`: past that, the
+create goes on by itself and the pass ends; the same create is not sent again while it waits (a later pass sees its
+machine once it is made). Core NATS may drop a request while a nats-server restarts, and the create's own wait is
+35 s: in CI (torture on hosts, seed 11) the operator's pass waited out a create lost that way while a worker came
+back with the old primary still running beside the promoted spare, and the second primary outlived the settle.
 Workers are spoken to over a `Bus` and the brokers through `MachinesApi` (see `ports`).
 """
 
@@ -24,7 +29,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from bus.contract.errors import FauxmadError, NoCapacity, Unreachable
+from bus.contract.errors import FauxmadError, NoCapacity, Unanswered, Unreachable
 from bus.contract.machines import (
     DestroyRequest,
     Lease,
@@ -83,12 +88,17 @@ class Executor:
         stop_timeout: float = 10.0,
         route: Route = to_workers,
         lost: Callable[[str], Awaitable[None]] | None = None,
+        create_patience: float | None = None,
     ) -> None:
         self.bus = bus
         self.route = route
         self.machines = machines
         self.lost = lost  # returns once a worker is gone (its heartbeat expired); None: wait for every timeout
         self._abandoned: set[asyncio.Task[None]] = set()  # actions left to their silent workers
+        # seconds a pass waits for a create's answer before it leaves the create to go on alone (None: its whole
+        # wait, as a deploy does); the creates left so, by what they make, until they end
+        self.create_patience = create_patience
+        self._creating: dict[tuple[str, str, str, str], asyncio.Task[Machine]] = {}
         self.limit = asyncio.Semaphore(concurrency)
         self.holder = holder or default_holder()
         self.stop_timeout = stop_timeout
@@ -97,6 +107,10 @@ class Executor:
         self, app: str, actions: tuple[Action, ...], on_result: Callable[[Result], None] | None = None
     ) -> list[Result]:
         async def one(action: Action) -> Result:
+            if isinstance(action, Create) and self._create_key(app, action) in self._creating:
+                # left to go on by an earlier pass: not sent again, and not said again at every pass while it waits
+                error = f"an earlier create ({action.reason}) still waits for the brokers' answer"
+                return Result(action=action, ok=False, error=error, error_type=Unanswered)
             async with self.limit:
                 result = await self._run(app, action)
             if on_result is not None:
@@ -122,7 +136,7 @@ class Executor:
     async def _run(self, app: str, action: Action) -> Result:
         try:
             if isinstance(action, Create):
-                machine = await self._create(app, action)
+                machine = await self._create_patiently(app, action)
                 return Result(action=action, ok=True, machine_id=machine.id, worker_id=machine.worker_id)
             work = self._leased(app, action.worker_id, action.id, lambda nonce: self._verb(app, action, nonce))
             await self._unless_lost(action.worker_id, work, type(action).__name__.lower())
@@ -160,6 +174,43 @@ class Executor:
         self._abandoned.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: nobody waits for it
+
+    async def _create_patiently(self, app: str, action: Create) -> Machine:
+        """The create's machine, or with `create_patience`, `Unanswered` once that passes (the create goes on; its
+        machine, if made, is the next pass's to see; the same create is not sent while it waits: `apply`)."""
+        key = self._create_key(app, action)
+        if self.create_patience is None:
+            return await self._create(app, action)
+        creating = asyncio.ensure_future(self._create(app, action))
+        try:
+            await asyncio.wait({creating}, timeout=self.create_patience)
+        except BaseException:
+            creating.cancel()
+            raise
+        if creating.done():
+            return creating.result()
+        self._creating[key] = creating
+        creating.add_done_callback(lambda task: self._created(key, task))
+        raise Unanswered(
+            f"no answer from the brokers within {self.create_patience:g}s: the create goes on, the next pass sees"
+            " its machine if it is made"
+        )
+
+    @staticmethod
+    def _create_key(app: str, action: Create) -> tuple[str, str, str, str]:
+        """What a create makes, as the next pass would plan it again: its app, region, role and why."""
+        return (app, action.region, action.role, action.reason)
+
+    def _created(self, key: tuple[str, str, str, str], task: asyncio.Task[Machine]) -> None:
+        """A create left to go on ended: said in the log; its machine (if any) is the next pass's to observe."""
+        self._creating.pop(key, None)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            log.info("the create (%s) left to go on made %s", key[3], task.result().id)
+        else:
+            log.info("the create (%s) left to go on failed: %s", key[3], exc)
 
     async def _create(self, app: str, action: Create) -> Machine:
         # one auction: `avoid_workers` is a filter of the chain, `prefer_away` a penalty (see placement/ask.py)

@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 
 DESIRED_TIMEOUT = 5.0  # seconds the operator waits for the desired state before using the last it read
 DESIRED_RETRY = 5.0  # seconds it then uses the last one without asking
+# seconds a pass waits for a create's answer (its own wait is 35 s) before it leaves the create to go on and
+# plans again: a create lost on the way (a nats-server restarting) held the operator's every other action that long
+# (a stale primary back beside its promoted spare, in CI). A create takes well under a second on a loaded host.
+CREATE_PATIENCE = 10.0
 
 
 class Operator:
@@ -32,6 +36,7 @@ class Operator:
 
     def __init__(self, reconciler: Reconciler) -> None:
         self.reconciler = reconciler
+        reconciler.executor.create_patience = CREATE_PATIENCE
         self._last_desired: dict[str, Desired] = {}
         self._known_apps: set[str] = set()  # the last app list read
         self._desired_quiet_until = 0.0
