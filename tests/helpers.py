@@ -73,8 +73,8 @@ def fauxmad(
     )
 
 
-def fleet_fixture(spec: FleetSpec, *, scope: Literal["module", "session"] = "module") -> Any:
-    """A fixture that runs a dev fleet of `spec` for its module (or `scope`): `fleet = fleet_fixture(FleetSpec(...))`
+def fleet_fixture(spec: FleetSpec, *, scope: Literal["function", "module", "session"] = "module") -> Any:
+    """A fixture that runs a dev fleet of `spec` for its module (or `scope`: "function" for a fleet a test may break): `fleet = fleet_fixture(FleetSpec(...))`
     in a test module gives its tests a `fleet` (the name it is assigned to), started before the first that asks and
     stopped after the last. The one way the suite starts a shared fleet; `starts_processes` marks it for the
     `fleet` layer (tests/conftest.py)."""

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,7 +16,7 @@ from bus.contract.errors import Conflict
 from bus.contract.machines import Lease, LeaseRequest, Machine
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun, fauxmad, running, wait_until
+from tests.helpers import ROOT, arun, fauxmad, fleet_fixture, running, wait_until
 
 APP = "restarted"
 REGION = "mad"
@@ -25,10 +24,7 @@ REGION = "mad"
 pytestmark = pytest.mark.fleet
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=[REGION], workers_per_region=1, cpus=4, memory_mb=2048)) as running:
-        yield running
+fleet = fleet_fixture(FleetSpec(regions=[REGION], workers_per_region=1, cpus=4, memory_mb=2048))
 
 
 async def _machine(url: str, machine_id: str) -> Machine:

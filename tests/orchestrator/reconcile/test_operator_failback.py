@@ -21,10 +21,9 @@ import os
 import re
 import signal
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from pathlib import Path
 
-import pytest
 from nats.aio.client import Client
 
 from bus.contract import subjects
@@ -35,7 +34,7 @@ from orchestrator.apps.ownership import RUNNING
 from orchestrator.apps.spec import REPLACES_KEY
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.observe import health
-from tests.helpers import arun, start_operator, until, wait_until
+from tests.helpers import arun, fleet_fixture, start_operator, until, wait_until
 from tests.orchestrator.reconcile.test_reconcile import fauxmad, machines, primaries, role, spares, write_spec
 
 REGION = "fbk"
@@ -44,10 +43,9 @@ SHORT_WINDOW = 2.0  # seconds with no copy running that a fail-back may cost at 
 STOPPED_BY = re.compile(r" stop (\S+): replaced by (\S+)")
 
 
-@pytest.fixture
-def fleet() -> Iterator[DevFleet]:
-    with DevFleet(FleetSpec(regions=[REGION], workers_per_region=2, cpus=4, memory_mb=2048, brokers=1)) as running:
-        yield running
+fleet = fleet_fixture(
+    FleetSpec(regions=[REGION], workers_per_region=2, cpus=4, memory_mb=2048, brokers=1), scope="function"
+)
 
 
 class Copies:

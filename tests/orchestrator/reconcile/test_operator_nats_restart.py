@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,18 +30,17 @@ from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.reconcile.over_nats import NatsBus
 from orchestrator.reconcile.reconciler import Reconciler
 from orchestrator.reconcile.watch import Operator
-from tests.helpers import arun, start_operator, wait_until
+from tests.helpers import arun, fleet_fixture, start_operator, wait_until
 from tests.orchestrator.reconcile.test_reconcile import fauxmad, machines, primaries, write_spec
 
 REGION = "rst"
 OUTAGE = 2.0  # seconds the nats-server is away: the fault itself, not a wait for anything
 
 
-@pytest.fixture
-def fleet() -> Iterator[DevFleet]:
-    # a fleet of its own: its nats-server is killed and started again
-    with DevFleet(FleetSpec(regions=[REGION], workers_per_region=2, cpus=4, memory_mb=2048, brokers=1)) as running:
-        yield running
+# a fleet of each test's own: its nats-server is killed and started again
+fleet = fleet_fixture(
+    FleetSpec(regions=[REGION], workers_per_region=2, cpus=4, memory_mb=2048, brokers=1), scope="function"
+)
 
 
 def running_primaries(fleet: DevFleet, app: str) -> list[Machine]:
