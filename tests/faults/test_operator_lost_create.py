@@ -13,10 +13,8 @@ runs out, which the unfixed operator, its pass waiting on that create, never did
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ from bus.contract.deadlines import caller_wait
 from bus.contract.machines import ListRequest, Machine
 from bus.transport.service import call
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats, fleet_fixture, start_operator, wait_until
+from tests.helpers import arun, connect_nats, fleet_fixture, start_operator, until, wait_until
 from tests.orchestrator.reconcile.test_reconcile import destroy, fauxmad, machines, role, spares, write_spec
 
 fleet = fleet_fixture(FleetSpec(regions=["syd"], workers_per_region=2, cpus=4, memory_mb=4096, brokers=1))
@@ -40,14 +38,6 @@ async def listed(nc: Any, worker_id: str) -> list[Machine] | None:
         return await call(nc, subjects.worker_machines(worker_id, "list"), ListRequest(app="ha"), list[Machine], 2.0)
     except Exception:
         return None
-
-
-async def until(condition: Callable[[], Awaitable[bool]], what: str, deadline: float) -> None:
-    while True:
-        if await condition():
-            return
-        assert time.time() < deadline, f"{what}: not by the deadline"
-        await asyncio.sleep(0.1)
 
 
 async def scenario(fleet: DevFleet, old_worker: str, old_id: str, spare_worker: str, spare_id: str) -> float:
@@ -69,12 +59,12 @@ async def scenario(fleet: DevFleet, old_worker: str, old_id: str, spare_worker: 
             found = await listed(nc, spare_worker) or []
             return any(m.id == spare_id and m.state == "started" and role(m) == "primary" for m in found)
 
-        await until(promoted, "the spare promoted", time.time() + 60)
+        await until(promoted, "the spare promoted", 60)
 
         async def asked() -> bool:
             return bool(creates)
 
-        await until(asked, "the operator asking for a new spare", time.time() + 30)
+        await until(asked, "the operator asking for a new spare", 30)
         lost_at = creates[0]
         fleet.respawn(f"worker-{old_worker}")
 
@@ -83,9 +73,8 @@ async def scenario(fleet: DevFleet, old_worker: str, old_id: str, spare_worker: 
             return any(m.id == old_id and m.state != "started" for m in found)
 
         # the deadline is the contract's, not a speed: the lost create's own wait, less a margin for the last pass
-        await until(
-            old_stopped, "the old primary stopped while the lost create waited", lost_at + OPERATOR_CREATE_WAIT - 3
-        )
+        patience = lost_at + OPERATOR_CREATE_WAIT - 3 - time.time()
+        await until(old_stopped, "the old primary stopped while the lost create waited", patience)
         return time.time() - lost_at
     finally:
         await nc.close()
@@ -112,4 +101,6 @@ def test_a_lost_create_does_not_keep_a_stale_primary_running(fleet: DevFleet, tm
             operator.kill()
             operator.wait()
         print(log.read_text())
+    # the broker was started again on the way out of the scenario: its subscriptions come a moment after its spawn
+    wait_until(lambda: fauxmad(fleet, "workers", "--json").returncode == 0, "the broker answering again", 30)
     destroy(fleet, "ha")

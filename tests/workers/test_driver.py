@@ -85,7 +85,8 @@ class Tasks:
                 if workload is not None and os.getsid(workload) == handle.pid:  # not a reused pid
                     os.killpg(workload, signal.SIGKILL)
             if ProcessDriver(self.limits).recover(handle):
-                os.kill(handle.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it may end by itself between the look and the kill
+                    os.kill(handle.pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(handle.pid, 0)  # only for our own (or adopted) children
             self.limits.cleanup(handle.cgroups)
