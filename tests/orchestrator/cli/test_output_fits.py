@@ -14,11 +14,13 @@ import json
 import os
 import pty
 import re
+import select
 import shlex
 import struct
 import subprocess
 import sys
 import termios
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,17 +89,25 @@ def raw_terminal(url: str, *args: str, columns: int) -> str:
         env=_env(url, TERM="xterm-256color"),
         cwd=str(ROOT),
     )
-    os.close(slave)
+    # the slave stays open here until the child has ended and everything it wrote is read: read until the child's
+    # close (EIO), and Linux may drop what was still in the terminal's buffer when it hung up (a 10 KB line of
+    # `machine show`, in a CI run at four files at a time)
     chunks = []
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(master)
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            ended = proc.poll() is not None
+            while select.select([master], [], [], 0 if ended else 0.05)[0]:
+                chunk = os.read(master, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            if ended:
+                break
+            assert time.monotonic() < deadline, f"{args[:3]}: still running after 120 s"
+    finally:
+        os.close(slave)
+        os.close(master)
     assert proc.wait(120) == 0, proc.stderr.read().decode() if proc.stderr else ""
     if proc.stderr:
         proc.stderr.close()
