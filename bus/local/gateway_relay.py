@@ -26,12 +26,13 @@ import contextlib
 import json
 import logging
 import re
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
 import msgspec
+
+from bus.local.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,10 @@ class GatewayRelay:
         self._servers: list[asyncio.Server] = []
 
     def front(self, region: str, host: str, target_port: int) -> int:
-        """Relay to `host:target_port` (a gateway of `region`); returns the port the relay will listen on."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((self.host, 0))
-            port = int(sock.getsockname()[1])
+        """Relay to `host:target_port` (a gateway of `region`); returns the port the relay will listen on: a
+        `free_port`, not the kernel's `bind(0)`, whose ephemeral port any outgoing connection of this host may take
+        before the relay listens (CI32: a supercluster's routes took one, and every test of the file failed)."""
+        port = free_port(self.host)
         self._fronts.append(_Front(region=region, host=host, target_port=target_port, listen_port=port))
         return port
 
@@ -112,7 +113,13 @@ class GatewayRelay:
 
         self._thread = threading.Thread(target=run, name="gateway-relay", daemon=True)
         self._thread.start()
-        ready.result(timeout=10)
+        try:
+            ready.result(timeout=10)
+        except BaseException:  # nothing listens and no thread runs the loop: `stop` has nothing to stop
+            self._thread.join(timeout=10)
+            self._loop = None
+            loop.close()
+            raise
 
     def cut(self, region: str) -> None:
         self._call(lambda: self._do_cut(region))
