@@ -11,7 +11,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from bus.local.ports import free_port
 from tests.helpers import ROOT
 
 README = ROOT / "README.md"
@@ -36,12 +36,6 @@ def first_hour_blocks(text: str | None = None) -> tuple[str, list[str], str, lis
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     assert len(blocks) == 4, blocks
     return blocks[0].strip(), commands(blocks[1]), blocks[2].strip(), commands(blocks[3])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def shell_env(**extra: str) -> dict[str, str]:
@@ -140,7 +134,7 @@ def test_the_first_hour_runs_as_written(tmp_path: Path) -> None:
         # every hint `fauxmad dev` printed, then every line of the README, each as a user would paste it
         run_lines([h for h in hints if not h.startswith("export ")] + lines, fleet_env, transcript)
         # the edge, in a third terminal: the README's proxy on a free port instead of 8080
-        port = f"127.0.0.1:{free_port()}"
+        port = f"127.0.0.1:{free_port()}"  # below the ephemeral range (bus.local.ports)
         assert "127.0.0.1:8080" in proxy_line and all("fauxmad proxy" not in line for line in edge_lines)
         proxy_line = proxy_line.replace("127.0.0.1:8080", port)
         proxy = start(proxy_line, fleet_env)
