@@ -89,21 +89,23 @@ def raw_terminal(url: str, *args: str, columns: int) -> str:
         env=_env(url, TERM="xterm-256color"),
         cwd=str(ROOT),
     )
-    # the slave stays open here until the child has ended and everything it wrote is read: read until the child's
-    # close (EIO), and Linux may drop what was still in the terminal's buffer when it hung up (a 10 KB line of
-    # `machine show`, in a CI run at four files at a time)
-    chunks = []
+    # Read until the child has ended and everything it wrote has come through. After its exit, what it wrote may
+    # still be on its way to the master (the kernel moves a pty's output over in a work item of its own), so the end
+    # is a marker this process writes to the slave once the child has ended: it comes through after the child's
+    # last byte. Neither "nothing to read now" (the bytes may still be on their way) nor the hang-up's EIO (Linux
+    # may drop what is still buffered) says the output is complete: CI30 and CI33 missed a line of a 26 KB
+    # `machine show` at four files at a time.
+    end = f"[end of output {os.getpid()}-{time.monotonic_ns()}]".encode()
+    received = bytearray()
     deadline = time.monotonic() + 120
+    marked = False
     try:
-        while True:
-            ended = proc.poll() is not None
-            while select.select([master], [], [], 0 if ended else 0.05)[0]:
-                chunk = os.read(master, 65536)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-            if ended:
-                break
+        while not (marked and received.endswith(end)):
+            if not marked and proc.poll() is not None:
+                os.write(slave, end)
+                marked = True
+            if select.select([master], [], [], 0.05)[0]:
+                received += os.read(master, 65536)
             assert time.monotonic() < deadline, f"{args[:3]}: still running after 120 s"
     finally:
         os.close(slave)
@@ -111,7 +113,7 @@ def raw_terminal(url: str, *args: str, columns: int) -> str:
     assert proc.wait(120) == 0, proc.stderr.read().decode() if proc.stderr else ""
     if proc.stderr:
         proc.stderr.close()
-    return b"".join(chunks).decode()
+    return bytes(received[: -len(end)]).decode()
 
 
 def whole(value: str, text: str) -> bool:
