@@ -5,11 +5,18 @@ opens one wildcard inbox subscription per connection and gives each scatter a fr
 under it. Gathering stops as soon as `expected` replies are in, or at the deadline, whichever comes
 first; a slow or dead responder delays a scatter by at most the deadline and never blocks another.
 Replies that fail to decode are counted and dropped, never raised.
+
+Silence is not an answer: a scatter given `patience` that has heard nobody at its deadline waits on for the
+first reply, until `patience` has passed since it was sent. Responders that answer in a millisecond never see the
+difference; a host so busy that every responder missed the deadline (a CPU stall, a parallel test run) gets its
+auction held a little longer rather than a "nobody answered" that would read as a refusal (CI34: a create at four
+test files a time failed with "no capacity ... no answer within deadline" from a region of two live, idle workers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -41,7 +48,7 @@ class Gathered(Generic[T]):
 
 
 class _Collector:
-    __slots__ = ("done", "expected", "malformed", "parse", "replies")
+    __slots__ = ("done", "expected", "first", "malformed", "parse", "replies")
 
     def __init__(self, expected: int | None, parse: Callable[[bytes], Any]) -> None:
         self.expected = expected
@@ -49,6 +56,7 @@ class _Collector:
         self.replies: list[Any] = []
         self.malformed = 0
         self.done = asyncio.Event()
+        self.first = asyncio.Event()  # some reply came, decoded or not
 
 
 class Scatterer:
@@ -78,6 +86,7 @@ class Scatterer:
             collector.replies.append(collector.parse(msg.data))
         except Exception:
             collector.malformed += 1
+        collector.first.set()
         if collector.expected is not None and len(collector.replies) + collector.malformed >= collector.expected:
             collector.done.set()
 
@@ -89,8 +98,11 @@ class Scatterer:
         *,
         expected: int | None,
         deadline: float,
+        patience: float | None = None,
     ) -> Gathered[T]:
-        """Publish `payload` on `subject`; gather parsed replies until `expected` arrive or `deadline` s pass."""
+        """Publish `payload` on `subject`; gather parsed replies until `expected` arrive or `deadline` s pass.
+        `patience` (> `deadline`): with no reply at the deadline, wait for the first one until `patience` s have
+        passed since the publish, then return what came (see the top)."""
         await self.start()
         started = time.perf_counter()
         self._counter += 1
@@ -108,6 +120,10 @@ class Scatterer:
                     await asyncio.wait_for(collector.done.wait(), timeout=deadline)
                 except TimeoutError:
                     timed_out = True
+                if timed_out and patience is not None and not collector.first.is_set():
+                    left = patience - (time.perf_counter() - started)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(collector.first.wait(), timeout=max(0.0, left))
         finally:
             del self._collectors[reply]
         return Gathered(list(collector.replies), collector.malformed, timed_out, time.perf_counter() - started)

@@ -1,7 +1,8 @@
 """Gathering an auction's offers, one way per strategy; what the auction then ranks.
 
 `Scatter` asks every worker of the region on `fauxmad.v1.offers.<region>` and waits until every live
-worker (from the registry) has answered or the deadline passes; creates that arrive while a scatter
+worker (from the registry) has answered or the deadline passes (when none has answered by then, until the first
+answers or a second has passed: silence is not a refusal); creates that arrive while a scatter
 with the same question (region, app, guest, image) is out share its answers, so one scatter serves a
 burst of creates. `TwoChoices` (p2c) asks just two workers sampled from the registry on their own offer
 subjects (O(1) fan-out for huge regions). `Heartbeats` (replica) asks nobody: it reads the workers' last
@@ -40,6 +41,11 @@ class Offers(NamedTuple):
     asked: int
     shared: int = 1  # how many creates the scatter answered
     sample: bool = False  # two sampled workers, not the region: if neither can take it, scatter the region
+
+
+# With live workers in the region and no offer by the deadline, how long since the scatter went out its first offer
+# is waited for (a busy host answers late, it has not refused); then the create is ranked on what came
+FIRST_OFFER_PATIENCE = 1.0
 
 
 def _parse_offer(data: bytes) -> OfferReply:
@@ -99,8 +105,18 @@ class Scatter:
 
     async def _once(self, region: str, payload: bytes, expected: int) -> _Answers:
         sent = time.perf_counter()
+        # a region with live workers none of which answered by the deadline is a busy host, not a refusal: the
+        # first offer is waited for a little longer (`bus.transport.scatter`); a region with none fails at once.
+        # Picks are kept `window` long, shorter than this wait: a late offer is discounted by fewer of them, and
+        # its reserve, which the worker checks against what it holds, stays the authority.
+        patience = max(self.deadline, FIRST_OFFER_PATIENCE) if expected else None
         gathered = await self.scatterer.scatter(
-            subjects.offers(region), payload, _parse_offer, expected=expected or None, deadline=self.deadline
+            subjects.offers(region),
+            payload,
+            _parse_offer,
+            expected=expected or None,
+            deadline=self.deadline,
+            patience=patience,
         )
         return _Answers(replies=gathered.replies, sent=sent)
 
