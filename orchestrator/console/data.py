@@ -19,7 +19,7 @@ from bus.contract.errors import Forbidden, Unreachable
 from bus.contract.jobs import Job
 from bus.contract.machines import GetRequest, Machine, MachineEvent
 from bus.stores.job_queue import JobQueue
-from bus.stores.kv_watch import stop_watch
+from bus.stores.kv_watch import current_values
 from bus.transport.jsfast import FastJetStream
 from bus.transport.nats_adapter import BucketNotFoundError, Nats, NotFoundError
 from orchestrator.api.http import Brokers
@@ -183,17 +183,13 @@ async def jobs(nc: Nats, app: str | None) -> list[Job]:
     except (BucketNotFoundError, NotFoundError):
         kv = None
     if kv is not None:
-        watcher: Any = await kv.watch(f"{subjects.check_token('app', app)}.*" if app else ">", ignore_deletes=True)
-        try:
-            while (entry := await watcher.updates(timeout=10.0)) is not None:
-                if entry.value:
-                    try:
-                        job = decode(Job, entry.value)
-                    except Exception:
-                        continue
-                    found[(job.app, job.id)] = job
-        finally:
-            await stop_watch(watcher)
+        for entry in await current_values(kv, f"{subjects.check_token('app', app)}.*" if app else ">", timeout=10.0):
+            if entry.value:
+                try:
+                    job = decode(Job, entry.value)
+                except Exception:
+                    continue
+                found[(job.app, job.id)] = job
     shown = sorted(found.values(), key=lambda j: j.submitted_at, reverse=True)
     return shown[:JOBS_SHOWN]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
@@ -18,7 +17,7 @@ from bus.contract import subjects
 from bus.contract.codec import decode
 from bus.contract.errors import Forbidden
 from bus.contract.jobs import Job, JobEvent
-from bus.stores.kv_watch import stop_watch
+from bus.stores.kv_watch import current_values
 from bus.transport.nats_adapter import BucketNotFoundError, Nats, NotFoundError
 from orchestrator.view.history import replay
 
@@ -64,16 +63,12 @@ async def job_counts(nc: Nats, app: str | None = None) -> list[JobCount]:
         kv = await nc.jetstream().key_value(subjects.JOBS_BUCKET)
     except (BucketNotFoundError, NotFoundError):
         return []
-    watcher: Any = await kv.watch(f"{subjects.check_token('app', app)}.*" if app else ">", ignore_deletes=True)
     counts: Counter[tuple[str, str, str]] = Counter()
-    try:
-        while (entry := await watcher.updates(timeout=10.0)) is not None:
-            if entry.value:
-                job = decode(Job, entry.value)
-                counts[(job.app, job.region, job.state)] += 1
-                queued.pop((job.app, job.id), None)
-    finally:
-        await stop_watch(watcher)
+    for entry in await current_values(kv, f"{subjects.check_token('app', app)}.*" if app else ">", timeout=30.0):
+        if entry.value:
+            job = decode(Job, entry.value)
+            counts[(job.app, job.region, job.state)] += 1
+            queued.pop((job.app, job.id), None)
     for (job_app, _), region in queued.items():
         counts[(job_app, region, "queued")] += 1
     return [JobCount(app=a, region=r, state=s, count=n) for (a, r, s), n in sorted(counts.items())]

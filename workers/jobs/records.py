@@ -9,13 +9,12 @@ bucket through nats-py. NATS types stop here: callers get `Job` Structs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from bus.contract import subjects
 from bus.contract.codec import decode, encode
 from bus.contract.errors import Conflict, NotFound
 from bus.contract.jobs import Job
-from bus.stores.kv_watch import stop_watch
+from bus.stores.kv_watch import current_values
 from bus.transport.jsfast import FastKV, LostRace
 from bus.transport.nats_adapter import KV
 
@@ -80,18 +79,6 @@ class JobRecords:
         raise Conflict(f"job {job_id}: its record kept changing under {CAS_TRIES} tries")
 
     async def list(self, app: str) -> list[Job]:
-        """Every record of `app`: one watcher over `<app>.*` that ends after the current values."""
-        watcher: Any = await self.kv.watch(
-            f"{subjects.check_token('app', app)}.*", ignore_deletes=True
-        )  # nats-py: untyped
-        jobs = []
-        try:
-            while True:
-                entry = await watcher.updates(timeout=5.0)
-                if entry is None:
-                    break
-                if entry.value:
-                    jobs.append(decode(Job, entry.value))
-        finally:
-            await stop_watch(watcher)
-        return jobs
+        """Every record of `app`, as they are now (one watch, `current_values`)."""
+        entries = await current_values(self.kv, f"{subjects.check_token('app', app)}.*", timeout=20.0)
+        return [decode(Job, entry.value) for entry in entries if entry.value]
