@@ -179,6 +179,7 @@ def test_strategies_place_correctly_and_leave_no_extra_machine(fleet: DevFleet, 
         await asyncio.sleep(0.5)  # hedged losers are released in the background
         listed = await client.list(f"s-{strategy}")
         assert sorted(m.id for m in listed) == sorted(m.id for m in placed)
+
         async def five_reserved() -> bool:  # the registry hears of a reserve or a release within 0.25 s
             return sum(i.used.cpus for i in await client.workers("mad")) == 5
 
