@@ -224,11 +224,12 @@ async def bind_or_create_kv(js: JetStreamContext, config: KeyValueConfig, *, rep
     create streams (a worker's or broker's create would be refused), and binding needs read access only.
     A fleet-wide bucket: in a supercluster whose home region does not answer, bound unseen (`at_home`).
 
-    `replica`: the bucket only replicates what its writers can write again (the routing index: the workers'
-    logs), so on a lone server, on one replica and on disk, it is made with `persist_mode` async, acked without an
-    fsync per write (nats-server allows that on one replica only; a replicated bucket keeps the default, and so
-    does one on a cluster's server, which `fauxmad fleet replicas 3` could only replicate by making it again,
-    empty). A bucket made before keeps what it was made with."""
+    `replica`: the bucket only holds what its writers write again by themselves (the routing index: a replica
+    of the workers' logs, put again after every reconnect; the heartbeats: each put again every interval and
+    expired by the bucket's TTL), so on a lone server, on one replica and on disk, it is made with
+    `persist_mode` async, acked without an fsync per write (nats-server allows that on one replica only; a
+    replicated bucket keeps the default, and so does one on a cluster's server, which `fauxmad fleet replicas 3`
+    could only replicate by making it again, empty). A bucket made before keeps what it was made with."""
     bucket = config.bucket
     assert bucket is not None
 
@@ -383,6 +384,10 @@ async def _state_buckets(
             layout,
             region,
         ),
+        # every worker puts its key again each interval and a key lives a TTL of three: a heartbeat that a killed
+        # server lost is replaced by the next one, so on one server it is not fsync'd per write (at 1,000 workers
+        # 1,000 flushes a second less; docs/explanation/architecture.md#the-heartbeats-unsynced-on-one-server)
+        replica=True,
     )
     machines = await bind_or_create_kv(
         js,

@@ -6,7 +6,7 @@ answers or a second has passed: silence is not a refusal); creates that arrive w
 with the same question (region, app, guest, image) is out share its answers, so one scatter serves a
 burst of creates. `TwoChoices` (p2c) asks just two workers sampled from the registry on their own offer
 subjects (O(1) fan-out for huge regions). `Heartbeats` (replica) asks nobody: it reads the workers' last
-heartbeats (a worker writes one right after every reserve).
+heartbeats (a worker writes one within a quarter of its heartbeat interval of a reserve: workers/agent/heartbeat.py).
 
 Each discounts what it got by what this broker picked since the offers were taken
 (`orchestrator.placement.picks`), so a shared scatter does not send a whole burst to one worker, and

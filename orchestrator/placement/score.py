@@ -72,5 +72,22 @@ SCORERS: tuple[tuple[str, Scorer], ...] = (
 )
 
 
-def subscores(request: Ask, offer: Offer, config: PlacementConfig) -> dict[str, float]:
-    return {name: scorer(request, offer, config) for name, scorer in SCORERS}
+def scorers_for(request: Ask) -> tuple[tuple[str, Scorer | None], ...]:
+    """`SCORERS` for one ask, with `None` for a scorer that gives every offer 0 for it (`image` when the create
+    names no image, `away` when it would rather avoid no worker): an auction scores every feasible offer of its
+    region against one ask, so those are settled once for all of them (`subscores` still names them, at 0)."""
+    return tuple(
+        (name, None if (scorer is image and request.image is None) or (scorer is away and not request.away) else scorer)
+        for name, scorer in SCORERS
+    )
+
+
+def subscores(
+    request: Ask,
+    offer: Offer,
+    config: PlacementConfig,
+    scorers: tuple[tuple[str, Scorer | None], ...] = SCORERS,
+) -> dict[str, float]:
+    """Every scorer's weighted subscore, by name. `scorers`: `SCORERS`, or `scorers_for(request)`, which gives
+    the same scores."""
+    return {name: 0.0 if scorer is None else scorer(request, offer, config) for name, scorer in scorers}

@@ -38,8 +38,8 @@ import msgspec
 from bus.contract.offers import Decline, Offer, OfferRequest, Resources
 from orchestrator.placement.ask import Ask
 from orchestrator.placement.config import PlacementConfig
-from orchestrator.placement.feasible import NO_ANSWER, first_failure
-from orchestrator.placement.score import free_after, subscores
+from orchestrator.placement.feasible import FILTERS, NO_ANSWER, Filter, filters_for, first_failure
+from orchestrator.placement.score import SCORERS, Scorer, free_after, scorers_for, subscores
 
 # Totals are rounded so that equal scores reached by different float paths tie, and the tie-break
 # (not 1e-16 of noise) decides; nine digits is far below any meaningful difference in policy.
@@ -91,8 +91,9 @@ def rank(
     answers = _first_reply_per_worker(replies)
     rejected = [Rejection(worker_id=w, reason=NO_ANSWER, filter="deadline") for w in live_workers - answers.keys()]
     candidates: list[Candidate] = []
+    filters, scorers = filters_for(ask), scorers_for(ask)  # once per auction: the same verdicts, fewer calls
     for worker_id in sorted(answers):  # sorted: a seeded tie-break must not depend on arrival order
-        verdict = judge(ask, answers[worker_id], config)
+        verdict = judge(ask, answers[worker_id], config, filters, scorers)
         if isinstance(verdict, Candidate):
             candidates.append(verdict)
         else:
@@ -105,14 +106,21 @@ def rank(
     )
 
 
-def judge(request: Ask, reply: Offer | Decline, config: PlacementConfig) -> Candidate | Rejection:
-    """One worker's verdict: steps 2 to 5 of the chain described above."""
+def judge(
+    request: Ask,
+    reply: Offer | Decline,
+    config: PlacementConfig,
+    filters: tuple[tuple[str, Filter], ...] = FILTERS,
+    scorers: tuple[tuple[str, Scorer | None], ...] = SCORERS,
+) -> Candidate | Rejection:
+    """One worker's verdict: steps 2 to 5 of the chain described above. `filters` and `scorers`: the chain's,
+    or those `filters_for` and `scorers_for` keep for `request` (the same verdict)."""
     if isinstance(reply, Decline):
         return Rejection(worker_id=reply.worker_id, reason=reply.reason or "declined", filter="declined")
-    failure = first_failure(request, reply)
+    failure = first_failure(request, reply, filters)
     if failure is not None:
         return Rejection(worker_id=reply.worker_id, reason=failure[1], filter=failure[0])
-    scores = subscores(request, reply, config)
+    scores = subscores(request, reply, config, scorers)
     return Candidate(
         worker_id=reply.worker_id,
         total=round(sum(scores.values()), TOTAL_DIGITS),

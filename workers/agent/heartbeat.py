@@ -2,8 +2,17 @@
 
 The bucket's TTL makes a dead worker's key expire, so the beat is how the registry knows the worker is
 alive, and its numbers are what the brokers place volumes from. Between ticks, a change of usage beats
-soon (coalesced, unacknowledged) rather than at the next tick. Each beat measures the host's load,
-which offers carry too.
+soon (coalesced, unacknowledged) rather than at the next tick: a volume's within 50 ms, a machine's within a
+quarter of the interval (`USAGE_SHARE`, below). Each beat measures the host's load, which offers carry too.
+
+Why a machine's change may wait a quarter of the interval (issue 44): placement by `scatter`, `p2c` and `hedged`
+reads no heartbeat's usage, since every offer carries the worker's numbers as they are when it answers. What reads
+it: strategy `replica` (it ranks heartbeats, each broker discounting its own picks until a heartbeat stamped half
+a second after a reserve shows it, `orchestrator.placement.picks`, so only another broker's picks wait for the
+beat), the HTTP API's placements estimate and app counts, and what people read (`fauxmad workers`, status, the
+console). None needs the number within 50 ms, and the worker's reserve re-checks room whatever a broker read. At
+50 ms a worker sent about 0.65 beats a reserve at concurrency 1 (a put nats-server stores and every broker and
+watcher decodes); a quarter of a second bounds that at 4 a second, whatever the rate of creates.
 
 It also tells the worker when it was away: a gap between acknowledged beats longer than `away_after` (the
 registry's TTL less a beat, so before any broker can have counted the worker gone) is an absence, after which
@@ -30,6 +39,8 @@ log = logging.getLogger(__name__)
 
 
 SKEW_EVERY = 5  # beats between two measurements of the clock's skew (the first beat measures)
+SOON = 0.05  # seconds a change that must beat soon waits for others to share its beat (a volume's)
+USAGE_SHARE = 0.25  # of the interval: how long a machine's change of usage waits for its beat (see the top)
 
 
 def skew_refusal(worker_id: str, skew: float) -> str:
@@ -63,7 +74,7 @@ class Heartbeat:
         self.info = info
         self.spawn = spawn  # the agent's tasks: cancelled when it closes
         self.load = 0.0  # the host's load average per cpu, as of the last beat
-        self._pending = False
+        self._due: float | None = None  # when the coming beat of `soon` goes (perf_counter), if one is coming
         self.away_after = away_after if away_after is not None else 2 * interval
         self.on_return = on_return  # an absence just ended
         self.absences = 0  # absences seen to end
@@ -136,24 +147,33 @@ class Heartbeat:
             except Exception:
                 log.warning("heartbeat failed", exc_info=True)
 
-    def soon(self) -> None:
-        """Usage changed: tell the registry now rather than at the next tick (coalesced).
+    def soon(self, within: float = SOON) -> None:
+        """Usage changed: tell the registry within `within` seconds rather than at the next tick (coalesced:
+        every change until the beat goes shares it; a change that must go sooner than the coming beat brings
+        it forward).
 
         Best effort, so published without waiting for JetStream's ack: at the fleet's rates this beat
-        follows nearly every reserve, and the ack's round trip cost about as much as the rest of the beat.
+        follows many reserves, and the ack's round trip cost about as much as the rest of the beat.
         The tick (every `heartbeat_interval`) still waits for its ack and says when puts fail.
         """
-        if self._pending:
-            return
-        self._pending = True
+        due = time.perf_counter() + within
+        if self._due is not None and self._due <= due:
+            return  # a beat at least as soon is coming, and will carry this change
+        self._due = due
 
         async def beat() -> None:
-            await asyncio.sleep(0.05)
-            self._pending = False
+            await asyncio.sleep(within)
+            if self._due != due:
+                return  # a sooner beat went instead, with this change
+            self._due = None
             with contextlib.suppress(Exception):
                 await self.once(acked=False)
 
         self.spawn(beat())
+
+    def usage_changed(self) -> None:
+        """A machine was reserved, destroyed or resized: beat within a quarter of the interval (see the top)."""
+        self.soon(self.interval * USAGE_SHARE)
 
 
 class BeatGroup:

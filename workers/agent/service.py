@@ -500,8 +500,8 @@ class WorkerAgent:
                 machine = record.stored.machine
                 self.tally.update(machine)
                 self.outbox.committed(record)
-                if record.op in ("reserve", "destroyed", "update"):
-                    self._beat_soon()
+                if record.op in ("reserve", "destroyed", "update") and self.heartbeat is not None:
+                    self.heartbeat.usage_changed()  # the registry's usage (workers/agent/heartbeat.py: how soon)
                 if machine.state in ("stopped", "failed", "destroyed"):
                     self.follower.unfollow(machine.id)
                 if machine.state == "destroyed" and self.jobs is not None:

@@ -23,7 +23,17 @@ from orchestrator.placement import (
     interpolate,
     rank,
 )
-from orchestrator.placement.feasible import consistent_numbers, enough_cpus, enough_memory, same_region
+from orchestrator.placement.ask import Ask
+from orchestrator.placement.feasible import (
+    FILTERS,
+    consistent_numbers,
+    enough_cpus,
+    enough_memory,
+    filters_for,
+    same_region,
+)
+from orchestrator.placement.score import scorers_for
+from orchestrator.placement.stack import judge
 from orchestrator.replicas.workers import Registry
 
 CONFIG = PlacementConfig()
@@ -467,3 +477,44 @@ def test_candidates_fit_and_are_sorted_by_total(auction: tuple[OfferRequest, lis
     assert totals == sorted(totals, reverse=True)
     explained = [w.worker_id for w in explain(ranking).workers]
     assert sorted(explained) == sorted(live | by_id.keys())
+
+
+@st.composite
+def asks(draw: st.DrawFn) -> Ask:
+    """Asks with and without each rule the per-ask chain may leave out: avoid, away, a volume, a sandbox, an image."""
+    some = st.lists(st.sampled_from(["w0", "w1", "w2", "x1"]), max_size=2)
+    guest = Guest(
+        cpus=draw(st.integers(1, 8)),
+        memory_mb=draw(st.integers(1, 8192)),
+        sandbox=draw(st.sampled_from(["none", "none", "bwrap"])),
+    )
+    return Ask(
+        app="web",
+        region="mad",
+        guest=guest,
+        image=draw(st.none() | st.just("i")),
+        avoid=frozenset(draw(some)),
+        away=frozenset(draw(some)),
+        volume=draw(st.none() | st.sampled_from([("vol_a", "w1"), ("vol_b", "x1")])),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    asks(),
+    st.lists(st.sampled_from([f"w{i}" for i in range(6)]), unique=True).flatmap(
+        lambda ids: st.tuples(*[offers(w) for w in ids])
+    ),
+)
+def test_the_chain_kept_for_one_ask_judges_every_offer_as_the_whole_chain_does(
+    ask: Ask, replies: tuple[Offer | Decline, ...]
+) -> None:
+    """`filters_for` and `scorers_for` only leave out filters and scorers that cannot matter for the ask (issue 44:
+    the broker settles them once per auction): each verdict is the one the whole chain gives."""
+    filters, scorers = filters_for(ask), scorers_for(ask)
+    assert [name for name, _ in scorers] == [name for name, _ in SCORERS]
+    for reply in replies:
+        if isinstance(reply, Offer):
+            reply = msgspec.structs.replace(reply, sandboxes=["bwrap"] if reply.load < 5 else [])
+        assert judge(ask, reply, CONFIG, filters, scorers) == judge(ask, reply, CONFIG)
+    assert len(filters_for(Ask.of(request()))) < len(FILTERS)  # a plain create leaves avoid, volume, sandbox out

@@ -1,0 +1,79 @@
+"""A change of usage beats soon, coalesced: a machine's change within a quarter of the interval, a volume's
+within 50 ms, one beat for every change until it goes (issue 44: at 50 ms a worker beat 0.65 times a reserve).
+
+Real nats-server: the beats are counted as the KV puts they are, on the bucket's subject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bus.contract import subjects
+from bus.contract.fleet import WorkerInfo
+from bus.contract.offers import Resources
+from bus.transport.jetstream import ensure_fleet_resources
+from tests.helpers import arun, connect_nats, until
+from workers.agent.heartbeat import Heartbeat
+
+INTERVAL = 2.0  # a machine's change then waits half a second
+
+
+def test_changes_share_one_beat_and_a_volume_brings_a_machines_beat_forward(
+    nats_url: str, unique: Callable[[str], str]
+) -> None:
+    region, worker_id = unique("r"), unique("w")
+
+    async def scenario() -> None:
+        nc = await connect_nats(nats_url)
+        tasks: list[asyncio.Task[None]] = []
+        heard: list[float] = []
+        try:
+            kv = await ensure_fleet_resources(nc.jetstream())
+
+            async def on_put(msg: Any) -> None:
+                heard.append(time.perf_counter())
+
+            await nc.subscribe(subjects.kv_put(subjects.WORKERS_BUCKET, f"{region}.{worker_id}"), cb=on_put)
+            heartbeat = Heartbeat(
+                nc,
+                kv,
+                region=region,
+                worker_id=worker_id,
+                interval=INTERVAL,
+                info=lambda: WorkerInfo(
+                    worker_id=worker_id, region=region, capacity=Resources(1, 64), used=Resources()
+                ),
+                spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)),
+            )
+
+            # ten machines' changes in a burst: one beat
+            for _ in range(10):
+                heartbeat.usage_changed()
+            await asyncio.gather(*tasks)
+            await until(lambda: _true(heard), "the burst's beat", 10)
+            assert len(heard) == 1, heard
+
+            # a machine's change, then a volume's: the volume's beat goes (within 50 ms) and carries both; the
+            # machine's stands down
+            tasks.clear()
+            heard.clear()
+            heartbeat.usage_changed()
+            heartbeat.soon()
+            assert len(tasks) == 2
+            await asyncio.gather(*tasks)  # the machine's own beat stood down
+            await until(lambda: _true(heard), "the volume's beat", 10)
+            await asyncio.sleep(0.2)  # a second beat, had one gone, would be heard by now on loopback
+            assert len(heard) == 1, heard
+        finally:
+            for task in tasks:
+                task.cancel()
+            await nc.close()
+
+    arun(scenario())
+
+
+async def _true(items: list[float]) -> bool:
+    return bool(items)
