@@ -121,6 +121,7 @@ class WorkerAgent:
         self._tasks: list[asyncio.Task[Any]] = []
         self.outbox: Outbox | None = None
         self.audits: AuditOutbox | None = None  # the creates' audit records, to the audit stream
+        self._audit_nc: Client | None = None  # the audit outbox's own connection (a worker of its own process)
         self._service: Any = None
         self._subs: list[Any] = []
         self._images: frozenset[str] = frozenset()
@@ -199,7 +200,14 @@ class WorkerAgent:
             machines=self._machines_now,
         )
         self.store = Store(data / "lmdb", sync=cfg.fsync, map_size=cfg.map_size)
-        self.audits = AuditOutbox(self.nc, worker_id=cfg.worker_id, delivered=self.store.audits_delivered)
+        if shared is None:
+            # its own connection: nats-server stores what one connection publishes in order, so the audit records'
+            # fsyncs would delay the index entries a reserve's answer waits for (docs/benchmarks.md, 2026-11-29)
+            name = f"fauxmad-worker-{cfg.worker_id}-audit"
+            self._audit_nc = await connect(cfg.nats_url, name, reconnect_forever=True)
+        self.audits = AuditOutbox(
+            self._audit_nc or self.nc, worker_id=cfg.worker_id, delivered=self.store.audits_delivered
+        )
         self.audits.restore(self.store.audits_to_deliver())  # what the last run kept and did not see acked
         # before anything of this run commits: what the last run's outbox held in memory may never have
         # reached the stream (deliveries wait for the look-ups, and resumed machines commit below)
@@ -606,6 +614,8 @@ class WorkerAgent:
             self.driver.close()  # its launcher (machines keep running)
         if self.nc is not None and self.shared is None:  # a shared connection is its runner's to close
             await _bounded(self.nc.close(), 2.0)
+        if self._audit_nc is not None:
+            await _bounded(self._audit_nc.close(), 1.0)
         if self.committer is not None:
             self.committer.close()
         if self.store is not None:
