@@ -31,6 +31,7 @@ from bus.local.ports import free_port
 from bus.transport.service import call
 from lab.bench.worker import stop_process
 from tests.helpers import ROOT, WorkerProcess, arun, audit_records, connect_nats, nats_config_denying, until, wait_until
+from workers.log.store import Store
 
 REGION = "mad"
 CONFIG = MachineConfig(cmd=["sleep", "300"], guest=Guest(cpus=1, memory_mb=16))
@@ -136,6 +137,8 @@ def test_a_create_audit_record_pending_at_a_worker_kill_9_reaches_the_audit_stre
         running.worker.start(timeout=40.0)
         found = wait_for_records(running.fleet_url, "kept", 3)
         assert {(r.identity, r.status, r.method, r.app) for r in found} == {("unsigned", 200, "NATS", "kept")}
+        running.worker.terminate()  # acked: the rows are gone from its LMDB, so a next start sends nothing again
+        assert Store(running.worker.data_dir / "lmdb").audits_to_deliver() == []
 
 
 def test_create_audit_records_survive_a_nats_server_kill_9_right_after_the_replies(tmp_path: Path) -> None:

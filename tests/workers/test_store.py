@@ -273,6 +273,7 @@ def test_audit_rows_acked_go_with_the_next_commit_or_alone_when_idle_and_stay_un
     arun(committer.submit(reserve(2)))
     assert [(p.seq, p.record) for p in store.audits_to_deliver()] == [(1, record), (2, record)]
     store.audits_delivered([1])
+    committer.nudge()
     assert [p.seq for p in store.audits_to_deliver()] == [1, 2]  # no commit of its own
     with pytest.raises(NoCapacity):
         arun(committer.submit(refused))
@@ -283,6 +284,7 @@ def test_audit_rows_acked_go_with_the_next_commit_or_alone_when_idle_and_stay_un
 
     idle = GroupCommitter(store, idle_commit=0.05)
     store.audits_delivered([2, 3])
+    idle.nudge()
     arun(until(lambda: _none_left(store), "the acked rows deleted by the idle writer"))
     idle.close()
     store.close()

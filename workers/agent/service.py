@@ -205,9 +205,7 @@ class WorkerAgent:
             # fsyncs would delay the index entries a reserve's answer waits for (docs/benchmarks.md, 2026-11-29)
             name = f"fauxmad-worker-{cfg.worker_id}-audit"
             self._audit_nc = await connect(cfg.nats_url, name, reconnect_forever=True)
-        self.audits = AuditOutbox(
-            self._audit_nc or self.nc, worker_id=cfg.worker_id, delivered=self.store.audits_delivered
-        )
+        self.audits = AuditOutbox(self._audit_nc or self.nc, worker_id=cfg.worker_id, delivered=self._audits_delivered)
         self.audits.restore(self.store.audits_to_deliver())  # what the last run kept and did not see acked
         # before anything of this run commits: what the last run's outbox held in memory may never have
         # reached the stream (deliveries wait for the look-ups, and resumed machines commit below)
@@ -501,6 +499,12 @@ class WorkerAgent:
 
     # ------------------------------------------------------------------------------------------
     # after commit: events, routing index, images
+
+    def _audits_delivered(self, seqs: list[int]) -> None:
+        """The audit stream acked these create audit records: their rows go with the next commit."""
+        assert self.store is not None and self.committer is not None
+        self.store.audits_delivered(seqs)
+        self.committer.nudge()
 
     def _machines_now(self) -> list[Machine]:
         """Every machine of the log, as it is now (the outbox indexes them again after a reconnect)."""

@@ -12,7 +12,8 @@ operation up it commits, whoever still waits for it.
 
 Rows the audit stream has acknowledged (`Store.audits_delivered`) are deleted by whatever batch commits next, in
 its transaction, never by a commit of their own: at concurrency 1 the next reserve would wait behind it. Only a
-worker that commits nothing for `idle_commit` seconds commits them alone.
+worker that commits nothing for `idle_commit` seconds after such an ack (`nudge`) commits them alone; with none
+waiting, the writer sleeps until an operation comes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class _Op:
 
 
 _STOP = object()
+_NUDGE = object()  # acknowledged audit rows wait (`GroupCommitter.nudge`)
 
 
 class GroupCommitter:
@@ -71,6 +73,11 @@ class GroupCommitter:
         result, records = await asyncio.wrap_future(op.future)
         return result, records
 
+    def nudge(self) -> None:
+        """(any thread, after `Store.audits_delivered`) Delete those rows with the next commit, or alone once the
+        writer has had nothing to commit for `idle_commit` seconds."""
+        self._queue.put(_NUDGE)
+
     def close(self) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout=10)
@@ -86,12 +93,15 @@ class GroupCommitter:
     def _take_and_commit(self) -> bool:
         """Commit the next batch; True when asked to stop."""
         try:
-            first = self._queue.get(timeout=self.idle_commit)
-        except queue.Empty:
-            if self.store.delivered_waiting:
-                self._commit_delivered()
+            first = self._queue.get(timeout=self.idle_commit if self.store.delivered_waiting else None)
+        except queue.Empty:  # acked audit rows, and nothing else to commit for a while
+            self._commit_delivered()
             return False
+        if first is _NUDGE:
+            return False  # wait again, now at most `idle_commit`
         if first is _STOP:
+            if self.store.delivered_waiting:  # stopping: the next start need not send them again
+                self._commit_delivered()
             return True
         batch = [first]
         stop = False
@@ -100,6 +110,8 @@ class GroupCommitter:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if item is _NUDGE:
+                continue  # this batch's commit deletes the rows
             if item is _STOP:
                 stop = True
                 break
