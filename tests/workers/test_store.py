@@ -251,12 +251,13 @@ def test_a_caller_cancelled_while_its_commit_waits_leaves_the_writer_alive(tmp_p
         committer.close()
 
 
-def test_audit_rows_acked_go_with_the_next_commit_or_alone_when_idle_and_stay_until_then(tmp_path: Path) -> None:
+def test_audit_rows_acked_go_with_the_next_commit_or_alone_when_nudged_and_stay_until_then(tmp_path: Path) -> None:
     """A create's audit record is kept (table `audit`) in its reserve's commit; once the audit stream acks it, its
-    row is deleted by the next commit, not by one of its own (a reserve would wait behind it), unless the worker
-    commits nothing for `idle_commit` seconds. An operation that fails puts the acked rows back for the next."""
+    row is deleted by the next commit, not by one of its own (a reserve would wait behind it), unless the worker's
+    agent nudges the writer (it committed nothing for a while), or the writer stops. An operation that fails puts
+    the acked rows back for the next."""
     store = Store(tmp_path / "db", sync=False)
-    committer = GroupCommitter(store, idle_commit=3600.0)
+    committer = GroupCommitter(store)
     record = AuditRecord(at=1.0, identity="nkey:UA", name="ci", method="NATS", path="fauxmad.v1.api.x", status=200)
 
     def reserve(i: int) -> Callable[[Tx], None]:
@@ -273,7 +274,6 @@ def test_audit_rows_acked_go_with_the_next_commit_or_alone_when_idle_and_stay_un
     arun(committer.submit(reserve(2)))
     assert [(p.seq, p.record) for p in store.audits_to_deliver()] == [(1, record), (2, record)]
     store.audits_delivered([1])
-    committer.nudge()
     assert [p.seq for p in store.audits_to_deliver()] == [1, 2]  # no commit of its own
     with pytest.raises(NoCapacity):
         arun(committer.submit(refused))
@@ -282,14 +282,15 @@ def test_audit_rows_acked_go_with_the_next_commit_or_alone_when_idle_and_stay_un
     assert [p.seq for p in store.audits_to_deliver()] == [2, 3]  # gone with the next commit
     committer.close()
 
-    idle = GroupCommitter(store, idle_commit=0.05)
-    store.audits_delivered([2, 3])
+    idle = GroupCommitter(store)
+    store.audits_delivered([2])
     idle.nudge()
-    arun(until(lambda: _none_left(store), "the acked rows deleted by the idle writer"))
-    idle.close()
+    arun(until(lambda: _rows_left(store, [3]), "the acked row deleted by the nudged writer"))
+    store.audits_delivered([3])
+    idle.close()  # a stopping writer deletes what waits
     store.close()
     assert Store(tmp_path / "db").audits_to_deliver() == []
 
 
-async def _none_left(store: Store) -> bool:
-    return store.audits_to_deliver() == []
+async def _rows_left(store: Store, seqs: list[int]) -> bool:
+    return [p.seq for p in store.audits_to_deliver()] == seqs

@@ -122,6 +122,7 @@ class WorkerAgent:
         self.outbox: Outbox | None = None
         self.audits: AuditOutbox | None = None  # the creates' audit records, to the audit stream
         self._audit_nc: Client | None = None  # the audit outbox's own connection (a worker of its own process)
+        self._idle_drop: asyncio.TimerHandle | None = None  # acked audit rows deleted alone if nothing commits
         self._service: Any = None
         self._subs: list[Any] = []
         self._images: frozenset[str] = frozenset()
@@ -501,10 +502,21 @@ class WorkerAgent:
     # after commit: events, routing index, images
 
     def _audits_delivered(self, seqs: list[int]) -> None:
-        """The audit stream acked these create audit records: their rows go with the next commit."""
+        """The audit stream acked these create audit records: their rows go with the next commit, or in one of their
+        own if the worker commits nothing for a second (checked once a second at most, on the loop's timer)."""
         assert self.store is not None and self.committer is not None
         self.store.audits_delivered(seqs)
-        self.committer.nudge()
+        if self._idle_drop is None:
+            self._idle_drop = asyncio.get_running_loop().call_later(1.0, self._drop_if_idle, self.committer.batches)
+
+    def _drop_if_idle(self, batches_then: int) -> None:
+        self._idle_drop = None
+        if self.store is None or self.committer is None or not self.store.delivered_waiting:
+            return
+        if self.committer.batches == batches_then:
+            self.committer.nudge()  # nothing committed for a second: delete them alone
+        else:  # acked after the last commit: look again in a second
+            self._idle_drop = asyncio.get_running_loop().call_later(1.0, self._drop_if_idle, self.committer.batches)
 
     def _machines_now(self) -> list[Machine]:
         """Every machine of the log, as it is now (the outbox indexes them again after a reconnect)."""

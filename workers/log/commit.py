@@ -12,8 +12,8 @@ operation up it commits, whoever still waits for it.
 
 Rows the audit stream has acknowledged (`Store.audits_delivered`) are deleted by whatever batch commits next, in
 its transaction, never by a commit of their own: at concurrency 1 the next reserve would wait behind it. Only a
-worker that commits nothing for `idle_commit` seconds after such an ack (`nudge`) commits them alone; with none
-waiting, the writer sleeps until an operation comes.
+worker that has committed nothing for a while after such an ack commits them alone, when its agent says so
+(`nudge`: no thread is woken per ack, and none wakes on a timer).
 """
 
 from __future__ import annotations
@@ -57,10 +57,9 @@ class GroupCommitter:
     transaction) and its exception reaches its caller; the others in the batch commit.
     """
 
-    def __init__(self, store: Store, *, max_batch: int = 256, idle_commit: float = 1.0) -> None:
+    def __init__(self, store: Store, *, max_batch: int = 256) -> None:
         self.store = store
         self.max_batch = max_batch
-        self.idle_commit = idle_commit
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="lmdb-writer", daemon=True)
         self.batches = 0
@@ -74,8 +73,7 @@ class GroupCommitter:
         return result, records
 
     def nudge(self) -> None:
-        """(any thread, after `Store.audits_delivered`) Delete those rows with the next commit, or alone once the
-        writer has had nothing to commit for `idle_commit` seconds."""
+        """(any thread) Delete the acked audit rows now, in a commit of their own if nothing else is queued."""
         self._queue.put(_NUDGE)
 
     def close(self) -> None:
@@ -92,13 +90,11 @@ class GroupCommitter:
 
     def _take_and_commit(self) -> bool:
         """Commit the next batch; True when asked to stop."""
-        try:
-            first = self._queue.get(timeout=self.idle_commit if self.store.delivered_waiting else None)
-        except queue.Empty:  # acked audit rows, and nothing else to commit for a while
-            self._commit_delivered()
-            return False
+        first = self._queue.get()
         if first is _NUDGE:
-            return False  # wait again, now at most `idle_commit`
+            if self.store.delivered_waiting:
+                self._commit_delivered()
+            return False
         if first is _STOP:
             if self.store.delivered_waiting:  # stopping: the next start need not send them again
                 self._commit_delivered()
