@@ -344,34 +344,20 @@ def pid_alive(pid: int) -> bool:
 
 
 async def audit_records(nc: Any, app: str) -> list[Any]:
-    """Every record of `app`'s audit trail (`bus.contract.streams.AuditRecord`), read over `nc`: the audit
-    stream's, and those the `created` events of the app's machines carry (a create's record rides there:
-    docs/explanation/architecture.md#one-durable-write-per-create)."""
+    """Every record of `app`'s audit trail (`bus.contract.streams.AuditRecord`), read over `nc` from the audit
+    stream (a create's record too: its worker delivers it there, docs/explanation/architecture.md#one-durable-write-per-create)."""
     from bus.contract import subjects
-    from bus.contract.machines import MachineEvent
     from bus.contract.streams import AuditRecord
 
-    async def read(subject: str) -> list[bytes]:
-        sub = await nc.jetstream().subscribe(subject, ordered_consumer=True)
-        found: list[bytes] = []
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=1.0)
-            except TimeoutError:
-                await sub.unsubscribe()
-                return found
-            found.append(msg.data)
-
-    records = [msgspec.json.decode(data, type=AuditRecord) for data in await read(subjects.audit(app))]
-    try:
-        events = await read(f"{subjects.PREFIX}.events.*.*.{app}.*")
-    except Exception:  # an identity that may not read the events stream: the audit stream's half only
-        events = []
-    for data in events:
-        event = msgspec.json.decode(data, type=MachineEvent)
-        if event.audit is not None:
-            records.append(event.audit)
-    return sorted(records, key=lambda record: record.at)
+    sub = await nc.jetstream().subscribe(subjects.audit(app), ordered_consumer=True)
+    records: list[AuditRecord] = []
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=1.0)
+        except TimeoutError:
+            await sub.unsubscribe()
+            return sorted(records, key=lambda record: record.at)
+        records.append(msgspec.json.decode(msg.data, type=AuditRecord))
 
 
 def nats_config_denying(port: int, store: Path, user: str, deny: str | None) -> str:

@@ -32,8 +32,8 @@ outage of any length both copies converge on the log.
   entry is queued again (`machines`): a bucket stored without an fsync per write may have lost its last
   writes to a killed server, and this puts them back (docs/explanation/architecture.md). Every machine, also
   one whose entry is in a round still in flight: the dead server may have acked it before losing it.
-- A `created` event that carries its create's audit record goes on its machine's subject plus `.audit`, which
-  the audit stream sources (`bus.transport.jetstream.audited_events_source`).
+- A `created` event that carries its create's audit record goes on its machine's subject like every other
+  event; the record itself goes to the audit stream from a lane of its own (`workers.audit_outbox`).
 - On start, before this run commits anything, `republish` queues every machine's index entry and
   every event of its log that the stream lacks (those after the last one the stream has for that
   machine): events queued in memory when the worker died are not lost for good, however many records

@@ -136,8 +136,9 @@ def channels() -> list[Channel]:
                 "An edge proxy could not reach a machine.", ProxyUnreachable, None, ("app", "machine_id")),
         Channel("proxy_activity", f"{P}.proxy.activity.{{app}}",
                 "The machines an edge proxy served lately (shared idleness).", ProxyActivity, None, ("app",)),
-        Channel("audit", f"{P}.audit.{{app}}", "A mutating HTTP API request (stream FAUXMAD_AUDIT).",
-                AuditRecord, None, ("app",)),
+        Channel("audit", f"{P}.audit.{{app}}",
+                "A mutating API request, over HTTP or NATS; a create's from the worker that made its machine "
+                "(stream FAUXMAD_AUDIT).", AuditRecord, None, ("app",)),
     ]  # fmt: skip
     out += job_channels()
     return out + volume_channels() + image_channels()

@@ -24,7 +24,7 @@ from bus.transport.jetstream import FleetConfig, ensure_fleet_resources
 from bus.transport.layout import REPLICAS_ENV, SUPERCLUSTER_ENV, Layout
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats, wait_until
+from tests.helpers import arun, audit_records, connect_nats, wait_until
 from tests.orchestrator.reconcile.test_reconcile import fauxmad, machines, primaries, spares, write_spec
 
 REGIONS = ["mad", "syd", "gru"]
@@ -84,6 +84,16 @@ def test_every_process_connects_to_its_own_region_and_the_cli_reaches_every_regi
     assert all(m.worker_id.startswith(m.region) for m in placed)  # type: ignore[attr-defined]
     regions = in_region(fleet, "gru", lambda c: c.regions())
     assert {r.region: (r.workers, r.reachable) for r in regions} == {r: (2, True) for r in REGIONS}  # type: ignore[attr-defined]
+
+    async def creates_audited() -> int:  # each region's worker sends its create's record to the audit stream at home
+        nc = await connect_nats(fleet.url)
+        try:
+            return len([r for r in await audit_records(nc, "reach") if ".machines.create" in r.path])
+        finally:
+            await nc.close()
+
+    wait_until(lambda: arun(creates_audited()) >= 3, "every region's create in the fleet's audit stream", 30.0)
+    assert arun(creates_audited()) == 3
 
 
 def test_a_region_s_state_lives_in_its_own_cluster(fleet: DevFleet) -> None:

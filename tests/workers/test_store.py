@@ -11,9 +11,10 @@ import pytest
 
 from bus.contract.errors import NoCapacity
 from bus.contract.machines import Guest, Machine, MachineConfig
+from bus.contract.streams import AuditRecord
 from tests.helpers import arun, until
 from workers.log.commit import GroupCommitter
-from workers.log.records import LogRecord, StoredMachine, WorkerState
+from workers.log.records import LogRecord, PendingAudit, StoredMachine, WorkerState
 from workers.log.store import Store, Tx
 
 T = TypeVar("T")
@@ -248,3 +249,48 @@ def test_a_caller_cancelled_while_its_commit_waits_leaves_the_writer_alive(tmp_p
     finally:
         gate.set()
         committer.close()
+
+
+def test_audit_rows_acked_go_with_the_next_commit_or_alone_when_nudged_and_stay_until_then(tmp_path: Path) -> None:
+    """A create's audit record is kept (table `audit`) in its reserve's commit; once the audit stream acks it, its
+    row is deleted by the next commit, not by one of its own (a reserve would wait behind it), unless the worker's
+    agent nudges the writer (it committed nothing for a while), or the writer stops. An operation that fails puts
+    the acked rows back for the next."""
+    store = Store(tmp_path / "db", sync=False)
+    committer = GroupCommitter(store)
+    record = AuditRecord(at=1.0, identity="nkey:UA", name="ci", method="NATS", path="fauxmad.v1.api.x", status=200)
+
+    def reserve(i: int) -> Callable[[Tx], None]:
+        def op(tx: Tx) -> None:
+            made = tx.put_machine(machine(i), "reserve").machine
+            tx.keep_audit(PendingAudit(seq=made.version, app=made.app, machine_id=made.id, record=record))
+
+        return op
+
+    def refused(tx: Tx) -> None:
+        raise NoCapacity("full")
+
+    arun(committer.submit(reserve(1)))
+    arun(committer.submit(reserve(2)))
+    assert [(p.seq, p.record) for p in store.audits_to_deliver()] == [(1, record), (2, record)]
+    store.audits_delivered([1])
+    assert [p.seq for p in store.audits_to_deliver()] == [1, 2]  # no commit of its own
+    with pytest.raises(NoCapacity):
+        arun(committer.submit(refused))
+    assert [p.seq for p in store.audits_to_deliver()] == [1, 2]  # that commit was rolled back, the row kept
+    arun(committer.submit(reserve(3)))
+    assert [p.seq for p in store.audits_to_deliver()] == [2, 3]  # gone with the next commit
+    committer.close()
+
+    idle = GroupCommitter(store)
+    store.audits_delivered([2])
+    idle.nudge()
+    arun(until(lambda: _rows_left(store, [3]), "the acked row deleted by the nudged writer"))
+    store.audits_delivered([3])
+    idle.close()  # a stopping writer deletes what waits
+    store.close()
+    assert Store(tmp_path / "db").audits_to_deliver() == []
+
+
+async def _rows_left(store: Store, seqs: list[int]) -> bool:
+    return [p.seq for p in store.audits_to_deliver()] == seqs

@@ -8,7 +8,8 @@ through the `Responder` edge; NATS types stop there.
 
 After each commit the outbox (`workers.outbox`) delivers the transition to stream `FAUXMAD_EVENTS`
 and keeps the KV routing index `fauxmad_machines` current, in commit order, without holding up the
-reply, retrying until NATS takes it; on start it republishes what the stream may have missed. The
+reply, retrying until NATS takes it; on start it republishes what the stream may have missed. A create's
+audit record goes to the audit stream the same way, from its own lane (`workers.audit_outbox`). The
 heartbeat (`workers.agent.heartbeat`) puts `WorkerInfo` into KV `fauxmad_workers` every second.
 Stopping the agent never stops its machines: they are re-adopted on restart.
 """
@@ -56,6 +57,7 @@ from workers.agent.config import WorkerConfig
 from workers.agent.handlers import Handlers
 from workers.agent.heartbeat import BeatGroup, Heartbeat
 from workers.agent.images import images_in_use, images_named, open_image_cache
+from workers.audit_outbox import AuditOutbox
 from workers.driver import sandbox
 from workers.driver.limits import auto_detect, slow_migration_hint
 from workers.driver.process import ProcessDriver
@@ -118,6 +120,9 @@ class WorkerAgent:
         self.driver: ProcessDriver | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.outbox: Outbox | None = None
+        self.audits: AuditOutbox | None = None  # the creates' audit records, to the audit stream
+        self._audit_nc: Client | None = None  # the audit outbox's own connection (a worker of its own process)
+        self._idle_drop: asyncio.TimerHandle | None = None  # acked audit rows deleted alone if nothing commits
         self._service: Any = None
         self._subs: list[Any] = []
         self._images: frozenset[str] = frozenset()
@@ -196,6 +201,13 @@ class WorkerAgent:
             machines=self._machines_now,
         )
         self.store = Store(data / "lmdb", sync=cfg.fsync, map_size=cfg.map_size)
+        if shared is None:
+            # its own connection: nats-server stores what one connection publishes in order, so the audit records'
+            # fsyncs would delay the index entries a reserve's answer waits for (docs/benchmarks.md, 2026-11-29)
+            name = f"fauxmad-worker-{cfg.worker_id}-audit"
+            self._audit_nc = await connect(cfg.nats_url, name, reconnect_forever=True)
+        self.audits = AuditOutbox(self._audit_nc or self.nc, worker_id=cfg.worker_id, delivered=self._audits_delivered)
+        self.audits.restore(self.store.audits_to_deliver())  # what the last run kept and did not see acked
         # before anything of this run commits: what the last run's outbox held in memory may never have
         # reached the stream (deliveries wait for the look-ups, and resumed machines commit below)
         self._tasks.append(self.outbox.republish(self.store.machines()))
@@ -275,6 +287,7 @@ class WorkerAgent:
             self._tasks.append(asyncio.create_task(self.heartbeat.run()))
         self._tasks += [
             asyncio.create_task(self.outbox.run()),
+            asyncio.create_task(self.audits.run()),
             asyncio.create_task(self.follower.run()),
             asyncio.create_task(compact_forever(self.store, cfg)),
         ]
@@ -488,6 +501,23 @@ class WorkerAgent:
     # ------------------------------------------------------------------------------------------
     # after commit: events, routing index, images
 
+    def _audits_delivered(self, seqs: list[int]) -> None:
+        """The audit stream acked these create audit records: their rows go with the next commit, or in one of their
+        own if the worker commits nothing for a second (checked once a second at most, on the loop's timer)."""
+        assert self.store is not None and self.committer is not None
+        self.store.audits_delivered(seqs)
+        if self._idle_drop is None:
+            self._idle_drop = asyncio.get_running_loop().call_later(1.0, self._drop_if_idle, self.committer.batches)
+
+    def _drop_if_idle(self, batches_then: int) -> None:
+        self._idle_drop = None
+        if self.store is None or self.committer is None or not self.store.delivered_waiting:
+            return
+        if self.committer.batches == batches_then:
+            self.committer.nudge()  # nothing committed for a second: delete them alone
+        else:  # acked after the last commit: look again in a second
+            self._idle_drop = asyncio.get_running_loop().call_later(1.0, self._drop_if_idle, self.committer.batches)
+
     def _machines_now(self) -> list[Machine]:
         """Every machine of the log, as it is now (the outbox indexes them again after a reconnect)."""
         return [] if self.store is None else [stored.machine for stored in self.store.machines()]
@@ -500,6 +530,8 @@ class WorkerAgent:
                 machine = record.stored.machine
                 self.tally.update(machine)
                 self.outbox.committed(record)
+                if self.audits is not None:
+                    self.audits.committed(record)
                 if record.op in ("reserve", "destroyed", "update") and self.heartbeat is not None:
                     self.heartbeat.usage_changed()  # the registry's usage (workers/agent/heartbeat.py: how soon)
                 if machine.state in ("stopped", "failed", "destroyed"):
@@ -563,12 +595,20 @@ class WorkerAgent:
         if self.backhaul is not None:
             await self.backhaul.close()
 
+    async def _flush_outboxes(self) -> None:
+        """What the last commits changed, delivered if NATS takes it soon (bounded: the rest waits for the next start,
+        the events looked up in the stream then, the audit records kept in LMDB)."""
+        if self.outbox is None or self.nc is None or not self.nc.is_connected:
+            return
+        await _bounded(self.outbox.flush(), 2.0)
+        if self.audits is not None:
+            await _bounded(self.audits.flush(), 1.0)
+
     async def close(self) -> None:
         """Stop serving, promptly: every step is bounded, and machines are left running. Jobs first: a job pulled but
         not started goes back to the queue at once, for another worker (see `JobsService.close`)."""
         await _bounded(self._close_jobs(), 3.0)
-        if self.outbox is not None and self.nc is not None and self.nc.is_connected:
-            await _bounded(self.outbox.flush(), 2.0)  # what the last commits changed
+        await self._flush_outboxes()
         self._closing = True
         for task in self._tasks:
             task.cancel()
@@ -590,6 +630,8 @@ class WorkerAgent:
             self.driver.close()  # its launcher (machines keep running)
         if self.nc is not None and self.shared is None:  # a shared connection is its runner's to close
             await _bounded(self.nc.close(), 2.0)
+        if self._audit_nc is not None:
+            await _bounded(self._audit_nc.close(), 1.0)
         if self.committer is not None:
             self.committer.close()
         if self.store is not None:

@@ -17,7 +17,7 @@ from workers.driver import sandbox
 from workers.lifecycle.config import ManagerConfig
 from workers.lifecycle.launch_spec import check_workdir
 from workers.lifecycle.recorder import Recorder
-from workers.log.records import StoredMachine
+from workers.log.records import PendingAudit, StoredMachine
 from workers.log.stamps import iso, new_instance_id
 from workers.log.store import Tx
 from workers.volumes.verbs import attach
@@ -62,7 +62,11 @@ class Reservations:
             if request.launch:
                 self.recorder.event(stored, "starting", source="user", reason="start requested")
                 stored.desired = "started"
-            return tx.put_machine(stored, "reserve"), True
+            stored = tx.put_machine(stored, "reserve")
+            if request.audit is not None:  # a create through the brokers: its record goes to the audit stream too
+                made = stored.machine
+                tx.keep_audit(PendingAudit(seq=made.version, app=made.app, machine_id=made.id, record=request.audit))
+            return stored, True
 
         return op
 

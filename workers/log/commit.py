@@ -9,6 +9,11 @@ the same writes, so a commit is one LMDB transaction, not two. Callers get their
 after the batch's commit is durable: nothing acknowledged is lost to a crash. A caller cancelled while its
 operation still queues (a restart's back-off cancelled by a destroy) withdraws it; once the writer has taken an
 operation up it commits, whoever still waits for it.
+
+Rows the audit stream has acknowledged (`Store.audits_delivered`) are deleted by whatever batch commits next, in
+its transaction, never by a commit of their own: at concurrency 1 the next reserve would wait behind it. Only a
+worker that has committed nothing for a while after such an ack commits them alone, when its agent says so
+(`nudge`: no thread is woken per ack, and none wakes on a timer).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class _Op:
 
 
 _STOP = object()
+_NUDGE = object()  # acknowledged audit rows wait (`GroupCommitter.nudge`)
 
 
 class GroupCommitter:
@@ -66,6 +72,10 @@ class GroupCommitter:
         result, records = await asyncio.wrap_future(op.future)
         return result, records
 
+    def nudge(self) -> None:
+        """(any thread) Delete the acked audit rows now, in a commit of their own if nothing else is queued."""
+        self._queue.put(_NUDGE)
+
     def close(self) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout=10)
@@ -81,7 +91,13 @@ class GroupCommitter:
     def _take_and_commit(self) -> bool:
         """Commit the next batch; True when asked to stop."""
         first = self._queue.get()
+        if first is _NUDGE:
+            if self.store.delivered_waiting:
+                self._commit_delivered()
+            return False
         if first is _STOP:
+            if self.store.delivered_waiting:  # stopping: the next start need not send them again
+                self._commit_delivered()
             return True
         batch = [first]
         stop = False
@@ -90,6 +106,8 @@ class GroupCommitter:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if item is _NUDGE:
+                continue  # this batch's commit deletes the rows
             if item is _STOP:
                 stop = True
                 break
@@ -112,13 +130,16 @@ class GroupCommitter:
             return
         outcomes: list[tuple[_Op, Any, list[LogRecord], BaseException | None]] = []
         usage = store.usage()  # the resources held, carried from one operation to the next (store.py's top)
+        dropped: list[int] = []
         try:
             with store.rollback_seq(), store.env.begin(write=True) as txn:
+                dropped = store.drop_delivered(txn)
                 now = store.clock()
                 for op in batch:
                     outcome, usage = self._run_one(txn, op, now, usage)
                     outcomes.append(outcome)
         except BaseException as exc:  # the commit itself failed: nothing in the batch happened
+            store.undrop_delivered(dropped)
             failure = exc if isinstance(exc, FauxmadError) else InternalError(f"store commit failed: {exc!r}")
             for op in batch:
                 op.future.set_exception(failure)
@@ -137,12 +158,15 @@ class GroupCommitter:
         writes, as nothing else is in it."""
         store = self.store
         ran = False
+        dropped: list[int] = []
         try:
             with store.rollback_seq(), store.env.begin(write=True) as txn:
+                dropped = store.drop_delivered(txn)
                 tx = Tx(store, txn, store.clock(), store.usage())
                 result = op.fn(tx)
                 ran = True
         except BaseException as exc:  # the operation raised (rolled back), or the commit itself failed
+            store.undrop_delivered(dropped)
             if ran and not isinstance(exc, FauxmadError):
                 exc = InternalError(f"store commit failed: {exc!r}")
             op.future.set_exception(exc)
@@ -150,6 +174,16 @@ class GroupCommitter:
         store.publish_usage(tx.held)  # durable now: readers and the next batch see it
         self._counted(1, started)
         op.future.set_result((result, tx.records))
+
+    def _commit_delivered(self) -> None:
+        """Nothing else committed for a while: delete the acknowledged audit rows in a commit of their own."""
+        dropped: list[int] = []
+        try:
+            with self.store.env.begin(write=True) as txn:
+                dropped = self.store.drop_delivered(txn)
+        except BaseException:
+            self.store.undrop_delivered(dropped)
+            raise
 
     def _counted(self, ops: int, started: float) -> None:
         self.batches += 1

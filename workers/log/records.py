@@ -12,6 +12,7 @@ import msgspec
 
 from bus.contract.machines import Machine, MachineEvent
 from bus.contract.offers import Resources
+from bus.contract.streams import AuditRecord
 from bus.contract.volumes import Volume
 from workers.driver.base import TaskHandle
 
@@ -41,6 +42,17 @@ class StoredMachine(msgspec.Struct, kw_only=True):
     desired: str = "created"
     stop_signal: str = "SIGTERM"
     events: list[MachineEvent] = []
+
+
+class PendingAudit(msgspec.Struct, kw_only=True, frozen=True):
+    """A create's audit record that the worker committed and the audit stream has not acknowledged yet (table
+    `audit`, keyed by the reserve's log sequence: `workers.audit_outbox`). Delivery state, not the machine's: no
+    log record, and `rebuild` does not derive it."""
+
+    seq: int  # the reserve's log record (its `created` event carries the same record)
+    app: str
+    machine_id: str
+    record: AuditRecord
 
 
 class WorkerState(msgspec.Struct, kw_only=True):

@@ -5,7 +5,9 @@ record; `machines` maps a machine id to its `StoredMachine`; `idempotency` maps 
 to a machine id; `images` maps an image name to the last time it was used; `volumes` maps a volume id
 to its `Volume` (docs/tutorials/images-and-volumes.md); `meta` holds `worker` (cordon state). Every
 change appends one log record and updates the derived tables in the same write transaction, so they can
-never disagree, and `rebuild` recomputes them from the log alone to prove it.
+never disagree, and `rebuild` recomputes them from the log alone to prove it. One table is not derived:
+`audit` holds the creates' audit records that the audit stream has not acknowledged yet (delivery state, kept
+by `workers.audit_outbox`: a row written with its reserve, dropped with a later commit once it is acked).
 
 What one reserve does here (counted for issue 44), and why each part is needed:
 - Transactions: one LMDB write transaction, the group commit's batch. A reserve alone in its batch runs in it
@@ -22,6 +24,10 @@ What one reserve does here (counted for issue 44), and why each part is needed:
   machine inside the very commit that would otherwise reserve a second one.
 - `volumes`, a machine with mounts only: each volume read and written `attached` (a log record each). Its
   volumes become its own in the same commit, or nothing is reserved.
+- `audit`, a create through the brokers only (the reserve carries its audit record): one row written, and the
+  rows of records the audit stream acknowledged since the last commit deleted. The record must outlive a
+  `kill -9` until the audit stream has it (kept 90 days there, where the `created` event that also carries it
+  is kept 7), and the log cannot be that place: compaction drops a reserve's record once a start supersedes it.
 - Flushes: the commit writes its pages, fdatasyncs, then writes the meta page through LMDB's synchronous
   descriptor (`metasync`): two flushes, shared by every reserve of the batch (below: why both).
 
@@ -52,6 +58,7 @@ destroyed machines past retention), which keeps the log bounded while replay sta
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import struct
 import time
@@ -69,6 +76,7 @@ from workers.log.records import (
     ImageRecord,
     LogRecord,
     MachineRecord,
+    PendingAudit,
     StoredMachine,
     Usage,
     VolumeRecord,
@@ -85,6 +93,7 @@ DB_IDEMPOTENCY = b"idempotency"
 DB_IMAGES = b"images"
 DB_META = b"meta"
 DB_VOLUMES = b"volumes"
+DB_AUDIT = b"audit"
 KEY_WORKER = b"worker"
 
 _SEQ = struct.Struct(">Q")
@@ -93,6 +102,7 @@ _record_decoder = msgspec.json.Decoder(LogRecord)
 _machine_decoder = msgspec.json.Decoder(StoredMachine)
 _worker_decoder = msgspec.json.Decoder(WorkerState)
 _volume_decoder = msgspec.json.Decoder(Volume)
+_audit_decoder = msgspec.json.Decoder(PendingAudit)
 
 
 def seq_key(seq: int) -> bytes:
@@ -201,6 +211,10 @@ class Tx:
         self._txn.put(volume.id.encode(), _encoder.encode(volume), db=self._store.db_volumes)
         return volume
 
+    def keep_audit(self, pending: PendingAudit) -> None:
+        """Keep a create's audit record until the audit stream acknowledges it (`Store.audits_delivered`)."""
+        self._txn.put(seq_key(pending.seq), _encoder.encode(pending), db=self._store.db_audit)
+
     def touch_image(self, image: str) -> None:
         if self._txn.get(image.encode(), db=self._store.db_images) is None:
             self._append(lambda seq: ImageRecord(seq=seq, at=self.now, op="image_cached", image=image))
@@ -270,6 +284,9 @@ class Store:
         self.db_images = self.env.open_db(DB_IMAGES)
         self.db_meta = self.env.open_db(DB_META)
         self.db_volumes = self.env.open_db(DB_VOLUMES)
+        self.db_audit = self.env.open_db(DB_AUDIT)
+        # audit rows acked by the audit stream (any thread appends), deleted by the next commit (`drop_delivered`)
+        self._delivered: collections.deque[int] = collections.deque()
         self._seq = self._load_last_seq()
         with self.env.begin() as txn:  # the resources held, from the machines (see the top)
             self._usage = held_by(_machine_decoder.decode(v) for _, v in txn.cursor(db=self.db_machines))
@@ -309,6 +326,36 @@ class Store:
             result = fn(tx)
         self.publish_usage(tx.held)
         return result
+
+    # the audit records to deliver (`workers.audit_outbox`) --------------------------------------
+    def audits_to_deliver(self) -> list[PendingAudit]:
+        """Every create's audit record the audit stream has not acknowledged (as far as the last commit knows)."""
+        with self.env.begin() as txn:
+            return [_audit_decoder.decode(value) for _, value in txn.cursor(db=self.db_audit)]
+
+    def audits_delivered(self, seqs: list[int]) -> None:
+        """(any thread) The audit stream acknowledged these records: their rows go with the next commit, which
+        runs anyway (or within a second when the worker is idle: `GroupCommitter`), never with one of their own
+        that a reserve would wait behind. A row still there after a crash is sent again, and the stream's
+        duplicate window drops the copy."""
+        self._delivered.extend(seqs)
+
+    @property
+    def delivered_waiting(self) -> bool:
+        return bool(self._delivered)
+
+    def drop_delivered(self, txn: Any) -> list[int]:
+        """(the writer, in its transaction) Delete the rows acked since the last commit; returns them, for
+        `undrop_delivered` if that transaction aborts."""
+        taken: list[int] = []
+        while self._delivered:
+            seq = self._delivered.popleft()
+            txn.delete(seq_key(seq), db=self.db_audit)
+            taken.append(seq)
+        return taken
+
+    def undrop_delivered(self, taken: list[int]) -> None:
+        self._delivered.extendleft(reversed(taken))
 
     # reads ------------------------------------------------------------------------------------
     def get(self, machine_id: str) -> StoredMachine | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import msgspec
@@ -65,7 +66,8 @@ def test_every_broker_routes_a_machine_from_the_create_reply_on_and_its_event_ca
     """The reserve is answered once the machine's routing index entry is stored, so from the create's reply on
     any broker finds it (its replica, or one direct read of the bucket: no window). Read here straight from the
     bucket at the reply, with no wait and no retry; then a get and a stop through the brokers (two, so either
-    may answer). The create's audit record is its `created` event's, not a record of its own in FAUXMAD_AUDIT."""
+    may answer). The create's audit record is in its `created` event, and in FAUXMAD_AUDIT once (its worker sends
+    it there after the reply: workers/audit_outbox.py)."""
 
     async def main() -> None:
         client = await connect(fleet)
@@ -95,19 +97,31 @@ def test_every_broker_routes_a_machine_from_the_create_reply_on_and_its_event_ca
             finally:
                 await sub.unsubscribe()
 
+        carried = []
         for machine in made:
             found = await until(partial(created_audit, machine.id), f"the created event of {machine.id}")
             audit = found
+            carried.append(audit)
             assert audit is not None and audit.identity == "unsigned" and audit.status == 200 and audit.method == "NATS"
             # the client asks on the region's create subject first (`FleetClient.create`)
             assert audit.path == "fauxmad.v1.api.apps.routed.machines.create.mad" and audit.app == "routed"
-        trail = [r for r in await audit_records(nc, "routed") if ".machines.create" in r.path]
-        assert len(trail) == len(made)  # each create once: in its event, and no record of its own besides
+
+        async def trail() -> list[AuditRecord]:
+            return [r for r in await audit_records(nc, "routed") if ".machines.create" in r.path]
+
+        await until(lambda: _at_least(trail, len(made)), "every create's record in the audit stream")
+        trail_found = await trail()
+        assert len(trail_found) == len(made)  # each create once: no record of the broker's besides, no copy
+        assert sorted(msgspec.json.encode(r) for r in trail_found) == sorted(msgspec.json.encode(r) for r in carried)
         await nc.close()
         await client.close()
 
     arun(main())
     cleanup(fleet)
+
+
+async def _at_least(read: Callable[[], Awaitable[list[AuditRecord]]], n: int) -> bool:
+    return len(await read()) >= n
 
 
 def test_racing_brokers_and_clients_never_overcommit_and_503_when_full(fleet: DevFleet) -> None:

@@ -339,7 +339,7 @@ def test_every_mutating_nats_request_is_audited_with_the_identity_that_signed_it
     from bus.transport import credentials
     from bus.transport.service import raise_for_reply
     from bus.transport.signing import RequestSigner
-    from tests.helpers import audit_records
+    from tests.helpers import audit_records, wait_until
 
     run = fleet.cli(
         "ci-web", "machine", "run", "-a", "web", "-r", "mad", "--json", "--nats", fleet.url, "--", "sleep", "60"
@@ -389,7 +389,11 @@ def test_every_mutating_nats_request_is_audited_with_the_identity_that_signed_it
         finally:
             await nc.close()
 
-    nats_records = [r for r in asyncio.run(records()) if r.method == "NATS"]
+    def with_the_create() -> list[AuditRecord]:  # a create's record is sent by its worker after the reply
+        found = [r for r in asyncio.run(records()) if r.method == "NATS"]
+        return found if any(".machines.create" in r.path and r.status == 200 for r in found) else []
+
+    nats_records = wait_until(with_the_create, "the create's audit record in the audit stream", 20.0)
     by_path = {(r.path.split(".")[6], r.identity, r.status) for r in nats_records}  # the verb (a region may follow)
     assert ("create", f"nkey:{web_key}", 200) in by_path
     assert ("destroy", f"nkey:{web_key}", 200) in by_path
