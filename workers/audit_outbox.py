@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 import msgspec
 
 from bus.transport.audit import audit_subject
-from bus.transport.batch_publish import BatchPublisher, Message
+from bus.transport.batch_publish import BatchPublisher, Message, deliver_rounds
 from bus.transport.nats_adapter import Nats
 from workers.log.records import MachineRecord, PendingAudit
 
@@ -109,22 +109,16 @@ class AuditOutbox:
         self._wake.set()
 
     async def run(self) -> None:
-        delay = self.retry_min
-        while True:
-            if not self._queue:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            delivered, error = (0, "not connected to NATS") if not self._nc.is_connected else await self._round()
-            if error is None:
-                self._recovered()
-            else:
-                self._failing(error)
-            if error is None or delivered:
-                delay = self.retry_min
-                continue
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.retry_max)
+        await deliver_rounds(
+            self._nc,
+            ready=lambda: bool(self._queue),
+            wake=self._wake,
+            send_round=self._round,
+            failing=self._failing,
+            recovered=self._recovered,
+            retry_min=self.retry_min,
+            retry_max=self.retry_max,
+        )
 
     async def _round(self) -> tuple[int, BaseException | str | None]:
         """Send up to a batch at once: how many were acknowledged, and the first failure (None: none failed)."""

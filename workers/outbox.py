@@ -58,7 +58,7 @@ import msgspec
 from bus.contract import subjects
 from bus.contract.codec import encode
 from bus.contract.machines import Machine, MachineEvent, MachineIndexEntry, index_entry
-from bus.transport.batch_publish import BatchPublisher, Message
+from bus.transport.batch_publish import BatchPublisher, Message, deliver_rounds
 from bus.transport.nats_adapter import Nats, NotFoundError
 from workers.log.records import MachineRecord, StoredMachine
 
@@ -334,22 +334,16 @@ class Outbox:
                 self.index(machine)
 
     async def _deliver(self) -> None:
-        delay = self.retry_min
-        while True:
-            if not self.pending or not self._looked_up.is_set():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            delivered, error = (0, "not connected to NATS") if not self._nc.is_connected else await self._round()
-            if error is None:
-                self._recovered()
-            else:
-                self._failing(error)
-            if error is None or delivered:
-                delay = self.retry_min
-                continue
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.retry_max)
+        await deliver_rounds(
+            self._nc,
+            ready=lambda: bool(self.pending) and self._looked_up.is_set(),
+            wake=self._wake,
+            send_round=self._round,
+            failing=self._failing,
+            recovered=self._recovered,
+            retry_min=self.retry_min,
+            retry_max=self.retry_max,
+        )
 
     async def _round(self) -> tuple[int, BaseException | str | None]:
         """Send up to a batch of events and of index entries at once: how many were delivered, and

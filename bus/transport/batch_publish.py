@@ -19,7 +19,7 @@ reply within the deadline is an exception, and the caller sends that message aga
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -115,3 +115,40 @@ def _outcome(msg: Msg) -> BaseException | None:
 def _resolve(future: asyncio.Future[Any]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+Round = Callable[[], Awaitable[tuple[int, BaseException | str | None]]]  # a round: delivered, first failure
+
+
+async def deliver_rounds(
+    nc: Client,
+    *,
+    ready: Callable[[], bool],
+    wake: asyncio.Event,
+    send_round: Round,
+    failing: Callable[[BaseException | str], None],
+    recovered: Callable[[], None],
+    retry_min: float,
+    retry_max: float,
+) -> None:
+    """Send rounds for ever: one whenever `ready()` (else wait for `wake`), none while `nc` is not connected. A
+    round that failed and delivered nothing is sent again after a backoff from `retry_min` doubling to
+    `retry_max`; one that delivered anything goes on at once. `failing(error)` and `recovered()` are told each
+    round's outcome (the callers say it once in their logs). The worker's outboxes (the events and index entries,
+    the audit records) share this loop."""
+    delay = retry_min
+    while True:
+        if not ready():
+            wake.clear()
+            await wake.wait()
+            continue
+        delivered, error = (0, "not connected to NATS") if not nc.is_connected else await send_round()
+        if error is None:
+            recovered()
+        else:
+            failing(error)
+        if error is None or delivered:
+            delay = retry_min
+            continue
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, retry_max)
