@@ -128,6 +128,20 @@ def start_operator(url: str, log: Path, app: str | None = None) -> subprocess.Po
     return operator
 
 
+def spawn_broker(url: str, name: str, log: Path) -> subprocess.Popen[bytes]:
+    """`fauxmad broker --nats URL --name NAME` as a subprocess, its output appended to `log` (with `FAUXMAD_LOG`);
+    not waited for: the tests that start one have their own sign it serves."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "broker", "--nats", url, "--name", name],
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            cwd=str(ROOT),
+            env=dict(os.environ, PYTHONPATH=str(ROOT), FAUXMAD_LOG="1"),
+        )
+
+
 def wait_until(condition: Callable[[], T], what: str, timeout: float = 10.0, interval: float = 0.05) -> T:
     """Poll `condition` until it returns something true, and return that: what a test waits for, in place
     of a sleep long enough for it on a good day. At the deadline an AssertionError says `what` never happened."""

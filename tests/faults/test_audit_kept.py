@@ -13,10 +13,7 @@ after their replies and started again on its store: every record is there, once.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +27,16 @@ from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
 from bus.transport.service import call
 from lab.bench.worker import stop_process
-from tests.helpers import ROOT, WorkerProcess, arun, audit_records, connect_nats, nats_config_denying, until, wait_until
+from tests.helpers import (
+    WorkerProcess,
+    arun,
+    audit_records,
+    connect_nats,
+    nats_config_denying,
+    spawn_broker,
+    until,
+    wait_until,
+)
 from workers.log.store import Store
 
 REGION = "mad"
@@ -62,15 +68,7 @@ def fleet(tmp_path: Path, deny_audit: bool) -> Iterator[Fleet]:
     server = EmbeddedNats(port=port, config_file=config, tls=False, store_dir=store).start()
     fleet_url = f"nats://fleet:fleet@127.0.0.1:{port}"
     worker = WorkerProcess(f"nats://worker:worker@127.0.0.1:{port}", REGION, WORKER, tmp_path / "worker", cpus=64)
-    with (tmp_path / "broker.log").open("ab") as log:
-        broker = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "broker", "--nats", fleet_url, "--name", "audit-kept-b1"],
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            cwd=str(ROOT),
-            env=dict(os.environ, PYTHONPATH=str(ROOT), FAUXMAD_LOG="1"),
-        )
+    broker = spawn_broker(fleet_url, "audit-kept-b1", tmp_path / "broker.log")
     try:
         worker.start(timeout=40.0)
         yield Fleet(server, config, store, worker, fleet_url)

@@ -11,10 +11,7 @@ without the denial, both work.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -22,7 +19,7 @@ import msgspec
 from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
 from lab.bench.worker import stop_process
-from tests.helpers import ROOT, WorkerProcess, arun, connect_nats, nats_config_denying, until
+from tests.helpers import WorkerProcess, arun, connect_nats, nats_config_denying, spawn_broker, until
 
 REGION = "mad"
 APP = "before-js"
@@ -51,15 +48,7 @@ def test_a_broker_answers_before_jetstream_does_and_names_what_is_not_ready(tmp_
     fleet_url, broker_url = f"nats://fleet:fleet@127.0.0.1:{port}", f"nats://broker:broker@127.0.0.1:{port}"
     worker = WorkerProcess(fleet_url, REGION, "before-js-w1", tmp_path / "worker").start()
     log_path = tmp_path / "broker.log"
-    with log_path.open("ab") as log:
-        broker = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "broker", "--nats", broker_url, "--name", "before-js-b1"],
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            cwd=str(ROOT),
-            env=dict(os.environ, PYTHONPATH=str(ROOT), FAUXMAD_LOG="1"),
-        )
+    broker = spawn_broker(broker_url, "before-js-b1", log_path)
     try:
 
         async def placed_unkeyed() -> dict[str, object]:
