@@ -24,7 +24,7 @@ from bus.contract.machines import CORDONED_LABEL, Lease, LeaseRequest
 from bus.transport.service import call
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import arun, connect_nats, fleet_fixture, until
+from tests.helpers import arun, connect_nats, fleet_fixture, until, wait_until
 from tests.orchestrator import proxy_kit as kit
 
 fleet = fleet_fixture(FleetSpec(regions=["pxa", "pxb"], workers_per_region=2, cpus=16, memory_mb=8192))
@@ -356,11 +356,18 @@ def test_idle_machines_are_suspended_and_a_request_resumes_the_same_process(
 
     seen, took, after = arun(main())
     assert seen[-1] == "suspended" and after == "started"
-    said = [
-        line.split(": ", 2)[1:]
-        for line in proxy.log_path.read_text().splitlines()
-        if line.startswith("fauxmad proxy: auto") and f" of app {name} " in line
-    ]
+
+    def auto_lines() -> list[list[str]]:
+        return [
+            line.split(": ", 2)[1:]
+            for line in proxy.log_path.read_text().splitlines()
+            if line.startswith("fauxmad proxy: auto") and f" of app {name} " in line
+        ]
+
+    # The GET went ahead of the resume on a connection kept from before the freeze: the machine can answer it
+    # as soon as its worker thaws it, before the worker's reply to the resume reaches the proxy, and the proxy
+    # says "resumed" on that reply (CI: the answer and the worker's `started` were in, the line not yet).
+    said = wait_until(lambda: auto_lines()[1:] and auto_lines(), "the proxy's autostart line after the resumed answer")
     assert [what for what, _ in said] == ["autostop", "autostart"], said
     assert said[0][1].startswith(f"machine {machine_id} of app {name} suspended in pxa: no request for")
     assert said[1][1].startswith(f"resumed machine {machine_id} of app {name} in pxa: a request found")
