@@ -1,7 +1,7 @@
 """Hosts on one box: N Linux network namespaces on one bridge, each with its own address.
 
 A fleet of many hosts is what fauxmad is for, and a fleet on loopback hides every one-host assumption: a
-part that dials 127.0.0.1 works there and nowhere else. So `fauxmad dev --hosts N` and the tests run the
+part that dials the loopback address works there and nowhere else. So `fauxmad dev --hosts N` and the tests run the
 fleet's parts on hosts of their own, made here: host `a` is namespace `fauxmad-<fleet>-a` at
 10.213.<fleet>.11, `b` at .12 and so on, each with a veth into the bridge `fxh<fleet>br`, on which the root
 namespace (the laptop, where the CLI runs) has .1. A process starts inside a host with `ip netns exec`,

@@ -3,7 +3,7 @@ of the console carries.
 
 Why: the console's cookie is sent with any request the operator's browser makes to the console's host, whatever
 page asked for it. SameSite=Strict does not stop a page on another port of the same host (a machine's app on
-`127.0.0.1:$PORT`): another port is the same *site*, so a `fetch(..., {mode: "no-cors", credentials: "include"})`
+`localhost:$PORT`): another port is the same *site*, so a `fetch(..., {mode: "no-cors", credentials: "include"})`
 or an auto-submitted form from it carried the cookie and acted as the operator. So a request that changes
 anything (`POST` under `/ui`) must pass, in this order:
 
