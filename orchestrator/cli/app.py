@@ -41,6 +41,7 @@ from orchestrator.cli.runtime import (
     EXIT_USAGE,
     CliError,
 )
+from orchestrator.cli.stdio import whole_writes
 
 app = typer.Typer(
     name="fauxmad",
@@ -314,6 +315,7 @@ def report(exc: Exception) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and exits with) the exit code. Never shows a traceback for user errors."""
+    whole_writes()
     args = lift_global_options(sys.argv[1:] if argv is None else argv)
     name = command_named(args)
     register({name} if name in {c[0] for c in COMMANDS} else None)  # a typo or --help: all, to list or suggest
