@@ -9,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 from bus.contract import subjects
 from bus.contract.fleet import WorkerInfo
 from bus.contract.offers import Resources
 from bus.transport.jetstream import ensure_fleet_resources
 from tests.helpers import arun, connect_nats, until
-from workers.agent.heartbeat import SKEW_EVERY, BeatGroup, Heartbeat
+from workers.agent.heartbeat import PER_TICK, SKEW_EVERY, BeatGroup, Heartbeat
 
 INTERVAL = 2.0  # a machine's change then waits half a second
 
@@ -134,3 +135,18 @@ def test_a_group_of_logical_workers_measures_its_hosts_clock_once(fresh_nats: An
     assert puts == (SKEW_EVERY + 2) * members  # every member still beats its own key
     assert reads == 2, f"{reads} reads of stored beats for one host's clock"
     assert skews[0][1] > 0 and all(skew == skews[0] for skew in skews)  # measured once, taken by all
+
+
+def test_a_group_beats_each_member_once_an_interval_a_few_at_each_tick() -> None:
+    """Not all at once (a burst every interval that a create meeting it waited behind): `PER_TICK` members a
+    tick, every member at one tick of each interval, whatever the order they joined in."""
+    for size in (2, 4, 5, 125):
+        group = BeatGroup(INTERVAL, size)
+        for n in range(size):
+            group.add(cast(Heartbeat, SimpleNamespace(name=n, clock_of=None)))
+        for first in (0, 7):  # any run of `ticks` ticks
+            window = [group.due(tick) for tick in range(first, first + group.ticks)]
+            beaten = [member for members in window for member in members]
+            assert sorted(id(m) for m in beaten) == sorted(id(m) for m in group.members), size
+            assert max(len(members) for members in window) <= PER_TICK
+        assert group.ticks == -(-size // PER_TICK)

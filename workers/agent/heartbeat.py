@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 SKEW_EVERY = 5  # beats between two measurements of the clock's skew (the first beat measures)
 SOON = 0.05  # seconds a change that must beat soon waits for others to share its beat (a volume's)
 USAGE_SHARE = 0.25  # of the interval: how long a machine's change of usage waits for its beat (see the top)
+PER_TICK = 4  # a `BeatGroup`'s members beaten at each of its ticks
 
 
 def skew_refusal(worker_id: str, skew: float) -> str:
@@ -182,17 +183,23 @@ class Heartbeat:
 
 class BeatGroup:
     """The heartbeats of the logical workers one process runs (a benchmark's simulated fleet, `--count`): one
-    timer beats them all at once, their puts in flight together, instead of a timer, a sleep and a wait per
-    logical worker (issue 44: at 1,000 workers that background, not the placement, set the p99). Each put is
-    still its own worker's key, acknowledged as before (`Heartbeat.once`). A real fleet has one worker per
-    process and no group.
+    timer beats them all, instead of a timer, a sleep and a wait per logical worker (issue 44: at 1,000 workers
+    that background, not the placement, set the p99). Each put is still its own worker's key, acknowledged as
+    before (`Heartbeat.once`), once an interval. A real fleet has one worker per process and no group.
+
+    The timer ticks `ticks` times an interval and each tick beats `PER_TICK` members, each member at the same
+    tick of every interval: beating all 125 of a process at once made a burst of puts every interval, in the
+    process, in nats-server and in every broker's watch of the bucket, and a create that met it waited behind
+    it (the 1,000-worker p99).
 
     The host's clock is one for them all: the first member measures its skew against the server's (a stored
     beat read back, every `SKEW_EVERY` beats) and the others take its figures, rather than each asking
     JetStream for its own beat (at 1,000 workers, 100 requests a second to nats-server for one answer)."""
 
-    def __init__(self, interval: float) -> None:
+    def __init__(self, interval: float, size: int = 1) -> None:
+        """`size`: the members to come (the process's logical workers), which sets the ticks an interval."""
         self.interval = interval
+        self.ticks = max(1, -(-size // PER_TICK))
         self.members: list[Heartbeat] = []
 
     def add(self, heartbeat: Heartbeat) -> None:
@@ -200,10 +207,24 @@ class BeatGroup:
             heartbeat.clock_of = self.members[0]
         self.members.append(heartbeat)
 
+    def due(self, tick: int) -> list[Heartbeat]:
+        """The members that beat at `tick`: each member at one tick of every `ticks`, `PER_TICK` at most."""
+        return self.members[tick % self.ticks :: self.ticks]
+
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        step = self.interval / self.ticks
+        due = loop.time()
+        tick = failed = beaten = 0
         while True:
-            await asyncio.sleep(self.interval)
-            outcomes = await asyncio.gather(*(member.once() for member in self.members), return_exceptions=True)
-            failed = sum(isinstance(outcome, Exception) for outcome in outcomes)
-            if failed:
-                log.warning("heartbeat failed for %d of %d workers of this process", failed, len(outcomes))
+            due += step  # on a schedule: the puts' round trips do not stretch the interval
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            members = self.due(tick)
+            tick += 1
+            outcomes = await asyncio.gather(*(member.once() for member in members), return_exceptions=True)
+            failed += sum(isinstance(outcome, Exception) for outcome in outcomes)
+            beaten += len(outcomes)
+            if tick % self.ticks == 0:  # one line an interval, not one a tick
+                if failed:
+                    log.warning("heartbeat failed for %d of %d workers of this process", failed, beaten)
+                failed = beaten = 0
