@@ -59,7 +59,7 @@ from bus.contract import subjects
 from bus.contract.codec import encode
 from bus.contract.machines import Machine, MachineEvent, MachineIndexEntry, index_entry
 from bus.transport.batch_publish import BatchPublisher, Message, deliver_rounds
-from bus.transport.nats_adapter import Nats, NotFoundError
+from bus.transport.nats_adapter import Nats, NotFoundError, on_reconnect
 from workers.log.records import MachineRecord, StoredMachine
 
 log = logging.getLogger(__name__)
@@ -311,27 +311,45 @@ class Outbox:
             reindex.cancel()
 
     async def _reindex_after_reconnects(self, poll: float = 0.2) -> None:
-        """Queue every machine's index entry again each time the connection has come back."""
+        """Queue every machine's index entry again each time the connection has come back: told so by our
+        `Connection` (`on_reconnect`), or for a plain nats-py client by a look at its counter every `poll`
+        seconds."""
         if self._machines is None:
             return
+        back = asyncio.Event()
+        stop_hearing = on_reconnect(self._nc, back.set)
         seen = self._nc.stats["reconnects"]
-        while True:
-            await asyncio.sleep(poll)
-            now = self._nc.stats["reconnects"]
-            if now == seen or not self._nc.is_connected:
-                continue
-            seen = now
-            try:
-                machines = list(self._machines())
-            except Exception:
-                log.exception("outbox: could not read the machines to index them again")
-                continue
-            # every one, even a machine whose entry is queued or in a round in flight: that round's ack may have
-            # come from the server that died before writing it (an unsynced bucket acks before its write is on
-            # disk), and the round would then drop the entry as delivered. A new entry object is kept by the
-            # round (`_round` drops only the very entry it sent), so it goes again, from the log as it is now.
-            for machine in machines:
-                self.index(machine)
+        try:
+            while True:
+                if stop_hearing is None:
+                    await asyncio.sleep(poll)
+                else:
+                    await back.wait()
+                    back.clear()
+                now = self._nc.stats["reconnects"]
+                if now == seen or not self._nc.is_connected:
+                    continue
+                seen = now
+                self._reindex()
+        finally:
+            if stop_hearing is not None:
+                stop_hearing()
+
+    def _reindex(self) -> None:
+        """Every machine's index entry queued again (the connection came back)."""
+        if self._machines is None:
+            return
+        try:
+            machines = list(self._machines())
+        except Exception:
+            log.exception("outbox: could not read the machines to index them again")
+            return
+        # every one, even a machine whose entry is queued or in a round in flight: that round's ack may have
+        # come from the server that died before writing it (an unsynced bucket acks before its write is on
+        # disk), and the round would then drop the entry as delivered. A new entry object is kept by the
+        # round (`_round` drops only the very entry it sent), so it goes again, from the log as it is now.
+        for machine in machines:
+            self.index(machine)
 
     async def _deliver(self) -> None:
         await deliver_rounds(

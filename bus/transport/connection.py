@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from bus.contract.errors import Forbidden, Unreachable
 from bus.transport import credentials
 from bus.transport.in_flight import when_disconnected
-from bus.transport.nats_adapter import Connection, role_of
+from bus.transport.nats_adapter import Connection, reconnected, role_of
 from bus.transport.refusals import Refusals
 from bus.transport.signing import RequestSigner
 
@@ -158,6 +158,7 @@ async def connect(
             pending_size=64 * 1024 * 1024,
             closed_cb=closed,
             disconnected_cb=when_disconnected(made),  # requests in flight end then (`bus.transport.in_flight`)
+            reconnected_cb=_when_reconnected(made),  # its reconnect hooks (`nats_adapter.on_reconnect`)
             **options,
             **secure,
         )
@@ -181,6 +182,13 @@ async def connect(
                 " this server"
             ) from None
         raise Unreachable(f"cannot reach NATS at {url}: {_why_unreachable(errors, exc)}") from None
+
+
+def _when_reconnected(client: Connection) -> Callable[[], Awaitable[None]]:
+    async def back() -> None:
+        reconnected(client)
+
+    return back
 
 
 def _why_unreachable(errors: list[str], exc: Exception) -> str:

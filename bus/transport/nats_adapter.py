@@ -72,7 +72,9 @@ __all__ = [
     "connection_of",
     "errors",
     "kv_stream",
+    "on_reconnect",
     "pending_replies",
+    "reconnected",
     "refusals_of",
     "role_of",
     "server_info",
@@ -97,6 +99,7 @@ class Connection(Client):
         self.signer: RequestSigner | None = None  # signs its API requests for the audit trail
         self.role: str | None = None  # the role its credentials name (None on an open fleet)
         self.disconnect_hooks: list[Callable[[], None]] = []  # called when it drops (`bus.transport.in_flight`)
+        self.reconnect_hooks: list[Callable[[], None]] = []  # called when it is back (`on_reconnect`)
         self.noticing: asyncio.Task[None] | None = None  # the look that tells a close nats-py did not report
 
     async def close(self) -> None:
@@ -169,6 +172,25 @@ def pending_replies(nc: Client) -> dict[str, asyncio.Future[Any]]:
     """The replies `nc` still awaits, by token (nats-py's `_resp_map`); empty if a later nats-py moved them."""
     waiting: dict[str, asyncio.Future[Any]] | None = getattr(nc, "_resp_map", None)
     return waiting or {}
+
+
+def on_reconnect(client: Client, back: Callable[[], None]) -> Callable[[], None] | None:
+    """Call `back` each time `client` has reconnected, and return what stops that; None when `client` does not
+    report its reconnects (a plain nats-py client: a test's, the benchmark's floor), so the caller must look at
+    `client.stats["reconnects"]` itself. Only our `Connection` reports them (`bus.transport.connection.connect`
+    makes them). Why: a look at the counter five times a second, per logical worker, was the largest timer
+    of a simulated fleet's process (issue 44)."""
+    if not isinstance(client, Connection):
+        return None
+    hooks = client.reconnect_hooks
+    hooks.append(back)
+    return lambda: hooks.remove(back) if back in hooks else None
+
+
+def reconnected(client: Client) -> None:
+    """Tell `client`'s reconnect hooks that it is back (its `reconnected_cb`, `bus.transport.connection`)."""
+    for back in list(getattr(client, "reconnect_hooks", ())):
+        back()
 
 
 def connection_of(js: object) -> Client | None:

@@ -141,12 +141,24 @@ def placement(
         " this tree's bench and REV's, each with a fleet of its own, at c=1 and at --concurrency; prints both"
         " (the median of the rounds) and this tree's ratios to REV's: p50, p99, throughput",
     ),
+    against_workers: int | None = typer.Option(
+        None,
+        "--against-workers",
+        metavar="N",
+        min=1,
+        max=5000,
+        help="also measure a fleet of N workers per region in the same run: rounds alternate between --workers'"
+        " fleet and N's, each round on a fleet of its own (started, warmed up, measured, stopped), --count creates"
+        " a size split over --rounds; prints each size's percentiles (samples pooled) and creates/s, each round's"
+        " p50/p99, and --workers' ratios to N's: p99, p50, throughput (e.g. --workers 1000 --against-workers 10)",
+    ),
     rounds: int = typer.Option(
         4,
         "--rounds",
         min=1,
         max=100,
-        help="with --floor or --against: alternating rounds per concurrency (--count is split over them)",
+        help="with --floor, --against or --against-workers: alternating rounds per concurrency or size (--count is"
+        " split over them)",
     ),
     nats: str | None = nats_option("; given: use that fleet"),
     output: Path = typer.Option(Path("bench-placement.json"), "--output", "-o", help=OUTPUT_HELP),
@@ -155,7 +167,7 @@ def placement(
     """Create latency (p50/p90/p99/max) and throughput, with the bus round trip (echo in another process).
 
     --floor compares fauxmad with the same protocol in plain nats-py, in one run; --against REV compares this
-    tree with another git revision, in one run."""
+    tree with another git revision, in one run; --against-workers N compares two fleet sizes, in one run."""
     from lab.bench import placement as bench
     from orchestrator.broker.auction import STRATEGIES
 
@@ -178,20 +190,21 @@ def placement(
     )
     if wan_delay and not supercluster:
         fail("--wan-delay is the delay between a supercluster's regions: give --supercluster too", EXIT_USAGE)
+    if against_workers is not None:
+        if against is not None or floor or nats is not None or supercluster:
+            fail(
+                "--against-workers starts fleets of its own: leave out --against, --floor, --nats and --supercluster",
+                EXIT_USAGE,
+            )
+        _sizes(options, against_workers, rounds, output, json_out)
+        return
     if against is not None:
         from lab.bench import against as versus
 
         if floor or nats is not None or supercluster:
             fail("--against starts fleets of its own: leave out --floor, --nats and --supercluster", EXIT_USAGE)
-        try:
-            compared_rev = versus.run_against(
-                versus.AgainstOptions(rev=against, placement=options, rounds=rounds), _progress
-            )
-        except versus.BadRevision as exc:
-            fail(str(exc), EXIT_USAGE)
-        except BenchError as exc:
-            fail(str(exc))
-        _finish(compared_rev, versus.report(compared_rev), output, json_out)
+        rev = versus.AgainstOptions(rev=against, placement=options, rounds=rounds)
+        _compare(lambda: versus.run_against(rev, _progress), versus.report, output, json_out)
         return
     if floor:
         from lab.bench import floor_run
@@ -214,6 +227,20 @@ def placement(
         return
     result = _measure(lambda: bench.run_placement(options, _progress))
     _finish(result, bench.report(result), output, json_out)
+
+
+def _sizes(options: Any, against_workers: int, rounds: int, output: Path, json_out: bool) -> None:
+    """`bench placement --against-workers N`: two fleet sizes in one run (lab.bench.sizes)."""
+    from lab.bench import sizes
+
+    if against_workers == options.workers:
+        fail(f"--against-workers {against_workers} is the size --workers gives: give another size", EXIT_USAGE)
+    sized = _measure(
+        lambda: sizes.run_sizes(
+            sizes.SizesOptions(placement=options, against_workers=against_workers, rounds=rounds), _progress
+        )
+    )
+    _finish(sized, sizes.report(sized), output, json_out)
 
 
 @bench_app.command("worker")

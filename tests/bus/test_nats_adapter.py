@@ -27,7 +27,7 @@ from tests.helpers import arun
 
 def test_our_fields_shadow_nothing_of_nats_py() -> None:
     ours = set(vars(Connection())) - set(vars(Client()))
-    assert ours == {"refusals", "signer", "role", "disconnect_hooks", "noticing"}
+    assert ours == {"refusals", "signer", "role", "disconnect_hooks", "reconnect_hooks", "noticing"}
     plain = Client()
     assert (signer_of(plain), refusals_of(plain), role_of(plain)) == (None, None, None)
 

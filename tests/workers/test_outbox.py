@@ -441,6 +441,53 @@ def test_after_a_reconnect_an_entry_acked_in_a_round_still_in_flight_goes_again(
     assert entry["id"] == "00000000000001" and entry["worker_id"] == worker_id
 
 
+def test_our_connection_tells_the_outbox_it_is_back_without_a_poll(
+    crashable_nats: EmbeddedNats, unique: Callable[[str], str]
+) -> None:
+    """On our `Connection` the outbox does not look at the reconnect counter five times a second (a timer per
+    logical worker: issue 44's simulated fleet); the connection tells it (`nats_adapter.on_reconnect`). Real
+    crash and restart of nats-server: the entry, purged meanwhile (a write an unsynced bucket lost), is put again
+    once the connection is back. Without the connection's `reconnected_cb` it would never be."""
+    from bus.transport.connection import connect
+
+    worker_id, region, bucket = unique("w"), unique("r"), unique("idx")
+
+    async def main() -> Any:
+        from nats.js.api import KeyValueConfig
+
+        nc = await connect(crashable_nats.url, "outbox-reconnect", reconnect_forever=True)
+        kv = await nc.jetstream().create_key_value(KeyValueConfig(bucket=bucket, history=1))
+        machine = a_machine("00000000000002", "m", "reidx2", region, worker_id, "created", 1)
+        outbox = Outbox(nc, worker_id=worker_id, index_bucket=bucket, timeout=2.0, machines=lambda: [machine])
+        task = asyncio.create_task(outbox.run())
+        await until(lambda: asyncio.sleep(0, len(nc.reconnect_hooks) == 1), "the outbox listening for reconnects")
+        outbox.index(machine)
+
+        async def stored() -> Any:
+            try:
+                return await kv.get(machine.id)
+            except Exception:
+                return None
+
+        await until(stored, "the index entry stored")
+        await kv.purge(machine.id)
+        assert await stored() is None
+        crashable_nats.kill()
+        crashable_nats.start()
+        found = await until(stored, "the entry put again after the reconnect", timeout=20)
+        assert nc.stats["reconnects"] >= 1
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)  # the reindexing task's own cancellation
+        hooks_left = len(nc.reconnect_hooks)
+        await nc.close()
+        return found, hooks_left
+
+    entry, hooks_left = arun(main())
+    assert msgspec.json.decode(entry.value)["worker_id"] == worker_id
+    assert hooks_left == 0  # a stopped outbox listens no more
+
+
 def test_record_events_are_the_tail_with_the_record_sequence() -> None:
     events = [
         MachineEvent(status="started", seq=4),

@@ -40,7 +40,7 @@ async def run_workers(
     `on_ready` runs once every worker serves (the CLI says so there); `on_stopped(n)` once they stopped
     serving (if they did), with the number of machines they leave running."""
     steps.install_from_environment()  # a test's hooks at the lifecycle's named steps, if one named them
-    beats = BeatGroup(configs[0].heartbeat_interval) if len(configs) > 1 else None
+    beats = BeatGroup(configs[0].heartbeat_interval, len(configs)) if len(configs) > 1 else None
     # one job puller (and job desk) per process: its first logical worker's (issue 44)
     configs = [configs[0], *(msgspec.structs.replace(config, serve_jobs=False) for config in configs[1:])]
     agents: list[WorkerAgent] = []
