@@ -31,7 +31,7 @@ from bus.contract.codec import encode
 from bus.contract.errors import Unreachable
 from bus.contract.machines import DestroyRequest, ListRequest
 from bus.local.embedded import EmbeddedNats
-from bus.local.ports import free_port
+from bus.local.ports import PortRange, free_port, machine_slices
 from bus.local.supercluster import LoopbackCluster, LoopbackSupercluster
 from bus.stores.images import Images
 from bus.stores.secrets import new_private_key, secrets_bucket
@@ -167,6 +167,8 @@ class DevFleet:
         self.security_port: int | None = None
         self._creds: dict[str, str] = {}  # process name -> its credentials file (secure fleets)
         self.metrics: dict[str, int] = {}  # process name -> the port of its /metrics (FleetSpec.metrics)
+        # worker process -> the ports its machines get (one slice each: no two workers on one loopback pick one port)
+        self.machine_ports: dict[str, PortRange] = {}
         self.hosts: Hosts | None = None  # FleetSpec.hosts
         self.placement: dict[str, Host] = {}  # process name -> the host it runs on (FleetSpec.hosts)
         self.edge: str | None = None  # HOST:PORT of the edge proxy a fleet of hosts runs on host a
@@ -498,6 +500,8 @@ class DevFleet:
                 ]
                 if count > 1:
                     args += ["--count", str(count)]
+                self.machine_ports[base] = machine_slices().take()
+                args += ["--machine-ports", str(self.machine_ports[base])]
                 if region in spec.advertise:
                     args += ["--advertise", spec.advertise[region]]
                 if not spec.fsync:
@@ -669,6 +673,9 @@ class DevFleet:
         finally:  # even when interrupted (a test's timeout): the environment this process shares goes back
             self._restore_layout_env()
             self._restore_creds_env()
+            for part in self.machine_ports.values():
+                machine_slices().give_back(part)
+            self.machine_ports.clear()
         self._kill_untracked_children()
         if self.hosts is not None:  # whatever is left inside the hosts is killed with them
             self.hosts.down()

@@ -19,6 +19,8 @@ import nats
 import pytest
 import uvloop
 
+from bus.local.ports import machine_slices
+
 if TYPE_CHECKING:
     from orchestrator.devfleet import DevFleet, FleetSpec
 
@@ -225,6 +227,7 @@ class WorkerProcess:
         self.extra = extra or []
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir / "worker.log"
+        self.machine_ports = machine_slices().take()  # its own, as a dev fleet gives each worker (bus.local.ports)
 
     def start(self, timeout: float = 15.0) -> WorkerProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -249,6 +252,8 @@ class WorkerProcess:
             "0.1",
             "--max-load",  # the test workers share this host's kernel: see Backpressure
             "0",
+            "--machine-ports",
+            str(self.machine_ports),
             *self.extra,
         ]
         env = dict(os.environ, FAUXMAD_LOG="1", PYTHONPATH=str(ROOT), **self.env)
@@ -298,6 +303,7 @@ class WorkerProcess:
     def cleanup(self) -> None:
         self.kill9()
         kill_machines_of(self.worker_id)
+        machine_slices().give_back(self.machine_ports)
 
 
 async def wait_output(worker: WorkerProcess, machine_id: str, text: str, timeout: float = 10.0) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from bus.local.embedded import EmbeddedNats
+from bus.local.ports import PortRange
 from orchestrator.cli.runtime import (
     EXIT_USAGE,
     MetricsOption,
@@ -164,6 +165,15 @@ def worker(
         "free port, advertised in the heartbeat]",
         show_default=False,
     ),
+    machine_ports: str | None = typer.Option(
+        None,
+        "--machine-ports",
+        envvar="FAUXMAD_MACHINE_PORTS",
+        metavar="LOW-HIGH",
+        help="the ports machines are given as PORT [default: the upper half of 10000 up to the kernel's ephemeral "
+        "range, or of $FAUXMAD_PORT_RANGE]; two workers on one host (or loopback) each take a range of their own",
+        show_default=False,
+    ),
     count: int = typer.Option(
         1,
         "--count",
@@ -188,6 +198,7 @@ def worker(
     serve_metrics(metrics_listen)
     if advertise is not None:
         advertise = _check_advertise(advertise)
+    port_range = _check_machine_ports(machine_ports)
     wid = worker_id if worker_id is not None else default_worker_id()
     url = nats_url(nats, required=False)
     server = None
@@ -222,6 +233,7 @@ def worker(
             jobs_ack_wait=jobs_ack_wait,
             advertise=advertise,
             backhaul_port=backhaul_port if count == 1 else 0,
+            machine_ports=port_range,
         )
         for one in ids
     ]
@@ -255,6 +267,17 @@ def _register_subcommands() -> None:
 
 
 _register_subcommands()
+
+
+def _check_machine_ports(value: str | None) -> tuple[int, int] | None:
+    """`--machine-ports LOW-HIGH` as (low, high), or a one-line error naming what is wrong."""
+    if value is None:
+        return None
+    try:
+        found = PortRange.parse(value)
+    except ValueError as exc:
+        fail(f"--machine-ports: {exc}", EXIT_USAGE)
+    return found.low, found.high
 
 
 def _check_advertise(value: str) -> str:

@@ -12,12 +12,12 @@ import time
 import pytest
 
 from bus.local.gateway_relay import GatewayRelay
-from bus.local.ports import _pick_range
+from bus.local.ports import servers_range
 
 
 def test_front_ports_are_below_the_ephemeral_range_or_in_the_runners_slice() -> None:
     relay = GatewayRelay()
-    lowest, high, _ = _pick_range()
+    lowest, high = servers_range().low, servers_range().high + 1
     ports = [relay.front("r", "127.0.0.1", 7222) for _ in range(20)]
     assert all(lowest <= port < high for port in ports), (ports, lowest, high)
     assert len(set(ports)) == len(ports)

@@ -38,3 +38,6 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the address other hosts reach this worker at (None: the local address of its NATS connection)
     advertise: str | None = None
     backhaul_port: int = 0  # where the backhaul listens on `advertise` (0: a free port, said in the heartbeat)
+    # the ports its machines' `PORT` is picked in (`--machine-ports LOW-HIGH`); None: the machines' half of the
+    # host's range (bus.local.ports)
+    machine_ports: tuple[int, int] | None = None

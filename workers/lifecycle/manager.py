@@ -50,6 +50,7 @@ from bus.contract.machines import (
     UpdateRequest,
     WaitRequest,
 )
+from bus.local.ports import PortRange
 from workers.driver.base import Driver, TaskHandle, TaskSpec
 from workers.image_cache import ImageCache
 from workers.lifecycle import leases, steps, update
@@ -99,6 +100,7 @@ class MachineManager:
         on_launch: Callable[[Machine], None] = lambda machine: None,
         secret_env: Callable[[str], dict[str, str]] = lambda app: {},
         held_ports: Callable[[], Container[int]] = lambda: (),
+        port_range: PortRange | None = None,
         images: ImageCache | None = None,
         volumes: VolumeManager | None = None,
         fence: Fence | None = None,
@@ -111,6 +113,7 @@ class MachineManager:
         self.driver = driver
         self.on_launch = on_launch  # right before a process is spawned (the agent follows its logs from there)
         self.held_ports = held_ports  # ports of this worker's machines not destroyed: a create passes them over
+        self.port_range = port_range  # where its machines' ports are picked (None: the machines' half of the host's)
         self.images = images  # the image cache (the jobs runner's too, for an image job's files)
         self.clock = clock
         self.inflight = 0
@@ -211,7 +214,7 @@ class MachineManager:
         it before answering: one request and two commits for a create+start instead of two and three."""
         self.reservations.check(request)
         machine_id = request.id or new_machine_id()
-        port = pick_port(self.held_ports())
+        port = pick_port(self.held_ports(), self.port_range)
         mark = self.fence.mark() if self.fence is not None else 0
         stored, reserved = await self.recorder.commit(self.reservations.op(request, machine_id, port))
         steps.reached("reserve.committed")

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Container
 
-from bus.local.ports import free_port
+from bus.local.ports import PortRange, free_port, machine_ports
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _PAIRS = [high + low for high in _CROCKFORD for low in _CROCKFORD]  # every 10-bit value as two characters
@@ -45,7 +45,8 @@ def _second(seconds: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
-def pick_port(held: Container[int] = ()) -> int:
+def pick_port(held: Container[int] = (), within: PortRange | None = None) -> int:
     """A machine's `PORT`: below the ephemeral range, so no connection this host opens takes it (bus.local.ports),
-    and none of `held`, the ports of this worker's machines (a stopped one binds its port again when started)."""
-    return free_port("127.0.0.1", held)  # local: a machine's port is on its own host's loopback
+    in this worker's range (`--machine-ports`, else the machines' half of the host's), and none of `held`, the
+    ports of this worker's machines (a stopped one binds its port again when started)."""
+    return free_port("127.0.0.1", held, within or machine_ports())  # local: a machine's port is on its host's loopback

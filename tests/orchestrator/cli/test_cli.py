@@ -47,6 +47,7 @@ def test_help_explains_every_command() -> None:
         (["dev", "--regions", "bad.region"], "invalid region"),
         (["bench", "placement", "--strategy", "random"], "unknown --strategy"),
         (["nonsense"], "No such command"),
+        (["worker", "--machine-ports", "300-200"], "--machine-ports: '300-200': ports go from 1 to 65535"),
     ],
 )
 def test_errors_are_one_plain_line_and_a_nonzero_exit(args: list[str], needle: str) -> None:

@@ -3,7 +3,7 @@ and what the suite does when it runs two files at a time.
 
 What a fleet puts on its host, and what keeps each one its own (docs/explanation/faults.md, "Two fleets on
 one host"): its directory (`tempfile.mkdtemp`), its ports (random picks that bind, in a slice of its own
-under `$FAUXMAD_PORT_RANGE`), its cgroup subtree (`fauxmad/<worker>-<digest of its data directory>`), its
+under `$FAUXMAD_PORT_RANGE`; each worker's machines in a slice of their own), its cgroup subtree (`fauxmad/<worker>-<digest of its data directory>`), its
 machines' processes (found as strays by their random machine id, and killed at the fleet's stop by the
 pid files under its own directory), its view cache (a file per NATS URL) and a detached deploy's log
 (a file per app, release and NATS URL). Worker ids (`mad-w1`) and app names are the same in both fleets on
@@ -13,12 +13,14 @@ purpose: they are what collided.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from bus.local.ports import servers_range
 from orchestrator.devfleet import DevFleet, FleetSpec
 from tests.helpers import wait_until
 from tests.orchestrator.reconcile.test_reconcile import destroy, fauxmad, machines, primaries, write_spec
@@ -64,6 +66,16 @@ def test_two_fleets_deploy_drain_and_destroy_one_app_name_without_seeing_each_ot
         assert done.returncode == 0, done.stdout + done.stderr
     first, second = running(one), running(two)
     assert len(first) == len(second) == 2 and not set(first) & set(second)
+
+    # ports: each of the four workers gives its machines ports from a slice of its own, apart from the others'
+    # and from the ports the fleets' own servers are picked in (CI: an edge's port, then two workers' machines)
+    slices = [part for fleet in (one, two) for part in fleet.machine_ports.values()]
+    assert len(slices) == 4 and all(a.high < b.low for a, b in itertools.pairwise(sorted(slices))), slices
+    assert all(servers_range().high < part.low or part.high < servers_range().low for part in slices)
+    for fleet in (one, two):
+        for machine in machines(fleet, APP):
+            given = fleet.machine_ports[machine.worker_id]
+            assert machine.port is not None and given.low <= machine.port <= given.high, (machine, given)
 
     # stray-finding: a worker finds a machine's processes by its id (`end_strays`), a fleet's stop by the pid
     # files under its own directory: each finds its own fleet's machines, never one of the other's

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from bus.local.embedded import find_binary
-from bus.local.ports import free_port
+from bus.local.ports import free_port, machine_ports
 from orchestrator.security.fleetdir import FleetDir
 from tests.helpers import ROOT, fauxmad
 
@@ -85,17 +85,19 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFleet]:
         prepared = secure.cli("operator", "fleet", "prepare", "--nats", secure.url, "--regions", "mad,mus")
         assert prepared.returncode == 0, prepared.stderr
         data = secure.root / "sec-w1"
+        w1_ports, w2_ports = machine_ports().halves()  # two workers on one loopback: apart (bus/local/ports.py)
         secure.spawn(
             "worker-sec-w1",
             *("worker", "--nats", secure.url, "--region", "mad", "--worker-id", "sec-w1"),
             *("--cpus", "4", "--memory-mb", "4096", "--data-dir", str(data), "--max-load", "0"),
+            *("--machine-ports", str(w1_ports)),
         )
         secure.machine_user_data = Path(tempfile.mkdtemp(prefix="fauxmad-machine-user-"))  # /tmp lets others pass
         secure.spawn(
             "worker-sec-w2",
             *("worker", "--nats", secure.url, "--region", "mus", "--worker-id", "sec-w2"),
             *("--cpus", "4", "--memory-mb", "4096", "--data-dir", str(secure.machine_user_data)),
-            *("--machine-user", "nobody", "--max-load", "0"),
+            *("--machine-user", "nobody", "--max-load", "0", "--machine-ports", str(w2_ports)),
         )
         secure.spawn("broker-1", "broker", "--nats", secure.url)
         deadline = time.monotonic() + 30
