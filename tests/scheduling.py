@@ -78,6 +78,11 @@ SECONDS: dict[str, float] = {
     "tests/orchestrator/reconcile/test_deploy_beside_operator.py": 11,
     "tests/orchestrator/broker/test_broker.py": 10,
     "tests/orchestrator/reconcile/test_operator_nats_restart.py": 10,
+    # two files left out above (added since, or under 10 s then), each with a test in the slowest-25 lists of
+    # CI51-55 (four files at a time, 2026-11-30): unrecorded, they counted a fifth of a second a test and came
+    # last, in the run's tail (CI55: test_operator_lost_create started 30 s before the end and ran 16 s)
+    "tests/faults/test_operator_lost_create.py": 15,
+    "tests/orchestrator/lab/test_bench_sizes.py": 14,
 }
 UNKNOWN_PER_TEST = 0.2
 

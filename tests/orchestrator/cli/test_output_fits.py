@@ -22,6 +22,7 @@ import sys
 import termios
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -176,16 +177,42 @@ def read_commands(url: str) -> list[tuple[list[str], set[str]]]:
     ]
 
 
+@dataclass(frozen=True)
+class Views:
+    """A read command's output piped (`COLUMNS`) and in a terminal, at each width the tests judge."""
+
+    args: list[str]
+    ids: set[str]
+    piped: dict[int, subprocess.CompletedProcess[str]]
+    terminal: dict[int, str]
+
+
+@pytest.fixture(scope="module")
+def views(fleet: DevFleet) -> list[Views]:
+    """Each read command run once piped and once in a terminal at 60 and at 80 columns, for the tests below to judge
+    (nothing they do changes what these commands show): 51 CLI processes, where each test running its own was 88."""
+    return [
+        Views(
+            args,
+            ids,
+            {columns: piped(fleet.url, *args, columns=columns) for columns in (60, 80)},
+            {columns: in_terminal(fleet.url, *args, columns=columns) for columns in (60, 80)},
+        )
+        for args, ids in read_commands(fleet.url)
+    ]
+
+
 @pytest.mark.fleet
 @pytest.mark.parametrize("columns", [60, 80])
-def test_read_commands_never_cut_an_id_piped_or_in_a_terminal(fleet: DevFleet, columns: int) -> None:
-    for args, ids in read_commands(fleet.url):
+def test_read_commands_never_cut_an_id_piped_or_in_a_terminal(views: list[Views], columns: int) -> None:
+    for view in views:
+        args, ids = view.args, view.ids
         assert ids, args
-        shown = piped(fleet.url, *args, columns=columns)
+        shown = view.piped[columns]
         assert shown.returncode == 0, shown.stderr
         cut = sorted(i for i in ids if not whole(i, shown.stdout))
         assert not cut, f"{shlex.join(args)} at COLUMNS={columns} cut {cut}:\n{shown.stdout}"
-        seen = in_terminal(fleet.url, *args, columns=columns)
+        seen = view.terminal[columns]
         cut = sorted(i for i in ids if not whole(i, seen))
         assert not cut, f"{shlex.join(args)} in a {columns}-column terminal cut {cut}:\n{seen}"
         tables = [line for line in seen.splitlines() if "─" in line]  # a table's rule: the table fits
@@ -219,14 +246,19 @@ def headers(text: str) -> list[list[str]]:
 
 
 @pytest.mark.fleet
-def test_every_table_fits_80_columns_with_its_key_columns(fleet: DevFleet) -> None:
+def test_every_table_fits_80_columns_with_its_key_columns(fleet: DevFleet, views: list[Views]) -> None:
     """Piped with COLUMNS=80 and in an 80-column terminal: no line of a table is wider than 80, each
     record is one line (its id on it), and the key columns are all there; what is left out is named."""
     built = piped(fleet.url, "image", "build", "examples/sandwich", "--tag", "fits80:v1", "--cmd", "python3 app.py")
     assert built.returncode == 0, built.stderr  # image ls has a table to show
-    for args, ids in [*read_commands(fleet.url), (["image", "ls"], set())]:
+    images = ["image", "ls"]
+    outputs = [(v.args, v.ids, [v.piped[80].stdout, v.terminal[80]]) for v in views]
+    outputs.append(
+        (images, set(), [piped(fleet.url, *images, columns=80).stdout, in_terminal(fleet.url, *images, columns=80)])
+    )
+    for args, ids, texts in outputs:
         name = " ".join(a for a in args[:2] if not a.startswith("-") and a not in ids)
-        for text in (piped(fleet.url, *args, columns=80).stdout, in_terminal(fleet.url, *args, columns=80)):
+        for text in texts:
             assert "left out at 80 columns" not in text or "--wide" in text, text
             rows = [line for line in text.splitlines() if "─" in line or any(whole(i, line) for i in ids)]
             assert rows and all(len(line) <= 80 for line in rows), f"{name}:\n{text}"

@@ -7,6 +7,12 @@ into a machine's cmd, metadata and env, and out of its stdout as log lines; then
 `--json`. Each exits 0; JSON gives the text back exactly; a pipe gets log lines exactly; a terminal shows
 the text with its control characters as escapes (`render.visible`) and receives no control character of
 the user's. One dev fleet for the module, one machine per example, six examples (two written, four drawn): bounded.
+
+The examples' machines share one app, so each read command runs once for all six and is judged for each
+machine (list, status, logs and events name them all; `machine show` runs per machine): 42 CLI processes
+rather than 96, the same examples and the same checks (a CLI process is about 0.3 s of CPU, the whole cost
+of this test). Hypothesis only draws the examples (derandomized, no shrinking, as before); a failure names
+the example's machine name and text.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -143,81 +150,129 @@ def has_line(text: str, line: str) -> None:
 
 def logs_of(url: str, app: str, count: int) -> list[dict[str, Any]]:
     for _ in range(80):  # the lines reach the logs stream shortly after the machine printed them
-        lines = [json.loads(line) for line in ok(url, "logs", "--app", app, "--json").splitlines()]
+        # one object a "\n" (not splitlines(): a line of JSON may hold U+0085 or U+2028, which JSON leaves as they are)
+        lines = [json.loads(line) for line in ok(url, "logs", "--app", app, "--json").split("\n") if line]
         if len(lines) >= count:
             return lines
         time.sleep(0.25)
     raise AssertionError(f"the machine's {count} lines never reached the logs of {app}")
 
 
-# Drawn examples per run: each is a machine and a dozen commands (about 6 s), so the suite draws 4 beside the
-# explicit ones (the same strategies; derandomized, so each run judges the same draws);
-# FAUXMAD_USER_TEXT_EXAMPLES=50 draws more, for a run that looks for new cases rather than guards the known ones.
+# Drawn examples per run: each is a machine and its `machine show`s, so the suite draws 4 beside the explicit ones
+# (the same strategies; derandomized, so each run judges the same draws); FAUXMAD_USER_TEXT_EXAMPLES=50 draws more,
+# for a run that looks for new cases rather than guards the known ones.
 EXAMPLES = int(os.environ.get("FAUXMAD_USER_TEXT_EXAMPLES", "4"))
+PER_APP = 6  # examples judged together: 12 log lines, well inside `logs`' 100 by default
 
 
-# no shrinking: each example is a machine and a dozen commands; a failure is reported as drawn
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=[HealthCheck.too_slow],
-    database=None,
-    derandomize=True,  # the same examples every run: a CI run judges the product, not the draw (a random draw found a \r case)
-)
-@given(name=NAME, said=TEXT, meta=TEXT, env=TEXT)
-@example(name="talk", said="[info] hello [/x] world", meta="[bold]x[/bold]", env="\x1b]0;PWNED\x07\x1b[31mRED")
-# a fresh-clone CI run's draw (before derandomize): a 10 KB env value of CRs, C1 and C0 bytes and a character of
-# the astral plane (two columns wide), beside a 10 KB command line; `machine show` in a terminal missed its line
-@example(
-    name="0nsmyr",
-    said=_long(" \xa6%B\xa8\xde\x1b[31mREDL"),
-    meta="\x1b]0;PWNED\x07",
-    env=_long("\r\x9d\x16\U000262c93\x17\xb6?\xbf\x07\x96O"),
-)
-def test_user_text_is_shown_as_written(url: str, name: str, said: str, meta: str, env: str) -> None:
-    app = f"said-{next(counter)}"
-    machine = as_json(
-        url,
-        *("machine", "run", "--app", app, "--region", "mad", "--name", name, "--memory-mb", "32"),
-        *("--metadata", f"note={meta}", "--env", f"SAID={env}", "--", sys.executable, "-c", SAY, said),
+@dataclass(frozen=True)
+class Case:
+    name: str
+    said: str
+    meta: str
+    env: str
+
+
+def cases() -> list[Case]:
+    """The examples, as hypothesis gives them: the written ones, then EXAMPLES drawn (derandomized: the same every
+    run; a random draw found a \r case)."""
+    found: list[Case] = []
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate],  # no shrinking: what is drawn is what is judged
+        suppress_health_check=[HealthCheck.too_slow],
+        database=None,
+        derandomize=True,
     )
-    try:
-        read_back(url, app, machine, name, said, meta, env)
-    finally:
-        ok(url, "machine", "destroy", machine["id"], "-a", app, "--force")
+    @given(name=NAME, said=TEXT, meta=TEXT, env=TEXT)
+    @example(name="talk", said="[info] hello [/x] world", meta="[bold]x[/bold]", env="\x1b]0;PWNED\x07\x1b[31mRED")
+    # a fresh-clone CI run's draw (before derandomize): a 10 KB env value of CRs, C1 and C0 bytes and a character of
+    # the astral plane (two columns wide), beside a 10 KB command line; `machine show` in a terminal missed its line
+    @example(
+        name="0nsmyr",
+        said=_long(" \xa6%B\xa8\xde\x1b[31mREDL"),
+        meta="\x1b]0;PWNED\x07",
+        env=_long("\r\x9d\x16\U000262c93\x17\xb6?\xbf\x07\x96O"),
+    )
+    def draw(name: str, said: str, meta: str, env: str) -> None:
+        found.append(Case(name, said, meta, env))
+
+    draw()
+    return found
 
 
-def read_back(url: str, app: str, machine: dict[str, Any], name: str, said: str, meta: str, env: str) -> None:
-    mid = machine["id"]
+def test_the_examples_are_the_written_two_and_the_drawn_ones() -> None:
+    """What the fleet test judges: both written examples and EXAMPLES more, drawn the same way every run."""
+    drawn = cases()
+    assert [c.name for c in drawn[:2]] == ["talk", "0nsmyr"] and len(drawn) == 2 + EXAMPLES, drawn
+    assert drawn == cases()
+    assert any(len(c.env) >= 10_000 or len(c.said) >= 10_000 for c in drawn[2:])  # a drawn 10 KB line
+
+
+def test_user_text_is_shown_as_written(url: str) -> None:
+    every = cases()
+    for at in range(0, len(every), PER_APP):
+        batch = every[at : at + PER_APP]
+        app = f"said-{next(counter)}"
+        machines: list[tuple[dict[str, Any], Case]] = []
+        try:
+            for case in batch:
+                machine = as_json(
+                    url,
+                    *("machine", "run", "--app", app, "--region", "mad", "--name", case.name, "--memory-mb", "32"),
+                    *("--metadata", f"note={case.meta}", "--env", f"SAID={case.env}"),
+                    *("--", sys.executable, "-c", SAY, case.said),
+                )
+                machines.append((machine, case))
+            read_back(url, app, machines)
+        finally:
+            for machine, _ in machines:
+                ok(url, "machine", "destroy", machine["id"], "-a", app, "--force")
+
+
+def read_back(url: str, app: str, machines: list[tuple[dict[str, Any], Case]]) -> None:
+    ids = {machine["id"] for machine, _ in machines}
 
     # --json: exact, wherever the text is
-    for found in [as_json(url, "machine", "list", "--app", app)[0], as_json(url, "machine", "show", mid, "-a", app)]:
-        assert found["name"] == name
-        assert found["config"]["cmd"][-1] == said
-        assert found["config"]["metadata"]["note"] == meta
-        assert found["config"]["env"]["SAID"] == env
-    assert [line["line"] for line in logs_of(url, app, 2)] == [said, env]
-    assert as_json(url, "status", "--app", app)["machines"]
+    listed = {found["id"]: found for found in as_json(url, "machine", "list", "--app", app)}
+    assert set(listed) == ids
+    lines = logs_of(url, app, 2 * len(machines))
+    for machine, case in machines:
+        mid = machine["id"]
+        for found in [listed[mid], as_json(url, "machine", "show", mid, "-a", app)]:
+            assert found["name"] == case.name, case
+            assert found["config"]["cmd"][-1] == case.said, case
+            assert found["config"]["metadata"]["note"] == case.meta, case
+            assert found["config"]["env"]["SAID"] == case.env, case
+        assert [line["line"] for line in lines if line["machine_id"] == mid] == [case.said, case.env], case
+    assert {m["id"] for m in as_json(url, "status", "--app", app)["machines"]} == ids
 
     # piped: log lines exact; `machine show` as written, control characters visible
     logs = ok(url, "logs", "--app", app)
-    assert f" | {said}\n" in logs and f" | {env}\n" in logs
-    show = ok(url, "machine", "show", mid, "-a", app)
-    has_line(show, f"  cmd: {visible(' '.join(machine['config']['cmd']), keep=chr(10))}")
-    has_line(show, f"  metadata: note={visible(meta)}")
-    has_line(show, f"  env: SAID={visible(env)}")
-    assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", show)
-    assert mid in ok(url, "machine", "list", "--app", app)
-    assert mid in ok(url, "status", "--app", app)
-    assert mid in ok(url, "events", "--app", app)
+    for machine, case in machines:
+        mid = machine["id"]
+        assert f" {mid} stdout | {case.said}\n" in logs and f" {mid} stdout | {case.env}\n" in logs, case
+        show = ok(url, "machine", "show", mid, "-a", app)
+        has_line(show, f"  cmd: {visible(' '.join(machine['config']['cmd']), keep=chr(10))}")
+        has_line(show, f"  metadata: note={visible(case.meta)}")
+        has_line(show, f"  env: SAID={visible(case.env)}")
+        assert re.search(rf"(?<![\w-]){re.escape(case.name)}(?![\w-])", show), case
+    for command in (["machine", "list"], ["status"], ["events"]):
+        said = ok(url, *command, "--app", app)
+        assert all(mid in said for mid in ids), (command, said)
 
     # a terminal: the same text, its control characters as escapes, none of them obeyed
     logs = shown(url, "logs", "--app", app)
-    assert f" | {visible(said, keep=chr(9))}\n" in logs and f" | {visible(env, keep=chr(9))}\n" in logs
-    show = shown(url, "machine", "show", mid, "-a", app)
-    has_line(show, f"  metadata: note={visible(meta)}")
-    has_line(show, f"  env: SAID={visible(env)}")
-    assert mid in shown(url, "machine", "list", "--app", app)
-    assert mid in shown(url, "status", "--app", app)
+    for machine, case in machines:
+        mid = machine["id"]
+        said, env = visible(case.said, keep=chr(9)), visible(case.env, keep=chr(9))
+        assert f" {mid} stdout | {said}\n" in logs and f" {mid} stdout | {env}\n" in logs, case
+        show = shown(url, "machine", "show", mid, "-a", app)
+        has_line(show, f"  metadata: note={visible(case.meta)}")
+        has_line(show, f"  env: SAID={visible(case.env)}")
+    for command in (["machine", "list"], ["status"]):
+        seen = shown(url, *command, "--app", app)
+        assert all(mid in seen for mid in ids), (command, seen)
     shown(url, "events", "--app", app)
