@@ -91,22 +91,55 @@ def fleet_fixture(spec: FleetSpec, *, scope: Literal["function", "module", "sess
     return pytest.fixture(scope=scope)(running)
 
 
-def kill_machines_of(worker_id: str) -> int:
-    """Kill every process whose environment names this worker (machines and their shims)."""
+def kill_machines_of(worker_id: str, data_dir: Path | None = None) -> int:
+    """Kill every process whose environment names this worker (its machines) or that writes under `data_dir` (their
+    shims: a shim is forked from the worker's launcher and keeps its environment, and a workload it is starting has
+    not taken its own yet), each with its process group; and look again until a look finds none. One look missed a
+    shim that forked its workload just after it (CI55 to CI58: a machine that ignores SIGTERM ran on an hour after
+    `test_executor_leases`, whose last step starts it)."""
     needle = f"FAUXMAD_WORKER_ID={worker_id}".encode()
+    under = str(data_dir) + os.sep if data_dir is not None else None
     killed = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if needle in env:
+    for _ in range(20):
+        found = [pid for pid in _pids() if _names_worker(pid, needle) or (under and _writes_under(pid, under))]
+        if not found:
+            break
+        for pid in found:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(entry.name), signal.SIGKILL)
+                group = os.getpgid(pid)
+                if group != os.getpgid(0):  # never the test's own group
+                    os.killpg(group, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
                 killed += 1
+        time.sleep(0.05)
     return killed
+
+
+def _pids() -> list[int]:
+    return [
+        int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit() and int(entry.name) != os.getpid()
+    ]
+
+
+def _names_worker(pid: int, needle: bytes) -> bool:
+    try:
+        return needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def _writes_under(pid: int, under: str) -> bool:
+    """Whether one of the process's open files is under `under` (a shim's stdout is its machine's log there)."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(fd).startswith(under):
+                return True
+    return False
 
 
 def start_operator(url: str, log: Path, app: str | None = None) -> subprocess.Popen[bytes]:
@@ -302,7 +335,7 @@ class WorkerProcess:
 
     def cleanup(self) -> None:
         self.kill9()
-        kill_machines_of(self.worker_id)
+        kill_machines_of(self.worker_id, self.data_dir)
         machine_slices().give_back(self.machine_ports)
 
 
