@@ -38,7 +38,7 @@ from orchestrator.apps.releases import Releases
 from orchestrator.apps.spec import AppSpec
 from orchestrator.apps.store import KVReleaseStore
 from orchestrator.images import pin_image
-from tests.helpers import arun, audit_records
+from tests.helpers import arun, audit_records, kill_machines_of
 from tests.orchestrator.security.test_secure_fleet import SecureFleet
 
 T = TypeVar("T")
@@ -94,7 +94,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFleet]:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        subprocess.run(["pkill", "-f", str(secure.root)], check=False)  # machines the worker left
+        subprocess.run(["pkill", "-f", str(secure.root)], check=False)  # processes whose command line names it
+        kill_machines_of("img-w1", secure.root / "img-w1")  # machines the worker left (`python3 app.py` names no path)
         server.terminate()
         server.wait(timeout=10)
 

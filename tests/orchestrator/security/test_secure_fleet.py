@@ -25,7 +25,7 @@ import pytest
 from bus.local.embedded import find_binary
 from bus.local.ports import free_port, machine_ports
 from orchestrator.security.fleetdir import FleetDir
-from tests.helpers import ROOT, fauxmad
+from tests.helpers import ROOT, fauxmad, kill_machines_of
 
 
 class SecureFleet:
@@ -116,8 +116,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureFleet]:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        subprocess.run(["pkill", "-f", str(secure.root)], check=False)  # machines the worker left
+        subprocess.run(["pkill", "-f", str(secure.root)], check=False)  # processes whose command line names them
         subprocess.run(["pkill", "-f", str(secure.machine_user_data)], check=False)
+        # machines the workers left (a machine's command line need not name a path)
+        kill_machines_of("sec-w1", secure.root / "sec-w1")
+        kill_machines_of("sec-w2", secure.machine_user_data)
         shutil.rmtree(secure.machine_user_data, ignore_errors=True)
         server.terminate()
         server.wait(timeout=10)
