@@ -269,15 +269,14 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
-def _check_machine_ports(value: str | None) -> tuple[int, int] | None:
-    """`--machine-ports LOW-HIGH` as (low, high), or a one-line error naming what is wrong."""
+def _check_machine_ports(value: str | None) -> PortRange | None:
+    """`--machine-ports LOW-HIGH`, or a one-line error naming what is wrong."""
     if value is None:
         return None
     try:
-        found = PortRange.parse(value)
+        return PortRange.parse(value)
     except ValueError as exc:
         fail(f"--machine-ports: {exc}", EXIT_USAGE)
-    return found.low, found.high
 
 
 def _check_advertise(value: str) -> str:

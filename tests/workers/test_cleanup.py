@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.helpers import RawClient, WorkerProcess, arun, connect_nats, kill_machines_of, wait_until
+from workers.driver.proc import processes_of
 
 DEAF = ["sh", "-c", "trap '' TERM; echo armed; while true; do sleep 0.1; done"]
 
@@ -63,18 +64,6 @@ def test_a_machine_started_just_before_the_clean_up_does_not_outlive_it(
 
     machine_id = arun(launch())
     worker.cleanup()
-    needle = f"FAUXMAD_MACHINE_ID={machine_id}".encode()
-
-    def left() -> list[int]:
-        found = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if needle in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
-                        found.append(int(entry.name))
-                except OSError:
-                    pass
-        return found
-
     time.sleep(1.0)  # the time is the test: a workload forked late has taken its environment by then
-    assert left() == [], "a machine outlived its worker's clean-up"
+    left = [pid for pid in processes_of(machine_id) if alive(pid)]
+    assert left == [], "a machine outlived its worker's clean-up"

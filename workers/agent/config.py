@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from bus.local.ports import PortRange
 from bus.transport.jetstream import JOBS_ACK_WAIT
 from workers.lifecycle.restart_policy import Backoff
 from workers.offers import Backpressure
@@ -40,4 +41,4 @@ class WorkerConfig(msgspec.Struct, frozen=True, kw_only=True):
     backhaul_port: int = 0  # where the backhaul listens on `advertise` (0: a free port, said in the heartbeat)
     # the ports its machines' `PORT` is picked in (`--machine-ports LOW-HIGH`); None: the machines' half of the
     # host's range (bus.local.ports)
-    machine_ports: tuple[int, int] | None = None
+    machine_ports: PortRange | None = None

@@ -40,7 +40,6 @@ from bus.contract.machines import Machine
 from bus.contract.offers import Resources
 from bus.contract.streams import LogLine
 from bus.contract.verbs import WORKER_REQUESTS, WORKER_VOLUME_REQUESTS
-from bus.local.ports import PortRange
 from bus.stores.secrets import load_private_key, secrets_bucket
 from bus.stores.snapshots import snapshot_store
 from bus.transport import credentials
@@ -242,7 +241,7 @@ class WorkerAgent:
             on_launch=self._follow_logs,
             secret_env=self.secrets.env_for,
             held_ports=lambda: self.tally.ports,
-            port_range=PortRange(*cfg.machine_ports) if cfg.machine_ports else None,
+            port_range=cfg.machine_ports,
             images=self.image_cache,
             volumes=self.volumes,
             fence=fence,
