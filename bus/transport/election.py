@@ -4,8 +4,16 @@ A clustered JetStream answers its API (`$JS.API.STREAM.INFO`, a consumer's creat
 "JetStream system temporarily unavailable", while it has no meta leader: after a server dies, or while a
 supercluster's region that lost its quorum has its servers restarted, the others elect one within one to a few
 seconds. Taken as a failure, one such answer ended a deploy that had converged ("unexpected error:
-ServiceUnavailableError()": its last listing of the apps bucket came during an election). A call that meets one
-is made again every `RETRY_EVERY` seconds for up to `ELECTION_WAIT`; a 503 after that is `Unreachable`, in words.
+ServiceUnavailableError()": its last listing of the apps bucket came during an election; CI65: a read of a
+release, after its machines were ready, during the meta leader's step-down in a supercluster whose region had lost
+its quorum). A call that meets one is made again every `RETRY_EVERY` seconds for up to `ELECTION_WAIT`; a 503
+after that is `Unreachable`, in words.
+
+Where: the reads a command has no other answer for (the apps bucket's keys, values and watch: every deploy,
+rollback and scale reads its releases there). Not in the connection itself, for every request: tried so (CI66), a
+region cut off from the others (whose servers answer 503 for as long as the cut lasts, as they cannot reach the
+meta leader) held its own operator's and workers' requests 10 s each instead of letting them fall back at once to
+what they last saw, and its operator, failing over inside the cut, replaced the same machines over and over.
 """
 
 from __future__ import annotations

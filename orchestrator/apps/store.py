@@ -1,6 +1,7 @@
 """The release store: KV `fauxmad_apps` as releases use it, a Protocol (`ReleaseStore`) and its JetStream bucket
 (`KVReleaseStore`), with nats-py's "no such key" and "key exists" turned into the plain answers the Protocol
-promises, so `releases` never sees them and a unit test keeps releases in a dict.
+promises, so `releases` never sees them and a unit test keeps releases in a dict. Its reads wait through a
+JetStream meta-leader election (`bus.transport.election`): a deploy has no other source for its releases.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from bus.stores.kv_keys import kv_keys
+from bus.transport.election import through_election
 from bus.transport.nats_adapter import KV, KeyNotFoundError, KeyWrongLastSequenceError
 
 
@@ -43,7 +45,7 @@ class KVReleaseStore:
 
     async def get(self, key: str) -> bytes | None:
         try:
-            entry = await self.kv.get(key)
+            entry = await through_election(lambda: self.kv.get(key), f"the apps bucket's {key}")
         except KeyNotFoundError:  # deleted and purged keys too (KeyDeletedError is one)
             return None
         value: bytes | None = entry.value

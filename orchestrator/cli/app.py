@@ -235,6 +235,13 @@ def _nats_timeout(exc: Exception) -> bool:
     return isinstance(exc, nats.errors.TimeoutError)
 
 
+def _jetstream_unavailable(exc: Exception) -> bool:
+    """JetStream's 503 (no meta leader for longer than a request waits, or no JetStream server in reach)."""
+    from nats.js.errors import ServiceUnavailableError
+
+    return isinstance(exc, ServiceUnavailableError)
+
+
 def _click_exit(exc: Exception) -> int | None:
     """The exit code of typer's and click's own exceptions (after saying why), or None for others."""
     if isinstance(exc, NoArgsIsHelpError):  # its help was made once, when it was raised: printed already (rich
@@ -307,6 +314,13 @@ def report(exc: Exception) -> int:
         return EXIT_UNREACHABLE
     if _nats_timeout(exc):
         typer.echo("fauxmad: NATS did not answer in time (a server down, or electing a leader?): try again", err=True)
+        return EXIT_UNREACHABLE
+    if _jetstream_unavailable(exc):
+        typer.echo(
+            "fauxmad: JetStream is unavailable (its cluster has had no leader for 10s, or no server of it is in"
+            " reach): try again in a few seconds",
+            err=True,
+        )
         return EXIT_UNREACHABLE
     # the edge: a bug is still one line, with the way to see more
     typer.echo(f"fauxmad: unexpected error: {exc!r} (set FAUXMAD_DEBUG=1 for the traceback)", err=True)
