@@ -229,7 +229,12 @@ class Reconciler:
         loop = self.loops.setdefault(app, AppLoop())
         now = self.clock()
         if self.region is not None and desired.spec is not None:  # this region's count only
-            counts = {r: n for r, n in desired.spec.regions.items() if r == self.region}
+            if self.region not in desired.spec.regions:
+                # the app runs elsewhere: nothing here is this operator's, as a region no spec names is nobody's
+                # (a spec with no region is not a spec: making one failed every pass, and the operator, taking the
+                # failure for a busy app, looked again at its fastest poll for as long as the app existed)
+                return Plan(), []
+            counts = {self.region: desired.spec.regions[self.region]}
             desired = msgspec.structs.replace(desired, spec=msgspec.structs.replace(desired.spec, regions=counts))
         regions = list(desired.spec.regions) if desired.spec else []
         observed = await self.observer.observe(

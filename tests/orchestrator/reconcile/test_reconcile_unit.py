@@ -232,3 +232,30 @@ def test_an_operator_leaves_an_app_to_the_deploy_that_claims_it_until_the_claim_
     assert arun(watching._claimed("web"))
     clock.now += rollout.CLAIM_TTL
     assert not arun(watching._claimed("web"))  # lapsed: the operator takes the app up again
+
+
+def test_a_regions_operator_leaves_alone_an_app_that_runs_only_elsewhere() -> None:
+    """A supercluster runs an operator per region. An app with no count in a region is nothing of that region's
+    operator: its pass makes no plan and fails nothing (it used to fail every pass making a spec with no region,
+    and the operator looked again at its fastest poll for as long as the app existed), while the operator of
+    the app's own region still replaces a machine that went."""
+    clock, fleet, deployer = fleet_of(mad=2, gru=2)
+    outcome = arun(rollout.deploy(deployer, app_spec("mad = 1")))
+    assert outcome.ok, outcome.message
+    desired = arun(deployer.desired("web"))
+    assert desired is not None
+
+    def regions_operator(region: str) -> Reconciler:
+        operator = Reconciler(
+            fleet, fleet, deployer.releases.kv, clock=clock, timer=clock, poll=0, backstop=0, debounce=0, region=region
+        )
+        fleet.follow(operator.observer.registry, operator.observer.index)
+        return operator
+
+    plan, results = arun(regions_operator("gru").step(desired))
+    assert plan.converged and results == []
+
+    (only,) = fleet.machines("web")
+    arun(fleet.destroy("web", only.id, force=True))
+    plan, _ = arun(regions_operator("mad").step(desired))
+    assert [type(a).__name__ for a in plan.actions] == ["Create"], plan
