@@ -91,17 +91,24 @@ def fleet_fixture(spec: FleetSpec, *, scope: Literal["function", "module", "sess
     return pytest.fixture(scope=scope)(running)
 
 
-def kill_machines_of(worker_id: str, data_dir: Path | None = None) -> int:
-    """Kill every process whose environment names this worker (its machines) or that writes under `data_dir` (their
-    shims: a shim is forked from the worker's launcher and keeps its environment, and a workload it is starting has
-    not taken its own yet), each with its process group; and look again until a look finds none. One look missed a
-    shim that forked its workload just after it (CI55 to CI58: a machine that ignores SIGTERM ran on an hour after
-    `test_executor_leases`, whose last step starts it)."""
+def kill_machines_of(worker_id: str, data_dir: Path) -> int:
+    """Kill every process of this worker's machines, each with its process group, and look again until a look finds
+    none. A process is one of them when it writes under `data_dir` (a shim: forked from the worker's launcher, it
+    keeps the launcher's environment, and a workload it is starting has not taken its own yet), or when its
+    environment names this worker and it runs in a directory under `data_dir` (a workload: its machine's own
+    directory). One look missed a shim that forked its workload just after it (CI55 to CI58: a machine that ignores
+    SIGTERM ran on an hour after `test_executor_leases`, whose last step starts it).
+
+    Never by the worker's id alone: ids repeat across the fleets of tests running side by side (`w1`, `mad-w1`), and
+    a clean-up that went by the environment alone killed another test's machines (CI66: a secure console's job,
+    killed by signal 9 three times in 2 s, was dead-lettered)."""
     needle = f"FAUXMAD_WORKER_ID={worker_id}".encode()
-    under = str(data_dir) + os.sep if data_dir is not None else None
+    under = str(data_dir) + os.sep
     killed = 0
     for _ in range(20):
-        found = [pid for pid in _pids() if _names_worker(pid, needle) or (under and _writes_under(pid, under))]
+        found = [
+            pid for pid in _pids() if _writes_under(pid, under) or (_names_worker(pid, needle) and _runs_in(pid, under))
+        ]
         if not found:
             break
         for pid in found:
@@ -125,6 +132,14 @@ def _pids() -> list[int]:
 def _names_worker(pid: int, needle: bytes) -> bool:
     try:
         return needle in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def _runs_in(pid: int, under: str) -> bool:
+    """Whether the process's working directory is under `under`."""
+    try:
+        return (os.readlink(f"/proc/{pid}/cwd") + os.sep).startswith(under)
     except OSError:
         return False
 
