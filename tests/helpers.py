@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import msgspec
-import nats
 import pytest
 import uvloop
 
@@ -34,15 +33,19 @@ def arun(coro: Coroutine[Any, Any, T]) -> T:
 
 async def connect_nats(url: str, **options: Any) -> Any:
     """`nats.connect` for tests: as the identity in $FAUXMAD_CREDS when set (the suite against secure dev
-    fleets, `FAUXMAD_DEV_SECURE=1`), else plain."""
+    fleets, `FAUXMAD_DEV_SECURE=1`), else plain. The client is the fleet's connection class, for its `flush`, which
+    returns only once a subscription made before it is in place (`bus.transport.nats_adapter.flushed`)."""
     from bus.transport import credentials
     from bus.transport.connection import servers
+    from bus.transport.nats_adapter import Connection
 
     path = credentials.default_path()
     if path and url.startswith("tls://"):
         creds, base = credentials.load(path)
         options = {**creds.connect_options(base), **options}
-    return await nats.connect(servers(url), **options)
+    client = Connection()
+    await client.connect(servers(url), **options)
+    return client
 
 
 def fauxmad(

@@ -11,9 +11,10 @@ wire a process, and the rest of the code holds typed handles, not `Any`. So:
   nats-py's, named here once: a module that passes a handle along imports its type from here, not from nats.
 - `Bucket` and `Watcher` are protocols: what a reader of a bucket needs, one bucket or a bucket per region
   (`bus.transport.regional.RegionalKV`) alike.
-- Four places need what nats-py keeps private: the replies a connection still awaits (`pending_replies`, to fail
+- Five places need what nats-py keeps private: the replies a connection still awaits (`pending_replies`, to fail
   them when it drops), the connection under a JetStream handle (`connection_of`), a KV handle's stream
-  (`kv_stream`) and a KV watch's consumer (`watch_consumer`). They are read here only, and
+  (`kv_stream`), a KV watch's consumer (`watch_consumer`), and the commands a client has not written yet
+  (`flushed`: nats-py's own flush can return before them). They are read here only, and
   `tests/bus/test_nats_adapter.py` fails if a nats-py upgrade moves them.
 """
 
@@ -118,6 +119,11 @@ class Connection(Client):
                 with contextlib.suppress(Exception):
                     await self._closed_cb()
 
+    async def flush(self, timeout: int = 10) -> None:
+        """nats-py's flush, once every command made before it is on the socket (`flushed`)."""
+        await _write_pending(self)
+        await super().flush(timeout)
+
     async def request(
         self,
         subject: str,
@@ -166,6 +172,22 @@ class Bucket(Protocol):
 
 
 # nats-py's private attributes: read here only (tests/bus/test_nats_adapter.py checks each is still there)
+
+
+async def _write_pending(client: Client) -> None:
+    if client.is_connected:
+        await client._flush_pending(force_flush=True)  # returns once the flusher wrote what was pending
+
+
+async def flushed(client: Client, timeout: int = 10) -> None:
+    """Return once the server has every command `client` made so far: a subscription made just before is in place
+    when a request from another connection comes. nats-py's `flush` writes its PING straight to the socket while
+    the commands before it (the SUB) still wait in its pending buffer for its flusher task, so the server can
+    answer the PING before it reads the SUB; on a loaded host another connection's request then came first and
+    was refused 'no responders' (CI58c, CI69: `test_in_flight`; 3 of 500 subscribe-flush-request rounds under
+    stress-ng, 0 of 500 with the pending commands written first). A fleet's `Connection.flush` does this itself."""
+    await _write_pending(client)
+    await client.flush(timeout)
 
 
 def pending_replies(nc: Client) -> dict[str, asyncio.Future[Any]]:

@@ -47,9 +47,10 @@ def test_requests_in_flight_end_when_their_server_is_killed(fresh_nats: Embedded
         # TimeoutError (CI32's, whose requests' outcomes went unseen); the bound is for a delivery on one host
         await asyncio.wait({heard_both, api, lean}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
         ended = {name: task for name, task in (("slow.api", api), ("slow.fast", lean)) if task.done()}
-        # CI58c: both refused at once ("no responders") though the silent subscriber had subscribed and flushed
-        # first: the server the requests went to had no such subscription. Not reproduced; the next one says which
-        # server each connection is on and whether the subscriber's connection and the fixture's server live
+        # CI58c and CI69: both refused at once ("no responders") though the silent subscriber had subscribed and
+        # flushed first, on the same live server. nats-py's flush wrote its PING ahead of the SUB still in its
+        # pending buffer, so the server answered the PING before it had the subscription; `connect_nats` now gives
+        # the fleet's Connection, whose flush writes what is pending first (`nats_adapter.flushed`)
         alive = server.process is not None and server.process.poll() is None
         assert not ended, (
             f"{ {name: repr(task.exception()) for name, task in ended.items()} }; requests on {_server_of(nc)}, "

@@ -2,7 +2,7 @@
 nats-server: a nats-py upgrade that moves one fails here, by name, instead of silently turning a guard off (a
 request that waits out its timeout after its server died, a watch's consumer left behind on the server, the
 layout of a connection looked up under the wrong key). And our `Connection`'s own fields shadow nothing of
-nats-py's client."""
+nats-py's client; and a flush puts on the wire, before its PING, every command made before it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from bus.transport.connection import connect
 from bus.transport.nats_adapter import (
     Connection,
     connection_of,
+    flushed,
     kv_stream,
     pending_replies,
     refusals_of,
@@ -23,6 +24,8 @@ from bus.transport.nats_adapter import (
     watch_consumer,
 )
 from tests.helpers import arun
+
+SUB, PING = b"SUB flush.order", b"PING\r\n"
 
 
 def test_our_fields_shadow_nothing_of_nats_py() -> None:
@@ -75,3 +78,57 @@ def test_the_private_attributes_read_are_where_they_are_read(nats_url: str, uniq
             await nc.close()
 
     arun(main())
+
+
+async def _recording_relay(target_port: int, written: bytearray) -> asyncio.Server:
+    """A TCP relay in front of the nats-server that keeps every byte the client writes, in order."""
+
+    async def relay(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", target_port)
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, keep: bool) -> None:
+            while data := await reader.read(65536):
+                if keep:
+                    written.extend(data)
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        await asyncio.gather(
+            pipe(client_reader, server_writer, True), pipe(server_reader, client_writer, False), return_exceptions=True
+        )
+
+    return await asyncio.start_server(relay, "127.0.0.1", 0)
+
+
+def test_a_flush_writes_the_commands_made_before_it_ahead_of_its_ping(nats_url: str) -> None:
+    """nats-py's flush writes its PING straight to the socket while a SUB made just before waits in its pending
+    buffer for the flusher task: on the wire the PING came first, so the server could answer it before it had the
+    subscription (CI69: a request from another connection was refused "no responders"). `flushed`, and so a
+    fleet `Connection`'s flush, writes the SUB first. A relay in front of a real nats-server records the order."""
+    port = int(nats_url.rsplit(":", 1)[1])
+
+    async def order(flush: str) -> bytes:
+        written = bytearray()
+        relay = await _recording_relay(port, written)
+        client = Connection() if flush == "ours" else Client()
+        await client.connect(f"nats://127.0.0.1:{relay.sockets[0].getsockname()[1]}", reconnect_time_wait=0.1)
+        try:
+            start = len(written)
+
+            async def hear(msg: object) -> None:
+                return None
+
+            await client.subscribe("flush.order", cb=hear)
+            await (flushed(client) if flush == "flushed" else client.flush())
+            return bytes(written[start:])
+        finally:
+            await client.close()
+            relay.close()
+
+    def sub_before_ping(wire: bytes) -> bool:
+        return SUB in wire and PING in wire and wire.index(SUB) < wire.index(PING)
+
+    assert not sub_before_ping(arun(order("nats-py"))), "nats-py's own flush now writes in order: `flushed` can go"
+    assert sub_before_ping(arun(order("flushed")))
+    assert sub_before_ping(arun(order("ours")))
