@@ -142,15 +142,19 @@ def test_fifty_logical_workers_beat_in_one_put_and_every_reader_loses_them_all_t
 ) -> None:
     """Issue 44: a process of logical workers puts one key an interval (its beat group), not one a worker; every
     reader still sees each worker, alive (a registry of this test, a broker's, through `fauxmad workers`) and
-    reserving, and sees all of them gone when the process is killed -9 (its group's key expires)."""
+    reserving, and sees all of them gone when the process is killed -9 (its group's key expires). Beside it a
+    worker of its own, as in a real fleet, beats its own key as before (and keeps the bucket from falling silent:
+    a registry takes a whole bucket's silence for the store's, `orchestrator.replicas.workers`)."""
     region, base, app = unique("r"), unique("w"), unique("a")
     workers = LogicalWorkers(nats_url, region, base, tmp_path / base, cpus=2, extra=["--count", str(COUNT)])
+    alone = WorkerProcess(nats_url, unique("r"), unique("w"), tmp_path / "alone", cpus=1)
     broker = spawn_broker(nats_url, unique("b"), tmp_path / "broker.log")
 
     def listed() -> list[str]:
-        done = fauxmad("workers", "--region", region, "--json", url=nats_url)
+        """The region's workers `fauxmad workers` lists (all of them: a region without any is a usage error)."""
+        done = fauxmad("workers", "--json", url=nats_url)
         assert done.returncode == 0, done.stderr
-        return sorted(str(one["worker_id"]) for one in json.loads(done.stdout))
+        return sorted(str(one["worker_id"]) for one in json.loads(done.stdout) if one["region"] == region)
 
     async def listed_as(expected: list[str]) -> None:
         """`fauxmad workers` (a broker's registry) lists `expected`, within 20 s (a broker may still be starting,
@@ -164,6 +168,7 @@ def test_fifty_logical_workers_beat_in_one_put_and_every_reader_loses_them_all_t
         raise AssertionError(f"fauxmad workers listed {found[:3]}... ({len(found)}), not {len(expected)} workers")
 
     try:
+        alone.start()
         workers.start(timeout=60)
 
         async def main() -> None:
@@ -171,11 +176,16 @@ def test_fifty_logical_workers_beat_in_one_put_and_every_reader_loses_them_all_t
             registry = Registry()
             try:
                 puts: list[str] = []
+                its_own: list[str] = []
 
                 async def on_put(msg):  # type: ignore[no-untyped-def]
                     puts.append(msg.subject)
 
+                async def on_its_own(msg):  # type: ignore[no-untyped-def]
+                    its_own.append(msg.subject)
+
                 await nc.subscribe(subjects.kv_put(subjects.WORKERS_BUCKET, f"{region}.>"), cb=on_put)
+                await nc.subscribe(subjects.kv_put(subjects.WORKERS_BUCKET, f"{alone.region}.>"), cb=on_its_own)
                 await registry.start((await ensure_fleet_resources(nc.jetstream())).workers)
 
                 async def all_live() -> bool:
@@ -186,8 +196,11 @@ def test_fifty_logical_workers_beat_in_one_put_and_every_reader_loses_them_all_t
                 puts.clear()
                 await asyncio.sleep(3.5)
                 group = subjects.group_key(region, workers.ids()[0])
-                assert set(puts) == {subjects.kv_put(subjects.WORKERS_BUCKET, group)}, sorted(set(puts))[:5]
+                keys = sorted(set(puts))
+                assert keys == [subjects.kv_put(subjects.WORKERS_BUCKET, group)], f"{len(puts)} puts, {len(keys)} keys"
                 assert len(puts) < COUNT, f"{len(puts)} puts in 3.5 s"
+                own_key = subjects.worker_key(alone.region, alone.worker_id)
+                assert its_own and set(its_own) == {subjects.kv_put(subjects.WORKERS_BUCKET, own_key)}
                 # a worker the registry samples (as p2c does) reserves, and its heartbeat says so soon, through its
                 # group's key, the others' unchanged
                 (chosen,) = registry.sample(region, 1, random.Random(7)) or []
@@ -214,6 +227,7 @@ def test_fifty_logical_workers_beat_in_one_put_and_every_reader_loses_them_all_t
 
                 await until(removed, "every logical worker removed from the registry", 20.0)
                 await listed_as([])
+                assert registry.is_live(alone.worker_id)
             finally:
                 await registry.close()
                 await nc.close()
@@ -222,5 +236,7 @@ def test_fifty_logical_workers_beat_in_one_put_and_every_reader_loses_them_all_t
     finally:
         workers.kill9()
         workers.cleanup()
+        alone.terminate()
+        alone.cleanup()
         broker.terminate()
         broker.wait(10)
