@@ -226,6 +226,20 @@ def worker_key(region: str, worker_id: str) -> str:
     return f"{region}.{worker_id}"
 
 
+GROUP_KEY_SUFFIX = "group"
+
+
+def group_key(region: str, first_worker_id: str) -> str:
+    """Key of a beat group in the `fauxmad_workers` bucket: the heartbeats of logical workers that share a process
+    (`fauxmad worker --count`), in one value named after its first worker (`bus.contract.fleet.BeatGroups`). Three
+    tokens where a worker's key has two: a region and a worker id are one token each."""
+    return f"{region}.{first_worker_id}.{GROUP_KEY_SUFFIX}"
+
+
+def is_group_key(key: str) -> bool:
+    return key.count(".") == 2 and key.endswith(f".{GROUP_KEY_SUFFIX}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Background jobs (addition, docs/how-to/jobs.md)
 

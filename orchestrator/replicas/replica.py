@@ -115,14 +115,20 @@ class KVReplica:
                 await asyncio.wait_for(self._moved.wait(), left)
         return True
 
+    def expand(self, key: str, value: bytes | None) -> list[tuple[str, bytes | None]]:
+        """The updates one update of the bucket means to `apply`: itself, unless the bucket's keys say more (the
+        workers bucket's beat groups: `bus.contract.beats.BeatGroups`)."""
+        return [(key, value)]
+
     def _update(self, key: str, value: bytes | None) -> None:
         if value is None:
             self._present.discard(key)
         else:
             self._present.add(key)
-        self.apply(key, value)
-        if self.on_change is not None:
-            self.on_change(key)
+        for one, its in self.expand(key, value):
+            self.apply(one, its)
+            if self.on_change is not None:
+                self.on_change(one)
 
     async def _rewatch_on_reconnect(self, client: Nats) -> None:
         assert self._kv is not None, "started before it guards"

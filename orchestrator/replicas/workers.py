@@ -4,6 +4,8 @@ Brokers need to know, per region, which workers are alive (to know how many offe
 and whom p2c may sample) without asking anyone on the hot path. A KV watch delivers every
 heartbeat and every expiry marker; a worker whose last heartbeat is older than the bucket TTL is
 treated as gone even before its marker arrives. Time is injected, so staleness is testable.
+The logical workers of one process beat under one key, their group's: the watch's update of it is each of
+theirs (the members it changed), and its expiry each one's end (`bus.contract.beats.BeatGroups`).
 Reconcilers read the same replica to know whose machines to ask for and whose are lost.
 
 A reconciler may also `suspect` a worker it has just found silent (an edge proxy's connection was
@@ -37,6 +39,7 @@ from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from bus.contract import subjects
+from bus.contract.beats import BeatGroups
 from bus.contract.codec import decoder
 from bus.contract.fleet import WorkerInfo
 from bus.transport.jetstream import WORKER_TTL
@@ -62,6 +65,7 @@ class Registry(KVReplica):
         self._heard: dict[str, float] = {}  # bucket -> when the last heartbeat from it was applied
         self.bucket_of: Callable[[str], str] = lambda key: ""  # one bucket (a supercluster's: one per region)
         self._hearing: list[Subscription] = []  # heartbeats heard on core NATS until the watch runs (`hear`)
+        self._groups = BeatGroups()  # a process's logical workers beat under one key: one update per worker
 
     async def start(self, kv: Bucket, timeout: float = 5.0) -> None:
         if getattr(kv, "buckets", None):  # a supercluster's regions (`bus.transport.regional`): a bucket each
@@ -152,6 +156,9 @@ class Registry(KVReplica):
         await self._departed.wait()
 
     # ------------------------------------------------------------------------------------------
+    def expand(self, key: str, value: bytes | None) -> list[tuple[str, bytes | None]]:
+        return self._groups.updates(key, value)
+
     def apply(self, key: str, value: bytes | None) -> None:
         """Apply one KV update (`value=None`: the key was deleted or expired)."""
         if value is None:

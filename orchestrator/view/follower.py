@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bus.contract import subjects
+from bus.contract.beats import BeatGroups
 from bus.contract.codec import decoder
 from bus.contract.fleet import WorkerInfo
 from bus.contract.machines import MachineEvent
@@ -60,6 +61,10 @@ class WorkerMirror(KVReplica):
         self.view = view
         self.clock = clock
         self.keys: set[str] = set()
+        self._groups = BeatGroups()  # a process's logical workers beat under one key: one update per worker
+
+    def expand(self, key: str, value: bytes | None) -> list[tuple[str, bytes | None]]:
+        return self._groups.updates(key, value)
 
     def apply(self, key: str, value: bytes | None) -> None:
         info: WorkerInfo | None = None

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import msgspec
+
+from bus.contract import subjects
+from bus.contract.beats import WorkerBeats
+from bus.contract.codec import encode
+from bus.contract.fleet import WorkerInfo
 from bus.contract.jobs import Job, keyed_job_ids, retry_delay
+from bus.contract.offers import Resources
+from tests.helpers import arun
 from workers.jobs import outcome as moves
 from workers.jobs.execute import Outcome
+from workers.jobs.runner import JobRunner
 from workers.jobs.take import decide
 
 
@@ -135,3 +146,40 @@ def test_a_message_carries_its_record_until_a_worker_writes_one() -> None:
     assert as_submitted(JobTask(id=job.id, app="b", job=job)) is None  # not its own
     assert as_submitted(JobTask(id=job.id, app="a", job=msgspec.structs.replace(job, attempt=1))) is None
     assert as_submitted(JobTask(id=job.id, app="a", job=msgspec.structs.replace(job, state="running"))) is None
+
+
+def test_the_holder_of_a_job_is_found_under_its_own_key_or_in_its_process_beat_group() -> None:
+    """A redelivered job waits while its holder beats: a worker of its own beats its key; a process of logical
+    workers beats one group key, named after its first worker, which is the one that takes the process's jobs."""
+
+    def info(worker_id: str, started_at: float) -> bytes:
+        return encode(
+            WorkerInfo(
+                worker_id=worker_id, region="r", capacity=Resources(1, 64), used=Resources(), started_at=started_at
+            )
+        )
+
+    stored = {
+        subjects.worker_key("r", "alone"): info("alone", 10.0),
+        subjects.group_key("r", "g-0000"): encode(WorkerBeats(beats={"g-0000": msgspec.Raw(info("g-0000", 10.0))})),
+    }
+
+    class Bucket:
+        async def get(self, key: str) -> SimpleNamespace:
+            if key not in stored:
+                raise KeyError(key)  # nats-py raises its KeyNotFoundError
+            return SimpleNamespace(value=stored[key])
+
+    class Nc:
+        def jetstream(self) -> None:
+            return None
+
+    runner = JobRunner(Nc(), None, {}, worker_id="me", region="r", workers_kv=Bucket(), ack_wait=1.0)  # type: ignore[arg-type]
+
+    def alive(worker_id: str, claimed_at: float = 20.0) -> bool:
+        held = job(state="running", worker_id=worker_id, claimed_at=claimed_at)
+        return arun(runner._holder_alive(held))
+
+    assert alive("alone") and alive("g-0000")
+    assert not alive("g-0001")  # not in any key: gone
+    assert not alive("g-0000", claimed_at=5.0)  # its process started after it claimed the job: it forgot it

@@ -12,12 +12,14 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
 
+import msgspec
+
 from bus.contract import subjects
 from bus.contract.fleet import WorkerInfo
 from bus.contract.offers import Resources
 from bus.transport.jetstream import ensure_fleet_resources
 from tests.helpers import arun, connect_nats, until
-from workers.agent.heartbeat import PER_TICK, SKEW_EVERY, BeatGroup, Heartbeat
+from workers.agent.heartbeat import GROUP_MAX, SKEW_EVERY, BeatGroup, Heartbeat
 
 INTERVAL = 2.0  # a machine's change then waits half a second
 
@@ -80,18 +82,41 @@ async def _true(items: list[float]) -> bool:
     return bool(items)
 
 
-def test_a_group_of_logical_workers_measures_its_hosts_clock_once(fresh_nats: Any) -> None:
-    """A process's logical workers share one host clock: the group's first member reads its stored beat back
-    every SKEW_EVERY beats to measure the skew, and the others take its figures (before: each its own read,
-    100 JetStream requests a second at 1,000 workers). Each still puts its own key. A server of its own, so the
-    reads counted are these workers'."""
+def _members(nc: Any, kv: Any, region: str, count: int, tasks: list[asyncio.Task[None]]) -> BeatGroup:
+    """A group of `count` logical workers' heartbeats, as one process's (`BeatGroup`)."""
+    group = BeatGroup(INTERVAL, count)
+    for n in range(count):
+        worker_id = f"w{n}"
+        group.add(
+            Heartbeat(
+                nc,
+                kv,
+                region=region,
+                worker_id=worker_id,
+                interval=INTERVAL,
+                info=lambda worker_id=worker_id, n=n: WorkerInfo(  # type: ignore[misc]
+                    worker_id=worker_id, region=region, capacity=Resources(1, 64), used=Resources(), machines=n
+                ),
+                spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)),
+            )
+        )
+    return group
+
+
+def test_a_group_of_logical_workers_puts_one_key_and_measures_its_hosts_clock_once(fresh_nats: Any) -> None:
+    """A process's logical workers beat together, one put of their group's key (`subjects.group_key`) carrying
+    every member's info, and their changes of usage share one put of it. They share one host clock: the first
+    member reads its key's stored beat back every SKEW_EVERY beats to measure the skew, and the others take its
+    figures (before: each its own read, 100 JetStream requests a second at 1,000 workers). A server of its own,
+    so the reads counted are these workers'."""
     region = "rclock"
     members = 3
 
-    async def scenario() -> tuple[int, int, list[tuple[float, float]]]:
+    async def scenario() -> tuple[int, list[str], list[tuple[float, float]], dict[str, Any]]:
         nc = await connect_nats(fresh_nats.url)
         reads: list[str] = []
         puts: list[str] = []
+        tasks: list[asyncio.Task[None]] = []
         try:
             kv = await ensure_fleet_resources(nc.jetstream())
 
@@ -104,49 +129,44 @@ def test_a_group_of_logical_workers_measures_its_hosts_clock_once(fresh_nats: An
             for api in ("$JS.API.STREAM.MSG.GET.>", "$JS.API.DIRECT.GET.>"):
                 await nc.subscribe(api, cb=on_read)
             await nc.subscribe(subjects.kv_put(subjects.WORKERS_BUCKET, f"{region}.>"), cb=on_put)
-            group = BeatGroup(INTERVAL)
-            for n in range(members):
-                worker_id = f"w{n}"
-                group.add(
-                    Heartbeat(
-                        nc,
-                        kv,
-                        region=region,
-                        worker_id=worker_id,
-                        interval=INTERVAL,
-                        info=lambda worker_id=worker_id: WorkerInfo(  # type: ignore[misc]
-                            worker_id=worker_id, region=region, capacity=Resources(1, 64), used=Resources()
-                        ),
-                        spawn=lambda coro: None,
-                    )
-                )
-            # the first member measures at its beats 0 and SKEW_EVERY; the others take it at their next beat
+            group = _members(nc, kv, region, members, tasks)
+            # the first member measures at its key's beats 0 and SKEW_EVERY; the others take it
             beats = SKEW_EVERY + 2
             for _ in range(beats):
-                await asyncio.gather(*(member.once() for member in group.members))
-            await until(lambda: _true([1.0] * (len(puts) >= beats * members)), "every member's puts", 10)
+                await group.keys[0].beat()
+            # a change of each member: one more put of the key, within the quarter interval
+            for member in group.members:
+                member.usage_changed()
+            await asyncio.gather(*tasks)
+            await until(lambda: _true([1.0] * (len(puts) >= beats + 1)), "the key's puts", 10)
             await nc.flush()
-            await asyncio.sleep(0.2)  # a read, had one gone, is heard by now on loopback
-            return len(reads), len(puts), [(m.skew, m.skew_error) for m in group.members]
+            await asyncio.sleep(0.2)  # a read or a put, had one more gone, is heard by now on loopback
+            measured = len(reads)  # before this test's own read of the key
+            stored = msgspec.json.decode((await kv.workers.get(subjects.group_key(region, "w0"))).value)
+            return measured, puts, [(m.skew, m.skew_error) for m in group.members], stored
         finally:
+            for task in tasks:
+                task.cancel()
             await nc.close()
 
-    reads, puts, skews = arun(scenario())
-    assert puts == (SKEW_EVERY + 2) * members  # every member still beats its own key
+    reads, puts, skews, stored = arun(scenario())
+    assert puts == [subjects.kv_put(subjects.WORKERS_BUCKET, subjects.group_key(region, "w0"))] * (SKEW_EVERY + 3)
+    assert sorted(stored["beats"]) == ["w0", "w1", "w2"]
+    assert [stored["beats"][f"w{n}"]["machines"] for n in range(members)] == [0, 1, 2]
     assert reads == 2, f"{reads} reads of stored beats for one host's clock"
     assert skews[0][1] > 0 and all(skew == skews[0] for skew in skews)  # measured once, taken by all
 
 
-def test_a_group_beats_each_member_once_an_interval_a_few_at_each_tick() -> None:
-    """Not all at once (a burst every interval that a create meeting it waited behind): `PER_TICK` members a
-    tick, every member at one tick of each interval, whatever the order they joined in."""
-    for size in (2, 4, 5, 125):
+def test_a_group_puts_a_key_for_each_group_max_members_one_a_tick() -> None:
+    """At most `GROUP_MAX` members a key (its value stays about 100 KB, far below a server's `max_payload`), each
+    member in one key, and one key a tick: the ticks of an interval beat every member once."""
+    for size in (2, GROUP_MAX, GROUP_MAX + 1, 300):
         group = BeatGroup(INTERVAL, size)
         for n in range(size):
-            group.add(cast(Heartbeat, SimpleNamespace(name=n, clock_of=None)))
-        for first in (0, 7):  # any run of `ticks` ticks
-            window = [group.due(tick) for tick in range(first, first + group.ticks)]
-            beaten = [member for members in window for member in members]
-            assert sorted(id(m) for m in beaten) == sorted(id(m) for m in group.members), size
-            assert max(len(members) for members in window) <= PER_TICK
-        assert group.ticks == -(-size // PER_TICK)
+            group.add(cast(Heartbeat, SimpleNamespace(worker_id=f"w{n}", region="r")))
+        assert group.ticks == len(group.keys) == -(-size // GROUP_MAX), size
+        assert all(len(key.members) <= GROUP_MAX for key in group.keys)
+        keyed = [member for key in group.keys for member in key.members]
+        assert [id(m) for m in keyed] == [id(m) for m in group.members]
+        assert all(member.group is key for key in group.keys for member in key.members)
+        assert [key.key for key in group.keys] == [f"r.w{n * GROUP_MAX}.group" for n in range(len(group.keys))]

@@ -1,20 +1,25 @@
 """A process of logical workers (`fauxmad worker --count`, the benchmarks' simulated fleet, issue 44): each
-worker answers the auction, its own verbs and beats its own key, as a worker of its own, while the process
-holds one job puller, one NATS connection and one watch of the secrets for all of them. Real nats-server and a real worker process."""
+worker answers the auction and its own verbs, as a worker of its own, while the process holds one job puller, one
+NATS connection, one watch of the secrets and one heartbeat key for all of them (`bus.contract.beats`: every reader
+still sees a heartbeat per worker). Real nats-server and real worker and broker processes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
 import nats
 
+from bus.contract import subjects
 from bus.stores.kv_keys import kv_keys
-from tests.helpers import RawClient, WorkerProcess, arun, fauxmad, until
+from bus.transport.jetstream import ensure_fleet_resources
+from orchestrator.replicas.workers import Registry
+from tests.helpers import RawClient, WorkerProcess, arun, fauxmad, spawn_broker, until
 
 COUNT = 50
 
@@ -78,7 +83,7 @@ def test_one_puller_and_one_connection_for_fifty_logical_workers(
         async def main() -> None:
             nc = await nats.connect(nats_url)
             try:
-                # every logical worker answers the auction (one offer each) and beats its own key
+                # every logical worker answers the auction (one offer each)
                 inbox = nc.new_inbox()
                 offers: list[dict[str, object]] = []
 
@@ -96,9 +101,10 @@ def test_one_puller_and_one_connection_for_fifty_logical_workers(
                 assert sorted(str(offer["worker_id"]) for offer in offers) == workers.ids()
                 kv = await nc.jetstream().key_value("fauxmad_workers")
                 # from the stream's subjects: nats-py's keys() ends at a marker that can come before the values
-                # (CI47: NoKeysError while all fifty had offered and beaten), see bus.stores.kv_keys
+                # (CI47: NoKeysError while all fifty had offered and beaten), see bus.stores.kv_keys; the fifty beat
+                # under one key, their group's (the next test)
                 keys = await kv_keys(kv, f"{region}.>")
-                assert sorted(keys) == [f"{region}.{one}" for one in workers.ids()]
+                assert keys == [subjects.group_key(region, workers.ids()[0])]
                 # a verb reaches the logical worker it names, and its reserve is that worker's alone
                 chosen = workers.ids()[31]
                 machine = await RawClient(nc, chosen).ok(
@@ -129,3 +135,108 @@ def test_one_puller_and_one_connection_for_fifty_logical_workers(
     finally:
         workers.terminate()
         workers.cleanup()
+
+
+def test_fifty_logical_workers_beat_in_one_put_and_every_reader_loses_them_all_to_a_kill9(
+    nats_url: str, unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    """Issue 44: a process of logical workers puts one key an interval (its beat group), not one a worker; every
+    reader still sees each worker, alive (a registry of this test, a broker's, through `fauxmad workers`) and
+    reserving, and sees all of them gone when the process is killed -9 (its group's key expires). Beside it a
+    worker of its own, as in a real fleet, beats its own key as before (and keeps the bucket from falling silent:
+    a registry takes a whole bucket's silence for the store's, `orchestrator.replicas.workers`)."""
+    region, base, app = unique("r"), unique("w"), unique("a")
+    workers = LogicalWorkers(nats_url, region, base, tmp_path / base, cpus=2, extra=["--count", str(COUNT)])
+    alone = WorkerProcess(nats_url, unique("r"), unique("w"), tmp_path / "alone", cpus=1)
+    broker = spawn_broker(nats_url, unique("b"), tmp_path / "broker.log")
+
+    def listed() -> list[str]:
+        """The region's workers `fauxmad workers` lists (all of them: a region without any is a usage error)."""
+        done = fauxmad("workers", "--json", url=nats_url)
+        assert done.returncode == 0, done.stderr
+        return sorted(str(one["worker_id"]) for one in json.loads(done.stdout) if one["region"] == region)
+
+    async def listed_as(expected: list[str]) -> None:
+        """`fauxmad workers` (a broker's registry) lists `expected`, within 20 s (a broker may still be starting,
+        or waiting for an expiry)."""
+        found: list[str] = []
+        for _ in range(40):
+            found = await asyncio.to_thread(listed)
+            if found == expected:
+                return
+            await asyncio.sleep(0.5)
+        raise AssertionError(f"fauxmad workers listed {found[:3]}... ({len(found)}), not {len(expected)} workers")
+
+    try:
+        alone.start()
+        workers.start(timeout=60)
+
+        async def main() -> None:
+            nc = await nats.connect(nats_url)
+            registry = Registry()
+            try:
+                puts: list[str] = []
+                its_own: list[str] = []
+
+                async def on_put(msg):  # type: ignore[no-untyped-def]
+                    puts.append(msg.subject)
+
+                async def on_its_own(msg):  # type: ignore[no-untyped-def]
+                    its_own.append(msg.subject)
+
+                await nc.subscribe(subjects.kv_put(subjects.WORKERS_BUCKET, f"{region}.>"), cb=on_put)
+                await nc.subscribe(subjects.kv_put(subjects.WORKERS_BUCKET, f"{alone.region}.>"), cb=on_its_own)
+                await registry.start((await ensure_fleet_resources(nc.jetstream())).workers)
+
+                async def all_live() -> bool:
+                    return [info.worker_id for info in registry.workers(region)] == workers.ids()
+
+                await until(all_live, f"the registry's {COUNT} live workers", 10.0)
+                # a few intervals (1 s) of an idle process's beats: its group's key alone, not fifty keys
+                puts.clear()
+                await asyncio.sleep(3.5)
+                group = subjects.group_key(region, workers.ids()[0])
+                keys = sorted(set(puts))
+                assert keys == [subjects.kv_put(subjects.WORKERS_BUCKET, group)], f"{len(puts)} puts, {len(keys)} keys"
+                assert len(puts) < COUNT, f"{len(puts)} puts in 3.5 s"
+                own_key = subjects.worker_key(alone.region, alone.worker_id)
+                assert its_own and set(its_own) == {subjects.kv_put(subjects.WORKERS_BUCKET, own_key)}
+                # a worker the registry samples (as p2c does) reserves, and its heartbeat says so soon, through its
+                # group's key, the others' unchanged
+                (chosen,) = registry.sample(region, 1, random.Random(7)) or []
+                machine = await RawClient(nc, chosen).ok(
+                    "reserve", {"app": app, "region": region, "name": "m", "config": {"cmd": ["true"]}}
+                )
+                assert machine["worker_id"] == chosen
+
+                async def counted() -> bool:
+                    info = registry.in_region(region, chosen)
+                    return info is not None and info.machines == 1 and info.app_machines.get(app) == 1
+
+                await until(counted, "the reserve in the registry", 10.0)
+                others = [info.machines for info in registry.workers(region) if info.worker_id != chosen]
+                assert others == [0] * (COUNT - 1)
+                await listed_as(workers.ids())  # a broker's registry, through the CLI
+
+                workers.kill9()
+
+                # each removed by the expiry marker of their group's key (`in_region` keeps a worker whose
+                # heartbeat is only late: it forgets one only when its key is deleted or expires)
+                async def removed() -> bool:
+                    return all(registry.in_region(region, one) is None for one in workers.ids())
+
+                await until(removed, "every logical worker removed from the registry", 20.0)
+                await listed_as([])
+                assert registry.is_live(alone.worker_id)
+            finally:
+                await registry.close()
+                await nc.close()
+
+        arun(main())
+    finally:
+        workers.kill9()
+        workers.cleanup()
+        alone.terminate()
+        alone.cleanup()
+        broker.terminate()
+        broker.wait(10)

@@ -17,6 +17,9 @@ watcher decodes); a quarter of a second bounds that at 4 a second, whatever the 
 It also tells the worker when it was away: a gap between acknowledged beats longer than `away_after` (the
 registry's TTL less a beat, so before any broker can have counted the worker gone) is an absence, after which
 the worker asks the claims of its keyed machines (the fence, workers/lifecycle/fence.py).
+
+The logical workers of one process (`fauxmad worker --count`, a benchmark's simulated fleet) beat together, under
+one key (`BeatGroup`, `bus.contract.beats`); a worker of its own, as in any real fleet, puts its own key as above.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import msgspec
+
 from bus.contract import subjects
+from bus.contract.beats import WorkerBeats
 from bus.contract.codec import encode
 from bus.contract.fleet import WorkerInfo
 from bus.transport.jetstream import MAX_CLOCK_SKEW, FleetKV
@@ -41,7 +47,8 @@ log = logging.getLogger(__name__)
 SKEW_EVERY = 5  # beats between two measurements of the clock's skew (the first beat measures)
 SOON = 0.05  # seconds a change that must beat soon waits for others to share its beat (a volume's)
 USAGE_SHARE = 0.25  # of the interval: how long a machine's change of usage waits for its beat (see the top)
-PER_TICK = 16  # a `BeatGroup`'s members beaten at each of its ticks (why 16: the class's docstring)
+GROUP_MAX = 128  # members of a `BeatGroup` a key at most: a value of about 100 KB (the class's docstring)
+PER_SLICE = 16  # members' infos a group's beat takes before it lets the event loop run (`GroupKey.beat`)
 
 
 def skew_refusal(worker_id: str, skew: float) -> str:
@@ -51,6 +58,35 @@ def skew_refusal(worker_id: str, skew: float) -> str:
         f"worker {worker_id}'s clock is {abs(skew):.1f} s {way} its NATS server's, more than the {MAX_CLOCK_SKEW:g} s"
         " the fleet tolerates: it reserves nothing until the host's clock is set right (NTP)"
     )
+
+
+class Coalesced:
+    """A beat that goes within a time asked for, shared by every change until it goes (`Heartbeat.soon`); a
+    change that must go sooner than the coming beat brings it forward, and the later one stands down."""
+
+    def __init__(self) -> None:
+        self._due: float | None = None  # when the coming beat goes (perf_counter), if one is coming
+
+    def ask(
+        self,
+        within: float,
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        send: Callable[[], Coroutine[Any, Any, None]],
+    ) -> None:
+        due = time.perf_counter() + within
+        if self._due is not None and self._due <= due:
+            return  # a beat at least as soon is coming, and will carry this change
+        self._due = due
+
+        async def beat() -> None:
+            await asyncio.sleep(within)
+            if self._due != due:
+                return  # a sooner beat went instead, with this change
+            self._due = None
+            with contextlib.suppress(Exception):
+                await send()
+
+        spawn(beat())
 
 
 class Heartbeat:
@@ -75,7 +111,7 @@ class Heartbeat:
         self.info = info
         self.spawn = spawn  # the agent's tasks: cancelled when it closes
         self.load = 0.0  # the host's load average per cpu, as of the last beat
-        self._due: float | None = None  # when the coming beat of `soon` goes (perf_counter), if one is coming
+        self._soon = Coalesced()  # the coming beat of `soon`, if one is coming
         self.away_after = away_after if away_after is not None else 2 * interval
         self.on_return = on_return  # an absence just ended
         self.absences = 0  # absences seen to end
@@ -85,8 +121,10 @@ class Heartbeat:
         self.skew = 0.0
         self.skew_error = 0.0
         self._beats = 0
-        # another worker of this process that measures the host's clock for both (`BeatGroup`): one host, one clock
-        self.clock_of: Heartbeat | None = None
+        # the key this worker beats under with the other logical workers of its process (`BeatGroup`), and its
+        # place there; None: a worker of its own, under its own key
+        self.group: GroupKey | None = None
+        self.group_index = 0
 
     def away(self) -> bool:
         """Whether no beat was acknowledged for longer than `away_after` (a freeze or a cut is going on)."""
@@ -102,16 +140,18 @@ class Heartbeat:
 
     async def put(self, info: WorkerInfo, *, acked: bool = True) -> None:
         """Put `info` into the registry; `acked=False` only publishes it (in order with the acked puts,
-        on the same connection), and not at all while disconnected: no stale beat is buffered."""
+        on the same connection), and not at all while disconnected: no stale beat is buffered. A member of a
+        group puts its group's key, with this info in it."""
+        if self.group is not None:
+            await self.group.put(self, info, acked=acked)
+            return
         key = subjects.worker_key(self.region, self.worker_id)
         if acked:
             sent = time.time()
             revision = await self.kv.workers.put(key, encode(info))
             answered = time.time()
             self._beaten()
-            if self.clock_of is not None:
-                self.skew, self.skew_error = self.clock_of.skew, self.clock_of.skew_error
-            elif self._beats % SKEW_EVERY == 0:
+            if self._beats % SKEW_EVERY == 0:
                 with contextlib.suppress(Exception):  # a measurement missed is taken at a later beat
                     await self._measure(revision, sent, answered)
             self._beats += 1
@@ -160,74 +200,144 @@ class Heartbeat:
         Best effort, so published without waiting for JetStream's ack: at the fleet's rates this beat
         follows many reserves, and the ack's round trip cost about as much as the rest of the beat.
         The tick (every `heartbeat_interval`) still waits for its ack and says when puts fail.
+        A member of a group beats with its group's key (`GroupKey.soon`).
         """
-        due = time.perf_counter() + within
-        if self._due is not None and self._due <= due:
-            return  # a beat at least as soon is coming, and will carry this change
-        self._due = due
-
-        async def beat() -> None:
-            await asyncio.sleep(within)
-            if self._due != due:
-                return  # a sooner beat went instead, with this change
-            self._due = None
-            with contextlib.suppress(Exception):
-                await self.once(acked=False)
-
-        self.spawn(beat())
+        if self.group is not None:
+            self.group.soon(self, within)
+            return
+        self._soon.ask(within, self.spawn, lambda: self.once(acked=False))
 
     def usage_changed(self) -> None:
         """A machine was reserved, destroyed or resized: beat within a quarter of the interval (see the top)."""
         self.soon(self.interval * USAGE_SHARE)
 
 
+class GroupKey:
+    """One beat group's key (`subjects.group_key`, named after its first member) and what it holds: the last
+    `WorkerInfo` of each of its members, encoded as its own key would hold it. Every put carries all of them
+    (`bus.contract.beats.WorkerBeats`: a key's value is all a reader has), so a member whose info did not change
+    is sent again as the very bytes it was, which a reader takes for no update (`bus.contract.beats.BeatGroups`)."""
+
+    def __init__(self, first: Heartbeat) -> None:
+        self.members: list[Heartbeat] = [first]
+        self.beats: dict[str, bytes] = {}  # worker id -> its last WorkerInfo's bytes
+        self._changed: set[int] = set()  # members (their index) whose usage changed since their last bytes
+        self._soon = Coalesced()  # the coming beat of `soon`, if one is coming
+
+    @property
+    def key(self) -> str:
+        first = self.members[0]
+        return subjects.group_key(first.region, first.worker_id)
+
+    def value(self) -> bytes:
+        return encode(WorkerBeats(beats={worker_id: msgspec.Raw(beat) for worker_id, beat in self.beats.items()}))
+
+    async def put(self, member: Heartbeat, info: WorkerInfo, *, acked: bool) -> None:
+        """`member`'s new info, with the others' last, in one put (`Heartbeat.put` for a member of a group)."""
+        self.beats[member.worker_id] = encode(info)
+        await self._send(acked=acked)
+
+    async def beat(self) -> None:
+        """Every member's info now, in one acknowledged put (the timer's, once an interval). Built `PER_SLICE`
+        members at a time, with the event loop let run between, so that a reserve of this process waits behind a
+        few members' infos at most, not all of them."""
+        try:
+            load = os.getloadavg()[0] / max(1, os.cpu_count() or 1)
+        except OSError:
+            load = 0.0
+        self._changed.clear()  # every member's info is taken again now
+        for n, member in enumerate(self.members):
+            if n and n % PER_SLICE == 0:
+                await asyncio.sleep(0)
+            member.load = load
+            self.beats[member.worker_id] = encode(member.info())
+        await self._send(acked=True)
+
+    def soon(self, member: Heartbeat, within: float) -> None:
+        """`Heartbeat.soon` for the whole key: a change of any member waits at most `within` for one put that
+        carries every change until then (the members that changed, their info taken again; the others as they
+        were). At most one put a `within` a key, whatever the number of members or of changes."""
+        self._changed.add(member.group_index)
+        self._soon.ask(within, member.spawn, self._changes)
+
+    async def _changes(self) -> None:
+        """The soon beat: the members that changed, their info taken again, the others as they were."""
+        changed, self._changed = self._changed, set()
+        if not changed:
+            return  # a tick took every member's info since, and carried these changes
+        for n in changed:
+            one = self.members[n]
+            self.beats[one.worker_id] = encode(one.info())
+        await self._send(acked=False)
+
+    async def _send(self, *, acked: bool) -> None:
+        first = self.members[0]
+        bucket = first.kv.layout.workers_bucket(first.region)
+        if not acked:
+            if first.nc.is_connected:
+                await first.nc.publish(subjects.kv_put(bucket, self.key), self.value())
+            return
+        sent = time.time()
+        revision = await first.kv.workers.put(self.key, self.value())
+        answered = time.time()
+        if first._beats % SKEW_EVERY == 0:  # one host, one clock: the first member measures it for all
+            with contextlib.suppress(Exception):  # a measurement missed is taken at a later beat
+                await first._measure(revision, sent, answered)
+        first._beats += 1
+        for member in self.members:
+            if member.worker_id in self.beats:
+                member._beaten()
+                member.skew, member.skew_error = first.skew, first.skew_error
+
+
 class BeatGroup:
-    """The heartbeats of the logical workers one process runs (a benchmark's simulated fleet, `--count`): one
-    timer beats them all, instead of a timer, a sleep and a wait per logical worker (issue 44: at 1,000 workers
-    that background, not the placement, set the p99). Each put is still its own worker's key, acknowledged as
-    before (`Heartbeat.once`), once an interval. A real fleet has one worker per process and no group.
+    """The heartbeats of the logical workers one process runs (a benchmark's simulated fleet, `--count`): one put a
+    process an interval, not one a logical worker (issue 44: at 1,000 workers beating every 2 s, 500 puts a second
+    that nats-server stored and every broker's registry decoded, the simulator's background, set the p99). The
+    members' infos go together under one key, `<region>.<first member>.group` (`bus.contract.beats`: what a
+    reader sees is still one heartbeat per worker, and every member of a group whose key expires is gone with
+    it). A real fleet has one worker per process and no group: its key and its value are what they always were.
 
-    The timer ticks `ticks` times an interval and each tick beats `PER_TICK` members, each member at the same
-    tick of every interval: beating all 125 of a process at once made a burst of puts every interval, in the
-    process, in nats-server and in every broker's watch of the bucket, and a create that met it waited behind
-    it (the 1,000-worker p99). Not one or a few a tick either: at 4 a tick (32 ticks an interval), an idle fleet of
-    1,000 cost nats-server 0.080 cores and its broker 0.038, against 0.026 and 0.015 all at once (the puts of a
-    tick travel and are read together; fewer, larger ticks amortize that), and the creates' p50 rose (1.08x). 16
-    a tick: 8 ticks an interval for a process of 125.
+    A group holds at most `GROUP_MAX` members a key (a process of more has a key per `GROUP_MAX`), so a value stays
+    about 100 KB, far below any server's `max_payload`; the keys beat at ticks spread over the interval, one a
+    tick. A member's change of usage (`Heartbeat.soon`) is its key's: every change within a quarter of the
+    interval shares one put of the key.
 
-    The host's clock is one for them all: the first member measures its skew against the server's (a stored
-    beat read back, every `SKEW_EVERY` beats) and the others take its figures, rather than each asking
-    JetStream for its own beat (at 1,000 workers, 100 requests a second to nats-server for one answer)."""
+    The host's clock is one for them all: each key's first member measures its skew against the server's (its
+    key's stored beat read back, every `SKEW_EVERY` beats) and the key's other members take its figures."""
 
     def __init__(self, interval: float, size: int = 1) -> None:
-        """`size`: the members to come (the process's logical workers), which sets the ticks an interval."""
+        """`size`: the members to come (the process's logical workers), which sets the keys, a tick each."""
         self.interval = interval
-        self.ticks = max(1, -(-size // PER_TICK))
+        self.ticks = max(1, -(-size // GROUP_MAX))
         self.members: list[Heartbeat] = []
+        self.keys: list[GroupKey] = []
 
     def add(self, heartbeat: Heartbeat) -> None:
-        if self.members:
-            heartbeat.clock_of = self.members[0]
+        """Before its first beat, which is its key's put (`Heartbeat.put`)."""
+        if not self.keys or len(self.keys[-1].members) >= GROUP_MAX:
+            self.keys.append(GroupKey(heartbeat))
+        else:
+            self.keys[-1].members.append(heartbeat)
+        heartbeat.group = self.keys[-1]
+        heartbeat.group_index = len(self.keys[-1].members) - 1
         self.members.append(heartbeat)
-
-    def due(self, tick: int) -> list[Heartbeat]:
-        """The members that beat at `tick`: each member at one tick of every `ticks`, `PER_TICK` at most."""
-        return self.members[tick % self.ticks :: self.ticks]
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         step = self.interval / self.ticks
         due = loop.time()
-        tick = failed = beaten = 0
+        tick = failed = 0
         while True:
             due += step  # on a schedule: the puts' round trips do not stretch the interval
             await asyncio.sleep(max(0.0, due - loop.time()))
-            members = self.due(tick)
+            keys = self.keys[tick % self.ticks :: self.ticks]
             tick += 1
-            outcomes = await asyncio.gather(*(member.once() for member in members), return_exceptions=True)
-            failed += sum(isinstance(outcome, Exception) for outcome in outcomes)
-            beaten += len(outcomes)
+            outcomes = await asyncio.gather(*(key.beat() for key in keys), return_exceptions=True)
+            failed += sum(
+                len(key.members) for key, out in zip(keys, outcomes, strict=True) if isinstance(out, Exception)
+            )
             if tick % self.ticks == 0:  # one line an interval, not one a tick
                 if failed:
-                    log.warning("heartbeat failed for %d of %d workers of this process", failed, beaten)
-                failed = beaten = 0
+                    log.warning("heartbeat failed for %d of %d workers of this process", failed, len(self.members))
+                failed = 0

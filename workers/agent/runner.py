@@ -7,10 +7,10 @@ placement, not its own background: its background jobs (one job puller and desk,
 worker's: the process's CPU is one, so one puller bounds it), its heartbeats' timer (`BeatGroup`), its NATS
 connection, and its watch of the fleet's secrets. A connection is a ping a second, a flusher, a reader and
 a closed-connection poll in the process, and a socket in nats-server; a watch is an ordered consumer in
-nats-server and a flow-control check four times a second in the process. On one connection a process's
-heartbeats go out in one write and their acks come back in one read; every heartbeat is still its own
-worker's KV put, as on any fleet (the registry's contract: a key per worker, its TTL its liveness).
-A real fleet (one worker per process) is unchanged: each worker connects, and watches, on its own.
+nats-server and a flow-control check four times a second in the process. Its heartbeats are one KV put a process
+an interval, under its beat group's key (`heartbeat.BeatGroup`, `bus.contract.beats`: every reader still sees one
+heartbeat per worker, and all of them gone when the group's key expires).
+A real fleet (one worker per process) is unchanged: each worker connects, watches and beats its key on its own.
 Stopping never stops machines: the agent says how many it leaves running, and a restart re-adopts them.
 """
 

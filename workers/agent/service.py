@@ -282,9 +282,7 @@ class WorkerAgent:
         await self._start_jobs()  # before the info endpoint answers: a ready worker takes jobs
         await self._subscribe(handlers)
         await self._first_beat()
-        if self.beats is not None:  # the process's one timer beats for it (`heartbeat.BeatGroup`)
-            self.beats.add(self.heartbeat)
-        else:
+        if self.beats is None:  # else the process's one timer beats for it (`heartbeat.BeatGroup`)
             self._tasks.append(asyncio.create_task(self.heartbeat.run()))
         self._tasks += [
             asyncio.create_task(self.outbox.run()),
@@ -351,9 +349,12 @@ class WorkerAgent:
         """The first heartbeat. A workers bucket that cannot store it now (a cluster just back from losing servers,
         electing its leader: NoStreamResponseError, or no answer) does not end the worker's start, which serves
         already: the heartbeat's loop beats again every interval (nemesis on hosts, seed 106: a worker restarted
-        then exited on it and was missing at the end)."""
+        then exited on it and was missing at the end). A logical worker joins its process's beat group first: its
+        first beat is its group key's put (`heartbeat.BeatGroup`)."""
         heartbeat = self.heartbeat
         assert heartbeat is not None
+        if self.beats is not None:
+            self.beats.add(heartbeat)
         try:
             await heartbeat.once()
         except Exception as exc:

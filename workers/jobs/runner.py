@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bus.contract import subjects
+from bus.contract.beats import member_beat
 from bus.contract.codec import decode, encode
 from bus.contract.errors import FauxmadError
 from bus.contract.fleet import WorkerInfo
@@ -85,17 +86,27 @@ class JobRunner:
             return False
         if job.worker_id == self.worker_id:
             return job.id in self.cancels
-        try:
-            entry = await self.workers_kv.get(subjects.worker_key(job.region, job.worker_id))
-        except Exception:
+        beat = await self._beat_of(job.region, job.worker_id)
+        if beat is None:
             return False
-        if not entry.value:
-            return False
-        info = decode(WorkerInfo, entry.value)
+        info = decode(WorkerInfo, beat)
         # beating (its entry is there: the registry's TTL, on the server's clock, removes a silent worker's; its
         # heartbeat_at is its own clock's, which may be off this one's), and the same process that claimed it
         # (a worker restarted since has forgotten it; both times are the holder's own clock)
         return job.claimed_at is None or info.started_at < job.claimed_at
+
+    async def _beat_of(self, region: str, worker_id: str) -> bytes | None:
+        """A worker's heartbeat: under its own key, or in its process's beat group (logical workers,
+        `bus.contract.beats`), which is named after its first worker, the process's one job puller."""
+        with contextlib.suppress(Exception):
+            entry = await self.workers_kv.get(subjects.worker_key(region, worker_id))
+            if entry.value:
+                return bytes(entry.value)
+        with contextlib.suppress(Exception):
+            entry = await self.workers_kv.get(subjects.group_key(region, worker_id))
+            if entry.value:
+                return member_beat(entry.value, worker_id)
+        return None
 
     async def handle(self, msg: Any, release: Callable[[], None] = lambda: None) -> None:
         """Carry one delivered message through; `release` frees its slot once its process has ended.
