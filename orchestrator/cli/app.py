@@ -173,7 +173,7 @@ def _click_command() -> Any:
     argument lists, spent a fifth of its time making the same command over again)."""
     global _built
     held = (*app.registered_commands, *app.registered_groups)
-    if _built is None or len(_built[0]) != len(held) or any(a is not b for a, b in zip(_built[0], held, strict=True)):
+    if _built is None or _built[0] != held:  # typer's CommandInfo and TyperInfo compare by identity
         _built = (held, typer.main.get_command(app))
     return _built[1]
 
