@@ -160,6 +160,25 @@ def _writes_under(pid: int, under: str) -> bool:
     return False
 
 
+def sockets_to(pid: int, port: int) -> int:
+    """How many of `pid`'s TCP sockets have `port` at their far end on this host (any state: a connection whose
+    server died stays CLOSE_WAIT until its process reads the end and closes it)."""
+    inodes: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                inodes[fields[9]] = int(fields[2].rsplit(":", 1)[1], 16)
+    count = 0
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:[") and inodes.get(target[8:-1]) == port:
+                    count += 1
+    return count
+
+
 def start_operator(url: str, log: Path, app: str | None = None) -> subprocess.Popen[bytes]:
     """`fauxmad reconcile --watch [-a app]` as a subprocess (a real operator, for one app or for all, its output in
     `log`, lines up to 400 columns), once it watches."""

@@ -45,7 +45,7 @@ from orchestrator.cli.app import app, exit_code_for, lift_global_options, main, 
 from orchestrator.cli.fleet_cmd import HELLO_CMD, hello_hint
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
-from tests.helpers import ROOT, arun, fleet_fixture
+from tests.helpers import ROOT, arun, fleet_fixture, sockets_to, wait_until
 from workers.lifecycle.restart_policy import tail_lines
 
 REGION = "fhr"
@@ -369,7 +369,10 @@ def test_exit_codes_against_a_fleet(fleet: DevFleet, tmp_path: Path) -> None:
         env={**os.environ, "PYTHONPATH": str(ROOT), "FAUXMAD_NATS_URL": fleet.url},
         cwd=str(ROOT),
     )
-    time.sleep(1.5)  # past its start (imports, connect): the SIGINT comes while it waits, which is what is tested
+    # the SIGINT comes while it waits, which is what is tested: once it is connected to the fleet, not after a fixed
+    # 1.5 s (CI74: still importing then on a loaded host, it died of the signal, exit -2)
+    port = int(fleet.url.rsplit(":", 1)[1])
+    wait_until(lambda: sockets_to(waiting.pid, port) > 0, "machine wait connected to the fleet", timeout=30)
     waiting.send_signal(signal.SIGINT)
     _, err = waiting.communicate(timeout=20)
     assert waiting.returncode == 130 and b"Traceback" not in err

@@ -31,6 +31,7 @@ import pytest
 
 from bus.local.embedded import EmbeddedNats
 from orchestrator.cli.app import NATS_HINT
+from tests.helpers import sockets_to
 
 pytestmark = pytest.mark.fleet
 
@@ -171,25 +172,6 @@ def _all_ready(runs: list[Run]) -> None:
             run.problem = "never ready"
 
 
-def _sockets_to(pid: int, port: int) -> int:
-    """How many of `pid`'s TCP sockets have `port` at their far end on this host (any state: a connection whose
-    server died stays CLOSE_WAIT until its process reads the end and closes it)."""
-    inodes: dict[str, int] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()
-                inodes[fields[9]] = int(fields[2].rsplit(":", 1)[1], 16)
-    count = 0
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:[") and inodes.get(target[8:-1]) == port:
-                    count += 1
-    return count
-
-
 def _all_noticed(runs: list[Run], port: int) -> None:
     """Wait until every one of `runs` has closed its connection to the killed server at `port` (it read the end
     and went into its reconnect loop: that is the state under test); one that never does is a problem, and so
@@ -197,7 +179,7 @@ def _all_noticed(runs: list[Run], port: int) -> None:
     deadline = time.monotonic() + PATIENCE
     waiting = [r for r in runs if not r.problem]
     while waiting and time.monotonic() < deadline:
-        waiting = [r for r in waiting if r.proc is not None and r.proc.poll() is None and _sockets_to(r.proc.pid, port)]
+        waiting = [r for r in waiting if r.proc is not None and r.proc.poll() is None and sockets_to(r.proc.pid, port)]
         time.sleep(0.05)
     for run in runs:
         if run in waiting:
@@ -238,7 +220,7 @@ def runs() -> Iterator[dict[tuple[str, str, str], Run]]:
             reconnecting = [r for r in up if r.state == "reconnecting"]
             doomed_port = int(doomed.url.rsplit(":", 1)[1])
             for run in reconnecting:  # each is connected to the server about to die (it said it was ready)
-                if not run.problem and run.proc is not None and not _sockets_to(run.proc.pid, doomed_port):
+                if not run.problem and run.proc is not None and not sockets_to(run.proc.pid, doomed_port):
                     run.problem = "not connected to its server before the kill"
             doomed.kill()
             _all_noticed(reconnecting, doomed_port)  # each reconnects (to nothing)
