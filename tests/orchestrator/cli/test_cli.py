@@ -37,6 +37,15 @@ def test_help_explains_every_command() -> None:
     assert main(["machine", "run", "--help"]) == 0
 
 
+@pytest.mark.fleet
+def test_every_command_imports_on_its_own_in_a_fresh_interpreter() -> None:
+    """`main` imports only the module of the command it runs; the suite's other commands are forks of a process that
+    imported them all (`tests.cli_fork`), where one module's missing import can go unseen behind another's."""
+    for name, *_ in COMMANDS:
+        done = helpers.fauxmad(name, "--help", columns=100, fresh=True, timeout=60)
+        assert done.returncode == 0 and "Usage" in done.stdout, (name, done.stdout + done.stderr)
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
