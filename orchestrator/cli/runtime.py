@@ -237,6 +237,15 @@ def with_client(url: str | None, fn: Callable[[FleetClient], Awaitable[T]], *, n
     return with_connected(url, lambda resolved: FleetClient.connect(resolved, name), fn)
 
 
+def serve_client(
+    url: str | None, fn: Callable[[FleetClient], Awaitable[T]], *, name: str = "fauxmad-cli", what: str
+) -> T | None:
+    """`with_client` for a long-running command (`what`): until `fn` returns, or SIGINT/SIGTERM (`serve`)."""
+    from orchestrator.client import FleetClient
+
+    return serve_connected(url, lambda resolved: FleetClient.connect(resolved, name), fn, what=what)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the config file: named fleets
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,7 @@ from orchestrator.cli.runtime import (
     nats_url,
     run,
     serve,
-    serve_connected,
+    serve_client,
     with_client,
 )
 from orchestrator.cli.view_render import event_line, machines_table, regions_table, workers_table
@@ -215,12 +215,7 @@ def events(
 
     count = 0
     if follow:  # until Ctrl-C: stopped as every long-running command is, within STOP_WITHIN of the signal
-        from orchestrator.client import FleetClient
-
-        def connected(url: str) -> Awaitable[FleetClient]:
-            return FleetClient.connect(url, "fauxmad-events")
-
-        count = serve_connected(nats, connected, read, what="events --follow") or 0
+        count = serve_client(nats, read, name="fauxmad-events", what="events --follow") or 0
     else:
         with contextlib.suppress(KeyboardInterrupt):
             count = with_client(nats, read, name="fauxmad-events")
