@@ -2,7 +2,11 @@
 
 A machine that refuses a connection (or drops one before any response byte) is avoided for a few
 seconds (`avoid_for`) by this proxy; its kept connections are dropped, and the failure is published on
-`fauxmad.v1.proxy.unreachable.<app>.<machine>` (once per spell of avoidance) for the reconcilers.
+`fauxmad.v1.proxy.unreachable.<app>.<machine>` (once per spell of avoidance) for the reconcilers. But a
+machine that has just started binds its port a moment after the worker says `started`: its refusals within
+`ready_timeout` of when this proxy saw it start send the request elsewhere and nothing more (found on hosts:
+the first requests after a deploy were refused by all three machines, two were then avoided for 5 s, and a
+cut of the third host left requests nowhere to go).
 Whether the request then goes to another machine is the connection handler's call (`server`).
 """
 
@@ -42,6 +46,11 @@ class Failover:
         self.clock = clock
         self.bad: dict[str, float] = {}  # machine -> until when it is avoided (`clock`)
 
+    def binding(self, machine_id: str) -> bool:
+        """Whether a refusal by the machine may be its process not listening yet: this proxy saw it become
+        `started` less than `ready_timeout` ago (the time it gives a machine it started itself to accept)."""
+        return self.routes.started_within(machine_id, self.config.ready_timeout)
+
     def avoided(self) -> set[str]:
         """The machines avoided now (those whose time is up are forgotten)."""
         if not self.bad:
@@ -52,11 +61,16 @@ class Failover:
                 del self.bad[machine_id]
         return set(self.bad)
 
-    def failed(self, app: App, machine_id: str, why: str) -> None:
-        """The machine failed a request: avoid it, drop its kept connections, say so (the first time)."""
+    def failed(self, app: App, machine_id: str, why: str, *, refused: bool = False) -> None:
+        """The machine failed a request: avoid it, drop its kept connections, say so (the first time). Not a
+        refusal by a machine this proxy saw start less than `ready_timeout` ago (`binding`): the request that
+        met it goes elsewhere, the next ones may try it again, and no reconciler is told."""
         entry = self.routes.entry(machine_id)
         if entry is not None:
             self.pool.drop(self.pool.address(entry, machine_port(app, entry)))
+        if refused and self.binding(machine_id):
+            self.metrics.refused.labels(app.name).inc()
+            return
         first = machine_id not in self.bad
         self.bad[machine_id] = self.clock() + self.config.avoid_for
         self.metrics.refused.labels(app.name).inc()

@@ -27,11 +27,13 @@ from orchestrator.proxy.upstream import Conn, Pool
 
 
 class UpstreamFailed(Exception):
-    """The machine failed before its response began; `resend`: sending the request again is safe."""
+    """The machine failed before its response began; `resend`: sending the request again is safe; `refused`: its
+    connection was refused (by the machine, or by its worker for it), so nothing reached it."""
 
-    def __init__(self, why: str, *, resend: bool) -> None:
+    def __init__(self, why: str, *, resend: bool, refused: bool = False) -> None:
         super().__init__(why)
         self.resend = resend
+        self.refused = refused
 
 
 class Forwarder:
@@ -61,7 +63,8 @@ class Forwarder:
         try:
             conn = await self.pool.get(address, fresh=fresh)
         except OSError as exc:
-            raise UpstreamFailed(f"{machine_id}: {exc.strerror or exc}", resend=True) from None
+            refused = isinstance(exc, ConnectionRefusedError)
+            raise UpstreamFailed(f"{machine_id}: {exc.strerror or exc}", resend=True, refused=refused) from None
         try:
             await self._exchange(ex, conn, reader, writer, client_ip, upgrade)
             return
@@ -78,7 +81,8 @@ class Forwarder:
         try:
             conn = await self.pool.get(address, fresh=True)
         except OSError as exc:
-            raise UpstreamFailed(f"{machine_id}: {exc.strerror or exc}", resend=True) from None
+            refused = isinstance(exc, ConnectionRefusedError)
+            raise UpstreamFailed(f"{machine_id}: {exc.strerror or exc}", resend=True, refused=refused) from None
         try:
             await self._exchange(ex, conn, reader, writer, client_ip, upgrade)
         except BaseException:

@@ -154,10 +154,17 @@ class AppsReplica(KVReplica):
 
 
 class OrderedIndex(MachineIndex):
-    """The routing index, where an entry older than the one held (a lower `version`) is ignored."""
+    """The routing index, where an entry older than the one held (a lower `version`) is ignored. It notes when
+    it saw each machine become `started` (`started_at`, on `clock`): a process binds its port a moment after."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.clock = clock
+        self.started_at: dict[str, float] = {}
 
     def apply(self, key: str, value: bytes | None) -> None:
         if value is None:
+            self.started_at.pop(key, None)
             super().apply(key, value)
             return
         try:
@@ -170,6 +177,10 @@ class OrderedIndex(MachineIndex):
     def remember(self, entry: MachineIndexEntry) -> None:
         held = self.get(entry.id)
         if held is None or entry.version >= held.version or entry.worker_id != held.worker_id:
+            if entry.state != "started":
+                self.started_at.pop(entry.id, None)
+            elif held is not None and (held.state != "started" or held.worker_id != entry.worker_id):
+                self.started_at[entry.id] = self.clock()  # a start seen happen (one first seen started: not known when)
             super().remember(entry)
 
     def by_app_all(self) -> list[MachineIndexEntry]:
@@ -177,8 +188,8 @@ class OrderedIndex(MachineIndex):
 
 
 class RouteTable:
-    def __init__(self, *, registry: Registry | None = None) -> None:
-        self.index = OrderedIndex()
+    def __init__(self, *, registry: Registry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.index = OrderedIndex(clock)
         self.registry = registry or Registry()
         self.apps = AppsReplica()
         self._by_app: dict[str, list[MachineIndexEntry]] | None = None
@@ -252,6 +263,11 @@ class RouteTable:
 
     def entry(self, machine_id: str) -> MachineIndexEntry | None:
         return self.index.get(machine_id)
+
+    def started_within(self, machine_id: str, seconds: float) -> bool:
+        """Whether this table first saw the machine `started` less than `seconds` ago (on its clock)."""
+        at = self.index.started_at.get(machine_id)
+        return at is not None and self.index.clock() - at < seconds
 
     def regions(self) -> list[str]:
         return self.registry.regions()

@@ -236,7 +236,7 @@ class Proxy:
         if isinstance(failure, ResumeFailed):  # as a resume that failed before the request went
             log.warning("proxy: %s", failure)
             return True
-        self.failover.failed(app, machine_id, str(failure))
+        self.failover.failed(app, machine_id, str(failure), refused=failure.refused)
         return failure.resend or safe
 
 

@@ -322,3 +322,52 @@ class _Sink:
 
     async def drain(self) -> None:
         return None
+
+
+def test_a_refusal_by_a_machine_that_just_started_is_not_avoided_or_reported() -> None:
+    """A process binds its port a moment after its worker says `started`: within `ready_timeout` of when this proxy
+    saw it start, its refusal sends the request elsewhere and nothing more. Later (or a failure that is not a
+    refusal) it is avoided for `avoid_for` and reported to the reconcilers, once."""
+    from bus.contract.machines import MachineIndexEntry
+    from orchestrator.apps.http_service import HttpService
+    from orchestrator.proxy.config import ProxyConfig
+    from orchestrator.proxy.failover import Failover
+    from orchestrator.proxy.routes import App, RouteTable
+    from orchestrator.proxy.upstream import Pool
+
+    now = [100.0]
+    routes = RouteTable(clock=lambda: now[0])
+    published: list[str] = []
+    config = ProxyConfig(region="mad")
+    failover = Failover(
+        config, routes, Pool(), ProxyMetrics(), lambda subject, data: published.append(subject), lambda: now[0]
+    )
+    app = App(name="web", service=HttpService())
+
+    def entry(machine_id: str, state: str, version: int) -> MachineIndexEntry:
+        return MachineIndexEntry(
+            id=machine_id, worker_id="w1", region="mad", app="web", state=state, version=version, port=8080
+        )
+
+    routes.remember(entry("m0", "started", 1))  # first seen started (this proxy just began): not known when
+    failover.failed(app, "m0", "refused", refused=True)
+    assert failover.avoided() == {"m0"} and len(published) == 1
+    now[0] += config.avoid_for
+    published.clear()
+    routes.remember(entry("m1", "starting", 1))
+    routes.remember(entry("m1", "started", 2))
+    now[0] += config.ready_timeout - 0.5
+    failover.failed(app, "m1", "refused", refused=True)
+    assert failover.avoided() == set() and published == []
+    failover.failed(app, "m1", "closed the connection")  # not a refusal: avoided and reported
+    assert failover.avoided() == {"m1"} and len(published) == 1
+    now[0] += config.avoid_for
+    assert failover.avoided() == set()
+    routes.remember(entry("m1", "started", 3))  # still started: its start is not seen again
+    now[0] += 1.0
+    failover.failed(app, "m1", "refused", refused=True)
+    assert failover.avoided() == {"m1"} and len(published) == 2
+    routes.remember(entry("m1", "stopped", 4))
+    routes.remember(entry("m1", "started", 5))  # started again: a new start
+    failover.failed(app, "m1", "refused", refused=True)
+    assert len(published) == 2
