@@ -48,7 +48,8 @@ class Failover:
 
     def binding(self, machine_id: str) -> bool:
         """Whether a refusal by the machine may be its process not listening yet: this proxy saw it become
-        `started` less than `ready_timeout` ago (the time it gives a machine it started itself to accept)."""
+        `started` less than `ready_timeout` ago (the time it gives a machine it started itself to accept) and has
+        not had a connection to it since (a machine that served and now refuses is dead, not late)."""
         return self.routes.started_within(machine_id, self.config.ready_timeout)
 
     def avoided(self) -> set[str]:

@@ -65,6 +65,7 @@ class Forwarder:
         except OSError as exc:
             refused = isinstance(exc, ConnectionRefusedError)
             raise UpstreamFailed(f"{machine_id}: {exc.strerror or exc}", resend=True, refused=refused) from None
+        self.routes.bound(machine_id)
         try:
             await self._exchange(ex, conn, reader, writer, client_ip, upgrade)
             return

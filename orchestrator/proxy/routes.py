@@ -265,9 +265,15 @@ class RouteTable:
         return self.index.get(machine_id)
 
     def started_within(self, machine_id: str, seconds: float) -> bool:
-        """Whether this table first saw the machine `started` less than `seconds` ago (on its clock)."""
+        """Whether this table saw the machine become `started` less than `seconds` ago (on its clock) and it has not
+        accepted a connection since (`bound`)."""
         at = self.index.started_at.get(machine_id)
         return at is not None and self.index.clock() - at < seconds
+
+    def bound(self, machine_id: str) -> None:
+        """The machine accepted a connection: it listens, and a refusal from now on is not its start's."""
+        if self.index.started_at:
+            self.index.started_at.pop(machine_id, None)
 
     def regions(self) -> list[str]:
         return self.registry.regions()

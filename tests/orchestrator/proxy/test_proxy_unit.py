@@ -367,7 +367,12 @@ def test_a_refusal_by_a_machine_that_just_started_is_not_avoided_or_reported() -
     now[0] += 1.0
     failover.failed(app, "m1", "refused", refused=True)
     assert failover.avoided() == {"m1"} and len(published) == 2
+    now[0] += config.avoid_for
+    assert failover.avoided() == set()
     routes.remember(entry("m1", "stopped", 4))
     routes.remember(entry("m1", "started", 5))  # started again: a new start
     failover.failed(app, "m1", "refused", refused=True)
-    assert len(published) == 2
+    assert failover.avoided() == set() and len(published) == 2
+    routes.bound("m1")  # it accepted a connection since: a refusal now is a dead machine's
+    failover.failed(app, "m1", "refused", refused=True)
+    assert failover.avoided() == {"m1"} and len(published) == 3
