@@ -20,9 +20,9 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 
 from bus.contract import subjects
-from bus.contract.errors import FauxmadError, Unreachable
+from bus.contract.errors import FauxmadError, Unanswered, Unreachable
 from bus.contract.machines import ListRequest, Machine, MachineConfig
-from bus.transport.jetstream import FleetKV
+from bus.transport.jetstream import WORKER_TTL, FleetKV
 from orchestrator.reconcile.actions import Member, Observed
 from orchestrator.reconcile.ports import Bus
 from orchestrator.reconcile.routes import Route, to_workers
@@ -87,6 +87,11 @@ def member(machine: Machine) -> Member:
 # (the loop looks again within a poll), so a silent host never holds up failover for long; one whose
 # heartbeat expires meanwhile is not waited for at all.
 ANSWER_WITHIN = 1.0
+# How long a one-shot command's pass (a deploy's first look) keeps asking a live worker that did not answer
+# within ANSWER_WITHIN: a heartbeat TTL, after which a silent worker is gone and its machines come from the index.
+# A worker back from a cut beats before it answers again (CI81: a deploy 1 s after a heal failed on its silence).
+ONE_SHOT_PATIENCE = WORKER_TTL
+AGAIN_AFTER = 0.1  # seconds between such askings (each has waited ANSWER_WITHIN already, unless the request broke)
 LOST_LOOK = 0.5  # seconds between looks at a worker an action waits on (its heartbeat expiring has no event)
 PROBE_WITHIN = 0.5  # a worker named by an edge proxy's signal has this long to answer before it is suspected
 
@@ -193,8 +198,11 @@ class Observer:
         no_room_for_spares: frozenset[str] = frozenset(),
         exits_since: float | None = None,
         only_region: str | None = None,
+        patience: float = 0.0,
     ) -> Observed:
-        """`only_region`: an operator of one region observes that region's machines and workers only."""
+        """`only_region`: an operator of one region observes that region's machines and workers only. `patience`:
+        seconds a live worker that does not answer is asked again (a loop's pass: none, it looks again anyway; a
+        one-shot command's: `ONE_SHOT_PATIENCE`); one whose heartbeat expires meanwhile is not waited for."""
         entries = [e for e in self.index.by_app(app) if only_region is None or e.region == only_region]
         wanted = set(regions) | {e.region for e in entries}
         alive = self.registry.workers()
@@ -203,12 +211,23 @@ class Observer:
             w.worker_id for w in alive if w.region in wanted and (only_region is None or w.region == only_region)
         ]
 
+        loop = asyncio.get_running_loop()
+        until = loop.time() + patience
+
         async def ask(worker_id: str) -> builtins.list[Machine] | None:
-            try:
-                return await self._machines_unless_lost(worker_id, app)
-            except FauxmadError as exc:
-                log.info("observe: worker %s did not answer: %s", worker_id, exc.message)
-                raise
+            while True:
+                try:
+                    return await self._machines_unless_lost(worker_id, app)
+                except Unanswered as exc:
+                    if not self.registry.is_live(worker_id):
+                        return None  # gone while we asked: its machines come from the index
+                    if loop.time() >= until:
+                        log.info("observe: worker %s did not answer: %s", worker_id, exc.message)
+                        raise
+                    await asyncio.sleep(AGAIN_AFTER)
+                except FauxmadError as exc:
+                    log.info("observe: worker %s did not answer: %s", worker_id, exc.message)
+                    raise
 
         answers = await asyncio.gather(*[ask(w) for w in workers])
         machines = [member(m) for group in answers if group is not None for m in group if m.state != "destroyed"]

@@ -34,6 +34,7 @@ from bus.contract.errors import Conflict, NotFound
 from orchestrator.apps.releases import Head, Release
 from orchestrator.apps.spec import AppSpec
 from orchestrator.reconcile.actions import Desired, Destroy
+from orchestrator.reconcile.observe import ONE_SHOT_PATIENCE
 from orchestrator.reconcile.preview import Planned, planned, problems, simulate
 from orchestrator.reconcile.reconciler import Converged, Reconciler
 
@@ -106,7 +107,7 @@ async def preview(r: Reconciler, spec: AppSpec) -> Preview:
     current = await r.releases.current(spec.app)
     changes = current is None or current.spec != spec or current.status not in ("complete", "running")
     version = await r.releases.next_version(spec.app) if changes or current is None else current.version
-    observed = await r.observer.observe(spec.app, list(spec.regions))
+    observed = await r.observer.observe(spec.app, list(spec.regions), patience=ONE_SHOT_PATIENCE)
     desired = Desired(app=spec.app, release=version, spec=spec)
     now = r.clock()
     return Preview(

@@ -259,3 +259,29 @@ def test_a_regions_operator_leaves_alone_an_app_that_runs_only_elsewhere() -> No
     arun(fleet.destroy("web", only.id, force=True))
     plan, _ = arun(regions_operator("mad").step(desired))
     assert [type(a).__name__ for a in plan.actions] == ["Create"], plan
+
+
+def test_a_deploy_asks_a_live_worker_that_did_not_answer_again_and_a_loop_pass_does_not() -> None:
+    """A worker back from a cut beats before it answers again: a deploy's first look asks it again while it is
+    live (`ONE_SHOT_PATIENCE`), where an operator's pass fails and looks again at its next poll."""
+    from bus.contract.errors import Unanswered
+
+    _, fleet, r = fleet_of(mad=2)
+    arun(rollout.deploy(r, app_spec()))
+    silent = fleet.machines("web")[0].worker_id
+    answered = fleet.call
+    misses = {"left": 0}
+
+    async def call(subject: str, request: msgspec.Struct, reply: type, *, timeout: float) -> object:
+        if subject == worker_machines(silent, "list") and misses["left"]:
+            misses["left"] -= 1
+            raise Unanswered(f"no answer on {subject} within {timeout:g}s")
+        return await answered(subject, request, reply, timeout=timeout)
+
+    fleet.call = call  # type: ignore[method-assign]
+    misses["left"] = 1
+    with pytest.raises(Unanswered):
+        arun(r.observer.observe("web", ["mad"]))
+    misses["left"] = 2
+    shown = arun(rollout.preview(r, app_spec(version="v2")))
+    assert misses["left"] == 0 and len([a for a in shown.actions]) > 0
