@@ -8,8 +8,14 @@ and every process follows it.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import typer
 
+from bus.contract.errors import Unreachable
 from bus.transport.connection import connect
 from bus.transport.fleet_layout import (
     REPLICA_CHOICES,
@@ -20,10 +26,20 @@ from bus.transport.fleet_layout import (
     set_replicas,
     write_layout,
 )
+from bus.transport.jetstream import WORKER_TTL
 from bus.transport.layout import Layout
 from bus.transport.nats_adapter import Nats
+from orchestrator.cli.deploy_progress import warn
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import JsonOption, NatsOption, fail, split_names, with_connected
+from orchestrator.cli.runtime import JsonOption, NatsOption, fail, split_names, with_client, with_connected
+
+if TYPE_CHECKING:
+    from orchestrator.client import FleetClient
+
+# How long `fleet replicas` waits, after the move, for the workers live before it to beat again: a move makes
+# the workers bucket unwritable for a few seconds (a heartbeat put then fails after its own 5 s), and the
+# brokers' registries drop a worker silent for a TTL; five TTLs cover a failed beat and the next.
+HEARD_AGAIN_WITHIN = 5 * WORKER_TTL
 
 
 def register(fleet_app: typer.Typer) -> None:
@@ -81,14 +97,59 @@ def replicas(
     count: int = typer.Argument(..., help="1, 3 or 5", callback=_check_replicas),
     nats: str | None = NatsOption,
 ) -> None:
-    """Move every bucket and stream of the fleet to COUNT replicas in place (after servers were added: 3)."""
+    """Move every bucket and stream of the fleet to COUNT replicas in place (after servers were added: 3).
 
-    async def go(nc: Nats) -> list[str]:
-        return await set_replicas(nc.jetstream(), count)
+    It returns once the workers live before the move beat again and the brokers list them (at most 15 s), so
+    the next command finds the fleet whole."""
 
-    changed = with_connected(nats, lambda url: connect(url, "fauxmad-replicas"), go)
+    async def go(client: FleetClient) -> tuple[list[str], list[str], float]:
+        before = await live_workers(client)
+        changed = await set_replicas(client.nc.jetstream(), count)
+        started = time.perf_counter()
+        silent = await heard_again(client, before, within=HEARD_AGAIN_WITHIN) if changed and before else []
+        return changed, silent, time.perf_counter() - started
+
+    changed, silent, waited = with_client(nats, go, name="fauxmad-replicas")
     console.print(
         f"the fleet's layout is R{count}; {len(changed)} streams and buckets moved"
         + (f": {', '.join(changed)}" if changed else ""),
         markup=False,
     )
+    if silent:
+        warn(
+            [
+                f"{len(silent)} worker(s) not heard within {HEARD_AGAIN_WITHIN:g}s of the move: {', '.join(silent)}"
+                " (`fauxmad workers` lists the live ones)"
+            ]
+        )
+    elif changed and waited >= 1.0:
+        console.print(f"every worker beat again {waited:.1f}s after the move", markup=False)
+
+
+async def live_workers(client: FleetClient) -> dict[str, float] | None:
+    """The live workers as the brokers list them (id: its last heartbeat's stamp), or None without a broker."""
+    try:
+        return {w.worker_id: w.heartbeat_at for w in await client.workers()}
+    except Unreachable:
+        return None
+
+
+async def heard_again(
+    client: FleetClient,
+    before: dict[str, float],
+    *,
+    within: float,
+    clock: Callable[[], float] = time.perf_counter,
+    every: float = 0.2,
+) -> list[str]:
+    """Wait until each worker of `before` is listed with a heartbeat newer than the one listed when the wait
+    began (one the brokers received after the move); returns those still not heard after `within` seconds."""
+    deadline = clock() + within
+    first = await live_workers(client) or {}
+    waiting = set(before)
+    while True:
+        now = await live_workers(client) or {}
+        waiting = {w for w in waiting if not (w in now and now[w] > first.get(w, 0.0))}
+        if not waiting or clock() >= deadline:
+            return sorted(waiting)
+        await asyncio.sleep(every)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,9 @@ from bus.contract.fleet import CreateRequest
 from bus.contract.machines import Guest, MachineConfig
 from bus.stores.kv_keys import kv_keys
 from bus.transport.fleet_layout import LAYOUT_BUCKET, read_layout
+from bus.transport.jetstream import WORKER_TTL
 from bus.transport.layout import REPLICAS_ENV, SUPERCLUSTER_ENV, Layout
+from orchestrator.cli.layout_cmd import heard_again, live_workers
 from orchestrator.client import FleetClient
 from orchestrator.devfleet import DevFleet, FleetSpec
 from orchestrator.logs import LogQuery
@@ -360,6 +363,8 @@ def test_an_r1_fleet_moves_to_r3_with_one_command_while_machines_and_jobs_run() 
         moved = fauxmad(fleet, "fleet", "replicas", "3")
         assert moved.returncode == 0, moved.stdout + moved.stderr
         assert "R3" in moved.stdout
+        listed_now = fauxmad(fleet, "workers", "--json")  # at once: the command waited for the workers' beats
+        assert [w["worker_id"] for w in json.loads(listed_now.stdout)] == ["mad-w1"], listed_now.stdout
         after = arun(_streams(fleet.url))
         assert {name: r for name, (r, _) in after.items() if r != 3} == {}
         for name, (_, seq) in before.items():
@@ -376,3 +381,26 @@ def test_an_r1_fleet_moves_to_r3_with_one_command_while_machines_and_jobs_run() 
         after_job = fauxmad(fleet, "job", "submit", "-a", "movejobs", "-r", "mad", "--wait", "--", "true")
         assert after_job.returncode == 0, after_job.stderr
         wait_until(lambda: fauxmad(fleet, "workers", "--json").stdout.count("worker_id") == 1, "the worker listed", 10)
+        arun(_heard_only_after_the_freeze(fleet))
+
+
+async def _heard_only_after_the_freeze(fleet: DevFleet) -> None:
+    """What `fleet replicas` waits with after a move: a worker silent past a TTL (frozen, as one whose beats
+    cannot be stored) counts as heard only by a beat after it thaws, and one still frozen is named."""
+    pid = next(p.pid for name, p in fleet.processes if name == "worker-mad-w1")
+    client = await FleetClient.connect(fleet.url)
+    try:
+        before = await live_workers(client)
+        assert before is not None and set(before) == {"mad-w1"}
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert await heard_again(client, before, within=1.0) == ["mad-w1"]
+            asyncio.get_running_loop().call_later(WORKER_TTL + 1, os.kill, pid, signal.SIGCONT)
+            waiting = asyncio.ensure_future(heard_again(client, before, within=30.0))
+            await asyncio.sleep(WORKER_TTL + 0.5)
+            assert not waiting.done()  # frozen past a TTL: not heard, still waiting
+            assert await waiting == []
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        await client.close()
