@@ -94,6 +94,7 @@ class Team:
         self.operator = start_operator(fleet.url, self.log)
         self.proxy = kit.ProxyProcess(fleet.url, REGION, tmp_path)
         self.statuses: dict[str, list[int]] = {app: [] for app in APPS}
+        self.failures: list[str] = []  # each request not answered 200: when, which app, and what the edge said
 
     def close(self) -> None:
         self.proxy.stop()
@@ -103,7 +104,11 @@ class Team:
     async def burst(self) -> None:
         for app in APPS:
             for _ in range(3):
-                self.statuses[app].append((await kit.get(self.proxy.port, f"{app}.localhost")).status)
+                answer = await kit.get(self.proxy.port, f"{app}.localhost")
+                self.statuses[app].append(answer.status)
+                if answer.status != 200:
+                    said = answer.body[:300].decode(errors="replace")
+                    self.failures.append(f"{time.strftime('%H:%M:%S')} {app}: {answer.status} {said!r}")
 
     async def resting(self, app: str) -> bool:
         machines = await alisting(self.fleet, app)
@@ -158,7 +163,7 @@ def test_the_operator_leaves_what_the_edge_stopped_suspended_or_created(fleet: D
     finally:
         team.close()
 
-    assert all(set(codes) == {200} for codes in team.statuses.values()), team.statuses
+    assert all(set(codes) == {200} for codes in team.statuses.values()), (team.failures, team.statuses)
     moves = operator_moves(team.log.read_text())
     on_edge_run = [(app, verb, target, why) for app, verb, target, why in moves if app in EDGE_RUN]
     # the only moves on edge-run apps: machines of the dead host replaced, made stopped (no start, stop, destroy)
