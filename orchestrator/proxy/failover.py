@@ -69,12 +69,11 @@ class Failover:
         entry = self.routes.entry(machine_id)
         if entry is not None:
             self.pool.drop(self.pool.address(entry, machine_port(app, entry)))
+        self.metrics.refused.labels(app.name).inc()
         if refused and self.binding(machine_id):
-            self.metrics.refused.labels(app.name).inc()
             return
         first = machine_id not in self.bad
         self.bad[machine_id] = self.clock() + self.config.avoid_for
-        self.metrics.refused.labels(app.name).inc()
         if first and self.publish is not None and entry is not None:
             signal = ProxyUnreachable(
                 app=app.name,

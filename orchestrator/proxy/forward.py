@@ -23,7 +23,7 @@ from orchestrator.proxy.exchange import Exchange, Refused
 from orchestrator.proxy.http import CHUNK, HOP_BY_HOP, Head, HttpError, Response, parse_response, relay_body
 from orchestrator.proxy.request import Body, Request, origin_form
 from orchestrator.proxy.routes import App, RouteTable
-from orchestrator.proxy.upstream import Conn, Pool
+from orchestrator.proxy.upstream import Address, Conn, Pool
 
 
 class UpstreamFailed(Exception):
@@ -60,12 +60,7 @@ class Forwarder:
             raise UpstreamFailed(f"{machine_id} has no known port", resend=True)
         ex.machine, ex.region = machine_id, entry.region
         address = self.pool.address(entry, machine_port(app, entry))
-        try:
-            conn = await self.pool.get(address, fresh=fresh)
-        except OSError as exc:
-            refused = isinstance(exc, ConnectionRefusedError)
-            raise UpstreamFailed(f"{machine_id}: {exc.strerror or exc}", resend=True, refused=refused) from None
-        self.routes.bound(machine_id)
+        conn = await self._connection(address, machine_id, fresh)
         try:
             await self._exchange(ex, conn, reader, writer, client_ip, upgrade)
             return
@@ -79,16 +74,23 @@ class Forwarder:
             conn.close()
             raise
         # a kept connection the machine had closed meanwhile: once more on a new one, same machine
-        try:
-            conn = await self.pool.get(address, fresh=True)
-        except OSError as exc:
-            refused = isinstance(exc, ConnectionRefusedError)
-            raise UpstreamFailed(f"{machine_id}: {exc.strerror or exc}", resend=True, refused=refused) from None
+        conn = await self._connection(address, machine_id, True)
         try:
             await self._exchange(ex, conn, reader, writer, client_ip, upgrade)
         except BaseException:
             conn.close()
             raise
+
+    async def _connection(self, address: Address, machine_id: str, fresh: bool) -> Conn:
+        """A connection to the machine (kept or `fresh`), which then counts as bound; one it could not get is an
+        `UpstreamFailed` that says whether it was refused (nothing reached the machine)."""
+        try:
+            conn = await self.pool.get(address, fresh=fresh)
+        except OSError as exc:
+            refused = isinstance(exc, ConnectionRefusedError)
+            raise UpstreamFailed(f"{machine_id}: {exc.strerror or exc}", resend=True, refused=refused) from None
+        self.routes.bound(machine_id)
+        return conn
 
     async def _exchange(
         self,
