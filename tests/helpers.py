@@ -19,6 +19,7 @@ import pytest
 import uvloop
 
 from bus.local.ports import machine_slices
+from bus.local.server_options import CLIENT_LIVENESS
 from tests import cli_fork
 
 if TYPE_CHECKING:
@@ -466,6 +467,8 @@ def nats_config_denying(port: int, store: Path, user: str, deny: str | None) -> 
     return (
         f"port: {port}\nserver_name: {user}-denied\n"
         f"jetstream {{ store_dir: {json.dumps(str(store))}, sync_interval: always }}\n"
+        + "\n".join(CLIENT_LIVENESS)
+        + "\n"
         "authorization { users: [\n"
         "  {user: fleet, password: fleet}\n"
         f"  {{user: {user}, password: {user}{denied}}}\n"

@@ -25,6 +25,7 @@ from types import TracebackType
 
 from bus.contract.errors import Unreachable
 from bus.local.ports import free_port
+from bus.local.server_options import CLIENT_LIVENESS
 
 
 def find_binary() -> str:
@@ -97,6 +98,8 @@ class EmbeddedNats:
                 f"jetstream {{\n  store_dir: {json.dumps(str(self.store_dir))}\n"
                 + ("  sync_interval: always\n" if self.sync_always else "")
                 + "}\n"
+                + "\n".join(CLIENT_LIVENESS)
+                + "\n"
             )
         args = [
             *self.wrap,

@@ -37,6 +37,7 @@ from bus.contract.errors import Unreachable
 from bus.local.embedded import EmbeddedNats
 from bus.local.gateway_relay import GatewayRelay
 from bus.local.ports import free_port
+from bus.local.server_options import CLIENT_LIVENESS
 
 
 class ServerAddress(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,7 +143,7 @@ def render_config(
         if server.gateway_advertise:
             lines.append(f'  advertise: "{server.gateway_advertise}"')
         lines += ["  gateways: [", remote_gateways, "  ]", "}"]
-    lines.append("max_payload: 8MB")
+    lines += [*CLIENT_LIVENESS, "max_payload: 8MB"]
     if secure_include is not None:
         lines.append(f'include "{secure_include}"')
     return "\n".join(lines) + "\n"

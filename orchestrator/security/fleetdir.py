@@ -31,6 +31,7 @@ import msgspec
 import nkeys
 
 from bus.contract.subjects import check_token
+from bus.local.server_options import CLIENT_LIVENESS
 from bus.stores.secrets import new_private_key
 from bus.transport import credentials
 from orchestrator.security.roles import Identity, Permissions, Role, permissions
@@ -117,6 +118,7 @@ class FleetDir:
                 f"  store_dir: {json.dumps(str(root / 'jetstream'))}",
                 "  sync_interval: always",
                 "}",
+                *CLIENT_LIVENESS,
                 "include users.conf",
                 "",
             ]

@@ -94,6 +94,15 @@ async def on_worker(nc: Any, worker_id: str, app: str) -> list[Machine]:
     return msgspec.json.decode(msg.data, type=list[Machine])
 
 
+async def once_back_on(nc: Any, worker_id: str, app: str) -> list[Machine] | None:
+    """`on_worker` for a worker just thawed: None while it reconnects (frozen past a few seconds, its server
+    dropped its connection: `bus.local.server_options`)."""
+    try:
+        return await on_worker(nc, worker_id, app)
+    except nats.errors.NoRespondersError:
+        return None
+
+
 async def events_of(nc: Any, worker_id: str, machine_id: str) -> list[str]:
     payload = msgspec.json.encode({"id": machine_id, "events": True})
     msg = await nc.request(f"fauxmad.v1.worker.{worker_id}.machines.get", payload, timeout=5)
@@ -166,7 +175,8 @@ def test_a_frozen_worker_back_never_runs_the_id_the_retry_placed_elsewhere(
             os.kill(worker.proc.pid, signal.SIGCONT)  # back: the reserve's launch goes on, and asks the claim
 
             async def destroyed() -> bool:
-                return any(m.id == first and m.state == "destroyed" for m in await on_worker(nc, worker.worker_id, app))
+                listed = await once_back_on(nc, worker.worker_id, app)
+                return listed is not None and any(m.id == first and m.state == "destroyed" for m in listed)
 
             await until(destroyed, f"{worker.worker_id} destroying its fenced copy {first}", timeout=15)
             statuses = await events_of(nc, worker.worker_id, first)
@@ -201,7 +211,9 @@ def test_a_refused_retry_keeps_the_fence_so_one_key_never_gets_two_machines(
             os.kill(worker.proc.pid, signal.SIGCONT)
 
             async def back_and_clean() -> bool:
-                listed = await on_worker(nc, worker.worker_id, app)
+                listed = await once_back_on(nc, worker.worker_id, app)
+                if listed is None:
+                    return False
                 return not await heartbeat_gone(nc, worker.worker_id) and all(m.state == "destroyed" for m in listed)
 
             await until(back_and_clean, f"{worker.worker_id} back, its fenced copy destroyed", timeout=15)
