@@ -24,11 +24,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 TOOLS = ("mkfs.ext4", "mount", "umount", "losetup", "resize2fs", "e2fsck", "findmnt")
@@ -124,18 +127,22 @@ class VolumeFs:
         try:
             _run("losetup", "-c", device)  # the loop device learns the file's new size
             _run("resize2fs", device)  # online grow of a mounted ext4
-        except VolumeFsError:
-            pass
+        except VolumeFsError as exc:
+            log.warning("volume %s: the online grow to %d GB was refused: %s", volume_id, size_gb, exc)
         # resize2fs can exit 0 having grown nothing ("already N blocks long", when the loop device has not
         # taken the file's new size): only the filesystem's own size says it grew
-        if self._fs_bytes(volume_id, mode) >= size_gb * GIB * 0.9:
+        if (now := self._fs_bytes(volume_id, mode)) >= size_gb * GIB * 0.9:
             return True
+        log.warning("volume %s: %d bytes after the online grow to %d GB (%s)", volume_id, now, size_gb, device)
         if not offline_ok:
             return False
         _run("umount", str(self.path(volume_id)))
         _run("e2fsck", "-f", "-p", str(image), ok=(0, 1))  # 1: it fixed something
         _run("resize2fs", str(image))
         _run("mount", "-o", "loop", str(image), str(self.path(volume_id)))
+        if (now := self._fs_bytes(volume_id, mode)) < size_gb * GIB * 0.9:
+            log.warning("volume %s: %d bytes after the offline grow to %d GB", volume_id, now, size_gb)
+            return False
         return True
 
     def _fs_bytes(self, volume_id: str, mode: str) -> int:

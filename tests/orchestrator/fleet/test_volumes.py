@@ -117,11 +117,13 @@ def test_the_size_is_enforced_and_extend_grows_it_online(fleet: DevFleet) -> Non
         assert over.exit_code != 0 and "No space left on device" in over.stderr, over
         grown = await c.volume_extend("size", volume.id, 2)  # while the machine runs
         assert grown.size_gb == 2
-        if grown.blocks * grown.block_size < 1.8e9:  # the kernel refused an online resize: at the next start
+        restarted = grown.blocks * grown.block_size < 1.8e9
+        if restarted:  # the kernel refused an online resize: at the next start
             await c.stop("size", m.id)
             await c.start("size", m.id)
             await c.wait("size", m.id, "started", timeout=30)
-        assert (await c.volume_get("size", volume.id)).blocks * grown.block_size > 1.8e9
+        now = await c.volume_get("size", volume.id)
+        assert now.blocks * now.block_size > 1.8e9, (f"restarted: {restarted}", grown.blocks, now)
         again = await c.exec("size", m.id, ["sh", "-c", put, "sh", "600M", "b"])
         assert again.exit_code == 0, again.stderr
         with pytest.raises(FauxmadError, match="only grows"):
