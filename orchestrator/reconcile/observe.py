@@ -17,6 +17,7 @@ import asyncio
 import builtins
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 from bus.contract import subjects
@@ -107,9 +108,12 @@ class Observer:
         answer_within: float = ANSWER_WITHIN,
         probe_within: float = PROBE_WITHIN,
         route: Route = to_workers,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: what a one-shot observation's patience is measured on (a test's own, to run it without waiting)."""
         self.bus = bus
         self.route = route
+        self.clock = clock
         self.answer_within = answer_within
         self.probe_within = probe_within
         self.registry = registry or Registry()
@@ -211,21 +215,19 @@ class Observer:
             w.worker_id for w in alive if w.region in wanted and (only_region is None or w.region == only_region)
         ]
 
-        loop = asyncio.get_running_loop()
-        until = loop.time() + patience
+        until = self.clock() + patience
 
         async def ask(worker_id: str) -> builtins.list[Machine] | None:
             while True:
                 try:
                     return await self._machines_unless_lost(worker_id, app)
-                except Unanswered as exc:
-                    if not self.registry.is_live(worker_id):
-                        return None  # gone while we asked: its machines come from the index
-                    if loop.time() >= until:
-                        log.info("observe: worker %s did not answer: %s", worker_id, exc.message)
-                        raise
-                    await asyncio.sleep(AGAIN_AFTER)
                 except FauxmadError as exc:
+                    if isinstance(exc, Unanswered):
+                        if not self.registry.is_live(worker_id):
+                            return None  # gone while we asked: its machines come from the index
+                        if self.clock() < until:
+                            await asyncio.sleep(AGAIN_AFTER)
+                            continue
                     log.info("observe: worker %s did not answer: %s", worker_id, exc.message)
                     raise
 

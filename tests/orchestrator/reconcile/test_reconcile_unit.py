@@ -285,3 +285,29 @@ def test_a_deploy_asks_a_live_worker_that_did_not_answer_again_and_a_loop_pass_d
     misses["left"] = 2
     shown = arun(rollout.preview(r, app_spec(version="v2")))
     assert misses["left"] == 0 and len([a for a in shown.actions]) > 0
+
+
+def test_a_deploys_patience_is_measured_on_the_observers_clock_and_ends() -> None:
+    """A live worker that never answers is asked again until the patience is used up, by the observer's clock
+    (injected: no wall time passes here), and then the pass fails with its silence."""
+    from bus.contract.errors import Unanswered
+
+    _, fleet, r = fleet_of(mad=2)
+    arun(rollout.deploy(r, app_spec()))
+    silent = fleet.machines("web")[0].worker_id
+    answered = fleet.call
+    asked = {"times": 0}
+    now = {"t": 100.0}
+
+    async def call(subject: str, request: msgspec.Struct, reply: type, *, timeout: float) -> object:
+        if subject == worker_machines(silent, "list"):
+            asked["times"] += 1
+            now["t"] += timeout  # each asking waits its timeout, on the observer's clock
+            raise Unanswered(f"no answer on {subject} within {timeout:g}s")
+        return await answered(subject, request, reply, timeout=timeout)
+
+    fleet.call = call  # type: ignore[method-assign]
+    r.observer.clock = lambda: now["t"]
+    with pytest.raises(Unanswered):
+        arun(r.observer.observe("web", ["mad"], patience=3 * r.observer.answer_within))
+    assert asked["times"] == 3  # each waited one timeout: the third ended the patience
