@@ -5,10 +5,10 @@ which then leaves the machines stopped here alone).
 
 Beyond Fly (which stops one machine per region every few minutes): every idle machine past its timeout
 goes at once, farthest region first. Idle means idle for every proxy: no request in flight through this
-one and none finished within the timeout, counted from when it last served or from when this proxy first
-saw it started, and no other proxy said it served the machine meanwhile (`Activity`: each proxy publishes,
-once a round, the machines it used since the last one). The choice is a pure function; the loop around it
-only asks the brokers to stop.
+one (nor waiting for the machine's start: `Waker.waking`) and none finished within the timeout, counted from
+when it last served or from when this proxy first saw it started, and no other proxy said it served the
+machine meanwhile (`Activity`: each proxy publishes, once a round, the machines it used or woke since the last
+one). The choice is a pure function; the loop around it only asks the brokers to stop.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 from bus.contract.errors import FauxmadError
 from orchestrator.apps.ownership import RUNNING
@@ -63,6 +64,7 @@ class IdleStopper:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         on_stopped: Callable[[str, str, str], None] = lambda app, machine_id, why: None,
         share: Callable[[str, list[str]], None] | None = None,
+        waking: Callable[[], AbstractSet[str]] = frozenset,
     ) -> None:
         self.routes = routes
         self.client = client
@@ -74,6 +76,7 @@ class IdleStopper:
         self.sleep = sleep
         self.on_stopped = on_stopped  # (app, machine id, what and why) once the brokers stopped or suspended it
         self.share = share  # tells the other proxies which of an app's machines this one used since the last round
+        self.waking = waking  # the machines requests here wait for (`Waker.waking`): in use, though not yet reached
         self.peer_used: dict[str, float] = {}  # machine id -> when another proxy last said it used it
         self._reported = clock()
 
@@ -111,11 +114,15 @@ class IdleStopper:
         now = self.clock()
         since, self._reported = self._reported, now
         stopped: list[str] = []
+        waking = self.waking()
         for name in self.routes.apps.names():
             app = self.routes.app(name)
             if app is None or app.service.auto_stop == "off":
                 continue
-            machines = [Candidate(m.id, m.region, m.state, self.loads.get(m.id, 0)) for m in self.routes.machines(name)]
+            machines = [
+                Candidate(m.id, m.region, m.state, self.loads.get(m.id, 0) + (m.id in waking))
+                for m in self.routes.machines(name)
+            ]
             self._report(name, machines, since)
             for m in machines:
                 if m.state == "started":

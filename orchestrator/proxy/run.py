@@ -112,6 +112,7 @@ async def run_proxy(
             clock=time.monotonic,
             on_stopped=lambda app, machine_id, why: _stopped(metrics, app, machine_id, why),
             share=share,
+            waking=proxy.waker.waking if proxy.waker is not None else frozenset,
         )
         await nc.subscribe(subjects.PROXY_ACTIVITY_ALL, cb=on_activity)
         server = await asyncio.start_server(proxy.handle, listen.host, listen.port, limit=MAX_HEAD, backlog=1024)

@@ -61,10 +61,17 @@ class Waker:
         self.ready_timeout = ready_timeout
         self.on_woken = on_woken  # once the machine accepts connections (the proxy counts it and says so)
         self.starting: dict[str, asyncio.Future[MachineIndexEntry]] = {}
+        self._readying: set[str] = set()  # machines started or created for requests, not accepting connections yet
         self._creating: dict[tuple[str, str], asyncio.Future[MachineIndexEntry]] = {}
 
     async def start(self, app: str, machine_id: str) -> MachineIndexEntry:
         return await asyncio.shield(self.begin(app, machine_id))
+
+    def waking(self) -> set[str]:
+        """The machines requests wait for now (their start, resume or create in flight, or their port not open
+        yet): in use, for this proxy's autostop and for its peers' (`idle.IdleStopper`), though no request has
+        reached them. A peer that stopped one because it saw it started and unused would undo the wake."""
+        return self._readying | self.starting.keys()
 
     def begin(self, app: str, machine_id: str, *, ahead: bool = False) -> asyncio.Future[MachineIndexEntry]:
         """The machine's start (or resume), begun now or the one in flight: never cancel it, others share it.
@@ -123,7 +130,11 @@ class Waker:
             # app an accept (and a fork, for an app with a process per connection) on the held request
             self.on_woken(Woken(machine.app, machine.id, machine.region, kind, why))
             return entry
-        conn = await connect_when_up(address, self.ready_timeout, pool=self.pool)
+        self._readying.add(machine.id)
+        try:
+            conn = await connect_when_up(address, self.ready_timeout, pool=self.pool)
+        finally:
+            self._readying.discard(machine.id)
         if conn is None:
             raise WakeError(
                 f"{machine.id} did not accept connections on port {address.port} within {self.ready_timeout:g}s"

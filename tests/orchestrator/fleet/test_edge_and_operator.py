@@ -220,3 +220,37 @@ def test_a_machine_busy_through_another_proxy_is_not_stopped_as_idle(fleet: DevF
     finally:
         quiet.stop()
         busy.stop()
+
+
+def test_a_machine_one_proxy_wakes_for_a_request_is_not_stopped_by_another_meanwhile(
+    fleet: DevFleet, tmp_path: Path
+) -> None:
+    """CI91: a machine started for a held request took seconds to listen on a loaded host; the other proxy, which
+    saw it started and unused past its idle timeout, stopped it, and the request waited out its 10 s for nothing.
+    A machine a request waits for is in use for both proxies (`Waker.waking`). Here it listens 4 s after it starts,
+    with an idle timeout of 2 s (the proxies tell each other of their use once a second)."""
+    app = "slowbind"
+    spec = tmp_path / f"{app}.toml"
+    spec.write_text(
+        f'app = "{app}"\ncmd = ["sh", "-c", "sleep 4; exec python3 {kit.ECHO}"]\n[guest]\nmemory_mb = 64\n'
+        f'[regions]\n{REGION} = 1\n[http_service]\nauto_stop = "stop"\nidle_timeout = "2s"\n'
+    )
+    done = fauxmad(fleet, "deploy", "-c", str(spec))
+    assert done.returncode == 0, done.stdout + done.stderr
+    (machine,) = listing(fleet, app)
+    quiet = kit.ProxyProcess(fleet.url, REGION, tmp_path)  # sees no traffic at all
+    busy = kit.ProxyProcess(fleet.url, REGION, tmp_path)
+    try:
+        helpers.wait_until(lambda: listing(fleet, app)[0].state == "stopped", "the unused machine stopped", 20)
+        asked = time.time()
+        answer = arun(kit.get(busy.port, f"{app}.localhost"))
+        answered = time.time()
+        assert answer.status == 200, (answer.status, answer.body[:300], quiet.log_path.read_text()[-2000:])
+        # the busy proxy stops it a second after the answer, rightly: what must not be is a stop while it was waited for
+        shown = json.loads(fauxmad(fleet, "machine", "show", machine.id, "-a", app, "--json").stdout)
+        woken = [e for e in shown["events"] if asked <= e["timestamp"] / 1000 <= answered]
+        assert "started" in [e["status"] for e in woken if e["type"] == "transition"], woken
+        assert not [e for e in woken if e["status"] == "stopping"], (woken, quiet.log_path.read_text()[-2000:])
+    finally:
+        quiet.stop()
+        busy.stop()
