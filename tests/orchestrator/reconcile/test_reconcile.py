@@ -37,7 +37,9 @@ def write_spec(
     spares: int = 1,
     strategy: str = "rolling",
     cmd: str | None = None,
-    wait: str = "6s",
+    wait: str = "30s",  # a good release is waited for as long as it takes to be healthy: CI91 had a machine of
+    # `write_spec`'s Python app not listening 6 s after its start (four files at a time on two cores); a test
+    # of a release that never gets healthy says how long it waits (`wait="3s"`)
     max_unavailable: str = "1",
     extra: str = "",
 ) -> Path:
