@@ -214,17 +214,31 @@ def _text(data: bytes) -> str:
 def run(args: list[str], env: Mapping[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     """`python -m orchestrator.cli ARGS` with `env` in `cwd`, forked from the server; like `subprocess.run` with
     `capture_output=True, text=True, timeout=timeout` (the command is killed, with what it started, on a timeout)."""
-    path = _started()
-    argv = [sys.executable, "-m", "orchestrator.cli", *args]
-    request = json.dumps({"args": args, "env": dict(env), "cwd": str(cwd)}).encode()
     with (
         open(os.devnull, "rb") as stdin,
         tempfile.TemporaryFile() as out,
         tempfile.TemporaryFile() as err,
-        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn,
     ):
+        try:
+            code = run_on(args, env, cwd, timeout, (stdin.fileno(), out.fileno(), err.fileno()))
+        except subprocess.TimeoutExpired as expired:
+            out.seek(0)
+            err.seek(0)
+            raise subprocess.TimeoutExpired(expired.cmd, timeout, out.read(), err.read()) from None
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(_argv(args), code, _text(out.read()), _text(err.read()))
+
+
+def run_on(args: list[str], env: Mapping[str, str], cwd: Path, timeout: float, fds: tuple[int, int, int]) -> int:
+    """The command forked with `fds` as its stdin, stdout and stderr (a terminal's, a file's); its exit code once
+    it has ended (negative: the signal that killed it). Past `timeout` it is killed with what it started, and
+    `subprocess.TimeoutExpired` raised."""
+    path = _started()
+    request = json.dumps({"args": args, "env": dict(env), "cwd": str(cwd)}).encode()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
-        socket.send_fds(conn, [HEADER.pack(len(request))], [stdin.fileno(), out.fileno(), err.fileno()])
+        socket.send_fds(conn, [HEADER.pack(len(request))], list(fds))
         conn.sendall(request)
         conn.settimeout(timeout)
         reply = conn.makefile("rb")
@@ -236,14 +250,14 @@ def run(args: list[str], env: Mapping[str, str], cwd: Path, timeout: float) -> s
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            out.seek(0)
-            err.seek(0)
-            raise subprocess.TimeoutExpired(argv, timeout, out.read(), err.read()) from None
+            raise subprocess.TimeoutExpired(_argv(args), timeout) from None
         if not line:
             raise RuntimeError(f"the CLI fork server went away while running {args}")
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(argv, int(line), _text(out.read()), _text(err.read()))
+        return int(line)
+
+
+def _argv(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "orchestrator.cli", *args]
 
 
 if __name__ == "__main__":

@@ -19,16 +19,19 @@ import shlex
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
 from orchestrator.devfleet import DevFleet, FleetSpec
+from tests import cli_fork, helpers
 from tests.helpers import ROOT
 
 APP = "fits-a-rather-long-app-name"
@@ -63,14 +66,7 @@ def _env(url: str | None, **extra: str) -> dict[str, str]:
 
 def piped(url: str | None, *args: str, columns: int | None = None, **extra: str) -> subprocess.CompletedProcess[str]:
     env = _env(url, **extra) | ({"COLUMNS": str(columns)} if columns else {})
-    return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=str(ROOT),
-    )
+    return helpers.fauxmad(*args, env=env, drop=os.environ)
 
 
 def in_terminal(url: str, *args: str, columns: int) -> str:
@@ -78,18 +74,57 @@ def in_terminal(url: str, *args: str, columns: int) -> str:
     return ANSI.sub("", raw_terminal(url, *args, columns=columns)).replace("\r\n", "\n")
 
 
+class Command:
+    """A command running with a terminal's side as its stdin and stdout, its stderr kept: forked from the suite's
+    CLI server (`tests.cli_fork`) where its environment allows, else a new interpreter."""
+
+    def __init__(self, args: list[str], env: dict[str, str], slave: int, stderr: IO[bytes]) -> None:
+        self.args = args
+        self.stderr = stderr
+        self.code: int | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.thread: threading.Thread | None = None
+        if cli_fork.forkable(env):
+            fds = (slave, slave, self.stderr.fileno())
+
+            def forked() -> None:
+                self.code = cli_fork.run_on(args, env, ROOT, 120, fds)
+
+            self.thread = threading.Thread(target=forked, daemon=True)
+            self.thread.start()
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "orchestrator.cli", *args],
+                stdin=slave,
+                stdout=slave,
+                stderr=self.stderr,
+                env=env,
+                cwd=str(ROOT),
+            )
+
+    def ended(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is not None
+        assert self.thread is not None
+        return not self.thread.is_alive()
+
+    def result(self) -> tuple[int | None, str]:
+        """Its exit code (once ended) and what it wrote to stderr."""
+        if self.proc is not None:
+            self.code = self.proc.wait(120)
+        self.stderr.seek(0)
+        return self.code, self.stderr.read().decode()
+
+
 def raw_terminal(url: str, *args: str, columns: int) -> str:
     """What the command wrote to a terminal `columns` wide, escape sequences and all; it must exit 0."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        stdin=slave,
-        stdout=slave,
-        stderr=subprocess.PIPE,
-        env=_env(url, TERM="xterm-256color"),
-        cwd=str(ROOT),
-    )
+    with tempfile.TemporaryFile() as stderr:
+        return _read_terminal(Command(list(args), _env(url, TERM="xterm-256color"), slave, stderr), master, slave)
+
+
+def _read_terminal(command: Command, master: int, slave: int) -> str:
     # Read until the child has ended and everything it wrote has come through. After its exit, what it wrote may
     # still be on its way to the master (the kernel moves a pty's output over in a work item of its own), so the end
     # is a marker this process writes to the slave once the child has ended: it comes through after the child's
@@ -102,18 +137,17 @@ def raw_terminal(url: str, *args: str, columns: int) -> str:
     marked = False
     try:
         while not (marked and received.endswith(end)):
-            if not marked and proc.poll() is not None:
+            if not marked and command.ended():
                 os.write(slave, end)
                 marked = True
             if select.select([master], [], [], 0.05)[0]:
                 received += os.read(master, 65536)
-            assert time.monotonic() < deadline, f"{args[:3]}: still running after 120 s"
+            assert time.monotonic() < deadline, f"{command.args[:3]}: still running after 120 s"
     finally:
         os.close(slave)
         os.close(master)
-    assert proc.wait(120) == 0, proc.stderr.read().decode() if proc.stderr else ""
-    if proc.stderr:
-        proc.stderr.close()
+    code, said = command.result()
+    assert code == 0, said
     return bytes(received[: -len(end)]).decode()
 
 
