@@ -22,6 +22,10 @@ judged as of the last heartbeat heard (the clock stops for them, up to `SILENCE_
 arrive meanwhile do not remove them, and when heartbeats come back each of those workers gets a TTL from then
 to beat again. One worker dying never silences the others; two or more dying in the same instant are seen gone
 after `SILENCE_LIMIT` rather than after the TTL. A supercluster's regions are separate buckets, judged apart.
+A heartbeat delivered again (the very bytes last applied for its key: a watch made again replays the bucket's
+current values) is no news: it neither ends a silence nor makes its worker younger. Taken for news, a new watch's
+replay of the last beats ends the silence, and their expiry markers, a moment later, remove every worker: the
+sequence that explains an empty `fauxmad workers` in CI, 5 s after a server's kill.
 
 Before its watch runs (a broker that answers while JetStream cannot make it one yet, orchestrator/broker/readiness.py),
 the registry can `hear` the heartbeats as the workers publish them: a KV put is a message on `$KV.<bucket>.<key>`,
@@ -59,6 +63,7 @@ class Registry(KVReplica):
         self._workers: dict[str, WorkerInfo] = {}  # key "<region>.<worker_id>"
         self._by_region: dict[str, dict[str, WorkerInfo]] = {}
         self._seen_at: dict[str, float] = {}
+        self._beat: dict[str, bytes] = {}  # key -> the heartbeat last applied (a replay of it is no news)
         self._sorted_ids: dict[str, list[str]] = {}  # per region, for O(1) sampling; dropped when membership changes
         self._departed: asyncio.Event | None = None
         self._suspected: dict[str, float] = {}  # worker id -> when it was found silent
@@ -166,6 +171,7 @@ class Registry(KVReplica):
                 return  # expired for the store's silence, not the worker's: judged by its time (`_fresh`)
             info = self._workers.pop(key, None)
             self._seen_at.pop(key, None)
+            self._beat.pop(key, None)
             if info is not None:
                 self._by_region.get(info.region, {}).pop(info.worker_id, None)
                 self._sorted_ids.pop(info.region, None)
@@ -173,6 +179,8 @@ class Registry(KVReplica):
             if departed is not None:
                 departed.set()
         else:
+            if self._beat.get(key) == value and key in self._workers:
+                return  # delivered again (a new watch's current values): heard already
             try:
                 info = decoder(WorkerInfo).decode(value)
             except Exception:
@@ -187,6 +195,7 @@ class Registry(KVReplica):
             self._heard_from(key, now)
             self._workers[key] = info
             self._seen_at[key] = now
+            self._beat[key] = value
             self._by_region.setdefault(info.region, {})[info.worker_id] = info
 
     def _alive(self, key: str, info: WorkerInfo) -> bool:

@@ -397,6 +397,33 @@ def test_a_silence_of_the_whole_bucket_is_the_store_s_not_every_worker_s() -> No
     assert quiet.workers() == []  # a silence longer than SILENCE_LIMIT (20 s) is every worker's
 
 
+def test_a_new_watch_replaying_the_last_beats_does_not_end_the_store_s_silence() -> None:
+    """A watch made again during the silence delivers the bucket's current values (the last beats, once more), then
+    their expiry markers: the replay is no news, so the markers find the silence still on and remove nobody."""
+    now = [100.0]
+    beats: dict[str, bytes] = {}
+    registry = Registry(ttl=5.0, clock=lambda: now[0])
+    for i in range(2):
+        info = WorkerInfo(
+            worker_id=f"w{i}",
+            region="r",
+            capacity=Resources(cpus=4, memory_mb=4096),
+            used=Resources(),
+            heartbeat_at=100,
+        )
+        beats[f"r.w{i}"] = msgspec.json.encode(info)
+        registry.apply(f"r.w{i}", beats[f"r.w{i}"])
+    now[0] = 104.0  # silent for 4 s (past half the ttl)
+    for key, beat in beats.items():
+        registry.apply(key, beat)  # the new watch's current values: the same beats again
+    now[0] = 104.1
+    for key in beats:
+        registry.apply(key, None)  # then their expiry markers
+    assert registry.live_ids("r") == {"w0", "w1"}
+    now[0] = 106.0  # past the ttl from the last real beat, still within the silence
+    assert [w.worker_id for w in registry.workers()] == ["w0", "w1"]
+
+
 def test_the_registry_sample_gives_up_on_a_region_too_small() -> None:
     registry = registry_of(3, lambda: 100.0)
     assert registry.sample("r", 2, random.Random(1), exclude={"w0"}) is None
