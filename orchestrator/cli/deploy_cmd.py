@@ -22,7 +22,7 @@ from rich.table import Table
 from bus.stores.images import ImageError
 from orchestrator.apps.spec import AppSpec
 from orchestrator.cli.app_options import CONFIG, load_app_spec, with_reconciler
-from orchestrator.cli.deploy_progress import DeployDisplay, cannot_deploy, fail_lines, print_outcome, warn
+from orchestrator.cli.deploy_progress import DeployDisplay, cannot_deploy, print_outcome
 from orchestrator.cli.detached_deploy import Detached, finish_detached, start_detached
 from orchestrator.cli.render import console, print_json
 from orchestrator.cli.runtime import (
@@ -31,7 +31,9 @@ from orchestrator.cli.runtime import (
     check_region,
     checked,
     fail,
+    fail_lines,
     serve_connected,
+    warn,
     with_connected,
 )
 from orchestrator.images import pin_image

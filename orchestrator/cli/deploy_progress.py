@@ -9,12 +9,11 @@ from __future__ import annotations
 import re
 from typing import Any, NoReturn
 
-import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from orchestrator.cli.render import console, literal
-from orchestrator.cli.runtime import fail
+from orchestrator.cli.runtime import fail_lines
 from orchestrator.reconcile.actions import Plan
 from orchestrator.reconcile.executor import Result
 from orchestrator.reconcile.rollout import DeployOutcome
@@ -75,18 +74,6 @@ class DeployDisplay:
                 return
             line += f" (failed: {result.error})"
         self.progress.console.print(line, highlight=False, markup=False)
-
-
-def fail_lines(lines: list[str], code: int = 1) -> NoReturn:
-    """Fail with one line per distinct error, each `fauxmad: ...` (the last through the CLI's edge)."""
-    for line in lines[:-1]:
-        typer.echo(f"fauxmad: {line}", err=True)
-    fail(lines[-1], code)
-
-
-def warn(lines: list[str]) -> None:
-    for line in lines:
-        typer.echo(f"fauxmad: warning: {line}", err=True)
 
 
 def print_outcome(outcome: DeployOutcome) -> None:

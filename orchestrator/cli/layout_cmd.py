@@ -29,9 +29,8 @@ from bus.transport.fleet_layout import (
 from bus.transport.jetstream import WORKER_TTL
 from bus.transport.layout import Layout
 from bus.transport.nats_adapter import Nats
-from orchestrator.cli.deploy_progress import warn
 from orchestrator.cli.render import console, print_json
-from orchestrator.cli.runtime import JsonOption, NatsOption, fail, split_names, with_client, with_connected
+from orchestrator.cli.runtime import JsonOption, NatsOption, fail, split_names, warn, with_client, with_connected
 
 if TYPE_CHECKING:
     from orchestrator.client import FleetClient

@@ -68,6 +68,19 @@ def fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     raise CliError(message, code)
 
 
+def fail_lines(lines: list[str], code: int = EXIT_FAILED) -> NoReturn:
+    """Fail with one line per distinct error, each `fauxmad: ...` (the last through the CLI's edge)."""
+    for line in lines[:-1]:
+        typer.echo(f"fauxmad: {line}", err=True)
+    fail(lines[-1], code)
+
+
+def warn(lines: list[str]) -> None:
+    """One `fauxmad: warning: ...` line each on stderr: something the user should know, the command still done."""
+    for line in lines:
+        typer.echo(f"fauxmad: warning: {line}", err=True)
+
+
 def key_values(pairs: list[str], option: str = "--env") -> dict[str, str]:
     """`KEY=VALUE` options (--env, --metadata) as a dict; a pair without `=` or a key exits 2 naming it."""
     values: dict[str, str] = {}
