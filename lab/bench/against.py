@@ -145,9 +145,9 @@ def build(rev: str, sha: str, cache: Path, progress: Progress) -> Path:
             raise BenchError(f"git worktree add of {rev} failed: {_last(added.stderr)}")
         progress(f"{rev}: a virtualenv in {home / 'venv'}")
         _step([sys.executable, "-m", "venv", str(home / "venv")], f"making a virtualenv for {rev}")
-        progress(f"{rev}: pip install of its tree (a minute at most; kept for the next run)")
-        pip = [str(home / "venv" / "bin" / "python"), "-m", "pip", "install", "--quiet", str(tree)]
-        _step(pip, f"pip install of {rev}")
+        install, how = _installer(home / "venv" / "bin" / "python")
+        progress(f"{rev}: {how} of its tree (a minute at most; kept for the next run)")
+        _step([*install, str(tree)], f"{how} of {rev}")
         if not fauxmad.exists():
             raise BenchError(f"{rev} built, but has no fauxmad command")
         (home / "built").touch()
@@ -160,6 +160,15 @@ def build(rev: str, sha: str, cache: Path, progress: Progress) -> Path:
         shutil.rmtree(work, ignore_errors=True)
     _prune(cache, keep=home)
     return fauxmad
+
+
+def _installer(python: Path) -> tuple[list[str], str]:
+    """The command that installs a tree (its path goes last) into the virtualenv of `python`, and its name: uv's when
+    uv is installed (what pip does, in a third of the time), else pip's."""
+    uv = shutil.which("uv") or shutil.which("uv", path=str(Path(sys.executable).parent))
+    if uv is not None:
+        return [uv, "pip", "install", "--quiet", "--compile-bytecode", "--python", str(python)], "uv pip install"
+    return [str(python), "-m", "pip", "install", "--quiet"], "pip install"
 
 
 def _step(command: list[str], what: str) -> None:
