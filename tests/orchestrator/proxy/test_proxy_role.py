@@ -125,4 +125,5 @@ def test_proxy_1_is_refused_what_the_edge_never_does(edge: Edge) -> None:
         "app plain has no [http_service] in its current release: the edge may not create its machines",
         "app plain has no [http_service] in its current release: the edge may not start its machines",
     ]
-    assert edge.state() in ("started", "stopped")  # web's machine is still there, never destroyed
+    # web's machine is still there, never destroyed; the edge may be stopping it meanwhile (idle for 1 s: CI98)
+    assert edge.state() in ("started", "stopping", "stopped")
