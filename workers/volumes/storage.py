@@ -14,6 +14,14 @@ mkfs and a mount, which a worker that never holds a volume should not pay), and 
   and a project quota would need the data dir's filesystem mounted with `prjquota`, which a worker
   cannot arrange for itself); a volume's usage is measured and reported, and the README says so.
 
+The worker's `<data>/volumes` is a mount point of its own with shared propagation (a bind of it onto itself,
+made before its first loop mount). A process that makes a mount namespace of its own copies every mount of the
+moment: `ip netns exec` (a host of `fauxmad dev --hosts`), bubblewrap (a sandboxed machine), systemd's private
+mounts. Where the host's root mount is private (containers; this project's CI), such a copy kept a volume's
+filesystem alive after the worker unmounted it: its loop device stayed, an offline grow mounted the old filesystem
+again (CI: 1 GB after a grow to 2), and a removed volume's space was not freed until that process ended. Those
+tools make their copies slaves of the mounts they copy, so under a shared mount the worker's unmounts reach them.
+
 Every call here is idempotent (`ensure` mounts only what is not mounted, resizes only what is smaller,
 `remove` tolerates what is already gone), so the worker can redo any of them after a crash: the op log
 says what the volume should be, this module makes the disk agree. Blocking: call through a thread.
@@ -77,6 +85,24 @@ class VolumeFs:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._shared = False  # `root` made a shared mount point by this process (the module's docstring)
+
+    def share(self) -> None:
+        """Make `root` a mount point of its own with shared propagation, once a process (a restarted worker finds
+        the bind there and shares it again). Without it volumes work, and may stay pinned (the module's
+        docstring): one warning says so."""
+        if self._shared:
+            return
+        self._shared = True
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            if not os.path.ismount(self.root):
+                _run("mount", "--bind", str(self.root), str(self.root))
+            _run("mount", "--make-shared", str(self.root))
+        except VolumeFsError as exc:
+            log.warning(
+                "volumes under %s: not a shared mount (%s): a namespace copied meanwhile may pin them", self.root, exc
+            )
 
     def detect(self) -> str:
         """The backend new volumes get on this host (probed on first use, then remembered)."""
@@ -97,6 +123,7 @@ class VolumeFs:
         self.remove(volume_id)
         self.path(volume_id).mkdir(parents=True)
         if mode == "loop":
+            self.share()
             with self.image(volume_id).open("wb") as f:
                 f.truncate(size_gb * GIB)
             _run("mkfs.ext4", "-q", "-F", "-m", "0", "-E", "nodiscard", str(self.image(volume_id)))
@@ -120,6 +147,7 @@ class VolumeFs:
                 f.truncate(size_gb * GIB)
         self.path(volume_id).mkdir(parents=True, exist_ok=True)
         if not self.mounted(volume_id):
+            self.share()
             _run("mount", "-o", "loop", str(image), str(self.path(volume_id)))
         if self._fs_bytes(volume_id, mode) >= size_gb * GIB * 0.9:  # ext4 keeps a few % for itself
             return True
