@@ -6,9 +6,10 @@ which then leaves the machines stopped here alone).
 Beyond Fly (which stops one machine per region every few minutes): every idle machine past its timeout
 goes at once, farthest region first. Idle means idle for every proxy: no request in flight through this
 one (nor waiting for the machine's start: `Waker.waking`) and none finished within the timeout, counted from
-when it last served or from when this proxy first saw it started, and no other proxy said it served the
-machine meanwhile (`Activity`: each proxy publishes, once a round, the machines it used or woke since the last
-one). The choice is a pure function; the loop around it only asks the brokers to stop.
+when it last served or from when this proxy saw it started (each start again: what it knew from before a stop is
+forgotten), and no other proxy said it served the machine meanwhile (`Activity`: each proxy publishes, once a
+round, the machines it used or woke since the last one). The choice is a pure function; the loop around it only
+asks the brokers to stop.
 """
 
 from __future__ import annotations
@@ -86,6 +87,18 @@ class IdleStopper:
         for machine_id in machines:
             self.peer_used[machine_id] = now
 
+    def note_states(self, machines: Iterable[Candidate], now: float) -> None:
+        """A machine's idle clock starts when this proxy first sees it started, and again at each start after a
+        stop: what it knew of the machine's use before the stop (its own, the other proxies') is forgotten. CI105:
+        a proxy that had not stopped the machine itself kept its use from the run before, and stopped the machine
+        a moment after another proxy started it for a request."""
+        for m in machines:
+            if m.state == "started":
+                self.last_used.setdefault(m.id, now)
+            else:
+                self.last_used.pop(m.id, None)
+                self.peer_used.pop(m.id, None)
+
     def _used_anywhere(self) -> dict[str, float]:
         """When each machine was last used through this proxy or another (the later of the two); a machine first
         seen started this round is in neither, and counts as used now (`idle_victims`' default)."""
@@ -124,9 +137,7 @@ class IdleStopper:
                 for m in self.routes.machines(name)
             ]
             self._report(name, machines, since)
-            for m in machines:
-                if m.state == "started":
-                    self.last_used.setdefault(m.id, now)  # first seen started: the clock starts now
+            self.note_states(machines, now)
             order = region_order({m.region for m in machines}, self.region, None, self.latency)
             used = self._used_anywhere()  # per app: a request that ends while this round stops others counts
             victims = idle_victims(machines, used, now, app.service.idle_seconds, app.may_stop, order)

@@ -11,10 +11,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from orchestrator.proxy.choose import Candidate, Create, NoMachine, Policy, Route, Start, Wait, choose, region_order
 from orchestrator.proxy.http import HttpError, copy_chunked, parse_response, parse_response_head, split_host
-from orchestrator.proxy.idle import idle_victims
+from orchestrator.proxy.idle import IdleStopper, idle_victims
 from orchestrator.proxy.metrics import BUCKETS, ProxyMetrics, Served
 from orchestrator.proxy.pick import Picker
 from orchestrator.proxy.request import origin_form, parse_request
+from orchestrator.proxy.routes import RouteTable
 
 POLICY = Policy(soft_limit=2, hard_limit=4, auto_start=True, auto_create=False, max_per_region=1)
 ORDER = ["mad", "lhr", "syd"]
@@ -113,6 +114,27 @@ def test_idle_victims_keep_min_running_and_the_nearest() -> None:
     assert idle_victims(machines, used, 100.0, 60.0, everyone, ORDER) == ["b", "a"]
     assert idle_victims(machines, used, 100.0, 60.0, lambda r, n: 0 if r == "mad" else n, ORDER) == ["b"]
     assert idle_victims(machines, {"a": 90.0, "b": 90.0}, 100.0, 60.0, everyone, ORDER) == []
+
+
+def test_a_machine_started_again_gets_a_whole_idle_timeout_from_its_start() -> None:
+    """CI105: a proxy kept what it knew of a machine's use from before its stop (another proxy stopped it), and
+    stopped it a moment after it was started again for a request. Its idle clock starts again at each start."""
+    stopper = IdleStopper(RouteTable(), None, {}, {}, region="mad", latency={}, clock=lambda: 0.0)  # type: ignore[arg-type]
+    everyone = lambda region, running: running  # noqa: E731  (no floor: every idle one may go)
+
+    def victims(state: str, now: float) -> list[str]:
+        machines = [Candidate("m1", "mad", state, 0)]
+        stopper.note_states(machines, now)
+        return idle_victims(machines, stopper._used_anywhere(), now, 2.0, everyone, ["mad"])
+
+    assert victims("started", 0.0) == []  # first seen started: the clock starts
+    stopper.heard(["m1"])  # another proxy used it (at 0.0, the stopper's clock)
+    assert victims("started", 2.5) == ["m1"]  # idle for its timeout: stopped (by this proxy or another)
+    assert victims("stopped", 3.0) == []
+    assert victims("starting", 9.0) == []
+    assert victims("started", 10.0) == []  # started again for a request: a whole timeout from now
+    assert victims("started", 11.5) == []
+    assert victims("started", 12.0) == ["m1"]
 
 
 def test_a_request_head_parses_and_hosts_name_apps() -> None:
