@@ -25,7 +25,10 @@ after `SILENCE_LIMIT` rather than after the TTL. A supercluster's regions are se
 A heartbeat delivered again (the very bytes last applied for its key: a watch made again replays the bucket's
 current values) is no news: it neither ends a silence nor makes its worker younger. Taken for news, a new watch's
 replay of the last beats ends the silence, and their expiry markers, a moment later, remove every worker: the
-sequence that explains an empty `fauxmad workers` in CI, 5 s after a server's kill.
+sequence that explains an empty `fauxmad workers` in CI, 5 s after a server's kill. For the same reason an expiry
+marker of a beat from before the silence that arrives after its end (the new leader expired the old beats and took
+the first new ones in either order) does not remove a worker the silence's end gave a TTL: that TTL judges it
+(CI106: one of two workers unlisted 5.1 s after a server's kill).
 
 Before its watch runs (a broker that answers while JetStream cannot make it one yet, orchestrator/broker/readiness.py),
 the registry can `hear` the heartbeats as the workers publish them: a KV put is a message on `$KV.<bucket>.<key>`,
@@ -64,6 +67,7 @@ class Registry(KVReplica):
         self._by_region: dict[str, dict[str, WorkerInfo]] = {}
         self._seen_at: dict[str, float] = {}
         self._beat: dict[str, bytes] = {}  # key -> the heartbeat last applied (a replay of it is no news)
+        self._granted: set[str] = set()  # keys given a TTL by a silence's end, not yet heard from since
         self._sorted_ids: dict[str, list[str]] = {}  # per region, for O(1) sampling; dropped when membership changes
         self._departed: asyncio.Event | None = None
         self._suspected: dict[str, float] = {}  # worker id -> when it was found silent
@@ -134,6 +138,7 @@ class Registry(KVReplica):
                     and silent - max(self._seen_at.get(other, 0.0), info.heartbeat_at) <= self.ttl
                 ):
                     self._seen_at[other] = now
+                    self._granted.add(other)
         self._heard[bucket] = now
 
     def suspect(self, worker_id: str) -> None:
@@ -167,8 +172,12 @@ class Registry(KVReplica):
     def apply(self, key: str, value: bytes | None) -> None:
         """Apply one KV update (`value=None`: the key was deleted or expired)."""
         if value is None:
-            if key in self._workers and self._silent_since(self.bucket_of(key), self.clock()) is not None:
+            now = self.clock()
+            if key in self._workers and self._silent_since(self.bucket_of(key), now) is not None:
                 return  # expired for the store's silence, not the worker's: judged by its time (`_fresh`)
+            if key in self._granted and now - self._seen_at.get(key, 0.0) <= self.ttl:
+                return  # the marker of a beat from before the silence, come after its end: judged by its grant
+            self._granted.discard(key)
             info = self._workers.pop(key, None)
             self._seen_at.pop(key, None)
             self._beat.pop(key, None)
@@ -193,6 +202,7 @@ class Registry(KVReplica):
                 del self._suspected[info.worker_id]  # it spoke after we found it silent
             now = self.clock()
             self._heard_from(key, now)
+            self._granted.discard(key)  # heard from itself
             self._workers[key] = info
             self._seen_at[key] = now
             self._beat[key] = value

@@ -424,6 +424,26 @@ def test_a_new_watch_replaying_the_last_beats_does_not_end_the_store_s_silence()
     assert [w.worker_id for w in registry.workers()] == ["w0", "w1"]
 
 
+def test_an_expiry_marker_after_the_silence_s_end_leaves_a_worker_its_ttl() -> None:
+    """The new leader expires the beats from before the silence and takes the first new ones in either order: a
+    marker that comes after another worker's first beat ends the silence does not remove a worker given a TTL
+    then; that TTL judges it (gone if it does not beat within it)."""
+    now = [100.0]
+    registry = registry_of(2, lambda: now[0])
+    now[0] = 104.0  # silent for 4 s
+    back = WorkerInfo(
+        worker_id="w0", region="r", capacity=Resources(cpus=4, memory_mb=4096), used=Resources(), heartbeat_at=104.0
+    )
+    registry.apply("r.w0", msgspec.json.encode(back))  # the silence ends: w1 gets a TTL from now
+    now[0] = 104.1
+    registry.apply("r.w1", None)  # its old beat's expiry marker, after the end
+    assert registry.live_ids("r") == {"w0", "w1"}
+    for second in (105.0, 106.0, 107.0, 108.0, 109.0, 109.5):  # w0 beats on; w1 never again
+        now[0] = second
+        registry.apply("r.w0", msgspec.json.encode(msgspec.structs.replace(back, heartbeat_at=second)))
+    assert registry.live_ids("r") == {"w0"}  # w1: gone once its TTL from the silence's end has passed
+
+
 def test_the_registry_sample_gives_up_on_a_region_too_small() -> None:
     registry = registry_of(3, lambda: 100.0)
     assert registry.sample("r", 2, random.Random(1), exclude={"w0"}) is None
