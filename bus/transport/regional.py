@@ -47,6 +47,7 @@ class MergedWatch:
     ) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pending = set(buckets)
+        self._unread = set(buckets)  # regions whose initial values never came (`unread`)
         # regions whose watch could not be made yet; at first, those that did not answer this process's start
         self._failed: set[str] = set(unanswered) & self._pending
         self._first_answered = asyncio.Event()
@@ -70,7 +71,13 @@ class MergedWatch:
             self._pending.clear()
             self._queue.put_nowait(None)
 
+    def unread(self) -> frozenset[str]:
+        """The regions whose values this watch has never read: they did not answer yet (their watch is tried again
+        every few seconds). Not to be taken for regions without keys."""
+        return frozenset(self._unread)
+
     def _initial_done(self, region: str) -> None:
+        self._unread.discard(region)
         if region in self._pending:
             self._first_answered.set()
             self._pending.discard(region)

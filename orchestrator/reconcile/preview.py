@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
+from collections.abc import Set as AbstractSet
 
 import msgspec
 
@@ -186,8 +187,11 @@ def fits(worker: WorkerInfo, guest: Guest) -> int:
     return max(0, min(cpus, memory))
 
 
-def problems(spec: AppSpec, steps: Iterable[Plan], workers: Iterable[WorkerInfo]) -> list[str]:
-    """Why this deploy cannot work on the fleet as it is now, one line per region; empty if it can."""
+def problems(
+    spec: AppSpec, steps: Iterable[Plan], workers: Iterable[WorkerInfo], unread: AbstractSet[str] = frozenset()
+) -> list[str]:
+    """Why this deploy cannot work on the fleet as it is now, one line per region; empty if it can. `unread`: the
+    regions whose workers could not be read (they did not answer), which are not said to have none."""
     by_region: dict[str, list[WorkerInfo]] = defaultdict(list)
     for w in workers:
         by_region[w.region].append(w)
@@ -197,6 +201,9 @@ def problems(spec: AppSpec, steps: Iterable[Plan], workers: Iterable[WorkerInfo]
         if count == 0:
             continue
         live = by_region.get(region, [])
+        if not live and region in unread:
+            out.append(f"{region}: its workers could not be read: region {region} did not answer (try again shortly)")
+            continue
         if not live:
             known = ", ".join(sorted(by_region)) or "none"
             out.append(f"{region}: no live workers in {region} (regions with live workers: {known})")

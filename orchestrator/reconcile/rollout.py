@@ -39,6 +39,7 @@ from orchestrator.reconcile.preview import Planned, planned, problems, simulate
 from orchestrator.reconcile.reconciler import Converged, Reconciler
 
 SCALED = "scale "  # how `scale` describes the releases it makes
+READ_WITHIN = 10.0  # seconds a deploy waits for a region whose workers bucket did not answer (an election: 4 to 9 s)
 CLAIM_TTL = 15.0  # seconds an app's claim lasts unless renewed (as a machine's lease, executor.LEASE_TTL)
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,11 @@ async def preview(r: Reconciler, spec: AppSpec) -> Preview:
     current = await r.releases.current(spec.app)
     changes = current is None or current.spec != spec or current.status not in ("complete", "running")
     version = await r.releases.next_version(spec.app) if changes or current is None else current.version
+    # a region with no worker known whose bucket did not answer yet (its JetStream electing a leader): waited for,
+    # not judged empty
+    registry = r.observer.registry
+    unknown = {region for region, count in spec.regions.items() if count and not registry.live_ids(region)}
+    unread = await registry.read(unknown, READ_WITHIN) if unknown else frozenset()
     observed = await r.observer.observe(spec.app, list(spec.regions), patience=ONE_SHOT_PATIENCE)
     desired = Desired(app=spec.app, release=version, spec=spec)
     now = r.clock()
@@ -116,7 +122,7 @@ async def preview(r: Reconciler, spec: AppSpec) -> Preview:
         current=current,
         changes=changes,
         actions=planned(desired, observed, now),
-        problems=problems(spec, simulate(desired, observed, now), r.observer.registry.workers()),
+        problems=problems(spec, simulate(desired, observed, now), registry.workers(), unread),
         warnings=_scale_warnings(spec, current),
     )
 

@@ -262,6 +262,20 @@ class Registry(KVReplica):
                 return chosen
         return None
 
+    def unread(self) -> frozenset[str]:
+        """Regions whose workers this replica has not read yet (a supercluster's region that did not answer this
+        process's watch): their workers are unknown, not absent. Empty for a single bucket."""
+        unread = getattr(self._watcher, "unread", None)
+        return unread() if callable(unread) else frozenset()
+
+    async def read(self, regions: AbstractSet[str], within: float) -> frozenset[str]:
+        """Wait (at most `within` seconds) until the workers of every region in `regions` have been read; the
+        regions still unread then."""
+        deadline = time.perf_counter() + within
+        while (left := self.unread() & regions) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.2)
+        return frozenset(left)
+
     def regions(self) -> list[str]:
         return sorted({info.region for info in self.workers()})
 

@@ -487,6 +487,10 @@ def test_a_deploy_the_fleet_cannot_take_is_a_problem_before_anything_happens() -
         "syd: every worker of syd is cordoned (1)",
     ]
     assert problems(s, steps, [*fleet, worker("m4", cpus=1), worker("s2", "syd"), worker("l1", "lhr")]) == []
+    # a region whose workers could not be read (its bucket did not answer) is not said to have none
+    assert problems(s, steps, [*fleet, worker("m4", cpus=1), worker("s2", "syd")], frozenset({"lhr"})) == [
+        "lhr: its workers could not be read: region lhr did not answer (try again shortly)"
+    ]
     # machines already there need no room: only what the deploy must create counts
     running = [m(f"a{i}", "m2") for i in range(6)] + [m("s", "s2", region="syd"), m("l", "l1", region="lhr")]
     steps = simulate(Desired(app="web", release=1, spec=s), observed(running), NOW)
