@@ -18,9 +18,10 @@ The worker's `<data>/volumes` is a mount point of its own with shared propagatio
 made before its first loop mount). A process that makes a mount namespace of its own copies every mount of the
 moment: `ip netns exec` (a host of `fauxmad dev --hosts`), bubblewrap (a sandboxed machine), systemd's private
 mounts. Where the host's root mount is private (containers; this project's CI), such a copy kept a volume's
-filesystem alive after the worker unmounted it: its loop device stayed, an offline grow mounted the old filesystem
-again (CI: 1 GB after a grow to 2), and a removed volume's space was not freed until that process ended. Those
-tools make their copies slaves of the mounts they copy, so under a shared mount the worker's unmounts reach them.
+filesystem alive after the worker unmounted it: its loop device stayed, and an offline grow mounted the old
+filesystem again (CI: 1 GB after a grow to 2). Those tools make their copies slaves of the mounts they copy, so
+under a shared mount the worker's unmounts reach them. (Removing a volume was never pinned: deleting its mount
+point ends every copy's mount.)
 
 Every call here is idempotent (`ensure` mounts only what is not mounted, resizes only what is smaller,
 `remove` tolerates what is already gone), so the worker can redo any of them after a crash: the op log
