@@ -382,16 +382,17 @@ def test_a_start_waits_for_the_run_before_it_in_the_same_directory(
     first = make_spec(tmp_path, ["sh", "-c", "sleep 0.5; exit 3"])
     second = msgspec.structs.replace(first, cmd=["sleep", "30"])
 
-    async def go() -> tuple[TaskHandle, TaskHandle, ExitStatus]:
+    async def go() -> tuple[float, TaskHandle, ExitStatus]:
+        asked = time.time()  # the first run's `sleep 0.5` begins after this (its handle's stamp comes after its spawn)
         before = tasks.add(await driver.start(first))
         after = tasks.add(await driver.start(second))  # no wait for `before` in between
         while not gone(before.pid):  # the run before has ended, however the start above went
             await asyncio.sleep(0.01)
         status = await asyncio.wait_for(driver.stop(after, 5.0, signal.SIGTERM), 20)
-        return before, after, status
+        return asked, after, status
 
-    before, after, status = run(go())
-    assert after.started_at >= before.started_at + 0.5, "the second run started before the first had ended"
+    asked, after, status = run(go())
+    assert after.started_at >= asked + 0.5, "the second run started before the first had ended"
     assert status.signal == signal.SIGTERM
 
 

@@ -112,9 +112,10 @@ def test_an_operator_whose_connection_the_server_closes_stops_saying_why(fresh_n
         watching = asyncio.create_task(Operator(reconciler).watch(None, stop))
         try:
             assert isinstance(reconciler.bus, NatsBus)
-            # a header nats-py does not measure, over the server's max_payload: the server says -ERR and closes
-            # the connection for good (no reconnect follows)
-            await reconciler.bus.nc.publish("anything", b"", headers={"big": "x" * 2_000_000})
+            # a control line over the server's 4 KiB limit: the server says -ERR and closes, and nats-py closes the
+            # connection for good (no reconnect follows). Not an oversized publish: the server closed on it while
+            # the client was still writing, the write failed first, and nats-py reconnected (CI, stop 53).
+            await reconciler.bus.nc.subscribe("x" * 5000)
             with pytest.raises(Unreachable, match="lost NATS for good") as raised:
                 await asyncio.wait_for(watching, 20)
             assert "closed" in raised.value.message
