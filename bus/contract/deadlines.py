@@ -12,7 +12,7 @@ from __future__ import annotations
 DEFAULT_WAIT = 10.0  # seconds for a verb that reads or flips a state (get, list, signal, suspend, lease)
 EXTRA_WAIT = {  # on top of the base, for a verb that does more
     "create": 20.0,  # an auction, a reserve and a start (which may pull an image)
-    "start": 20.0,  # may pull an image
+    "start": 20.0,  # may pull an image, or wait for a stop in flight to end first (15 s at most)
     "resume": 20.0,  # starts the machine again when its suspended process is gone
     "update": 30.0,  # stops the machine and starts its new config in place
     "destroy": 15.0,  # stops the machine first

@@ -17,9 +17,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import NamedTuple
 
-# States from which a start makes the machine serve.
-STARTABLE = frozenset({"created", "stopped", "failed"})
-WAKEABLE = STARTABLE | {"suspended"}  # a suspended machine is resumed (SIGCONT), cheaper than any start
+# States from which a start makes the machine serve. A machine still `stopping` (its autostop met a request halfway)
+# is started once its stop ends: its worker's start waits for that.
+STARTABLE = frozenset({"created", "stopped", "failed", "stopping"})
+# A suspended (or suspending) machine is resumed (SIGCONT), cheaper than any start.
+WAKEABLE = STARTABLE | {"suspended", "suspending"}
 
 
 class Candidate(NamedTuple):
@@ -127,7 +129,8 @@ def _startable(by_region: Mapping[str, list[Candidate]], regions: Sequence[str])
     for region in regions:
         stopped = sorted(
             (m for m in by_region.get(region, []) if m.state in WAKEABLE),
-            key=lambda m: (m.state != "suspended", m.id),  # resume before start: milliseconds, not a program
+            # resume before start (milliseconds, not a program), and a stopped machine before one still stopping
+            key=lambda m: (m.state not in ("suspended", "suspending"), m.state == "stopping", m.id),
         )
         if stopped:
             return Start(stopped[0].id)

@@ -154,3 +154,31 @@ def test_health_check_status_follows_the_service(worker_factory: Callable[..., W
         await nc.close()
 
     arun(main())
+
+
+def test_a_start_of_a_machine_still_stopping_waits_for_the_stop_then_starts_it(
+    worker_factory: Callable[..., WorkerProcess],
+) -> None:
+    """A start that meets a stop halfway (an edge's request during the machine's autostop, CI110) is not refused
+    as `stopping`: it waits for the stop to end, then starts the machine. Here the workload takes 1 s to end after
+    its SIGTERM; the start goes in meanwhile."""
+    worker = worker_factory()
+
+    async def main() -> None:
+        nc = await nats.connect(worker.nats_url)
+        raw = RawClient(nc, worker.worker_id)
+        slow = "trap 'sleep 1; exit 0' TERM; while :; do sleep 0.1; done"
+        m = await raw.ok("reserve", {"app": "slowstop", "region": worker.region, "config": {"cmd": ["sh", "-c", slow]}})
+        await raw.ok("start", {"id": m["id"]})
+        stopping = asyncio.create_task(raw.ok("stop", {"id": m["id"], "timeout": 5}))
+        await raw.wait_state(m["id"], "stopping")
+        code, body = await raw.send("start", {"id": m["id"]}, timeout=20)
+        assert code == 200, body
+        assert body["state"] == "started"
+        assert (await stopping)["state"] in ("stopped", "starting", "started")  # its answer may come after the start
+        got = await raw.ok("get", {"id": m["id"]})
+        states = [e["status"] for e in got["events"] if e["type"] == "transition"]  # newest first
+        assert states[:4] == ["started", "starting", "stopped", "stopping"], states
+        await nc.close()
+
+    arun(main())

@@ -18,6 +18,7 @@ spec a process runs with, a launch, a destroy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal as signals
 import time
@@ -76,6 +77,9 @@ __all__ = ["CanExec", "MachineManager", "ManagerConfig"]
 log = logging.getLogger(__name__)
 
 DESTROY_WAIT = 15.0  # seconds a destroy waits for its process to end after the kill (the driver kills harder at 5)
+# Seconds a start of a machine still stopping waits for the stop to end before it is refused as `stopping`: a stop's
+# signal, its timeout (10 s by default) and the kill after it.
+STOPPING_PATIENCE = 15.0
 
 
 @runtime_checkable
@@ -287,6 +291,7 @@ class MachineManager:
     # start
 
     async def start(self, request: StartRequest) -> Machine:
+        await self._stopped_first(request)
         async with self.lock(request.id):
 
             def op(tx: Tx) -> tuple[StoredMachine, bool]:
@@ -305,6 +310,18 @@ class MachineManager:
             if changed:
                 stored = await self.launch(stored)
             return self.view(stored)
+
+    async def _stopped_first(self, request: StartRequest) -> None:
+        """A start of a machine still stopping waits for the stop to end (at most `STOPPING_PATIENCE`), then
+        starts it as it starts a stopped one: a request at the edge that met its machine's autostop halfway wakes
+        it, and `machine start` right after `machine stop` works. A stop releases the machine's lock once its
+        `stopping` is recorded, so the start does not hold the lock while it waits."""
+        stored = self.store.get(request.id)
+        if stored is None or stored.machine.state != "stopping":
+            return
+        leases.check(stored, request.lease_nonce, self.clock())  # a start the lease refuses is refused at once
+        with contextlib.suppress(DeadlineExceeded):  # still stopping: refused below, saying so
+            await self.wait_for(request.id, {"stopped", "failed", "destroyed"}, STOPPING_PATIENCE)
 
     def task_spec(self, stored: StoredMachine) -> TaskSpec:
         """What the driver runs for this machine (the supervisor's checks run in it too)."""

@@ -64,6 +64,16 @@ def test_all_over_the_soft_limit_starts_a_stopped_machine_nearest_first() -> Non
     assert pick(machines) == Start("t")
 
 
+def test_a_machine_still_stopping_is_started_and_a_suspending_one_resumed() -> None:
+    """CI110: a request met the app's one machine halfway through its autostop (`stopping`) and got a 502, "none is
+    started". Its worker's start waits for the stop to end, so the edge starts it; a stopped one goes first."""
+    assert pick([Candidate("s", "mad", "stopping", 0)]) == Start("s")
+    assert pick([Candidate("p", "mad", "suspending", 0)]) == Start("p")
+    assert pick([Candidate("s", "mad", "stopping", 0), Candidate("t", "mad", "stopped", 0)]) == Start("t")
+    off = pick([Candidate("s", "mad", "stopping", 0)], POLICY._replace(auto_start=False))
+    assert off == NoMachine("none is started (states: stopping) and auto_start is off")
+
+
 def test_without_autostart_a_machine_over_its_soft_limit_but_under_hard_takes_it() -> None:
     machines = [Candidate("a", "mad", "started", 3), Candidate("s", "mad", "stopped", 0)]
     assert pick(machines, POLICY._replace(auto_start=False)) == Route("a")
