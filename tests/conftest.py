@@ -17,12 +17,14 @@ A failing test keeps the logs of every fleet it ran or ran beside (`DevFleet`: e
 nats-server's) under `<basetemp>/fleet-logs/<test>/<fleet>/`, and its report names that directory: a failure
 of two files at a time can be read after the run (pytest keeps the last three basetemps). A fleet stopped
 inside the test is copied as it stops (its directory goes with it); one still running when the test fails
-(a module's fleet) is copied then. A test that passes leaves nothing there.
+(a module's fleet) is copied then, with its machines' output (the last 64 KiB of each one's stdout and stderr,
+and its `exit.json`). A test that passes leaves nothing there.
 """
 
 from __future__ import annotations
 
 import compileall
+import contextlib
 import itertools
 import os
 import re
@@ -96,11 +98,28 @@ def _fleet_logs_dir(item: pytest.Item) -> Path:
     return item.stash[_kept]
 
 
-def _copy_logs(fleet: DevFleet, into: Path) -> None:
+MACHINE_OUTPUTS = ("stdout.log", "stderr.log", "exit.json")
+MACHINE_OUTPUT_MOST = 64 * 1024  # bytes of a machine's output kept (its last): enough to say why it did not serve
+
+
+def _copy_logs(fleet: DevFleet, into: Path, *, machines: bool = False) -> None:
+    """The fleet's logs; with `machines`, each machine's output too (a fleet still up when its test failed: a
+    machine that never listened says why only there). Not for every fleet stopped in a test that may pass: a
+    fleet of hundreds of machines would copy them all for nothing."""
     for relative in fleet.log_files():
         target = into / fleet.root.name / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(fleet.root / relative, target)
+    for output in _machine_outputs(fleet.root) if machines else []:
+        target = into / fleet.root.name / output.relative_to(fleet.root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError), open(output, "rb") as source:  # (a machine destroyed meanwhile)
+            source.seek(max(0, os.fstat(source.fileno()).st_size - MACHINE_OUTPUT_MOST))
+            target.write_bytes(source.read())
+
+
+def _machine_outputs(root: Path) -> list[Path]:
+    return [path for name in MACHINE_OUTPUTS for path in root.glob(f"workers/*/machines/*/{name}") if path.is_file()]
 
 
 def _keep_logs_of(fleet: DevFleet) -> None:
@@ -130,7 +149,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     item.stash[_failed] = True
     logs = _fleet_logs_dir(item)
     for fleet in list(DevFleet.running):  # fleets still up: a module's, or the test's own before its stop
-        _copy_logs(fleet, logs)
+        _copy_logs(fleet, logs, machines=True)
     if logs.exists():
         report.sections.append(("fleet logs", f"the logs of this test's fleets: {logs}"))
 
