@@ -115,7 +115,7 @@ def _copy_logs(fleet: DevFleet, into: Path, *, machines: bool = False) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError), open(output, "rb") as source:  # (a machine destroyed meanwhile)
             source.seek(max(0, os.fstat(source.fileno()).st_size - MACHINE_OUTPUT_MOST))
-            target.write_bytes(source.read())
+            target.write_bytes(source.read(MACHINE_OUTPUT_MOST))  # (a machine still writing)
 
 
 def _machine_outputs(root: Path) -> list[Path]:

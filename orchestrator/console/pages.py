@@ -21,7 +21,8 @@ from orchestrator.view.model import LOST, MachineRow, Snapshot, WorkerRow
 
 ACTIONS = ("start", "stop", "restart", "suspend", "resume", "destroy")
 # the states in which each action does something (the worker's rules: workers/lifecycle/manager.py, STARTABLE in
-# workers/log/machine_states.py); in any other its button is disabled, and the script keeps that as the state moves
+# workers/log/machine_states.py); in any other its button is disabled, and the script keeps that as the state moves.
+# The worker also takes a start while a machine is stopping (it waits for the stop): the button waits for `stopped`.
 ACTS_IN = {
     "start": ("created", "stopped", "failed"),
     "stop": ("started", "starting", "suspending", "suspended"),

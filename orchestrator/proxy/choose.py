@@ -126,14 +126,17 @@ def _under(
 
 
 def _startable(by_region: Mapping[str, list[Candidate]], regions: Sequence[str]) -> Start | None:
-    for region in regions:
-        stopped = sorted(
-            (m for m in by_region.get(region, []) if m.state in WAKEABLE),
-            # resume before start (milliseconds, not a program), and a stopped machine before one still stopping
-            key=lambda m: (m.state not in ("suspended", "suspending"), m.state == "stopping", m.id),
-        )
-        if stopped:
-            return Start(stopped[0].id)
+    """The machine to wake, nearest region first: resumed before started (milliseconds, not a program). A machine
+    still `stopping` only when no region has one at rest: its start waits for its stop to end."""
+    at_rest = WAKEABLE - {"stopping"}
+    for states in (at_rest, {"stopping"}):
+        for region in regions:
+            stopped = sorted(
+                (m for m in by_region.get(region, []) if m.state in states),
+                key=lambda m: (m.state not in ("suspended", "suspending"), m.id),
+            )
+            if stopped:
+                return Start(stopped[0].id)
     return None
 
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from bus.contract.machines import MachineIndexEntry
 from orchestrator.proxy.ahead import AHEAD, resume_ahead
@@ -103,6 +104,7 @@ class Picker:
         """A machine ready for this request (`avoid`: those that failed it), or `Refused`."""
         policy = self._policy(app)
         looked_again = False
+        not_woken: set[str] = set()  # machines whose start failed for this request: not started again by it
         while True:
             candidates = self._candidates(app)
             decision = self._one(candidates, policy, avoid) or self._choose(candidates, policy, prefer, avoid)
@@ -115,6 +117,7 @@ class Picker:
                     if await self._woken(app, machine_id, ex):
                         return machine_id
                     avoid.add(machine_id)
+                    not_woken.add(machine_id)
                 case Create(region):
                     assert self.waker is not None
                     try:
@@ -124,7 +127,7 @@ class Picker:
                 case Wait():
                     await self._wait_for_slot(app.name, deadline)
                 case NoMachine(why):
-                    again = not looked_again and await self._look_again(app, policy, candidates, avoid, ex)
+                    again = not looked_again and await self._look_again(app, policy, candidates, avoid, ex, not_woken)
                     looked_again = True
                     if again is True:
                         continue
@@ -175,7 +178,13 @@ class Picker:
         return order
 
     async def _look_again(
-        self, app: App, policy: Policy, candidates: list[Candidate], refused: set[str], ex: Exchange
+        self,
+        app: App,
+        policy: Policy,
+        candidates: list[Candidate],
+        refused: set[str],
+        ex: Exchange,
+        not_woken: AbstractSet[str] = frozenset(),
     ) -> str | bool:
         """No machine to choose, once per request: a machine to use after all, True to choose again, or False.
 
@@ -183,12 +192,14 @@ class Picker:
         Every one refused: a machine `started` here may be stopped already (a stop a moment ago that the index had
         not shown yet when it was chosen: its worker's outbox writes it after the stop), or not listening yet. With
         auto_start it is started through its worker, the source of truth: a no-op on a machine that runs, and then
-        it is given the time to listen (CI: a request right after a stop across hosts got a 502, not its autostart)."""
+        it is given the time to listen (CI: a request right after a stop across hosts got a 502, not its autostart).
+        Not one whose start failed for this request already (`not_woken`): a stop outlasting a start's wait would
+        hold the request twice as long before its 502."""
         if not candidates:
             return await self.routes.caught_up(app.name)
         if not policy.auto_start:
             return False
-        for machine_id in sorted(refused):
+        for machine_id in sorted(refused - not_woken):
             entry = self.routes.entry(machine_id)
             if entry is None or entry.app != app.name or entry.state not in WAKEABLE | {"started"}:
                 continue

@@ -182,3 +182,28 @@ def test_a_start_of_a_machine_still_stopping_waits_for_the_stop_then_starts_it(
         await nc.close()
 
     arun(main())
+
+
+def test_a_start_of_a_machine_that_destroys_itself_once_stopped_is_refused_while_it_stops(
+    worker_factory: Callable[..., WorkerProcess],
+) -> None:
+    """An `auto_destroy` machine's stop destroys it: a start while it stops is refused at once (409), not started
+    only to be destroyed a moment later."""
+    worker = worker_factory()
+
+    async def main() -> None:
+        nc = await nats.connect(worker.nats_url)
+        raw = RawClient(nc, worker.worker_id)
+        slow = "trap 'sleep 1; exit 0' TERM; while :; do sleep 0.1; done"
+        config = {"cmd": ["sh", "-c", slow], "auto_destroy": True}
+        m = await raw.ok("reserve", {"app": "once", "region": worker.region, "config": config})
+        await raw.ok("start", {"id": m["id"]})
+        stopping = asyncio.create_task(raw.send("stop", {"id": m["id"], "timeout": 5}))
+        await raw.wait_state(m["id"], "stopping")
+        code, body = await raw.send("start", {"id": m["id"]})
+        assert code == 409 and "stopping" in body["error"]["message"], body
+        await stopping
+        await raw.wait_state(m["id"], "destroyed")
+        await nc.close()
+
+    arun(main())

@@ -291,37 +291,50 @@ class MachineManager:
     # start
 
     async def start(self, request: StartRequest) -> Machine:
-        await self._stopped_first(request)
-        async with self.lock(request.id):
+        patience_until = time.monotonic() + STOPPING_PATIENCE
+        while True:
+            await self._stopped_first(request, patience_until)
+            async with self.lock(request.id):
+                if self._must_wait_for_stop(request, patience_until):
+                    continue  # a stop committed its `stopping` while this start queued for the lock: wait, unlocked
 
-            def op(tx: Tx) -> tuple[StoredMachine, bool]:
-                stored = tx.require(request.id)
-                leases.check(stored, request.lease_nonce, tx.now)
-                if stored.machine.state in ("started", "starting"):
-                    return stored, False
-                if stored.machine.state not in STARTABLE:
-                    raise Conflict(f"machine {request.id} is {stored.machine.state}; it cannot be started")
-                self.recorder.event(stored, "starting", source="user", reason="start requested")
-                stored.desired = "started"
-                stored.restart_attempts = 0
-                return tx.put_machine(stored, "start"), True
+                def op(tx: Tx) -> tuple[StoredMachine, bool]:
+                    stored = tx.require(request.id)
+                    leases.check(stored, request.lease_nonce, tx.now)
+                    if stored.machine.state in ("started", "starting"):
+                        return stored, False
+                    if stored.machine.state not in STARTABLE:
+                        raise Conflict(f"machine {request.id} is {stored.machine.state}; it cannot be started")
+                    self.recorder.event(stored, "starting", source="user", reason="start requested")
+                    stored.desired = "started"
+                    stored.restart_attempts = 0
+                    return tx.put_machine(stored, "start"), True
 
-            stored, changed = await self.recorder.commit(op)
-            if changed:
-                stored = await self.launch(stored)
-            return self.view(stored)
+                stored, changed = await self.recorder.commit(op)
+                if changed:
+                    stored = await self.launch(stored)
+                return self.view(stored)
 
-    async def _stopped_first(self, request: StartRequest) -> None:
-        """A start of a machine still stopping waits for the stop to end (at most `STOPPING_PATIENCE`), then
+    async def _stopped_first(self, request: StartRequest, patience_until: float) -> None:
+        """A start of a machine still stopping waits for the stop to end (until `patience_until`, monotonic), then
         starts it as it starts a stopped one: a request at the edge that met its machine's autostop halfway wakes
-        it, and `machine start` right after `machine stop` works. A stop releases the machine's lock once its
-        `stopping` is recorded, so the start does not hold the lock while it waits."""
-        stored = self.store.get(request.id)
-        if stored is None or stored.machine.state != "stopping":
+        it. A stop releases the machine's lock once its `stopping` is recorded, so the start waits unlocked."""
+        if not self._must_wait_for_stop(request, patience_until):
             return
-        leases.check(stored, request.lease_nonce, self.clock())  # a start the lease refuses is refused at once
-        with contextlib.suppress(DeadlineExceeded):  # still stopping: refused below, saying so
-            await self.wait_for(request.id, {"stopped", "failed", "destroyed"}, STOPPING_PATIENCE)
+        with contextlib.suppress(DeadlineExceeded):  # still stopping: refused under the lock, saying so
+            await self.wait_for(
+                request.id, {"stopped", "failed", "destroyed"}, max(0.0, patience_until - time.monotonic())
+            )
+
+    def _must_wait_for_stop(self, request: StartRequest, patience_until: float) -> bool:
+        """Whether the machine is `stopping` and this start may still wait for that to end. Not for a start its
+        lease refuses (refused at once), nor for a machine that destroys itself once stopped (`auto_destroy`: it
+        would be started only to be destroyed by its stop's destroy), nor once the patience is spent."""
+        stored = self.store.get(request.id)
+        if stored is None or stored.machine.state != "stopping" or stored.machine.config.auto_destroy:
+            return False
+        leases.check(stored, request.lease_nonce, self.clock())
+        return time.monotonic() < patience_until
 
     def task_spec(self, stored: StoredMachine) -> TaskSpec:
         """What the driver runs for this machine (the supervisor's checks run in it too)."""

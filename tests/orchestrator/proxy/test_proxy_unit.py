@@ -70,6 +70,7 @@ def test_a_machine_still_stopping_is_started_and_a_suspending_one_resumed() -> N
     assert pick([Candidate("s", "mad", "stopping", 0)]) == Start("s")
     assert pick([Candidate("p", "mad", "suspending", 0)]) == Start("p")
     assert pick([Candidate("s", "mad", "stopping", 0), Candidate("t", "mad", "stopped", 0)]) == Start("t")
+    assert pick([Candidate("s", "mad", "stopping", 0), Candidate("t", "syd", "stopped", 0)]) == Start("t")
     off = pick([Candidate("s", "mad", "stopping", 0)], POLICY._replace(auto_start=False))
     assert off == NoMachine("none is started (states: stopping) and auto_start is off")
 
