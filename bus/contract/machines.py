@@ -354,3 +354,8 @@ def index_entry(machine: Machine) -> MachineIndexEntry:
 # addition: a cordoned machine (Fly's machine cordon) carries this label in `config.metadata`; edge proxies
 # route no request to it and neither start nor stop it. Set in place, like any label (no restart).
 CORDONED_LABEL = "fauxmad_cordoned"
+# A machine that runs one attempt of a background job (the `machine` runner) carries the job's id under this label in
+# `config.metadata`. It is the job's, not one of its app's: reconcilers do not count it among the app's machines
+# (an operator took one for a primary too many and destroyed it, every attempt), and edge proxies route no request
+# to it and neither start nor stop it.
+JOB_LABEL = "fauxmad_job"

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import msgspec
 
 from bus.contract.codec import decoder
-from bus.contract.machines import CORDONED_LABEL, MachineIndexEntry
+from bus.contract.machines import CORDONED_LABEL, JOB_LABEL, MachineIndexEntry
 from bus.transport.jetstream import FleetKV
 from orchestrator.apps.http_service import HttpService
 from orchestrator.apps.ownership import RegionRange, region_range
@@ -36,6 +36,8 @@ DEFAULT_SERVICE = HttpService()
 LIVE_FOR = 0.1  # seconds a region's live workers are reused between requests (heartbeats expire in seconds)
 MISSED_FOR = 1.0  # seconds an app name KV did not know is not asked for again
 MISSED_KEPT = 10_000  # names remembered as missing, at most (then forgotten all at once)
+# labels of machines no request goes to, that this proxy neither starts nor stops: cordoned ones, and jobs' machines
+_NOT_ROUTED = frozenset({CORDONED_LABEL, JOB_LABEL})
 CATCH_UP = 1.0  # seconds a request for an app with no machines known waits for the machines index to catch up
 
 
@@ -243,11 +245,11 @@ class RouteTable:
         return None
 
     def machines(self, app: str) -> list[MachineIndexEntry]:
-        """The app's machines on live workers, destroyed and cordoned ones left out."""
+        """The app's machines on live workers, destroyed and cordoned ones and those of its jobs left out."""
         if self._by_app is None:
             grouped: dict[str, list[MachineIndexEntry]] = {}
             for entry in self.index.by_app_all():
-                if entry.state != "destroyed" and CORDONED_LABEL not in entry.metadata:
+                if entry.state != "destroyed" and not _NOT_ROUTED.intersection(entry.metadata):
                     grouped.setdefault(entry.app, []).append(entry)
             self._by_app = grouped
         entries = self._by_app.get(app, [])

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from bus.contract import subjects
 from bus.contract.errors import FauxmadError, Unanswered, Unreachable
-from bus.contract.machines import ListRequest, Machine, MachineConfig
+from bus.contract.machines import JOB_LABEL, ListRequest, Machine, MachineConfig
 from bus.transport.jetstream import WORKER_TTL, FleetKV
 from orchestrator.reconcile.actions import Member, Observed
 from orchestrator.reconcile.ports import Bus
@@ -232,7 +232,13 @@ class Observer:
                     raise
 
         answers = await asyncio.gather(*[ask(w) for w in workers])
-        machines = [member(m) for group in answers if group is not None for m in group if m.state != "destroyed"]
+        machines = [
+            member(m)
+            for group in answers
+            if group is not None
+            for m in group
+            if m.state != "destroyed" and JOB_LABEL not in m.config.metadata  # a job's machine is not the app's
+        ]
         seen = {m.id for m in machines}
         live = {w for w, group in zip(workers, answers, strict=True) if group is not None} | (live - set(workers))
         lost = tuple(
@@ -244,7 +250,10 @@ class Observer:
                 config=MachineConfig(metadata=dict(e.metadata)),
             )
             for e in entries
-            if e.worker_id not in live and e.id not in seen and e.state not in ("destroyed", "destroying")
+            if e.worker_id not in live
+            and e.id not in seen
+            and e.state not in ("destroyed", "destroying")
+            and JOB_LABEL not in e.metadata
         )
         return Observed(
             machines=tuple(machines),

@@ -34,7 +34,7 @@ import msgspec
 
 from bus.contract.errors import FauxmadError
 from bus.contract.jobs import OUTPUT_KEEP, Job
-from bus.contract.machines import DestroyRequest, Guest, MachineConfig, ReserveRequest, RestartPolicy
+from bus.contract.machines import JOB_LABEL, DestroyRequest, Guest, MachineConfig, ReserveRequest, RestartPolicy
 from bus.stores.images import ImageError
 from workers.image_cache import ImageCache, Pulled
 from workers.jobs.reaper import Reaper
@@ -122,7 +122,7 @@ class MachineExecutor:
             guest=Guest(cpus=job.cpus, memory_mb=job.memory_mb),
             restart=RestartPolicy(policy="no"),
             auto_destroy=True,
-            metadata={"fauxmad_job": job.id, "fauxmad_attempt": str(attempt)},
+            metadata={JOB_LABEL: job.id, "fauxmad_attempt": str(attempt)},
         )
 
     async def run(self, job: Job, attempt: int, cancel: Cancel, started: Started) -> Outcome:

@@ -409,3 +409,22 @@ def test_a_refusal_by_a_machine_that_just_started_is_not_avoided_or_reported() -
     routes.bound("m1")  # it accepted a connection since: a refusal now is a dead machine's
     failover.failed(app, "m1", "refused", refused=True)
     assert failover.avoided() == {"m1"} and len(published) == 3
+
+
+def test_a_jobs_machine_and_a_cordoned_one_are_not_the_apps_to_route_to() -> None:
+    """A job's machine (`JOB_LABEL`) runs one attempt of a job of the app: no request goes to it, and the edge
+    neither starts nor stops it (CI117: the operator, which counted it as the app's, destroyed it)."""
+    from bus.contract.machines import CORDONED_LABEL, JOB_LABEL, MachineIndexEntry
+    from tests.orchestrator.placement.test_placement import registry_of
+
+    routes = RouteTable(registry=registry_of(1, lambda: 100.0, region="mad"))
+
+    def entry(machine_id: str, labels: dict[str, str]) -> MachineIndexEntry:
+        return MachineIndexEntry(
+            id=machine_id, worker_id="w0", region="mad", app="web", state="started", port=8080, metadata=labels
+        )
+
+    routes.remember(entry("m1", {}))
+    routes.remember(entry("job", {JOB_LABEL: "j1"}))
+    routes.remember(entry("off", {CORDONED_LABEL: "true"}))
+    assert [m.id for m in routes.machines("web")] == ["m1"]

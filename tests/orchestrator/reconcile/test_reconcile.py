@@ -261,6 +261,42 @@ def test_a_dead_host_fails_over_to_spares_and_its_return_stops_the_replaced(flee
     destroy(fleet, "ha")
 
 
+def test_the_operator_leaves_the_machines_of_the_apps_jobs_alone(fleet: DevFleet, tmp_path: Path) -> None:
+    """CI117: a job's machine (the `machine` runner) of an app the operator converges counted as one primary too many:
+    the operator destroyed it, every attempt (signal 9), and the job was dead-lettered. A job's machine is the job's
+    (`JOB_LABEL`), not the app's. Here the job runs 4 s beside the app's one primary, in the same region."""
+    spec = write_spec(tmp_path / "fauxmad.toml", "withjob", regions="mad = 1", spares=0)
+    assert fauxmad(fleet, "deploy", "-c", str(spec)).returncode == 0
+    log = tmp_path / "operator.log"
+    operator = start_operator(fleet.url, log, "withjob")
+    try:
+        done = fauxmad(
+            fleet,
+            "job",
+            "submit",
+            "-a",
+            "withjob",
+            "-r",
+            "mad",
+            "--wait",
+            "--json",
+            "--",
+            "sh",
+            "-c",
+            "sleep 4; echo made",
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        (job,) = json.loads(done.stdout)
+        assert job["state"] == "succeeded" and len(job["attempts"]) == 1 and job["stdout"] == "made\n", job
+        assert len(primaries(machines(fleet, "withjob"))) == 1
+    finally:
+        operator.send_signal(signal.SIGINT)
+        code = operator.wait(20)
+    assert code == 0, log.read_text()
+    assert "destroy" not in log.read_text(), log.read_text()
+    destroy(fleet, "withjob")
+
+
 def test_draining_a_worker_moves_its_machines_healthy_first(fleet: DevFleet, tmp_path: Path) -> None:
     spec = write_spec(tmp_path / "fauxmad.toml", "move", regions="mad = 2", spares=1)
     assert fauxmad(fleet, "deploy", "-c", str(spec)).returncode == 0
