@@ -22,6 +22,7 @@ from typing import NamedTuple
 STARTABLE = frozenset({"created", "stopped", "failed", "stopping"})
 # A suspended (or suspending) machine is resumed (SIGCONT), cheaper than any start.
 WAKEABLE = STARTABLE | {"suspended", "suspending"}
+AT_REST = WAKEABLE - {"stopping"}  # woken before any machine still stopping (its start waits for the stop)
 
 
 class Candidate(NamedTuple):
@@ -128,8 +129,7 @@ def _under(
 def _startable(by_region: Mapping[str, list[Candidate]], regions: Sequence[str]) -> Start | None:
     """The machine to wake, nearest region first: resumed before started (milliseconds, not a program). A machine
     still `stopping` only when no region has one at rest: its start waits for its stop to end."""
-    at_rest = WAKEABLE - {"stopping"}
-    for states in (at_rest, {"stopping"}):
+    for states in (AT_REST, {"stopping"}):
         for region in regions:
             stopped = sorted(
                 (m for m in by_region.get(region, []) if m.state in states),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -156,6 +157,20 @@ def test_health_check_status_follows_the_service(worker_factory: Callable[..., W
     arun(main())
 
 
+SLOW_STOP = "trap 'sleep 1; exit 0' TERM; while :; do sleep 0.1; done"  # ends 1 s after its SIGTERM
+
+
+async def stopping_machine(
+    raw: RawClient, region: str, app: str, **config: object
+) -> tuple[str, asyncio.Task[tuple[int, Any]]]:
+    """A started machine whose stop (5 s timeout) is in flight and recorded `stopping`: its id, and the stop."""
+    m = await raw.ok("reserve", {"app": app, "region": region, "config": {"cmd": ["sh", "-c", SLOW_STOP], **config}})
+    await raw.ok("start", {"id": m["id"]})
+    stop = asyncio.create_task(raw.send("stop", {"id": m["id"], "timeout": 5}))
+    await raw.wait_state(m["id"], "stopping")
+    return m["id"], stop
+
+
 def test_a_start_of_a_machine_still_stopping_waits_for_the_stop_then_starts_it(
     worker_factory: Callable[..., WorkerProcess],
 ) -> None:
@@ -167,16 +182,14 @@ def test_a_start_of_a_machine_still_stopping_waits_for_the_stop_then_starts_it(
     async def main() -> None:
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
-        slow = "trap 'sleep 1; exit 0' TERM; while :; do sleep 0.1; done"
-        m = await raw.ok("reserve", {"app": "slowstop", "region": worker.region, "config": {"cmd": ["sh", "-c", slow]}})
-        await raw.ok("start", {"id": m["id"]})
-        stopping = asyncio.create_task(raw.ok("stop", {"id": m["id"], "timeout": 5}))
-        await raw.wait_state(m["id"], "stopping")
-        code, body = await raw.send("start", {"id": m["id"]}, timeout=20)
+        machine_id, stop = await stopping_machine(raw, worker.region, "slowstop")
+        code, body = await raw.send("start", {"id": machine_id}, timeout=20)
         assert code == 200, body
         assert body["state"] == "started"
-        assert (await stopping)["state"] in ("stopped", "starting", "started")  # its answer may come after the start
-        got = await raw.ok("get", {"id": m["id"]})
+        stop_code, stopped = await stop
+        assert stop_code == 200, stopped
+        assert stopped["state"] in ("stopped", "starting", "started")  # its answer may come after the start
+        got = await raw.ok("get", {"id": machine_id})
         states = [e["status"] for e in got["events"] if e["type"] == "transition"]  # newest first
         assert states[:4] == ["started", "starting", "stopped", "stopping"], states
         await nc.close()
@@ -194,16 +207,11 @@ def test_a_start_of_a_machine_that_destroys_itself_once_stopped_is_refused_while
     async def main() -> None:
         nc = await nats.connect(worker.nats_url)
         raw = RawClient(nc, worker.worker_id)
-        slow = "trap 'sleep 1; exit 0' TERM; while :; do sleep 0.1; done"
-        config = {"cmd": ["sh", "-c", slow], "auto_destroy": True}
-        m = await raw.ok("reserve", {"app": "once", "region": worker.region, "config": config})
-        await raw.ok("start", {"id": m["id"]})
-        stopping = asyncio.create_task(raw.send("stop", {"id": m["id"], "timeout": 5}))
-        await raw.wait_state(m["id"], "stopping")
-        code, body = await raw.send("start", {"id": m["id"]})
+        machine_id, stop = await stopping_machine(raw, worker.region, "once", auto_destroy=True)
+        code, body = await raw.send("start", {"id": machine_id})
         assert code == 409 and "stopping" in body["error"]["message"], body
-        await stopping
-        await raw.wait_state(m["id"], "destroyed")
+        await stop
+        await raw.wait_state(machine_id, "destroyed")
         await nc.close()
 
     arun(main())
