@@ -129,7 +129,15 @@ def placement(
         " (one responder process per worker: an offer, a reserve = one fsync'd LMDB put + one JetStream publish;"
         " a client that scatters, gathers with the broker's 50 ms deadline, picks the most free, reserves), in"
         " rounds alternating with fauxmad's, at c=1 and at --concurrency; prints both, their ratios, and the CPU"
-        " per create of each side's processes (reserve only)",
+        " per create of each side's processes (reserve only); and the contract's floors (--no-contract: not them)",
+    ),
+    contract: bool = typer.Option(
+        True,
+        "--contract/--no-contract",
+        help="with --floor: also the floor with the contract's parts, in plain nats-py too: a broker process between"
+        " the client and the responders and the routing index entry stored before the reply ('contract'), and"
+        " also the audit record in a stream of its own and the broker following the index ('contract+audit');"
+        " prints what those parts cost over the floor, and fauxmad over them",
     ),
     against: str | None = typer.Option(
         None,
@@ -215,7 +223,9 @@ def placement(
                 EXIT_USAGE,
             )
         floored = _measure(
-            lambda: floor_run.run_floor(floor_run.FloorOptions(placement=options, rounds=rounds), _progress)
+            lambda: floor_run.run_floor(
+                floor_run.FloorOptions(placement=options, rounds=rounds, contract=contract), _progress
+            )
         )
         _finish(floored, floor_run.report(floored), output, json_out)
         return

@@ -1,7 +1,8 @@
 """`fauxmad bench placement --floor` and CPU per create: pure helpers, then a tiny real run.
 
-The real run checks the report's shape and that the floor's numbers come from real responders: the
-reserves they acknowledged are in their LMDB files and in their JetStream stream. No timing is asserted.
+The real run checks the report's shape and that the floors' numbers come from real responders: the
+reserves they acknowledged are in their LMDB files and in their JetStream streams (the contract's floors:
+also their index entries and audit records). No timing is asserted.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import lmdb
 import pytest
 
 from lab.bench.cpu import CpuMeter, ms_per_op, parse_stat, ticks_between, tree_ticks
-from lab.bench.floor import pick
+from lab.bench.floor_auction import pick
 from lab.bench.floor_run import FloorOptions, report, run_floor, split
 from lab.bench.placement import PlacementOptions
 from lab.bench.report import plain
@@ -97,19 +98,22 @@ def test_the_meter_counts_a_burning_descendant_and_not_an_idle_process() -> None
 # -- a tiny real run ------------------------------------------------------------------------------------
 
 
-def test_a_tiny_floor_run_measures_both_sides_with_real_responders(tmp_path: Path) -> None:
+def test_a_tiny_floor_run_measures_every_side_with_real_responders(tmp_path: Path) -> None:
     placement = PlacementOptions(workers=2, concurrency=3, count=6, warmup=2, echo_count=5)
     result = run_floor(FloorOptions(placement=placement, rounds=2, data_dir=str(tmp_path)))
 
     assert [level.concurrency for level in result.levels] == [1, 3]
     for level in result.levels:
-        for side in (level.fauxmad, level.floor):
+        assert set(level.floors) == {"contract", "contract+audit"}
+        for side in (level.fauxmad, level.floor, *level.floors.values()):
             assert side.errors == 0 and side.refused == 0, side.first_error
             assert side.create.count == 6
             assert side.cpu.ops == 6 and side.cpu.ticks >= 0
         assert level.fauxmad.cpu.processes >= 4  # nats-server, 2 workers, a broker
         assert level.floor.cpu.processes >= 3  # nats-server, 2 responders
+        assert all(side.cpu.processes >= 4 for side in level.floors.values())  # and the floor's broker
         assert level.latency_over_floor.p50 is not None
+        assert set(level.over_floor) == set(level.fauxmad_over) == set(level.floors)
     # every reserve the floor acknowledged (2 levels x (6 + 2 warm-up)) is in its LMDB files and its stream
     assert result.floor_acknowledged == 16
     assert result.floor_stream_messages == 16
@@ -120,9 +124,17 @@ def test_a_tiny_floor_run_measures_both_sides_with_real_responders(tmp_path: Pat
             stored += txn.stat()["entries"]
         env.close()
     assert stored == 16 and len(list(tmp_path.iterdir())) == 2
+    # the contract's floors went through their brokers and wrote their parts: an event and an index entry a
+    # reserve (each machine its own entry), and for contract+audit an audit record a reserve (sent after the reply)
+    assert result.contract_acknowledged == {"contract": 16, "contract+audit": 16}
+    assert result.contract_streams["contract"] == {"FAUXMAD_FLOOR_C": 16, "FAUXMAD_FLOOR_C_INDEX": 16}
+    audited = result.contract_streams["contract+audit"]
+    assert audited["FAUXMAD_FLOOR_A"] == 16 and audited["FAUXMAD_FLOOR_A_INDEX"] == 16
+    assert audited["FAUXMAD_FLOOR_A_AUDIT"] == 16
 
     text = plain(report(result))
-    assert "c=1 fauxmad" in text and "c=3 floor" in text and "CPU per create" in text
+    assert "c=1 fauxmad" in text and "c=3 floor" in text and "c=3 floor contract+audit" in text
+    assert "CPU per create" in text and "(the contract's parts)" in text and "(fauxmad's own code)" in text
 
 
 @pytest.mark.parametrize("extra", [["--start"], ["--nats", "nats://127.0.0.1:4222"], ["--supercluster", "1"]])
