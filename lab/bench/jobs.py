@@ -1,4 +1,5 @@
-"""`fauxmad bench jobs`: background jobs side by side with the seed's Redis BLPOP queue and with arq.
+"""`fauxmad bench jobs`: background jobs side by side with the seed's Redis BLPOP queue, with arq, and with the
+plainest queue on JetStream (`lab.bench.jobs_peers`: the floor under fauxmad's queue on the same kind of server).
 
 Each system gets the same work, one after the other (never at once): W worker processes with S slots
 each, a trivial command (`true`) run as a child process per task, output captured. Two measurements:
@@ -29,6 +30,7 @@ import msgspec
 import uvloop
 
 from bus.contract.jobs import JobSubmitRequest
+from bus.local.embedded import EmbeddedNats
 from bus.local.ports import free_port
 from lab.bench.report import Report, Table, host_info, latency_table
 from lab.bench.stats import Latency, summarize
@@ -226,6 +228,36 @@ async def _redis(url: str, options: JobsBenchOptions) -> SystemResult:
         await client.aclose()
 
 
+async def _jetstream(url: str, options: JobsBenchOptions) -> SystemResult:
+    from lab.bench.jobs_peers import JetStreamQueue
+
+    counter = iter(range(10**9))
+    async with JetStreamQueue(url) as queue:
+
+        async def batch(count: int) -> tuple[float, list[Timing]]:
+            submitted = time.time()
+            jobs = [{"id": next(counter), "cmd": list(options.cmd)} for _ in range(count)]
+            records = await queue.batch(jobs, options.timeout)
+            return submitted, [Timing(submitted, r["claimed"], r["started"], r["finished"]) for r in records]
+
+        await batch(min(50, options.tasks))
+        free = [(await batch(1))[1][0] for _ in range(options.samples)]
+        start, burst = await batch(options.tasks)
+        durability = "" if options.nats_sync else ", NATS default sync"
+        return result_of(f"JetStream queue (plain nats-py{durability})", options.tasks, start, burst, free)
+
+
+def measure_jetstream(options: JobsBenchOptions, progress: Callable[[str], None]) -> SystemResult:
+    """The plainest queue on JetStream, on a nats-server made as fauxmad's dev fleet makes its own."""
+    from lab.bench.jobs_peers import JetStreamQueue
+
+    with EmbeddedNats(name="fauxmad-bench-queue", sync_always=options.nats_sync) as server:
+        progress("a JetStream queue in plain nats-py: the same work")
+        uvloop.run(JetStreamQueue.prepare(server.url))
+        with peer_workers("jetstream", server.url, options):
+            return uvloop.run(_jetstream(server.url, options))
+
+
 async def _arq(url: str, options: JobsBenchOptions) -> SystemResult:
     from arq import create_pool
     from arq.connections import RedisSettings
@@ -264,6 +296,8 @@ def measure_baselines(options: JobsBenchOptions, progress: Callable[[str], None]
 
 def run_jobs_bench(options: JobsBenchOptions, progress: Callable[[str], None]) -> JobsBenchResult:
     systems = [measure_fauxmad(options, progress)]
+    if options.baselines:
+        systems.append(measure_jetstream(options, progress))  # needs only nats-server, as fauxmad does
     skipped = []
     why = missing_baselines() if options.baselines else "baselines not asked for (--no-baselines)"
     if why is None:
