@@ -270,7 +270,8 @@ async def measure_floor_creates(
     rng = random.Random(7)
     todo = iter(range(count))
 
-    async def auction(gatherer: Gatherer, region: str) -> bytes | None:
+    async def auction(gatherer: Gatherer, region: str) -> str | None:
+        """The client's own auction: the reserved machine's id, or None (refused)."""
         ask = json.dumps({"app": "bench", "region": region, "cpus": 1, "memory_mb": 1}).encode()
         offers = await gatherer.scatter(subjects.offers(region), ask, per_region, deadline)
         chosen = pick(offers, pending, rng)
@@ -287,9 +288,10 @@ async def measure_floor_creates(
             pending[chosen] -= 1
         if json.loads(reply.data)["id"] != machine_id:
             raise BenchError(f"floor responder {chosen} answered for another machine")
-        return bytes(reply.data)
+        return machine_id
 
-    async def brokered(gatherer: Gatherer, region: str) -> bytes | None:
+    async def brokered(gatherer: Gatherer, region: str) -> str | None:
+        """A create through the variant's broker: the machine's id, or None (refused)."""
         ask = json.dumps({"app": "bench", "region": region}).encode()
         reply = await gatherer.nc.request(subjects.create(region), ask, timeout=CREATE_TIMEOUT)
         answer = json.loads(reply.data)
@@ -297,7 +299,7 @@ async def measure_floor_creates(
             run.refused += 1
             run.first_refusal = run.first_refusal or f"{region}: {answer['error']}"
             return None
-        return bytes(reply.data)
+        return str(answer["id"])
 
     one = brokered if variant.broker else auction
 
@@ -305,10 +307,10 @@ async def measure_floor_creates(
         for i in todo:
             began = time.perf_counter()
             try:
-                reply = await one(gatherers[index % per], regions[i % len(regions)])
-                if reply is not None:
+                machine_id = await one(gatherers[index % per], regions[i % len(regions)])
+                if machine_id is not None:
                     run.samples.append(time.perf_counter() - began)
-                    run.acknowledged.append(json.loads(reply)["id"])
+                    run.acknowledged.append(machine_id)
             except Exception as exc:
                 run.errors += 1
                 run.first_error = run.first_error or f"{type(exc).__name__}: {exc}"

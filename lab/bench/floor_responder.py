@@ -43,6 +43,7 @@ async def main(args: argparse.Namespace) -> None:
     audit_nc = (
         await nats.connect(args.url.split(","), name=f"fauxmad-floor-{args.worker_id}-audit") if args.audit else None
     )
+    audit_js = audit_nc.jetstream() if audit_nc is not None else None
     state = {"free": CPUS}
     tasks: set[asyncio.Future[Any]] = set()
 
@@ -70,8 +71,8 @@ async def main(args: argparse.Namespace) -> None:
         else:
             await js.publish(args.event, record)
         await msg.respond(record)
-        if audit_nc is not None:
-            spawn(audit_nc.jetstream().publish(args.audit, record))
+        if audit_js is not None:
+            spawn(audit_js.publish(args.audit, record))
 
     await nc.subscribe(args.offers, cb=offer)
 
