@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -90,6 +90,18 @@ def result_of(system: str, tasks: int, start: float, burst: list[Timing], free: 
     )
 
 
+Batch = Callable[[int], Awaitable[tuple[float, list[Timing]]]]  # submit n, wait for all: (submitted at, timings)
+
+
+async def measured(system: str, batch: Batch, options: JobsBenchOptions) -> SystemResult:
+    """Every system's same work through its `batch`: a warm-up (every worker has run tasks), `samples` tasks one
+    at a time, then `tasks` at once."""
+    await batch(min(50, options.tasks))
+    free = [(await batch(1))[1][0] for _ in range(options.samples)]
+    start, burst = await batch(options.tasks)
+    return result_of(system, options.tasks, start, burst, free)
+
+
 # ---------------------------------------------------------------------------------------------------
 # fauxmad
 
@@ -117,11 +129,8 @@ async def _fauxmad(url: str, options: JobsBenchOptions) -> SystemResult:
         ]
 
     try:
-        await batch(min(50, options.tasks))  # warm up: every worker has run tasks
-        free = [(await batch(1))[1][0] for _ in range(options.samples)]
-        start, burst = await batch(options.tasks)
         durability = "" if options.nats_sync else ", NATS default sync"
-        return result_of(f"fauxmad ({options.runner}{durability})", options.tasks, start, burst, free)
+        return await measured(f"fauxmad ({options.runner}{durability})", batch, options)
     finally:
         await client.close()
 
@@ -220,10 +229,7 @@ async def _redis(url: str, options: JobsBenchOptions) -> SystemResult:
         return submitted, timings
 
     try:
-        await batch(min(50, options.tasks))
-        free = [(await batch(1))[1][0] for _ in range(options.samples)]
-        start, burst = await batch(options.tasks)
-        return result_of("redis BLPOP", options.tasks, start, burst, free)
+        return await measured("redis BLPOP", batch, options)
     finally:
         await client.aclose()
 
@@ -240,11 +246,8 @@ async def _jetstream(url: str, options: JobsBenchOptions) -> SystemResult:
             records = await queue.batch(jobs, options.timeout)
             return submitted, [Timing(submitted, r["claimed"], r["started"], r["finished"]) for r in records]
 
-        await batch(min(50, options.tasks))
-        free = [(await batch(1))[1][0] for _ in range(options.samples)]
-        start, burst = await batch(options.tasks)
         durability = "" if options.nats_sync else ", NATS default sync"
-        return result_of(f"JetStream queue (plain nats-py{durability})", options.tasks, start, burst, free)
+        return await measured(f"JetStream queue (plain nats-py{durability})", batch, options)
 
 
 def measure_jetstream(options: JobsBenchOptions, progress: Callable[[str], None]) -> SystemResult:
@@ -273,10 +276,7 @@ async def _arq(url: str, options: JobsBenchOptions) -> SystemResult:
         return submitted, [Timing(submitted, r["claimed"], r["started"], r["finished"]) for r in results]
 
     try:
-        await batch(min(50, options.tasks))
-        free = [(await batch(1))[1][0] for _ in range(options.samples)]
-        start, burst = await batch(options.tasks)
-        return result_of("arq", options.tasks, start, burst, free)
+        return await measured("arq", batch, options)
     finally:
         await pool.aclose()
 
